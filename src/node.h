@@ -1,0 +1,84 @@
+/*
+ * node: one hivemindd node. It owns the identity, the rpc layer (and through
+ * it the transport), the peer table and the timers that keep the peer table
+ * fresh; later the DHT, the averager and the expert server hang off it too.
+ * It runs on a caller-provided libuv loop and keeps no global state, so one
+ * process can run many nodes (tests, simulations).
+ *
+ * Peers. Every authenticated datagram or stream message refreshes its
+ * sender's entry (address, last seen). The node pings each known peer every
+ * ping_interval_ms (with jitter) over a datagram and over its stream, which
+ * measures the round-trip time and keeps one connection warm; a peer that
+ * misses max_ping_failures pings in a row is dropped from the table.
+ * Initial peers (PEERID@HOST:PORT) are pinged at start and retried with
+ * backoff until they answer.
+ */
+#ifndef HM_NODE_H
+#define HM_NODE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <uv.h>
+
+#include "crypto.h"
+#include "rpc.h"
+#include "transport.h"
+
+typedef struct hm_node hm_node;
+
+#define HM_NODE_MAX_INITIAL_PEERS 64
+
+typedef struct hm_node_options {
+    const char *listen;                /* "HOST:PORT", default "127.0.0.1:0" */
+    const char *const *initial_peers;  /* PEERID@HOST:PORT strings */
+    size_t n_initial_peers;
+    const char *state_dir;             /* identity at STATE_DIR/identity.key; NULL: ephemeral */
+    const char *swarm;                 /* default "default" */
+    const uint8_t *swarm_key;          /* 32 bytes or NULL */
+    int client_mode;                   /* no inbound service beyond replies (DHT issue) */
+    uint64_t ping_interval_ms;         /* default 15000 */
+    unsigned max_ping_failures;        /* default 4 */
+    size_t max_peers;                  /* peer table cap, default 4096 */
+    hm_transport_config transport;     /* zero fields take defaults */
+    hm_rpc_config rpc;
+} hm_node_options;
+
+typedef struct hm_peer_info {
+    uint8_t pk[HM_PK_BYTES];
+    char peer_id[HM_PEER_ID_LEN + 1];
+    struct sockaddr_storage addr;     /* last UDP/listen address seen */
+    uint64_t last_seen_ms;            /* monotonic, hm_now_ms() */
+    double rtt_ms;                    /* smoothed; < 0 until measured */
+    int connected;                    /* a stream is up */
+    unsigned failures;                /* consecutive missed pings */
+} hm_peer_info;
+
+/* On failure err holds a sentence for the operator. */
+int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, char *err,
+                size_t errlen);
+const hm_identity *hm_node_identity(const hm_node *n);
+/* PEERID@HOST:PORT of this node. */
+int hm_node_address(const hm_node *n, char *buf, size_t len);
+const char *hm_node_swarm(const hm_node *n);
+uint64_t hm_node_uptime_ms(const hm_node *n);
+hm_rpc *hm_node_rpc(hm_node *n);
+uv_loop_t *hm_node_loop(hm_node *n);
+
+/* Adds PEERID@HOST:PORT and pings it now. 0, -EINVAL or -ENOBUFS. */
+int hm_node_add_peer(hm_node *n, const char *addr);
+/* Copies up to max entries; returns the total number of peers. */
+size_t hm_node_peers(const hm_node *n, hm_peer_info *out, size_t max);
+
+/*
+ * Renders Prometheus text exposition (version 0.0.4) into a malloc'd string:
+ * peers, bytes in/out, datagrams, connections, RPCs by method and result and
+ * the RPC latency histogram. Returns NULL on allocation failure.
+ */
+char *hm_node_metrics(hm_node *n);
+
+/* Stops timers, closes rpc and transport; cb fires after everything is
+ * freed. */
+void hm_node_close(hm_node *n, void (*cb)(void *ud), void *ud);
+
+#endif

@@ -1,0 +1,119 @@
+/*
+ * transport: authenticated UDP datagrams and encrypted, multiplexed TCP
+ * streams on one libuv loop, on one HOST:PORT (the UDP socket and the TCP
+ * listener share the port number).
+ *
+ * It owns the UDP socket, the TCP listener, every connection, their write
+ * queues and the datagram context (crypto.h). Connections are keyed by the
+ * peer's public key and reused; one idle for idle_close_ms is closed. A
+ * message handed to hm_transport_send is split into chunks of at most
+ * HM_TRANSPORT_CHUNK bytes, and the writer takes chunks round-robin from the
+ * messages queued on a connection, high priority first, so a 64 MB tensor
+ * never holds back a small reply queued behind it.
+ *
+ * Bounds: a frame (one message) is at most max_message bytes; bytes queued
+ * for one peer are capped at max_queued_bytes (send then fails with -ENOBUFS);
+ * a connection that makes no write progress for write_stall_ms while it has
+ * data queued is closed and its queue freed, so a peer that stops reading
+ * cannot make our memory grow; reassembly of inbound messages is capped per
+ * connection; connections are capped in total; handshakes must finish within
+ * handshake_timeout_ms.
+ *
+ * Fault injection (tests only, off by default): drop a fraction of outgoing
+ * datagrams and stream messages, delay everything we send, stall (stop
+ * reading and writing entirely, like a SIGSTOPped process), or partition
+ * from a set of peers (their traffic is dropped both ways).
+ */
+#ifndef HM_TRANSPORT_H
+#define HM_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <uv.h>
+
+#include "crypto.h"
+
+#define HM_TRANSPORT_CHUNK 16000
+
+typedef struct hm_transport hm_transport;
+
+typedef struct hm_transport_config {
+    const char *listen;          /* "HOST:PORT"; port 0 picks a free one */
+    size_t max_message;          /* default 80 MiB */
+    size_t max_queued_bytes;     /* per peer, default 16 MiB above one message */
+    size_t max_connections;      /* default 512 */
+    uint64_t idle_close_ms;      /* default 120000 */
+    uint64_t handshake_timeout_ms; /* default 5000 */
+    uint64_t write_stall_ms;     /* default 30000 */
+    size_t dgram_peers;          /* replay/key cache size, default 65536 */
+} hm_transport_config;
+
+/* Fills defaults for every zero field. */
+void hm_transport_config_defaults(hm_transport_config *cfg);
+
+typedef struct hm_transport_cbs {
+    /* An authenticated datagram; from is the sender's UDP address. */
+    void (*on_dgram)(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
+                     const uint8_t *msg, size_t len);
+    /* A complete stream message from an authenticated peer. */
+    void (*on_message)(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
+                       const uint8_t *msg, size_t len);
+    /* A connection to pk came up (1) or went away (0); optional. */
+    void (*on_conn)(void *ud, const uint8_t pk[HM_PK_BYTES], int up);
+} hm_transport_cbs;
+
+typedef struct hm_transport_faults {
+    double drop_rate;     /* 0..1, applied to each outgoing datagram/message */
+    uint64_t delay_ms;    /* added before each outgoing datagram/message */
+    int stall;            /* nonzero: neither read nor write anything */
+    size_t n_partitioned; /* peers whose traffic is dropped both ways */
+    const uint8_t (*partitioned)[HM_PK_BYTES];
+} hm_transport_faults;
+
+typedef struct hm_transport_stats {
+    uint64_t bytes_in, bytes_out; /* on the wire, both UDP and TCP */
+    uint64_t dgrams_in, dgrams_out, dgrams_rejected;
+    uint64_t messages_in, messages_out;
+    uint64_t handshakes_ok, handshakes_failed;
+    size_t connections;
+    size_t queued_bytes; /* total, all peers */
+} hm_transport_stats;
+
+int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
+                     const uint8_t swarm_id[HM_SWARM_ID_BYTES], const hm_transport_config *cfg,
+                     const hm_transport_cbs *cbs, void *ud, hm_transport **out);
+/* The bound address (with the port chosen when 0 was asked). */
+int hm_transport_local_addr(hm_transport *t, struct sockaddr_storage *out);
+
+/* Sends one datagram; len <= HM_DGRAM_MAX_PAYLOAD. Fire and forget. */
+int hm_transport_send_dgram(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
+                            const struct sockaddr *to, const void *msg, size_t len);
+
+enum { HM_PRIO_HIGH = 0, HM_PRIO_LOW = 1 };
+/*
+ * Queues one message for pk. Uses an existing connection to pk if there is
+ * one, otherwise dials `to` (may be NULL when a connection must already
+ * exist: -ENOTCONN otherwise). The bytes are copied. Returns 0, -EMSGSIZE,
+ * -ENOBUFS, -ENOTCONN or a dial error. Delivery is not confirmed: a reply
+ * at the layer above is.
+ */
+int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                      const void *msg, size_t len, int prio);
+/* Bytes queued for pk and not yet written to the socket. */
+size_t hm_transport_queued(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);
+int hm_transport_connected(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);
+/* Closes the connection to pk, if any. */
+void hm_transport_disconnect(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);
+
+/* Copies the faults (and the partition list). */
+void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f);
+void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out);
+
+/*
+ * Closes every handle. cb fires once everything is closed; only then may
+ * the transport's memory be released, which happens right before cb.
+ */
+void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud);
+
+#endif

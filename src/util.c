@@ -1,0 +1,306 @@
+/* util: see util.h. */
+#include "config.h"
+
+#include "util.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/*
+ * The log level is process configuration, set once by the main programs;
+ * the nodes of one process share the stderr sink anyway.
+ */
+static int log_level = HM_LOG_INFO;
+
+static const char *const level_names[] = {"error", "warn", "info", "debug"};
+
+void hm_log_set_level(int level)
+{
+    if (level < HM_LOG_ERROR)
+        level = HM_LOG_ERROR;
+    if (level > HM_LOG_DEBUG)
+        level = HM_LOG_DEBUG;
+    log_level = level;
+}
+
+int hm_log_get_level(void) { return log_level; }
+
+int hm_log_parse_level(const char *name)
+{
+    for (size_t i = 0; i < HM_ARRAY_LEN(level_names); i++)
+        if (strcmp(name, level_names[i]) == 0)
+            return (int)i;
+    return -EINVAL;
+}
+
+const char *hm_log_level_name(int level)
+{
+    if (level < 0 || (size_t)level >= HM_ARRAY_LEN(level_names))
+        return "?";
+    return level_names[level];
+}
+
+void hm_log(int level, const char *module, const char *fmt, ...)
+{
+    if (level > log_level)
+        return;
+    char line[1024];
+    struct timespec ts;
+    struct tm tm;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    gmtime_r(&ts.tv_sec, &tm);
+    int n = snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s: ",
+                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
+                     tm.tm_sec, ts.tv_nsec / 1000000, hm_log_level_name(level), module);
+    if (n < 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    int m = vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
+    va_end(ap);
+    size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
+    if (len > sizeof(line) - 2)
+        len = sizeof(line) - 2;
+    line[len++] = '\n';
+    /* One write per line so that lines of concurrent processes do not mix. */
+    ssize_t w = write(STDERR_FILENO, line, len);
+    (void)w;
+}
+
+static uint64_t clock_us(clockid_t id)
+{
+    struct timespec ts;
+    clock_gettime(id, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+uint64_t hm_now_us(void) { return clock_us(CLOCK_MONOTONIC); }
+uint64_t hm_now_ms(void) { return clock_us(CLOCK_MONOTONIC) / 1000u; }
+uint64_t hm_wall_us(void) { return clock_us(CLOCK_REALTIME); }
+
+const char *hm_strerror(int err)
+{
+    switch (-err) {
+    case EBADMSG:
+        return "authentication failed";
+    case EALREADY:
+        return "replayed message";
+    case ESTALE:
+        return "timestamp outside the accepted window";
+    case EPERM:
+        return "peer identity or swarm mismatch";
+    case ENOBUFS:
+        return "queue limit reached";
+    default:
+        return strerror(err < 0 ? -err : err);
+    }
+}
+
+int hm_parse_hostport(const char *s, struct sockaddr_storage *out)
+{
+    char host[INET6_ADDRSTRLEN + 1];
+    const char *port_s;
+    size_t hlen;
+    int v6 = 0;
+
+    memset(out, 0, sizeof(*out));
+    if (s == NULL || *s == '\0')
+        return -EINVAL;
+    if (s[0] == '[') {
+        const char *end = strchr(s, ']');
+        if (end == NULL || end[1] != ':')
+            return -EINVAL;
+        hlen = (size_t)(end - s - 1);
+        if (hlen == 0 || hlen >= sizeof(host))
+            return -EINVAL;
+        memcpy(host, s + 1, hlen);
+        port_s = end + 2;
+        v6 = 1;
+    } else {
+        const char *colon = strrchr(s, ':');
+        if (colon == NULL)
+            return -EINVAL;
+        hlen = (size_t)(colon - s);
+        if (hlen == 0 || hlen >= sizeof(host))
+            return -EINVAL;
+        memcpy(host, s, hlen);
+        port_s = colon + 1;
+    }
+    host[hlen] = '\0';
+    if (*port_s == '\0' || strlen(port_s) > 5)
+        return -EINVAL;
+    unsigned long port = 0;
+    for (const char *p = port_s; *p; p++) {
+        if (*p < '0' || *p > '9')
+            return -EINVAL;
+        port = port * 10 + (unsigned long)(*p - '0');
+    }
+    if (port > 65535)
+        return -EINVAL;
+    if (v6) {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)out;
+        if (inet_pton(AF_INET6, host, &a->sin6_addr) != 1)
+            return -EINVAL;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons((uint16_t)port);
+    } else {
+        struct sockaddr_in *a = (struct sockaddr_in *)out;
+        if (inet_pton(AF_INET, host, &a->sin_addr) != 1)
+            return -EINVAL;
+        a->sin_family = AF_INET;
+        a->sin_port = htons((uint16_t)port);
+    }
+    return 0;
+}
+
+int hm_format_addr(const struct sockaddr *sa, char *buf, size_t len)
+{
+    char host[INET6_ADDRSTRLEN];
+    int n;
+    if (sa->sa_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)sa;
+        inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+        n = snprintf(buf, len, "%s:%u", host, ntohs(a->sin_port));
+    } else if (sa->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)sa;
+        inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+        n = snprintf(buf, len, "[%s]:%u", host, ntohs(a->sin6_port));
+    } else {
+        n = snprintf(buf, len, "?");
+    }
+    return (n < 0 || (size_t)n >= len) ? -EMSGSIZE : 0;
+}
+
+int hm_addr_equal(const struct sockaddr *a, const struct sockaddr *b)
+{
+    if (a->sa_family != b->sa_family)
+        return 0;
+    if (a->sa_family == AF_INET) {
+        const struct sockaddr_in *x = (const void *)a, *y = (const void *)b;
+        return x->sin_port == y->sin_port && x->sin_addr.s_addr == y->sin_addr.s_addr;
+    }
+    if (a->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *x = (const void *)a, *y = (const void *)b;
+        return x->sin6_port == y->sin6_port &&
+               memcmp(&x->sin6_addr, &y->sin6_addr, sizeof(x->sin6_addr)) == 0;
+    }
+    return 0;
+}
+
+socklen_t hm_addr_len(const struct sockaddr *sa)
+{
+    return sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+}
+
+static const char b32_alphabet[] = "abcdefghijklmnopqrstuvwxyz234567";
+
+int hm_base32_encode(const uint8_t *in, size_t len, char *out, size_t out_cap)
+{
+    size_t need = (len * 8 + 4) / 5;
+    if (out_cap < need + 1)
+        return -EMSGSIZE;
+    size_t o = 0;
+    uint32_t acc = 0;
+    int bits = 0;
+    for (size_t i = 0; i < len; i++) {
+        acc = (acc << 8) | in[i];
+        bits += 8;
+        while (bits >= 5) {
+            out[o++] = b32_alphabet[(acc >> (bits - 5)) & 31];
+            bits -= 5;
+        }
+    }
+    if (bits > 0)
+        out[o++] = b32_alphabet[(acc << (5 - bits)) & 31];
+    out[o] = '\0';
+    return (int)o;
+}
+
+int hm_base32_decode(const char *in, size_t len, uint8_t *out, size_t out_cap)
+{
+    size_t o = 0;
+    uint32_t acc = 0;
+    int bits = 0;
+    /* Lengths that leave 1, 3 or 6 characters in the last group are invalid. */
+    size_t rem = len % 8;
+    if (rem == 1 || rem == 3 || rem == 6)
+        return -EINVAL;
+    for (size_t i = 0; i < len; i++) {
+        char c = in[i];
+        uint32_t v;
+        if (c >= 'a' && c <= 'z')
+            v = (uint32_t)(c - 'a');
+        else if (c >= 'A' && c <= 'Z')
+            v = (uint32_t)(c - 'A');
+        else if (c >= '2' && c <= '7')
+            v = (uint32_t)(c - '2' + 26);
+        else
+            return -EINVAL;
+        acc = (acc << 5) | v;
+        bits += 5;
+        if (bits >= 8) {
+            if (o >= out_cap)
+                return -EMSGSIZE;
+            out[o++] = (uint8_t)(acc >> (bits - 8));
+            bits -= 8;
+        }
+    }
+    /* Leftover bits must be zero so that every id has one spelling. */
+    if (bits > 0 && (acc & ((1u << bits) - 1)) != 0)
+        return -EINVAL;
+    return (int)o;
+}
+
+void hm_hex_encode(const uint8_t *in, size_t len, char *out)
+{
+    static const char d[] = "0123456789abcdef";
+    for (size_t i = 0; i < len; i++) {
+        out[2 * i] = d[in[i] >> 4];
+        out[2 * i + 1] = d[in[i] & 15];
+    }
+    out[2 * len] = '\0';
+}
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+int hm_hex_decode(const char *in, size_t in_len, uint8_t *out, size_t out_len)
+{
+    if (in_len != 2 * out_len)
+        return -EINVAL;
+    for (size_t i = 0; i < out_len; i++) {
+        int hi = hexval(in[2 * i]), lo = hexval(in[2 * i + 1]);
+        if (hi < 0 || lo < 0)
+            return -EINVAL;
+        out[i] = (uint8_t)(hi << 4 | lo);
+    }
+    return 0;
+}
+
+int hm_strlcpy(char *dst, const char *src, size_t cap)
+{
+    if (cap == 0)
+        return -EMSGSIZE;
+    size_t n = strlen(src);
+    if (n >= cap) {
+        memcpy(dst, src, cap - 1);
+        dst[cap - 1] = '\0';
+        return -EMSGSIZE;
+    }
+    memcpy(dst, src, n + 1);
+    return 0;
+}

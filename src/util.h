@@ -1,0 +1,95 @@
+/*
+ * util: logging, clocks, address parsing and small encodings shared by every
+ * module. It owns nothing but the process-wide log level and log sink, which
+ * are configuration of the process rather than state of any node.
+ *
+ * Error convention for the whole project: functions return 0 (or a
+ * non-negative count) on success and a negative errno value on failure.
+ * Codes with a project-specific meaning:
+ *   -EINVAL    bad argument or malformed input
+ *   -EMSGSIZE  input or output over a size cap
+ *   -EBADMSG   authentication failed (bad MAC or signature)
+ *   -EPROTO    well-formed but violates the protocol
+ *   -EALREADY  replayed datagram
+ *   -ESTALE    datagram timestamp outside the accepted window
+ *   -EPERM     peer is not who it claims, or is of another swarm
+ *   -ETIMEDOUT deadline passed
+ *   -ECANCELED call cancelled by the caller or by shutdown
+ *   -ENOBUFS   a queue or in-flight bound was hit (backpressure)
+ */
+#ifndef HM_UTIL_H
+#define HM_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdarg.h>
+#include <sys/socket.h>
+
+#define HM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define HM_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define HM_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define HM_UNUSED(x) ((void)(x))
+
+enum hm_log_level {
+    HM_LOG_ERROR = 0,
+    HM_LOG_WARN = 1,
+    HM_LOG_INFO = 2,
+    HM_LOG_DEBUG = 3,
+};
+
+/* Sets the level below which messages are dropped; default HM_LOG_INFO. */
+void hm_log_set_level(int level);
+int hm_log_get_level(void);
+/* Parses "error", "warn", "info", "debug"; returns the level or -EINVAL. */
+int hm_log_parse_level(const char *name);
+const char *hm_log_level_name(int level);
+void hm_log(int level, const char *module, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#define hm_error(mod, ...) hm_log(HM_LOG_ERROR, mod, __VA_ARGS__)
+#define hm_warn(mod, ...) hm_log(HM_LOG_WARN, mod, __VA_ARGS__)
+#define hm_info(mod, ...) hm_log(HM_LOG_INFO, mod, __VA_ARGS__)
+#define hm_debug(mod, ...)                                                     \
+    do {                                                                       \
+        if (hm_log_get_level() >= HM_LOG_DEBUG)                                \
+            hm_log(HM_LOG_DEBUG, mod, __VA_ARGS__);                            \
+    } while (0)
+
+/* Monotonic clock in milliseconds / microseconds. */
+uint64_t hm_now_ms(void);
+uint64_t hm_now_us(void);
+/* Wall clock (UNIX epoch) in microseconds. */
+uint64_t hm_wall_us(void);
+
+/* strerror for our negative codes. */
+const char *hm_strerror(int err);
+
+/*
+ * Parses "HOST:PORT" or "[V6HOST]:PORT" (numeric hosts only: no DNS on the
+ * loop thread). Returns 0 or -EINVAL.
+ */
+int hm_parse_hostport(const char *s, struct sockaddr_storage *out);
+/* Formats an address as HOST:PORT ([v6]:port for IPv6). */
+int hm_format_addr(const struct sockaddr *sa, char *buf, size_t len);
+#define HM_ADDRSTRLEN 64
+/* Compares address family, host and port. */
+int hm_addr_equal(const struct sockaddr *a, const struct sockaddr *b);
+socklen_t hm_addr_len(const struct sockaddr *sa);
+
+/*
+ * RFC 4648 base32, lowercase, no padding. Returns the number of characters
+ * written (not counting the NUL) or -EMSGSIZE.
+ */
+int hm_base32_encode(const uint8_t *in, size_t len, char *out, size_t out_cap);
+/* Returns bytes written, -EINVAL on a bad character or length. */
+int hm_base32_decode(const char *in, size_t len, uint8_t *out, size_t out_cap);
+
+/* Lowercase hex; out must hold 2*len+1. */
+void hm_hex_encode(const uint8_t *in, size_t len, char *out);
+/* Returns 0 or -EINVAL; accepts exactly 2*out_len hex digits. */
+int hm_hex_decode(const char *in, size_t in_len, uint8_t *out, size_t out_len);
+
+/* Bounded string copy that always terminates; returns -EMSGSIZE if cut. */
+int hm_strlcpy(char *dst, const char *src, size_t cap);
+
+#endif

@@ -1,0 +1,128 @@
+/*
+ * wire: the bounded msgpack codec every network and file parser goes through.
+ *
+ * msgpack-c allocates from the element counts a sender declares (a 5-byte
+ * array header can ask for 4 billion elements), so nothing untrusted reaches
+ * msgpack_unpack before hm_wire_validate has walked it: every declared count
+ * and length is checked against the bytes that are actually left, nesting
+ * depth and the total number of elements are capped, and the frame as a whole
+ * has a hard size cap. After validation every container holds at most as many
+ * elements as bytes remain, so msgpack-c's zone allocation is bounded by a
+ * small multiple of the frame's size (str and bin point into the frame; they
+ * are not copied).
+ *
+ * Encoding goes through msgpack-c's packer into a bounded buffer (hm_wire_wr)
+ * so that no encoder can grow without limit either.
+ *
+ * Tensors travel as [dtype, [dim, ...], bin] with the raw little-endian
+ * element bytes in the bin, never as msgpack arrays of numbers.
+ */
+#ifndef HM_WIRE_H
+#define HM_WIRE_H
+
+#include <msgpack.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct hm_wire_limits {
+    size_t max_size;     /* bytes in one frame */
+    unsigned max_depth;  /* nesting of arrays/maps; a scalar has depth 0 */
+    size_t max_elements; /* total objects in the frame, containers included */
+} hm_wire_limits;
+
+/* 1 MiB, depth 16, 65536 elements: what RPC envelopes and control data use. */
+extern const hm_wire_limits hm_wire_default_limits;
+
+/*
+ * Checks that buf starts with exactly one complete msgpack object within the
+ * limits. *used_out receives the object's length (it may be shorter than
+ * len; callers that require the frame to be one object compare). Reserved
+ * type byte 0xc1 and ext types are rejected. Allocates nothing.
+ * Returns 0, -EMSGSIZE (over a cap), -EINVAL (truncated or malformed).
+ */
+int hm_wire_validate(const void *buf, size_t len, const hm_wire_limits *lim, size_t *used_out);
+
+/*
+ * Validates, then unpacks the whole of buf (which must be exactly one object)
+ * into zone. The result's str/bin point into buf, which must outlive it.
+ */
+int hm_wire_unpack(const void *buf, size_t len, const hm_wire_limits *lim, msgpack_zone *zone,
+                   msgpack_object *obj_out);
+
+/* Typed access to unpacked objects; each returns 0 or -EPROTO on a type mismatch. */
+int hm_wire_get_uint(const msgpack_object *o, uint64_t *out);
+int hm_wire_get_int(const msgpack_object *o, int64_t *out);
+int hm_wire_get_double(const msgpack_object *o, double *out); /* accepts ints too */
+int hm_wire_get_bool(const msgpack_object *o, int *out);
+int hm_wire_get_str(const msgpack_object *o, const char **ptr_out, uint32_t *len_out);
+int hm_wire_get_bin(const msgpack_object *o, const uint8_t **ptr_out, uint32_t *len_out);
+/* An array of exactly n elements (n = 0 skips the count check: use min). */
+int hm_wire_get_array(const msgpack_object *o, uint32_t min_n, uint32_t max_n,
+                      const msgpack_object **items_out, uint32_t *n_out);
+/* Finds key in a map with string keys; NULL when absent or o is not a map. */
+const msgpack_object *hm_wire_map_get(const msgpack_object *o, const char *key);
+
+/*
+ * Bounded writer. Either over a caller buffer (fixed) or growing up to a
+ * cap (dynamic; free with hm_wire_wr_free). Any write past the cap sets
+ * err = -EMSGSIZE and later writes are ignored; check hm_wire_wr_error once
+ * at the end.
+ */
+typedef struct hm_wire_wr {
+    msgpack_packer pk;
+    uint8_t *buf;
+    size_t len;
+    size_t cap;     /* bytes currently allocated (fixed: buffer size) */
+    size_t max;     /* hard cap */
+    int dynamic;
+    int err;
+} hm_wire_wr;
+
+void hm_wire_wr_init_fixed(hm_wire_wr *w, void *buf, size_t cap);
+void hm_wire_wr_init_dynamic(hm_wire_wr *w, size_t max);
+void hm_wire_wr_free(hm_wire_wr *w);
+static inline int hm_wire_wr_error(const hm_wire_wr *w) { return w->err; }
+/* Hands the dynamic buffer to the caller (free() it); the writer is reset. */
+uint8_t *hm_wire_wr_steal(hm_wire_wr *w, size_t *len_out);
+
+void hm_wire_wr_array(hm_wire_wr *w, uint32_t n);
+void hm_wire_wr_map(hm_wire_wr *w, uint32_t n);
+void hm_wire_wr_uint(hm_wire_wr *w, uint64_t v);
+void hm_wire_wr_int(hm_wire_wr *w, int64_t v);
+void hm_wire_wr_double(hm_wire_wr *w, double v);
+void hm_wire_wr_bool(hm_wire_wr *w, int v);
+void hm_wire_wr_nil(hm_wire_wr *w);
+void hm_wire_wr_str(hm_wire_wr *w, const char *s, size_t len);
+void hm_wire_wr_cstr(hm_wire_wr *w, const char *s);
+void hm_wire_wr_bin(hm_wire_wr *w, const void *p, size_t len);
+/* Appends bytes that already are one encoded msgpack object. */
+void hm_wire_wr_raw(hm_wire_wr *w, const void *p, size_t len);
+
+enum hm_dtype {
+    HM_DTYPE_F32 = 0,
+    HM_DTYPE_F16 = 1,
+    HM_DTYPE_BF16 = 2,
+    HM_DTYPE_U8 = 3,
+};
+#define HM_TENSOR_MAX_DIMS 8
+
+typedef struct hm_wire_tensor {
+    uint8_t dtype;
+    uint8_t ndim;
+    uint64_t shape[HM_TENSOR_MAX_DIMS];
+    const uint8_t *data; /* points into the frame when decoded */
+    size_t nbytes;
+} hm_wire_tensor;
+
+size_t hm_dtype_size(int dtype); /* 0 for an unknown dtype */
+
+/* Writes [dtype, [dims], bin]. */
+void hm_wire_wr_tensor(hm_wire_wr *w, const hm_wire_tensor *t);
+/*
+ * Reads a tensor from an unpacked object. The declared shape is never
+ * trusted: the element count must not overflow, must be at most max_elems,
+ * and must match the bin length exactly. Returns 0, -EPROTO or -EMSGSIZE.
+ */
+int hm_wire_get_tensor(const msgpack_object *o, uint64_t max_elems, hm_wire_tensor *out);
+
+#endif
