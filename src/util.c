@@ -304,3 +304,53 @@ int hm_strlcpy(char *dst, const char *src, size_t cap)
     memcpy(dst, src, n + 1);
     return 0;
 }
+
+void hm_strbuf_printf(hm_strbuf *b, const char *fmt, ...)
+{
+    if (b->err)
+        return;
+    for (;;) {
+        size_t avail = b->cap - b->len;
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? avail : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->err = -EINVAL;
+            return;
+        }
+        if (b->p != NULL && (size_t)n < avail) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t ncap = b->cap ? b->cap : 256;
+        while (ncap < b->len + (size_t)n + 1)
+            ncap *= 2;
+        char *np = realloc(b->p, ncap);
+        if (np == NULL) {
+            b->err = -ENOMEM;
+            return;
+        }
+        b->p = np;
+        b->cap = ncap;
+    }
+}
+
+char *hm_strbuf_finish(hm_strbuf *b)
+{
+    if (b->err) {
+        free(b->p);
+        b->p = NULL;
+        return NULL;
+    }
+    if (b->p == NULL) {
+        b->p = malloc(1);
+        if (b->p == NULL)
+            return NULL;
+        b->p[0] = '\0';
+    }
+    char *r = b->p;
+    b->p = NULL;
+    b->len = b->cap = 0;
+    return r;
+}

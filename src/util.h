@@ -89,6 +89,19 @@ void hm_hex_encode(const uint8_t *in, size_t len, char *out);
 /* Returns 0 or -EINVAL; accepts exactly 2*out_len hex digits. */
 int hm_hex_decode(const char *in, size_t in_len, uint8_t *out, size_t out_len);
 
+/*
+ * Growing string buffer for text output (metrics, tables). An allocation
+ * failure sets err and later appends are ignored; check it once at the end.
+ */
+typedef struct hm_strbuf {
+    char *p;
+    size_t len, cap;
+    int err;
+} hm_strbuf;
+void hm_strbuf_printf(hm_strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Returns the string (caller frees) or NULL after an allocation failure. */
+char *hm_strbuf_finish(hm_strbuf *b);
+
 /* Bounded string copy that always terminates; returns -EMSGSIZE if cut. */
 int hm_strlcpy(char *dst, const char *src, size_t cap);
 

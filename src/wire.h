@@ -26,7 +26,7 @@
 
 typedef struct hm_wire_limits {
     size_t max_size;     /* bytes in one frame */
-    unsigned max_depth;  /* nesting of arrays/maps; a scalar has depth 0 */
+    unsigned max_depth;  /* nesting of arrays/maps; a scalar has depth 0, [] has 1 */
     size_t max_elements; /* total objects in the frame, containers included */
 } hm_wire_limits;
 
@@ -34,39 +34,65 @@ typedef struct hm_wire_limits {
 extern const hm_wire_limits hm_wire_default_limits;
 
 /*
+ * msgpack-c's unpacker keeps a fixed stack of 32 open containers, so a
+ * max_depth above this is treated as this.
+ */
+#define HM_WIRE_MAX_DEPTH 32
+
+/*
  * Checks that buf starts with exactly one complete msgpack object within the
  * limits. *used_out receives the object's length (it may be shorter than
  * len; callers that require the frame to be one object compare). Reserved
- * type byte 0xc1 and ext types are rejected. Allocates nothing.
- * Returns 0, -EMSGSIZE (over a cap), -EINVAL (truncated or malformed).
+ * type byte 0xc1 and ext types are rejected. Allocates nothing; lim NULL
+ * means the default limits.
+ * Returns 0, -EMSGSIZE (over a cap: the object would need more than max_size
+ * bytes, or is too deep, or has too many elements, so more input can never
+ * make it acceptable), -EINVAL (malformed, or truncated within the caps: a
+ * stream reader may wait for more bytes).
  */
 int hm_wire_validate(const void *buf, size_t len, const hm_wire_limits *lim, size_t *used_out);
 
 /*
  * Validates, then unpacks the whole of buf (which must be exactly one object)
  * into zone. The result's str/bin point into buf, which must outlive it.
+ * Returns 0, -EMSGSIZE (len over max_size, or a cap as above), -EINVAL
+ * (malformed, truncated or trailing bytes) or -ENOMEM. The zone grows by at
+ * most about 50 bytes per frame byte plus one zone chunk.
  */
 int hm_wire_unpack(const void *buf, size_t len, const hm_wire_limits *lim, msgpack_zone *zone,
                    msgpack_object *obj_out);
 
-/* Typed access to unpacked objects; each returns 0 or -EPROTO on a type mismatch. */
+/*
+ * Typed access to unpacked objects; each returns 0 or -EPROTO on a type
+ * mismatch (get_int also when the value is beyond INT64_MAX). Out pointers
+ * may be NULL. An empty str or bin yields a valid, non-NULL pointer.
+ */
 int hm_wire_get_uint(const msgpack_object *o, uint64_t *out);
 int hm_wire_get_int(const msgpack_object *o, int64_t *out);
 int hm_wire_get_double(const msgpack_object *o, double *out); /* accepts ints too */
 int hm_wire_get_bool(const msgpack_object *o, int *out);
 int hm_wire_get_str(const msgpack_object *o, const char **ptr_out, uint32_t *len_out);
 int hm_wire_get_bin(const msgpack_object *o, const uint8_t **ptr_out, uint32_t *len_out);
-/* An array of exactly n elements (n = 0 skips the count check: use min). */
+/*
+ * An array of min_n to max_n elements, inclusive; max_n = 0 means no upper
+ * bound (so min_n = max_n = 0 accepts any array). items_out and n_out may be
+ * NULL.
+ */
 int hm_wire_get_array(const msgpack_object *o, uint32_t min_n, uint32_t max_n,
                       const msgpack_object **items_out, uint32_t *n_out);
-/* Finds key in a map with string keys; NULL when absent or o is not a map. */
+/*
+ * Finds key in a map with string keys (other keys are skipped); NULL when
+ * absent or o is not a map. With a duplicated key the first entry wins.
+ */
 const msgpack_object *hm_wire_map_get(const msgpack_object *o, const char *key);
 
 /*
  * Bounded writer. Either over a caller buffer (fixed) or growing up to a
  * cap (dynamic; free with hm_wire_wr_free). Any write past the cap sets
- * err = -EMSGSIZE and later writes are ignored; check hm_wire_wr_error once
- * at the end.
+ * err = -EMSGSIZE (a failed growth -ENOMEM, an inconsistent tensor -EINVAL)
+ * and later writes are ignored; check hm_wire_wr_error once at the end.
+ * The packer points back at the writer, so a writer must not be moved or
+ * copied after init.
  */
 typedef struct hm_wire_wr {
     msgpack_packer pk;
@@ -82,7 +108,12 @@ void hm_wire_wr_init_fixed(hm_wire_wr *w, void *buf, size_t cap);
 void hm_wire_wr_init_dynamic(hm_wire_wr *w, size_t max);
 void hm_wire_wr_free(hm_wire_wr *w);
 static inline int hm_wire_wr_error(const hm_wire_wr *w) { return w->err; }
-/* Hands the dynamic buffer to the caller (free() it); the writer is reset. */
+/*
+ * Hands the dynamic buffer to the caller (free() it); the writer is reset to
+ * empty and may be reused. Returns NULL when the writer has an error (the
+ * buffer is freed and the error cleared) or is fixed (it is left as it is);
+ * an empty dynamic writer yields a non-NULL buffer.
+ */
 uint8_t *hm_wire_wr_steal(hm_wire_wr *w, size_t *len_out);
 
 void hm_wire_wr_array(hm_wire_wr *w, uint32_t n);
@@ -116,12 +147,15 @@ typedef struct hm_wire_tensor {
 
 size_t hm_dtype_size(int dtype); /* 0 for an unknown dtype */
 
-/* Writes [dtype, [dims], bin]. */
+/* Writes [dtype, [dims], bin]; a shape that does not match nbytes sets err = -EINVAL. */
 void hm_wire_wr_tensor(hm_wire_wr *w, const hm_wire_tensor *t);
 /*
  * Reads a tensor from an unpacked object. The declared shape is never
  * trusted: the element count must not overflow, must be at most max_elems,
- * and must match the bin length exactly. Returns 0, -EPROTO or -EMSGSIZE.
+ * and must match the bin length exactly. Returns 0, -EPROTO (wrong types,
+ * unknown dtype, more than HM_TENSOR_MAX_DIMS dims, bin length not the
+ * shape's) or -EMSGSIZE (a dim or the element count over max_elems, which
+ * includes any product that would overflow).
  */
 int hm_wire_get_tensor(const msgpack_object *o, uint64_t max_elems, hm_wire_tensor *out);
 

@@ -1,0 +1,112 @@
+#!/bin/sh
+# run-libfuzzer.sh: coverage-guided fuzzing for CI. Builds every fuzz target
+# with clang's libFuzzer, ASan and UBSan, runs each for SECONDS on a scratch
+# copy of its seed corpus, and exits non-zero if any target crashes, leaks,
+# times out or fails to build.
+#
+#   tests/fuzz/run-libfuzzer.sh BUILDDIR [SECONDS]
+#
+# BUILDDIR is a configured build tree (for config.h); the fuzzers are built
+# in BUILDDIR/tests/fuzz/libfuzzer/ and crash inputs are left there, their
+# paths printed. SECONDS defaults to 60 per target. The source tree is found
+# from this script's location and is never written to. Targets run one
+# after another, each in one process. Environment: CC (default clang),
+# HM_FUZZ_TARGETS (default all four targets).
+
+set -u
+
+usage() {
+    echo "usage: $0 BUILDDIR [SECONDS]" >&2
+    exit 64
+}
+
+[ $# -ge 1 ] && [ $# -le 2 ] || usage
+builddir=$(cd "$1" && pwd) || usage
+seconds=${2:-60}
+case $seconds in
+    '' | *[!0-9]*) usage ;;
+esac
+srcdir=$(cd "$(dirname "$0")/../.." && pwd)
+cc=${CC:-clang}
+targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control"}
+
+if [ ! -f "$builddir/config.h" ]; then
+    echo "$0: $builddir has no config.h; run configure there first" >&2
+    exit 64
+fi
+
+# The module sources each target links, as tests/fuzz/* lists them in Makefile.am.
+sources_for() {
+    case $1 in
+        fuzz_wire) echo "src/util.c src/wire.c" ;;
+        fuzz_dgram | fuzz_handshake) echo "src/util.c src/crypto.c" ;;
+        fuzz_control) echo "src/util.c src/control.c" ;;
+        *) return 1 ;;
+    esac
+}
+
+pkgs="libuv libsodium msgpack jansson"
+dep_cflags=$(pkg-config --cflags $pkgs) || exit 1
+dep_libs=$(pkg-config --libs $pkgs) || exit 1
+
+outdir="$builddir/tests/fuzz/libfuzzer"
+mkdir -p "$outdir" || exit 1
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/hm-libfuzzer.XXXXXX") || exit 1
+trap 'rm -rf "$scratch"' EXIT
+trap 'exit 130' INT TERM
+
+failed=0
+passed=0
+for t in $targets; do
+    if ! mods=$(sources_for "$t"); then
+        echo "FAIL: $t: unknown fuzz target"
+        failed=$((failed + 1))
+        continue
+    fi
+    srcs="$srcdir/tests/fuzz/$t.c"
+    for m in $mods; do
+        srcs="$srcs $srcdir/$m"
+    done
+    bin="$outdir/$t"
+    echo "== building $t"
+    # shellcheck disable=SC2086 # the source and flag lists are meant to split
+    if ! "$cc" -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
+        -fno-sanitize-recover=undefined -fno-omit-frame-pointer \
+        -I "$builddir" -I "$srcdir/src" $dep_cflags \
+        -o "$bin" $srcs $dep_libs -lm; then
+        echo "FAIL: $t: build failed"
+        failed=$((failed + 1))
+        continue
+    fi
+
+    # libFuzzer adds what it finds to the corpus directory, so it gets a copy.
+    work="$scratch/$t"
+    mkdir -p "$work/corpus" "$outdir/$t-artifacts"
+    if [ -d "$srcdir/tests/fuzz/corpus/$t" ]; then
+        cp "$srcdir/tests/fuzz/corpus/$t"/* "$work/corpus/" 2>/dev/null
+        chmod -R u+w "$work/corpus"
+    fi
+    rm -f "$outdir/$t-artifacts"/*
+    echo "== running $t for $seconds s"
+    if (cd "$work" && "$bin" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=2048 \
+        -max_len=65536 -print_final_stats=1 \
+        -artifact_prefix="$outdir/$t-artifacts/" "$work/corpus" >"$work/log" 2>&1); then
+        tail -n 3 "$work/log"
+        echo "PASS: $t"
+        passed=$((passed + 1))
+    else
+        tail -n 60 "$work/log"
+        found=0
+        for a in "$outdir/$t-artifacts"/*; do
+            [ -f "$a" ] || continue
+            echo "FAIL: $t: crashing input saved as $a"
+            echo "      reproduce: $bin $a"
+            found=1
+        done
+        [ $found -eq 1 ] || echo "FAIL: $t: libFuzzer failed without leaving an input"
+        failed=$((failed + 1))
+    fi
+done
+
+echo "libfuzzer: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
