@@ -30,9 +30,14 @@
  * A datagram is accepted only if it decrypts under the pair key (so it was
  * made by the holder of the sender's or our secret key), its timestamp lies
  * within HM_DGRAM_WINDOW_US of our clock, and it is not a replay: per sender
- * we keep the highest timestamp and a 1024-entry bitmap below it. Sender
- * entries idle for twice the window are recycled; when the table is full of
- * live entries, datagrams from new senders are dropped (bounded memory).
+ * we keep the highest timestamp and a 1024-entry bitmap below it. Since
+ * timestamps are in microseconds, a datagram overtaken by one its sender
+ * made more than 1024 us later is refused (-ESTALE) like a lost one; such
+ * reordering is rare, and the DHT above retries lost datagrams anyway.
+ * Sender entries idle for twice the window are recycled (a replay of
+ * anything they accepted is then outside the window); when the table is
+ * full of live entries, datagrams from new senders are dropped (bounded
+ * memory). Sealing never needs a free entry.
  *
  * Stream handshake (client knows the server's public key from its address):
  *   msg1 C->S: u8 version | C static pk (32) | C ephemeral X25519 pk (32)
@@ -181,6 +186,9 @@ void hm_hs_init_server(hm_handshake *hs, const hm_identity *id,
  * different server). *consumed_out counts the bytes taken; bytes after a
  * completed handshake belong to the record layer. Bytes to send accumulate
  * in hs->out / hs->out_len; the caller sends them and sets out_len = 0.
+ * If the caller has not, and the reply would not fit, -ENOBUFS is returned
+ * with the message kept; a later call (len may be 0) proceeds. Any other
+ * failure wipes the handshake and every later call fails too.
  */
 int hm_hs_input(hm_handshake *hs, const uint8_t *in, size_t len, size_t *consumed_out);
 /* After completion: moves the session out and wipes the handshake secrets. */
@@ -197,7 +205,9 @@ int hm_session_seal(hm_session *s, const void *pt, size_t len, uint8_t *out, siz
 /*
  * Opens the record at the start of in. Returns 0 when in holds less than a
  * whole record (*consumed_out = 0), 1 with the plaintext in pt_out (which
- * must hold HM_REC_MAX_PLAIN), or negative (-EMSGSIZE, -EBADMSG).
+ * must hold HM_REC_MAX_PLAIN), or negative (-EMSGSIZE, -EBADMSG, -EPROTO
+ * for a rekey or final tag, which hivemindd never sends). Any failure is
+ * fatal to the stream.
  */
 int hm_session_open(hm_session *s, const uint8_t *in, size_t len, size_t *consumed_out,
                     uint8_t *pt_out, size_t *pt_len_out);

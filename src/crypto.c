@@ -1,0 +1,1046 @@
+/*
+ * crypto: node identity (key file, peer ids, node ids), swarm binding,
+ * authenticated datagrams with replay protection, the stream handshake and
+ * the stream record layer; the wire formats are in crypto.h. Everything is
+ * sans-I/O except the two key-file readers. A datagram context owns its
+ * bounded table of per-sender state (pair keys and replay windows); a
+ * handshake owns its ephemeral secrets until hm_hs_finish moves the session
+ * out. Secrets are wiped when the object holding them is freed or wiped.
+ */
+#include "config.h"
+
+#include "crypto.h"
+#include "util.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define DGRAM_VERSION 1
+#define HS_VERSION 1
+#define REPLAY_BITS 1024
+#define REPLAY_WORDS (REPLAY_BITS / 64)
+/* A bound on max_peers keeps the table's index type and allocation sane. */
+#define DGRAM_MAX_PEERS_LIMIT (1u << 22)
+#define NIL UINT32_MAX
+
+static const char swarm_label[] = "hivemindd/swarm/v1"; /* hashed with its NUL */
+static const char hs_server_label[] = "hivemindd/hs/server/v1";
+static const char hs_client_label[] = "hivemindd/hs/client/v1";
+#define HS_LABEL_LEN (sizeof(hs_server_label) - 1)
+
+static void put_be64(uint8_t *p, uint64_t v)
+{
+    for (int i = 7; i >= 0; i--) {
+        p[i] = (uint8_t)v;
+        v >>= 8;
+    }
+}
+
+static uint64_t get_be64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+static void seterr(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void seterr(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err == NULL || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+int hm_crypto_init(void)
+{
+    /* sodium_init returns 1 when already initialised, which is fine. */
+    return sodium_init() < 0 ? -EIO : 0;
+}
+
+/* ---- identity ---- */
+
+void hm_node_id_from_pk(const uint8_t pk[HM_PK_BYTES], uint8_t out[HM_NODE_ID_BYTES])
+{
+    crypto_generichash(out, HM_NODE_ID_BYTES, pk, HM_PK_BYTES, NULL, 0);
+}
+
+void hm_peer_id_encode(const uint8_t pk[HM_PK_BYTES], char out[HM_PEER_ID_LEN + 1])
+{
+    int n = hm_base32_encode(pk, HM_PK_BYTES, out, HM_PEER_ID_LEN + 1);
+    (void)n; /* 32 bytes always encode to exactly 52 characters. */
+}
+
+int hm_identity_from_seed(const uint8_t seed[32], hm_identity *out)
+{
+    int result = 0;
+
+    memset(out, 0, sizeof(*out));
+    if (crypto_sign_seed_keypair(out->pk, out->sk, seed) != 0 ||
+        crypto_sign_ed25519_pk_to_curve25519(out->x_pk, out->pk) != 0 ||
+        crypto_sign_ed25519_sk_to_curve25519(out->x_sk, out->sk) != 0) {
+        result = -EINVAL;
+        goto out;
+    }
+    hm_node_id_from_pk(out->pk, out->node_id);
+    hm_peer_id_encode(out->pk, out->peer_id);
+out:
+    if (result < 0)
+        sodium_memzero(out, sizeof(*out));
+    return result;
+}
+
+int hm_identity_generate(hm_identity *out)
+{
+    uint8_t seed[32];
+    randombytes_buf(seed, sizeof(seed));
+    int result = hm_identity_from_seed(seed, out);
+    sodium_memzero(seed, sizeof(seed));
+    return result;
+}
+
+void hm_identity_wipe(hm_identity *id)
+{
+    sodium_memzero(id, sizeof(*id));
+}
+
+static int read_full(int fd, uint8_t *buf, size_t len, size_t *got_out)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t n = read(fd, buf + got, len - got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        if (n == 0)
+            break;
+        got += (size_t)n;
+    }
+    *got_out = got;
+    return 0;
+}
+
+static int write_full(int fd, const uint8_t *buf, size_t len)
+{
+    size_t done = 0;
+    while (done < len) {
+        ssize_t n = write(fd, buf + done, len - done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        done += (size_t)n;
+    }
+    return 0;
+}
+
+/* Makes the new directory entry durable; failure here is not fatal. */
+static void fsync_parent(const char *path)
+{
+    char dir[PATH_MAX];
+    if (hm_strlcpy(dir, path, sizeof(dir)) < 0)
+        return;
+    char *slash = strrchr(dir, '/');
+    if (slash == NULL)
+        strcpy(dir, ".");
+    else if (slash == dir)
+        dir[1] = '\0';
+    else
+        *slash = '\0';
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)fsync(fd);
+        close(fd);
+    }
+}
+
+/*
+ * Opens a secret file for reading and checks that it is a regular file
+ * that nobody but its owner can read or write. Returns the fd or negative.
+ */
+static int open_secret_file(const char *path, const char *what, struct stat *st, char *err,
+                            size_t errlen)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    if (fstat(fd, st) != 0) {
+        int e = -errno;
+        seterr(err, errlen, "cannot stat %s %s: %s", what, path, strerror(-e));
+        close(fd);
+        return e;
+    }
+    if (!S_ISREG(st->st_mode)) {
+        seterr(err, errlen, "%s %s is not a regular file", what, path);
+        close(fd);
+        return -EINVAL;
+    }
+    if (st->st_mode & 077) {
+        seterr(err, errlen,
+               "%s %s is accessible by group or others (mode %04o); "
+               "run 'chmod 600 %s' if it has not leaked, or replace it",
+               what, path, (unsigned)(st->st_mode & 07777), path);
+        close(fd);
+        return -EACCES;
+    }
+    return fd;
+}
+
+static int identity_load(const char *path, hm_identity *out, char *err, size_t errlen)
+{
+    uint8_t sk[HM_SK_BYTES + 1];
+    struct stat st;
+    size_t got = 0;
+    int result = 0;
+    int fd = open_secret_file(path, "identity file", &st, err, errlen);
+
+    if (fd < 0) {
+        if (fd != -ENOENT && err != NULL && errlen > 0 && err[0] == '\0')
+            seterr(err, errlen, "cannot open identity file %s: %s", path, strerror(-fd));
+        return fd;
+    }
+    if (st.st_size != HM_SK_BYTES) {
+        seterr(err, errlen, "identity file %s has %lld bytes, expected %d (truncated or not a key)",
+               path, (long long)st.st_size, HM_SK_BYTES);
+        result = -EINVAL;
+        goto out;
+    }
+    /* Reading one byte more than expected catches a file that grew since fstat. */
+    result = read_full(fd, sk, sizeof(sk), &got);
+    if (result < 0) {
+        seterr(err, errlen, "cannot read identity file %s: %s", path, strerror(-result));
+        goto out;
+    }
+    if (got != HM_SK_BYTES) {
+        seterr(err, errlen, "identity file %s changed size while being read", path);
+        result = -EINVAL;
+        goto out;
+    }
+    /* The secret key is seed || public key; the public half must match the seed. */
+    result = hm_identity_from_seed(sk, out);
+    if (result < 0 || sodium_memcmp(out->pk, sk + 32, HM_PK_BYTES) != 0) {
+        seterr(err, errlen, "identity file %s is corrupt: its public half does not match", path);
+        hm_identity_wipe(out);
+        result = -EINVAL;
+        goto out;
+    }
+out:
+    sodium_memzero(sk, sizeof(sk));
+    close(fd);
+    return result;
+}
+
+static int identity_create(const char *path, hm_identity *out, char *err, size_t errlen)
+{
+    int result = 0;
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+
+    if (fd < 0) {
+        result = -errno;
+        if (result == -ENOENT)
+            seterr(err, errlen, "cannot create identity file %s: its directory does not exist",
+                   path);
+        else if (result != -EEXIST)
+            seterr(err, errlen, "cannot create identity file %s: %s", path, strerror(-result));
+        return result;
+    }
+    /* The umask can only narrow 0600; make the mode exact anyway. */
+    if (fchmod(fd, 0600) != 0) {
+        result = -errno;
+        seterr(err, errlen, "cannot set mode of identity file %s: %s", path, strerror(-result));
+        goto out;
+    }
+    result = hm_identity_generate(out);
+    if (result < 0) {
+        seterr(err, errlen, "cannot generate a key for %s", path);
+        goto out;
+    }
+    result = write_full(fd, out->sk, HM_SK_BYTES);
+    if (result == 0 && fsync(fd) != 0)
+        result = -errno;
+    if (result < 0) {
+        seterr(err, errlen, "cannot write identity file %s: %s", path, strerror(-result));
+        hm_identity_wipe(out);
+        goto out;
+    }
+out:
+    close(fd);
+    if (result < 0)
+        unlink(path); /* A half-written key would only block the next start. */
+    else
+        fsync_parent(path);
+    return result;
+}
+
+int hm_identity_load_or_create(const char *path, hm_identity *out, char *err, size_t errlen)
+{
+    int result = -ENOENT;
+
+    if (err != NULL && errlen > 0)
+        err[0] = '\0';
+    memset(out, 0, sizeof(*out));
+    /*
+     * Two tries: if another process creates the file between our failed
+     * open and our O_EXCL create, the second pass loads its key.
+     */
+    for (int attempt = 0; attempt < 2; attempt++) {
+        result = identity_load(path, out, err, errlen);
+        if (result != -ENOENT)
+            break;
+        result = identity_create(path, out, err, errlen);
+        if (result != -EEXIST)
+            break;
+    }
+    if (result == -EEXIST)
+        seterr(err, errlen, "identity file %s keeps appearing and disappearing", path);
+    return result;
+}
+
+int hm_peer_id_decode(const char *s, size_t len, uint8_t pk_out[HM_PK_BYTES])
+{
+    uint8_t pk[HM_PK_BYTES];
+
+    if (s == NULL || len != HM_PEER_ID_LEN)
+        return -EINVAL;
+    /* Only the lowercase alphabet, so that each key has exactly one spelling. */
+    for (size_t i = 0; i < len; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= '2' && c <= '7')))
+            return -EINVAL;
+    }
+    if (hm_base32_decode(s, len, pk, sizeof(pk)) != HM_PK_BYTES)
+        return -EINVAL;
+    /*
+     * Canonical, on the curve, in the main subgroup, not of small order:
+     * a key that fails this could never sign or agree on a pair key.
+     */
+    if (!crypto_core_ed25519_is_valid_point(pk))
+        return -EINVAL;
+    uint8_t x[32];
+    int rc = crypto_sign_ed25519_pk_to_curve25519(x, pk);
+    if (rc != 0)
+        return -EINVAL;
+    memcpy(pk_out, pk, HM_PK_BYTES);
+    return 0;
+}
+
+int hm_peer_addr_parse(const char *s, uint8_t pk_out[HM_PK_BYTES], struct sockaddr_storage *addr_out)
+{
+    if (s == NULL)
+        return -EINVAL;
+    const char *at = strchr(s, '@');
+    if (at == NULL)
+        return -EINVAL;
+    uint8_t pk[HM_PK_BYTES];
+    if (hm_peer_id_decode(s, (size_t)(at - s), pk) < 0)
+        return -EINVAL;
+    if (hm_parse_hostport(at + 1, addr_out) < 0)
+        return -EINVAL;
+    memcpy(pk_out, pk, HM_PK_BYTES);
+    return 0;
+}
+
+void hm_swarm_id(const char *name, const uint8_t *psk, size_t psk_len,
+                 uint8_t out[HM_SWARM_ID_BYTES])
+{
+    crypto_generichash_state st;
+    uint8_t key[crypto_generichash_KEYBYTES_MAX];
+    size_t key_len = 0;
+
+    /*
+     * BLAKE2b takes keys of 16..64 bytes; a key outside that range is first
+     * hashed to 32 bytes so that every key length still closes the swarm.
+     */
+    if (psk != NULL && psk_len > 0) {
+        if (psk_len >= crypto_generichash_KEYBYTES_MIN && psk_len <= crypto_generichash_KEYBYTES_MAX) {
+            memcpy(key, psk, psk_len);
+            key_len = psk_len;
+        } else {
+            crypto_generichash(key, 32, psk, psk_len, NULL, 0);
+            key_len = 32;
+        }
+    }
+    crypto_generichash_init(&st, key_len ? key : NULL, key_len, HM_SWARM_ID_BYTES);
+    crypto_generichash_update(&st, (const uint8_t *)swarm_label, sizeof(swarm_label));
+    if (name != NULL)
+        crypto_generichash_update(&st, (const uint8_t *)name, strlen(name));
+    crypto_generichash_final(&st, out, HM_SWARM_ID_BYTES);
+    sodium_memzero(key, sizeof(key));
+    sodium_memzero(&st, sizeof(st));
+}
+
+int hm_swarm_key_load(const char *path, uint8_t out[32], char *err, size_t errlen)
+{
+    char buf[68];
+    struct stat st;
+    size_t got = 0;
+    int result = 0;
+
+    if (err != NULL && errlen > 0)
+        err[0] = '\0';
+    int fd = open_secret_file(path, "swarm key file", &st, err, errlen);
+    if (fd < 0) {
+        if (err != NULL && errlen > 0 && err[0] == '\0')
+            seterr(err, errlen, "cannot open swarm key file %s: %s", path, strerror(-fd));
+        return fd;
+    }
+    result = read_full(fd, (uint8_t *)buf, sizeof(buf), &got);
+    if (result < 0) {
+        seterr(err, errlen, "cannot read swarm key file %s: %s", path, strerror(-result));
+        goto out;
+    }
+    if (got == 65 && buf[64] == '\n')
+        got = 64;
+    if (got != 64 || hm_hex_decode(buf, 64, out, 32) < 0) {
+        seterr(err, errlen, "swarm key file %s must hold exactly 64 hex digits", path);
+        result = -EINVAL;
+        goto out;
+    }
+out:
+    sodium_memzero(buf, sizeof(buf));
+    close(fd);
+    return result;
+}
+
+/* ---- datagrams ---- */
+
+/* Per-sender state; also caches the pair key for peers we only send to. */
+struct dgram_peer {
+    uint8_t pk[HM_PK_BYTES];
+    uint8_t key[32];
+    uint64_t highest; /* highest accepted timestamp, valid when have_rx */
+    uint64_t bitmap[REPLAY_WORDS]; /* bit d set: timestamp highest - d was accepted */
+    uint64_t last_used_us;
+    uint32_t hnext;              /* next in hash bucket */
+    uint32_t lru_prev, lru_next; /* most recently used first */
+    uint8_t in_use, have_rx;
+};
+
+struct hm_dgram_ctx {
+    uint8_t pk[HM_PK_BYTES];
+    uint8_t x_sk[32];
+    uint8_t swarm_id[HM_SWARM_ID_BYTES];
+    uint8_t hash_key[crypto_shorthash_KEYBYTES];
+    uint64_t last_ts;
+    uint32_t max_peers, nbuckets, used;
+    uint32_t lru_head, lru_tail;
+    uint32_t *buckets;
+    struct dgram_peer *peers;
+};
+
+hm_dgram_ctx *hm_dgram_ctx_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
+                               size_t max_peers)
+{
+    if (max_peers == 0 || max_peers > DGRAM_MAX_PEERS_LIMIT)
+        return NULL;
+    hm_dgram_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (ctx == NULL)
+        return NULL;
+    uint32_t nb = 1;
+    while (nb < max_peers)
+        nb <<= 1;
+    ctx->max_peers = (uint32_t)max_peers;
+    ctx->nbuckets = nb;
+    ctx->buckets = malloc(nb * sizeof(*ctx->buckets));
+    ctx->peers = calloc(max_peers, sizeof(*ctx->peers));
+    if (ctx->buckets == NULL || ctx->peers == NULL) {
+        hm_dgram_ctx_free(ctx);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < nb; i++)
+        ctx->buckets[i] = NIL;
+    ctx->lru_head = ctx->lru_tail = NIL;
+    memcpy(ctx->pk, id->pk, HM_PK_BYTES);
+    memcpy(ctx->x_sk, id->x_sk, 32);
+    memcpy(ctx->swarm_id, swarm_id, HM_SWARM_ID_BYTES);
+    /* A secret hash key keeps senders from choosing keys that share a bucket. */
+    randombytes_buf(ctx->hash_key, sizeof(ctx->hash_key));
+    return ctx;
+}
+
+void hm_dgram_ctx_free(hm_dgram_ctx *ctx)
+{
+    if (ctx == NULL)
+        return;
+    if (ctx->peers != NULL) {
+        sodium_memzero(ctx->peers, ctx->max_peers * sizeof(*ctx->peers));
+        free(ctx->peers);
+    }
+    free(ctx->buckets);
+    sodium_memzero(ctx, sizeof(*ctx));
+    free(ctx);
+}
+
+static uint32_t peer_bucket(const hm_dgram_ctx *ctx, const uint8_t pk[HM_PK_BYTES])
+{
+    uint8_t h[crypto_shorthash_BYTES];
+    crypto_shorthash(h, pk, HM_PK_BYTES, ctx->hash_key);
+    uint32_t v = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+    return v & (ctx->nbuckets - 1);
+}
+
+static struct dgram_peer *peer_find(hm_dgram_ctx *ctx, const uint8_t pk[HM_PK_BYTES])
+{
+    for (uint32_t i = ctx->buckets[peer_bucket(ctx, pk)]; i != NIL; i = ctx->peers[i].hnext)
+        if (memcmp(ctx->peers[i].pk, pk, HM_PK_BYTES) == 0)
+            return &ctx->peers[i];
+    return NULL;
+}
+
+static void lru_unlink(hm_dgram_ctx *ctx, uint32_t i)
+{
+    struct dgram_peer *p = &ctx->peers[i];
+    if (p->lru_prev != NIL)
+        ctx->peers[p->lru_prev].lru_next = p->lru_next;
+    else
+        ctx->lru_head = p->lru_next;
+    if (p->lru_next != NIL)
+        ctx->peers[p->lru_next].lru_prev = p->lru_prev;
+    else
+        ctx->lru_tail = p->lru_prev;
+    p->lru_prev = p->lru_next = NIL;
+}
+
+static void lru_push_front(hm_dgram_ctx *ctx, uint32_t i)
+{
+    struct dgram_peer *p = &ctx->peers[i];
+    p->lru_prev = NIL;
+    p->lru_next = ctx->lru_head;
+    if (ctx->lru_head != NIL)
+        ctx->peers[ctx->lru_head].lru_prev = i;
+    ctx->lru_head = i;
+    if (ctx->lru_tail == NIL)
+        ctx->lru_tail = i;
+}
+
+static void peer_touch(hm_dgram_ctx *ctx, struct dgram_peer *p, uint64_t now_us)
+{
+    uint32_t i = (uint32_t)(p - ctx->peers);
+    p->last_used_us = now_us;
+    if (ctx->lru_head != i) {
+        lru_unlink(ctx, i);
+        lru_push_front(ctx, i);
+    }
+}
+
+/*
+ * An entry idle for twice the window can be forgotten safely: every
+ * datagram it accepted carries a timestamp at most one window ahead of the
+ * last use, so a replay of it is now outside the window and fails on time.
+ */
+static int peer_recyclable(const hm_dgram_ctx *ctx, uint64_t now_us)
+{
+    if (ctx->used < ctx->max_peers)
+        return 1;
+    const struct dgram_peer *t = &ctx->peers[ctx->lru_tail];
+    return now_us > t->last_used_us && now_us - t->last_used_us > 2 * HM_DGRAM_WINDOW_US;
+}
+
+/* Takes a free or recyclable slot; call only after peer_recyclable said yes. */
+static struct dgram_peer *peer_insert(hm_dgram_ctx *ctx, const uint8_t pk[HM_PK_BYTES],
+                                      const uint8_t key[32], uint64_t now_us)
+{
+    uint32_t i;
+    if (ctx->used < ctx->max_peers) {
+        i = ctx->used++;
+    } else {
+        i = ctx->lru_tail;
+        struct dgram_peer *old = &ctx->peers[i];
+        uint32_t *link = &ctx->buckets[peer_bucket(ctx, old->pk)];
+        while (*link != i)
+            link = &ctx->peers[*link].hnext;
+        *link = old->hnext;
+        lru_unlink(ctx, i);
+        sodium_memzero(old, sizeof(*old));
+    }
+    struct dgram_peer *p = &ctx->peers[i];
+    memset(p, 0, sizeof(*p));
+    memcpy(p->pk, pk, HM_PK_BYTES);
+    memcpy(p->key, key, 32);
+    p->in_use = 1;
+    p->last_used_us = now_us;
+    uint32_t b = peer_bucket(ctx, pk);
+    p->hnext = ctx->buckets[b];
+    ctx->buckets[b] = i;
+    lru_push_front(ctx, i);
+    return p;
+}
+
+/* key = BLAKE2b-256(key = swarm_id, X25519(my_sk, peer) || lower pk || higher pk) */
+static int pair_key(const hm_dgram_ctx *ctx, const uint8_t peer_pk[HM_PK_BYTES], uint8_t key[32])
+{
+    uint8_t x_peer[32], shared[32];
+    int result = 0;
+
+    if (crypto_sign_ed25519_pk_to_curve25519(x_peer, peer_pk) != 0 ||
+        crypto_scalarmult(shared, ctx->x_sk, x_peer) != 0) {
+        /* Not a usable key: invalid point, or of low order (all-zero result). */
+        result = -EBADMSG;
+        goto out;
+    }
+    int lower = memcmp(ctx->pk, peer_pk, HM_PK_BYTES) < 0;
+    crypto_generichash_state st;
+    crypto_generichash_init(&st, ctx->swarm_id, HM_SWARM_ID_BYTES, 32);
+    crypto_generichash_update(&st, shared, sizeof(shared));
+    crypto_generichash_update(&st, lower ? ctx->pk : peer_pk, HM_PK_BYTES);
+    crypto_generichash_update(&st, lower ? peer_pk : ctx->pk, HM_PK_BYTES);
+    crypto_generichash_final(&st, key, 32);
+    sodium_memzero(&st, sizeof(st));
+out:
+    sodium_memzero(shared, sizeof(shared));
+    return result;
+}
+
+static int replay_check(const struct dgram_peer *p, uint64_t ts)
+{
+    if (!p->have_rx || ts > p->highest)
+        return 0;
+    uint64_t d = p->highest - ts;
+    /* Older than the bitmap reaches: it cannot be told apart from a replay. */
+    if (d >= REPLAY_BITS)
+        return -ESTALE;
+    return (p->bitmap[d / 64] >> (d % 64)) & 1 ? -EALREADY : 0;
+}
+
+static void replay_mark(struct dgram_peer *p, uint64_t ts)
+{
+    if (!p->have_rx || (ts > p->highest && ts - p->highest >= REPLAY_BITS)) {
+        memset(p->bitmap, 0, sizeof(p->bitmap));
+        p->highest = ts;
+        p->have_rx = 1;
+        p->bitmap[0] = 1;
+        return;
+    }
+    if (ts > p->highest) {
+        uint64_t s = ts - p->highest;
+        unsigned w = (unsigned)(s / 64), b = (unsigned)(s % 64);
+        for (int i = REPLAY_WORDS - 1; i >= 0; i--) {
+            int src = i - (int)w;
+            uint64_t v = 0;
+            if (src >= 0)
+                v = p->bitmap[src] << b;
+            if (b != 0 && src - 1 >= 0)
+                v |= p->bitmap[src - 1] >> (64 - b);
+            p->bitmap[i] = v;
+        }
+        p->highest = ts;
+        p->bitmap[0] |= 1;
+    } else {
+        uint64_t d = p->highest - ts;
+        p->bitmap[d / 64] |= (uint64_t)1 << (d % 64);
+    }
+}
+
+int hm_dgram_seal(hm_dgram_ctx *ctx, const uint8_t peer_pk[HM_PK_BYTES], uint64_t now_us,
+                  const void *payload, size_t len, uint8_t *out, size_t cap, size_t *out_len)
+{
+    uint8_t key[32];
+    int result = 0;
+
+    if (len > HM_DGRAM_MAX_PAYLOAD || cap < len + HM_DGRAM_OVERHEAD)
+        return -EMSGSIZE;
+    if (memcmp(peer_pk, ctx->pk, HM_PK_BYTES) == 0)
+        return -EINVAL;
+    struct dgram_peer *p = peer_find(ctx, peer_pk);
+    if (p != NULL) {
+        memcpy(key, p->key, 32);
+        peer_touch(ctx, p, now_us);
+    } else {
+        if (pair_key(ctx, peer_pk, key) < 0) {
+            result = -EINVAL;
+            goto out;
+        }
+        /* Cache the key if there is room; sending never needs a slot. */
+        if (peer_recyclable(ctx, now_us))
+            peer_insert(ctx, peer_pk, key, now_us);
+    }
+    uint64_t ts = now_us > ctx->last_ts ? now_us : ctx->last_ts + 1;
+    ctx->last_ts = ts;
+    out[0] = DGRAM_VERSION;
+    memcpy(out + 1, ctx->pk, HM_PK_BYTES);
+    memcpy(out + 33, peer_pk, 8);
+    put_be64(out + 41, ts);
+    randombytes_buf(out + 49, 16);
+    unsigned long long clen = 0;
+    /* The nonce is timestamp || random, i.e. the last 24 header bytes. */
+    crypto_aead_xchacha20poly1305_ietf_encrypt(out + HM_DGRAM_HEADER, &clen, payload, len,
+                                               out, HM_DGRAM_HEADER, NULL, out + 41, key);
+    *out_len = HM_DGRAM_HEADER + (size_t)clen;
+out:
+    sodium_memzero(key, sizeof(key));
+    return result;
+}
+
+int hm_dgram_open(hm_dgram_ctx *ctx, const uint8_t *in, size_t len, uint64_t now_us,
+                  uint8_t sender_pk_out[HM_PK_BYTES], uint8_t *pt_out, size_t pt_cap,
+                  size_t *pt_len_out)
+{
+    uint8_t key[32];
+    int result = 0;
+
+    /* Cheap checks first: size, version, recipient, clock, replay; crypto last. */
+    if (len > HM_DGRAM_MAX)
+        return -EMSGSIZE;
+    if (len < HM_DGRAM_OVERHEAD || in[0] != DGRAM_VERSION)
+        return -EINVAL;
+    const uint8_t *sender = in + 1;
+    if (memcmp(in + 33, ctx->pk, 8) != 0 || memcmp(sender, ctx->pk, HM_PK_BYTES) == 0)
+        return -EINVAL;
+    size_t pt_len = len - HM_DGRAM_OVERHEAD;
+    if (pt_cap < pt_len)
+        return -EMSGSIZE;
+    uint64_t ts = get_be64(in + 41);
+    if ((ts < now_us && now_us - ts > HM_DGRAM_WINDOW_US) ||
+        (ts > now_us && ts - now_us > HM_DGRAM_WINDOW_US))
+        return -ESTALE;
+    struct dgram_peer *p = peer_find(ctx, sender);
+    if (p != NULL) {
+        result = replay_check(p, ts);
+        if (result < 0)
+            return result;
+        memcpy(key, p->key, 32);
+    } else {
+        if (!peer_recyclable(ctx, now_us))
+            return -ENOBUFS;
+        result = pair_key(ctx, sender, key);
+        if (result < 0)
+            goto out;
+    }
+    unsigned long long mlen = 0;
+    if (crypto_aead_xchacha20poly1305_ietf_decrypt(pt_out, &mlen, NULL, in + HM_DGRAM_HEADER,
+                                                   len - HM_DGRAM_HEADER, in, HM_DGRAM_HEADER,
+                                                   in + 41, key) != 0) {
+        result = -EBADMSG;
+        goto out;
+    }
+    /* Only authentic datagrams create or change sender state. */
+    if (p == NULL)
+        p = peer_insert(ctx, sender, key, now_us);
+    else
+        peer_touch(ctx, p, now_us);
+    replay_mark(p, ts);
+    memcpy(sender_pk_out, sender, HM_PK_BYTES);
+    *pt_len_out = (size_t)mlen;
+out:
+    sodium_memzero(key, sizeof(key));
+    return result;
+}
+
+/* ---- stream handshake ---- */
+
+enum hs_state {
+    HS_CLIENT_WAIT_MSG2 = 1,
+    HS_SERVER_WAIT_MSG1,
+    HS_SERVER_WAIT_MSG3,
+    HS_DONE,
+    HS_FAILED,
+};
+
+static size_t hs_expected(const hm_handshake *hs)
+{
+    switch (hs->state) {
+    case HS_CLIENT_WAIT_MSG2:
+        return HM_HS_MSG2_LEN;
+    case HS_SERVER_WAIT_MSG1:
+        return HM_HS_MSG1_LEN;
+    case HS_SERVER_WAIT_MSG3:
+        return HM_HS_MSG3_LEN;
+    default:
+        return 0;
+    }
+}
+
+static void hs_hash(uint8_t out[32], const uint8_t *a, size_t alen, const uint8_t *b, size_t blen)
+{
+    crypto_generichash_state st;
+    crypto_generichash_init(&st, NULL, 0, 32);
+    crypto_generichash_update(&st, a, alen);
+    crypto_generichash_update(&st, b, blen);
+    crypto_generichash_final(&st, out, 32);
+}
+
+/* The signed message: label || swarm_id || transcript hash. */
+static void hs_sig_msg(uint8_t msg[HS_LABEL_LEN + 64], const char *label,
+                       const uint8_t swarm_id[32], const uint8_t h[32])
+{
+    memcpy(msg, label, HS_LABEL_LEN);
+    memcpy(msg + HS_LABEL_LEN, swarm_id, 32);
+    memcpy(msg + HS_LABEL_LEN + 32, h, 32);
+}
+
+/* Each direction's key = BLAKE2b-256(key = swarm_id, kx key || H1). */
+static void hs_session_key(uint8_t key[32], const uint8_t swarm_id[32], const uint8_t kx[32],
+                           const uint8_t h1[32])
+{
+    crypto_generichash_state st;
+    crypto_generichash_init(&st, swarm_id, 32, 32);
+    crypto_generichash_update(&st, kx, 32);
+    crypto_generichash_update(&st, h1, 32);
+    crypto_generichash_final(&st, key, 32);
+    sodium_memzero(&st, sizeof(st));
+}
+
+static void hs_base_init(hm_handshake *hs, int role, const hm_identity *id,
+                         const uint8_t swarm_id[HM_SWARM_ID_BYTES])
+{
+    memset(hs, 0, sizeof(*hs));
+    hs->role = role;
+    hs->id = id;
+    memcpy(hs->swarm_id, swarm_id, HM_SWARM_ID_BYTES);
+}
+
+void hm_hs_init_client(hm_handshake *hs, const hm_identity *id,
+                       const uint8_t swarm_id[HM_SWARM_ID_BYTES],
+                       const uint8_t server_pk[HM_PK_BYTES])
+{
+    hs_base_init(hs, HM_HS_CLIENT, id, swarm_id);
+    memcpy(hs->peer_pk, server_pk, HM_PK_BYTES);
+    crypto_kx_keypair(hs->eph_pk, hs->eph_sk);
+    hs->msg1[0] = HS_VERSION;
+    memcpy(hs->msg1 + 1, id->pk, HM_PK_BYTES);
+    memcpy(hs->msg1 + 33, hs->eph_pk, 32);
+    memcpy(hs->msg1 + 65, server_pk, HM_PK_BYTES);
+    memcpy(hs->out, hs->msg1, HM_HS_MSG1_LEN);
+    hs->out_len = HM_HS_MSG1_LEN;
+    hs->state = HS_CLIENT_WAIT_MSG2;
+}
+
+void hm_hs_init_server(hm_handshake *hs, const hm_identity *id,
+                       const uint8_t swarm_id[HM_SWARM_ID_BYTES])
+{
+    hs_base_init(hs, HM_HS_SERVER, id, swarm_id);
+    hs->state = HS_SERVER_WAIT_MSG1;
+}
+
+/* Server: msg1 in, msg2 out. */
+static int hs_server_msg1(hm_handshake *hs, const uint8_t *m)
+{
+    uint8_t kx_rx[32], kx_tx[32], sig_msg[HS_LABEL_LEN + 64];
+    int result = 0;
+
+    if (m[0] != HS_VERSION)
+        return -EPROTO;
+    if (sodium_memcmp(m + 65, hs->id->pk, HM_PK_BYTES) != 0)
+        return -EPERM;
+    if (!crypto_core_ed25519_is_valid_point(m + 1))
+        return -EPROTO;
+    memcpy(hs->msg1, m, HM_HS_MSG1_LEN);
+    memcpy(hs->peer_pk, m + 1, HM_PK_BYTES);
+    crypto_kx_keypair(hs->eph_pk, hs->eph_sk);
+    /* Fails on a low-order client ephemeral key, which would fix the secret. */
+    if (crypto_kx_server_session_keys(kx_rx, kx_tx, hs->eph_pk, hs->eph_sk, m + 33) != 0) {
+        result = -EPROTO;
+        goto out;
+    }
+    hs_hash(hs->h1, hs->msg1, HM_HS_MSG1_LEN, hs->eph_pk, 32);
+    hs_session_key(hs->rx_key, hs->swarm_id, kx_rx, hs->h1);
+    hs_session_key(hs->tx_key, hs->swarm_id, kx_tx, hs->h1);
+
+    uint8_t *msg2 = hs->out + hs->out_len;
+    memcpy(msg2, hs->eph_pk, 32);
+    hs_sig_msg(sig_msg, hs_server_label, hs->swarm_id, hs->h1);
+    crypto_sign_detached(msg2 + 32, NULL, sig_msg, sizeof(sig_msg), hs->id->sk);
+    crypto_secretstream_xchacha20poly1305_init_push(&hs->session.tx, msg2 + 96, hs->tx_key);
+    hs->out_len += HM_HS_MSG2_LEN;
+    /*
+     * H1 has served its purpose (session keys); from here the field holds
+     * H2, the transcript hash the client's signature must cover.
+     */
+    hs_hash(hs->h1, hs->msg1, HM_HS_MSG1_LEN, msg2, HM_HS_MSG2_LEN);
+    sodium_memzero(hs->tx_key, sizeof(hs->tx_key));
+    sodium_memzero(hs->eph_sk, sizeof(hs->eph_sk));
+    hs->state = HS_SERVER_WAIT_MSG3;
+out:
+    sodium_memzero(kx_rx, sizeof(kx_rx));
+    sodium_memzero(kx_tx, sizeof(kx_tx));
+    return result;
+}
+
+/* Server: msg3 in, session ready. */
+static int hs_server_msg3(hm_handshake *hs, const uint8_t *m)
+{
+    uint8_t sig_msg[HS_LABEL_LEN + 64];
+
+    hs_sig_msg(sig_msg, hs_client_label, hs->swarm_id, hs->h1);
+    if (crypto_sign_verify_detached(m, sig_msg, sizeof(sig_msg), hs->peer_pk) != 0)
+        return -EBADMSG;
+    if (crypto_secretstream_xchacha20poly1305_init_pull(&hs->session.rx, m + 64, hs->rx_key) != 0)
+        return -EPROTO;
+    sodium_memzero(hs->rx_key, sizeof(hs->rx_key));
+    memcpy(hs->session.peer_pk, hs->peer_pk, HM_PK_BYTES);
+    hs->state = HS_DONE;
+    return 0;
+}
+
+/* Client: msg2 in, msg3 out, session ready. */
+static int hs_client_msg2(hm_handshake *hs, const uint8_t *m)
+{
+    uint8_t kx_rx[32], kx_tx[32], sig_msg[HS_LABEL_LEN + 64], h2[32];
+    int result = 0;
+
+    hs_hash(hs->h1, hs->msg1, HM_HS_MSG1_LEN, m, 32);
+    hs_sig_msg(sig_msg, hs_server_label, hs->swarm_id, hs->h1);
+    if (crypto_sign_verify_detached(m + 32, sig_msg, sizeof(sig_msg), hs->peer_pk) != 0) {
+        result = -EBADMSG;
+        goto out;
+    }
+    if (crypto_kx_client_session_keys(kx_rx, kx_tx, hs->eph_pk, hs->eph_sk, m) != 0) {
+        result = -EPROTO;
+        goto out;
+    }
+    hs_session_key(hs->rx_key, hs->swarm_id, kx_rx, hs->h1);
+    hs_session_key(hs->tx_key, hs->swarm_id, kx_tx, hs->h1);
+    if (crypto_secretstream_xchacha20poly1305_init_pull(&hs->session.rx, m + 96, hs->rx_key) != 0) {
+        result = -EPROTO;
+        goto out;
+    }
+    hs_hash(h2, hs->msg1, HM_HS_MSG1_LEN, m, HM_HS_MSG2_LEN);
+    uint8_t *msg3 = hs->out + hs->out_len;
+    hs_sig_msg(sig_msg, hs_client_label, hs->swarm_id, h2);
+    crypto_sign_detached(msg3, NULL, sig_msg, sizeof(sig_msg), hs->id->sk);
+    crypto_secretstream_xchacha20poly1305_init_push(&hs->session.tx, msg3 + 64, hs->tx_key);
+    hs->out_len += HM_HS_MSG3_LEN;
+    memcpy(hs->session.peer_pk, hs->peer_pk, HM_PK_BYTES);
+    hs->state = HS_DONE;
+out:
+    sodium_memzero(kx_rx, sizeof(kx_rx));
+    sodium_memzero(kx_tx, sizeof(kx_tx));
+    sodium_memzero(hs->rx_key, sizeof(hs->rx_key));
+    sodium_memzero(hs->tx_key, sizeof(hs->tx_key));
+    sodium_memzero(hs->eph_sk, sizeof(hs->eph_sk));
+    return result;
+}
+
+int hm_hs_input(hm_handshake *hs, const uint8_t *in, size_t len, size_t *consumed_out)
+{
+    size_t used = 0;
+    int result = 0;
+
+    while (hs->state != HS_DONE && hs->state != HS_FAILED) {
+        size_t need = hs_expected(hs);
+        if (need == 0 || need > sizeof(hs->in)) {
+            result = -EINVAL; /* Not initialised. */
+            goto out;
+        }
+        size_t take = HM_MIN(need - hs->in_len, len - used);
+        if (take > 0)
+            memcpy(hs->in + hs->in_len, in + used, take);
+        hs->in_len += take;
+        used += take;
+        if (hs->in_len < need)
+            goto out;
+        /*
+         * The reply goes into out after what the caller has not sent yet.
+         * If it does not fit, the message stays buffered for the next call.
+         */
+        size_t reply = hs->state == HS_CLIENT_WAIT_MSG2   ? HM_HS_MSG3_LEN
+                       : hs->state == HS_SERVER_WAIT_MSG1 ? HM_HS_MSG2_LEN
+                                                          : 0;
+        if (hs->out_len + reply > sizeof(hs->out)) {
+            result = -ENOBUFS;
+            goto out;
+        }
+        switch (hs->state) {
+        case HS_CLIENT_WAIT_MSG2:
+            result = hs_client_msg2(hs, hs->in);
+            break;
+        case HS_SERVER_WAIT_MSG1:
+            result = hs_server_msg1(hs, hs->in);
+            break;
+        default:
+            result = hs_server_msg3(hs, hs->in);
+            break;
+        }
+        sodium_memzero(hs->in, sizeof(hs->in));
+        hs->in_len = 0;
+        if (result < 0) {
+            hm_hs_wipe(hs);
+            hs->state = HS_FAILED;
+            goto out;
+        }
+    }
+    if (hs->state == HS_FAILED && result == 0)
+        result = -EPROTO; /* Input after a failure is refused again. */
+out:
+    if (consumed_out != NULL)
+        *consumed_out = used;
+    if (result < 0)
+        return result;
+    return hs->state == HS_DONE ? 1 : 0;
+}
+
+void hm_hs_finish(hm_handshake *hs, hm_session *out)
+{
+    if (hs->state == HS_DONE)
+        memcpy(out, &hs->session, sizeof(*out));
+    else
+        memset(out, 0, sizeof(*out));
+    hm_hs_wipe(hs);
+}
+
+void hm_hs_wipe(hm_handshake *hs)
+{
+    sodium_memzero(hs, sizeof(*hs));
+}
+
+/* ---- stream records ---- */
+
+#define REC_ABYTES crypto_secretstream_xchacha20poly1305_ABYTES
+
+int hm_session_seal(hm_session *s, const void *pt, size_t len, uint8_t *out, size_t *out_len)
+{
+    if (len > HM_REC_MAX_PLAIN)
+        return -EMSGSIZE;
+    size_t clen = len + REC_ABYTES;
+    out[0] = (uint8_t)(clen >> 8);
+    out[1] = (uint8_t)clen;
+    crypto_secretstream_xchacha20poly1305_push(&s->tx, out + 2, NULL, pt, len, NULL, 0,
+                                               crypto_secretstream_xchacha20poly1305_TAG_MESSAGE);
+    *out_len = 2 + clen;
+    return 0;
+}
+
+int hm_session_open(hm_session *s, const uint8_t *in, size_t len, size_t *consumed_out,
+                    uint8_t *pt_out, size_t *pt_len_out)
+{
+    *consumed_out = 0;
+    if (len < 2)
+        return 0;
+    size_t clen = (size_t)in[0] << 8 | in[1];
+    if (clen > HM_REC_MAX_PLAIN + REC_ABYTES)
+        return -EMSGSIZE;
+    if (clen < REC_ABYTES)
+        return -EBADMSG;
+    if (len - 2 < clen)
+        return 0;
+    unsigned long long mlen = 0;
+    unsigned char tag = 0;
+    if (crypto_secretstream_xchacha20poly1305_pull(&s->rx, pt_out, &mlen, &tag, in + 2, clen,
+                                                   NULL, 0) != 0)
+        return -EBADMSG;
+    /* We only ever send plain messages; a rekey or final tag is not ours. */
+    if (tag != crypto_secretstream_xchacha20poly1305_TAG_MESSAGE)
+        return -EPROTO;
+    *consumed_out = 2 + clen;
+    *pt_len_out = (size_t)mlen;
+    return 1;
+}
+
+void hm_session_wipe(hm_session *s)
+{
+    sodium_memzero(s, sizeof(*s));
+}
