@@ -1,0 +1,832 @@
+/*
+ * config: the option table of hivemindd and everything driven by it: the
+ * config-file reader, the command-line parser, the --help text, the printer
+ * of the effective configuration and the comparison used on SIGHUP. See
+ * hm_config.h for the file format and the precedence rules.
+ */
+#include "config.h"
+
+#include "hm_config.h"
+#include "util.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <pwd.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+enum opt_type {
+    T_HOSTPORT, /* HOST:PORT, numeric host */
+    T_PEERS,    /* list of PEERID@HOST:PORT */
+    T_PATH,     /* file or directory path */
+    T_SOCKET,   /* Unix socket path (fits sun_path) */
+    T_GROUP,    /* group name or number */
+    T_UINT,     /* unsigned integer within [min, max] */
+    T_SWARM,    /* swarm name */
+    T_BOOL,     /* yes/no */
+    T_LEVEL,    /* log level */
+};
+
+struct opt {
+    const char *keyword; /* config file keyword */
+    const char *flag;    /* long flag, without the dashes */
+    enum opt_type type;
+    size_t off;          /* offset of the field in hm_config */
+    size_t size;         /* size of a string field */
+    unsigned min, max;   /* range of a T_UINT */
+    int reloadable;      /* applied by a running daemon on SIGHUP */
+    const char *metavar;
+    const char *help;
+};
+
+#define FIELD(f) offsetof(hm_config, f), sizeof(((hm_config *)0)->f)
+
+static const struct opt opts[] = {
+    {"Listen", "listen", T_HOSTPORT, FIELD(listen), 0, 0, 0, "HOST:PORT",
+     "UDP and TCP address to listen on; port 0 picks a free port (default 0.0.0.0:31400)"},
+    {"InitialPeers", "initial-peers", T_PEERS, FIELD(initial_peers), 0, 0, 1, "ADDR[,ADDR...]",
+     "peers to join through, each PEERID@HOST:PORT (default none)"},
+    {"StateDir", "state-dir", T_PATH, FIELD(state_dir), 0, 0, 0, "DIR",
+     "where the identity key lives (default /var/lib/hivemindd for root, else "
+     "$XDG_STATE_HOME/hivemindd or ~/.local/state/hivemindd)"},
+    {"ControlSocket", "control-socket", T_SOCKET, FIELD(control_socket), 0, 0, 0, "PATH",
+     "control socket (default /run/hivemindd/control.sock for root, else "
+     "$XDG_RUNTIME_DIR/hivemindd/control.sock or STATEDIR/control.sock)"},
+    {"ControlSocketGroup", "control-socket-group", T_GROUP, FIELD(control_socket_group), 0, 0, 0,
+     "GROUP", "group allowed to use the control socket (mode 0660; default none: 0600)"},
+    {"ControlMaxClients", "control-max-clients", T_UINT, FIELD(control_max_clients), 1, 1024, 0,
+     "N", "control clients connected at once (default 32)"},
+    {"ControlIdleTimeout", "control-idle-timeout", T_UINT, FIELD(control_idle_timeout_s), 0,
+     86400, 0, "SECONDS", "close idle control clients after this long, 0 never (default 300)"},
+    {"Swarm", "swarm", T_SWARM, FIELD(swarm), 0, 0, 0, "NAME",
+     "swarm name, 1-64 of [A-Za-z0-9._-] (default \"default\")"},
+    {"SwarmKeyFile", "swarm-key-file", T_PATH, FIELD(swarm_key_file), 0, 0, 0, "PATH",
+     "pre-shared key of a private swarm, 64 hex digits (default none)"},
+    {"ClientMode", "client-mode", T_BOOL, FIELD(client_mode), 0, 0, 0, "[yes|no]",
+     "serve nothing to other peers beyond replies (default no)"},
+    {"LogLevel", "log-level", T_LEVEL, FIELD(log_level), 0, 0, 1, "error|warn|info|debug",
+     "log verbosity (default info)"},
+    {"PingInterval", "ping-interval", T_UINT, FIELD(ping_interval_s), 1, 3600, 0, "SECONDS",
+     "how often each known peer is pinged (default 15)"},
+    {"MaxConnections", "max-connections", T_UINT, FIELD(max_connections), 1, 65536, 0, "N",
+     "TCP connections open at once (default 512)"},
+};
+
+#define N_OPTS HM_ARRAY_LEN(opts)
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err == NULL || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static char *field_str(hm_config *c, const struct opt *o) { return (char *)c + o->off; }
+static const char *field_cstr(const hm_config *c, const struct opt *o)
+{
+    return (const char *)c + o->off;
+}
+static unsigned *field_uint(hm_config *c, const struct opt *o)
+{
+    return (unsigned *)(void *)((char *)c + o->off);
+}
+static unsigned field_cuint(const hm_config *c, const struct opt *o)
+{
+    return *(const unsigned *)(const void *)((const char *)c + o->off);
+}
+static int *field_int(hm_config *c, const struct opt *o)
+{
+    return (int *)(void *)((char *)c + o->off);
+}
+static int field_cint(const hm_config *c, const struct opt *o)
+{
+    return *(const int *)(const void *)((const char *)c + o->off);
+}
+
+static int is_blank(char ch) { return ch == ' ' || ch == '\t' || ch == '\r'; }
+
+/*
+ * Values must survive a trip through the config file: no control
+ * characters, no blanks at either end (they would be trimmed) and no '#'
+ * after a blank (it would start a comment).
+ */
+static int check_text(const char *v, char *why, size_t whylen)
+{
+    size_t n = strlen(v);
+    if (n == 0) {
+        set_err(why, whylen, "empty value");
+        return -EINVAL;
+    }
+    if (is_blank(v[0]) || is_blank(v[n - 1])) {
+        set_err(why, whylen, "value begins or ends with a blank");
+        return -EINVAL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)v[i];
+        if ((ch < 0x20 && ch != '\t') || ch == 0x7f) {
+            set_err(why, whylen, "value contains a control character");
+            return -EINVAL;
+        }
+        if (ch == '#' && i > 0 && is_blank(v[i - 1])) {
+            set_err(why, whylen, "value contains '#' after a blank, which starts a comment");
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
+int hm_config_check_peer(const char *s)
+{
+    const char *at = strchr(s, '@');
+    uint8_t pk[32];
+    struct sockaddr_storage ss;
+
+    if (at == NULL || (size_t)(at - s) != 52)
+        return -EINVAL;
+    /* Peer ids are lowercase; hm_base32_decode would also take uppercase. */
+    for (const char *p = s; p < at; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= '2' && *p <= '7')))
+            return -EINVAL;
+    if (hm_base32_decode(s, 52, pk, sizeof(pk)) != 32)
+        return -EINVAL;
+    if (strlen(at + 1) >= HM_CONFIG_PEER_LEN - 53)
+        return -EINVAL;
+    return hm_parse_hostport(at + 1, &ss);
+}
+
+static int parse_uint(const char *v, unsigned min, unsigned max, unsigned *out)
+{
+    if (*v < '0' || *v > '9')
+        return -EINVAL;
+    errno = 0;
+    char *end;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (errno != 0 || *end != '\0' || x < min || x > max)
+        return -EINVAL;
+    *out = (unsigned)x;
+    return 0;
+}
+
+static int parse_bool(const char *v, int *out)
+{
+    static const char *const yes[] = {"yes", "true", "on", "1"};
+    static const char *const no[] = {"no", "false", "off", "0"};
+    for (size_t i = 0; i < HM_ARRAY_LEN(yes); i++) {
+        if (strcasecmp(v, yes[i]) == 0) {
+            *out = 1;
+            return 0;
+        }
+        if (strcasecmp(v, no[i]) == 0) {
+            *out = 0;
+            return 0;
+        }
+    }
+    return -EINVAL;
+}
+
+static int add_peers(hm_config *c, const char *v, char *why, size_t whylen)
+{
+    const char *p = v;
+    for (;;) {
+        const char *comma = strchr(p, ',');
+        size_t n = comma ? (size_t)(comma - p) : strlen(p);
+        char one[HM_CONFIG_PEER_LEN];
+        while (n > 0 && is_blank(*p)) {
+            p++;
+            n--;
+        }
+        while (n > 0 && is_blank(p[n - 1]))
+            n--;
+        if (n == 0) {
+            set_err(why, whylen, "empty peer address in the list");
+            return -EINVAL;
+        }
+        if (n >= sizeof(one)) {
+            set_err(why, whylen, "peer address too long");
+            return -EINVAL;
+        }
+        memcpy(one, p, n);
+        one[n] = '\0';
+        if (hm_config_check_peer(one) != 0) {
+            set_err(why, whylen, "bad peer address '%s': expected PEERID@HOST:PORT (52-character "
+                    "peer id, numeric host)", one);
+            return -EINVAL;
+        }
+        if (c->n_initial_peers >= HM_CONFIG_MAX_PEERS) {
+            set_err(why, whylen, "more than %d initial peers", HM_CONFIG_MAX_PEERS);
+            return -EINVAL;
+        }
+        memcpy(c->initial_peers[c->n_initial_peers++], one, n + 1);
+        if (comma == NULL)
+            return 0;
+        p = comma + 1;
+    }
+}
+
+/* Parses value for option o into c; on failure writes the reason into why. */
+static int set_value(const struct opt *o, hm_config *c, const char *v, char *why, size_t whylen)
+{
+    int result = check_text(v, why, whylen);
+    if (result != 0)
+        return result;
+
+    switch (o->type) {
+    case T_HOSTPORT: {
+        struct sockaddr_storage ss;
+        if (strlen(v) >= o->size || hm_parse_hostport(v, &ss) != 0) {
+            set_err(why, whylen, "expected HOST:PORT or [V6HOST]:PORT with a numeric host");
+            return -EINVAL;
+        }
+        hm_strlcpy(field_str(c, o), v, o->size);
+        return 0;
+    }
+    case T_PEERS:
+        return add_peers(c, v, why, whylen);
+    case T_PATH:
+    case T_SOCKET:
+        if (strlen(v) >= o->size) {
+            set_err(why, whylen, "path longer than %zu bytes%s", o->size - 1,
+                    o->type == T_SOCKET ? " (the limit of a Unix socket path)" : "");
+            return -EINVAL;
+        }
+        hm_strlcpy(field_str(c, o), v, o->size);
+        return 0;
+    case T_GROUP:
+        if (strlen(v) >= o->size) {
+            set_err(why, whylen, "group name too long");
+            return -EINVAL;
+        }
+        for (const char *p = v; *p; p++) {
+            if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
+                  (*p >= '0' && *p <= '9') || *p == '_' || *p == '-' || *p == '.')) {
+                set_err(why, whylen, "expected a group name or number");
+                return -EINVAL;
+            }
+        }
+        hm_strlcpy(field_str(c, o), v, o->size);
+        return 0;
+    case T_UINT:
+        if (parse_uint(v, o->min, o->max, field_uint(c, o)) != 0) {
+            set_err(why, whylen, "expected a whole number from %u to %u", o->min, o->max);
+            return -EINVAL;
+        }
+        return 0;
+    case T_SWARM: {
+        size_t n = strlen(v);
+        if (n < 1 || n > HM_CONFIG_SWARM_LEN) {
+            set_err(why, whylen, "swarm name must be 1 to %d characters", HM_CONFIG_SWARM_LEN);
+            return -EINVAL;
+        }
+        for (const char *p = v; *p; p++) {
+            if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
+                  (*p >= '0' && *p <= '9') || *p == '_' || *p == '-' || *p == '.')) {
+                set_err(why, whylen, "swarm name may only hold A-Z a-z 0-9 . _ -");
+                return -EINVAL;
+            }
+        }
+        hm_strlcpy(field_str(c, o), v, o->size);
+        return 0;
+    }
+    case T_BOOL:
+        if (parse_bool(v, field_int(c, o)) != 0) {
+            set_err(why, whylen, "expected yes or no");
+            return -EINVAL;
+        }
+        return 0;
+    case T_LEVEL: {
+        char low[16];
+        size_t n = strlen(v);
+        if (n >= sizeof(low))
+            n = sizeof(low) - 1;
+        for (size_t i = 0; i < n; i++)
+            low[i] = (char)((v[i] >= 'A' && v[i] <= 'Z') ? v[i] - 'A' + 'a' : v[i]);
+        low[n] = '\0';
+        int level = strlen(v) < sizeof(low) ? hm_log_parse_level(low) : -EINVAL;
+        if (level < 0) {
+            set_err(why, whylen, "expected error, warn, info or debug");
+            return -EINVAL;
+        }
+        *field_int(c, o) = level;
+        return 0;
+    }
+    }
+    return -EINVAL;
+}
+
+static const struct opt *find_keyword(const char *kw)
+{
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (strcasecmp(kw, opts[i].keyword) == 0)
+            return &opts[i];
+    return NULL;
+}
+
+/* ---- defaults ---- */
+
+static int home_dir(char *buf, size_t len)
+{
+    const char *home = getenv("HOME");
+    if (home != NULL && home[0] == '/')
+        return hm_strlcpy(buf, home, len);
+    struct passwd pw, *res = NULL;
+    char tmp[4096];
+    if (getpwuid_r(geteuid(), &pw, tmp, sizeof(tmp), &res) != 0 || res == NULL ||
+        pw.pw_dir == NULL || pw.pw_dir[0] != '/')
+        return -ENOENT;
+    return hm_strlcpy(buf, pw.pw_dir, len);
+}
+
+int hm_config_default_state_dir(char *buf, size_t len)
+{
+    int n;
+    if (geteuid() == 0)
+        return hm_strlcpy(buf, "/var/lib/hivemindd", len);
+    const char *xdg = getenv("XDG_STATE_HOME");
+    if (xdg != NULL && xdg[0] == '/') {
+        n = snprintf(buf, len, "%s/hivemindd", xdg);
+    } else {
+        char home[HM_CONFIG_PATH_LEN];
+        int r = home_dir(home, sizeof(home));
+        if (r != 0) {
+            if (len > 0)
+                buf[0] = '\0';
+            return r;
+        }
+        n = snprintf(buf, len, "%s/.local/state/hivemindd", home);
+    }
+    return (n < 0 || (size_t)n >= len) ? -ENAMETOOLONG : 0;
+}
+
+int hm_config_default_control_socket(const char *state_dir, char *buf, size_t len)
+{
+    int n;
+    if (geteuid() == 0)
+        return hm_strlcpy(buf, "/run/hivemindd/control.sock", len) ? -ENAMETOOLONG : 0;
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    if (xdg != NULL && xdg[0] == '/')
+        n = snprintf(buf, len, "%s/hivemindd/control.sock", xdg);
+    else
+        n = snprintf(buf, len, "%s/control.sock", state_dir);
+    return (n < 0 || (size_t)n >= len) ? -ENAMETOOLONG : 0;
+}
+
+void hm_config_defaults(hm_config *c)
+{
+    memset(c, 0, sizeof(*c));
+    hm_strlcpy(c->listen, "0.0.0.0:31400", sizeof(c->listen));
+    /* An unknown home leaves StateDir empty; hm_config_finish reports it. */
+    if (hm_config_default_state_dir(c->state_dir, sizeof(c->state_dir)) != 0)
+        c->state_dir[0] = '\0';
+    c->control_max_clients = 32;
+    c->control_idle_timeout_s = 300;
+    hm_strlcpy(c->swarm, "default", sizeof(c->swarm));
+    c->client_mode = 0;
+    c->log_level = HM_LOG_INFO;
+    c->ping_interval_s = 15;
+    c->max_connections = 512;
+}
+
+int hm_config_finish(hm_config *c, char *err, size_t errlen)
+{
+    if (c->state_dir[0] == '\0') {
+        set_err(err, errlen, "cannot tell the home directory; set StateDir (--state-dir)");
+        return -ENOENT;
+    }
+    if (c->control_socket[0] == '\0' &&
+        hm_config_default_control_socket(c->state_dir, c->control_socket,
+                                         sizeof(c->control_socket)) != 0) {
+        c->control_socket[0] = '\0';
+        set_err(err, errlen, "set ControlSocket (--control-socket): the default path under "
+                "StateDir is too long for a Unix socket (StateDir is '%s')", c->state_dir);
+        return -ENAMETOOLONG;
+    }
+    return 0;
+}
+
+/* ---- config file ---- */
+
+int hm_config_load_buffer(hm_config *c, const char *name, const char *buf, size_t len, char *err,
+                          size_t errlen)
+{
+    size_t pos = 0;
+    unsigned lineno = 0;
+    char line[HM_CONFIG_MAX_LINE + 1];
+    char why[256];
+
+    while (pos < len) {
+        lineno++;
+        const char *start = buf + pos;
+        const char *nl = memchr(start, '\n', len - pos);
+        size_t n = nl ? (size_t)(nl - start) : len - pos;
+        pos += n + (nl ? 1 : 0);
+        if (n > 0 && start[n - 1] == '\r')
+            n--;
+        if (n > HM_CONFIG_MAX_LINE) {
+            set_err(err, errlen, "%s:%u: line too long (more than %d bytes)", name, lineno,
+                    HM_CONFIG_MAX_LINE);
+            return -EINVAL;
+        }
+        if (memchr(start, '\0', n) != NULL) {
+            set_err(err, errlen, "%s:%u: NUL byte in the line", name, lineno);
+            return -EINVAL;
+        }
+        memcpy(line, start, n);
+        line[n] = '\0';
+
+        /* Strip a comment: '#' at the start or after a blank. */
+        for (size_t i = 0; i < n; i++) {
+            if (line[i] == '#' && (i == 0 || is_blank(line[i - 1]))) {
+                line[i] = '\0';
+                n = i;
+                break;
+            }
+        }
+        char *p = line;
+        while (is_blank(*p))
+            p++;
+        char *end = p + strlen(p);
+        while (end > p && is_blank(end[-1]))
+            *--end = '\0';
+        if (*p == '\0')
+            continue;
+
+        char *kw = p;
+        while (*p && !is_blank(*p))
+            p++;
+        if (*p)
+            *p++ = '\0';
+        while (is_blank(*p))
+            p++;
+
+        const struct opt *o = find_keyword(kw);
+        if (o == NULL) {
+            set_err(err, errlen, "%s:%u: unknown keyword '%s'", name, lineno, kw);
+            return -EINVAL;
+        }
+        if (*p == '\0') {
+            set_err(err, errlen, "%s:%u: missing value for %s", name, lineno, o->keyword);
+            return -EINVAL;
+        }
+        if (set_value(o, c, p, why, sizeof(why)) != 0) {
+            set_err(err, errlen, "%s:%u: bad value '%s' for %s: %s", name, lineno, p, o->keyword,
+                    why);
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
+int hm_config_load_file(hm_config *c, const char *path, char *err, size_t errlen)
+{
+    int result = 0;
+    char *buf = NULL;
+    size_t len = 0;
+    struct stat st;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+
+    if (fd < 0) {
+        result = -errno;
+        set_err(err, errlen, "%s: cannot open: %s", path, strerror(-result));
+        goto out;
+    }
+    if (fstat(fd, &st) != 0) {
+        result = -errno;
+        set_err(err, errlen, "%s: cannot stat: %s", path, strerror(-result));
+        goto out;
+    }
+    if (S_ISDIR(st.st_mode)) {
+        result = -EISDIR;
+        set_err(err, errlen, "%s: is a directory", path);
+        goto out;
+    }
+    /* Read at most one byte past the cap, whatever st_size claims. */
+    buf = malloc(HM_CONFIG_MAX_FILE + 1);
+    if (buf == NULL) {
+        result = -ENOMEM;
+        set_err(err, errlen, "%s: out of memory", path);
+        goto out;
+    }
+    while (len <= HM_CONFIG_MAX_FILE) {
+        ssize_t r = read(fd, buf + len, HM_CONFIG_MAX_FILE + 1 - len);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            result = -errno;
+            set_err(err, errlen, "%s: read error: %s", path, strerror(-result));
+            goto out;
+        }
+        if (r == 0)
+            break;
+        len += (size_t)r;
+    }
+    if (len > HM_CONFIG_MAX_FILE) {
+        result = -EFBIG;
+        set_err(err, errlen, "%s: file larger than %d bytes", path, HM_CONFIG_MAX_FILE);
+        goto out;
+    }
+    result = hm_config_load_buffer(c, path, buf, len, err, errlen);
+out:
+    free(buf);
+    if (fd >= 0)
+        close(fd);
+    return result;
+}
+
+/* ---- command line ---- */
+
+#define FLAG_BASE 256
+
+int hm_config_parse_args(int argc, char **argv, hm_config_args *out, char *err, size_t errlen)
+{
+    struct option longopts[N_OPTS + 5];
+    size_t k = 0;
+    hm_config *scratch = NULL;
+    char why[256];
+    int result = 0;
+
+    memset(out, 0, sizeof(*out));
+    for (size_t i = 0; i < N_OPTS; i++) {
+        longopts[k].name = opts[i].flag;
+        longopts[k].has_arg = opts[i].type == T_BOOL ? optional_argument : required_argument;
+        longopts[k].flag = NULL;
+        longopts[k].val = FLAG_BASE + (int)i;
+        k++;
+    }
+    longopts[k++] = (struct option){"config", required_argument, NULL, 'c'};
+    longopts[k++] = (struct option){"test-config", no_argument, NULL, 't'};
+    longopts[k++] = (struct option){"version", no_argument, NULL, 'V'};
+    longopts[k++] = (struct option){"help", no_argument, NULL, 'h'};
+    longopts[k] = (struct option){NULL, 0, NULL, 0};
+
+    /* Each flag value is tried on a scratch config, so that a bad flag is
+     * reported as a usage error before any file is read. */
+    scratch = calloc(1, sizeof(*scratch));
+    if (scratch == NULL) {
+        set_err(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    optind = 0; /* glibc: start over, so that the parser can run again */
+    opterr = 0;
+    for (;;) {
+        int prev = optind ? optind : 1;
+        int ch = getopt_long(argc, argv, ":c:tVh", longopts, NULL);
+        if (ch == -1)
+            break;
+        switch (ch) {
+        case 'c':
+            out->config_file = optarg;
+            break;
+        case 't':
+            out->test_config = 1;
+            break;
+        case 'V':
+            out->version = 1;
+            break;
+        case 'h':
+            out->help = 1;
+            break;
+        case ':':
+            set_err(err, errlen, "option '%s' needs a value",
+                    prev < argc ? argv[prev] : argv[argc - 1]);
+            result = -EINVAL;
+            goto out;
+        case '?': {
+            const char *arg = prev < argc ? argv[prev] : "?";
+            if (strncmp(arg, "--", 2) == 0 && optopt != 0)
+                set_err(err, errlen, "option '%s' takes no value", arg);
+            else if (strncmp(arg, "--", 2) == 0 || optopt == 0)
+                set_err(err, errlen, "unknown option '%s'", arg);
+            else
+                set_err(err, errlen, "unknown option '-%c'", optopt);
+            result = -EINVAL;
+            goto out;
+        }
+        default: {
+            const struct opt *o = &opts[ch - FLAG_BASE];
+            if (out->n_flags >= HM_CONFIG_MAX_FLAGS) {
+                set_err(err, errlen, "too many options");
+                result = -EINVAL;
+                goto out;
+            }
+            if (o->type != T_BOOL || optarg != NULL) {
+                if (set_value(o, scratch, optarg, why, sizeof(why)) != 0) {
+                    set_err(err, errlen, "bad value '%s' for --%s: %s", optarg, o->flag, why);
+                    result = -EINVAL;
+                    goto out;
+                }
+            }
+            out->flags[out->n_flags].opt = ch - FLAG_BASE;
+            out->flags[out->n_flags].value = optarg;
+            out->n_flags++;
+            break;
+        }
+        }
+    }
+    if (optind < argc) {
+        set_err(err, errlen, "unexpected argument '%s'", argv[optind]);
+        result = -EINVAL;
+        goto out;
+    }
+out:
+    free(scratch);
+    return result;
+}
+
+int hm_config_apply_args(hm_config *c, const hm_config_args *a, char *err, size_t errlen)
+{
+    int peers_replaced = 0;
+    char why[256];
+
+    for (size_t i = 0; i < a->n_flags; i++) {
+        const struct opt *o = &opts[a->flags[i].opt];
+        const char *v = a->flags[i].value;
+        /* Flags override the file: the first --initial-peers replaces the
+         * file's list, later ones add to it. */
+        if (o->type == T_PEERS && !peers_replaced) {
+            c->n_initial_peers = 0;
+            peers_replaced = 1;
+        }
+        if (o->type == T_BOOL && v == NULL) {
+            *field_int(c, o) = 1;
+            continue;
+        }
+        if (set_value(o, c, v, why, sizeof(why)) != 0) {
+            set_err(err, errlen, "bad value '%s' for --%s: %s", v, o->flag, why);
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
+int hm_config_build(hm_config *c, const hm_config_args *a, char *err, size_t errlen)
+{
+    int result;
+    hm_config_defaults(c);
+    if (a->config_file != NULL) {
+        result = hm_config_load_file(c, a->config_file, err, errlen);
+        if (result != 0)
+            return result;
+    }
+    result = hm_config_apply_args(c, a, err, errlen);
+    if (result != 0)
+        return result;
+    return hm_config_finish(c, err, errlen);
+}
+
+/* ---- printing and comparing ---- */
+
+char *hm_config_format(const hm_config *c)
+{
+    hm_strbuf b = {0};
+    hm_strbuf_printf(&b, "# hivemindd configuration (keywords are case-insensitive)\n");
+    for (size_t i = 0; i < N_OPTS; i++) {
+        const struct opt *o = &opts[i];
+        switch (o->type) {
+        case T_PEERS:
+            if (c->n_initial_peers == 0)
+                hm_strbuf_printf(&b, "# %s (none)\n", o->keyword);
+            for (size_t j = 0; j < c->n_initial_peers; j++)
+                hm_strbuf_printf(&b, "%s %s\n", o->keyword, c->initial_peers[j]);
+            break;
+        case T_HOSTPORT:
+        case T_PATH:
+        case T_SOCKET:
+        case T_GROUP:
+        case T_SWARM:
+            if (field_cstr(c, o)[0] == '\0')
+                hm_strbuf_printf(&b, "# %s (none)\n", o->keyword);
+            else
+                hm_strbuf_printf(&b, "%s %s\n", o->keyword, field_cstr(c, o));
+            break;
+        case T_UINT:
+            hm_strbuf_printf(&b, "%s %u\n", o->keyword, field_cuint(c, o));
+            break;
+        case T_BOOL:
+            hm_strbuf_printf(&b, "%s %s\n", o->keyword, field_cint(c, o) ? "yes" : "no");
+            break;
+        case T_LEVEL:
+            hm_strbuf_printf(&b, "%s %s\n", o->keyword, hm_log_level_name(field_cint(c, o)));
+            break;
+        }
+    }
+    return hm_strbuf_finish(&b);
+}
+
+static int opt_equal(const struct opt *o, const hm_config *a, const hm_config *b)
+{
+    switch (o->type) {
+    case T_PEERS:
+        if (a->n_initial_peers != b->n_initial_peers)
+            return 0;
+        for (size_t j = 0; j < a->n_initial_peers; j++)
+            if (strcmp(a->initial_peers[j], b->initial_peers[j]) != 0)
+                return 0;
+        return 1;
+    case T_UINT:
+        return field_cuint(a, o) == field_cuint(b, o);
+    case T_BOOL:
+    case T_LEVEL:
+        return field_cint(a, o) == field_cint(b, o);
+    default:
+        return strcmp(field_cstr(a, o), field_cstr(b, o)) == 0;
+    }
+}
+
+int hm_config_equal(const hm_config *a, const hm_config *b)
+{
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (!opt_equal(&opts[i], a, b))
+            return 0;
+    return 1;
+}
+
+size_t hm_config_diff(const hm_config *a, const hm_config *b, const char **keywords_out,
+                      int *reloadable_out, size_t max)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < N_OPTS; i++) {
+        if (opt_equal(&opts[i], a, b))
+            continue;
+        if (n < max) {
+            if (keywords_out)
+                keywords_out[n] = opts[i].keyword;
+            if (reloadable_out)
+                reloadable_out[n] = opts[i].reloadable;
+        }
+        n++;
+    }
+    return n;
+}
+
+void hm_config_usage(FILE *f, const char *prog)
+{
+    fprintf(f,
+            "Usage: %s [OPTIONS]\n"
+            "Runs a hivemindd node: joins a swarm through its initial peers and serves\n"
+            "a control socket for hivemindctl. Flags override the config file.\n\n"
+            "  -c, --config FILE        read settings from FILE (Keyword value lines)\n"
+            "  -t, --test-config        check the configuration, print it and exit\n"
+            "  -V, --version            print the version and exit\n"
+            "  -h, --help               print this help and exit\n\n",
+            prog);
+    for (size_t i = 0; i < N_OPTS; i++) {
+        const struct opt *o = &opts[i];
+        char left[64];
+        if (o->type == T_BOOL)
+            snprintf(left, sizeof(left), "--%s[=yes|no]", o->flag);
+        else
+            snprintf(left, sizeof(left), "--%s %s", o->flag, o->metavar);
+        fprintf(f, "  %s\n      %s: %s\n", left, o->keyword, o->help);
+    }
+    fprintf(f, "\nExit status: 0 ok, 1 failure, 64 bad usage, 78 bad config file.\n"
+               "At start the node prints its address, PEERID@HOST:PORT, as the first line\n"
+               "on standard output.\n");
+}
+
+/* ---- directories ---- */
+
+int hm_config_make_dir(const char *dir, unsigned mode, char *err, size_t errlen)
+{
+    char path[HM_CONFIG_PATH_LEN];
+    struct stat st;
+
+    if (hm_strlcpy(path, dir, sizeof(path)) != 0 || path[0] == '\0') {
+        set_err(err, errlen, "bad directory path '%s'", dir);
+        return -ENAMETOOLONG;
+    }
+    /* Create each missing component; existing ones are left alone. */
+    for (char *p = path + 1;; p++) {
+        if (*p != '/' && *p != '\0')
+            continue;
+        char saved = *p;
+        *p = '\0';
+        if (mkdir(path, (mode_t)mode) != 0 && errno != EEXIST) {
+            int e = errno;
+            set_err(err, errlen, "cannot create directory '%s': %s", path, strerror(e));
+            return -e;
+        }
+        *p = saved;
+        if (saved == '\0')
+            break;
+    }
+    if (stat(dir, &st) != 0) {
+        int e = errno;
+        set_err(err, errlen, "cannot use directory '%s': %s", dir, strerror(e));
+        return -e;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        set_err(err, errlen, "'%s' exists and is not a directory", dir);
+        return -ENOTDIR;
+    }
+    return 0;
+}

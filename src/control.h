@@ -1,0 +1,123 @@
+/*
+ * control: the control socket of hivemindd. A Unix stream socket on the
+ * node's libuv loop that speaks newline-delimited JSON: each request line
+ * gets exactly one reply line, in order (docs/control-protocol.md).
+ *
+ *   request  {"cmd": "info", "args": {...}, "id": <optional, echoed>}
+ *   reply    {"id": ..., "ok": true, "result": {...}}
+ *            {"id": ..., "ok": false, "error": {"code": "...", "message": "..."}}
+ *
+ * It owns the listening socket, the socket file, the connected clients and
+ * their buffers; the commands are registered by the program (hivemindd) with
+ * a handler each. A handler answers now or later, exactly once, with
+ * hm_control_reply or hm_control_reply_error; the answer is dropped quietly
+ * if the client has gone away (or the server was closed) in the meantime.
+ *
+ * Bounds: a request line is at most max_line bytes (a longer one gets an
+ * error reply and the client is disconnected); at most max_clients clients
+ * are served at once (one more gets an error line and is closed); a client
+ * that sends nothing for idle_timeout_ms while no request of it is pending
+ * is closed; one request per client is handled at a time, and a client's
+ * next line is not read while its replies pile up unread (more than
+ * HM_CONTROL_MAX_QUEUED bytes). Malformed JSON, a non-object, a missing or
+ * unknown "cmd" each get an error reply and the connection stays usable.
+ *
+ * The program must ignore SIGPIPE (hivemindd does), since a client may go
+ * away while its reply is being written.
+ *
+ * Socket file: at start an existing file at the path is removed only if it
+ * is a socket that nobody listens on (a connect test); if a daemon answers,
+ * the server refuses to start (-EADDRINUSE). The file is created with mode
+ * 0600, or 0660 and the given group. It is removed on close, unless another
+ * server has replaced it since.
+ */
+#ifndef HM_CONTROL_H
+#define HM_CONTROL_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+typedef struct hm_control hm_control;
+typedef struct hm_control_req hm_control_req;
+
+#define HM_CONTROL_MAX_LINE (64 * 1024)
+#define HM_CONTROL_MAX_CMD 32
+#define HM_CONTROL_MAX_ID 256         /* bytes of a string id */
+#define HM_CONTROL_MAX_QUEUED (4 * 1024 * 1024)
+#define HM_CONTROL_MAX_COMMANDS 64
+
+typedef struct hm_control_config {
+    const char *path;          /* socket path, required */
+    const char *group;         /* group name or number; NULL: mode 0600 */
+    size_t max_clients;        /* default 32 */
+    uint64_t idle_timeout_ms;  /* default 300000; UINT64_MAX: never */
+    size_t max_line;           /* default HM_CONTROL_MAX_LINE */
+} hm_control_config;
+
+/*
+ * A handler. args is the request's "args" object (an empty object if it
+ * was absent), valid only during the call: take a reference to keep it.
+ */
+typedef void (*hm_control_handler)(void *ud, hm_control_req *req, const json_t *args);
+
+/* On failure err holds a sentence for the operator. */
+int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **out, char *err,
+                   size_t errlen);
+/*
+ * Registers cmd (1..HM_CONTROL_MAX_CMD of [a-z0-9_.-]). 0, -EINVAL,
+ * -EEXIST or -ENOBUFS (more than HM_CONTROL_MAX_COMMANDS).
+ */
+int hm_control_register(hm_control *ctl, const char *cmd, hm_control_handler h, void *ud);
+
+/*
+ * Answers a request and frees it. result (may be NULL: {}) is taken over,
+ * i.e. its reference is stolen. Returns 0, or -EPIPE if the client has gone
+ * (the request is freed all the same).
+ */
+int hm_control_reply(hm_control_req *req, json_t *result);
+/* code is a short machine-readable word ("bad_args"), message a sentence. */
+int hm_control_reply_error(hm_control_req *req, const char *code, const char *message);
+/* The command name of a request. */
+const char *hm_control_req_cmd(const hm_control_req *req);
+
+const char *hm_control_path(const hm_control *ctl);
+size_t hm_control_clients(const hm_control *ctl);
+
+/*
+ * Stops listening, removes the socket file, lets replies already queued
+ * reach their clients (for at most a second), closes every client and
+ * frees the server; cb fires after that. Pending requests stay valid:
+ * their handlers still reply, and the reply is dropped.
+ */
+void hm_control_close(hm_control *ctl, void (*cb)(void *ud), void *ud);
+
+/* ---- the pure parts, exposed for tests and the fuzz target ---- */
+
+typedef struct hm_control_request {
+    char cmd[HM_CONTROL_MAX_CMD + 1];
+    json_t *args; /* an object; never NULL after a successful parse */
+    json_t *id;   /* NULL when absent */
+} hm_control_request;
+
+/*
+ * Parses one request line (without its newline; need not be
+ * NUL-terminated). Returns 0, or -EINVAL with *code_out set to
+ * "parse_error" (not JSON) or "invalid_request" (not a request object) and
+ * a sentence in msg. Even on failure out->id may be set (so the error reply
+ * can echo it): call hm_control_request_clear either way.
+ */
+int hm_control_parse_request(const char *line, size_t len, hm_control_request *out,
+                             const char **code_out, char *msg, size_t msglen);
+void hm_control_request_clear(hm_control_request *r);
+
+/*
+ * Renders a reply line (with its trailing newline) into a malloc'd string.
+ * id may be NULL; for ok replies result may be NULL ({}); the references
+ * are not taken. Returns NULL on allocation failure.
+ */
+char *hm_control_format_reply(const json_t *id, int ok, const json_t *result, const char *code,
+                              const char *message, size_t *len_out);
+
+#endif

@@ -1,0 +1,404 @@
+/*
+ * hivemindctl: the command-line client of the control socket. It sends one
+ * request to a running hivemindd, reads one reply line (capped at
+ * MAX_REPLY bytes, within --timeout seconds) and prints it for people
+ * (info as "key: value" lines, peers as a table, metrics as the Prometheus
+ * text) or, with --json, prints the reply line as it came. Blocking I/O is
+ * enough here: there is one socket and one request.
+ *
+ * Exit status: 0 the command succeeded; 1 the daemon could not be reached,
+ * did not answer in time, or answered with an error (printed on stderr);
+ * 64 usage error.
+ */
+#include "config.h"
+
+#include "hm_config.h"
+#include "util.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <math.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_REPLY (32 * 1024 * 1024)
+
+static const char *const commands[] = {"info", "peers", "metrics", "shutdown"};
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "Usage: hivemindctl [-s SOCKET] [--json] [--timeout SECONDS] COMMAND\n"
+            "Queries and controls a running hivemindd through its control socket.\n\n"
+            "Commands:\n"
+            "  info       peer id, address, swarm, version and uptime of the node\n"
+            "  peers      the peer table: id, address, last seen, round-trip time, connected\n"
+            "  metrics    metrics in Prometheus text format\n"
+            "  shutdown   ask the daemon to shut down (it exits with status 0)\n\n"
+            "Options:\n"
+            "  -s, --socket PATH    control socket (default: $HIVEMINDD_CONTROL_SOCKET, else\n"
+            "                       the daemon's default for this user)\n"
+            "  -j, --json           print the daemon's JSON reply as it is\n"
+            "  -T, --timeout SECS   give up after this long without a reply (default 10)\n"
+            "  -V, --version        print the version and exit\n"
+            "  -h, --help           print this help and exit\n\n"
+            "Exit status: 0 ok, 1 the daemon was not reached or reported an error,\n"
+            "64 bad usage.\n");
+}
+
+static long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Waits for fd to become ready for events before the deadline. */
+static int wait_fd(int fd, short events, long deadline)
+{
+    for (;;) {
+        long left = deadline - now_ms();
+        if (left <= 0)
+            return -ETIMEDOUT;
+        struct pollfd p = {.fd = fd, .events = events};
+        int r = poll(&p, 1, (int)HM_MIN(left, 1000000L));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return -errno;
+        if (r > 0)
+            return 0;
+    }
+}
+
+static int send_all(int fd, const char *p, size_t len, long deadline)
+{
+    while (len > 0) {
+        int r = wait_fd(fd, POLLOUT, deadline);
+        if (r != 0)
+            return r;
+        ssize_t w = send(fd, p, len, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            return -errno;
+        }
+        p += w;
+        len -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Reads up to the first newline; returns the line length or negative. */
+static int read_line(int fd, char **out, long deadline)
+{
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    if (buf == NULL)
+        return -ENOMEM;
+    for (;;) {
+        char *nl = len ? memchr(buf, '\n', len) : NULL;
+        if (nl != NULL) {
+            *nl = '\0';
+            *out = buf;
+            return (int)(nl - buf);
+        }
+        if (len == cap) {
+            if (cap >= MAX_REPLY) {
+                free(buf);
+                return -EMSGSIZE;
+            }
+            char *nb = realloc(buf, cap * 2);
+            if (nb == NULL) {
+                free(buf);
+                return -ENOMEM;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+        int r = wait_fd(fd, POLLIN, deadline);
+        if (r != 0) {
+            free(buf);
+            return r;
+        }
+        ssize_t n = recv(fd, buf + len, cap - len, 0);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            int e = errno;
+            free(buf);
+            return -e;
+        }
+        if (n == 0) {
+            free(buf);
+            return -ECONNRESET;
+        }
+        len += (size_t)n;
+    }
+}
+
+static void print_info(const json_t *r)
+{
+    static const char *const keys[] = {"peer_id", "address", "swarm", "version", "uptime_s",
+                                       "client_mode", "pid", "control_socket"};
+    for (size_t i = 0; i < HM_ARRAY_LEN(keys); i++) {
+        const json_t *v = json_object_get(r, keys[i]);
+        if (v == NULL)
+            continue;
+        if (json_is_string(v))
+            printf("%s: %s\n", keys[i], json_string_value(v));
+        else if (json_is_boolean(v))
+            printf("%s: %s\n", keys[i], json_is_true(v) ? "yes" : "no");
+        else if (json_is_integer(v))
+            printf("%s: %lld\n", keys[i], (long long)json_integer_value(v));
+        else if (json_is_real(v))
+            printf("%s: %g\n", keys[i], json_real_value(v));
+    }
+    /* Anything newer daemons add still shows up. */
+    const char *key;
+    const json_t *v;
+    json_object_foreach((json_t *)r, key, v) {
+        int known = 0;
+        for (size_t i = 0; i < HM_ARRAY_LEN(keys); i++)
+            known |= strcmp(key, keys[i]) == 0;
+        if (known)
+            continue;
+        char *s = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+        if (s != NULL) {
+            if (json_is_string(v))
+                printf("%s: %s\n", key, json_string_value(v));
+            else
+                printf("%s: %s\n", key, s);
+            free(s);
+        }
+    }
+}
+
+static void format_ago(double s, char *buf, size_t len)
+{
+    if (s < 0 || !isfinite(s))
+        snprintf(buf, len, "-");
+    else if (s < 60)
+        snprintf(buf, len, "%.1fs ago", s);
+    else if (s < 3600)
+        snprintf(buf, len, "%.0fm ago", floor(s / 60));
+    else
+        snprintf(buf, len, "%.0fh ago", floor(s / 3600));
+}
+
+static void print_peers(const json_t *r)
+{
+    const json_t *list = json_object_get(r, "peers");
+    size_t idw = strlen("PEER ID"), aw = strlen("ADDRESS");
+    size_t i;
+    const json_t *p;
+
+    if (!json_is_array(list) || json_array_size(list) == 0) {
+        printf("no peers\n");
+        return;
+    }
+    json_array_foreach(list, i, p) {
+        const char *id = json_string_value(json_object_get(p, "peer_id"));
+        const char *a = json_string_value(json_object_get(p, "address"));
+        idw = HM_MAX(idw, id ? strlen(id) : 1);
+        aw = HM_MAX(aw, a ? strlen(a) : 1);
+    }
+    printf("%-*s  %-*s  %-10s  %9s  %s\n", (int)idw, "PEER ID", (int)aw, "ADDRESS", "LAST SEEN",
+           "RTT", "CONN");
+    json_array_foreach(list, i, p) {
+        const char *id = json_string_value(json_object_get(p, "peer_id"));
+        const char *a = json_string_value(json_object_get(p, "address"));
+        const json_t *seen = json_object_get(p, "last_seen_s");
+        const json_t *rtt = json_object_get(p, "rtt_ms");
+        char ago[32], rtts[32];
+        format_ago(json_is_number(seen) ? json_number_value(seen) : -1, ago, sizeof(ago));
+        if (json_is_number(rtt))
+            snprintf(rtts, sizeof(rtts), "%.1f ms", json_number_value(rtt));
+        else
+            snprintf(rtts, sizeof(rtts), "-");
+        printf("%-*s  %-*s  %-10s  %9s  %s\n", (int)idw, id ? id : "?", (int)aw, a ? a : "-", ago,
+               rtts, json_is_true(json_object_get(p, "connected")) ? "yes" : "no");
+    }
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option longopts[] = {
+        {"socket", required_argument, NULL, 's'}, {"json", no_argument, NULL, 'j'},
+        {"timeout", required_argument, NULL, 'T'}, {"version", no_argument, NULL, 'V'},
+        {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
+    };
+    const char *sock = NULL;
+    int json_out = 0;
+    double timeout_s = 10;
+    char path[HM_CONFIG_SOCKET_PATH_LEN];
+    char *line = NULL;
+    json_t *reply = NULL;
+    int fd = -1, code = HM_EXIT_FAILURE;
+
+    /* SIGPIPE is left alone: sends use MSG_NOSIGNAL, and `hivemindctl metrics |
+     * head` should end quietly the way other tools do. */
+    opterr = 0;
+    for (;;) {
+        int prev = optind;
+        int ch = getopt_long(argc, argv, ":s:jT:Vh", longopts, NULL);
+        if (ch == -1)
+            break;
+        switch (ch) {
+        case 's':
+            sock = optarg;
+            break;
+        case 'j':
+            json_out = 1;
+            break;
+        case 'T': {
+            char *end;
+            errno = 0;
+            timeout_s = strtod(optarg, &end);
+            if (errno != 0 || end == optarg || *end != '\0' || !(timeout_s > 0) ||
+                timeout_s > 86400) {
+                fprintf(stderr, "hivemindctl: bad --timeout '%s': expected seconds, more than 0 "
+                        "and at most 86400\n", optarg);
+                return HM_EXIT_USAGE;
+            }
+            break;
+        }
+        case 'V':
+            printf("hivemindctl %s\n", PACKAGE_VERSION);
+            return HM_EXIT_OK;
+        case 'h':
+            usage(stdout);
+            return HM_EXIT_OK;
+        case ':':
+            fprintf(stderr, "hivemindctl: option '%s' needs a value\n",
+                    prev < argc ? argv[prev] : "?");
+            usage(stderr);
+            return HM_EXIT_USAGE;
+        default:
+            fprintf(stderr, "hivemindctl: unknown option '%s'\n", prev < argc ? argv[prev] : "?");
+            usage(stderr);
+            return HM_EXIT_USAGE;
+        }
+    }
+    if (optind != argc - 1) {
+        fprintf(stderr, optind >= argc ? "hivemindctl: no command given\n"
+                                       : "hivemindctl: one command at a time\n");
+        usage(stderr);
+        return HM_EXIT_USAGE;
+    }
+    const char *cmd = argv[optind];
+    int known = 0;
+    for (size_t i = 0; i < HM_ARRAY_LEN(commands); i++)
+        known |= strcmp(cmd, commands[i]) == 0;
+    if (!known) {
+        fprintf(stderr, "hivemindctl: unknown command '%s'\n", cmd);
+        usage(stderr);
+        return HM_EXIT_USAGE;
+    }
+
+    if (sock == NULL) {
+        const char *env = getenv("HIVEMINDD_CONTROL_SOCKET");
+        if (env != NULL && env[0] != '\0') {
+            sock = env;
+        } else {
+            char state[HM_CONFIG_PATH_LEN];
+            if (hm_config_default_state_dir(state, sizeof(state)) != 0 ||
+                hm_config_default_control_socket(state, path, sizeof(path)) != 0) {
+                fprintf(stderr, "hivemindctl: cannot tell the default control socket; use -s\n");
+                return HM_EXIT_FAILURE;
+            }
+            sock = path;
+        }
+    }
+
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    if (strlen(sock) >= sizeof(sa.sun_path)) {
+        fprintf(stderr, "hivemindctl: socket path too long: %s\n", sock);
+        return HM_EXIT_USAGE;
+    }
+    memcpy(sa.sun_path, sock, strlen(sock) + 1);
+    long deadline = now_ms() + (long)(timeout_s * 1000);
+
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        fprintf(stderr, "hivemindctl: socket: %s\n", strerror(errno));
+        goto out;
+    }
+    /* A daemon whose accept backlog is full makes connect wait; Linux bounds
+     * that wait by the send timeout. */
+    struct timeval tv = {.tv_sec = (time_t)timeout_s,
+                         .tv_usec = (suseconds_t)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+        fprintf(stderr, "hivemindctl: cannot connect to %s: %s (is hivemindd running?)\n", sock,
+                strerror(errno));
+        goto out;
+    }
+
+    char req[128];
+    snprintf(req, sizeof(req), "{\"cmd\":\"%s\",\"args\":{},\"id\":1}\n", cmd);
+    int r = send_all(fd, req, strlen(req), deadline);
+    if (r != 0) {
+        fprintf(stderr, "hivemindctl: cannot send to %s: %s\n", sock, hm_strerror(r));
+        goto out;
+    }
+    r = read_line(fd, &line, deadline);
+    if (r < 0) {
+        if (r == -ETIMEDOUT)
+            fprintf(stderr, "hivemindctl: no reply from %s within %g s\n", sock, timeout_s);
+        else if (r == -ECONNRESET)
+            fprintf(stderr, "hivemindctl: %s closed the connection without a reply\n", sock);
+        else if (r == -EMSGSIZE)
+            fprintf(stderr, "hivemindctl: reply from %s longer than %d bytes\n", sock, MAX_REPLY);
+        else
+            fprintf(stderr, "hivemindctl: reading from %s: %s\n", sock, hm_strerror(r));
+        goto out;
+    }
+    json_error_t jerr;
+    reply = json_loads(line, 0, &jerr);
+    if (!json_is_object(reply) || !json_is_boolean(json_object_get(reply, "ok"))) {
+        fprintf(stderr, "hivemindctl: malformed reply from %s\n", sock);
+        goto out;
+    }
+    if (json_out) {
+        printf("%s\n", line);
+    }
+    if (!json_is_true(json_object_get(reply, "ok"))) {
+        const json_t *e = json_object_get(reply, "error");
+        const char *msg = json_string_value(json_object_get(e, "message"));
+        const char *ecode = json_string_value(json_object_get(e, "code"));
+        fprintf(stderr, "hivemindctl: %s: %s%s%s%s\n", cmd, msg ? msg : "error",
+                ecode ? " (" : "", ecode ? ecode : "", ecode ? ")" : "");
+        goto out;
+    }
+    const json_t *result = json_object_get(reply, "result");
+    if (!json_out) {
+        if (strcmp(cmd, "info") == 0) {
+            print_info(result);
+        } else if (strcmp(cmd, "peers") == 0) {
+            print_peers(result);
+        } else if (strcmp(cmd, "metrics") == 0) {
+            const char *text = json_string_value(json_object_get(result, "text"));
+            fputs(text ? text : "", stdout);
+        } else if (strcmp(cmd, "shutdown") == 0) {
+            printf("hivemindd is shutting down\n");
+        }
+    }
+    code = fflush(stdout) == 0 ? HM_EXIT_OK : HM_EXIT_FAILURE;
+out:
+    json_decref(reply);
+    free(line);
+    if (fd >= 0)
+        close(fd);
+    return code;
+}

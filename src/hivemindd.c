@@ -1,0 +1,478 @@
+/*
+ * hivemindd: the daemon. It reads the configuration (config.c), runs one
+ * node (node.c) and the control socket (control.c) on one libuv loop, and
+ * handles the process's signals: SIGTERM and SIGINT drain and exit 0, SIGHUP
+ * re-reads the config file. It owns the loop, the node, the control server
+ * and the signal handles.
+ *
+ * Once the node listens and the control socket is up, the node's address
+ * PEERID@HOST:PORT is written alone on the first line of standard output
+ * (and flushed), so that scripts can read it with `head -n 1`. Logs go to
+ * standard error.
+ *
+ * systemd readiness is told without libsystemd: when NOTIFY_SOCKET names a
+ * socket (a path, or @name for an abstract one) the daemon sends READY=1
+ * once listening, RELOADING=1 and READY=1 around a reload, and STOPPING=1
+ * when it begins to shut down.
+ */
+#include "config.h"
+
+#include "control.h"
+#include "crypto.h"
+#include "hm_config.h"
+#include "node.h"
+#include "util.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+#include <uv.h>
+
+#define MOD "hivemindd"
+
+typedef struct daemon {
+    uv_loop_t loop;
+    hm_config cfg;      /* the configuration in force */
+    hm_config_args args;
+    hm_node *node;
+    hm_control *ctl;
+    uv_signal_t sig_term, sig_int, sig_hup;
+    int signals_open;
+    int stopping;
+    int parts_open;     /* node and control server not yet closed */
+    int loop_open;      /* the loop was initialised */
+    uint8_t swarm_key[32];
+    int have_swarm_key;
+} daemon_t;
+
+/* ---- systemd notification ---- */
+
+static void sd_notify_msg(const char *msg)
+{
+    const char *e = getenv("NOTIFY_SOCKET");
+    struct sockaddr_un sa;
+    size_t n;
+
+    if (e == NULL || (e[0] != '/' && e[0] != '@'))
+        return;
+    n = strlen(e);
+    if (n >= sizeof(sa.sun_path))
+        return;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, e, n);
+    if (e[0] == '@')
+        sa.sun_path[0] = '\0';
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return;
+    socklen_t len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n);
+    if (sendto(fd, msg, strlen(msg), MSG_NOSIGNAL, (struct sockaddr *)&sa, len) < 0)
+        hm_debug(MOD, "notify socket %s: %s", e, strerror(errno));
+    close(fd);
+}
+
+static void sd_notify_reloading(void)
+{
+    char msg[96];
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    /* systemd 253+ wants the time of the reload with RELOADING=1. */
+    snprintf(msg, sizeof(msg), "RELOADING=1\nMONOTONIC_USEC=%llu",
+             (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000);
+    sd_notify_msg(msg);
+}
+
+/* ---- shutdown ---- */
+
+static void on_part_closed(void *ud)
+{
+    daemon_t *d = ud;
+    d->parts_open--;
+}
+
+static void begin_shutdown(daemon_t *d, const char *why)
+{
+    if (d->stopping)
+        return;
+    d->stopping = 1;
+    sd_notify_msg("STOPPING=1");
+    hm_info(MOD, "shutting down (%s)", why);
+    /* With the handlers gone a second SIGTERM or SIGINT kills the process
+     * outright, which is the way out of a drain that hangs. */
+    if (d->signals_open) {
+        uv_close((uv_handle_t *)&d->sig_term, NULL);
+        uv_close((uv_handle_t *)&d->sig_int, NULL);
+        uv_close((uv_handle_t *)&d->sig_hup, NULL);
+        d->signals_open = 0;
+    }
+    if (d->ctl != NULL) {
+        hm_control_close(d->ctl, on_part_closed, d);
+        d->ctl = NULL;
+    }
+    if (d->node != NULL) {
+        hm_node_close(d->node, on_part_closed, d);
+        d->node = NULL;
+    }
+}
+
+/* ---- reload ---- */
+
+static int has_peer(const hm_config *c, const char *addr)
+{
+    for (size_t i = 0; i < c->n_initial_peers; i++)
+        if (strcmp(c->initial_peers[i], addr) == 0)
+            return 1;
+    return 0;
+}
+
+static void reload(daemon_t *d)
+{
+    hm_config *fresh = NULL;
+    char err[512];
+    const char *changed[32];
+    int reloadable[32];
+
+    sd_notify_reloading();
+    if (d->args.config_file == NULL) {
+        hm_info(MOD, "SIGHUP: no config file was given (-c), nothing to re-read");
+        goto out;
+    }
+    fresh = malloc(sizeof(*fresh));
+    if (fresh == NULL) {
+        hm_error(MOD, "SIGHUP: out of memory; keeping the running configuration");
+        goto out;
+    }
+    if (hm_config_build(fresh, &d->args, err, sizeof(err)) != 0) {
+        hm_error(MOD, "SIGHUP: %s; keeping the running configuration", err);
+        goto out;
+    }
+    size_t n = hm_config_diff(&d->cfg, fresh, changed, reloadable, HM_ARRAY_LEN(changed));
+    if (n == 0)
+        hm_info(MOD, "SIGHUP: %s re-read, nothing changed", d->args.config_file);
+    for (size_t i = 0; i < n && i < HM_ARRAY_LEN(changed); i++) {
+        if (!reloadable[i]) {
+            hm_warn(MOD, "SIGHUP: %s changed; restart hivemindd to apply it", changed[i]);
+            continue;
+        }
+        if (strcmp(changed[i], "LogLevel") == 0) {
+            hm_log_set_level(fresh->log_level);
+            hm_info(MOD, "SIGHUP: LogLevel is now %s", hm_log_level_name(fresh->log_level));
+            d->cfg.log_level = fresh->log_level;
+        } else if (strcmp(changed[i], "InitialPeers") == 0) {
+            for (size_t j = 0; j < fresh->n_initial_peers; j++) {
+                const char *p = fresh->initial_peers[j];
+                if (has_peer(&d->cfg, p) || d->node == NULL)
+                    continue;
+                int r = hm_node_add_peer(d->node, p);
+                if (r < 0)
+                    hm_warn(MOD, "SIGHUP: initial peer %s not added: %s", p, hm_strerror(r));
+                else
+                    hm_info(MOD, "SIGHUP: added initial peer %s", p);
+            }
+            memcpy(d->cfg.initial_peers, fresh->initial_peers, sizeof(d->cfg.initial_peers));
+            d->cfg.n_initial_peers = fresh->n_initial_peers;
+        }
+    }
+out:
+    free(fresh);
+    sd_notify_msg("READY=1");
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    daemon_t *d = h->data;
+    if (signum == SIGHUP)
+        reload(d);
+    else
+        begin_shutdown(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+/* ---- control commands ---- */
+
+static void reply_or_fail(hm_control_req *req, json_t *result)
+{
+    if (result == NULL)
+        hm_control_reply_error(req, "internal", "out of memory");
+    else
+        hm_control_reply(req, result);
+}
+
+static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
+{
+    daemon_t *d = ud;
+    char addr[HM_PEER_ID_LEN + HM_ADDRSTRLEN + 2];
+    (void)args;
+    if (d->node == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    if (hm_node_address(d->node, addr, sizeof(addr)) != 0)
+        addr[0] = '\0';
+    reply_or_fail(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s}", "peer_id",
+                                 hm_node_identity(d->node)->peer_id, "address", addr, "swarm",
+                                 hm_node_swarm(d->node), "version", PACKAGE_VERSION, "uptime_s",
+                                 (json_int_t)(hm_node_uptime_ms(d->node) / 1000), "client_mode",
+                                 d->cfg.client_mode, "pid", (json_int_t)getpid(),
+                                 "control_socket", d->cfg.control_socket));
+}
+
+static void cmd_peers(void *ud, hm_control_req *req, const json_t *args)
+{
+    daemon_t *d = ud;
+    hm_peer_info *peers = NULL;
+    json_t *list = NULL;
+    (void)args;
+
+    if (d->node == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    size_t total = hm_node_peers(d->node, NULL, 0);
+    if (total > 0) {
+        peers = calloc(total, sizeof(*peers));
+        if (peers == NULL)
+            goto fail;
+        total = HM_MIN(total, hm_node_peers(d->node, peers, total));
+    }
+    list = json_array();
+    if (list == NULL)
+        goto fail;
+    uint64_t now = hm_now_ms();
+    for (size_t i = 0; i < total; i++) {
+        const hm_peer_info *p = &peers[i];
+        char a[HM_ADDRSTRLEN];
+        json_t *addr = json_null();
+        if ((p->addr.ss_family == AF_INET || p->addr.ss_family == AF_INET6) &&
+            hm_format_addr((const struct sockaddr *)&p->addr, a, sizeof(a)) == 0)
+            addr = json_string(a);
+        uint64_t ago = now > p->last_seen_ms ? now - p->last_seen_ms : 0;
+        json_t *e = json_pack("{s:s, s:o, s:f, s:o, s:b}", "peer_id", p->peer_id, "address",
+                              addr, "last_seen_s", (double)ago / 1000.0, "rtt_ms",
+                              p->rtt_ms < 0 ? json_null() : json_real(round(p->rtt_ms * 1000) / 1000),
+                              "connected",
+                              p->connected);
+        if (e == NULL || json_array_append_new(list, e) != 0)
+            goto fail;
+    }
+    free(peers);
+    reply_or_fail(req, json_pack("{s:o}", "peers", list));
+    return;
+fail:
+    free(peers);
+    json_decref(list);
+    hm_control_reply_error(req, "internal", "out of memory");
+}
+
+static void cmd_metrics(void *ud, hm_control_req *req, const json_t *args)
+{
+    daemon_t *d = ud;
+    (void)args;
+    if (d->node == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    char *text = hm_node_metrics(d->node);
+    if (text == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        return;
+    }
+    reply_or_fail(req, json_pack("{s:s}", "text", text));
+    free(text);
+}
+
+static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)
+{
+    daemon_t *d = ud;
+    (void)args;
+    /* The reply is queued first; closing the server lets it be written. */
+    reply_or_fail(req, json_pack("{s:b}", "stopping", 1));
+    begin_shutdown(d, "hivemindctl shutdown");
+}
+
+/* ---- start ---- */
+
+static int start(daemon_t *d, char *err, size_t errlen)
+{
+    const char *peers[HM_CONFIG_MAX_PEERS];
+    int r;
+
+    if (hm_crypto_init() != 0) {
+        snprintf(err, errlen, "cannot initialise libsodium");
+        return -EIO;
+    }
+    if (d->cfg.swarm_key_file[0] != '\0') {
+        r = hm_swarm_key_load(d->cfg.swarm_key_file, d->swarm_key, err, errlen);
+        if (r != 0)
+            return r;
+        d->have_swarm_key = 1;
+    }
+    r = hm_config_make_dir(d->cfg.state_dir, 0700, err, errlen);
+    if (r != 0)
+        return r;
+    /* The control socket's directory is made when missing; one that exists
+     * (such as systemd's RuntimeDirectory) is left as it is. */
+    char sockdir[HM_CONFIG_SOCKET_PATH_LEN];
+    hm_strlcpy(sockdir, d->cfg.control_socket, sizeof(sockdir));
+    char *slash = strrchr(sockdir, '/');
+    if (slash != NULL && slash != sockdir) {
+        *slash = '\0';
+        /* With a group, others may pass through the directory (0711) so
+         * that the group's members reach the socket, which itself is 0660. */
+        r = hm_config_make_dir(sockdir, d->cfg.control_socket_group[0] ? 0711 : 0700, err,
+                               errlen);
+        if (r != 0)
+            return r;
+    }
+
+    r = uv_loop_init(&d->loop);
+    if (r != 0) {
+        snprintf(err, errlen, "cannot create the event loop: %s", uv_strerror(r));
+        return r;
+    }
+    d->loop_open = 1;
+
+    for (size_t i = 0; i < d->cfg.n_initial_peers; i++)
+        peers[i] = d->cfg.initial_peers[i];
+    hm_node_options no;
+    memset(&no, 0, sizeof(no));
+    no.listen = d->cfg.listen;
+    no.initial_peers = peers;
+    no.n_initial_peers = d->cfg.n_initial_peers;
+    no.state_dir = d->cfg.state_dir;
+    no.swarm = d->cfg.swarm;
+    no.swarm_key = d->have_swarm_key ? d->swarm_key : NULL;
+    no.client_mode = d->cfg.client_mode;
+    no.ping_interval_ms = (uint64_t)d->cfg.ping_interval_s * 1000u;
+    no.transport.max_connections = d->cfg.max_connections;
+    r = hm_node_new(&d->loop, &no, &d->node, err, errlen);
+    if (r != 0)
+        return r;
+    d->parts_open++;
+
+    hm_control_config cc = {
+        .path = d->cfg.control_socket,
+        .group = d->cfg.control_socket_group[0] ? d->cfg.control_socket_group : NULL,
+        .max_clients = d->cfg.control_max_clients,
+        .idle_timeout_ms = d->cfg.control_idle_timeout_s
+                               ? (uint64_t)d->cfg.control_idle_timeout_s * 1000u
+                               : UINT64_MAX,
+    };
+    r = hm_control_new(&d->loop, &cc, &d->ctl, err, errlen);
+    if (r != 0)
+        return r;
+    d->parts_open++;
+    hm_control_register(d->ctl, "info", cmd_info, d);
+    hm_control_register(d->ctl, "peers", cmd_peers, d);
+    hm_control_register(d->ctl, "metrics", cmd_metrics, d);
+    hm_control_register(d->ctl, "shutdown", cmd_shutdown, d);
+
+    uv_signal_init(&d->loop, &d->sig_term);
+    uv_signal_init(&d->loop, &d->sig_int);
+    uv_signal_init(&d->loop, &d->sig_hup);
+    d->sig_term.data = d->sig_int.data = d->sig_hup.data = d;
+    d->signals_open = 1;
+    uv_signal_start(&d->sig_term, on_signal, SIGTERM);
+    uv_signal_start(&d->sig_int, on_signal, SIGINT);
+    uv_signal_start(&d->sig_hup, on_signal, SIGHUP);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    daemon_t *d = NULL;
+    char err[1024];
+    int code = HM_EXIT_FAILURE;
+
+    /* A control client that leaves while its reply is written must not
+     * kill the daemon; the write fails with EPIPE instead. */
+    signal(SIGPIPE, SIG_IGN);
+
+    d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        fprintf(stderr, "hivemindd: out of memory\n");
+        return HM_EXIT_FAILURE;
+    }
+    if (hm_config_parse_args(argc, argv, &d->args, err, sizeof(err)) != 0) {
+        fprintf(stderr, "hivemindd: %s\nTry 'hivemindd --help'.\n", err);
+        code = HM_EXIT_USAGE;
+        goto out;
+    }
+    if (d->args.help) {
+        hm_config_usage(stdout, "hivemindd");
+        code = HM_EXIT_OK;
+        goto out;
+    }
+    if (d->args.version) {
+        printf("hivemindd %s\n", PACKAGE_VERSION);
+        code = HM_EXIT_OK;
+        goto out;
+    }
+    if (hm_config_build(&d->cfg, &d->args, err, sizeof(err)) != 0) {
+        fprintf(stderr, "hivemindd: %s\n", err);
+        code = HM_EXIT_CONFIG;
+        goto out;
+    }
+    if (d->args.test_config) {
+        char *text = hm_config_format(&d->cfg);
+        if (text == NULL) {
+            fprintf(stderr, "hivemindd: out of memory\n");
+            goto out;
+        }
+        fputs(text, stdout);
+        free(text);
+        fprintf(stderr, "hivemindd: configuration ok\n");
+        code = fflush(stdout) == 0 ? HM_EXIT_OK : HM_EXIT_FAILURE;
+        goto out;
+    }
+    hm_log_set_level(d->cfg.log_level);
+
+    int r = start(d, err, sizeof(err));
+    if (r != 0) {
+        hm_error(MOD, "%s", err);
+        fprintf(stderr, "hivemindd: %s\n", err);
+        begin_shutdown(d, "start failed");
+        code = HM_EXIT_FAILURE;
+    } else {
+        char addr[HM_PEER_ID_LEN + HM_ADDRSTRLEN + 2];
+        if (hm_node_address(d->node, addr, sizeof(addr)) != 0) {
+            hm_error(MOD, "cannot tell the node's own address");
+            begin_shutdown(d, "start failed");
+            code = HM_EXIT_FAILURE;
+        } else {
+            printf("%s\n", addr);
+            fflush(stdout);
+            hm_info(MOD, "hivemindd %s listening on %s, control socket %s", PACKAGE_VERSION, addr,
+                    d->cfg.control_socket);
+            char ready[64];
+            snprintf(ready, sizeof(ready), "READY=1\nMAINPID=%ld", (long)getpid());
+            sd_notify_msg(ready);
+            code = HM_EXIT_OK;
+        }
+    }
+    if (d->loop_open) {
+        uv_run(&d->loop, UV_RUN_DEFAULT);
+        if (d->parts_open != 0)
+            hm_error(MOD, "the loop ended with parts still open");
+        int cr = uv_loop_close(&d->loop);
+        if (cr != 0)
+            hm_warn(MOD, "event loop closed with handles left: %s", uv_strerror(cr));
+    }
+    if (code == HM_EXIT_OK)
+        hm_info(MOD, "stopped");
+out:
+    if (d != NULL) {
+        sodium_memzero(d->swarm_key, sizeof(d->swarm_key));
+        free(d);
+    }
+    return code;
+}

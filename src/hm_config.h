@@ -1,0 +1,162 @@
+/*
+ * config: the settings of hivemindd, from its config file and its command
+ * line. One table of options (config.c) serves the config file, the
+ * getopt_long flags, the --help text and the printing of the effective
+ * configuration (hivemindd -t), so the four can never disagree.
+ *
+ * This header is called hm_config.h, not config.h, because every .c file
+ * includes autoconf's "config.h" first and the compiler would find a
+ * src/config.h next to the source file before the generated one.
+ *
+ * Config file: one "Keyword value" per line; keywords are case-insensitive;
+ * blank lines and lines whose first non-blank character is '#' are ignored,
+ * and so is everything after a '#' that follows a blank. Lines are capped at
+ * HM_CONFIG_MAX_LINE bytes and the file at HM_CONFIG_MAX_FILE bytes. An
+ * unknown keyword, a missing or bad value, or an overlong line is an error
+ * that names the file and the line. InitialPeers may be repeated and takes
+ * comma-separated lists; any other keyword given twice keeps the last value.
+ *
+ * Order of precedence: built-in defaults, then the file (-c), then flags.
+ * A flag's value is checked before the file is read, so a bad flag is a
+ * usage error (exit 64) whatever the file holds; a bad file exits 78.
+ *
+ * Defaults that depend on the user: StateDir is /var/lib/hivemindd for
+ * root, else $XDG_STATE_HOME/hivemindd or ~/.local/state/hivemindd.
+ * ControlSocket is /run/hivemindd/control.sock for root, else
+ * $XDG_RUNTIME_DIR/hivemindd/control.sock, else STATEDIR/control.sock.
+ * hivemindctl uses the same rules (hm_config_default_control_socket).
+ */
+#ifndef HM_CONFIG_H
+#define HM_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define HM_CONFIG_MAX_LINE 4096
+#define HM_CONFIG_MAX_FILE (1024 * 1024)
+#define HM_CONFIG_MAX_PEERS 64      /* matches HM_NODE_MAX_INITIAL_PEERS */
+#define HM_CONFIG_PEER_LEN 128      /* PEERID@HOST:PORT, with room for IPv6 */
+#define HM_CONFIG_PATH_LEN 1024
+#define HM_CONFIG_SOCKET_PATH_LEN 108 /* sizeof(sun_path), including the NUL */
+#define HM_CONFIG_SWARM_LEN 64
+#define HM_CONFIG_GROUP_LEN 64
+
+/* The documented exit codes of hivemindd and hivemindctl (sysexits.h). */
+enum {
+    HM_EXIT_OK = 0,
+    HM_EXIT_FAILURE = 1,
+    HM_EXIT_USAGE = 64,
+    HM_EXIT_CONFIG = 78,
+};
+
+typedef struct hm_config {
+    char listen[HM_CONFIG_PEER_LEN];
+    char initial_peers[HM_CONFIG_MAX_PEERS][HM_CONFIG_PEER_LEN];
+    size_t n_initial_peers;
+    char state_dir[HM_CONFIG_PATH_LEN];
+    /* Empty until hm_config_finish() fills in the default. */
+    char control_socket[HM_CONFIG_SOCKET_PATH_LEN];
+    char control_socket_group[HM_CONFIG_GROUP_LEN]; /* empty: none */
+    unsigned control_max_clients;
+    unsigned control_idle_timeout_s; /* 0: no idle timeout */
+    char swarm[HM_CONFIG_SWARM_LEN + 1];
+    char swarm_key_file[HM_CONFIG_PATH_LEN]; /* empty: none */
+    int client_mode;
+    int log_level; /* enum hm_log_level */
+    unsigned ping_interval_s;
+    unsigned max_connections;
+} hm_config;
+
+/*
+ * The command line, parsed but not yet applied: what to do, the config file
+ * to read, and the option flags in the order given (pointers into argv,
+ * which must outlive this). Every value in it has already been checked.
+ */
+#define HM_CONFIG_MAX_FLAGS 256
+typedef struct hm_config_args {
+    const char *config_file; /* -c, NULL if none */
+    int test_config;         /* -t */
+    int version;             /* -V */
+    int help;                /* -h */
+    size_t n_flags;
+    struct {
+        int opt;             /* index into the option table */
+        const char *value;   /* NULL for a boolean flag given bare */
+    } flags[HM_CONFIG_MAX_FLAGS];
+} hm_config_args;
+
+/* Fills the built-in defaults (reads the environment and the euid). */
+void hm_config_defaults(hm_config *c);
+
+/*
+ * Parses argv with getopt_long. Returns 0, or -EINVAL with a sentence in
+ * err (unknown flag, missing or bad value, stray argument): exit 64.
+ */
+int hm_config_parse_args(int argc, char **argv, hm_config_args *out, char *err, size_t errlen);
+
+/*
+ * Reads a config file into c (on top of what c holds). Returns 0 or a
+ * negative errno with "FILE:LINE: message" (or "FILE: reason") in err.
+ */
+int hm_config_load_file(hm_config *c, const char *path, char *err, size_t errlen);
+/* The same for a buffer; name is used in messages. Never reads past len. */
+int hm_config_load_buffer(hm_config *c, const char *name, const char *buf, size_t len, char *err,
+                          size_t errlen);
+
+/* Applies the flags of a parsed command line. Returns 0 or -EINVAL. */
+int hm_config_apply_args(hm_config *c, const hm_config_args *a, char *err, size_t errlen);
+
+/*
+ * Fills the defaults that depend on other options (the control socket
+ * under the state dir). Returns 0 or -ENAMETOOLONG with a sentence.
+ */
+int hm_config_finish(hm_config *c, char *err, size_t errlen);
+
+/*
+ * The whole sequence hivemindd runs (at start and on SIGHUP): defaults,
+ * the file named by -c if any, the flags, finish. Returns 0 or a negative
+ * errno with a sentence in err; since the flags were checked when they were
+ * parsed, a failure here is the config file's (exit 78).
+ */
+int hm_config_build(hm_config *c, const hm_config_args *a, char *err, size_t errlen);
+
+/*
+ * Renders the configuration in config-file syntax, one line per option
+ * (options that are unset appear as comments), so that loading the output
+ * gives the same configuration. Returns a malloc'd string or NULL.
+ */
+char *hm_config_format(const hm_config *c);
+
+/* Prints the --help text, generated from the option table. */
+void hm_config_usage(FILE *f, const char *prog);
+
+/* 1 if the two configurations have the same value for every option. */
+int hm_config_equal(const hm_config *a, const hm_config *b);
+
+/*
+ * Lists the keywords of the options whose values differ between a and b,
+ * up to max of them; returns how many differ. reloadable_out (may be NULL)
+ * receives, per listed keyword, whether a running daemon applies the change
+ * on SIGHUP (LogLevel, InitialPeers) or needs a restart.
+ */
+size_t hm_config_diff(const hm_config *a, const hm_config *b, const char **keywords_out,
+                      int *reloadable_out, size_t max);
+
+/*
+ * Checks the syntax of PEERID@HOST:PORT (52 base32 characters, numeric
+ * host). Whether the id is a valid public key is left to the node.
+ */
+int hm_config_check_peer(const char *s);
+
+/* Default state dir and control socket path for this user (see above). */
+int hm_config_default_state_dir(char *buf, size_t len);
+int hm_config_default_control_socket(const char *state_dir, char *buf, size_t len);
+
+/*
+ * Creates dir (and missing parents) with the given mode; an existing
+ * directory is left as it is. Returns 0 or a negative errno with err.
+ */
+int hm_config_make_dir(const char *dir, unsigned mode, char *err, size_t errlen);
+
+#endif

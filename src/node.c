@@ -1,0 +1,601 @@
+/*
+ * node: one hivemindd node (see node.h). It owns the identity, the rpc layer
+ * (and through it the transport), the peer table, the list of bootstrap
+ * peers and the ping timer. Everything runs on the loop thread.
+ */
+#include "config.h"
+
+#include "node.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+#include "wire.h"
+
+#define MOD "node"
+#define PING_METHOD "node.ping"
+
+typedef struct bootstrap {
+    uint8_t pk[HM_PK_BYTES];
+    struct sockaddr_storage addr;
+    uint64_t next_try_ms;  /* monotonic */
+    uint64_t backoff_ms;
+    int pinging;
+} bootstrap;
+
+typedef struct peer {
+    hm_peer_info info;
+    int addr_known;          /* a datagram told us its listen address */
+    int ping_dgram_pending;  /* a datagram ping is in flight */
+    int ping_stream_pending; /* a stream ping is in flight */
+} peer;
+
+struct hm_node {
+    uv_loop_t *loop;
+    hm_identity id;
+    char swarm[65];
+    uint8_t swarm_id[HM_SWARM_ID_BYTES];
+    hm_rpc *rpc;
+    uv_timer_t ping_timer;
+    uint64_t started_ms;
+    uint64_t ping_interval_ms;
+    uint64_t ping_timeout_ms;
+    unsigned max_ping_failures;
+
+    peer *peers;
+    size_t n_peers, max_peers;
+    bootstrap boot[HM_NODE_MAX_INITIAL_PEERS];
+    size_t n_boot;
+
+    uint64_t pings_outstanding; /* callbacks still to fire; freed contexts */
+    int closing;
+    void (*close_cb)(void *ud);
+    void *close_ud;
+    uint32_t jitter_state;
+};
+
+typedef struct ping_ctx {
+    hm_node *node;
+    uint8_t pk[HM_PK_BYTES];
+    uint64_t sent_us;
+    int via_stream;
+    int bootstrap_idx; /* >= 0 for a ping to a bootstrap entry */
+} ping_ctx;
+
+static peer *peer_find(hm_node *n, const uint8_t pk[HM_PK_BYTES])
+{
+    for (size_t i = 0; i < n->n_peers; i++)
+        if (memcmp(n->peers[i].info.pk, pk, HM_PK_BYTES) == 0)
+            return &n->peers[i];
+    return NULL;
+}
+
+static void peer_remove(hm_node *n, peer *p)
+{
+    size_t i = (size_t)(p - n->peers);
+    hm_info(MOD, "peer %s dropped after %u missed pings", p->info.peer_id, p->info.failures);
+    n->peers[i] = n->peers[n->n_peers - 1];
+    n->n_peers--;
+}
+
+/*
+ * Adds or refreshes a peer. A full table keeps its current members: a flood
+ * of fresh identities cannot push out peers we already know.
+ */
+static peer *peer_touch(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
+                        int via_stream)
+{
+    if (memcmp(pk, n->id.pk, HM_PK_BYTES) == 0)
+        return NULL;
+    peer *p = peer_find(n, pk);
+    if (p == NULL) {
+        if (n->n_peers >= n->max_peers)
+            return NULL;
+        p = &n->peers[n->n_peers++];
+        memset(p, 0, sizeof(*p));
+        memcpy(p->info.pk, pk, HM_PK_BYTES);
+        hm_peer_id_encode(pk, p->info.peer_id);
+        p->info.rtt_ms = -1.0;
+        char a[HM_ADDRSTRLEN];
+        hm_format_addr(from, a, sizeof(a));
+        hm_info(MOD, "new peer %s from %s%s", p->info.peer_id, a, via_stream ? " (stream)" : "");
+    }
+    p->info.last_seen_ms = hm_now_ms();
+    p->info.failures = 0;
+    /* A stream's source port is ephemeral; only datagrams come from the
+     * peer's listening port. */
+    if (!via_stream && from != NULL) {
+        memcpy(&p->info.addr, from, hm_addr_len(from));
+        p->addr_known = 1;
+    }
+    return p;
+}
+
+static void on_seen(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
+                    int via_stream)
+{
+    hm_node *n = ud;
+    if (n->closing)
+        return;
+    peer_touch(n, pk, from, via_stream);
+}
+
+static void on_ping_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                            const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    hm_node *n = ud;
+    HM_UNUSED(n);
+    HM_UNUSED(peer_pk);
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    /* The reply tells the caller the address we see it at (useful behind NAT)
+     * and our clock, for diagnosing skew that would break datagram windows. */
+    uint8_t buf[128];
+    char addr[HM_ADDRSTRLEN];
+    hm_wire_wr w;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_wire_wr_map(&w, 2);
+    hm_wire_wr_cstr(&w, "observed");
+    if (from != NULL && hm_format_addr(from, addr, sizeof(addr)) == 0)
+        hm_wire_wr_cstr(&w, addr);
+    else
+        hm_wire_wr_nil(&w);
+    hm_wire_wr_cstr(&w, "time_us");
+    hm_wire_wr_uint(&w, hm_wall_us());
+    if (hm_wire_wr_error(&w) != 0) {
+        hm_rpc_respond(req, -EMSGSIZE, NULL, 0);
+        return;
+    }
+    hm_rpc_respond(req, 0, w.buf, w.len);
+}
+
+static void maybe_finish_close(hm_node *n);
+
+static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
+{
+    ping_ctx *c = ud;
+    hm_node *n = c->node;
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    n->pings_outstanding--;
+    if (n->closing) {
+        free(c);
+        maybe_finish_close(n);
+        return;
+    }
+    if (c->bootstrap_idx >= 0 && (size_t)c->bootstrap_idx < n->n_boot) {
+        bootstrap *b = &n->boot[c->bootstrap_idx];
+        b->pinging = 0;
+        if (status == 0) {
+            b->backoff_ms = n->ping_interval_ms;
+        } else {
+            char id[HM_PEER_ID_LEN + 1];
+            hm_peer_id_encode(b->pk, id);
+            hm_debug(MOD, "initial peer %s did not answer: %s", id, hm_strerror(status));
+            b->backoff_ms = HM_MIN(b->backoff_ms * 2, 60000u);
+        }
+        b->next_try_ms = hm_now_ms() + b->backoff_ms;
+    }
+    peer *p = peer_find(n, c->pk);
+    if (p != NULL) {
+        if (c->via_stream)
+            p->ping_stream_pending = 0;
+        else
+            p->ping_dgram_pending = 0;
+        if (status == 0) {
+            double rtt = (double)(hm_now_us() - c->sent_us) / 1000.0;
+            /* Datagram pings measure the round trip; stream pings include
+             * queueing behind bulk transfers, so they only prove liveness. */
+            if (!c->via_stream)
+                p->info.rtt_ms = p->info.rtt_ms < 0 ? rtt : 0.8 * p->info.rtt_ms + 0.2 * rtt;
+        } else if (!c->via_stream && (status == -ETIMEDOUT || status == -ECONNREFUSED)) {
+            p->info.failures++;
+            if (p->info.failures >= n->max_ping_failures)
+                peer_remove(n, p);
+        }
+    }
+    free(c);
+}
+
+static int send_ping(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                     int via_stream, int bootstrap_idx)
+{
+    ping_ctx *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return -ENOMEM;
+    c->node = n;
+    memcpy(c->pk, pk, HM_PK_BYTES);
+    c->sent_us = hm_now_us();
+    c->via_stream = via_stream;
+    c->bootstrap_idx = bootstrap_idx;
+    static const uint8_t empty_map = 0x80;
+    int r = hm_rpc_call(n->rpc, pk, to, PING_METHOD, &empty_map, 1,
+                        via_stream ? HM_RPC_STREAM : HM_RPC_DGRAM, n->ping_timeout_ms,
+                        on_ping_reply, c, NULL);
+    if (r < 0) {
+        free(c);
+        return r;
+    }
+    n->pings_outstanding++;
+    return 0;
+}
+
+static uint64_t jitter(hm_node *n, uint64_t base_ms)
+{
+    /* xorshift: timers of many nodes started together must not stay in step. */
+    uint32_t x = n->jitter_state;
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    n->jitter_state = x;
+    uint64_t spread = base_ms / 5; /* +-10% */
+    if (spread == 0)
+        return base_ms;
+    return base_ms - spread / 2 + (x % spread);
+}
+
+static void ping_round(hm_node *n)
+{
+    uint64_t now = hm_now_ms();
+    for (size_t i = 0; i < n->n_boot; i++) {
+        bootstrap *b = &n->boot[i];
+        if (b->pinging || now < b->next_try_ms)
+            continue;
+        /* A bootstrap peer already in the table is pinged as a peer. */
+        if (peer_find(n, b->pk) != NULL) {
+            b->next_try_ms = now + n->ping_interval_ms;
+            continue;
+        }
+        if (send_ping(n, b->pk, (const struct sockaddr *)&b->addr, 0, (int)i) == 0)
+            b->pinging = 1;
+        else
+            b->next_try_ms = now + b->backoff_ms;
+    }
+    for (size_t i = 0; i < n->n_peers; i++) {
+        peer *p = &n->peers[i];
+        if (!p->addr_known)
+            continue;
+        const struct sockaddr *to = (const struct sockaddr *)&p->info.addr;
+        if (!p->ping_dgram_pending && send_ping(n, p->info.pk, to, 0, -1) == 0)
+            p->ping_dgram_pending = 1;
+        if (!p->ping_stream_pending && send_ping(n, p->info.pk, to, 1, -1) == 0)
+            p->ping_stream_pending = 1;
+    }
+}
+
+static void on_ping_timer(uv_timer_t *t)
+{
+    hm_node *n = t->data;
+    ping_round(n);
+    uv_timer_start(&n->ping_timer, on_ping_timer, jitter(n, n->ping_interval_ms), 0);
+}
+
+int hm_node_add_peer(hm_node *n, const char *addr)
+{
+    uint8_t pk[HM_PK_BYTES];
+    struct sockaddr_storage sa;
+    if (hm_peer_addr_parse(addr, pk, &sa) != 0)
+        return -EINVAL;
+    if (memcmp(pk, n->id.pk, HM_PK_BYTES) == 0)
+        return -EINVAL;
+    size_t i;
+    for (i = 0; i < n->n_boot; i++)
+        if (memcmp(n->boot[i].pk, pk, HM_PK_BYTES) == 0)
+            break;
+    if (i == n->n_boot) {
+        if (n->n_boot >= HM_NODE_MAX_INITIAL_PEERS)
+            return -ENOBUFS;
+        n->n_boot++;
+    }
+    bootstrap *b = &n->boot[i];
+    memcpy(b->pk, pk, HM_PK_BYTES);
+    memcpy(&b->addr, &sa, sizeof(sa));
+    b->backoff_ms = HM_MAX(n->ping_interval_ms / 4, 250u);
+    b->next_try_ms = 0;
+    if (!b->pinging && send_ping(n, pk, (const struct sockaddr *)&sa, 0, (int)i) == 0)
+        b->pinging = 1;
+    return 0;
+}
+
+int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, char *err,
+                size_t errlen)
+{
+    int r;
+    hm_node *n = calloc(1, sizeof(*n));
+    if (n == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    n->loop = loop;
+    /* Initial peers are checked before anything is started, so that a typo
+     * fails cleanly with nothing to tear down. */
+    if (opts->n_initial_peers > HM_NODE_MAX_INITIAL_PEERS) {
+        snprintf(err, errlen, "at most %d initial peers", HM_NODE_MAX_INITIAL_PEERS);
+        free(n);
+        return -EINVAL;
+    }
+    for (size_t i = 0; i < opts->n_initial_peers; i++) {
+        uint8_t pk[HM_PK_BYTES];
+        struct sockaddr_storage sa;
+        if (hm_peer_addr_parse(opts->initial_peers[i], pk, &sa) != 0) {
+            snprintf(err, errlen, "bad initial peer '%s': expected PEERID@HOST:PORT",
+                     opts->initial_peers[i]);
+            free(n);
+            return -EINVAL;
+        }
+    }
+    n->started_ms = hm_now_ms();
+    n->ping_interval_ms = opts->ping_interval_ms ? opts->ping_interval_ms : 15000;
+    n->ping_timeout_ms = HM_MAX(HM_MIN(n->ping_interval_ms, 5000u), 500u);
+    n->max_ping_failures = opts->max_ping_failures ? opts->max_ping_failures : 4;
+    n->max_peers = opts->max_peers ? opts->max_peers : 4096;
+    n->peers = calloc(n->max_peers, sizeof(*n->peers));
+    if (n->peers == NULL) {
+        snprintf(err, errlen, "out of memory");
+        r = -ENOMEM;
+        goto fail;
+    }
+
+    r = hm_crypto_init();
+    if (r < 0) {
+        snprintf(err, errlen, "libsodium failed to initialise");
+        goto fail;
+    }
+    const char *swarm = opts->swarm ? opts->swarm : "default";
+    if (strlen(swarm) == 0 || hm_strlcpy(n->swarm, swarm, sizeof(n->swarm)) != 0) {
+        snprintf(err, errlen, "swarm name must be 1 to %zu characters", sizeof(n->swarm) - 1);
+        r = -EINVAL;
+        goto fail;
+    }
+    hm_swarm_id(n->swarm, opts->swarm_key, opts->swarm_key ? 32 : 0, n->swarm_id);
+
+    if (opts->state_dir != NULL) {
+        char path[PATH_MAX];
+        if (snprintf(path, sizeof(path), "%s/identity.key", opts->state_dir) >= (int)sizeof(path)) {
+            snprintf(err, errlen, "state directory path too long");
+            r = -ENAMETOOLONG;
+            goto fail;
+        }
+        r = hm_identity_load_or_create(path, &n->id, err, errlen);
+        if (r < 0)
+            goto fail;
+    } else {
+        r = hm_identity_generate(&n->id);
+        if (r < 0) {
+            snprintf(err, errlen, "cannot generate an identity");
+            goto fail;
+        }
+    }
+    n->jitter_state = (uint32_t)n->id.node_id[0] << 24 | (uint32_t)n->id.node_id[1] << 16 |
+                      (uint32_t)n->id.node_id[2] << 8 | n->id.node_id[3] | 1u;
+
+    hm_transport_config tcfg = opts->transport;
+    tcfg.listen = opts->listen ? opts->listen : "127.0.0.1:0";
+    r = hm_rpc_new(loop, &n->id, n->swarm_id, &tcfg, &opts->rpc, &n->rpc);
+    if (r < 0) {
+        snprintf(err, errlen, "cannot listen on %s: %s", tcfg.listen, hm_strerror(r));
+        goto fail;
+    }
+    hm_rpc_set_seen_cb(n->rpc, on_seen, n);
+    r = hm_rpc_register(n->rpc, PING_METHOD, on_ping_request, n);
+    if (r < 0) {
+        snprintf(err, errlen, "cannot register the ping handler: %s", hm_strerror(r));
+        goto fail_rpc;
+    }
+
+    uv_timer_init(loop, &n->ping_timer);
+    n->ping_timer.data = n;
+    for (size_t i = 0; i < opts->n_initial_peers; i++) {
+        /* Our own address among the initial peers (a shared config file)
+         * is skipped rather than refused. */
+        if (hm_node_add_peer(n, opts->initial_peers[i]) < 0)
+            hm_warn(MOD, "initial peer '%s' skipped: it is this node", opts->initial_peers[i]);
+    }
+    uv_timer_start(&n->ping_timer, on_ping_timer, jitter(n, n->ping_interval_ms), 0);
+
+    char addr[HM_PEER_ID_LEN + HM_ADDRSTRLEN + 2];
+    hm_node_address(n, addr, sizeof(addr));
+    hm_info(MOD, "node %s in swarm '%s'%s", addr, n->swarm,
+            opts->swarm_key ? " (private)" : "");
+    *out = n;
+    return 0;
+
+fail_rpc:
+    hm_rpc_close(n->rpc, NULL, NULL);
+fail:
+    hm_identity_wipe(&n->id);
+    free(n->peers);
+    free(n);
+    return r;
+}
+
+const hm_identity *hm_node_identity(const hm_node *n) { return &n->id; }
+const char *hm_node_swarm(const hm_node *n) { return n->swarm; }
+uint64_t hm_node_uptime_ms(const hm_node *n) { return hm_now_ms() - n->started_ms; }
+hm_rpc *hm_node_rpc(hm_node *n) { return n->rpc; }
+uv_loop_t *hm_node_loop(hm_node *n) { return n->loop; }
+
+int hm_node_address(const hm_node *n, char *buf, size_t len)
+{
+    struct sockaddr_storage sa;
+    char a[HM_ADDRSTRLEN];
+    int r = hm_transport_local_addr(hm_rpc_transport(n->rpc), &sa);
+    if (r < 0)
+        return r;
+    r = hm_format_addr((const struct sockaddr *)&sa, a, sizeof(a));
+    if (r < 0)
+        return r;
+    int w = snprintf(buf, len, "%s@%s", n->id.peer_id, a);
+    return (w < 0 || (size_t)w >= len) ? -EMSGSIZE : 0;
+}
+
+size_t hm_node_peers(const hm_node *n, hm_peer_info *out, size_t max)
+{
+    hm_transport *t = hm_rpc_transport(n->rpc);
+    for (size_t i = 0; i < n->n_peers && i < max; i++) {
+        out[i] = n->peers[i].info;
+        out[i].connected = hm_transport_connected(t, n->peers[i].info.pk);
+        if (!n->peers[i].addr_known)
+            memset(&out[i].addr, 0, sizeof(out[i].addr));
+    }
+    return n->n_peers;
+}
+
+/* ---- metrics ---- */
+
+static void metric_head(hm_strbuf *b, const char *name, const char *type, const char *help)
+{
+    hm_strbuf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void metric_u64(hm_strbuf *b, const char *name, const char *type, const char *help,
+                       uint64_t v)
+{
+    metric_head(b, name, type, help);
+    hm_strbuf_printf(b, "%s %llu\n", name, (unsigned long long)v);
+}
+
+/* Method names are printable ASCII (the rpc layer checks); quotes and
+ * backslashes still need escaping in label values. */
+static void label_escape(const char *in, char *out, size_t cap)
+{
+    size_t o = 0;
+    for (; *in && o + 3 < cap; in++) {
+        if (*in == '"' || *in == '\\')
+            out[o++] = '\\';
+        out[o++] = *in;
+    }
+    out[o] = '\0';
+}
+
+typedef struct metrics_pass {
+    hm_strbuf *b;
+    int which;
+} metrics_pass;
+
+static void metrics_method(void *ud, const hm_rpc_method_stats *s)
+{
+    metrics_pass *mp = ud;
+    hm_strbuf *b = mp->b;
+    char m[2 * HM_RPC_METHOD_MAX + 4];
+    label_escape(s->method, m, sizeof(m));
+    if (mp->which == 0) {
+        static const char *const results[] = {"ok", "error", "timeout", "cancelled"};
+        const uint64_t v[] = {s->ok, s->error, s->timeout, s->cancelled};
+        for (size_t i = 0; i < 4; i++)
+            hm_strbuf_printf(b, "hivemindd_rpc_calls_total{method=\"%s\",result=\"%s\"} %llu\n",
+                             m, results[i], (unsigned long long)v[i]);
+    } else if (mp->which == 1) {
+        hm_strbuf_printf(b, "hivemindd_rpc_served_total{method=\"%s\"} %llu\n", m,
+                         (unsigned long long)s->served);
+    } else {
+        uint64_t cum = 0;
+        for (size_t i = 0; i < HM_RPC_LAT_BUCKETS; i++) {
+            cum += s->lat_buckets[i];
+            hm_strbuf_printf(b,
+                             "hivemindd_rpc_latency_seconds_bucket{method=\"%s\",le=\"%g\"} %llu\n",
+                             m, hm_rpc_latency_bounds_s[i], (unsigned long long)cum);
+        }
+        cum += s->lat_buckets[HM_RPC_LAT_BUCKETS];
+        hm_strbuf_printf(b, "hivemindd_rpc_latency_seconds_bucket{method=\"%s\",le=\"+Inf\"} %llu\n",
+                         m, (unsigned long long)cum);
+        hm_strbuf_printf(b, "hivemindd_rpc_latency_seconds_sum{method=\"%s\"} %.6f\n", m,
+                         s->lat_sum_s);
+        hm_strbuf_printf(b, "hivemindd_rpc_latency_seconds_count{method=\"%s\"} %llu\n", m,
+                         (unsigned long long)cum);
+    }
+}
+
+char *hm_node_metrics(hm_node *n)
+{
+    hm_strbuf b = {0};
+    hm_transport_stats st;
+    hm_transport_get_stats(hm_rpc_transport(n->rpc), &st);
+
+    metric_head(&b, "hivemindd_build_info", "gauge", "Version of this hivemindd.");
+    hm_strbuf_printf(&b, "hivemindd_build_info{version=\"%s\"} 1\n", PACKAGE_VERSION);
+    metric_head(&b, "hivemindd_uptime_seconds", "gauge", "Seconds since the node started.");
+    hm_strbuf_printf(&b, "hivemindd_uptime_seconds %.3f\n",
+                     (double)hm_node_uptime_ms(n) / 1000.0);
+    metric_u64(&b, "hivemindd_peers", "gauge", "Peers in the peer table.", n->n_peers);
+    metric_u64(&b, "hivemindd_connections", "gauge", "Open stream connections.", st.connections);
+    metric_u64(&b, "hivemindd_queued_bytes", "gauge", "Bytes queued for sending, all peers.",
+               st.queued_bytes);
+    metric_u64(&b, "hivemindd_received_bytes_total", "counter",
+               "Bytes received on the wire (UDP and TCP).", st.bytes_in);
+    metric_u64(&b, "hivemindd_sent_bytes_total", "counter", "Bytes sent on the wire (UDP and TCP).",
+               st.bytes_out);
+    metric_u64(&b, "hivemindd_datagrams_received_total", "counter",
+               "Authenticated datagrams received.", st.dgrams_in);
+    metric_u64(&b, "hivemindd_datagrams_sent_total", "counter", "Datagrams sent.", st.dgrams_out);
+    metric_u64(&b, "hivemindd_datagrams_rejected_total", "counter",
+               "Datagrams rejected (bad MAC, replay, stale, malformed).", st.dgrams_rejected);
+    metric_u64(&b, "hivemindd_stream_messages_received_total", "counter",
+               "Complete stream messages received.", st.messages_in);
+    metric_u64(&b, "hivemindd_stream_messages_sent_total", "counter", "Stream messages sent.",
+               st.messages_out);
+    metric_head(&b, "hivemindd_handshakes_total", "counter", "Stream handshakes by result.");
+    hm_strbuf_printf(&b, "hivemindd_handshakes_total{result=\"ok\"} %llu\n",
+                     (unsigned long long)st.handshakes_ok);
+    hm_strbuf_printf(&b, "hivemindd_handshakes_total{result=\"failed\"} %llu\n",
+                     (unsigned long long)st.handshakes_failed);
+
+    metrics_pass mp = {&b, 0};
+    metric_head(&b, "hivemindd_rpc_calls_total", "counter", "Outbound RPC calls by method and result.");
+    hm_rpc_foreach_stats(n->rpc, metrics_method, &mp);
+    mp.which = 1;
+    metric_head(&b, "hivemindd_rpc_served_total", "counter", "Inbound RPC requests answered.");
+    hm_rpc_foreach_stats(n->rpc, metrics_method, &mp);
+    mp.which = 2;
+    metric_head(&b, "hivemindd_rpc_latency_seconds", "histogram",
+                "Latency of successful outbound RPC calls.");
+    hm_rpc_foreach_stats(n->rpc, metrics_method, &mp);
+    return hm_strbuf_finish(&b);
+}
+
+/* ---- shutdown ---- */
+
+static void maybe_finish_close(hm_node *n)
+{
+    /* The rpc layer is gone (its close callback ran) and every ping context
+     * has been handed back: only then is the node's memory released. */
+    if (n->closing != 2 || n->pings_outstanding > 0)
+        return;
+    void (*cb)(void *) = n->close_cb;
+    void *ud = n->close_ud;
+    hm_identity_wipe(&n->id);
+    free(n->peers);
+    free(n);
+    if (cb != NULL)
+        cb(ud);
+}
+
+static void on_timer_closed(uv_handle_t *h)
+{
+    hm_node *n = h->data;
+    n->closing = 2;
+    maybe_finish_close(n);
+}
+
+static void on_rpc_closed(void *ud)
+{
+    hm_node *n = ud;
+    n->rpc = NULL;
+    uv_close((uv_handle_t *)&n->ping_timer, on_timer_closed);
+}
+
+void hm_node_close(hm_node *n, void (*cb)(void *ud), void *ud)
+{
+    if (n->closing)
+        return;
+    n->closing = 1;
+    n->close_cb = cb;
+    n->close_ud = ud;
+    uv_timer_stop(&n->ping_timer);
+    hm_info(MOD, "closing node %s", n->id.peer_id);
+    hm_rpc_close(n->rpc, on_rpc_closed, n);
+}

@@ -1,0 +1,696 @@
+/*
+ * test_daemon: hivemindd and hivemindctl as real processes, the way an
+ * operator and a script use them: two daemons joining through
+ * --initial-peers, hivemindctl's views of them, signals, config errors and
+ * exit codes, junk on the control socket, systemd notifications and the
+ * refusal of an unsafe identity key. Binaries come from $HM_BUILDDIR/src
+ * (make check sets it). Every child gets PR_SET_PDEATHSIG and is also
+ * killed by the suite's fini, so a failed assertion leaves nothing running.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "helpers.h"
+
+#define MAX_CHILDREN 16
+
+/* Per-test state; each Criterion test runs in a process of its own. */
+static pid_t children[MAX_CHILDREN];
+static size_t n_children;
+static char tmpdir[64];
+static char bin_daemon[512], bin_ctl[512];
+
+static void setup(void)
+{
+    const char *b = getenv("HM_BUILDDIR");
+    if (b == NULL || b[0] == '\0')
+        b = ".";
+    snprintf(bin_daemon, sizeof(bin_daemon), "%s/src/hivemindd", b);
+    snprintf(bin_ctl, sizeof(bin_ctl), "%s/src/hivemindctl", b);
+    cr_assert_eq(access(bin_daemon, X_OK), 0, "%s not built", bin_daemon);
+    cr_assert_eq(access(bin_ctl, X_OK), 0, "%s not built", bin_ctl);
+    cr_assert_eq(hm_test_mkdtemp(tmpdir, sizeof(tmpdir), "daemon"), 0);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+static void teardown(void)
+{
+    for (size_t i = 0; i < n_children; i++) {
+        if (children[i] > 0) {
+            kill(children[i], SIGKILL);
+            waitpid(children[i], NULL, 0);
+        }
+    }
+    n_children = 0;
+    hm_test_rmtree(tmpdir);
+}
+
+TestSuite(daemon, .init = setup, .fini = teardown, .timeout = 60);
+
+/* Starts prog with argv (NULL-terminated), stdout and stderr to files.
+ * env_set holds "NAME=value" strings to add, or NULL. */
+static pid_t spawn(const char *prog, char *const argv[], const char *out, const char *err,
+                   const char *env_set)
+{
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    cr_assert(pid >= 0, "fork: %s", strerror(errno));
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(127);
+        int o = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        int e = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        int in = open("/dev/null", O_RDONLY);
+        if (o < 0 || e < 0 || in < 0)
+            _exit(127);
+        dup2(in, 0);
+        dup2(o, 1);
+        dup2(e, 2);
+        unsetenv("NOTIFY_SOCKET");
+        unsetenv("HIVEMINDD_CONTROL_SOCKET");
+        if (env_set != NULL)
+            putenv((char *)env_set);
+        signal(SIGPIPE, SIG_DFL);
+        execv(prog, argv);
+        _exit(127);
+    }
+    cr_assert(n_children < MAX_CHILDREN);
+    children[n_children++] = pid;
+    return pid;
+}
+
+static void forget_child(pid_t pid)
+{
+    for (size_t i = 0; i < n_children; i++)
+        if (children[i] == pid)
+            children[i] = 0;
+}
+
+/* Waits for pid to exit; returns its wait status, or -1 on timeout. */
+static int wait_exit(pid_t pid, int timeout_ms)
+{
+    long deadline = hm_test_now_ms() + timeout_ms;
+    int status;
+    for (;;) {
+        pid_t r = waitpid(pid, &status, WNOHANG);
+        if (r == pid) {
+            forget_child(pid);
+            return status;
+        }
+        if (hm_test_now_ms() > deadline)
+            return -1;
+        usleep(10000);
+    }
+}
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return strdup("");
+    char *buf = malloc(1 << 20);
+    cr_assert_not_null(buf);
+    size_t n = fread(buf, 1, (1 << 20) - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return buf;
+}
+
+/* Runs a program to completion (at most 15 s) with one more environment
+ * variable (or NULL); returns the exit code and its stdout and stderr
+ * (caller frees). */
+static int run_prog_env(const char *prog, char *const argv[], const char *env, char **out,
+                        char **err)
+{
+    char o[128], e[128];
+    static int seq;
+    snprintf(o, sizeof(o), "%s/run%d.out", tmpdir, seq);
+    snprintf(e, sizeof(e), "%s/run%d.err", tmpdir, seq++);
+    pid_t pid = spawn(prog, argv, o, e, env);
+    int st = wait_exit(pid, 15000);
+    cr_assert(st != -1, "%s did not finish", prog);
+    *out = slurp(o);
+    *err = slurp(e);
+    cr_assert(WIFEXITED(st), "%s died by signal %d", prog, WTERMSIG(st));
+    return WEXITSTATUS(st);
+}
+
+static int run_prog(const char *prog, char *const argv[], char **out, char **err)
+{
+    return run_prog_env(prog, argv, NULL, out, err);
+}
+
+static int ctl(const char *sock, const char *cmd, int json, char **out, char **err)
+{
+    char *argv[] = {bin_ctl, "-s", (char *)sock, "--timeout", "5", json ? "--json" : (char *)cmd,
+                    json ? (char *)cmd : NULL, NULL};
+    return run_prog(bin_ctl, argv, out, err);
+}
+
+struct node {
+    pid_t pid;
+    char dir[128];
+    char sock[160];
+    char out[160], err[160];
+    char addr[256];
+    char id[64];
+};
+
+/* Reads the first stdout line (the address) within timeout_ms. */
+static int read_address(struct node *n, int timeout_ms)
+{
+    long deadline = hm_test_now_ms() + timeout_ms;
+    while (hm_test_now_ms() < deadline) {
+        char *text = slurp(n->out);
+        char *nl = strchr(text, '\n');
+        if (nl != NULL) {
+            *nl = '\0';
+            snprintf(n->addr, sizeof(n->addr), "%s", text);
+            free(text);
+            char *at = strchr(n->addr, '@');
+            if (at == NULL)
+                return -EINVAL;
+            snprintf(n->id, sizeof(n->id), "%.*s", (int)(at - n->addr), n->addr);
+            return 0;
+        }
+        free(text);
+        int st;
+        if (waitpid(n->pid, &st, WNOHANG) == n->pid) {
+            forget_child(n->pid);
+            return -ECHILD;
+        }
+        usleep(20000);
+    }
+    return -ETIMEDOUT;
+}
+
+/* Starts a daemon in tmpdir/name with the usual test flags plus extra ones. */
+static void start_node(struct node *n, const char *name, const char *env_set, ...)
+{
+    char *argv[32];
+    int argc = 0;
+    va_list ap;
+
+    memset(n, 0, sizeof(*n));
+    snprintf(n->dir, sizeof(n->dir), "%s/%s", tmpdir, name);
+    snprintf(n->sock, sizeof(n->sock), "%s/ctl.sock", n->dir);
+    /* Fresh log files per start, so that a restart never reads old output. */
+    static int starts;
+    snprintf(n->out, sizeof(n->out), "%s/%s.%d.out", tmpdir, name, starts);
+    snprintf(n->err, sizeof(n->err), "%s/%s.%d.err", tmpdir, name, starts++);
+    mkdir(n->dir, 0700);
+    argv[argc++] = bin_daemon;
+    argv[argc++] = "--listen";
+    argv[argc++] = "127.0.0.1:0";
+    argv[argc++] = "--state-dir";
+    argv[argc++] = n->dir;
+    argv[argc++] = "--control-socket";
+    argv[argc++] = n->sock;
+    argv[argc++] = "--ping-interval";
+    argv[argc++] = "1";
+    va_start(ap, env_set);
+    for (char *a = va_arg(ap, char *); a != NULL && argc < 30; a = va_arg(ap, char *))
+        argv[argc++] = a;
+    va_end(ap);
+    argv[argc] = NULL;
+    n->pid = spawn(bin_daemon, argv, n->out, n->err, env_set);
+    int r = read_address(n, 10000);
+    if (r != 0) {
+        char *e = slurp(n->err);
+        cr_assert_fail("%s did not print its address (%d); stderr:\n%s", name, r, e);
+    }
+}
+
+static int peers_show(struct node *n, const char *id)
+{
+    char *out, *err;
+    int rc = ctl(n->sock, "peers", 0, &out, &err);
+    int found = rc == 0 && strstr(out, id) != NULL;
+    free(out);
+    free(err);
+    return found;
+}
+
+static void stop_node(struct node *n)
+{
+    cr_assert_eq(kill(n->pid, SIGTERM), 0);
+    int st = wait_exit(n->pid, 10000);
+    cr_assert(st != -1, "no exit within 10 s of SIGTERM");
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+    struct stat sb;
+    cr_assert_eq(lstat(n->sock, &sb), -1, "control socket left behind");
+}
+
+Test(daemon, two_daemons_join_and_hivemindctl_shows_them)
+{
+    struct node a, b;
+    start_node(&a, "a", NULL, NULL);
+    size_t idlen = strlen(a.id);
+    cr_assert_eq(idlen, 52, "address '%s'", a.addr);
+    cr_assert(strstr(a.addr, "@127.0.0.1:") != NULL, "address '%s'", a.addr);
+    start_node(&b, "b", NULL, "--initial-peers", a.addr, NULL);
+
+    long deadline = hm_test_now_ms() + 10000;
+    int ab = 0, ba = 0;
+    while ((!ab || !ba) && hm_test_now_ms() < deadline) {
+        ab = ab || peers_show(&a, b.id);
+        ba = ba || peers_show(&b, a.id);
+        if (!ab || !ba)
+            usleep(200000);
+    }
+    cr_assert(ba, "B never listed A");
+    cr_assert(ab, "A never listed B");
+
+    char *out, *err;
+    cr_assert_eq(ctl(a.sock, "info", 0, &out, &err), 0, "%s", err);
+    char want[300];
+    snprintf(want, sizeof(want), "peer_id: %s\n", a.id);
+    cr_assert(strstr(out, want) != NULL, "%s", out);
+    snprintf(want, sizeof(want), "address: %s\n", a.addr);
+    cr_assert(strstr(out, want) != NULL, "%s", out);
+    free(out);
+    free(err);
+
+    /* The table view has its header; the JSON view parses. */
+    cr_assert_eq(ctl(b.sock, "peers", 0, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, "PEER ID") && strstr(out, "LAST SEEN") && strstr(out, "RTT"), "%s",
+              out);
+    free(out);
+    free(err);
+    cr_assert_eq(ctl(b.sock, "peers", 1, &out, &err), 0, "%s", err);
+    json_t *j = json_loads(out, 0, NULL);
+    cr_assert(json_is_true(json_object_get(j, "ok")), "%s", out);
+    json_t *list = json_object_get(json_object_get(j, "result"), "peers");
+    cr_assert(json_is_array(list) && json_array_size(list) >= 1, "%s", out);
+    json_t *p0 = json_array_get(list, 0);
+    cr_assert_str_eq(json_string_value(json_object_get(p0, "peer_id")), a.id);
+    cr_assert(json_is_number(json_object_get(p0, "last_seen_s")));
+    cr_assert(json_is_boolean(json_object_get(p0, "connected")));
+    json_decref(j);
+    free(out);
+    free(err);
+
+    cr_assert_eq(ctl(a.sock, "metrics", 0, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, "hivemindd_peers ") != NULL, "%s", out);
+    free(out);
+    free(err);
+
+    stop_node(&a);
+    /* B is stopped through its control socket. */
+    cr_assert_eq(ctl(b.sock, "shutdown", 0, &out, &err), 0, "%s", err);
+    free(out);
+    free(err);
+    int st = wait_exit(b.pid, 10000);
+    cr_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+    struct stat sb;
+    cr_assert_eq(lstat(b.sock, &sb), -1);
+}
+
+Test(daemon, bad_config_exits_78_naming_the_line)
+{
+    char path[160], *out, *err;
+    snprintf(path, sizeof(path), "%s/bad.conf", tmpdir);
+    const char *text = "# config\nListen 127.0.0.1:0\nPingInterval often\n";
+    cr_assert_eq(hm_test_write_file(path, text, strlen(text), 0600), 0);
+    char *argv[] = {bin_daemon, "-c", path, NULL};
+    cr_assert_eq(run_prog(bin_daemon, argv, &out, &err), 78, "%s", err);
+    char want[200];
+    snprintf(want, sizeof(want), "%s:3:", path);
+    cr_assert(strstr(err, want) != NULL, "%s", err);
+    cr_assert(strstr(err, "PingInterval") != NULL, "%s", err);
+    free(out);
+    free(err);
+
+    /* -t reports the same, with the same code. */
+    char *argv2[] = {bin_daemon, "-t", "-c", path, NULL};
+    cr_assert_eq(run_prog(bin_daemon, argv2, &out, &err), 78, "%s", err);
+    cr_assert(strstr(err, want) != NULL, "%s", err);
+    free(out);
+    free(err);
+
+    /* A missing file is a config error too. */
+    char *argv3[] = {bin_daemon, "-c", "/nonexistent/hivemindd.conf", NULL};
+    cr_assert_eq(run_prog(bin_daemon, argv3, &out, &err), 78, "%s", err);
+    cr_assert(strstr(err, "/nonexistent/hivemindd.conf") != NULL, "%s", err);
+    free(out);
+    free(err);
+}
+
+Test(daemon, test_config_prints_the_effective_config)
+{
+    char path[160], printed[160], *out, *err;
+    snprintf(path, sizeof(path), "%s/ok.conf", tmpdir);
+    const char *text = "swarm lab\nPingInterval 20\nLogLevel warn\n";
+    cr_assert_eq(hm_test_write_file(path, text, strlen(text), 0600), 0);
+    char *argv[] = {bin_daemon, "-t", "-c", path, "--ping-interval", "7", "--state-dir", tmpdir,
+                    NULL};
+    cr_assert_eq(run_prog(bin_daemon, argv, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, "\nSwarm lab\n") != NULL, "%s", out);
+    cr_assert(strstr(out, "\nPingInterval 7\n") != NULL, "%s", out); /* the flag wins */
+    cr_assert(strstr(out, "\nLogLevel warn\n") != NULL, "%s", out);
+    cr_assert(strstr(out, "\nListen 0.0.0.0:31400\n") != NULL, "%s", out);
+    char want[200];
+    snprintf(want, sizeof(want), "\nControlSocket %s/control.sock\n", tmpdir);
+    if (getenv("XDG_RUNTIME_DIR") == NULL && geteuid() != 0)
+        cr_assert(strstr(out, want) != NULL, "%s", out);
+
+    /* What -t prints is itself a config file that gives the same result. */
+    snprintf(printed, sizeof(printed), "%s/printed.conf", tmpdir);
+    cr_assert_eq(hm_test_write_file(printed, out, strlen(out), 0600), 0);
+    char *argv2[] = {bin_daemon, "-t", "-c", printed, NULL};
+    char *out2, *err2;
+    cr_assert_eq(run_prog(bin_daemon, argv2, &out2, &err2), 0, "%s", err2);
+    cr_assert_str_eq(out2, out);
+    free(out);
+    free(err);
+    free(out2);
+    free(err2);
+}
+
+Test(daemon, usage_errors_exit_64)
+{
+    char *out, *err;
+    char *unknown[] = {bin_daemon, "--no-such-flag", NULL};
+    cr_assert_eq(run_prog(bin_daemon, unknown, &out, &err), 64);
+    cr_assert(strstr(err, "--no-such-flag") != NULL, "%s", err);
+    free(out);
+    free(err);
+
+    char *badval[] = {bin_daemon, "--listen", "localhost", NULL};
+    cr_assert_eq(run_prog(bin_daemon, badval, &out, &err), 64);
+    cr_assert(strstr(err, "--listen") != NULL, "%s", err);
+    free(out);
+    free(err);
+
+    char *help[] = {bin_daemon, "--help", NULL};
+    cr_assert_eq(run_prog(bin_daemon, help, &out, &err), 0);
+    cr_assert(strstr(out, "--initial-peers") != NULL, "%s", out);
+    free(out);
+    free(err);
+
+    char *version[] = {bin_daemon, "-V", NULL};
+    cr_assert_eq(run_prog(bin_daemon, version, &out, &err), 0);
+    cr_assert(strstr(out, "hivemindd " PACKAGE_VERSION) != NULL, "%s", out);
+    free(out);
+    free(err);
+
+    char *ctl_unknown[] = {bin_ctl, "-s", "/nonexistent.sock", "frobnicate", NULL};
+    cr_assert_eq(run_prog(bin_ctl, ctl_unknown, &out, &err), 64);
+    cr_assert(strstr(err, "unknown command 'frobnicate'") != NULL, "%s", err);
+    free(out);
+    free(err);
+
+    char *ctl_none[] = {bin_ctl, NULL};
+    cr_assert_eq(run_prog(bin_ctl, ctl_none, &out, &err), 64);
+    free(out);
+    free(err);
+
+    char *ctl_badflag[] = {bin_ctl, "--bogus", "info", NULL};
+    cr_assert_eq(run_prog(bin_ctl, ctl_badflag, &out, &err), 64);
+    free(out);
+    free(err);
+}
+
+Test(daemon, hivemindctl_without_a_daemon_says_so)
+{
+    char sock[160], *out, *err;
+    snprintf(sock, sizeof(sock), "%s/nobody.sock", tmpdir);
+    cr_assert_eq(ctl(sock, "info", 0, &out, &err), 1);
+    char want[256];
+    snprintf(want, sizeof(want), "hivemindctl: cannot connect to %s: ", sock);
+    cr_assert(strstr(err, want) != NULL, "%s", err);
+    cr_assert(strstr(err, "(is hivemindd running?)") != NULL, "%s", err);
+    free(out);
+    free(err);
+}
+
+Test(daemon, hivemindctl_timeout_and_socket_from_the_environment)
+{
+    char sock[160], env[200], *out, *err;
+    /* A socket that accepts connections but never answers. */
+    snprintf(sock, sizeof(sock), "%s/mute.sock", tmpdir);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    strcpy(sa.sun_path, sock);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    cr_assert_eq(listen(fd, 4), 0);
+    char *argv[] = {bin_ctl, "-s", sock, "--timeout", "0.5", "info", NULL};
+    long t0 = hm_test_now_ms();
+    cr_assert_eq(run_prog(bin_ctl, argv, &out, &err), 1);
+    long took = hm_test_now_ms() - t0;
+    cr_assert(strstr(err, "no reply from") != NULL, "%s", err);
+    cr_assert(took >= 400 && took < 5000, "took %ld ms", took);
+    free(out);
+    free(err);
+
+    char *bad[] = {bin_ctl, "--timeout", "soon", "info", NULL};
+    cr_assert_eq(run_prog(bin_ctl, bad, &out, &err), 64);
+    free(out);
+    free(err);
+
+    /* HIVEMINDD_CONTROL_SOCKET names the socket when -s is not given. */
+    struct node a;
+    start_node(&a, "a", NULL, NULL);
+    snprintf(env, sizeof(env), "HIVEMINDD_CONTROL_SOCKET=%s", a.sock);
+    char *argv2[] = {bin_ctl, "info", NULL};
+    cr_assert_eq(run_prog_env(bin_ctl, argv2, env, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, a.id) != NULL, "%s", out);
+    free(out);
+    free(err);
+    /* -s wins over the environment. */
+    char *argv3[] = {bin_ctl, "-s", sock, "--timeout", "0.2", "info", NULL};
+    cr_assert_eq(run_prog_env(bin_ctl, argv3, env, &out, &err), 1);
+    free(out);
+    free(err);
+    close(fd);
+    stop_node(&a);
+}
+
+static json_t *raw_request(int fd, const char *data, size_t len)
+{
+    char line[4096];
+    cr_assert_eq(hm_test_send_all(fd, data, len), 0);
+    int n = hm_test_read_line(fd, line, sizeof(line), 5000);
+    cr_assert(n > 0, "no reply (%d)", n);
+    json_t *j = json_loads(line, 0, NULL);
+    cr_assert_not_null(j, "not JSON: %s", line);
+    return j;
+}
+
+static json_t *raw_text(int fd, const char *text) { return raw_request(fd, text, strlen(text)); }
+
+static const char *error_code(json_t *j)
+{
+    return json_string_value(json_object_get(json_object_get(j, "error"), "code"));
+}
+
+Test(daemon, garbage_on_the_control_socket_is_answered_and_survived)
+{
+    struct node a;
+    char *out, *err;
+    start_node(&a, "a", NULL, NULL);
+    int fd = hm_test_unix_connect(a.sock);
+    cr_assert(fd >= 0);
+
+    const char junk[] = "\x00\x01\x02\xff\xfe\xfd\x80\x81{{{[[[\"\n";
+    json_t *j = raw_request(fd, junk, sizeof(junk) - 1);
+    cr_assert(json_is_false(json_object_get(j, "ok")));
+    cr_assert_str_eq(error_code(j), "parse_error");
+    json_decref(j);
+
+    j = raw_text(fd, "{\"cmd\": info}\n");
+    cr_assert_str_eq(error_code(j), "parse_error");
+    json_decref(j);
+
+    j = raw_text(fd, "{\"cmd\":\"rm -rf\"}\n");
+    cr_assert_str_eq(error_code(j), "invalid_request");
+    json_decref(j);
+
+    j = raw_text(fd, "{\"cmd\":\"info\",\"id\":3}\n");
+    cr_assert(json_is_true(json_object_get(j, "ok")));
+    cr_assert_eq(json_integer_value(json_object_get(j, "id")), 3);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "result"), "peer_id")),
+                     a.id);
+    json_decref(j);
+
+    /* A huge line: an error, then the daemon hangs up on us. */
+    size_t n = 200 * 1024;
+    char *big = malloc(n);
+    cr_assert_not_null(big);
+    memset(big, 'A', n);
+    /* The daemon stops reading past its cap; a short send timeout keeps this
+     * from blocking on a full socket buffer. */
+    struct timeval tv = {.tv_sec = 1};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    (void)send(fd, big, n, MSG_NOSIGNAL);
+    free(big);
+    char line[4096];
+    cr_assert(hm_test_read_line(fd, line, sizeof(line), 5000) > 0);
+    cr_assert(strstr(line, "line_too_long") != NULL, "%s", line);
+    cr_assert_eq(hm_test_wait_eof(fd, 5000), 0);
+    close(fd);
+
+    /* And it still serves. */
+    cr_assert_eq(ctl(a.sock, "info", 0, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, a.id) != NULL, "%s", out);
+    free(out);
+    free(err);
+    stop_node(&a);
+}
+
+Test(daemon, group_readable_identity_key_is_refused)
+{
+    char dir[160], key[200], sock[200], *out, *err;
+    snprintf(dir, sizeof(dir), "%s/state", tmpdir);
+    snprintf(key, sizeof(key), "%s/identity.key", dir);
+    snprintf(sock, sizeof(sock), "%s/ctl.sock", dir);
+    cr_assert_eq(mkdir(dir, 0700), 0);
+    unsigned char bytes[64];
+    for (size_t i = 0; i < sizeof(bytes); i++)
+        bytes[i] = (unsigned char)(i * 7 + 1);
+    cr_assert_eq(hm_test_write_file(key, bytes, sizeof(bytes), 0600), 0);
+    cr_assert_eq(chmod(key, 0640), 0);
+    char *argv[] = {bin_daemon, "--listen", "127.0.0.1:0", "--state-dir", dir,
+                    "--control-socket", sock, NULL};
+    int rc = run_prog(bin_daemon, argv, &out, &err);
+    cr_assert_eq(rc, 1, "exit %d; stderr: %s", rc, err);
+    cr_assert(strstr(err, "identity.key") != NULL, "%s", err);
+    cr_assert_str_eq(out, "", "no address may be printed: %s", out);
+    struct stat st;
+    cr_assert_eq(lstat(sock, &st), -1, "no control socket may be left");
+    /* The key was not touched. */
+    cr_assert_eq(stat(key, &st), 0);
+    cr_assert_eq(st.st_mode & 0777, 0640);
+    free(out);
+    free(err);
+}
+
+Test(daemon, second_daemon_on_the_same_socket_refuses_and_stale_sockets_are_reused)
+{
+    struct node a;
+    char *out, *err;
+    start_node(&a, "a", NULL, NULL);
+    char dir2[160];
+    snprintf(dir2, sizeof(dir2), "%s/other", tmpdir);
+    cr_assert_eq(mkdir(dir2, 0700), 0);
+    char *argv[] = {bin_daemon, "--listen", "127.0.0.1:0", "--state-dir", dir2,
+                    "--control-socket", a.sock, NULL};
+    cr_assert_eq(run_prog(bin_daemon, argv, &out, &err), 1, "%s", err);
+    cr_assert(strstr(err, "already listening") != NULL, "%s", err);
+    free(out);
+    free(err);
+    cr_assert_eq(ctl(a.sock, "info", 0, &out, &err), 0, "the first daemon lost its socket: %s",
+                 err);
+    free(out);
+    free(err);
+
+    /* A daemon killed outright leaves its socket file; the next one takes
+     * the path over. */
+    kill(a.pid, SIGKILL);
+    wait_exit(a.pid, 5000);
+    struct stat st;
+    cr_assert_eq(lstat(a.sock, &st), 0);
+    struct node b;
+    start_node(&b, "a", NULL, NULL);
+    cr_assert_eq(ctl(b.sock, "info", 0, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, b.id) != NULL);
+    /* Same state dir, same identity. */
+    cr_assert_str_eq(b.id, a.id);
+    free(out);
+    free(err);
+    stop_node(&b);
+}
+
+static int recv_notify(int fd, char *buf, size_t len, int timeout_ms)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, timeout_ms) <= 0)
+        return -ETIMEDOUT;
+    ssize_t n = recv(fd, buf, len - 1, 0);
+    if (n < 0)
+        return -errno;
+    buf[n] = '\0';
+    return (int)n;
+}
+
+Test(daemon, systemd_notifications_and_reload)
+{
+    char nsock[160], env[200], conf[160], msg[512];
+    struct node a, b;
+    start_node(&b, "b", NULL, NULL);
+
+    snprintf(nsock, sizeof(nsock), "%s/notify.sock", tmpdir);
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    strcpy(sa.sun_path, nsock);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    snprintf(env, sizeof(env), "NOTIFY_SOCKET=%s", nsock);
+
+    snprintf(conf, sizeof(conf), "%s/a.conf", tmpdir);
+    const char *text = "LogLevel info\n";
+    cr_assert_eq(hm_test_write_file(conf, text, strlen(text), 0600), 0);
+    start_node(&a, "a", env, "-c", conf, NULL);
+
+    cr_assert(recv_notify(fd, msg, sizeof(msg), 5000) > 0, "no READY=1");
+    cr_assert(strstr(msg, "READY=1") != NULL, "%s", msg);
+    char want[64];
+    snprintf(want, sizeof(want), "MAINPID=%d", (int)a.pid);
+    cr_assert(strstr(msg, want) != NULL, "%s", msg);
+
+    /* Reload: B joins through a new InitialPeers line, LogLevel applies,
+     * and the MaxConnections change is reported as needing a restart. */
+    char text2[512];
+    snprintf(text2, sizeof(text2), "LogLevel debug\nInitialPeers %s\nMaxConnections 100\n",
+             b.addr);
+    cr_assert_eq(hm_test_write_file(conf, text2, strlen(text2), 0600), 0);
+    cr_assert_eq(kill(a.pid, SIGHUP), 0);
+    cr_assert(recv_notify(fd, msg, sizeof(msg), 5000) > 0, "no RELOADING=1");
+    cr_assert(strstr(msg, "RELOADING=1") != NULL, "%s", msg);
+    cr_assert(recv_notify(fd, msg, sizeof(msg), 5000) > 0, "no READY=1 after reload");
+    cr_assert(strstr(msg, "READY=1") != NULL, "%s", msg);
+    long deadline = hm_test_now_ms() + 10000;
+    while (!peers_show(&a, b.id) && hm_test_now_ms() < deadline)
+        usleep(200000);
+    cr_assert(peers_show(&a, b.id), "the reloaded InitialPeers was not contacted");
+    char *log = slurp(a.err);
+    cr_assert(strstr(log, "LogLevel is now debug") != NULL, "%s", log);
+    cr_assert(strstr(log, "MaxConnections changed; restart") != NULL, "%s", log);
+    free(log);
+
+    /* A broken file on reload keeps the daemon running as it was. */
+    cr_assert_eq(hm_test_write_file(conf, "Bogus\n", 6, 0600), 0);
+    cr_assert_eq(kill(a.pid, SIGHUP), 0);
+    cr_assert(recv_notify(fd, msg, sizeof(msg), 5000) > 0);
+    cr_assert(recv_notify(fd, msg, sizeof(msg), 5000) > 0);
+    char *out, *err;
+    cr_assert_eq(ctl(a.sock, "info", 0, &out, &err), 0, "%s", err);
+    free(out);
+    free(err);
+    log = slurp(a.err);
+    cr_assert(strstr(log, "keeping the running configuration") != NULL, "%s", log);
+    free(log);
+
+    cr_assert_eq(kill(a.pid, SIGTERM), 0);
+    cr_assert(recv_notify(fd, msg, sizeof(msg), 5000) > 0, "no STOPPING=1");
+    cr_assert(strstr(msg, "STOPPING=1") != NULL, "%s", msg);
+    int st = wait_exit(a.pid, 10000);
+    cr_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    close(fd);
+    stop_node(&b);
+}

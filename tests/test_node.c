@@ -1,0 +1,209 @@
+/*
+ * Tests for node: peers find each other from an initial address, measure
+ * round-trip times, drop a peer that stops answering and take it back when
+ * it returns, keep swarms apart, and export metrics.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "node.h"
+#include "util.h"
+
+typedef int (*pred_fn)(void *ud);
+
+static void on_tick(uv_timer_t *t) { HM_UNUSED(t); }
+
+/* Runs the loop until pred holds or timeout_ms passes; returns pred's value. */
+static int run_until(uv_loop_t *loop, pred_fn pred, void *ud, uint64_t timeout_ms)
+{
+    uint64_t end = hm_now_ms() + timeout_ms;
+    while (!pred(ud) && hm_now_ms() < end) {
+        uv_timer_t t;
+        uv_timer_init(loop, &t);
+        uv_timer_start(&t, on_tick, 10, 0);
+        uv_run(loop, UV_RUN_ONCE);
+        uv_close((uv_handle_t *)&t, NULL);
+        uv_run(loop, UV_RUN_NOWAIT);
+    }
+    return pred(ud);
+}
+
+static hm_node *make_node(uv_loop_t *loop, const char *swarm, const char *peer,
+                          uint64_t ping_ms)
+{
+    hm_node_options o = {0};
+    const char *peers[1] = {peer};
+    o.listen = "127.0.0.1:0";
+    o.swarm = swarm;
+    o.ping_interval_ms = ping_ms;
+    o.max_ping_failures = 2;
+    if (peer != NULL) {
+        o.initial_peers = peers;
+        o.n_initial_peers = 1;
+    }
+    hm_node *n = NULL;
+    char err[256] = "";
+    int r = hm_node_new(loop, &o, &n, err, sizeof(err));
+    cr_assert_eq(r, 0, "hm_node_new: %s", err);
+    return n;
+}
+
+static int knows(hm_node *a, hm_node *b)
+{
+    hm_peer_info info[16];
+    size_t n = hm_node_peers(a, info, 16);
+    for (size_t i = 0; i < n && i < 16; i++)
+        if (memcmp(info[i].pk, hm_node_identity(b)->pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}
+
+static int rtt_known(hm_node *a, hm_node *b)
+{
+    hm_peer_info info[16];
+    size_t n = hm_node_peers(a, info, 16);
+    for (size_t i = 0; i < n && i < 16; i++)
+        if (memcmp(info[i].pk, hm_node_identity(b)->pk, HM_PK_BYTES) == 0)
+            return info[i].rtt_ms >= 0 && info[i].connected;
+    return 0;
+}
+
+typedef struct pair {
+    hm_node *a, *b;
+} pair;
+
+static int both_know(void *ud)
+{
+    pair *p = ud;
+    return knows(p->a, p->b) && knows(p->b, p->a);
+}
+
+static int both_rtt(void *ud)
+{
+    pair *p = ud;
+    return rtt_known(p->a, p->b) && rtt_known(p->b, p->a);
+}
+
+static int a_forgot_b(void *ud)
+{
+    pair *p = ud;
+    return !knows(p->a, p->b);
+}
+
+static void close_all(uv_loop_t *loop, hm_node **nodes, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        hm_node_close(nodes[i], NULL, NULL);
+    uv_run(loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(loop), 0, "handles left open after close");
+}
+
+Test(node, peers_find_each_other_and_measure_rtt, .timeout = 20)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_node *a = make_node(&loop, "t", NULL, 200);
+    char addr[256];
+    cr_assert_eq(hm_node_address(a, addr, sizeof(addr)), 0);
+    cr_assert(strncmp(addr, hm_node_identity(a)->peer_id, HM_PEER_ID_LEN) == 0);
+    cr_assert_eq(addr[HM_PEER_ID_LEN], '@');
+    hm_node *b = make_node(&loop, "t", addr, 200);
+
+    pair p = {a, b};
+    cr_assert(run_until(&loop, both_know, &p, 5000), "nodes did not find each other");
+    cr_assert(run_until(&loop, both_rtt, &p, 5000), "rtt or connection missing");
+
+    hm_peer_info info[4];
+    cr_assert_eq(hm_node_peers(b, info, 4), 1);
+    cr_assert_str_eq(info[0].peer_id, hm_node_identity(a)->peer_id);
+    cr_assert(info[0].rtt_ms < 1000.0);
+    /* b learned a's listening address, which is the one it was given. */
+    char got[HM_ADDRSTRLEN];
+    hm_format_addr((struct sockaddr *)&info[0].addr, got, sizeof(got));
+    cr_assert_str_eq(got, strchr(addr, '@') + 1);
+
+    char *m = hm_node_metrics(a);
+    cr_assert_not_null(m);
+    cr_assert_not_null(strstr(m, "\nhivemindd_peers 1\n"), "%s", m);
+    cr_assert_not_null(strstr(m, "hivemindd_connections "));
+    cr_assert_not_null(strstr(m, "hivemindd_rpc_calls_total{method=\"node.ping\",result=\"ok\"} "));
+    cr_assert_not_null(strstr(m, "hivemindd_rpc_served_total{method=\"node.ping\"} "));
+    cr_assert_not_null(
+        strstr(m, "hivemindd_rpc_latency_seconds_bucket{method=\"node.ping\",le=\"+Inf\"} "));
+    cr_assert_not_null(strstr(m, "# TYPE hivemindd_rpc_latency_seconds histogram"));
+    /* Counters that moved must not read zero. */
+    cr_assert_null(strstr(m, "\nhivemindd_sent_bytes_total 0\n"));
+    free(m);
+
+    hm_node *nodes[] = {a, b};
+    close_all(&loop, nodes, 2);
+}
+
+Test(node, other_swarm_never_becomes_a_peer, .timeout = 20)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_node *a = make_node(&loop, "alpha", NULL, 200);
+    char addr[256];
+    cr_assert_eq(hm_node_address(a, addr, sizeof(addr)), 0);
+    hm_node *b = make_node(&loop, "beta", addr, 200);
+    hm_node *c = make_node(&loop, "alpha", addr, 200);
+
+    pair ac = {a, c};
+    cr_assert(run_until(&loop, both_know, &ac, 5000));
+    /* Give b's pings several rounds to (fail to) get through. */
+    pair ab = {a, b};
+    run_until(&loop, both_know, &ab, 1500);
+    cr_assert(!knows(a, b), "a node of another swarm entered the peer table");
+    cr_assert(!knows(b, a));
+
+    hm_node *nodes[] = {a, b, c};
+    close_all(&loop, nodes, 3);
+}
+
+Test(node, silent_peer_is_dropped_and_taken_back, .timeout = 30)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_node *a = make_node(&loop, "t", NULL, 200);
+    char addr[256];
+    cr_assert_eq(hm_node_address(a, addr, sizeof(addr)), 0);
+    hm_node *b = make_node(&loop, "t", addr, 200);
+    pair p = {a, b};
+    cr_assert(run_until(&loop, both_know, &p, 5000));
+
+    /* b stops answering entirely, as a SIGSTOPped process would. */
+    hm_transport_faults f = {0};
+    f.stall = 1;
+    hm_transport_set_faults(hm_rpc_transport(hm_node_rpc(b)), &f);
+    cr_assert(run_until(&loop, a_forgot_b, &p, 8000), "a kept a silent peer");
+
+    /* b resumes; its own pings to a (its initial peer) bring it back. */
+    f.stall = 0;
+    hm_transport_set_faults(hm_rpc_transport(hm_node_rpc(b)), &f);
+    cr_assert(run_until(&loop, both_know, &p, 8000), "a did not take b back");
+
+    hm_node *nodes[] = {a, b};
+    close_all(&loop, nodes, 2);
+}
+
+Test(node, bad_initial_peer_is_refused)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_node_options o = {0};
+    const char *peers[] = {"not-an-address"};
+    o.initial_peers = peers;
+    o.n_initial_peers = 1;
+    hm_node *n = NULL;
+    char err[256] = "";
+    cr_assert_eq(hm_node_new(&loop, &o, &n, err, sizeof(err)), -EINVAL);
+    cr_assert_null(n);
+    cr_assert_not_null(strstr(err, "PEERID@HOST:PORT"), "%s", err);
+    cr_assert_eq(uv_loop_close(&loop), 0);
+}
