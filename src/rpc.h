@@ -50,6 +50,8 @@ typedef struct hm_rpc_config {
  * Inbound request. The handler answers with hm_rpc_respond, now or later
  * (exactly once; the request is freed by it). If the caller cancels or the
  * deadline passes first, respond still must be called and sends nothing.
+ * body (and a reply's body in hm_rpc_cb) points into a receive buffer that
+ * is valid only during the callback: copy what is needed later.
  */
 typedef void (*hm_rpc_handler)(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                                const struct sockaddr *from, const uint8_t *body, size_t len);

@@ -16,8 +16,10 @@
  * a connection that makes no write progress for write_stall_ms while it has
  * data queued is closed and its queue freed, so a peer that stops reading
  * cannot make our memory grow; reassembly of inbound messages is capped per
- * connection; connections are capped in total; handshakes must finish within
- * handshake_timeout_ms.
+ * connection (at most 256 messages in progress, whose declared sizes add up
+ * to at most max_message + max_queued_bytes) and over all connections (four
+ * times that); a peer past a cap is disconnected; connections are capped in
+ * total; handshakes must finish within handshake_timeout_ms.
  *
  * Fault injection (tests only, off by default): drop a fraction of outgoing
  * datagrams and stream messages, delay everything we send, stall (stop
@@ -59,7 +61,9 @@ typedef struct hm_transport_cbs {
     /* A complete stream message from an authenticated peer. */
     void (*on_message)(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
                        const uint8_t *msg, size_t len);
-    /* A connection to pk came up (1) or went away (0); optional. */
+    /* A connection to pk came up (1), or the last one to pk went away or
+     * could not be established (0); optional. Never called from inside a
+     * transport function, only from the loop. */
     void (*on_conn)(void *ud, const uint8_t pk[HM_PK_BYTES], int up);
 } hm_transport_cbs;
 
@@ -100,6 +104,13 @@ enum { HM_PRIO_HIGH = 0, HM_PRIO_LOW = 1 };
  */
 int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                       const void *msg, size_t len, int prio);
+/*
+ * The same as hm_transport_send for a message gathered from n pieces, which
+ * are copied once into the queue (the rpc layer sends an envelope header and
+ * a caller's multi-megabyte body this way without joining them first).
+ */
+int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                       const uv_buf_t *bufs, unsigned n, int prio);
 /* Bytes queued for pk and not yet written to the socket. */
 size_t hm_transport_queued(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);
 int hm_transport_connected(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);

@@ -1,0 +1,1717 @@
+/*
+ * transport: authenticated UDP datagrams and encrypted, multiplexed TCP
+ * streams on one libuv loop (see transport.h for the contract).
+ *
+ * This file owns the UDP socket, the TCP listener, every connection with its
+ * handshake, session, read buffer, reassembly slots and write queues, the
+ * housekeeping timer (handshake deadline, idle close, write stall) and the
+ * fault-injection state.
+ *
+ * Stream framing. Every record's plaintext is one chunk:
+ *
+ *   u32 message id (big-endian, chosen by the sender, per connection)
+ *   u8  flags: 1 = first chunk, 2 = last chunk, other bits must be zero
+ *   u32 total message length (first chunk only)
+ *   ... up to HM_TRANSPORT_CHUNK bytes of message data
+ *
+ * The writer takes one chunk at a time, round-robin over the messages queued
+ * on the connection, high priority first, so a small message queued behind a
+ * large one goes out after at most one chunk of each message ahead of it. At
+ * most WR_ACTIVE_MULTI multi-chunk messages per priority are in progress at
+ * once (the rest wait their turn, single-chunk messages never wait), which is
+ * what lets the reader cap its reassembly slots without refusing an honest
+ * sender.
+ *
+ * Connection states: HANDSHAKE -> OPEN -> CLOSING, changed only by
+ * conn_set_state. A connection's memory is released in its close callback,
+ * never inside one of its own handlers, and every callback into the layer
+ * above is followed by a check that the connection (or the transport) was
+ * not closed by it. Callbacks are never invoked from inside an API call, so
+ * the layer above may call the transport from its callbacks and its own
+ * state is consistent when a callback arrives.
+ *
+ * Two connections to one peer (both sides dialled at once, or a peer that
+ * reconnected before we noticed its old connection die) both stay usable:
+ * sends go to the one established last, the other one still delivers what
+ * arrives on it and is eventually closed as idle. A connection that closes
+ * frees its queue; the layer above learns it through on_conn(pk, 0), which
+ * fires when the last connection to a peer goes away or a dial fails.
+ */
+#include "config.h"
+
+#include "transport.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "util.h"
+
+#define MOD "transport"
+
+#define RBUF_SIZE (64u * 1024u)
+#define CHUNK_HDR_FIRST 9u
+#define CHUNK_HDR_NEXT 5u
+#define FLAG_FIRST 1u
+#define FLAG_LAST 2u
+#define WR_RECORDS 4u
+#define WR_BUF_SIZE (WR_RECORDS * (HM_REC_MAX_PLAIN + HM_REC_OVERHEAD))
+#define WR_INFLIGHT_MAX (256u * 1024u)
+#define WR_CACHE_MAX 4u
+#define WR_ACTIVE_MULTI 32u
+#define RASM_SLOTS_MAX 256u
+/* All connections together may reassemble this many per-connection budgets. */
+#define RASM_TOTAL_FACTOR 4u
+#define CONN_BUCKETS 256u
+#define UDP_PENDING_MAX 1024u
+#define UDP_RBUF_SIZE 2048u
+#define BIND_ATTEMPTS 16
+#define POOL_SLOTS 8
+#define POOL_MIN (64u * 1024u)
+#define POOL_MAX_BYTES (64u * 1024u * 1024u)
+#define POOL_IDLE_MS 2000u
+
+#if HM_TRANSPORT_CHUNK + CHUNK_HDR_FIRST > HM_REC_MAX_PLAIN
+#error "a chunk and its header must fit in one record"
+#endif
+
+enum conn_state { CONN_HANDSHAKE = 0, CONN_OPEN = 1, CONN_CLOSING = 2 };
+static const char *const conn_state_names[] = {"handshake", "open", "closing"};
+
+/* One queued outbound message; the bytes follow the header. */
+typedef struct omsg {
+    struct omsg *next;
+    size_t cap; /* bytes allocated for the whole struct, for the buffer pool */
+    uint32_t id;
+    uint32_t len;
+    uint32_t off; /* bytes already cut into chunks */
+    uint8_t data[];
+} omsg;
+
+/* One uv_write of sealed records (or of a handshake message). */
+typedef struct wreq {
+    uv_write_t req;
+    struct conn *c;
+    struct wreq *next; /* in the connection's cache of free buffers */
+    size_t len;
+    size_t cap;
+    uint8_t buf[];
+} wreq;
+
+/* One inbound message being reassembled. */
+typedef struct rasm {
+    uint32_t id;
+    uint32_t total;
+    uint32_t len;
+    uint32_t cap;
+    uint8_t *buf;
+} rasm;
+
+typedef struct conn {
+    uv_tcp_t tcp;
+    uv_connect_t connect_req;
+    struct hm_transport *t;
+    struct conn *next, *prev; /* every connection, closing ones included */
+    struct conn *hnext;       /* bucket chain of live connections with a known key */
+    int in_hash;
+    int state;
+    int outbound;
+    int connected; /* the socket is connected (inbound: always) */
+    int reading;
+    int pk_known;
+    int quiet; /* a dial that failed inside an API call: no on_conn */
+    uint64_t seq;
+    uint64_t open_seq; /* order of reaching OPEN, for picking among duplicates */
+    uint8_t pk[HM_PK_BYTES];
+    struct sockaddr_storage addr;
+    hm_handshake *hs;
+    hm_session sess;
+    int have_sess;
+    uint8_t *rbuf;
+    size_t rlen;
+    int pending_input; /* bytes left in rbuf while stalled */
+    rasm *slots;
+    size_t n_slots;
+    size_t rasm_bytes;
+    omsg *act_head[2], *act_tail[2];
+    omsg *pend_head[2], *pend_tail[2];
+    unsigned act_multi[2];
+    size_t unsent;   /* message bytes not yet sealed */
+    size_t inflight; /* sealed bytes handed to uv_write, not yet completed */
+    uint32_t next_id;
+    uint64_t created_ms, last_activity_ms, last_progress_ms;
+    wreq *cache;
+    unsigned n_cache;
+} conn;
+
+enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
+
+typedef struct delayed {
+    struct delayed *next;
+    uint64_t due_ms;
+    int kind;
+    int prio;
+    int has_to;
+    uint8_t pk[HM_PK_BYTES];
+    struct sockaddr_storage to;
+    size_t len;
+    uint8_t data[];
+} delayed;
+
+/*
+ * A few recently freed large buffers (queued messages, reassembly slots),
+ * kept for reuse. Streaming multi-megabyte messages otherwise costs a fresh
+ * mapping per message, and its page faults cost more than the encryption.
+ * Entries unused for POOL_IDLE_MS are released.
+ */
+typedef struct pool_ent {
+    void *p;
+    size_t cap;
+    uint64_t freed_ms;
+} pool_ent;
+
+typedef struct udp_send {
+    uv_udp_send_t req;
+    struct hm_transport *t;
+    size_t len;
+    uint8_t buf[];
+} udp_send;
+
+struct hm_transport {
+    uv_loop_t *loop;
+    hm_identity id;
+    uint8_t swarm_id[HM_SWARM_ID_BYTES];
+    hm_transport_config cfg;
+    hm_transport_cbs cbs;
+    void *ud;
+    hm_dgram_ctx *dctx;
+
+    uv_tcp_t listener;
+    uv_udp_t udp;
+    uv_timer_t hk_timer;
+    uv_timer_t delay_timer;
+    int open_handles;
+    struct sockaddr_storage local;
+
+    conn *conns;
+    conn *buckets[CONN_BUCKETS];
+    size_t n_conns; /* allocated, closing ones included */
+    uint64_t conn_seq;
+    uint64_t open_counter;
+
+    hm_transport_faults faults;
+    uint8_t (*partitioned)[HM_PK_BYTES];
+    uint64_t rng;
+
+    delayed *delayed_head;
+    size_t delayed_bytes;
+    int kick; /* the delay timer should also resume stalled input and output */
+
+    size_t udp_pending;
+    hm_transport_stats stats;
+    size_t rasm_total; /* declared bytes of inbound messages in progress, all connections */
+
+    pool_ent pool[POOL_SLOTS];
+    size_t pool_n;
+    size_t pool_bytes;
+
+    int closing;
+    int failed_new;
+    void (*close_cb)(void *ud);
+    void *close_ud;
+
+    uint8_t udp_rbuf[UDP_RBUF_SIZE];
+    uint8_t dgram_pt[HM_DGRAM_MAX];
+    uint8_t rec_pt[HM_REC_MAX_PLAIN];
+    uint8_t chunk_buf[HM_REC_MAX_PLAIN];
+};
+
+static void conn_close(conn *c, const char *why);
+static void conn_pump(conn *c);
+static void conn_process(conn *c);
+static void delay_timer_cb(uv_timer_t *h);
+static void maybe_finish_close(hm_transport *t);
+
+/* ---------------------------------------------------------------- helpers */
+
+static void put_be32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)(v >> 24);
+    p[1] = (uint8_t)(v >> 16);
+    p[2] = (uint8_t)(v >> 8);
+    p[3] = (uint8_t)v;
+}
+
+static uint32_t get_be32(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static unsigned pk_bucket(const uint8_t pk[HM_PK_BYTES])
+{
+    /* Public keys are uniformly distributed, so any byte makes a fine hash. */
+    return (unsigned)(pk[0] ^ pk[7] ^ pk[19]) % CONN_BUCKETS;
+}
+
+static void pk_short(const uint8_t pk[HM_PK_BYTES], char out[9])
+{
+    char full[HM_PEER_ID_LEN + 1];
+    hm_peer_id_encode(pk, full);
+    memcpy(out, full, 8);
+    out[8] = '\0';
+}
+
+/* xorshift64*: deterministic, so a test's drop pattern is reproducible. */
+static double rng_next(hm_transport *t)
+{
+    uint64_t x = t->rng;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    t->rng = x;
+    return (double)((x * 2685821657736338717ull) >> 11) / 9007199254740992.0;
+}
+
+static int is_partitioned(const hm_transport *t, const uint8_t pk[HM_PK_BYTES])
+{
+    for (size_t i = 0; i < t->faults.n_partitioned; i++)
+        if (memcmp(t->partitioned[i], pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}
+
+static int fault_drop(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
+{
+    if (is_partitioned(t, pk))
+        return 1;
+    if (t->faults.drop_rate > 0 && rng_next(t) < t->faults.drop_rate)
+        return 1;
+    return 0;
+}
+
+/* ------------------------------------------------------------ buffer pool */
+
+/* Returns a buffer of at least n bytes; *cap_out receives its real size. */
+static void *pool_get(hm_transport *t, size_t n, size_t *cap_out)
+{
+    size_t best = SIZE_MAX;
+    if (n >= POOL_MIN) {
+        for (size_t i = 0; i < t->pool_n; i++)
+            if (t->pool[i].cap >= n && t->pool[i].cap - n <= n / 2 &&
+                (best == SIZE_MAX || t->pool[i].cap < t->pool[best].cap))
+                best = i;
+    }
+    if (best != SIZE_MAX) {
+        void *p = t->pool[best].p;
+        *cap_out = t->pool[best].cap;
+        t->pool_bytes -= t->pool[best].cap;
+        t->pool[best] = t->pool[--t->pool_n];
+        return p;
+    }
+    *cap_out = n;
+    return malloc(n);
+}
+
+static void pool_put(hm_transport *t, void *p, size_t cap)
+{
+    if (p == NULL)
+        return;
+    if (cap < POOL_MIN || cap > POOL_MAX_BYTES / 2 || t->closing) {
+        free(p);
+        return;
+    }
+    /* Make room by dropping the oldest entries. */
+    while (t->pool_n > 0 && (t->pool_n == POOL_SLOTS || t->pool_bytes + cap > POOL_MAX_BYTES)) {
+        size_t old = 0;
+        for (size_t i = 1; i < t->pool_n; i++)
+            if (t->pool[i].freed_ms < t->pool[old].freed_ms)
+                old = i;
+        free(t->pool[old].p);
+        t->pool_bytes -= t->pool[old].cap;
+        t->pool[old] = t->pool[--t->pool_n];
+    }
+    t->pool[t->pool_n].p = p;
+    t->pool[t->pool_n].cap = cap;
+    t->pool[t->pool_n].freed_ms = hm_now_ms();
+    t->pool_n++;
+    t->pool_bytes += cap;
+}
+
+static void pool_trim(hm_transport *t, uint64_t older_than_ms)
+{
+    size_t i = 0;
+    while (i < t->pool_n) {
+        if (t->pool[i].freed_ms <= older_than_ms) {
+            free(t->pool[i].p);
+            t->pool_bytes -= t->pool[i].cap;
+            t->pool[i] = t->pool[--t->pool_n];
+        } else {
+            i++;
+        }
+    }
+}
+
+/* ------------------------------------------------------------ connections */
+
+static void conn_set_state(conn *c, int state, const char *why)
+{
+    char who[9] = "?";
+    if (c->pk_known)
+        pk_short(c->pk, who);
+    hm_debug(MOD, "conn #%llu %s %s: %s -> %s (%s)", (unsigned long long)c->seq,
+             c->outbound ? "to" : "from", who, conn_state_names[c->state],
+             conn_state_names[state], why);
+    c->state = state;
+}
+
+static void hash_insert(conn *c)
+{
+    hm_transport *t = c->t;
+    unsigned b = pk_bucket(c->pk);
+    c->hnext = t->buckets[b];
+    t->buckets[b] = c;
+    c->in_hash = 1;
+}
+
+static void hash_remove(conn *c)
+{
+    if (!c->in_hash)
+        return;
+    conn **pp = &c->t->buckets[pk_bucket(c->pk)];
+    while (*pp != NULL && *pp != c)
+        pp = &(*pp)->hnext;
+    if (*pp == c)
+        *pp = c->hnext;
+    c->hnext = NULL;
+    c->in_hash = 0;
+}
+
+/*
+ * The connection to send on: the open one that came up last, else one still
+ * in its handshake (our own dial, whose queue is flushed once open). The
+ * newest wins because a peer that dials again while we still hold an older
+ * connection has usually dropped that one and we have not read its close yet
+ * (it may be behind megabytes of unread data).
+ */
+static conn *conn_find(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
+{
+    conn *best = NULL;
+    for (conn *c = t->buckets[pk_bucket(pk)]; c != NULL; c = c->hnext) {
+        if (memcmp(c->pk, pk, HM_PK_BYTES) != 0)
+            continue;
+        if (best == NULL)
+            best = c;
+        else if (c->state == CONN_OPEN && best->state != CONN_OPEN)
+            best = c;
+        else if (c->state == CONN_OPEN && best->state == CONN_OPEN && c->open_seq > best->open_seq)
+            best = c;
+        else if (c->state == CONN_HANDSHAKE && best->state == CONN_HANDSHAKE && c->outbound &&
+                 !best->outbound)
+            best = c;
+    }
+    return best;
+}
+
+static size_t live_conns(const hm_transport *t)
+{
+    size_t n = 0;
+    for (const conn *c = t->conns; c != NULL; c = c->next)
+        if (c->state != CONN_CLOSING)
+            n++;
+    return n;
+}
+
+static conn *conn_new(hm_transport *t)
+{
+    conn *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return NULL;
+    c->rbuf = malloc(RBUF_SIZE);
+    c->hs = malloc(sizeof(*c->hs));
+    if (c->rbuf == NULL || c->hs == NULL) {
+        free(c->rbuf);
+        free(c->hs);
+        free(c);
+        return NULL;
+    }
+    c->t = t;
+    c->seq = ++t->conn_seq;
+    c->state = CONN_HANDSHAKE;
+    c->created_ms = c->last_activity_ms = c->last_progress_ms = hm_now_ms();
+    c->tcp.data = c;
+    c->next = t->conns;
+    if (t->conns != NULL)
+        t->conns->prev = c;
+    t->conns = c;
+    t->n_conns++;
+    return c;
+}
+
+static void free_queue(conn *c)
+{
+    for (int p = 0; p < 2; p++) {
+        omsg *lists[2] = {c->act_head[p], c->pend_head[p]};
+        for (int l = 0; l < 2; l++) {
+            omsg *m = lists[l];
+            while (m != NULL) {
+                omsg *n = m->next;
+                pool_put(c->t, m, m->cap);
+                m = n;
+            }
+        }
+        c->act_head[p] = c->act_tail[p] = NULL;
+        c->pend_head[p] = c->pend_tail[p] = NULL;
+        c->act_multi[p] = 0;
+    }
+    c->unsent = 0;
+}
+
+static void free_slots(conn *c)
+{
+    for (size_t i = 0; i < c->n_slots; i++)
+        pool_put(c->t, c->slots[i].buf, c->slots[i].cap);
+    c->t->rasm_total -= c->rasm_bytes;
+    free(c->slots);
+    c->slots = NULL;
+    c->n_slots = 0;
+    c->rasm_bytes = 0;
+}
+
+static int live_conn_for(const hm_transport *t, const uint8_t pk[HM_PK_BYTES])
+{
+    for (const conn *c = t->buckets[pk_bucket(pk)]; c != NULL; c = c->hnext)
+        if (memcmp(c->pk, pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}
+
+static void conn_closed_cb(uv_handle_t *h)
+{
+    conn *c = h->data;
+    hm_transport *t = c->t;
+
+    if (c->prev != NULL)
+        c->prev->next = c->next;
+    else
+        t->conns = c->next;
+    if (c->next != NULL)
+        c->next->prev = c->prev;
+    t->n_conns--;
+
+    while (c->cache != NULL) {
+        wreq *w = c->cache;
+        c->cache = w->next;
+        free(w);
+    }
+    free(c->rbuf);
+    /*
+     * The layer above learns here, after the fact and outside any API call,
+     * that the peer is unreachable, so it can fail what it had in flight
+     * instead of waiting for deadlines.
+     */
+    int notify = c->pk_known && !c->quiet && !t->closing && !live_conn_for(t, c->pk);
+    uint8_t pk[HM_PK_BYTES];
+    memcpy(pk, c->pk, HM_PK_BYTES);
+    sodium_memzero(c, sizeof(*c));
+    free(c);
+    if (notify && t->cbs.on_conn != NULL)
+        t->cbs.on_conn(t->ud, pk, 0);
+    maybe_finish_close(t);
+}
+
+static void conn_close(conn *c, const char *why)
+{
+    if (c->state == CONN_CLOSING)
+        return;
+    if (c->state == CONN_HANDSHAKE)
+        c->t->stats.handshakes_failed++;
+    conn_set_state(c, CONN_CLOSING, why);
+    hash_remove(c);
+    free_queue(c);
+    free_slots(c);
+    if (c->hs != NULL) {
+        hm_hs_wipe(c->hs);
+        free(c->hs);
+        c->hs = NULL;
+    }
+    if (c->have_sess) {
+        hm_session_wipe(&c->sess);
+        c->have_sess = 0;
+    }
+    c->pending_input = 0;
+    uv_close((uv_handle_t *)&c->tcp, conn_closed_cb);
+}
+
+/* ------------------------------------------------------------- write path */
+
+static wreq *wreq_get(conn *c, size_t cap)
+{
+    if (cap == WR_BUF_SIZE && c->cache != NULL) {
+        wreq *w = c->cache;
+        c->cache = w->next;
+        c->n_cache--;
+        return w;
+    }
+    wreq *w = malloc(sizeof(*w) + cap);
+    if (w == NULL)
+        return NULL;
+    w->c = c;
+    w->cap = cap;
+    w->len = 0;
+    w->next = NULL;
+    return w;
+}
+
+static void wreq_put(conn *c, wreq *w)
+{
+    if (w->cap == WR_BUF_SIZE && c->state != CONN_CLOSING && c->n_cache < WR_CACHE_MAX) {
+        w->next = c->cache;
+        c->cache = w;
+        c->n_cache++;
+        return;
+    }
+    free(w);
+}
+
+static void write_cb(uv_write_t *req, int status)
+{
+    wreq *w = (wreq *)req;
+    conn *c = w->c;
+    hm_transport *t = c->t;
+
+    c->inflight -= w->len;
+    if (status < 0) {
+        free(w);
+        if (c->state != CONN_CLOSING)
+            conn_close(c, uv_strerror(status));
+        return;
+    }
+    t->stats.bytes_out += w->len;
+    c->last_progress_ms = c->last_activity_ms = hm_now_ms();
+    wreq_put(c, w);
+    conn_pump(c);
+}
+
+static int conn_write_raw(conn *c, const uint8_t *p, size_t len)
+{
+    wreq *w = wreq_get(c, len);
+    if (w == NULL)
+        return -ENOMEM;
+    memcpy(w->buf, p, len);
+    w->len = len;
+    uv_buf_t b = uv_buf_init((char *)w->buf, (unsigned)len);
+    int r = uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, write_cb);
+    if (r < 0) {
+        free(w);
+        return r;
+    }
+    c->inflight += len;
+    return 0;
+}
+
+static int has_chunks(const conn *c) { return c->act_head[0] != NULL || c->act_head[1] != NULL; }
+
+static void promote_pending(conn *c, int p)
+{
+    while (c->pend_head[p] != NULL && c->act_multi[p] < WR_ACTIVE_MULTI) {
+        omsg *m = c->pend_head[p];
+        c->pend_head[p] = m->next;
+        if (c->pend_head[p] == NULL)
+            c->pend_tail[p] = NULL;
+        m->next = NULL;
+        if (c->act_tail[p] != NULL)
+            c->act_tail[p]->next = m;
+        else
+            c->act_head[p] = m;
+        c->act_tail[p] = m;
+        c->act_multi[p]++;
+    }
+}
+
+/*
+ * Cuts the next chunk (round-robin within the highest non-empty priority)
+ * into t->chunk_buf and returns its length.
+ */
+static size_t next_chunk(conn *c)
+{
+    hm_transport *t = c->t;
+    int p = c->act_head[0] != NULL ? 0 : 1;
+    omsg *m = c->act_head[p];
+    uint8_t *o = t->chunk_buf;
+    size_t hdr;
+    uint8_t flags = 0;
+
+    c->act_head[p] = m->next;
+    if (c->act_head[p] == NULL)
+        c->act_tail[p] = NULL;
+    m->next = NULL;
+
+    put_be32(o, m->id);
+    if (m->off == 0) {
+        flags |= FLAG_FIRST;
+        put_be32(o + 5, m->len);
+        hdr = CHUNK_HDR_FIRST;
+    } else {
+        hdr = CHUNK_HDR_NEXT;
+    }
+    size_t n = HM_MIN((size_t)(m->len - m->off), (size_t)HM_TRANSPORT_CHUNK);
+    memcpy(o + hdr, m->data + m->off, n);
+    m->off += (uint32_t)n;
+    c->unsent -= n;
+    if (m->off == m->len)
+        flags |= FLAG_LAST;
+    o[4] = flags;
+
+    if (flags & FLAG_LAST) {
+        if (m->len > HM_TRANSPORT_CHUNK) {
+            c->act_multi[p]--;
+            promote_pending(c, p);
+        }
+        pool_put(t, m, m->cap);
+        t->stats.messages_out++;
+    } else {
+        if (c->act_tail[p] != NULL)
+            c->act_tail[p]->next = m;
+        else
+            c->act_head[p] = m;
+        c->act_tail[p] = m;
+    }
+    return hdr + n;
+}
+
+/* Seals chunks into write requests while the in-flight budget allows. */
+static void conn_pump(conn *c)
+{
+    hm_transport *t = c->t;
+    while (c->state == CONN_OPEN && !t->faults.stall && c->inflight < WR_INFLIGHT_MAX &&
+           has_chunks(c)) {
+        wreq *w = wreq_get(c, WR_BUF_SIZE);
+        if (w == NULL) {
+            conn_close(c, "out of memory");
+            return;
+        }
+        w->len = 0;
+        for (unsigned i = 0; i < WR_RECORDS && has_chunks(c); i++) {
+            size_t n = next_chunk(c);
+            size_t sealed = 0;
+            int r = hm_session_seal(&c->sess, t->chunk_buf, n, w->buf + w->len, &sealed);
+            if (r < 0) {
+                free(w);
+                conn_close(c, "seal failed");
+                return;
+            }
+            w->len += sealed;
+        }
+        uv_buf_t b = uv_buf_init((char *)w->buf, (unsigned)w->len);
+        int r = uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, write_cb);
+        if (r < 0) {
+            free(w);
+            conn_close(c, uv_strerror(r));
+            return;
+        }
+        c->inflight += w->len;
+    }
+}
+
+static size_t bufs_len(const uv_buf_t *bufs, unsigned n)
+{
+    size_t len = 0;
+    for (unsigned i = 0; i < n; i++)
+        len += bufs[i].len;
+    return len;
+}
+
+static void bufs_copy(uint8_t *dst, const uv_buf_t *bufs, unsigned n)
+{
+    for (unsigned i = 0; i < n; i++) {
+        if (bufs[i].len > 0)
+            memcpy(dst, bufs[i].base, bufs[i].len);
+        dst += bufs[i].len;
+    }
+}
+
+static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio)
+{
+    hm_transport *t = c->t;
+    if (c->unsent + c->inflight + len > t->cfg.max_queued_bytes)
+        return -ENOBUFS;
+    size_t cap;
+    omsg *m = pool_get(t, sizeof(*m) + len, &cap);
+    if (m == NULL)
+        return -ENOMEM;
+    m->cap = cap;
+    m->next = NULL;
+    m->id = c->next_id++;
+    m->len = (uint32_t)len;
+    m->off = 0;
+    bufs_copy(m->data, bufs, nbufs);
+    /* The stall clock starts when data appears in an empty queue. */
+    if (c->unsent + c->inflight == 0)
+        c->last_progress_ms = hm_now_ms();
+    c->unsent += len;
+
+    int multi = len > HM_TRANSPORT_CHUNK;
+    if (multi && c->act_multi[prio] >= WR_ACTIVE_MULTI) {
+        if (c->pend_tail[prio] != NULL)
+            c->pend_tail[prio]->next = m;
+        else
+            c->pend_head[prio] = m;
+        c->pend_tail[prio] = m;
+    } else {
+        if (multi)
+            c->act_multi[prio]++;
+        if (c->act_tail[prio] != NULL)
+            c->act_tail[prio]->next = m;
+        else
+            c->act_head[prio] = m;
+        c->act_tail[prio] = m;
+    }
+    conn_pump(c);
+    return 0;
+}
+
+/* -------------------------------------------------------------- read path */
+
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    conn *c = h->data;
+    HM_UNUSED(suggested);
+    buf->base = (char *)c->rbuf + c->rlen;
+    buf->len = RBUF_SIZE - c->rlen;
+}
+
+static void deliver(conn *c, const uint8_t *msg, size_t len)
+{
+    hm_transport *t = c->t;
+    t->stats.messages_in++;
+    if (is_partitioned(t, c->pk))
+        return;
+    if (t->cbs.on_message != NULL)
+        t->cbs.on_message(t->ud, c->pk, (const struct sockaddr *)&c->addr, msg, len);
+}
+
+static rasm *slot_find(conn *c, uint32_t id)
+{
+    for (size_t i = 0; i < c->n_slots; i++)
+        if (c->slots[i].id == id)
+            return &c->slots[i];
+    return NULL;
+}
+
+/*
+ * Allocates a slot's whole buffer at its first chunk, within the
+ * connection's budget of declared bytes. Pages the peer never fills are
+ * never touched, so resident memory follows the bytes actually received;
+ * one allocation instead of a growing one saves copies and page faults,
+ * which dominate the cost of large messages.
+ */
+static int slot_alloc(conn *c, rasm *s)
+{
+    hm_transport *t = c->t;
+    size_t budget = t->cfg.max_message + t->cfg.max_queued_bytes;
+    if (c->rasm_bytes + s->total > budget || t->rasm_total + s->total > RASM_TOTAL_FACTOR * budget)
+        return -ENOBUFS;
+    size_t cap;
+    s->buf = pool_get(c->t, s->total, &cap);
+    if (s->buf == NULL)
+        return -ENOMEM;
+    c->rasm_bytes += s->total;
+    t->rasm_total += s->total;
+    s->cap = (uint32_t)HM_MIN(cap, (size_t)UINT32_MAX);
+    return 0;
+}
+
+/* Handles one decrypted chunk; returns 0 or a negative code that closes the connection. */
+static int handle_chunk(conn *c, const uint8_t *p, size_t n)
+{
+    hm_transport *t = c->t;
+    if (n < CHUNK_HDR_NEXT)
+        return -EPROTO;
+    uint32_t id = get_be32(p);
+    uint8_t flags = p[4];
+    if (flags & ~(FLAG_FIRST | FLAG_LAST))
+        return -EPROTO;
+    p += CHUNK_HDR_NEXT;
+    n -= CHUNK_HDR_NEXT;
+
+    if (flags & FLAG_FIRST) {
+        if (n < 4)
+            return -EPROTO;
+        uint32_t total = get_be32(p);
+        p += 4;
+        n -= 4;
+        if (total > t->cfg.max_message)
+            return -EMSGSIZE;
+        if (slot_find(c, id) != NULL)
+            return -EPROTO;
+        if (flags & FLAG_LAST) {
+            if (n != total)
+                return -EPROTO;
+            deliver(c, p, n);
+            return 0;
+        }
+        if (n >= total)
+            return -EPROTO;
+        if (c->n_slots >= RASM_SLOTS_MAX)
+            return -ENOBUFS;
+        if (c->slots == NULL) {
+            c->slots = calloc(RASM_SLOTS_MAX, sizeof(*c->slots));
+            if (c->slots == NULL)
+                return -ENOMEM;
+        }
+        rasm *s = &c->slots[c->n_slots];
+        memset(s, 0, sizeof(*s));
+        s->id = id;
+        s->total = total;
+        int r = slot_alloc(c, s);
+        if (r < 0)
+            return r;
+        c->n_slots++;
+        memcpy(s->buf, p, n);
+        s->len = (uint32_t)n;
+        return 0;
+    }
+
+    rasm *s = slot_find(c, id);
+    if (s == NULL)
+        return -EPROTO;
+    if (n > (size_t)(s->total - s->len))
+        return -EPROTO;
+    int last = s->len + n == s->total;
+    if (last != !!(flags & FLAG_LAST))
+        return -EPROTO;
+    memcpy(s->buf + s->len, p, n);
+    s->len += (uint32_t)n;
+    if (!last)
+        return 0;
+    /* Take the slot out before the callback, which may close the connection. */
+    uint8_t *buf = s->buf;
+    size_t len = s->len, cap = s->cap;
+    c->rasm_bytes -= s->total;
+    t->rasm_total -= s->total;
+    *s = c->slots[c->n_slots - 1];
+    c->n_slots--;
+    deliver(c, buf, len);
+    pool_put(t, buf, cap);
+    return 0;
+}
+
+static void hs_complete(conn *c)
+{
+    hm_transport *t = c->t;
+    hm_hs_finish(c->hs, &c->sess);
+    c->have_sess = 1;
+    free(c->hs);
+    c->hs = NULL;
+    if (!c->pk_known) {
+        memcpy(c->pk, c->sess.peer_pk, HM_PK_BYTES);
+        c->pk_known = 1;
+        hash_insert(c);
+    }
+    t->stats.handshakes_ok++;
+    c->open_seq = ++t->open_counter;
+    int was_up = 0;
+    for (conn *o = t->buckets[pk_bucket(c->pk)]; o != NULL; o = o->hnext)
+        if (o != c && o->state == CONN_OPEN && memcmp(o->pk, c->pk, HM_PK_BYTES) == 0)
+            was_up = 1;
+    conn_set_state(c, CONN_OPEN, "handshake complete");
+    c->last_progress_ms = hm_now_ms();
+    conn_pump(c);
+    if (!was_up && c->state == CONN_OPEN && t->cbs.on_conn != NULL)
+        t->cbs.on_conn(t->ud, c->pk, 1);
+}
+
+/* Consumes whatever complete handshake messages and records rbuf holds. */
+static void conn_process(conn *c)
+{
+    hm_transport *t = c->t;
+    size_t off = 0;
+
+    c->pending_input = 0;
+    if (c->state == CONN_HANDSHAKE) {
+        size_t used = 0;
+        int r = hm_hs_input(c->hs, c->rbuf, c->rlen, &used);
+        off = used;
+        if (c->hs->out_len > 0) {
+            int w = conn_write_raw(c, c->hs->out, c->hs->out_len);
+            c->hs->out_len = 0;
+            if (w < 0) {
+                conn_close(c, "handshake write failed");
+                return;
+            }
+        }
+        if (r < 0) {
+            hm_info(MOD, "handshake with %s peer failed: %s", c->outbound ? "dialled" : "inbound",
+                    hm_strerror(r));
+            conn_close(c, hm_strerror(r));
+            return;
+        }
+        if (r == 1) {
+            hs_complete(c);
+            if (c->state != CONN_OPEN)
+                return;
+        }
+    }
+    while (c->state == CONN_OPEN && off < c->rlen) {
+        if (t->faults.stall || t->closing) {
+            c->pending_input = 1;
+            break;
+        }
+        size_t used = 0, ptlen = 0;
+        int r = hm_session_open(&c->sess, c->rbuf + off, c->rlen - off, &used, t->rec_pt, &ptlen);
+        if (r < 0) {
+            hm_info(MOD, "closing a stream: bad record (%s)", hm_strerror(r));
+            conn_close(c, "bad record");
+            return;
+        }
+        if (r == 0)
+            break;
+        off += used;
+        r = handle_chunk(c, t->rec_pt, ptlen);
+        if (r < 0) {
+            hm_info(MOD, "closing a stream: framing violation (%s)", hm_strerror(r));
+            conn_close(c, "framing violation");
+            return;
+        }
+    }
+    if (c->state == CONN_CLOSING)
+        return;
+    if (off > 0) {
+        memmove(c->rbuf, c->rbuf + off, c->rlen - off);
+        c->rlen -= off;
+    }
+    if (c->rlen == RBUF_SIZE) {
+        /* A record never exceeds a quarter of the buffer, so this is a peer lying. */
+        conn_close(c, "read buffer full");
+    }
+}
+
+static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    conn *c = s->data;
+    hm_transport *t = c->t;
+    HM_UNUSED(buf);
+    if (c->state == CONN_CLOSING)
+        return;
+    if (nread < 0) {
+        conn_close(c, nread == UV_EOF ? "peer closed" : uv_strerror((int)nread));
+        return;
+    }
+    if (nread == 0)
+        return;
+    c->rlen += (size_t)nread;
+    t->stats.bytes_in += (uint64_t)nread;
+    c->last_activity_ms = hm_now_ms();
+    conn_process(c);
+}
+
+static void conn_start_reading(conn *c)
+{
+    if (c->reading || c->state == CONN_CLOSING || !c->connected || c->t->faults.stall)
+        return;
+    int r = uv_read_start((uv_stream_t *)&c->tcp, alloc_cb, read_cb);
+    if (r < 0) {
+        conn_close(c, uv_strerror(r));
+        return;
+    }
+    c->reading = 1;
+}
+
+static void conn_stop_reading(conn *c)
+{
+    if (!c->reading || c->state == CONN_CLOSING)
+        return;
+    uv_read_stop((uv_stream_t *)&c->tcp);
+    c->reading = 0;
+}
+
+/* ------------------------------------------------------- dial and accept */
+
+static void connect_cb(uv_connect_t *req, int status)
+{
+    conn *c = req->data;
+    if (c->state == CONN_CLOSING)
+        return;
+    if (status < 0) {
+        hm_debug(MOD, "dial failed: %s", uv_strerror(status));
+        conn_close(c, uv_strerror(status));
+        return;
+    }
+    c->connected = 1;
+    uv_tcp_nodelay(&c->tcp, 1);
+    c->last_activity_ms = hm_now_ms();
+    int r = conn_write_raw(c, c->hs->out, c->hs->out_len);
+    c->hs->out_len = 0;
+    if (r < 0) {
+        conn_close(c, "handshake write failed");
+        return;
+    }
+    conn_start_reading(c);
+}
+
+static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                     conn **out)
+{
+    if (to->sa_family != AF_INET && to->sa_family != AF_INET6)
+        return -EAFNOSUPPORT;
+    if (memcmp(pk, t->id.pk, HM_PK_BYTES) == 0)
+        return -EINVAL;
+    if (live_conns(t) >= t->cfg.max_connections)
+        return -ENOBUFS;
+    conn *c = conn_new(t);
+    if (c == NULL)
+        return -ENOMEM;
+    int r = uv_tcp_init(t->loop, &c->tcp);
+    if (r < 0) {
+        /* Not a handle yet: unlink and free right here. */
+        t->conns = c->next;
+        if (c->next != NULL)
+            c->next->prev = NULL;
+        t->n_conns--;
+        free(c->hs);
+        free(c->rbuf);
+        free(c);
+        return r;
+    }
+    c->outbound = 1;
+    c->pk_known = 1;
+    memcpy(c->pk, pk, HM_PK_BYTES);
+    memcpy(&c->addr, to, hm_addr_len(to));
+    hm_hs_init_client(c->hs, &t->id, t->swarm_id, pk);
+    c->connect_req.data = c;
+    r = uv_tcp_connect(&c->connect_req, &c->tcp, to, connect_cb);
+    if (r < 0) {
+        c->quiet = 1;
+        conn_close(c, uv_strerror(r));
+        return r;
+    }
+    hash_insert(c);
+    *out = c;
+    return 0;
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+    hm_transport *t = server->data;
+    if (status < 0) {
+        hm_warn(MOD, "accept: %s", uv_strerror(status));
+        return;
+    }
+    conn *c = conn_new(t);
+    if (c == NULL) {
+        /*
+         * Without memory there is nothing to accept into; libuv pauses the
+         * listener until the next successful accept.
+         */
+        hm_warn(MOD, "accept: out of memory");
+        return;
+    }
+    int r = uv_tcp_init(t->loop, &c->tcp);
+    if (r < 0) {
+        t->conns = c->next;
+        if (c->next != NULL)
+            c->next->prev = NULL;
+        t->n_conns--;
+        free(c->hs);
+        free(c->rbuf);
+        free(c);
+        hm_warn(MOD, "accept: %s", uv_strerror(r));
+        return;
+    }
+    c->connected = 1;
+    r = uv_accept(server, (uv_stream_t *)&c->tcp);
+    if (r < 0) {
+        conn_close(c, uv_strerror(r));
+        return;
+    }
+    int alen = sizeof(c->addr);
+    uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&c->addr, &alen);
+    if (live_conns(t) > t->cfg.max_connections) {
+        hm_debug(MOD, "refusing a connection: %zu connections", t->cfg.max_connections);
+        conn_close(c, "too many connections");
+        return;
+    }
+    hm_hs_init_server(c->hs, &t->id, t->swarm_id);
+    uv_tcp_nodelay(&c->tcp, 1);
+    conn_start_reading(c);
+}
+
+/* ---------------------------------------------------------------- datagrams */
+
+static void udp_send_cb(uv_udp_send_t *req, int status)
+{
+    udp_send *s = (udp_send *)req;
+    s->t->udp_pending--;
+    if (status == 0)
+        s->t->stats.bytes_out += s->len;
+    free(s);
+}
+
+static int dgram_send_now(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                          const void *msg, size_t len)
+{
+    uint8_t out[HM_DGRAM_MAX];
+    size_t n = 0;
+    int r = hm_dgram_seal(t->dctx, pk, hm_wall_us(), msg, len, out, sizeof(out), &n);
+    if (r < 0)
+        return r;
+    uv_buf_t b = uv_buf_init((char *)out, (unsigned)n);
+    r = uv_udp_try_send(&t->udp, &b, 1, to);
+    if (r >= 0) {
+        t->stats.dgrams_out++;
+        t->stats.bytes_out += n;
+        return 0;
+    }
+    if (r != UV_EAGAIN && r != UV_ENOSYS)
+        return r;
+    if (t->udp_pending >= UDP_PENDING_MAX)
+        return -ENOBUFS;
+    udp_send *s = malloc(sizeof(*s) + n);
+    if (s == NULL)
+        return -ENOMEM;
+    s->t = t;
+    s->len = n;
+    memcpy(s->buf, out, n);
+    b = uv_buf_init((char *)s->buf, (unsigned)n);
+    r = uv_udp_send(&s->req, &t->udp, &b, 1, to, udp_send_cb);
+    if (r < 0) {
+        free(s);
+        return r;
+    }
+    t->udp_pending++;
+    t->stats.dgrams_out++;
+    return 0;
+}
+
+static void udp_alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    hm_transport *t = h->data;
+    HM_UNUSED(suggested);
+    buf->base = (char *)t->udp_rbuf;
+    buf->len = sizeof(t->udp_rbuf);
+}
+
+static void udp_recv_cb(uv_udp_t *h, ssize_t nread, const uv_buf_t *buf, const struct sockaddr *from,
+                        unsigned flags)
+{
+    hm_transport *t = h->data;
+    HM_UNUSED(buf);
+    if (nread == 0 || from == NULL || t->closing || t->faults.stall)
+        return;
+    if (nread < 0) {
+        hm_debug(MOD, "udp receive: %s", uv_strerror((int)nread));
+        return;
+    }
+    t->stats.bytes_in += (uint64_t)nread;
+    /* Cap and filter before any cryptography. */
+    if ((flags & UV_UDP_PARTIAL) || (size_t)nread > HM_DGRAM_MAX ||
+        (size_t)nread < HM_DGRAM_OVERHEAD) {
+        t->stats.dgrams_rejected++;
+        return;
+    }
+    uint8_t sender[HM_PK_BYTES];
+    size_t ptlen = 0;
+    int r = hm_dgram_open(t->dctx, t->udp_rbuf, (size_t)nread, hm_wall_us(), sender, t->dgram_pt,
+                          sizeof(t->dgram_pt), &ptlen);
+    if (r < 0) {
+        t->stats.dgrams_rejected++;
+        hm_debug(MOD, "datagram rejected: %s", hm_strerror(r));
+        return;
+    }
+    if (is_partitioned(t, sender))
+        return;
+    t->stats.dgrams_in++;
+    if (t->cbs.on_dgram != NULL)
+        t->cbs.on_dgram(t->ud, sender, from, t->dgram_pt, ptlen);
+}
+
+/* ------------------------------------------------------- delayed sending */
+
+static int stream_send_now(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                           const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio)
+{
+    conn *c = conn_find(t, pk);
+    if (c == NULL) {
+        if (to == NULL)
+            return -ENOTCONN;
+        int r = conn_dial(t, pk, to, &c);
+        if (r < 0)
+            return r;
+    }
+    return conn_enqueue(c, bufs, nbufs, len, prio);
+}
+
+static void arm_delay_timer(hm_transport *t)
+{
+    if (t->closing)
+        return;
+    if (t->kick) {
+        uv_timer_start(&t->delay_timer, delay_timer_cb, 0, 0);
+        return;
+    }
+    if (t->delayed_head == NULL)
+        return;
+    uint64_t now = hm_now_ms();
+    uint64_t due = t->delayed_head->due_ms;
+    uv_timer_start(&t->delay_timer, delay_timer_cb, due > now ? due - now : 0, 0);
+}
+
+static void delay_timer_cb(uv_timer_t *h)
+{
+    hm_transport *t = h->data;
+    if (t->kick) {
+        t->kick = 0;
+        for (conn *c = t->conns; c != NULL; c = c->next) {
+            if (c->state == CONN_CLOSING)
+                continue;
+            conn_start_reading(c);
+            if (c->pending_input)
+                conn_process(c);
+            if (t->closing || t->faults.stall)
+                break;
+            conn_pump(c);
+        }
+    }
+    uint64_t now = hm_now_ms();
+    while (t->delayed_head != NULL && t->delayed_head->due_ms <= now && !t->closing) {
+        delayed *d = t->delayed_head;
+        t->delayed_head = d->next;
+        t->delayed_bytes -= d->len;
+        const struct sockaddr *to = d->has_to ? (const struct sockaddr *)&d->to : NULL;
+        int r;
+        if (d->kind == DELAY_DGRAM)
+            r = t->faults.stall ? 0 : dgram_send_now(t, d->pk, to, d->data, d->len);
+        else {
+            uv_buf_t b = uv_buf_init((char *)d->data, (unsigned)d->len);
+            r = stream_send_now(t, d->pk, to, &b, 1, d->len, d->prio);
+        }
+        if (r < 0)
+            hm_debug(MOD, "delayed send failed: %s", hm_strerror(r));
+        free(d);
+    }
+    arm_delay_timer(t);
+}
+
+static int delay_push(hm_transport *t, int kind, const uint8_t pk[HM_PK_BYTES],
+                      const struct sockaddr *to, const uv_buf_t *bufs, unsigned nbufs, size_t len,
+                      int prio)
+{
+    if (t->delayed_bytes + len > t->cfg.max_queued_bytes)
+        return -ENOBUFS;
+    delayed *d = malloc(sizeof(*d) + len);
+    if (d == NULL)
+        return -ENOMEM;
+    memset(d, 0, sizeof(*d));
+    d->due_ms = hm_now_ms() + t->faults.delay_ms;
+    d->kind = kind;
+    d->prio = prio;
+    memcpy(d->pk, pk, HM_PK_BYTES);
+    if (to != NULL) {
+        memcpy(&d->to, to, hm_addr_len(to));
+        d->has_to = 1;
+    }
+    d->len = len;
+    bufs_copy(d->data, bufs, nbufs);
+    /* Keep the list sorted by due time; equal times keep their send order. */
+    delayed **pp = &t->delayed_head;
+    while (*pp != NULL && (*pp)->due_ms <= d->due_ms)
+        pp = &(*pp)->next;
+    d->next = *pp;
+    *pp = d;
+    t->delayed_bytes += len;
+    arm_delay_timer(t);
+    return 0;
+}
+
+/* ------------------------------------------------------------ housekeeping */
+
+static void hk_timer_cb(uv_timer_t *h)
+{
+    hm_transport *t = h->data;
+    /* A stalled node does nothing at all, like a stopped process. */
+    if (t->faults.stall || t->closing)
+        return;
+    uint64_t now = hm_now_ms();
+    if (now > POOL_IDLE_MS)
+        pool_trim(t, now - POOL_IDLE_MS);
+    conn *c = t->conns;
+    while (c != NULL) {
+        conn *next = c->next;
+        if (c->state == CONN_HANDSHAKE && now - c->created_ms >= t->cfg.handshake_timeout_ms) {
+            conn_close(c, "handshake timeout");
+        } else if (c->state == CONN_OPEN && c->unsent + c->inflight > 0 &&
+                   now - c->last_progress_ms >= t->cfg.write_stall_ms) {
+            char who[9];
+            pk_short(c->pk, who);
+            hm_info(MOD, "closing the stream to %s: no write progress for %llu ms (%zu bytes queued)",
+                    who, (unsigned long long)t->cfg.write_stall_ms, c->unsent + c->inflight);
+            conn_close(c, "write stall");
+        } else if (c->state == CONN_OPEN && now - c->last_activity_ms >= t->cfg.idle_close_ms &&
+                   c->unsent + c->inflight == 0) {
+            conn_close(c, "idle");
+        }
+        c = next;
+    }
+}
+
+/* ---------------------------------------------------------------- setup */
+
+void hm_transport_config_defaults(hm_transport_config *cfg)
+{
+    if (cfg->max_message == 0)
+        cfg->max_message = 80u * 1024u * 1024u;
+    if (cfg->max_queued_bytes == 0)
+        cfg->max_queued_bytes = cfg->max_message + 16u * 1024u * 1024u;
+    if (cfg->max_connections == 0)
+        cfg->max_connections = 512;
+    if (cfg->idle_close_ms == 0)
+        cfg->idle_close_ms = 120000;
+    if (cfg->handshake_timeout_ms == 0)
+        cfg->handshake_timeout_ms = 5000;
+    if (cfg->write_stall_ms == 0)
+        cfg->write_stall_ms = 30000;
+    if (cfg->dgram_peers == 0)
+        cfg->dgram_peers = 65536;
+}
+
+static void handle_closed_cb(uv_handle_t *h)
+{
+    hm_transport *t = h->data;
+    t->open_handles--;
+    maybe_finish_close(t);
+}
+
+static void maybe_finish_close(hm_transport *t)
+{
+    if (!t->closing || t->open_handles > 0 || t->conns != NULL)
+        return;
+    void (*cb)(void *) = t->close_cb;
+    void *ud = t->close_ud;
+    hm_dgram_ctx_free(t->dctx);
+    free(t->partitioned);
+    pool_trim(t, UINT64_MAX);
+    hm_identity_wipe(&t->id);
+    sodium_memzero(t, sizeof(*t));
+    free(t);
+    if (cb != NULL)
+        cb(ud);
+}
+
+/*
+ * Binds the TCP listener and the UDP socket to one port. With port 0 the
+ * kernel picks the TCP port; the UDP port of the same number may be taken,
+ * so that case retries with a new TCP port.
+ */
+static int bind_sockets(const struct sockaddr *want, int *tcp_fd_out, int *udp_fd_out,
+                        struct sockaddr_storage *bound_out)
+{
+    int want_port = want->sa_family == AF_INET ? ((const struct sockaddr_in *)want)->sin_port
+                                               : ((const struct sockaddr_in6 *)want)->sin6_port;
+    int attempts = want_port == 0 ? BIND_ATTEMPTS : 1;
+    int result = -EADDRINUSE;
+    for (int i = 0; i < attempts; i++) {
+        int tfd = socket(want->sa_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (tfd < 0)
+            return -errno;
+        int one = 1;
+        setsockopt(tfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (bind(tfd, want, hm_addr_len(want)) < 0) {
+            result = -errno;
+            close(tfd);
+            return result;
+        }
+        struct sockaddr_storage bound;
+        socklen_t blen = sizeof(bound);
+        if (getsockname(tfd, (struct sockaddr *)&bound, &blen) < 0) {
+            result = -errno;
+            close(tfd);
+            return result;
+        }
+        int ufd = socket(want->sa_family, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (ufd < 0) {
+            result = -errno;
+            close(tfd);
+            return result;
+        }
+        if (bind(ufd, (struct sockaddr *)&bound, hm_addr_len((struct sockaddr *)&bound)) < 0) {
+            result = -errno;
+            close(ufd);
+            close(tfd);
+            if (result == -EADDRINUSE)
+                continue;
+            return result;
+        }
+        *tcp_fd_out = tfd;
+        *udp_fd_out = ufd;
+        *bound_out = bound;
+        return 0;
+    }
+    return result;
+}
+
+int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
+                     const uint8_t swarm_id[HM_SWARM_ID_BYTES], const hm_transport_config *cfg,
+                     const hm_transport_cbs *cbs, void *ud, hm_transport **out)
+{
+    int result = 0;
+    int tfd = -1, ufd = -1;
+    hm_transport *t = NULL;
+    struct sockaddr_storage want;
+
+    *out = NULL;
+    t = calloc(1, sizeof(*t));
+    if (t == NULL)
+        return -ENOMEM;
+    t->loop = loop;
+    t->id = *id;
+    memcpy(t->swarm_id, swarm_id, HM_SWARM_ID_BYTES);
+    if (cfg != NULL)
+        t->cfg = *cfg;
+    hm_transport_config_defaults(&t->cfg);
+    if (t->cfg.max_message > UINT32_MAX - 1 || t->cfg.max_queued_bytes < t->cfg.max_message) {
+        result = -EINVAL;
+        goto out;
+    }
+    if (cbs != NULL)
+        t->cbs = *cbs;
+    t->ud = ud;
+    /* Seeded from the identity so a test's fault pattern is reproducible. */
+    memcpy(&t->rng, id->pk, sizeof(t->rng));
+    t->rng |= 1;
+
+    result = hm_parse_hostport(t->cfg.listen != NULL ? t->cfg.listen : "127.0.0.1:0", &want);
+    if (result < 0)
+        goto out;
+    t->cfg.listen = NULL; /* the caller's string need not outlive this call */
+    t->dctx = hm_dgram_ctx_new(&t->id, swarm_id, t->cfg.dgram_peers);
+    if (t->dctx == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    result = bind_sockets((struct sockaddr *)&want, &tfd, &ufd, &t->local);
+    if (result < 0)
+        goto out;
+
+    /* From here on the handles exist and can only be released asynchronously. */
+    t->listener.data = t;
+    t->udp.data = t;
+    t->hk_timer.data = t;
+    t->delay_timer.data = t;
+    uv_tcp_init(loop, &t->listener);
+    uv_udp_init(loop, &t->udp);
+    uv_timer_init(loop, &t->hk_timer);
+    uv_timer_init(loop, &t->delay_timer);
+    t->open_handles = 4;
+    result = uv_tcp_open(&t->listener, tfd);
+    if (result == 0)
+        tfd = -1;
+    if (result == 0)
+        result = uv_udp_open(&t->udp, ufd);
+    if (result == 0)
+        ufd = -1;
+    if (result == 0)
+        result = uv_listen((uv_stream_t *)&t->listener, 128, on_connection);
+    if (result == 0)
+        result = uv_udp_recv_start(&t->udp, udp_alloc_cb, udp_recv_cb);
+    if (result == 0) {
+        uint64_t iv = HM_MIN(t->cfg.handshake_timeout_ms,
+                             HM_MIN(t->cfg.idle_close_ms, t->cfg.write_stall_ms)) / 4;
+        iv = HM_MAX(iv, (uint64_t)5);
+        iv = HM_MIN(iv, (uint64_t)1000);
+        result = uv_timer_start(&t->hk_timer, hk_timer_cb, iv, iv);
+    }
+    if (result < 0) {
+        if (tfd >= 0)
+            close(tfd);
+        if (ufd >= 0)
+            close(ufd);
+        t->closing = 1;
+        t->failed_new = 1;
+        uv_close((uv_handle_t *)&t->listener, handle_closed_cb);
+        uv_close((uv_handle_t *)&t->udp, handle_closed_cb);
+        uv_close((uv_handle_t *)&t->hk_timer, handle_closed_cb);
+        uv_close((uv_handle_t *)&t->delay_timer, handle_closed_cb);
+        return result;
+    }
+    {
+        char a[HM_ADDRSTRLEN];
+        hm_format_addr((struct sockaddr *)&t->local, a, sizeof(a));
+        hm_debug(MOD, "listening on %s (tcp and udp)", a);
+    }
+    *out = t;
+    return 0;
+
+out:
+    if (tfd >= 0)
+        close(tfd);
+    if (ufd >= 0)
+        close(ufd);
+    if (t != NULL) {
+        hm_dgram_ctx_free(t->dctx);
+        hm_identity_wipe(&t->id);
+        free(t);
+    }
+    return result;
+}
+
+int hm_transport_local_addr(hm_transport *t, struct sockaddr_storage *out)
+{
+    *out = t->local;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- API */
+
+int hm_transport_send_dgram(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
+                            const struct sockaddr *to, const void *msg, size_t len)
+{
+    if (t->closing)
+        return -ECANCELED;
+    if (len > HM_DGRAM_MAX_PAYLOAD)
+        return -EMSGSIZE;
+    if (to == NULL || (to->sa_family != AF_INET && to->sa_family != AF_INET6))
+        return -EINVAL;
+    if (t->faults.stall || fault_drop(t, pk))
+        return 0;
+    if (t->faults.delay_ms > 0) {
+        uv_buf_t b = uv_buf_init((char *)msg, (unsigned)len);
+        return delay_push(t, DELAY_DGRAM, pk, to, &b, 1, len, 0);
+    }
+    return dgram_send_now(t, pk, to, msg, len);
+}
+
+int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                       const uv_buf_t *bufs, unsigned n, int prio)
+{
+    if (t->closing)
+        return -ECANCELED;
+    if (prio != HM_PRIO_HIGH && prio != HM_PRIO_LOW)
+        return -EINVAL;
+    size_t len = bufs_len(bufs, n);
+    if (len > t->cfg.max_message)
+        return -EMSGSIZE;
+    if (fault_drop(t, pk))
+        return 0;
+    if (t->faults.delay_ms > 0) {
+        if (to == NULL && conn_find(t, pk) == NULL)
+            return -ENOTCONN;
+        return delay_push(t, DELAY_STREAM, pk, to, bufs, n, len, prio);
+    }
+    return stream_send_now(t, pk, to, bufs, n, len, prio);
+}
+
+int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                      const void *msg, size_t len, int prio)
+{
+    if (len > UINT32_MAX)
+        return -EMSGSIZE;
+    uv_buf_t b = uv_buf_init((char *)msg, (unsigned)len);
+    return hm_transport_sendv(t, pk, to, &b, 1, prio);
+}
+
+size_t hm_transport_queued(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
+{
+    size_t n = 0;
+    for (conn *c = t->buckets[pk_bucket(pk)]; c != NULL; c = c->hnext)
+        if (memcmp(c->pk, pk, HM_PK_BYTES) == 0)
+            n += c->unsent + c->inflight;
+    return n;
+}
+
+int hm_transport_connected(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
+{
+    for (conn *c = t->buckets[pk_bucket(pk)]; c != NULL; c = c->hnext)
+        if (c->state == CONN_OPEN && memcmp(c->pk, pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}
+
+void hm_transport_disconnect(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
+{
+    conn *c;
+    while ((c = conn_find(t, pk)) != NULL)
+        conn_close(c, "disconnect requested");
+}
+
+void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f)
+{
+    int was_stalled = t->faults.stall;
+    uint8_t(*part)[HM_PK_BYTES] = NULL;
+    size_t n_part = 0;
+
+    if (t->closing)
+        return;
+    if (f->n_partitioned > 0 && f->partitioned != NULL) {
+        part = malloc(f->n_partitioned * HM_PK_BYTES);
+        if (part != NULL) {
+            memcpy(part, f->partitioned, f->n_partitioned * HM_PK_BYTES);
+            n_part = f->n_partitioned;
+        } else {
+            hm_warn(MOD, "fault injection: out of memory for the partition list");
+        }
+    }
+    free(t->partitioned);
+    t->faults = *f;
+    t->partitioned = part;
+    t->faults.partitioned = (const uint8_t(*)[HM_PK_BYTES])part;
+    t->faults.n_partitioned = n_part;
+    if (t->faults.drop_rate < 0 || t->faults.drop_rate != t->faults.drop_rate)
+        t->faults.drop_rate = 0;
+    if (t->faults.drop_rate > 1)
+        t->faults.drop_rate = 1;
+
+    if (t->faults.stall && !was_stalled) {
+        for (conn *c = t->conns; c != NULL; c = c->next)
+            conn_stop_reading(c);
+        uv_udp_recv_stop(&t->udp);
+    } else if (!t->faults.stall && was_stalled) {
+        uint64_t now = hm_now_ms();
+        for (conn *c = t->conns; c != NULL; c = c->next) {
+            /* Time spent stalled is not the peer's fault. */
+            c->last_progress_ms = c->last_activity_ms = now;
+            if (c->state == CONN_HANDSHAKE)
+                c->created_ms = now;
+        }
+        uv_udp_recv_start(&t->udp, udp_alloc_cb, udp_recv_cb);
+        /* Resume reading and writing from the loop, not from inside this call. */
+        t->kick = 1;
+        arm_delay_timer(t);
+    }
+}
+
+void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out)
+{
+    *out = t->stats;
+    out->connections = 0;
+    out->queued_bytes = 0;
+    for (conn *c = t->conns; c != NULL; c = c->next) {
+        if (c->state == CONN_CLOSING)
+            continue;
+        out->connections++;
+        out->queued_bytes += c->unsent + c->inflight;
+    }
+}
+
+void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)
+{
+    if (t->closing)
+        return;
+    t->closing = 1;
+    t->close_cb = cb;
+    t->close_ud = ud;
+    for (conn *c = t->conns; c != NULL; c = c->next)
+        conn_close(c, "transport closing");
+    while (t->delayed_head != NULL) {
+        delayed *d = t->delayed_head;
+        t->delayed_head = d->next;
+        free(d);
+    }
+    t->delayed_bytes = 0;
+    uv_close((uv_handle_t *)&t->listener, handle_closed_cb);
+    uv_close((uv_handle_t *)&t->udp, handle_closed_cb);
+    uv_close((uv_handle_t *)&t->hk_timer, handle_closed_cb);
+    uv_close((uv_handle_t *)&t->delay_timer, handle_closed_cb);
+}

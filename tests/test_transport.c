@@ -1,0 +1,1076 @@
+/*
+ * Tests for transport and rpc: two or three nodes in one process on one
+ * libuv loop, on 127.0.0.1 with kernel-chosen ports. They check that calls
+ * work over datagrams and streams at small and large sizes, that a large
+ * transfer does not hold back a small call, that tampered, replayed,
+ * foreign-swarm and impostor traffic is refused, that deadlines and cancels
+ * end calls exactly once, that a peer which stops reading cannot make our
+ * queue grow past its bound, and that the in-flight, unknown-method and
+ * partition behaviours hold.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "crypto.h"
+#include "rpc.h"
+#include "transport.h"
+#include "util.h"
+
+static uv_loop_t loop;
+static uint8_t swarm[HM_SWARM_ID_BYTES];
+static int order_counter;
+
+typedef struct tnode {
+    hm_identity id;
+    hm_rpc *rpc;
+    struct sockaddr_storage addr;
+    int served;     /* requests seen by any handler */
+    uint8_t last_peer[HM_PK_BYTES];
+    hm_rpc_req *held[16];
+    int n_held;
+} tnode;
+
+typedef struct result {
+    int count;
+    int status;
+    uint8_t *body;
+    size_t len;
+    int order;
+    uint64_t at_ms;
+} result;
+
+static void setup(void)
+{
+    hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
+    cr_assert_eq(hm_crypto_init(), 0);
+    cr_assert_eq(uv_loop_init(&loop), 0);
+    hm_swarm_id("transport-test", NULL, 0, swarm);
+    order_counter = 0;
+}
+
+static void teardown(void)
+{
+    uv_run(&loop, UV_RUN_NOWAIT);
+    cr_expect_eq(uv_loop_close(&loop), 0, "every handle is closed at the end");
+}
+
+static void on_tick(uv_timer_t *t) { HM_UNUSED(t); }
+
+/* Runs the loop until *val >= target or max_ms passes. */
+static int run_until(const int *val, int target, uint64_t max_ms)
+{
+    uint64_t end = hm_now_ms() + max_ms;
+    uv_timer_t tick;
+    uv_timer_init(&loop, &tick);
+    uv_timer_start(&tick, on_tick, 5, 5);
+    while (*val < target && hm_now_ms() < end)
+        uv_run(&loop, UV_RUN_ONCE);
+    uv_close((uv_handle_t *)&tick, NULL);
+    uv_run(&loop, UV_RUN_NOWAIT);
+    return *val >= target;
+}
+
+static void run_for(uint64_t ms)
+{
+    int never = 0;
+    run_until(&never, 1, ms);
+}
+
+/* ---- handlers ---- */
+
+static void h_echo(void *ud, hm_rpc_req *req, const uint8_t peer[HM_PK_BYTES],
+                   const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    tnode *n = ud;
+    HM_UNUSED(from);
+    n->served++;
+    memcpy(n->last_peer, peer, HM_PK_BYTES);
+    hm_rpc_respond(req, 0, body, len);
+}
+
+static void h_never(void *ud, hm_rpc_req *req, const uint8_t peer[HM_PK_BYTES],
+                    const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    tnode *n = ud;
+    HM_UNUSED(from);
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    n->served++;
+    memcpy(n->last_peer, peer, HM_PK_BYTES);
+    cr_assert_lt(n->n_held, 16);
+    n->held[n->n_held++] = req;
+}
+
+static void call_cb(void *ud, int status, const uint8_t *body, size_t len)
+{
+    result *r = ud;
+    r->count++;
+    r->status = status;
+    free(r->body);
+    r->body = malloc(len > 0 ? len : 1);
+    if (len > 0)
+        memcpy(r->body, body, len);
+    r->len = len;
+    r->order = ++order_counter;
+    r->at_ms = hm_now_ms();
+}
+
+static void result_free(result *r)
+{
+    free(r->body);
+    memset(r, 0, sizeof(*r));
+}
+
+/* ---- nodes ---- */
+
+static void node_start_cfg(tnode *n, const uint8_t *swarm_id, const hm_identity *id,
+                           const hm_transport_config *tc, const hm_rpc_config *rc)
+{
+    memset(n, 0, sizeof(*n));
+    if (id != NULL)
+        n->id = *id;
+    else
+        cr_assert_eq(hm_identity_generate(&n->id), 0);
+    hm_transport_config cfg = {0};
+    if (tc != NULL)
+        cfg = *tc;
+    cfg.listen = "127.0.0.1:0";
+    cr_assert_eq(hm_rpc_new(&loop, &n->id, swarm_id, &cfg, rc, &n->rpc), 0);
+    cr_assert_eq(hm_transport_local_addr(hm_rpc_transport(n->rpc), &n->addr), 0);
+    cr_assert_eq(hm_rpc_register(n->rpc, "echo", h_echo, n), 0);
+    cr_assert_eq(hm_rpc_register(n->rpc, "never", h_never, n), 0);
+}
+
+static void node_start(tnode *n) { node_start_cfg(n, swarm, NULL, NULL, NULL); }
+
+static void on_closed(void *ud) { (*(int *)ud)++; }
+
+static void node_stop(tnode *n)
+{
+    int closed = 0;
+    hm_rpc_close(n->rpc, on_closed, &closed);
+    /* Held requests are orphans now; answering them only frees them. */
+    for (int i = 0; i < n->n_held; i++)
+        cr_expect_eq(hm_rpc_respond(n->held[i], 0, NULL, 0), -ECANCELED);
+    n->n_held = 0;
+    cr_assert(run_until(&closed, 1, 2000), "rpc and transport close");
+    hm_identity_wipe(&n->id);
+}
+
+static const struct sockaddr *sa(const tnode *n) { return (const struct sockaddr *)&n->addr; }
+
+static hm_transport_stats stats_of(tnode *n)
+{
+    hm_transport_stats s;
+    hm_transport_get_stats(hm_rpc_transport(n->rpc), &s);
+    return s;
+}
+
+static int call(tnode *from, const tnode *to, const char *method, const void *body, size_t len,
+                unsigned flags, uint64_t timeout_ms, result *r)
+{
+    return hm_rpc_call(from->rpc, to->id.pk, sa(to), method, body, len, flags, timeout_ms, call_cb,
+                       r, NULL);
+}
+
+TestSuite(transport, .init = setup, .fini = teardown, .timeout = 30);
+
+/* ------------------------------------------------------------------ tests */
+
+Test(transport, datagram_and_stream_calls_small_and_large)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+
+    result r1 = {0}, r2 = {0}, r3 = {0}, r4 = {0};
+    cr_assert_eq(call(&a, &b, "echo", "ping", 4, HM_RPC_DGRAM, 2000, &r1), 0);
+    cr_assert_eq(call(&a, &b, "echo", "pong", 4, HM_RPC_STREAM, 2000, &r2), 0);
+    cr_assert(run_until(&r2.count, 1, 3000));
+    cr_assert(run_until(&r1.count, 1, 3000));
+    cr_assert_eq(r1.status, 0);
+    cr_assert_eq(r1.len, 4);
+    cr_assert_eq(memcmp(r1.body, "ping", 4), 0);
+    cr_assert_eq(r2.status, 0);
+    cr_assert_eq(memcmp(r2.body, "pong", 4), 0);
+    cr_assert_eq(memcmp(b.last_peer, a.id.pk, HM_PK_BYTES), 0, "b sees a's key");
+    cr_assert(hm_transport_connected(hm_rpc_transport(a.rpc), b.id.pk));
+    cr_assert_geq(stats_of(&b).handshakes_ok, 1);
+    cr_assert_geq(stats_of(&a).handshakes_ok, 1);
+
+    /* An 8 MB body crosses the stream and comes back intact. */
+    size_t big = 8u << 20;
+    uint8_t *body = malloc(big);
+    randombytes_buf(body, big);
+    cr_assert_eq(call(&a, &b, "echo", body, big, HM_RPC_STREAM, 10000, &r3), 0);
+    cr_assert(run_until(&r3.count, 1, 10000));
+    cr_assert_eq(r3.status, 0);
+    cr_assert_eq(r3.len, big);
+    cr_assert_eq(memcmp(r3.body, body, big), 0, "8 MB echoed intact");
+
+    /* A datagram request that cannot fit fails at call time, and never calls back. */
+    cr_assert_eq(call(&a, &b, "echo", body, 2000, HM_RPC_DGRAM, 1000, &r4), -EMSGSIZE);
+    /* The largest body that fits still works. */
+    size_t fit = HM_DGRAM_MAX_PAYLOAD - 64;
+    cr_assert_eq(call(&a, &b, "echo", body, fit, HM_RPC_DGRAM, 2000, &r4), 0);
+    cr_assert(run_until(&r4.count, 1, 3000));
+    cr_assert_eq(r4.status, 0);
+    cr_assert_eq(r4.len, fit);
+    cr_assert_eq(memcmp(r4.body, body, fit), 0);
+
+    /* Unknown methods are answered with -ENOSYS on both carriers. */
+    result u1 = {0}, u2 = {0};
+    cr_assert_eq(call(&a, &b, "no.such.method", "x", 1, HM_RPC_DGRAM, 2000, &u1), 0);
+    cr_assert_eq(call(&a, &b, "no.such.method", "x", 1, HM_RPC_STREAM, 2000, &u2), 0);
+    cr_assert(run_until(&u1.count, 1, 3000));
+    cr_assert(run_until(&u2.count, 1, 3000));
+    cr_assert_eq(u1.status, -ENOSYS);
+    cr_assert_eq(u2.status, -ENOSYS);
+
+    /* Bad method names are refused locally. */
+    cr_assert_eq(call(&a, &b, "has space", "x", 1, HM_RPC_DGRAM, 1000, &u1), -EINVAL);
+
+    /* Per-method statistics saw the calls. */
+    free(body);
+    node_stop(&a);
+    node_stop(&b);
+    cr_assert_eq(r1.count + r2.count + r3.count + r4.count + u1.count + u2.count, 6,
+                 "each callback fired exactly once");
+    result_free(&r1);
+    result_free(&r2);
+    result_free(&r3);
+    result_free(&r4);
+    result_free(&u1);
+    result_free(&u2);
+}
+
+typedef struct stat_probe {
+    uint64_t echo_ok;
+    uint64_t echo_served;
+    uint64_t lat_total;
+} stat_probe;
+
+static void probe_stats(void *ud, const hm_rpc_method_stats *s)
+{
+    stat_probe *p = ud;
+    if (strcmp(s->method, "echo") == 0) {
+        p->echo_ok += s->ok;
+        p->echo_served += s->served;
+        for (int i = 0; i <= HM_RPC_LAT_BUCKETS; i++)
+            p->lat_total += s->lat_buckets[i];
+    }
+}
+
+Test(transport, method_stats_count_calls)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    result r[3] = {{0}};
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(call(&a, &b, "echo", "s", 1, i ? HM_RPC_STREAM : HM_RPC_DGRAM, 2000, &r[i]), 0);
+    for (int i = 0; i < 3; i++)
+        cr_assert(run_until(&r[i].count, 1, 3000));
+    stat_probe pa = {0}, pb = {0};
+    hm_rpc_foreach_stats(a.rpc, probe_stats, &pa);
+    hm_rpc_foreach_stats(b.rpc, probe_stats, &pb);
+    cr_assert_eq(pa.echo_ok, 3);
+    cr_assert_eq(pa.lat_total, 3);
+    cr_assert_eq(pb.echo_served, 3);
+    node_stop(&a);
+    node_stop(&b);
+    for (int i = 0; i < 3; i++)
+        result_free(&r[i]);
+}
+
+Test(transport, large_message_does_not_block_small_call)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    result warm = {0}, large = {0}, small = {0};
+    cr_assert_eq(call(&a, &b, "echo", "w", 1, HM_RPC_STREAM, 3000, &warm), 0);
+    cr_assert(run_until(&warm.count, 1, 3000));
+
+    size_t big = 32u << 20;
+    uint8_t *body = malloc(big);
+    memset(body, 0xab, big);
+    cr_assert_eq(call(&a, &b, "echo", body, big, HM_RPC_STREAM, 15000, &large), 0);
+    cr_assert_eq(call(&a, &b, "echo", "small", 5, HM_RPC_STREAM, 15000, &small), 0);
+    cr_assert(run_until(&large.count, 1, 15000));
+    cr_assert(run_until(&small.count, 1, 1000));
+    cr_assert_eq(small.status, 0);
+    cr_assert_eq(large.status, 0);
+    cr_assert_eq(large.len, big);
+    cr_assert_eq(memcmp(large.body, body, big), 0);
+    cr_assert_lt(small.order, large.order, "the small reply arrived first");
+    free(body);
+    node_stop(&a);
+    node_stop(&b);
+    result_free(&warm);
+    result_free(&large);
+    result_free(&small);
+}
+
+Test(transport, simultaneous_dial_both_directions_work)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    result ab = {0}, ba = {0};
+    cr_assert_eq(call(&a, &b, "echo", "ab", 2, HM_RPC_STREAM, 3000, &ab), 0);
+    cr_assert_eq(call(&b, &a, "echo", "ba", 2, HM_RPC_STREAM, 3000, &ba), 0);
+    cr_assert(run_until(&ab.count, 1, 3000));
+    cr_assert(run_until(&ba.count, 1, 3000));
+    cr_assert_eq(ab.status, 0);
+    cr_assert_eq(ba.status, 0);
+    /* And more calls keep working over whichever connection is kept. */
+    result again = {0};
+    cr_assert_eq(call(&b, &a, "echo", "x", 1, HM_RPC_STREAM, 3000, &again), 0);
+    cr_assert(run_until(&again.count, 1, 3000));
+    cr_assert_eq(again.status, 0);
+    node_stop(&a);
+    node_stop(&b);
+    result_free(&ab);
+    result_free(&ba);
+    result_free(&again);
+}
+
+/* ---- an in-test TCP proxy that flips one byte going to the server ---- */
+
+typedef struct proxy {
+    uv_tcp_t listener, down, up;
+    uv_connect_t creq;
+    struct sockaddr_storage target, addr;
+    size_t a2b;
+    size_t flip_at;
+    int flipped;
+    int open_handles;
+    int accepted;
+} proxy;
+
+typedef struct pxwrite {
+    uv_write_t req;
+    char *buf;
+} pxwrite;
+
+static void p_alloc(uv_handle_t *h, size_t sz, uv_buf_t *buf)
+{
+    HM_UNUSED(h);
+    buf->base = malloc(sz);
+    buf->len = sz;
+}
+
+static void p_closed(uv_handle_t *h)
+{
+    proxy *p = h->data;
+    p->open_handles--;
+}
+
+static void p_close_pair(proxy *p)
+{
+    if (!uv_is_closing((uv_handle_t *)&p->down))
+        uv_close((uv_handle_t *)&p->down, p_closed);
+    if (!uv_is_closing((uv_handle_t *)&p->up))
+        uv_close((uv_handle_t *)&p->up, p_closed);
+}
+
+static void p_written(uv_write_t *req, int status)
+{
+    HM_UNUSED(status);
+    pxwrite *w = (pxwrite *)req;
+    free(w->buf);
+    free(w);
+}
+
+static void p_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
+{
+    proxy *p = s->data;
+    if (n < 0) {
+        free(buf->base);
+        p_close_pair(p);
+        return;
+    }
+    if (n == 0) {
+        free(buf->base);
+        return;
+    }
+    uv_stream_t *other = s == (uv_stream_t *)&p->down ? (uv_stream_t *)&p->up
+                                                      : (uv_stream_t *)&p->down;
+    if (s == (uv_stream_t *)&p->down) {
+        if (!p->flipped && p->a2b + (size_t)n > p->flip_at) {
+            buf->base[p->flip_at - p->a2b] ^= 0x40;
+            p->flipped = 1;
+        }
+        p->a2b += (size_t)n;
+    }
+    pxwrite *w = malloc(sizeof(*w));
+    w->buf = buf->base;
+    uv_buf_t b = uv_buf_init(buf->base, (unsigned)n);
+    if (uv_write(&w->req, other, &b, 1, p_written) < 0) {
+        free(w->buf);
+        free(w);
+    }
+}
+
+static void p_connected(uv_connect_t *req, int status)
+{
+    proxy *p = req->data;
+    if (status < 0) {
+        p_close_pair(p);
+        return;
+    }
+    uv_read_start((uv_stream_t *)&p->down, p_alloc, p_read);
+    uv_read_start((uv_stream_t *)&p->up, p_alloc, p_read);
+}
+
+static void p_accept(uv_stream_t *server, int status)
+{
+    proxy *p = server->data;
+    cr_assert_eq(status, 0);
+    cr_assert_eq(p->accepted, 0, "the proxy serves one connection");
+    p->accepted = 1;
+    uv_tcp_init(&loop, &p->down);
+    uv_tcp_init(&loop, &p->up);
+    p->down.data = p->up.data = p;
+    p->open_handles += 2;
+    cr_assert_eq(uv_accept(server, (uv_stream_t *)&p->down), 0);
+    p->creq.data = p;
+    cr_assert_eq(uv_tcp_connect(&p->creq, &p->up, (struct sockaddr *)&p->target, p_connected), 0);
+}
+
+static void proxy_start(proxy *p, const struct sockaddr *target, size_t flip_at)
+{
+    memset(p, 0, sizeof(*p));
+    memcpy(&p->target, target, hm_addr_len(target));
+    p->flip_at = flip_at;
+    struct sockaddr_storage any;
+    hm_parse_hostport("127.0.0.1:0", &any);
+    uv_tcp_init(&loop, &p->listener);
+    p->listener.data = p;
+    p->open_handles = 1;
+    cr_assert_eq(uv_tcp_bind(&p->listener, (struct sockaddr *)&any, 0), 0);
+    cr_assert_eq(uv_listen((uv_stream_t *)&p->listener, 4, p_accept), 0);
+    int len = sizeof(p->addr);
+    uv_tcp_getsockname(&p->listener, (struct sockaddr *)&p->addr, &len);
+}
+
+static void proxy_stop(proxy *p)
+{
+    uv_close((uv_handle_t *)&p->listener, p_closed);
+    if (p->accepted)
+        p_close_pair(p);
+    int zero_target = 0;
+    uint64_t end = hm_now_ms() + 2000;
+    while (p->open_handles > zero_target && hm_now_ms() < end)
+        uv_run(&loop, UV_RUN_ONCE);
+    cr_assert_eq(p->open_handles, 0);
+}
+
+Test(transport, flipped_stream_byte_closes_connection_and_node_keeps_serving)
+{
+    tnode a, b, c;
+    node_start(&a);
+    node_start(&b);
+    node_start(&c);
+    proxy p;
+    /* Past msg1 and msg3 of the handshake, inside the first record. */
+    proxy_start(&p, sa(&b), HM_HS_MSG1_LEN + HM_HS_MSG3_LEN + 20);
+
+    result bad = {0};
+    cr_assert_eq(hm_rpc_call(a.rpc, b.id.pk, (struct sockaddr *)&p.addr, "echo", "hello", 5,
+                             HM_RPC_STREAM, 3000, call_cb, &bad, NULL),
+                 0);
+    cr_assert(run_until(&bad.count, 1, 4000));
+    cr_assert_neq(bad.status, 0, "the tampered call fails");
+    cr_assert(p.flipped);
+    cr_assert_eq(b.served, 0, "nothing tampered reached the handler");
+    cr_assert_lt(bad.at_ms, hm_now_ms() + 1, "sanity");
+    cr_assert_eq(bad.status, -ECONNRESET, "the call fails as soon as the stream dies");
+    cr_assert_eq(stats_of(&b).connections, 0, "b dropped the tampered connection");
+
+    /* b keeps serving: a new direct call from a and one from c both work. */
+    result ok1 = {0}, ok2 = {0};
+    cr_assert_eq(call(&a, &b, "echo", "again", 5, HM_RPC_STREAM, 3000, &ok1), 0);
+    cr_assert_eq(call(&c, &b, "echo", "other", 5, HM_RPC_STREAM, 3000, &ok2), 0);
+    cr_assert(run_until(&ok1.count, 1, 3000));
+    cr_assert(run_until(&ok2.count, 1, 3000));
+    cr_assert_eq(ok1.status, 0);
+    cr_assert_eq(ok2.status, 0);
+    cr_assert_eq(bad.count, 1);
+
+    proxy_stop(&p);
+    node_stop(&a);
+    node_stop(&b);
+    node_stop(&c);
+    result_free(&bad);
+    result_free(&ok1);
+    result_free(&ok2);
+}
+
+/* ---- a UDP relay that forwards a's datagram to b twice ---- */
+
+typedef struct relay {
+    uv_udp_t udp;
+    struct sockaddr_storage addr, a_addr, b_addr;
+    uint8_t captured[HM_DGRAM_MAX];
+    size_t captured_len;
+    int have_a;
+    int closed;
+} relay;
+
+static void r_alloc(uv_handle_t *h, size_t sz, uv_buf_t *buf)
+{
+    HM_UNUSED(h);
+    static char rbuf[4096];
+    HM_UNUSED(sz);
+    buf->base = rbuf;
+    buf->len = sizeof(rbuf);
+}
+
+static void r_recv(uv_udp_t *h, ssize_t n, const uv_buf_t *buf, const struct sockaddr *from,
+                   unsigned flags)
+{
+    relay *r = h->data;
+    HM_UNUSED(flags);
+    if (n <= 0 || from == NULL)
+        return;
+    uv_buf_t b = uv_buf_init(buf->base, (unsigned)n);
+    if (hm_addr_equal(from, (struct sockaddr *)&r->b_addr)) {
+        /* b's reply goes back to a. */
+        if (r->have_a)
+            uv_udp_try_send(&r->udp, &b, 1, (struct sockaddr *)&r->a_addr);
+        return;
+    }
+    memcpy(&r->a_addr, from, hm_addr_len(from));
+    r->have_a = 1;
+    if (r->captured_len == 0 && (size_t)n <= sizeof(r->captured)) {
+        memcpy(r->captured, buf->base, (size_t)n);
+        r->captured_len = (size_t)n;
+    }
+    /* The replay: the same datagram twice. */
+    uv_udp_try_send(&r->udp, &b, 1, (struct sockaddr *)&r->b_addr);
+    uv_udp_try_send(&r->udp, &b, 1, (struct sockaddr *)&r->b_addr);
+}
+
+static void r_closed(uv_handle_t *h) { ((relay *)h->data)->closed = 1; }
+
+Test(transport, replayed_datagram_is_rejected)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    relay r;
+    memset(&r, 0, sizeof(r));
+    memcpy(&r.b_addr, &b.addr, sizeof(b.addr));
+    struct sockaddr_storage any;
+    hm_parse_hostport("127.0.0.1:0", &any);
+    uv_udp_init(&loop, &r.udp);
+    r.udp.data = &r;
+    cr_assert_eq(uv_udp_bind(&r.udp, (struct sockaddr *)&any, 0), 0);
+    int alen = sizeof(r.addr);
+    uv_udp_getsockname(&r.udp, (struct sockaddr *)&r.addr, &alen);
+    uv_udp_recv_start(&r.udp, r_alloc, r_recv);
+
+    uint64_t rejected0 = stats_of(&b).dgrams_rejected;
+    result res = {0};
+    cr_assert_eq(hm_rpc_call(a.rpc, b.id.pk, (struct sockaddr *)&r.addr, "echo", "once", 4,
+                             HM_RPC_DGRAM, 2000, call_cb, &res, NULL),
+                 0);
+    cr_assert(run_until(&res.count, 1, 3000));
+    cr_assert_eq(res.status, 0, "the original datagram was answered through the relay");
+    run_for(100);
+    cr_assert_eq(b.served, 1, "delivered exactly once");
+    cr_assert_eq(stats_of(&b).dgrams_rejected, rejected0 + 1, "the copy was rejected");
+    cr_assert_eq(stats_of(&b).dgrams_in, 1);
+
+    /* Replaying the captured bytes later is still refused. */
+    cr_assert_gt(r.captured_len, 0);
+    uv_buf_t bb = uv_buf_init((char *)r.captured, (unsigned)r.captured_len);
+    cr_assert_geq(uv_udp_try_send(&r.udp, &bb, 1, (struct sockaddr *)&b.addr), 0);
+    run_for(100);
+    cr_assert_eq(b.served, 1);
+    cr_assert_eq(stats_of(&b).dgrams_rejected, rejected0 + 2);
+
+    /* So is a datagram with one byte changed. */
+    r.captured[r.captured_len - 1] ^= 1;
+    cr_assert_geq(uv_udp_try_send(&r.udp, &bb, 1, (struct sockaddr *)&b.addr), 0);
+    run_for(100);
+    cr_assert_eq(b.served, 1);
+    cr_assert_eq(stats_of(&b).dgrams_rejected, rejected0 + 3);
+
+    uv_close((uv_handle_t *)&r.udp, r_closed);
+    run_until(&r.closed, 1, 1000);
+    node_stop(&a);
+    node_stop(&b);
+    cr_assert_eq(res.count, 1);
+    result_free(&res);
+}
+
+Test(transport, wrong_swarm_key_is_refused)
+{
+    uint8_t psk[32], other[HM_SWARM_ID_BYTES];
+    randombytes_buf(psk, sizeof(psk));
+    hm_swarm_id("transport-test", psk, sizeof(psk), other);
+    tnode a, b;
+    node_start_cfg(&a, other, NULL, NULL, NULL);
+    node_start(&b);
+
+    result d = {0}, s = {0};
+    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_DGRAM, 400, &d), 0);
+    cr_assert_eq(call(&a, &b, "echo", "y", 1, HM_RPC_STREAM, 2000, &s), 0);
+    cr_assert(run_until(&d.count, 1, 2000));
+    cr_assert(run_until(&s.count, 1, 3000));
+    cr_assert_eq(d.status, -ETIMEDOUT);
+    cr_assert_neq(s.status, 0);
+    cr_assert_eq(b.served, 0, "nothing from the other swarm reached a handler");
+    cr_assert_geq(stats_of(&b).dgrams_rejected, 1);
+    cr_assert_geq(stats_of(&b).handshakes_failed, 1);
+    cr_assert_eq(stats_of(&b).handshakes_ok, 0);
+    cr_assert_geq(stats_of(&a).handshakes_failed, 1);
+    node_stop(&a);
+    node_stop(&b);
+    result_free(&d);
+    result_free(&s);
+}
+
+Test(transport, impostors_are_refused)
+{
+    tnode a, b, c;
+    node_start(&a);
+    node_start(&b);
+    node_start(&c);
+
+    /* c calling b is seen as c, never as anyone else. */
+    result rc = {0};
+    cr_assert_eq(call(&c, &b, "echo", "c", 1, HM_RPC_STREAM, 2000, &rc), 0);
+    cr_assert(run_until(&rc.count, 1, 3000));
+    cr_assert_eq(rc.status, 0);
+    cr_assert_eq(memcmp(b.last_peer, c.id.pk, HM_PK_BYTES), 0);
+
+    /* A node holding c's secret key but claiming a's public key. */
+    hm_identity forged;
+    cr_assert_eq(hm_identity_generate(&forged), 0);
+    memcpy(forged.pk, a.id.pk, HM_PK_BYTES);
+    memcpy(forged.x_pk, a.id.x_pk, sizeof(forged.x_pk));
+    memcpy(forged.node_id, a.id.node_id, sizeof(forged.node_id));
+    memcpy(forged.peer_id, a.id.peer_id, sizeof(forged.peer_id));
+    tnode f;
+    node_start_cfg(&f, swarm, &forged, NULL, NULL);
+    int served0 = b.served;
+    uint64_t hs_failed0 = stats_of(&b).handshakes_failed;
+    uint64_t rej0 = stats_of(&b).dgrams_rejected;
+    result fs = {0}, fd = {0};
+    cr_assert_eq(call(&f, &b, "echo", "f", 1, HM_RPC_STREAM, 2000, &fs), 0);
+    cr_assert_eq(call(&f, &b, "echo", "f", 1, HM_RPC_DGRAM, 400, &fd), 0);
+    cr_assert(run_until(&fs.count, 1, 3000));
+    cr_assert(run_until(&fd.count, 1, 2000));
+    cr_assert_neq(fs.status, 0);
+    cr_assert_eq(fd.status, -ETIMEDOUT);
+    cr_assert_eq(b.served, served0, "the impostor reached no handler");
+    cr_assert_eq(stats_of(&b).handshakes_failed, hs_failed0 + 1);
+    /* The request and the cancel sent at its deadline were both refused. */
+    cr_assert_geq(stats_of(&b).dgrams_rejected, rej0 + 1);
+    cr_assert(!hm_transport_connected(hm_rpc_transport(b.rpc), a.id.pk));
+
+    /* a expects b's key but reaches c's port: both carriers fail, c serves nothing. */
+    int c_served0 = c.served;
+    uint64_t c_rej0 = stats_of(&c).dgrams_rejected;
+    result ws = {0}, wd = {0};
+    cr_assert_eq(hm_rpc_call(a.rpc, b.id.pk, sa(&c), "echo", "w", 1, HM_RPC_STREAM, 2000, call_cb,
+                             &ws, NULL),
+                 0);
+    cr_assert_eq(hm_rpc_call(a.rpc, b.id.pk, sa(&c), "echo", "w", 1, HM_RPC_DGRAM, 400, call_cb,
+                             &wd, NULL),
+                 0);
+    cr_assert(run_until(&ws.count, 1, 3000));
+    cr_assert(run_until(&wd.count, 1, 2000));
+    cr_assert_neq(ws.status, 0);
+    cr_assert_eq(wd.status, -ETIMEDOUT);
+    cr_assert_eq(c.served, c_served0);
+    cr_assert_geq(stats_of(&c).handshakes_failed, 1);
+    cr_assert_geq(stats_of(&c).dgrams_rejected, c_rej0 + 1);
+    cr_assert(!hm_transport_connected(hm_rpc_transport(a.rpc), b.id.pk));
+
+    node_stop(&f);
+    node_stop(&a);
+    node_stop(&b);
+    node_stop(&c);
+    result_free(&rc);
+    result_free(&fs);
+    result_free(&fd);
+    result_free(&ws);
+    result_free(&wd);
+}
+
+Test(transport, deadlines_and_cancel)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    result warm = {0};
+    cr_assert_eq(call(&a, &b, "echo", "w", 1, HM_RPC_STREAM, 2000, &warm), 0);
+    cr_assert(run_until(&warm.count, 1, 3000));
+
+    /* A handler that never answers: the call ends at its deadline, on both carriers. */
+    result nd = {0}, ns = {0};
+    uint64_t t0 = hm_now_ms();
+    cr_assert_eq(call(&a, &b, "never", "n", 1, HM_RPC_DGRAM, 200, &nd), 0);
+    cr_assert_eq(call(&a, &b, "never", "n", 1, HM_RPC_STREAM, 200, &ns), 0);
+    cr_assert(run_until(&nd.count, 1, 2000));
+    cr_assert(run_until(&ns.count, 1, 2000));
+    cr_assert_eq(nd.status, -ETIMEDOUT);
+    cr_assert_eq(ns.status, -ETIMEDOUT);
+    cr_assert_geq(nd.at_ms - t0, 199);
+    cr_assert_lt(nd.at_ms - t0, 400, "fired at %llu ms", (unsigned long long)(nd.at_ms - t0));
+    cr_assert_lt(ns.at_ms - t0, 400);
+    cr_assert_eq(b.n_held, 2);
+    run_for(50);
+    /* The server learns the caller gave up. */
+    cr_assert(hm_rpc_req_cancelled(b.held[0]));
+    cr_assert(hm_rpc_req_cancelled(b.held[1]));
+    /* Answering late sends nothing and does not disturb anything. */
+    cr_assert_neq(hm_rpc_respond(b.held[0], 0, "late", 4), 0);
+    cr_assert_neq(hm_rpc_respond(b.held[1], 0, "late", 4), 0);
+    b.n_held = 0;
+    run_for(50);
+    cr_assert_eq(nd.count, 1);
+    cr_assert_eq(ns.count, 1);
+
+    /* Cancel: the callback fires once with -ECANCELED and the server sees it. */
+    result cc = {0};
+    uint64_t id = 0;
+    cr_assert_eq(hm_rpc_call(a.rpc, b.id.pk, sa(&b), "never", "c", 1, HM_RPC_STREAM, 5000, call_cb,
+                             &cc, &id),
+                 0);
+    cr_assert(run_until(&b.n_held, 1, 2000));
+    cr_assert(!hm_rpc_req_cancelled(b.held[0]));
+    cr_assert_eq(hm_rpc_cancel(a.rpc, id), 0);
+    cr_assert_eq(cc.count, 1);
+    cr_assert_eq(cc.status, -ECANCELED);
+    cr_assert_eq(hm_rpc_cancel(a.rpc, id), -ENOENT);
+    uint64_t end = hm_now_ms() + 2000;
+    while (!hm_rpc_req_cancelled(b.held[0]) && hm_now_ms() < end)
+        run_for(10);
+    cr_assert(hm_rpc_req_cancelled(b.held[0]), "the cancel reached the server");
+    cr_assert_eq(hm_rpc_respond(b.held[0], 0, "x", 1), -ECANCELED);
+    b.n_held = 0;
+    run_for(100);
+    cr_assert_eq(cc.count, 1, "exactly once");
+
+    /* A stalled peer: calls end at their deadlines. */
+    int served0 = b.served;
+    hm_transport_faults stall = {.stall = 1};
+    hm_transport_set_faults(hm_rpc_transport(b.rpc), &stall);
+    result sd = {0}, ss = {0};
+    t0 = hm_now_ms();
+    cr_assert_eq(call(&a, &b, "echo", "s", 1, HM_RPC_DGRAM, 200, &sd), 0);
+    cr_assert_eq(call(&a, &b, "echo", "s", 1, HM_RPC_STREAM, 200, &ss), 0);
+    cr_assert(run_until(&sd.count, 1, 2000));
+    cr_assert(run_until(&ss.count, 1, 2000));
+    cr_assert_eq(sd.status, -ETIMEDOUT);
+    cr_assert_eq(ss.status, -ETIMEDOUT);
+    cr_assert_lt(ss.at_ms - t0, 400);
+    cr_assert_eq(b.served, served0, "a stalled node serves nothing");
+
+    /* Unstalled, it answers again. */
+    hm_transport_faults none = {0};
+    hm_transport_set_faults(hm_rpc_transport(b.rpc), &none);
+    result after = {0};
+    cr_assert_eq(call(&a, &b, "echo", "a", 1, HM_RPC_STREAM, 2000, &after), 0);
+    cr_assert(run_until(&after.count, 1, 3000));
+    cr_assert_eq(after.status, 0);
+
+    node_stop(&a);
+    node_stop(&b);
+    result_free(&warm);
+    result_free(&nd);
+    result_free(&ns);
+    result_free(&cc);
+    result_free(&sd);
+    result_free(&ss);
+    result_free(&after);
+}
+
+Test(transport, close_cancels_calls_in_flight)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    result r1 = {0}, r2 = {0};
+    cr_assert_eq(call(&a, &b, "never", "x", 1, HM_RPC_STREAM, 5000, &r1), 0);
+    cr_assert_eq(call(&a, &b, "never", "x", 1, HM_RPC_DGRAM, 5000, &r2), 0);
+    cr_assert(run_until(&b.n_held, 2, 2000));
+    node_stop(&a);
+    cr_assert_eq(r1.count, 1);
+    cr_assert_eq(r1.status, -ECANCELED);
+    cr_assert_eq(r2.count, 1);
+    cr_assert_eq(r2.status, -ECANCELED);
+    node_stop(&b);
+    result_free(&r1);
+    result_free(&r2);
+}
+
+/* ---- a receiver that stops reading ---- */
+
+typedef struct flood {
+    hm_transport *t;
+    const uint8_t *pk;
+    uint8_t *msg;
+    size_t msg_len;
+    size_t cap;
+    size_t max_seen;
+    int enobufs;
+    int stop;
+    uv_timer_t timer;
+    int closed;
+} flood;
+
+static void flood_tick(uv_timer_t *h)
+{
+    flood *f = h->data;
+    if (f->stop)
+        return;
+    for (int i = 0; i < 64; i++) {
+        int r = hm_transport_send(f->t, f->pk, NULL, f->msg, f->msg_len, HM_PRIO_LOW);
+        size_t q = hm_transport_queued(f->t, f->pk);
+        if (q > f->max_seen)
+            f->max_seen = q;
+        if (r == -ENOBUFS) {
+            f->enobufs++;
+            break;
+        }
+        if (r == -ENOTCONN) {
+            f->stop = 1;
+            break;
+        }
+        cr_assert_eq(r, 0, "send: %s", hm_strerror(r));
+    }
+}
+
+static void flood_closed(uv_handle_t *h) { ((flood *)h->data)->closed = 1; }
+
+Test(transport, stalled_reader_bounds_queue_and_closes_after_write_stall)
+{
+    hm_transport_config tc = {
+        .max_message = 1u << 20,
+        .max_queued_bytes = 2u << 20,
+        .write_stall_ms = 600,
+    };
+    tnode a, b;
+    node_start_cfg(&a, swarm, NULL, &tc, NULL);
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    result warm = {0};
+    cr_assert_eq(call(&a, &b, "echo", "w", 1, HM_RPC_STREAM, 2000, &warm), 0);
+    cr_assert(run_until(&warm.count, 1, 3000));
+
+    hm_transport_faults stall = {.stall = 1};
+    hm_transport_set_faults(hm_rpc_transport(b.rpc), &stall);
+
+    flood f;
+    memset(&f, 0, sizeof(f));
+    f.t = hm_rpc_transport(a.rpc);
+    f.pk = b.id.pk;
+    f.msg_len = 256u << 10;
+    f.msg = calloc(1, f.msg_len);
+    f.cap = tc.max_queued_bytes;
+    uv_timer_init(&loop, &f.timer);
+    f.timer.data = &f;
+    uv_timer_start(&f.timer, flood_tick, 1, 2);
+
+    /* Until the kernel's buffers fill, sends succeed; then the queue hits its cap. */
+    cr_assert(run_until(&f.enobufs, 1, 5000), "sends hit -ENOBUFS");
+    uint64_t full_at = hm_now_ms();
+    cr_assert_leq(f.max_seen, f.cap, "queued %zu > cap %zu", f.max_seen, f.cap);
+    /* The flood goes on: sends keep bouncing and the queue stays under its cap. */
+    cr_assert(run_until(&f.enobufs, 20, 3000), "sends keep hitting -ENOBUFS");
+
+    /* No write progress for write_stall_ms: the connection is closed and the queue freed. */
+    uint64_t end = hm_now_ms() + 3000;
+    while (hm_transport_connected(f.t, b.id.pk) && hm_now_ms() < end)
+        run_for(10);
+    cr_assert(!hm_transport_connected(f.t, b.id.pk), "the stalled connection was closed");
+    uint64_t waited = hm_now_ms() - full_at;
+    cr_assert_lt(waited, 600 + 1000, "closed after %llu ms", (unsigned long long)waited);
+    cr_assert_leq(f.max_seen, f.cap);
+    cr_assert_eq(hm_transport_queued(f.t, b.id.pk), 0);
+    hm_transport_stats st;
+    hm_transport_get_stats(f.t, &st);
+    cr_assert_eq(st.queued_bytes, 0);
+    cr_assert_eq(st.connections, 0);
+
+    f.stop = 1;
+    uv_close((uv_handle_t *)&f.timer, flood_closed);
+    run_until(&f.closed, 1, 1000);
+    free(f.msg);
+
+    /* b recovers once it reads again. */
+    hm_transport_faults none = {0};
+    hm_transport_set_faults(hm_rpc_transport(b.rpc), &none);
+    result after = {0};
+    cr_assert_eq(call(&a, &b, "echo", "a", 1, HM_RPC_STREAM, 3000, &after), 0);
+    cr_assert(run_until(&after.count, 1, 4000));
+    cr_assert_eq(after.status, 0, "after: %s", hm_strerror(after.status));
+
+    node_stop(&a);
+    node_stop(&b);
+    result_free(&warm);
+    result_free(&after);
+}
+
+Test(transport, inflight_and_serving_bounds)
+{
+    hm_rpc_config ra = {.max_inflight_per_peer = 4};
+    hm_rpc_config rb = {.max_serving_per_peer = 2};
+    tnode a, b;
+    node_start_cfg(&a, swarm, NULL, NULL, &ra);
+    node_start_cfg(&b, swarm, NULL, NULL, &rb);
+
+    result r[5] = {{0}};
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(call(&a, &b, "never", "x", 1, HM_RPC_DGRAM, 3000, &r[i]), 0);
+    cr_assert_eq(call(&a, &b, "never", "x", 1, HM_RPC_DGRAM, 3000, &r[4]), -ENOBUFS);
+    cr_assert_eq(call(&a, &b, "never", "x", 1, HM_RPC_STREAM, 3000, &r[4]), -ENOBUFS);
+
+    /* b serves two at a time from a; the others are refused at once with -ENOBUFS. */
+    uint64_t t0 = hm_now_ms();
+    int refused = 0;
+    run_for(300);
+    for (int i = 0; i < 4; i++)
+        if (r[i].count == 1 && r[i].status == -ENOBUFS)
+            refused++;
+    cr_assert_eq(refused, 2, "two requests over the serving bound were refused");
+    cr_assert_lt(hm_now_ms() - t0, 1500);
+    cr_assert_eq(b.n_held, 2);
+
+    /* Answering frees the slots: a new call gets served. */
+    cr_assert_eq(hm_rpc_respond(b.held[0], 0, "a", 1), 0);
+    cr_assert_eq(hm_rpc_respond(b.held[1], 0, "b", 1), 0);
+    b.n_held = 0;
+    run_for(100);
+    result more = {0};
+    cr_assert_eq(call(&a, &b, "echo", "m", 1, HM_RPC_DGRAM, 2000, &more), 0);
+    cr_assert(run_until(&more.count, 1, 2000));
+    cr_assert_eq(more.status, 0);
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(r[i].count, 1);
+
+    node_stop(&a);
+    node_stop(&b);
+    for (int i = 0; i < 5; i++)
+        result_free(&r[i]);
+    result_free(&more);
+}
+
+Test(transport, partition_drops_both_ways_and_heals)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    hm_transport_faults part = {.n_partitioned = 1,
+                                .partitioned = (const uint8_t(*)[HM_PK_BYTES])b.id.pk};
+    hm_transport_set_faults(hm_rpc_transport(a.rpc), &part);
+
+    result ab = {0}, ba = {0}, abs = {0};
+    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_DGRAM, 300, &ab), 0);
+    cr_assert_eq(call(&b, &a, "echo", "y", 1, HM_RPC_DGRAM, 300, &ba), 0);
+    cr_assert_eq(call(&a, &b, "echo", "z", 1, HM_RPC_STREAM, 300, &abs), 0);
+    cr_assert(run_until(&ab.count, 1, 2000));
+    cr_assert(run_until(&ba.count, 1, 2000));
+    cr_assert(run_until(&abs.count, 1, 2000));
+    cr_assert_eq(ab.status, -ETIMEDOUT);
+    cr_assert_eq(ba.status, -ETIMEDOUT);
+    cr_assert_eq(abs.status, -ETIMEDOUT);
+    cr_assert_eq(a.served, 0, "b's request was dropped on arrival at a");
+    cr_assert_eq(b.served, 0, "a's requests never left");
+
+    /* Healed, with a delay fault instead: calls work and take at least the delay. */
+    hm_transport_faults delay = {.delay_ms = 80};
+    hm_transport_set_faults(hm_rpc_transport(a.rpc), &delay);
+    result d = {0};
+    uint64_t t0 = hm_now_ms();
+    cr_assert_eq(call(&a, &b, "echo", "d", 1, HM_RPC_DGRAM, 2000, &d), 0);
+    cr_assert(run_until(&d.count, 1, 2000));
+    cr_assert_eq(d.status, 0);
+    cr_assert_geq(d.at_ms - t0, 79);
+
+    /* And a drop rate of 1 loses everything. */
+    hm_transport_faults drop = {.drop_rate = 1.0};
+    hm_transport_set_faults(hm_rpc_transport(a.rpc), &drop);
+    result x = {0};
+    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_DGRAM, 200, &x), 0);
+    cr_assert(run_until(&x.count, 1, 2000));
+    cr_assert_eq(x.status, -ETIMEDOUT);
+
+    node_stop(&a);
+    node_stop(&b);
+    result_free(&ab);
+    result_free(&ba);
+    result_free(&abs);
+    result_free(&d);
+    result_free(&x);
+}
+
+static void on_connect_noop(uv_connect_t *req, int status)
+{
+    HM_UNUSED(req);
+    HM_UNUSED(status);
+}
+
+Test(transport, handshake_timeout_and_connection_cap)
+{
+    hm_transport_config tc = {.handshake_timeout_ms = 200, .max_connections = 2};
+    tnode b;
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    /* Plain TCP clients that never speak: closed after the handshake deadline. */
+    uv_tcp_t cl[3];
+    uv_connect_t cr[3];
+    int eofs = 0;
+    for (int i = 0; i < 3; i++) {
+        uv_tcp_init(&loop, &cl[i]);
+        cl[i].data = &eofs;
+        cr_assert_eq(uv_tcp_connect(&cr[i], &cl[i], sa(&b), on_connect_noop), 0);
+    }
+    run_for(100);
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(st.connections, 2, "the third connection was refused");
+    run_for(400);
+    st = stats_of(&b);
+    cr_assert_eq(st.connections, 0, "silent connections were closed at the handshake deadline");
+    cr_assert_geq(st.handshakes_failed, 2);
+    for (int i = 0; i < 3; i++)
+        uv_close((uv_handle_t *)&cl[i], NULL);
+    run_for(20);
+    node_stop(&b);
+}
+
+Test(transport, message_over_receivers_cap_closes_connection)
+{
+    hm_transport_config small = {.max_message = 256u << 10};
+    tnode a, b;
+    node_start(&a);
+    node_start_cfg(&b, swarm, NULL, &small, NULL);
+    size_t big = 1u << 20;
+    uint8_t *body = calloc(1, big);
+    result over = {0}, ok = {0};
+    cr_assert_eq(call(&a, &b, "echo", body, big, HM_RPC_STREAM, 3000, &over), 0);
+    cr_assert(run_until(&over.count, 1, 3000));
+    cr_assert_eq(over.status, -ECONNRESET, "b refused the oversized message: %s",
+                 hm_strerror(over.status));
+    cr_assert_eq(b.served, 0);
+    /* b's own sends are bounded by its cap too. */
+    cr_assert_eq(call(&b, &a, "echo", body, big, HM_RPC_STREAM, 3000, &ok), -EMSGSIZE);
+    cr_assert_eq(call(&a, &b, "echo", body, 1000, HM_RPC_STREAM, 3000, &ok), 0);
+    cr_assert(run_until(&ok.count, 1, 3000));
+    cr_assert_eq(ok.status, 0);
+    free(body);
+    node_stop(&a);
+    node_stop(&b);
+    result_free(&over);
+    result_free(&ok);
+}
