@@ -37,7 +37,7 @@
 /* Messages up to this size jump the queue ahead of bulk transfers. */
 #define HIGH_PRIO_MAX (64u * 1024u)
 
-enum { MSG_REQUEST = 0, MSG_RESPONSE = 1, MSG_CANCEL = 2 };
+enum { MSG_REQUEST = 0, MSG_RESPONSE = 1, MSG_CANCEL = 2, MSG_ONEWAY = 3 };
 
 const double hm_rpc_latency_bounds_s[HM_RPC_LAT_BUCKETS] = {
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
@@ -111,6 +111,9 @@ struct hm_rpc {
 
     hm_rpc_seen_cb seen_cb;
     void *seen_ud;
+
+    hm_rpc_oneway_handler oneway[HM_RPC_ONEWAY_CHANNELS];
+    void *oneway_ud[HM_RPC_ONEWAY_CHANNELS];
 
     int closing;
     int pending_closes;
@@ -715,6 +718,14 @@ static void rpc_input(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct s
         if (hm_wire_get_int(&it[2], &status) < 0 || hm_wire_get_bin(&it[3], &body, &blen) < 0)
             goto out;
         handle_response(rpc, pk, id, status, body, blen);
+    } else if (type == MSG_ONEWAY && n == 3 && !via_stream) {
+        /* it[1] is the channel for one-way datagrams. */
+        uint32_t blen;
+        const uint8_t *body;
+        if (id >= HM_RPC_ONEWAY_CHANNELS || rpc->oneway[id] == NULL ||
+            hm_wire_get_bin(&it[2], &body, &blen) < 0)
+            goto out;
+        rpc->oneway[id](rpc->oneway_ud[id], pk, from, body, blen);
     } else if (type == MSG_CANCEL && n == 2) {
         hm_rpc_req *r = req_find(rpc, pk, id);
         if (r != NULL)
@@ -846,6 +857,36 @@ int hm_rpc_register(hm_rpc *rpc, const char *method_name, hm_rpc_handler h, void
     m->h = h;
     m->ud = ud;
     return 0;
+}
+
+int hm_rpc_register_oneway(hm_rpc *rpc, unsigned channel, hm_rpc_oneway_handler h, void *ud)
+{
+    if (channel >= HM_RPC_ONEWAY_CHANNELS || h == NULL)
+        return -EINVAL;
+    if (rpc->oneway[channel] != NULL)
+        return -EEXIST;
+    rpc->oneway[channel] = h;
+    rpc->oneway_ud[channel] = ud;
+    return 0;
+}
+
+int hm_rpc_send_oneway(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct sockaddr *to,
+                       unsigned channel, const void *body, size_t len)
+{
+    uint8_t buf[HM_DGRAM_MAX_PAYLOAD];
+    hm_wire_wr w;
+    if (rpc->closing)
+        return -ECANCELED;
+    if (channel >= HM_RPC_ONEWAY_CHANNELS || to == NULL)
+        return -EINVAL;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_wire_wr_array(&w, 3);
+    hm_wire_wr_uint(&w, MSG_ONEWAY);
+    hm_wire_wr_uint(&w, channel);
+    hm_wire_wr_bin(&w, body, len);
+    if (hm_wire_wr_error(&w) != 0)
+        return -EMSGSIZE;
+    return hm_transport_send_dgram(rpc->t, peer_pk, to, buf, w.len);
 }
 
 void hm_rpc_foreach_stats(hm_rpc *rpc, void (*fn)(void *ud, const hm_rpc_method_stats *s),

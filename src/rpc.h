@@ -84,6 +84,21 @@ int hm_rpc_respond(hm_rpc_req *req, int status, const void *body, size_t len);
 /* Whether the caller gave up (cancel or deadline): long handlers may stop early. */
 int hm_rpc_req_cancelled(const hm_rpc_req *req);
 
+/*
+ * One-way datagrams: [3, channel, body] with no id, reply or deadline, for
+ * protocols that run their own transactions over datagrams (the DHT core is
+ * sans-I/O and matches its own replies). Each channel has one handler.
+ */
+#define HM_RPC_ONEWAY_CHANNELS 8
+enum { HM_RPC_CHANNEL_DHT = 1 };
+typedef void (*hm_rpc_oneway_handler)(void *ud, const uint8_t peer_pk[HM_PK_BYTES],
+                                      const struct sockaddr *from, const uint8_t *body,
+                                      size_t len);
+int hm_rpc_register_oneway(hm_rpc *rpc, unsigned channel, hm_rpc_oneway_handler h, void *ud);
+/* body must fit one datagram with the envelope (-EMSGSIZE otherwise). */
+int hm_rpc_send_oneway(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct sockaddr *to,
+                       unsigned channel, const void *body, size_t len);
+
 /* Per-method counters for metrics. */
 #define HM_RPC_LAT_BUCKETS 12
 extern const double hm_rpc_latency_bounds_s[HM_RPC_LAT_BUCKETS]; /* upper bounds, seconds */

@@ -1074,3 +1074,51 @@ Test(transport, message_over_receivers_cap_closes_connection)
     result_free(&over);
     result_free(&ok);
 }
+
+typedef struct oneway_seen {
+    int count;
+    uint8_t pk[HM_PK_BYTES];
+    uint8_t body[64];
+    size_t len;
+} oneway_seen;
+
+static void h_oneway(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
+                     const uint8_t *body, size_t len)
+{
+    oneway_seen *s = ud;
+    HM_UNUSED(from);
+    s->count++;
+    memcpy(s->pk, pk, HM_PK_BYTES);
+    s->len = HM_MIN(len, sizeof(s->body));
+    memcpy(s->body, body, s->len);
+}
+
+Test(transport, oneway_datagrams_reach_their_channel_only)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    oneway_seen seen = {0};
+    cr_assert_eq(hm_rpc_register_oneway(b.rpc, HM_RPC_CHANNEL_DHT, h_oneway, &seen), 0);
+    cr_assert_eq(hm_rpc_register_oneway(b.rpc, HM_RPC_CHANNEL_DHT, h_oneway, &seen), -EEXIST);
+    cr_assert_eq(hm_rpc_register_oneway(b.rpc, HM_RPC_ONEWAY_CHANNELS, h_oneway, &seen), -EINVAL);
+
+    cr_assert_eq(hm_rpc_send_oneway(a.rpc, b.id.pk, sa(&b), HM_RPC_CHANNEL_DHT, "hello", 5), 0);
+    cr_assert(run_until(&seen.count, 1, 2000));
+    cr_assert_eq(seen.len, 5);
+    cr_assert_eq(memcmp(seen.body, "hello", 5), 0);
+    cr_assert_eq(memcmp(seen.pk, a.id.pk, HM_PK_BYTES), 0, "the handler sees the sender's key");
+
+    /* A channel with no handler drops the datagram; the registered one is untouched. */
+    cr_assert_eq(hm_rpc_send_oneway(a.rpc, b.id.pk, sa(&b), 5, "x", 1), 0);
+    run_for(200);
+    cr_assert_eq(seen.count, 1);
+
+    /* Too large for one datagram: refused at send time. */
+    uint8_t big[HM_DGRAM_MAX_PAYLOAD];
+    memset(big, 1, sizeof(big));
+    cr_assert_eq(hm_rpc_send_oneway(a.rpc, b.id.pk, sa(&b), HM_RPC_CHANNEL_DHT, big, sizeof(big)),
+                 -EMSGSIZE);
+    node_stop(&a);
+    node_stop(&b);
+}
