@@ -28,7 +28,7 @@ case $seconds in
 esac
 srcdir=$(cd "$(dirname "$0")/../.." && pwd)
 cc=${CC:-clang}
-targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control"}
+targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record"}
 
 if [ ! -f "$builddir/config.h" ]; then
     echo "$0: $builddir has no config.h; run configure there first" >&2
@@ -41,6 +41,7 @@ sources_for() {
         fuzz_wire) echo "src/util.c src/wire.c" ;;
         fuzz_dgram | fuzz_handshake) echo "src/util.c src/crypto.c" ;;
         fuzz_control) echo "src/util.c src/control.c" ;;
+        fuzz_dht_record) echo "src/util.c src/wire.c src/crypto.c dht/record.c dht/store.c" ;;
         *) return 1 ;;
     esac
 }
@@ -72,7 +73,7 @@ for t in $targets; do
     # shellcheck disable=SC2086 # the source and flag lists are meant to split
     if ! "$cc" -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
         -fno-sanitize-recover=undefined -fno-omit-frame-pointer \
-        -I "$builddir" -I "$srcdir/src" $dep_cflags \
+        -I "$builddir" -I "$srcdir/src" -I "$srcdir/dht" $dep_cflags \
         -o "$bin" $srcs $dep_libs -lm; then
         echo "FAIL: $t: build failed"
         failed=$((failed + 1))

@@ -1,0 +1,667 @@
+/*
+ * store: the DHT record store with Hivemind's expiration semantics, owned
+ * records, replay tombstones, quotas and paged gets (see store.h for the
+ * contract). Owns every key, entry and accounting structure it allocates.
+ *
+ * Keys and storing peers live in two chained hash tables keyed with
+ * SipHash under a caller-supplied key, so chosen key ids cannot pile into
+ * one chain. A key's entries ("slots") are one array sorted by subkey, the
+ * plain value (no subkey) first; gets page through it in that order, which
+ * keeps a cursor meaningful while the dictionary changes.
+ */
+#include "config.h"
+
+#include "store.h"
+
+#include "util.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct slot {
+    uint8_t storer[HM_NODE_ID_BYTES];
+    double expiration;
+    double stored_at;
+    double tomb_until; /* tombstones only */
+    uint64_t seq;
+    uint8_t *data; /* subkey bytes then value bytes; NULL when both are empty */
+    uint16_t sub_len;
+    uint16_t val_len;
+    uint8_t has_sub;
+    uint8_t owned;
+    uint8_t dead; /* a tombstone: no value, only the slot's seq */
+    uint8_t has_sig;
+    uint8_t sig[HM_DHT_SIG_BYTES];
+};
+
+struct key {
+    struct key *next;
+    uint8_t id[HM_DHT_KEY_ID_BYTES];
+    uint8_t *bytes;
+    size_t len;
+    struct slot *slots;
+    size_t n, cap;
+};
+
+struct peer {
+    struct peer *next;
+    uint8_t id[HM_NODE_ID_BYTES];
+    size_t bytes;
+};
+
+struct hm_dht_store {
+    hm_dht_store_config cfg;
+    struct key **keys;
+    size_t nkeys, key_buckets;
+    struct peer **peers;
+    size_t npeers, peer_buckets;
+    size_t entries;
+    size_t bytes;
+    size_t tombstones;
+    double last_quota_sweep;
+};
+
+void hm_dht_store_config_default(hm_dht_store_config *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->max_value = HM_DHT_VALUE_MAX;
+    cfg->max_ttl = 86400.0;
+    cfg->clock_skew = 60.0;
+    cfg->max_bytes = 64u << 20;
+    cfg->max_entries = 65536;
+    cfg->max_peer_bytes = 1u << 20;
+    cfg->max_tombstones = 16384;
+}
+
+/* ---- hash tables ---- */
+
+static size_t hash_id(const hm_dht_store *st, const uint8_t id[32], size_t nbuckets)
+{
+    uint8_t h[crypto_shorthash_BYTES];
+    uint64_t v = 0;
+
+    crypto_shorthash(h, id, 32, st->cfg.hash_key);
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | h[i];
+    return (size_t)(v % nbuckets);
+}
+
+static struct key *key_find(const hm_dht_store *st, const uint8_t id[HM_DHT_KEY_ID_BYTES])
+{
+    struct key *k = st->keys[hash_id(st, id, st->key_buckets)];
+
+    while (k != NULL && memcmp(k->id, id, HM_DHT_KEY_ID_BYTES) != 0)
+        k = k->next;
+    return k;
+}
+
+/* Doubles a chained table when it averages more than one item per chain. */
+static void keys_grow(hm_dht_store *st)
+{
+    size_t nb = st->key_buckets * 2;
+    struct key **t;
+
+    if (st->nkeys <= st->key_buckets || (t = calloc(nb, sizeof(*t))) == NULL)
+        return; /* a failed growth only makes chains longer */
+    for (size_t i = 0; i < st->key_buckets; i++) {
+        struct key *k = st->keys[i], *next;
+        for (; k != NULL; k = next) {
+            size_t h = hash_id(st, k->id, nb);
+            next = k->next;
+            k->next = t[h];
+            t[h] = k;
+        }
+    }
+    free(st->keys);
+    st->keys = t;
+    st->key_buckets = nb;
+}
+
+static void peers_grow(hm_dht_store *st)
+{
+    size_t nb = st->peer_buckets * 2;
+    struct peer **t;
+
+    if (st->npeers <= st->peer_buckets || (t = calloc(nb, sizeof(*t))) == NULL)
+        return;
+    for (size_t i = 0; i < st->peer_buckets; i++) {
+        struct peer *p = st->peers[i], *next;
+        for (; p != NULL; p = next) {
+            size_t h = hash_id(st, p->id, nb);
+            next = p->next;
+            p->next = t[h];
+            t[h] = p;
+        }
+    }
+    free(st->peers);
+    st->peers = t;
+    st->peer_buckets = nb;
+}
+
+static struct peer **peer_link(const hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES])
+{
+    struct peer **pp = &st->peers[hash_id(st, id, st->peer_buckets)];
+
+    while (*pp != NULL && memcmp((*pp)->id, id, HM_NODE_ID_BYTES) != 0)
+        pp = &(*pp)->next;
+    return pp;
+}
+
+size_t hm_dht_store_peer_bytes(const hm_dht_store *st, const uint8_t storer[HM_NODE_ID_BYTES])
+{
+    struct peer **pp = peer_link(st, storer);
+    return *pp != NULL ? (*pp)->bytes : 0;
+}
+
+/* Adds a charge to a storer; the caller has checked the quota. */
+static int charge(hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES], size_t n)
+{
+    struct peer **pp = peer_link(st, id);
+
+    if (*pp == NULL) {
+        struct peer *p = calloc(1, sizeof(*p));
+        if (p == NULL)
+            return -ENOMEM;
+        memcpy(p->id, id, HM_NODE_ID_BYTES);
+        *pp = p;
+        st->npeers++;
+        peers_grow(st);
+        pp = peer_link(st, id);
+    }
+    (*pp)->bytes += n;
+    st->bytes += n;
+    return 0;
+}
+
+static void uncharge(hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES], size_t n)
+{
+    struct peer **pp = peer_link(st, id);
+
+    st->bytes -= n;
+    if (*pp == NULL)
+        return;
+    (*pp)->bytes -= n;
+    if ((*pp)->bytes == 0) {
+        struct peer *p = *pp;
+        *pp = p->next;
+        free(p);
+        st->npeers--;
+    }
+}
+
+/* ---- slots ---- */
+
+static size_t slot_cost(const struct key *k, const struct slot *s)
+{
+    return k->len + s->sub_len + s->val_len + HM_DHT_STORE_ENTRY_COST;
+}
+
+static const uint8_t *slot_sub(const struct slot *s) { return s->data; }
+static const uint8_t *slot_val(const struct slot *s) { return s->data + s->sub_len; }
+
+/* Order: the plain value first, then subkeys by bytes, a prefix before its extensions. */
+static int cmp_sub(int has_a, const uint8_t *a, size_t alen, int has_b, const uint8_t *b,
+                   size_t blen)
+{
+    int c;
+
+    if (!has_a || !has_b)
+        return has_a - has_b;
+    c = HM_MIN(alen, blen) > 0 ? memcmp(a, b, HM_MIN(alen, blen)) : 0;
+    if (c != 0)
+        return c;
+    return alen < blen ? -1 : alen > blen;
+}
+
+/* First slot index not before (has_sub, sub); *found_out says whether it is that slot. */
+static size_t slot_search(const struct key *k, int has_sub, const uint8_t *sub, size_t len,
+                          int *found_out)
+{
+    size_t lo = 0, hi = k->n;
+
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        const struct slot *s = &k->slots[mid];
+        if (cmp_sub(s->has_sub, slot_sub(s), s->sub_len, has_sub, sub, len) < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *found_out = lo < k->n && cmp_sub(k->slots[lo].has_sub, slot_sub(&k->slots[lo]),
+                                      k->slots[lo].sub_len, has_sub, sub, len) == 0;
+    return lo;
+}
+
+static void slot_delete(hm_dht_store *st, struct key *k, size_t i)
+{
+    struct slot *s = &k->slots[i];
+
+    if (s->dead) {
+        st->tombstones--;
+    } else {
+        uncharge(st, s->storer, slot_cost(k, s));
+        st->entries--;
+    }
+    free(s->data);
+    memmove(&k->slots[i], &k->slots[i + 1], (k->n - i - 1) * sizeof(*s));
+    k->n--;
+}
+
+/*
+ * Ends a live slot: an owned one becomes a tombstone (if there is room for
+ * one and memory for its subkey), anything else is deleted. Returns 1 if
+ * the slot is gone from the array.
+ */
+static int slot_end(hm_dht_store *st, struct key *k, size_t i)
+{
+    struct slot *s = &k->slots[i];
+    uint8_t *sub = NULL;
+
+    if (s->owned && st->tombstones < st->cfg.max_tombstones &&
+        (s->sub_len == 0 || (sub = malloc(s->sub_len)) != NULL)) {
+        if (sub != NULL)
+            memcpy(sub, s->data, s->sub_len);
+        uncharge(st, s->storer, slot_cost(k, s));
+        st->entries--;
+        free(s->data);
+        s->data = sub;
+        s->val_len = 0;
+        s->dead = 1;
+        s->tomb_until = HM_MAX(s->expiration, s->stored_at + st->cfg.max_ttl) + st->cfg.clock_skew;
+        st->tombstones++;
+        return 0;
+    }
+    slot_delete(st, k, i);
+    return 1;
+}
+
+/* Ends expired slots and drops ended tombstones of one key; returns entries ended. */
+static size_t key_expire(hm_dht_store *st, struct key *k, double now)
+{
+    size_t ended = 0;
+
+    for (size_t i = 0; i < k->n;) {
+        struct slot *s = &k->slots[i];
+        if (s->dead) {
+            if (s->tomb_until <= now) {
+                slot_delete(st, k, i);
+                continue;
+            }
+        } else if (s->expiration <= now) {
+            ended++;
+            if (slot_end(st, k, i))
+                continue;
+        }
+        i++;
+    }
+    return ended;
+}
+
+static void key_unlink_free(hm_dht_store *st, struct key *k)
+{
+    struct key **kp = &st->keys[hash_id(st, k->id, st->key_buckets)];
+
+    while (*kp != k)
+        kp = &(*kp)->next;
+    *kp = k->next;
+    for (size_t i = k->n; i-- > 0;)
+        slot_delete(st, k, i);
+    free(k->slots);
+    free(k->bytes);
+    free(k);
+    st->nkeys--;
+}
+
+/* ---- store ---- */
+
+int hm_dht_store_new(const hm_dht_store_config *cfg, hm_dht_store **out)
+{
+    hm_dht_store *st;
+
+    *out = NULL;
+    if (cfg->max_value > HM_DHT_VALUE_MAX || !(cfg->max_ttl > 0) || !isfinite(cfg->max_ttl) ||
+        !(cfg->clock_skew >= 0) || !isfinite(cfg->clock_skew) || cfg->max_entries == 0 ||
+        cfg->max_bytes == 0 || cfg->max_peer_bytes == 0)
+        return -EINVAL;
+    if ((st = calloc(1, sizeof(*st))) == NULL)
+        return -ENOMEM;
+    st->cfg = *cfg;
+    st->key_buckets = 64;
+    st->peer_buckets = 16;
+    st->keys = calloc(st->key_buckets, sizeof(*st->keys));
+    st->peers = calloc(st->peer_buckets, sizeof(*st->peers));
+    st->last_quota_sweep = -INFINITY;
+    if (st->keys == NULL || st->peers == NULL) {
+        hm_dht_store_free(st);
+        return -ENOMEM;
+    }
+    *out = st;
+    return 0;
+}
+
+void hm_dht_store_free(hm_dht_store *st)
+{
+    if (st == NULL)
+        return;
+    if (st->keys != NULL)
+        for (size_t i = 0; i < st->key_buckets; i++)
+            while (st->keys[i] != NULL)
+                key_unlink_free(st, st->keys[i]);
+    if (st->peers != NULL) {
+        for (size_t i = 0; i < st->peer_buckets; i++) {
+            struct peer *p = st->peers[i], *next;
+            for (; p != NULL; p = next) {
+                next = p->next;
+                free(p);
+            }
+        }
+    }
+    free(st->keys);
+    free(st->peers);
+    free(st);
+}
+
+size_t hm_dht_store_sweep(hm_dht_store *st, double now)
+{
+    size_t ended = 0;
+
+    for (size_t i = 0; i < st->key_buckets; i++) {
+        struct key *k = st->keys[i], *next;
+        for (; k != NULL; k = next) {
+            next = k->next;
+            ended += key_expire(st, k, now);
+            if (k->n == 0)
+                key_unlink_free(st, k);
+        }
+    }
+    return ended;
+}
+
+/*
+ * What a put would change, decided before anything is changed: the slot it
+ * writes, and the live entries it ends (the slot's old version and, when
+ * the key switches between plain and dictionary, the other kind).
+ */
+struct plan {
+    int found;        /* the slot exists (live or tombstone) */
+    size_t pos;
+    size_t freed_total;  /* charge of the entries that end */
+    size_t freed_storer; /* the part of it charged to this storer */
+    size_t freed_entries;
+};
+
+static void plan_free(struct plan *p, const struct key *k, const struct slot *s,
+                      const uint8_t *storer)
+{
+    size_t c = slot_cost(k, s);
+
+    p->freed_total += c;
+    p->freed_entries++;
+    if (memcmp(s->storer, storer, HM_NODE_ID_BYTES) == 0)
+        p->freed_storer += c;
+}
+
+/* Applies the rules of store.h to a key whose expired slots are already ended. */
+static int plan_put(const struct key *k, const hm_dht_record *r,
+                    int owned, double exp, const uint8_t *storer, struct plan *p)
+{
+    memset(p, 0, sizeof(*p));
+    if (k == NULL)
+        return 0;
+    p->pos = slot_search(k, r->has_subkey, r->subkey, r->subkey_len, &p->found);
+    if (p->found) {
+        const struct slot *s = &k->slots[p->pos];
+        if (owned ? r->seq <= s->seq : exp <= s->expiration)
+            return -ESTALE;
+        if (!s->dead)
+            plan_free(p, k, s, storer);
+    }
+    for (size_t i = 0; i < k->n; i++) {
+        const struct slot *s = &k->slots[i];
+        if (s->dead || (p->found && i == p->pos) || s->has_sub == r->has_subkey)
+            continue;
+        /*
+         * A live entry of the other kind: the new record must outlive it,
+         * and only an owner may end an owned subkey. An owned plain record
+         * names its owner in the key, which then owns every subkey too.
+         */
+        if (!r->has_subkey && s->owned && !owned)
+            return -EPERM;
+        if (exp <= s->expiration)
+            return -ESTALE;
+        plan_free(p, k, s, storer);
+    }
+    return 0;
+}
+
+static int check_quota(const hm_dht_store *st, const struct plan *p, size_t cost,
+                       const uint8_t *storer)
+{
+    size_t peer = hm_dht_store_peer_bytes(st, storer) - p->freed_storer;
+
+    if (peer + cost > st->cfg.max_peer_bytes)
+        return -EDQUOT;
+    if (st->bytes - p->freed_total + cost > st->cfg.max_bytes ||
+        st->entries - p->freed_entries + 1 > st->cfg.max_entries)
+        return -ENOSPC;
+    return 0;
+}
+
+static struct key *key_create(hm_dht_store *st, const uint8_t id[HM_DHT_KEY_ID_BYTES],
+                              const hm_dht_record *r)
+{
+    struct key *k = calloc(1, sizeof(*k));
+    size_t h;
+
+    if (k == NULL || (k->bytes = malloc(r->key_len)) == NULL) {
+        free(k);
+        return NULL;
+    }
+    memcpy(k->id, id, HM_DHT_KEY_ID_BYTES);
+    memcpy(k->bytes, r->key, r->key_len);
+    k->len = r->key_len;
+    h = hash_id(st, id, st->key_buckets);
+    k->next = st->keys[h];
+    st->keys[h] = k;
+    st->nkeys++;
+    keys_grow(st);
+    return k;
+}
+
+int hm_dht_store_put(hm_dht_store *st, const hm_dht_record *r,
+                     const uint8_t storer[HM_NODE_ID_BYTES], double now)
+{
+    uint8_t key_id[HM_DHT_KEY_ID_BYTES];
+    struct key *k;
+    struct plan p;
+    struct slot ns;
+    size_t cost, data_len;
+    double exp;
+    int owned, found, result, swept = 0;
+
+    if ((owned = hm_dht_record_verify(r, st->cfg.swarm_id, NULL)) < 0)
+        return owned;
+    if (r->value_len > st->cfg.max_value)
+        return -EMSGSIZE;
+    if (!isfinite(now))
+        return -EINVAL;
+    if (r->expiration <= now)
+        return -ETIME;
+    exp = r->expiration;
+    if (owned) {
+        if (exp > now + st->cfg.max_ttl + st->cfg.clock_skew)
+            return -ERANGE;
+    } else {
+        exp = HM_MIN(exp, now + st->cfg.max_ttl);
+    }
+    cost = r->key_len + (r->has_subkey ? r->subkey_len : 0) + r->value_len +
+           HM_DHT_STORE_ENTRY_COST;
+    hm_dht_key_id(r->key, r->key_len, key_id);
+
+again:
+    if ((k = key_find(st, key_id)) != NULL)
+        key_expire(st, k, now);
+    if ((result = plan_put(k, r, owned, exp, storer, &p)) < 0)
+        goto out;
+    if ((result = check_quota(st, &p, cost, storer)) < 0) {
+        /* Expired entries still hold charge until swept; sweep at most once a second. */
+        if (!swept && now - st->last_quota_sweep >= 1.0) {
+            st->last_quota_sweep = now;
+            swept = 1;
+            hm_dht_store_sweep(st, now);
+            goto again;
+        }
+        goto out;
+    }
+
+    /* Build the new slot before changing anything, so a failed allocation changes nothing. */
+    memset(&ns, 0, sizeof(ns));
+    memcpy(ns.storer, storer, HM_NODE_ID_BYTES);
+    ns.expiration = exp;
+    ns.stored_at = now;
+    ns.seq = r->seq;
+    ns.sub_len = (uint16_t)(r->has_subkey ? r->subkey_len : 0);
+    ns.val_len = (uint16_t)r->value_len;
+    ns.has_sub = r->has_subkey ? 1 : 0;
+    ns.owned = owned ? 1 : 0;
+    if (owned) {
+        ns.has_sig = 1;
+        memcpy(ns.sig, r->sig, HM_DHT_SIG_BYTES);
+    }
+    data_len = (size_t)ns.sub_len + ns.val_len;
+    if (data_len > 0) {
+        if ((ns.data = malloc(data_len)) == NULL) {
+            result = -ENOMEM;
+            goto out;
+        }
+        if (ns.sub_len > 0)
+            memcpy(ns.data, r->subkey, ns.sub_len);
+        if (ns.val_len > 0)
+            memcpy(ns.data + ns.sub_len, r->value, ns.val_len);
+    }
+    if (k == NULL && (k = key_create(st, key_id, r)) == NULL) {
+        free(ns.data);
+        result = -ENOMEM;
+        goto out;
+    }
+    if (k->n == k->cap) {
+        size_t ncap = k->cap ? 2 * k->cap : 2;
+        struct slot *sl = realloc(k->slots, ncap * sizeof(*sl));
+        if (sl == NULL) {
+            free(ns.data);
+            result = -ENOMEM;
+            goto out;
+        }
+        k->slots = sl;
+        k->cap = ncap;
+    }
+    if ((result = charge(st, storer, cost)) < 0) {
+        free(ns.data);
+        goto out;
+    }
+
+    /* End the live entries of the other kind (plain versus dictionary). */
+    for (size_t i = 0; i < k->n;) {
+        struct slot *s = &k->slots[i];
+        if (!s->dead && s->has_sub != ns.has_sub && slot_end(st, k, i))
+            continue;
+        i++;
+    }
+    p.pos = slot_search(k, ns.has_sub, r->subkey, ns.sub_len, &found);
+    if (found) {
+        struct slot *s = &k->slots[p.pos];
+        if (s->dead) {
+            st->tombstones--;
+        } else {
+            uncharge(st, s->storer, slot_cost(k, s));
+            st->entries--;
+        }
+        free(s->data);
+        *s = ns;
+    } else {
+        memmove(&k->slots[p.pos + 1], &k->slots[p.pos], (k->n - p.pos) * sizeof(ns));
+        k->slots[p.pos] = ns;
+        k->n++;
+    }
+    st->entries++;
+    result = 0;
+out:
+    if (k != NULL && k->n == 0)
+        key_unlink_free(st, k);
+    return result;
+}
+
+static void slot_view(const struct key *k, const struct slot *s, hm_dht_record *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->key = k->bytes;
+    out->key_len = k->len;
+    out->has_subkey = s->has_sub;
+    out->subkey = s->has_sub ? (s->data != NULL ? slot_sub(s) : (const uint8_t *)"") : NULL;
+    out->subkey_len = s->sub_len;
+    out->value = s->data != NULL ? slot_val(s) : (const uint8_t *)"";
+    out->value_len = s->val_len;
+    out->expiration = s->expiration;
+    out->seq = s->seq;
+    out->sig = s->has_sig ? s->sig : NULL;
+}
+
+int hm_dht_store_get(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_BYTES],
+                     double now, const uint8_t *cursor, size_t cursor_len, size_t max_bytes,
+                     hm_dht_record *out, size_t out_cap, hm_dht_get_result *res)
+{
+    const struct key *k;
+    size_t i = 0, used = 0;
+    int found;
+
+    memset(res, 0, sizeof(*res));
+    if (out_cap == 0 || (cursor != NULL && cursor_len > HM_DHT_SUBKEY_MAX))
+        return -EINVAL;
+    if ((k = key_find(st, key_id)) == NULL)
+        return 0;
+    for (size_t j = 0; j < k->n; j++) {
+        const struct slot *s = &k->slots[j];
+        if (s->dead || s->expiration <= now)
+            continue;
+        res->expiration = HM_MAX(res->expiration, s->expiration);
+        if (s->has_sub)
+            res->is_dict = 1;
+    }
+    /* A live plain value is the whole answer, whatever the cursor says. */
+    if (cursor != NULL && !(k->n > 0 && !k->slots[0].has_sub && !k->slots[0].dead &&
+                            k->slots[0].expiration > now)) {
+        i = slot_search(k, 1, cursor, cursor_len, &found);
+        if (found)
+            i++;
+    }
+    for (; i < k->n; i++) {
+        const struct slot *s = &k->slots[i];
+        hm_dht_record v;
+        size_t sz;
+
+        if (s->dead || s->expiration <= now)
+            continue;
+        slot_view(k, s, &v);
+        sz = hm_dht_record_encoded_size(&v);
+        if (res->n == out_cap || used + sz > max_bytes) {
+            if (res->n == 0)
+                return -EMSGSIZE;
+            res->more = 1;
+            break;
+        }
+        out[res->n++] = v;
+        used += sz;
+    }
+    return 0;
+}
+
+void hm_dht_store_stats_get(const hm_dht_store *st, hm_dht_store_stats *out)
+{
+    out->keys = st->nkeys;
+    out->entries = st->entries;
+    out->bytes = st->bytes;
+    out->tombstones = st->tombstones;
+    out->peers = st->npeers;
+}
