@@ -31,7 +31,7 @@
 
 #define MAX_REPLY (32 * 1024 * 1024)
 
-static const char *const commands[] = {"info", "peers", "metrics", "shutdown"};
+static const char *const commands[] = {"info", "peers", "metrics", "shutdown", "dht"};
 
 static void usage(FILE *f)
 {
@@ -42,12 +42,19 @@ static void usage(FILE *f)
             "  info       peer id, address, swarm, version and uptime of the node\n"
             "  peers      the peer table: id, address, last seen, round-trip time, connected\n"
             "  metrics    metrics in Prometheus text format\n"
-            "  shutdown   ask the daemon to shut down (it exits with status 0)\n\n"
+            "  shutdown   ask the daemon to shut down (it exits with status 0)\n"
+            "  dht get KEY [SUBKEY]\n"
+            "             look KEY up in the DHT and print its value(s); exit 1 if not found\n"
+            "  dht put KEY VALUE [--subkey S] [--ttl SECONDS]\n"
+            "             store VALUE under KEY (default ttl 3600 s, at most 86400)\n"
+            "  dht info   routing table size and depth, records stored, bytes\n\n"
             "Options:\n"
             "  -s, --socket PATH    control socket (default: $HIVEMINDD_CONTROL_SOCKET, else\n"
             "                       the daemon's default for this user)\n"
             "  -j, --json           print the daemon's JSON reply as it is\n"
             "  -T, --timeout SECS   give up after this long without a reply (default 10)\n"
+            "      --subkey S       with dht put: store under this subkey of KEY\n"
+            "      --ttl SECONDS    with dht put: how long the record lives\n"
             "  -V, --version        print the version and exit\n"
             "  -h, --help           print this help and exit\n\n"
             "Exit status: 0 ok, 1 the daemon was not reached or reported an error,\n"
@@ -229,13 +236,87 @@ static void print_peers(const json_t *r)
     }
 }
 
+static void print_dht_info(const json_t *r)
+{
+    const json_t *rt = json_object_get(r, "routing_table");
+    printf("routing table: %lld contacts, depth %lld, %lld buckets, %lld cached\n",
+           (long long)json_integer_value(json_object_get(rt, "size")),
+           (long long)json_integer_value(json_object_get(rt, "depth")),
+           (long long)json_integer_value(json_object_get(rt, "buckets")),
+           (long long)json_integer_value(json_object_get(rt, "cached")));
+    static const char *const fields[] = {"records", "record_bytes", "lookups_active",
+                                         "requests_sent", "requests_received", "timeouts",
+                                         "rate_limited"};
+    for (size_t i = 0; i < HM_ARRAY_LEN(fields); i++)
+        printf("%s: %lld\n", fields[i],
+               (long long)json_integer_value(json_object_get(r, fields[i])));
+}
+
+static void print_dht_values(const json_t *r)
+{
+    const json_t *values = json_object_get(r, "values");
+    size_t i;
+    const json_t *v;
+    double now = (double)time(NULL);
+    json_array_foreach(values, i, v) {
+        const char *sub = json_string_value(json_object_get(v, "subkey"));
+        const char *sub_hex = json_string_value(json_object_get(v, "subkey_hex"));
+        const char *val = json_string_value(json_object_get(v, "value"));
+        const char *val_hex = json_string_value(json_object_get(v, "value_hex"));
+        double exp = json_number_value(json_object_get(v, "expiration"));
+        if (sub != NULL || sub_hex != NULL)
+            printf("%s%s\t", sub_hex ? "hex:" : "", sub ? sub : sub_hex);
+        printf("%s%s\t(expires in %.0f s)\n", val_hex ? "hex:" : "", val ? val : val_hex,
+               exp > now ? exp - now : 0.0);
+    }
+}
+
+/*
+ * Turns the command line into the request object, or prints why it cannot
+ * and returns NULL.
+ */
+static json_t *build_request(const char *cmd, char **pos, int npos, const char *subkey,
+                             double ttl)
+{
+    if (strcmp(cmd, "dht") != 0) {
+        if (subkey != NULL || ttl > 0) {
+            fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
+            return NULL;
+        }
+        return json_pack("{s:s, s:{}, s:i}", "cmd", cmd, "args", "id", 1);
+    }
+    const char *sub = npos > 0 ? pos[0] : "";
+    if (strcmp(sub, "info") == 0 && npos == 1 && subkey == NULL && ttl == 0)
+        return json_pack("{s:s, s:{}, s:i}", "cmd", "dht.info", "args", "id", 1);
+    if (strcmp(sub, "get") == 0 && (npos == 2 || npos == 3) && subkey == NULL && ttl == 0) {
+        json_t *args = json_pack("{s:s}", "key", pos[1]);
+        if (args != NULL && npos == 3)
+            json_object_set_new(args, "subkey", json_string(pos[2]));
+        return json_pack("{s:s, s:o, s:i}", "cmd", "dht.get", "args", args, "id", 1);
+    }
+    if (strcmp(sub, "put") == 0 && npos == 3) {
+        json_t *args = json_pack("{s:s, s:s}", "key", pos[1], "value", pos[2]);
+        if (args != NULL && subkey != NULL)
+            json_object_set_new(args, "subkey", json_string(subkey));
+        if (args != NULL && ttl > 0)
+            json_object_set_new(args, "ttl", json_real(ttl));
+        return json_pack("{s:s, s:o, s:i}", "cmd", "dht.put", "args", args, "id", 1);
+    }
+    fprintf(stderr, "hivemindctl: expected 'dht get KEY [SUBKEY]', 'dht put KEY VALUE "
+            "[--subkey S] [--ttl SECONDS]' or 'dht info'\n");
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     static const struct option longopts[] = {
         {"socket", required_argument, NULL, 's'}, {"json", no_argument, NULL, 'j'},
         {"timeout", required_argument, NULL, 'T'}, {"version", no_argument, NULL, 'V'},
-        {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
+        {"help", no_argument, NULL, 'h'},          {"subkey", required_argument, NULL, 'K'},
+        {"ttl", required_argument, NULL, 'L'},     {NULL, 0, NULL, 0},
     };
+    const char *subkey_opt = NULL;
+    double ttl_opt = 0;
     const char *sock = NULL;
     int json_out = 0;
     double timeout_s = 10;
@@ -271,6 +352,20 @@ int main(int argc, char **argv)
             }
             break;
         }
+        case 'K':
+            subkey_opt = optarg;
+            break;
+        case 'L': {
+            char *end;
+            errno = 0;
+            ttl_opt = strtod(optarg, &end);
+            if (errno != 0 || end == optarg || *end != '\0' || !(ttl_opt > 0) || ttl_opt > 86400) {
+                fprintf(stderr, "hivemindctl: bad --ttl '%s': expected seconds, more than 0 and "
+                        "at most 86400\n", optarg);
+                return HM_EXIT_USAGE;
+            }
+            break;
+        }
         case 'V':
             printf("hivemindctl %s\n", PACKAGE_VERSION);
             return HM_EXIT_OK;
@@ -288,13 +383,19 @@ int main(int argc, char **argv)
             return HM_EXIT_USAGE;
         }
     }
-    if (optind != argc - 1) {
-        fprintf(stderr, optind >= argc ? "hivemindctl: no command given\n"
-                                       : "hivemindctl: one command at a time\n");
+    if (optind >= argc) {
+        fprintf(stderr, "hivemindctl: no command given\n");
         usage(stderr);
         return HM_EXIT_USAGE;
     }
     const char *cmd = argv[optind];
+    char **pos = argv + optind + 1;
+    int npos = argc - optind - 1;
+    if (strcmp(cmd, "dht") != 0 && npos > 0) {
+        fprintf(stderr, "hivemindctl: one command at a time\n");
+        usage(stderr);
+        return HM_EXIT_USAGE;
+    }
     int known = 0;
     for (size_t i = 0; i < HM_ARRAY_LEN(commands); i++)
         known |= strcmp(cmd, commands[i]) == 0;
@@ -303,6 +404,12 @@ int main(int argc, char **argv)
         usage(stderr);
         return HM_EXIT_USAGE;
     }
+    json_t *request = build_request(cmd, pos, npos, subkey_opt, ttl_opt);
+    if (request == NULL) {
+        usage(stderr);
+        return HM_EXIT_USAGE;
+    }
+    const char *wire_cmd = json_string_value(json_object_get(request, "cmd"));
 
     if (sock == NULL) {
         const char *env = getenv("HIVEMINDD_CONTROL_SOCKET");
@@ -345,9 +452,16 @@ int main(int argc, char **argv)
         goto out;
     }
 
-    char req[128];
-    snprintf(req, sizeof(req), "{\"cmd\":\"%s\",\"args\":{},\"id\":1}\n", cmd);
-    int r = send_all(fd, req, strlen(req), deadline);
+    char *req = json_dumps(request, JSON_COMPACT);
+    if (req == NULL) {
+        fprintf(stderr, "hivemindctl: out of memory\n");
+        goto out;
+    }
+    size_t req_len = strlen(req);
+    int r = send_all(fd, req, req_len, deadline);
+    if (r == 0)
+        r = send_all(fd, "\n", 1, deadline);
+    free(req);
     if (r != 0) {
         fprintf(stderr, "hivemindctl: cannot send to %s: %s\n", sock, hm_strerror(r));
         goto out;
@@ -377,7 +491,7 @@ int main(int argc, char **argv)
         const json_t *e = json_object_get(reply, "error");
         const char *msg = json_string_value(json_object_get(e, "message"));
         const char *ecode = json_string_value(json_object_get(e, "code"));
-        fprintf(stderr, "hivemindctl: %s: %s%s%s%s\n", cmd, msg ? msg : "error",
+        fprintf(stderr, "hivemindctl: %s: %s%s%s%s\n", wire_cmd, msg ? msg : "error",
                 ecode ? " (" : "", ecode ? ecode : "", ecode ? ")" : "");
         goto out;
     }
@@ -392,10 +506,23 @@ int main(int argc, char **argv)
             fputs(text ? text : "", stdout);
         } else if (strcmp(cmd, "shutdown") == 0) {
             printf("hivemindd is shutting down\n");
+        } else if (strcmp(wire_cmd, "dht.info") == 0) {
+            print_dht_info(result);
+        } else if (strcmp(wire_cmd, "dht.put") == 0) {
+            printf("stored on %lld replicas\n",
+                   (long long)json_integer_value(json_object_get(result, "stored")));
+        } else if (strcmp(wire_cmd, "dht.get") == 0) {
+            print_dht_values(result);
         }
+    }
+    /* A get that found nothing is a failure for scripts, like grep. */
+    if (strcmp(wire_cmd, "dht.get") == 0 && !json_is_true(json_object_get(result, "found"))) {
+        fprintf(stderr, "hivemindctl: %s: not found\n", pos[1]);
+        goto out;
     }
     code = fflush(stdout) == 0 ? HM_EXIT_OK : HM_EXIT_FAILURE;
 out:
+    json_decref(request);
     json_decref(reply);
     free(line);
     if (fd >= 0)

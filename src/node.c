@@ -48,6 +48,11 @@ struct hm_node {
 
     peer *peers;
     size_t n_peers, max_peers;
+
+    hm_dht *dht;
+    uv_timer_t dht_timer;
+    uint64_t dht_epoch_ms;  /* wall clock at start, UNIX ms */
+    uint64_t mono_epoch_ms; /* monotonic clock at start */
     bootstrap boot[HM_NODE_MAX_INITIAL_PEERS];
     size_t n_boot;
 
@@ -238,9 +243,33 @@ static uint64_t jitter(hm_node *n, uint64_t base_ms)
     return base_ms - spread / 2 + (x % spread);
 }
 
+static void dht_rearm(hm_node *n, uint64_t next_ms);
+
+/*
+ * A DHT whose routing table has (nearly) emptied, after a network outage or
+ * a long stop of this process, rejoins through the peers the node knows.
+ */
+static void dht_rejoin_if_lonely(hm_node *n)
+{
+    if (n->dht == NULL)
+        return;
+    size_t known = hm_rt_size(hm_dht_routing(n->dht));
+    if (known >= 3 || known >= n->n_peers + n->n_boot)
+        return;
+    uint64_t now = hm_node_dht_now_ms(n);
+    for (size_t i = 0; i < n->n_boot; i++)
+        hm_dht_bootstrap(n->dht, n->boot[i].pk, (const struct sockaddr *)&n->boot[i].addr, now);
+    for (size_t i = 0; i < n->n_peers && i < 16; i++)
+        if (n->peers[i].addr_known)
+            hm_dht_bootstrap(n->dht, n->peers[i].info.pk,
+                             (const struct sockaddr *)&n->peers[i].info.addr, now);
+    dht_rearm(n, now);
+}
+
 static void ping_round(hm_node *n)
 {
     uint64_t now = hm_now_ms();
+    dht_rejoin_if_lonely(n);
     for (size_t i = 0; i < n->n_boot; i++) {
         bootstrap *b = &n->boot[i];
         if (b->pinging || now < b->next_try_ms)
@@ -274,6 +303,87 @@ static void on_ping_timer(uv_timer_t *t)
     uv_timer_start(&n->ping_timer, on_ping_timer, jitter(n, n->ping_interval_ms), 0);
 }
 
+/* ---- DHT glue ---- */
+
+uint64_t hm_node_dht_now_ms(const hm_node *n)
+{
+    return n->dht_epoch_ms + (hm_now_ms() - n->mono_epoch_ms);
+}
+
+static void on_dht_timer(uv_timer_t *t);
+
+static void dht_rearm(hm_node *n, uint64_t next_ms)
+{
+    if (n->closing || n->dht == NULL)
+        return;
+    uint64_t now = hm_node_dht_now_ms(n);
+    uint64_t wait = next_ms > now ? next_ms - now : 0;
+    wait = HM_MAX(HM_MIN(wait, 1000u), 1u);
+    uv_timer_start(&n->dht_timer, on_dht_timer, wait, 0);
+}
+
+static void on_dht_timer(uv_timer_t *t)
+{
+    hm_node *n = t->data;
+    dht_rearm(n, hm_dht_periodic(n->dht, hm_node_dht_now_ms(n)));
+}
+
+static void on_dht_datagram(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
+                            const uint8_t *body, size_t len)
+{
+    hm_node *n = ud;
+    if (n->closing || n->dht == NULL)
+        return;
+    uint64_t now = hm_node_dht_now_ms(n);
+    hm_dht_input(n->dht, pk, from, body, len, now);
+    /* Input may have started requests with earlier deadlines. */
+    dht_rearm(n, hm_dht_periodic(n->dht, now));
+}
+
+static int dht_send(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                    const uint8_t *msg, size_t len)
+{
+    hm_node *n = ud;
+    return hm_rpc_send_oneway(n->rpc, pk, to, HM_RPC_CHANNEL_DHT, msg, len);
+}
+
+static void dht_random(void *ud, void *buf, size_t len)
+{
+    HM_UNUSED(ud);
+    randombytes_buf(buf, len);
+}
+
+hm_dht *hm_node_dht(hm_node *n) { return n->dht; }
+
+int hm_node_dht_get(hm_node *n, const uint8_t *key, size_t key_len, uint64_t timeout_ms,
+                    hm_dht_get_cb cb, void *ud)
+{
+    if (n->closing)
+        return -ECANCELED;
+    uint64_t now = hm_node_dht_now_ms(n);
+    int r = hm_dht_get(n->dht, key, key_len, now, timeout_ms, cb, ud, NULL);
+    /* The core runs from the timer, so the callback never fires inside
+     * this call. */
+    if (r == 0)
+        dht_rearm(n, now);
+    return r;
+}
+
+int hm_node_dht_put(hm_node *n, const uint8_t *key, size_t key_len, const uint8_t *subkey,
+                    size_t subkey_len, int has_subkey, const uint8_t *value, size_t value_len,
+                    double ttl_s, uint64_t timeout_ms, hm_dht_put_cb cb, void *ud)
+{
+    if (n->closing)
+        return -ECANCELED;
+    uint64_t now = hm_node_dht_now_ms(n);
+    double expiration = (double)now / 1000.0 + ttl_s;
+    int r = hm_dht_put(n->dht, key, key_len, subkey, subkey_len, has_subkey, value, value_len,
+                       expiration, now, timeout_ms, cb, ud, NULL);
+    if (r == 0)
+        dht_rearm(n, now);
+    return r;
+}
+
 int hm_node_add_peer(hm_node *n, const char *addr)
 {
     uint8_t pk[HM_PK_BYTES];
@@ -298,6 +408,13 @@ int hm_node_add_peer(hm_node *n, const char *addr)
     b->next_try_ms = 0;
     if (!b->pinging && send_ping(n, pk, (const struct sockaddr *)&sa, 0, (int)i) == 0)
         b->pinging = 1;
+    if (n->dht != NULL) {
+        uint64_t now = hm_node_dht_now_ms(n);
+        int r = hm_dht_bootstrap(n->dht, pk, (const struct sockaddr *)&sa, now);
+        if (r < 0)
+            hm_warn(MOD, "DHT bootstrap from %s failed: %s", addr, hm_strerror(r));
+        dht_rearm(n, now);
+    }
     return 0;
 }
 
@@ -389,6 +506,31 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
 
     uv_timer_init(loop, &n->ping_timer);
     n->ping_timer.data = n;
+    uv_timer_init(loop, &n->dht_timer);
+    n->dht_timer.data = n;
+    n->dht_epoch_ms = hm_wall_us() / 1000u;
+    n->mono_epoch_ms = hm_now_ms();
+    hm_dht_config dcfg = opts->dht;
+    dcfg.client_mode = opts->client_mode;
+    /* A contact dropped for missing replies is most often a peer that
+     * paused or lost its network for a while: a short first ban lets it
+     * back soon after it returns, and repeat offenders still back off. */
+    if (dcfg.rt.ban_base_ms == 0)
+        dcfg.rt.ban_base_ms = 5000;
+    hm_dht_io io = {.ud = n, .send = dht_send, .random = dht_random};
+    r = hm_dht_new(&n->id, n->swarm_id, &dcfg, &io, hm_node_dht_now_ms(n), &n->dht);
+    if (r < 0) {
+        snprintf(err, errlen, "cannot start the DHT: %s", hm_strerror(r));
+        hm_node_close(n, NULL, NULL);
+        return r;
+    }
+    r = hm_rpc_register_oneway(n->rpc, HM_RPC_CHANNEL_DHT, on_dht_datagram, n);
+    if (r < 0) {
+        snprintf(err, errlen, "cannot register the DHT channel: %s", hm_strerror(r));
+        hm_node_close(n, NULL, NULL);
+        return r;
+    }
+    dht_rearm(n, hm_node_dht_now_ms(n));
     for (size_t i = 0; i < opts->n_initial_peers; i++) {
         /* Our own address among the initial peers (a shared config file)
          * is skipped rather than refused. */
@@ -544,6 +686,41 @@ char *hm_node_metrics(hm_node *n)
     hm_strbuf_printf(&b, "hivemindd_handshakes_total{result=\"failed\"} %llu\n",
                      (unsigned long long)st.handshakes_failed);
 
+    if (n->dht != NULL) {
+        hm_dht_stats ds;
+        hm_dht_get_stats(n->dht, &ds);
+        metric_u64(&b, "hivemindd_dht_routing_table_contacts", "gauge",
+                   "Live contacts in the DHT routing table.", ds.rt_size);
+        metric_u64(&b, "hivemindd_dht_routing_table_depth", "gauge",
+                   "Depth (prefix bits) of the deepest routing-table bucket.", ds.rt_depth);
+        metric_u64(&b, "hivemindd_dht_records", "gauge", "Records this node stores for the DHT.",
+                   ds.records);
+        metric_u64(&b, "hivemindd_dht_record_bytes", "gauge",
+                   "Bytes charged to the records this node stores.", ds.record_bytes);
+        metric_u64(&b, "hivemindd_dht_lookups_active", "gauge", "DHT lookups in progress.",
+                   ds.lookups_active);
+        metric_u64(&b, "hivemindd_dht_requests_sent_total", "counter", "DHT requests sent.",
+                   ds.requests_sent);
+        metric_u64(&b, "hivemindd_dht_requests_received_total", "counter",
+                   "DHT requests received.", ds.requests_received);
+        metric_u64(&b, "hivemindd_dht_request_timeouts_total", "counter",
+                   "DHT requests that got no reply in time.", ds.timeouts);
+        metric_u64(&b, "hivemindd_dht_rate_limited_total", "counter",
+                   "DHT requests dropped by the per-address rate limit.", ds.rate_limited);
+        metric_u64(&b, "hivemindd_dht_bad_messages_total", "counter",
+                   "DHT messages that failed to decode or were unexpected.", ds.bad_messages);
+        metric_head(&b, "hivemindd_dht_operations_total", "counter",
+                    "DHT gets and puts by result.");
+        hm_strbuf_printf(&b, "hivemindd_dht_operations_total{op=\"get\",result=\"ok\"} %llu\n",
+                         (unsigned long long)ds.gets_ok);
+        hm_strbuf_printf(&b, "hivemindd_dht_operations_total{op=\"get\",result=\"failed\"} %llu\n",
+                         (unsigned long long)ds.gets_failed);
+        hm_strbuf_printf(&b, "hivemindd_dht_operations_total{op=\"put\",result=\"ok\"} %llu\n",
+                         (unsigned long long)ds.puts_ok);
+        hm_strbuf_printf(&b, "hivemindd_dht_operations_total{op=\"put\",result=\"failed\"} %llu\n",
+                         (unsigned long long)ds.puts_failed);
+    }
+
     metrics_pass mp = {&b, 0};
     metric_head(&b, "hivemindd_rpc_calls_total", "counter", "Outbound RPC calls by method and result.");
     hm_rpc_foreach_stats(n->rpc, metrics_method, &mp);
@@ -581,11 +758,17 @@ static void on_timer_closed(uv_handle_t *h)
     maybe_finish_close(n);
 }
 
+static void on_dht_timer_closed(uv_handle_t *h)
+{
+    hm_node *n = h->data;
+    uv_close((uv_handle_t *)&n->ping_timer, on_timer_closed);
+}
+
 static void on_rpc_closed(void *ud)
 {
     hm_node *n = ud;
     n->rpc = NULL;
-    uv_close((uv_handle_t *)&n->ping_timer, on_timer_closed);
+    uv_close((uv_handle_t *)&n->dht_timer, on_dht_timer_closed);
 }
 
 void hm_node_close(hm_node *n, void (*cb)(void *ud), void *ud)
@@ -596,6 +779,12 @@ void hm_node_close(hm_node *n, void (*cb)(void *ud), void *ud)
     n->close_cb = cb;
     n->close_ud = ud;
     uv_timer_stop(&n->ping_timer);
+    uv_timer_stop(&n->dht_timer);
     hm_info(MOD, "closing node %s", n->id.peer_id);
+    /* Pending DHT operations end with -ECANCELED before the transport goes. */
+    if (n->dht != NULL) {
+        hm_dht_free(n->dht);
+        n->dht = NULL;
+    }
     hm_rpc_close(n->rpc, on_rpc_closed, n);
 }

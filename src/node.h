@@ -22,6 +22,7 @@
 #include <uv.h>
 
 #include "crypto.h"
+#include "dht.h"
 #include "rpc.h"
 #include "transport.h"
 
@@ -40,6 +41,7 @@ typedef struct hm_node_options {
     uint64_t ping_interval_ms;         /* default 15000 */
     unsigned max_ping_failures;        /* default 4 */
     size_t max_peers;                  /* peer table cap, default 4096 */
+    hm_dht_config dht;                 /* zero fields take defaults */
     hm_transport_config transport;     /* zero fields take defaults */
     hm_rpc_config rpc;
 } hm_node_options;
@@ -64,6 +66,21 @@ const char *hm_node_swarm(const hm_node *n);
 uint64_t hm_node_uptime_ms(const hm_node *n);
 hm_rpc *hm_node_rpc(hm_node *n);
 uv_loop_t *hm_node_loop(hm_node *n);
+
+/*
+ * The node's DHT (dht.h), driven over the rpc layer's one-way datagram
+ * channel and a timer. Initial peers and every peer added later also
+ * bootstrap the DHT. The DHT clock is the wall clock read once at start and
+ * advanced by the monotonic clock, so that its timeouts never jump.
+ */
+hm_dht *hm_node_dht(hm_node *n);
+uint64_t hm_node_dht_now_ms(const hm_node *n);
+int hm_node_dht_get(hm_node *n, const uint8_t *key, size_t key_len, uint64_t timeout_ms,
+                    hm_dht_get_cb cb, void *ud);
+/* ttl_s is relative; the record expires at DHT time + ttl_s. */
+int hm_node_dht_put(hm_node *n, const uint8_t *key, size_t key_len, const uint8_t *subkey,
+                    size_t subkey_len, int has_subkey, const uint8_t *value, size_t value_len,
+                    double ttl_s, uint64_t timeout_ms, hm_dht_put_cb cb, void *ud);
 
 /* Adds PEERID@HOST:PORT and pings it now. 0, -EINVAL or -ENOBUFS. */
 int hm_node_add_peer(hm_node *n, const char *addr);
