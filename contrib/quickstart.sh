@@ -237,7 +237,7 @@ wait_mesh() {
 show_metrics() {
     local i="$1" out
     out="$(ctl "$i" metrics)" || fail "hivemindctl metrics failed on node $i"
-    grep -E '^hivemindd_(peers|connections|received_bytes_total|sent_bytes_total|handshakes_total|rpc_calls_total|rpc_latency_seconds_count)' \
+    grep -E '^hivemindd_(peers|connections|received_bytes_total|sent_bytes_total|handshakes_total|rpc_calls_total|rpc_latency_seconds_count|dht_routing_table_contacts|dht_records)' \
         <<<"$out" || true
 }
 
@@ -289,13 +289,13 @@ demo() {
     trap 'exit 130' INT TERM
 
     say "starting $NODES nodes on 127.0.0.1 (swarm 'quickstart', ping every ${PING_INTERVAL}s)"
-    # Node 1 is the bootstrap node. Each later node is given the addresses of
-    # the nodes before it; a node learns of every peer that contacts it, so
-    # the four end up in each other's peer tables.
+    # Node 1 is the bootstrap node and the only address the others are
+    # given: they find each other through the DHT, and a node adds every
+    # peer it hears from to its peer table.
     peers=""
     for ((i = 1; i <= NODES; i++)); do
         start_node "$i" "$peers"
-        peers="${peers:+$peers,}${ADDRS[i]}"
+        peers="${ADDRS[1]}"
     done
 
     say "waiting until every node sees the other $((NODES - 1))"
@@ -312,6 +312,15 @@ demo() {
     done
     say "node 1: hivemindctl metrics (excerpt)"
     show_metrics 1
+
+    say "DHT: node 2 stores a record, node $NODES reads it"
+    ctl 2 dht put quickstart/greeting "hello from node 2" --ttl 600 \
+        || fail "hivemindctl dht put failed on node 2"
+    ctl "$NODES" dht get quickstart/greeting || fail "node $NODES could not read the record"
+    ctl "$NODES" dht get quickstart/greeting | grep -q "hello from node 2" \
+        || fail "node $NODES read a different value"
+    say "node $NODES: hivemindctl dht info"
+    ctl "$NODES" dht info || fail "hivemindctl dht info failed on node $NODES"
 
     if [ "$short" -eq 0 ]; then
         say "watching node 1's peer table for 30 s (RTTs come from datagram pings)"
