@@ -589,10 +589,13 @@ int hm_rt_find(const hm_rt *rt, const uint8_t id[HM_RT_ID_BYTES], hm_rt_contact 
 size_t hm_rt_closest(const hm_rt *rt, const uint8_t target[HM_RT_ID_BYTES], size_t n,
                      hm_rt_contact *out, unsigned flags)
 {
+    const struct entry *best[HM_RT_MAX_K * 4];
     size_t have = 0;
 
     if (n == 0)
         return 0;
+    if (n > HM_ARRAY_LEN(best))
+        n = HM_ARRAY_LEN(best);
     for (size_t bi = 0; bi < rt->nb; bi++) {
         const struct bucket *b = &rt->b[bi];
         for (unsigned j = 0; j < b->n; j++) {
@@ -600,19 +603,20 @@ size_t hm_rt_closest(const hm_rt *rt, const uint8_t target[HM_RT_ID_BYTES], size
             size_t pos;
             if ((flags & HM_RT_SKIP_FAILING) && e->failures > 0)
                 continue;
-            if (have == n && hm_rt_distance_cmp(target, e->id, out[n - 1].id) >= 0)
+            if (have == n && hm_rt_distance_cmp(target, e->id, best[n - 1]->id) >= 0)
                 continue;
-            /* Insertion into the sorted prefix; the farthest falls off when full. */
             pos = have < n ? have : n - 1;
-            while (pos > 0 && hm_rt_distance_cmp(target, e->id, out[pos - 1].id) < 0) {
-                out[pos] = out[pos - 1];
+            while (pos > 0 && hm_rt_distance_cmp(target, e->id, best[pos - 1]->id) < 0) {
+                best[pos] = best[pos - 1];
                 pos--;
             }
-            to_contact(e, &out[pos]);
+            best[pos] = e;
             if (have < n)
                 have++;
         }
     }
+    for (size_t i = 0; i < have; i++)
+        to_contact(best[i], &out[i]);
     return have;
 }
 

@@ -1124,6 +1124,7 @@ static void sim_free(sim *s)
 typedef struct rt_figures {
     double size_mean, depth_mean;
     uint64_t size_min, size_p50, depth_min, depth_p50, depth_max;
+    size_t under_k; /* tables with fewer than k contacts: isolated or eclipsed nodes */
 } rt_figures;
 
 static int rt_measure(sim *s, rt_figures *f)
@@ -1136,6 +1137,7 @@ static int rt_measure(sim *s, rt_figures *f)
         return -ENOMEM;
     }
     size_t n = 0;
+    f->under_k = 0;
     for (uint32_t i = 0; i < s->n_nodes; i++) {
         const sim_node *nd = &s->nodes[i];
         if (nd->kind != NODE_HONEST || !nd->alive)
@@ -1144,6 +1146,7 @@ static int rt_measure(sim *s, rt_figures *f)
         hm_dht_get_stats(nd->dht, &st);
         sz[n] = st.rt_size;
         dp[n] = st.rt_depth;
+        f->under_k += st.rt_size < s->o.k;
         n++;
     }
     qsort(sz, n, sizeof(*sz), cmp_u64);
@@ -1389,6 +1392,7 @@ int main(int argc, char **argv)
     printf("rt_size_mean          %.1f\n", rt.size_mean);
     printf("rt_size_min           %" PRIu64 "\n", rt.size_min);
     printf("rt_size_p50           %" PRIu64 "\n", rt.size_p50);
+    printf("rt_under_k            %zu\n", rt.under_k);
     printf("rt_depth_mean         %.2f\n", rt.depth_mean);
     printf("rt_depth_min          %" PRIu64 "\n", rt.depth_min);
     printf("rt_depth_p50          %" PRIu64 "\n", rt.depth_p50);
