@@ -68,7 +68,8 @@ static const struct opt opts[] = {
     {"SwarmKeyFile", "swarm-key-file", T_PATH, FIELD(swarm_key_file), 0, 0, 0, "PATH",
      "pre-shared key of a private swarm, 64 hex digits (default none)"},
     {"ClientMode", "client-mode", T_BOOL, FIELD(client_mode), 0, 0, 0, "[yes|no]",
-     "serve nothing to other peers beyond replies (default no)"},
+     "use the DHT as a client: query and store, but answer no DHT requests "
+     "and stay out of others' routing tables (default no)"},
     {"LogLevel", "log-level", T_LEVEL, FIELD(log_level), 0, 0, 1, "error|warn|info|debug",
      "log verbosity (default info)"},
     {"PingInterval", "ping-interval", T_UINT, FIELD(ping_interval_s), 1, 3600, 0, "SECONDS",

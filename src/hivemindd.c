@@ -312,6 +312,39 @@ static int set_bytes(json_t *obj, const char *name, const uint8_t *p, size_t len
     return r;
 }
 
+/* DHT errors in the words of the DHT (util's hm_strerror speaks transport). */
+static const char *dht_strerror(int err)
+{
+    switch (-err) {
+    case ETIMEDOUT:
+        return "no answer before the deadline";
+    case EHOSTUNREACH:
+        return "no DHT peer reachable (is the node connected to a swarm?)";
+    case ESTALE:
+        return "the replicas hold a newer version of this record";
+    case EPERM:
+        return "the key or subkey is owned by another node";
+    case EBADMSG:
+        return "owned record without a valid signature";
+    case ETIME:
+        return "the record has already expired";
+    case ERANGE:
+        return "expiration too far ahead";
+    case EDQUOT:
+        return "this node's storage quota at the replicas is used up";
+    case ENOSPC:
+        return "the replicas are full";
+    case EACCES:
+        return "the replicas refused the store token";
+    case EMSGSIZE:
+        return "record too large for one datagram";
+    case ENOBUFS:
+        return "too many DHT lookups in progress";
+    default:
+        return hm_strerror(err);
+    }
+}
+
 typedef struct dht_get_ctx {
     hm_control_req *req;
     char *subkey; /* filter, or NULL */
@@ -324,7 +357,7 @@ static void on_dht_get(void *ud, int status, const hm_dht_value *values, size_t 
     json_t *list = NULL;
     if (status < 0) {
         hm_control_reply_error(c->req, status == -ETIMEDOUT ? "timeout" : "dht_error",
-                               hm_strerror(status));
+                               dht_strerror(status));
         goto out;
     }
     list = json_array();
@@ -407,7 +440,7 @@ static void cmd_dht_get(void *ud, hm_control_req *req, const json_t *args)
     if (r < 0) {
         free(c->subkey);
         free(c);
-        hm_control_reply_error(req, "dht_error", hm_strerror(r));
+        hm_control_reply_error(req, "dht_error", dht_strerror(r));
     }
 }
 
@@ -416,7 +449,7 @@ static void on_dht_put(void *ud, int status, unsigned stored, const hm_dht_looku
     hm_control_req *req = ud;
     if (status < 0) {
         hm_control_reply_error(req, status == -ETIMEDOUT ? "timeout" : "dht_error",
-                               hm_strerror(status));
+                               dht_strerror(status));
         return;
     }
     reply_or_fail(req, json_pack("{s:i, s:i, s:i}", "stored", (int)stored, "hops", (int)info->hops,
@@ -456,7 +489,7 @@ static void cmd_dht_put(void *ud, hm_control_req *req, const json_t *args)
                             on_dht_put, req);
     if (r < 0)
         hm_control_reply_error(req, r == -EMSGSIZE ? "bad_args" : "dht_error",
-                               r == -EMSGSIZE ? "record too large for one datagram" : hm_strerror(r));
+                               dht_strerror(r));
 }
 
 static void cmd_dht_info(void *ud, hm_control_req *req, const json_t *args)

@@ -1,7 +1,8 @@
 /*
  * node: one hivemindd node. It owns the identity, the rpc layer (and through
  * it the transport), the peer table and the timers that keep the peer table
- * fresh; later the DHT, the averager and the expert server hang off it too.
+ * fresh, and the DHT (dht.h); the averager and the expert server will hang
+ * off it too.
  * It runs on a caller-provided libuv loop and keeps no global state, so one
  * process can run many nodes (tests, simulations).
  *
@@ -37,7 +38,7 @@ typedef struct hm_node_options {
     const char *state_dir;             /* identity at STATE_DIR/identity.key; NULL: ephemeral */
     const char *swarm;                 /* default "default" */
     const uint8_t *swarm_key;          /* 32 bytes or NULL */
-    int client_mode;                   /* no inbound service beyond replies (DHT issue) */
+    int client_mode;                   /* DHT client: queries and stores, serves no DHT requests */
     uint64_t ping_interval_ms;         /* default 15000 */
     unsigned max_ping_failures;        /* default 4 */
     size_t max_peers;                  /* peer table cap, default 4096 */

@@ -859,6 +859,19 @@ int hm_rpc_register(hm_rpc *rpc, const char *method_name, hm_rpc_handler h, void
     return 0;
 }
 
+int hm_rpc_unregister(hm_rpc *rpc, const char *method_name)
+{
+    if (method_name == NULL)
+        return -EINVAL;
+    size_t len = strnlen(method_name, HM_RPC_METHOD_MAX + 1);
+    method *m = method_find(rpc, method_name, len);
+    if (m == NULL || m->h == NULL)
+        return -ENOENT;
+    m->h = NULL;
+    m->ud = NULL;
+    return 0;
+}
+
 int hm_rpc_register_oneway(hm_rpc *rpc, unsigned channel, hm_rpc_oneway_handler h, void *ud)
 {
     if (channel >= HM_RPC_ONEWAY_CHANNELS || h == NULL)

@@ -72,6 +72,12 @@ hm_transport *hm_rpc_transport(hm_rpc *rpc);
 void hm_rpc_set_seen_cb(hm_rpc *rpc, hm_rpc_seen_cb cb, void *ud);
 
 int hm_rpc_register(hm_rpc *rpc, const char *method, hm_rpc_handler h, void *ud);
+/*
+ * Removes a method's handler, so that a module can be freed while the node
+ * runs on: later requests for it are answered -ENOSYS. Requests already
+ * handed to the handler stay its to answer. 0 or -ENOENT.
+ */
+int hm_rpc_unregister(hm_rpc *rpc, const char *method);
 
 int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct sockaddr *to,
                 const char *method, const void *body, size_t len, unsigned flags,
