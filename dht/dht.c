@@ -324,6 +324,8 @@ struct hm_dht {
     struct ltab tokens;
 
     hm_dht_stats st;
+    uint64_t now_ms; /* the latest time the owner gave us */
+    struct many *many; /* get_many batches waiting for lookup slots */
     /* Scratch for encoding and decoding, kept off the stack. */
     hm_dht_msg msg_in, msg_out;
     /* Large enough for a full VALUE plus HM_DHT_PROTO_MAX_CONTACTS IPv6 contacts. */
@@ -1498,6 +1500,8 @@ out:
     flush_done(d, now_ms);
 }
 
+static void many_pump(hm_dht *d);
+
 uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
 {
     uint64_t next;
@@ -1545,6 +1549,8 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
         start_find(d, t, 0, now_ms);
         refreshes++;
     }
+    d->now_ms = now_ms;
+    many_pump(d);
     flush_done(d, now_ms);
 
     next = HM_MIN(d->rotate_at, d->sweep_at);
@@ -1667,10 +1673,208 @@ out:
     return result;
 }
 
+/* ---- get_many: a batch of gets with one callback ---- */
+
+struct many_key {
+    struct many *m;
+    size_t idx;
+};
+
+struct many {
+    hm_dht *d;
+    struct many *next;  /* in d->many while keys wait for slots */
+    int queued;
+    size_t n, started, answered;
+    uint64_t deadline_ms;
+    uint8_t **keys;
+    size_t *key_lens;
+    struct many_key *ctx;
+    int *status;
+    struct held **held;  /* per key, copies of its values */
+    size_t *nheld;
+    hm_dht_get_many_cb cb;
+    void *ud;
+};
+
+static void many_free(struct many *m)
+{
+    for (size_t i = 0; i < m->n; i++) {
+        free(m->keys ? m->keys[i] : NULL);
+        if (m->held && m->held[i]) {
+            for (size_t j = 0; j < m->nheld[i]; j++)
+                held_free(&m->held[i][j]);
+            free(m->held[i]);
+        }
+    }
+    free(m->keys);
+    free(m->key_lens);
+    free(m->ctx);
+    free(m->status);
+    free(m->held);
+    free(m->nheld);
+    free(m);
+}
+
+static void many_unqueue(hm_dht *d, struct many *m)
+{
+    for (struct many **pp = &d->many; *pp; pp = &(*pp)->next) {
+        if (*pp == m) {
+            *pp = m->next;
+            break;
+        }
+    }
+    m->queued = 0;
+}
+
+static void many_finish(struct many *m)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < m->n; i++)
+        total += m->nheld[i];
+    hm_dht_many_result *res = calloc(m->n, sizeof(*res));
+    hm_dht_value *vals = calloc(total ? total : 1, sizeof(*vals));
+    if (res == NULL) {
+        /* Not even the result array: the caller learns of the batch's end. */
+        m->cb(m->ud, NULL, 0);
+        goto out;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < m->n; i++) {
+        res[i].status = vals == NULL ? -ENOMEM : m->status[i];
+        res[i].values = vals == NULL ? NULL : vals + k;
+        res[i].n = vals == NULL ? 0 : m->nheld[i];
+        for (size_t j = 0; vals != NULL && j < m->nheld[i]; j++, k++) {
+            vals[k].rec = m->held[i][j].rec;
+            memcpy(vals[k].source_pk, m->held[i][j].source_pk, HM_PK_BYTES);
+        }
+    }
+    m->cb(m->ud, res, m->n);
+out:
+    free(vals);
+    free(res);
+    many_free(m);
+}
+
+static void many_on_get(void *ud, int status, const hm_dht_value *values, size_t n,
+                        const hm_dht_lookup_info *info)
+{
+    struct many_key *c = ud;
+    struct many *m = c->m;
+    HM_UNUSED(info);
+    m->status[c->idx] = status;
+    if (status == 0 && n > 0) {
+        m->held[c->idx] = calloc(n, sizeof(struct held));
+        if (m->held[c->idx] == NULL) {
+            m->status[c->idx] = -ENOMEM;
+        } else {
+            for (size_t j = 0; j < n; j++) {
+                if (held_copy(&m->held[c->idx][j], &values[j].rec, values[j].source_pk) < 0) {
+                    m->status[c->idx] = -ENOMEM;
+                    break;
+                }
+                m->nheld[c->idx]++;
+            }
+        }
+    }
+    m->answered++;
+    if (m->answered == m->n)
+        many_finish(m);
+    else
+        many_pump(m->d); /* a slot just freed up */
+}
+
+/* Starts the keys of queued batches while lookup slots are free. */
+static void many_pump(hm_dht *d)
+{
+    struct many *m = d->many;
+    while (m != NULL) {
+        struct many *next = m->next;
+        while (m->started < m->n && d->nops < d->cfg.max_lookups) {
+            size_t i = m->started++;
+            uint64_t left = m->deadline_ms > d->now_ms ? m->deadline_ms - d->now_ms : 0;
+            int r = left == 0 ? -ETIMEDOUT
+                              : hm_dht_get(d, m->keys[i], m->key_lens[i], d->now_ms, left,
+                                           many_on_get, &m->ctx[i], NULL);
+            if (r < 0) {
+                m->status[i] = r;
+                m->answered++;
+            }
+        }
+        if (m->started == m->n) {
+            many_unqueue(d, m);
+            /* Every key failed to start: nothing else will finish the batch. */
+            if (m->answered == m->n)
+                many_finish(m);
+        }
+        m = next;
+    }
+}
+
+int hm_dht_get_many(hm_dht *d, const uint8_t *const *keys, const size_t *key_lens, size_t n_keys,
+                    uint64_t now_ms, uint64_t timeout_ms, hm_dht_get_many_cb cb, void *ud)
+{
+    if (keys == NULL || key_lens == NULL || n_keys == 0 || cb == NULL)
+        return -EINVAL;
+    if (n_keys > HM_DHT_MANY_MAX)
+        return -EMSGSIZE;
+    for (size_t i = 0; i < n_keys; i++)
+        if (keys[i] == NULL || key_lens[i] == 0 || key_lens[i] > HM_DHT_KEY_MAX)
+            return -EINVAL;
+    struct many *m = calloc(1, sizeof(*m));
+    if (m == NULL)
+        return -ENOMEM;
+    m->d = d;
+    m->n = n_keys;
+    m->cb = cb;
+    m->ud = ud;
+    m->deadline_ms = now_ms + timeout_ms;
+    m->keys = calloc(n_keys, sizeof(*m->keys));
+    m->key_lens = calloc(n_keys, sizeof(*m->key_lens));
+    m->ctx = calloc(n_keys, sizeof(*m->ctx));
+    m->status = calloc(n_keys, sizeof(*m->status));
+    m->held = calloc(n_keys, sizeof(*m->held));
+    m->nheld = calloc(n_keys, sizeof(*m->nheld));
+    if (!m->keys || !m->key_lens || !m->ctx || !m->status || !m->held || !m->nheld) {
+        many_free(m);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < n_keys; i++) {
+        m->keys[i] = malloc(key_lens[i]);
+        if (m->keys[i] == NULL) {
+            many_free(m);
+            return -ENOMEM;
+        }
+        memcpy(m->keys[i], keys[i], key_lens[i]);
+        m->key_lens[i] = key_lens[i];
+        m->ctx[i].m = m;
+        m->ctx[i].idx = i;
+    }
+    /* The lookups start from the next periodic call, so the callback can
+     * never fire inside this one. */
+    m->next = d->many;
+    m->queued = 1;
+    d->many = m;
+    d->now_ms = now_ms;
+    return 0;
+}
+
 void hm_dht_free(hm_dht *d)
 {
     if (d == NULL)
         return;
+    /* Batches still waiting for slots: their unstarted keys are cancelled;
+     * a batch whose started gets are all answered finishes here, the others
+     * when their gets are cancelled below. */
+    while (d->many) {
+        struct many *m = d->many;
+        many_unqueue(d, m);
+        while (m->started < m->n) {
+            m->status[m->started++] = -ECANCELED;
+            m->answered++;
+        }
+        if (m->answered == m->n)
+            many_finish(m);
+    }
     /* Pending callbacks see -ECANCELED, whether their result was queued or not. */
     while (d->ops) {
         struct op *o = d->ops;

@@ -153,6 +153,25 @@ int hm_dht_put(hm_dht *d, const uint8_t *key, size_t key_len, const uint8_t *sub
                size_t subkey_len, int has_subkey, const uint8_t *value, size_t value_len,
                double expiration, uint64_t now_ms, uint64_t timeout_ms, hm_dht_put_cb cb,
                void *ud, uint64_t *op_out);
+/*
+ * Several gets under one deadline, for callers that look up many keys at
+ * once (a beam search over an expert grid, a matchmaking scan). At most
+ * HM_DHT_MANY_MAX keys; lookups start as slots under max_lookups free up,
+ * so a large batch never starves other operations of more than it needs.
+ * cb fires once, when every key has an answer or the deadline passed, with
+ * one result per key in the order given (values valid during the
+ * callback). Returns 0, -EINVAL, -EMSGSIZE (too many keys) or -ENOMEM.
+ */
+#define HM_DHT_MANY_MAX 256
+typedef struct hm_dht_many_result {
+    int status;                 /* as a single get's: 0 (n = 0: not found) or negative */
+    const hm_dht_value *values;
+    size_t n;
+} hm_dht_many_result;
+typedef void (*hm_dht_get_many_cb)(void *ud, const hm_dht_many_result *results, size_t n_keys);
+int hm_dht_get_many(hm_dht *d, const uint8_t *const *keys, const size_t *key_lens, size_t n_keys,
+                    uint64_t now_ms, uint64_t timeout_ms, hm_dht_get_many_cb cb, void *ud);
+
 /* Cancels an operation: its callback fires now with -ECANCELED. 0 or -ENOENT. */
 int hm_dht_cancel(hm_dht *d, uint64_t op);
 

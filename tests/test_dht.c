@@ -1169,3 +1169,88 @@ Test(dht, garbage_input_is_counted_and_harmless)
     cr_assert_eq(hm_rt_find(hm_dht_routing(net->nodes[0].d), nid, NULL), -ENOENT);
     net_free(net);
 }
+
+struct many_res {
+    int calls;
+    size_t n_keys;
+    int status[8];
+    size_t n[8];
+    char first[8][64];
+};
+
+static void many_cb(void *ud, const hm_dht_many_result *res, size_t n_keys)
+{
+    struct many_res *r = ud;
+    r->calls++;
+    r->n_keys = n_keys;
+    for (size_t i = 0; i < n_keys && i < 8; i++) {
+        r->status[i] = res[i].status;
+        r->n[i] = res[i].n;
+        if (res[i].n > 0) {
+            size_t l = HM_MIN(res[i].values[0].rec.value_len, sizeof(r->first[i]) - 1);
+            memcpy(r->first[i], res[i].values[0].rec.value, l);
+            r->first[i][l] = '\0';
+        }
+    }
+}
+
+Test(dht, get_many_answers_every_key_once_in_order)
+{
+    hm_dht_config cfg;
+    hm_dht_config_default(&cfg);
+    /* Two lookup slots for eight keys: the batch must queue and still finish. */
+    cfg.max_lookups = 2;
+    struct tnet *net = bootstrapped(30, &cfg);
+    struct put_res pr;
+    const char *names[6] = {"k0", "k1", "k2", "k3", "k4", "k5"};
+    for (int i = 0; i < 6; i++) {
+        char v[16];
+        snprintf(v, sizeof(v), "value-%d", i);
+        do_put(net, 3 + i, names[i], NULL, v, now_s(net) + 600, &pr);
+        cr_assert_eq(pr.status, 0);
+    }
+    const uint8_t *keys[8];
+    size_t lens[8];
+    for (int i = 0; i < 6; i++) {
+        keys[i] = (const uint8_t *)names[i];
+        lens[i] = 2;
+    }
+    keys[6] = (const uint8_t *)"missing-a";
+    lens[6] = 9;
+    keys[7] = (const uint8_t *)"missing-b";
+    lens[7] = 9;
+
+    struct many_res mr = {0};
+    hm_dht *d = net->nodes[20].d;
+    cr_assert_eq(hm_dht_get_many(d, keys, lens, 8, net->now, 10000, many_cb, &mr), 0);
+    cr_assert_eq(mr.calls, 0, "the callback fired inside hm_dht_get_many");
+    net->nodes[20].next = net->now;
+    net_run(net, 15000, &mr.calls);
+    cr_assert_eq(mr.calls, 1);
+    cr_assert_eq(mr.n_keys, 8);
+    for (int i = 0; i < 6; i++) {
+        char v[16];
+        snprintf(v, sizeof(v), "value-%d", i);
+        cr_assert_eq(mr.status[i], 0);
+        cr_assert_eq(mr.n[i], 1, "key %d", i);
+        cr_assert_str_eq(mr.first[i], v, "results come back in the order of the keys");
+    }
+    cr_assert_eq(mr.status[6], 0);
+    cr_assert_eq(mr.n[6], 0);
+    cr_assert_eq(mr.n[7], 0);
+
+    /* Bounds and arguments. */
+    cr_assert_eq(hm_dht_get_many(d, keys, lens, 0, net->now, 1000, many_cb, &mr), -EINVAL);
+    cr_assert_eq(hm_dht_get_many(d, keys, lens, HM_DHT_MANY_MAX + 1, net->now, 1000, many_cb, &mr),
+                 -EMSGSIZE);
+
+    /* A batch pending at free ends once, with every key cancelled or answered. */
+    struct many_res late = {0};
+    cr_assert_eq(hm_dht_get_many(d, keys, lens, 8, net->now, 10000, many_cb, &late), 0);
+    net->nodes[20].d = NULL;
+    hm_dht_free(d);
+    cr_assert_eq(late.calls, 1);
+    for (int i = 0; i < 8; i++)
+        cr_assert_eq(late.status[i], -ECANCELED);
+    net_free(net);
+}
