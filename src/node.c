@@ -369,6 +369,18 @@ int hm_node_dht_get(hm_node *n, const uint8_t *key, size_t key_len, uint64_t tim
     return r;
 }
 
+int hm_node_dht_get_many(hm_node *n, const uint8_t *const *keys, const size_t *key_lens,
+                         size_t n_keys, uint64_t timeout_ms, hm_dht_get_many_cb cb, void *ud)
+{
+    if (n->closing)
+        return -ECANCELED;
+    uint64_t now = hm_node_dht_now_ms(n);
+    int r = hm_dht_get_many(n->dht, keys, key_lens, n_keys, now, timeout_ms, cb, ud);
+    if (r == 0)
+        dht_rearm(n, now);
+    return r;
+}
+
 int hm_node_dht_put(hm_node *n, const uint8_t *key, size_t key_len, const uint8_t *subkey,
                     size_t subkey_len, int has_subkey, const uint8_t *value, size_t value_len,
                     double ttl_s, uint64_t timeout_ms, hm_dht_put_cb cb, void *ud)

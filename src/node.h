@@ -78,6 +78,8 @@ hm_dht *hm_node_dht(hm_node *n);
 uint64_t hm_node_dht_now_ms(const hm_node *n);
 int hm_node_dht_get(hm_node *n, const uint8_t *key, size_t key_len, uint64_t timeout_ms,
                     hm_dht_get_cb cb, void *ud);
+int hm_node_dht_get_many(hm_node *n, const uint8_t *const *keys, const size_t *key_lens,
+                         size_t n_keys, uint64_t timeout_ms, hm_dht_get_many_cb cb, void *ud);
 /* ttl_s is relative; the record expires at DHT time + ttl_s. */
 int hm_node_dht_put(hm_node *n, const uint8_t *key, size_t key_len, const uint8_t *subkey,
                     size_t subkey_len, int has_subkey, const uint8_t *value, size_t value_len,
