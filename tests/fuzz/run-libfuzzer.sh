@@ -28,7 +28,7 @@ case $seconds in
 esac
 srcdir=$(cd "$(dirname "$0")/../.." && pwd)
 cc=${CC:-clang}
-targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto"}
+targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce"}
 
 if [ ! -f "$builddir/config.h" ]; then
     echo "$0: $builddir has no config.h; run configure there first" >&2
@@ -42,12 +42,14 @@ sources_for() {
         fuzz_dgram | fuzz_handshake) echo "src/util.c src/crypto.c" ;;
         fuzz_control) echo "src/util.c src/control.c" ;;
         fuzz_dht_record) echo "src/util.c src/wire.c src/crypto.c dht/record.c dht/store.c" ;;
+        fuzz_avg_codec) echo "averaging/codec.c" ;;
+        fuzz_allreduce) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c averaging/codec.c averaging/allreduce.c" ;;
         fuzz_dht_proto) echo "src/util.c src/wire.c src/crypto.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c" ;;
         *) return 1 ;;
     esac
 }
 
-pkgs="libuv libsodium msgpack jansson"
+pkgs="libuv libsodium msgpack jansson openblas"
 dep_cflags=$(pkg-config --cflags $pkgs) || exit 1
 dep_libs=$(pkg-config --libs $pkgs) || exit 1
 
@@ -74,7 +76,7 @@ for t in $targets; do
     # shellcheck disable=SC2086 # the source and flag lists are meant to split
     if ! "$cc" -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
         -fno-sanitize-recover=undefined -fno-omit-frame-pointer \
-        -I "$builddir" -I "$srcdir/src" -I "$srcdir/dht" $dep_cflags \
+        -I "$builddir" -I "$srcdir/src" -I "$srcdir/dht" -I "$srcdir/averaging" $dep_cflags \
         -o "$bin" $srcs $dep_libs -lm; then
         echo "FAIL: $t: build failed"
         failed=$((failed + 1))

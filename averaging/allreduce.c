@@ -1,0 +1,1563 @@
+/*
+ * allreduce: butterfly all-reduce of one round inside a formed group (the
+ * design, the messages and the failure rules are in allreduce.h). This file
+ * owns the per-node context (rounds by group id, a short list of finished
+ * rounds, one tick timer), each round's sender tasks and reducer chunks,
+ * and the message codecs.
+ *
+ * Reentrancy: hm_rpc_cancel fires the call's callback synchronously, so a
+ * task's generation is bumped before its call is cancelled and a callback
+ * whose generation is stale only frees its context. Nothing fires the
+ * caller's done_cb except the tick timer, so it never runs inside an rpc
+ * handler, a call callback or one of our own functions.
+ */
+#include "config.h"
+
+#include "allreduce.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "codec.h"
+#include "util.h"
+
+#define MOD "allreduce"
+
+#define TICK_MS 10
+#define TOMBSTONES 64
+#define TOMBSTONE_MS (10u * 60u * 1000u)
+#define NOTICE_TIMEOUT_MS 2000u
+#define RETRY_MIN_MS 10u
+#define RETRY_MAX_MS 200u
+#define WINDOW_MAX 32u
+#define SHARE_BITS 20
+/* Header bytes of a part or reply around its chunk data (generous). */
+#define MSG_SLACK 256u
+
+enum { T_TODO = 0, T_INFLIGHT, T_DONE, T_FAILED };
+
+typedef struct task {
+    uint32_t span, chunk;
+    size_t off, cnt;
+    uint8_t state;
+    uint8_t have_result; /* the data region holds an average */
+    uint8_t attempts;    /* "not ready" retries at the current reducer */
+    int to;              /* reducer while in flight */
+    uint32_t gen;
+    uint64_t call_id;
+    uint64_t contrib;     /* who is in the average we hold */
+    uint64_t first_try_ms; /* first try at the current reducer, 0 = none */
+    uint64_t retry_at_ms;
+} task;
+
+/* One chunk open at this node as reducer. */
+typedef struct oslot {
+    uint64_t first_ms;
+    uint64_t have;        /* DATA in */
+    uint64_t held;        /* network calls held, answered at finalization */
+    uint64_t result_from; /* members that sent a RESULT */
+    float **part;         /* [G]; NULL for self, whose values are read from data */
+    double *w;            /* [G] */
+    hm_rpc_req **req;     /* [G] */
+    float *result;        /* adopted RESULT */
+    uint64_t result_contrib;
+    size_t self_task;     /* our task waiting here, or SIZE_MAX */
+} oslot;
+
+typedef struct hspan {
+    int hosted;
+    size_t n_chunks;
+    uint8_t *final;
+    oslot **open;
+} hspan;
+
+typedef struct notice {
+    struct notice *next;
+    hm_ar_round *r;
+    uint64_t call_id;
+    int pending;
+} notice;
+
+typedef struct callctx {
+    hm_ar_round *r;
+    size_t task;
+    uint32_t gen;
+} callctx;
+
+struct hm_ar_round {
+    hm_ar_round *next;
+    hm_ar_ctx *ctx;
+    hm_avg_group g;
+    hm_ar_config cfg;
+    float *data;
+    size_t n;
+    double weight;
+    hm_ar_done_cb cb;
+    void *ud;
+    uint64_t self_bit;
+    uint64_t all_mask;
+
+    size_t off[HM_AVG_MAX_GROUP], cnt[HM_AVG_MAX_GROUP], nch[HM_AVG_MAX_GROUP];
+    uint64_t share[HM_AVG_MAX_GROUP];
+    int cur[HM_AVG_MAX_GROUP]; /* current reducer per span, -1 none */
+    hspan hs[HM_AVG_MAX_GROUP];
+    size_t n_open;
+
+    task *tasks;
+    size_t n_tasks;
+    size_t lo; /* first task not complete */
+
+    uint64_t dead, bad, late;
+    int reason[HM_AVG_MAX_GROUP];
+
+    notice *notices;
+    uint64_t start_ms, deadline_ms, start_us;
+    uint64_t bytes_sent, bytes_recv;
+    int status;    /* first failure, 0 while none */
+    int finishing; /* finish scheduled for the next tick */
+    int finished;  /* inside finish: callbacks only clean up */
+};
+
+typedef struct tombstone {
+    uint8_t gid[HM_AVG_GROUP_ID_BYTES];
+    uint64_t until_ms;
+} tombstone;
+
+struct hm_ar_ctx {
+    uv_loop_t *loop;
+    hm_rpc *rpc;
+    uint8_t pk[HM_PK_BYTES];
+    uv_timer_t timer;
+    int timer_on;
+    hm_ar_round *rounds;
+    tombstone tomb[TOMBSTONES];
+    size_t tomb_next;
+    int closing;
+    void (*close_cb)(void *ud);
+    void *close_ud;
+};
+
+static void progress(hm_ar_round *r);
+static void apply_view(hm_ar_round *r, uint64_t dead_add, uint64_t bad_add, int reason);
+
+static inline uint64_t bit(size_t i) { return (uint64_t)1 << i; }
+
+/* ================================================================ messages */
+
+static const hm_wire_limits *msg_limits(size_t max_elems, hm_wire_limits *lim)
+{
+    lim->max_size = max_elems * sizeof(float) + HM_AVG_CHUNK_HEADER + HM_AVG_CHUNK_UINT8_PARAMS +
+                    MSG_SLACK;
+    lim->max_depth = 1;
+    lim->max_elements = 16;
+    return lim;
+}
+
+static int get_mask(const msgpack_object *o, uint64_t *out) { return hm_wire_get_uint(o, out); }
+
+static int check_chunk(const uint8_t *p, size_t len, size_t max_elems)
+{
+    size_t n = 0;
+    int rc = hm_avg_chunk_peek(p, len, NULL, &n);
+    if (rc < 0)
+        return rc;
+    return n > max_elems ? -EMSGSIZE : 0;
+}
+
+void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m)
+{
+    hm_wire_wr_array(w, 12);
+    hm_wire_wr_uint(w, HM_AR_VERSION);
+    hm_wire_wr_bin(w, m->group_id, HM_AVG_GROUP_ID_BYTES);
+    hm_wire_wr_uint(w, m->sender);
+    hm_wire_wr_uint(w, m->n_total);
+    hm_wire_wr_uint(w, m->span);
+    hm_wire_wr_uint(w, m->chunk);
+    hm_wire_wr_uint(w, m->kind);
+    hm_wire_wr_double(w, m->weight);
+    hm_wire_wr_uint(w, m->dead_mask);
+    hm_wire_wr_uint(w, m->bad_mask);
+    hm_wire_wr_uint(w, m->contrib_mask);
+    hm_wire_wr_bin(w, m->data, m->data_len);
+}
+
+int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_part_msg *out)
+{
+    msgpack_zone zone;
+    msgpack_object obj;
+    const msgpack_object *it;
+    hm_wire_limits lim;
+    uint64_t ver, sender, span, chunk, kind;
+    const uint8_t *gid, *data;
+    uint32_t glen, dlen;
+    int result;
+
+    memset(out, 0, sizeof(*out));
+    if (!msgpack_zone_init(&zone, 512))
+        return -ENOMEM;
+    if ((result = hm_wire_unpack(buf, len, msg_limits(max_elems, &lim), &zone, &obj)) < 0)
+        goto out;
+    if ((result = hm_wire_get_array(&obj, 12, 12, &it, NULL)) < 0 ||
+        (result = hm_wire_get_uint(&it[0], &ver)) < 0 ||
+        (result = hm_wire_get_bin(&it[1], &gid, &glen)) < 0 ||
+        (result = hm_wire_get_uint(&it[2], &sender)) < 0 ||
+        (result = hm_wire_get_uint(&it[3], &out->n_total)) < 0 ||
+        (result = hm_wire_get_uint(&it[4], &span)) < 0 ||
+        (result = hm_wire_get_uint(&it[5], &chunk)) < 0 ||
+        (result = hm_wire_get_uint(&it[6], &kind)) < 0 ||
+        (result = hm_wire_get_double(&it[7], &out->weight)) < 0 ||
+        (result = get_mask(&it[8], &out->dead_mask)) < 0 ||
+        (result = get_mask(&it[9], &out->bad_mask)) < 0 ||
+        (result = get_mask(&it[10], &out->contrib_mask)) < 0 ||
+        (result = hm_wire_get_bin(&it[11], &data, &dlen)) < 0)
+        goto out;
+    if (ver != HM_AR_VERSION || glen != HM_AVG_GROUP_ID_BYTES || sender >= HM_AVG_MAX_GROUP ||
+        span >= HM_AVG_MAX_GROUP || chunk > UINT32_MAX || kind > HM_AR_RESULT ||
+        !isfinite(out->weight) || out->weight < 0 || (kind == HM_AR_RESULT && out->contrib_mask == 0)) {
+        result = -EPROTO;
+        goto out;
+    }
+    if ((result = check_chunk(data, dlen, max_elems)) < 0)
+        goto out;
+    memcpy(out->group_id, gid, HM_AVG_GROUP_ID_BYTES);
+    out->sender = (uint32_t)sender;
+    out->span = (uint32_t)span;
+    out->chunk = (uint32_t)chunk;
+    out->kind = (uint32_t)kind;
+    out->data = data;
+    out->data_len = dlen;
+out:
+    msgpack_zone_destroy(&zone);
+    if (result < 0)
+        memset(out, 0, sizeof(*out));
+    return result;
+}
+
+void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m)
+{
+    hm_wire_wr_array(w, 5);
+    hm_wire_wr_uint(w, HM_AR_VERSION);
+    hm_wire_wr_uint(w, m->dead_mask);
+    hm_wire_wr_uint(w, m->bad_mask);
+    hm_wire_wr_uint(w, m->contrib_mask);
+    if (m->data != NULL)
+        hm_wire_wr_bin(w, m->data, m->data_len);
+    else
+        hm_wire_wr_nil(w);
+}
+
+int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_reply_msg *out)
+{
+    msgpack_zone zone;
+    msgpack_object obj;
+    const msgpack_object *it;
+    hm_wire_limits lim;
+    uint64_t ver;
+    int result;
+
+    memset(out, 0, sizeof(*out));
+    if (!msgpack_zone_init(&zone, 256))
+        return -ENOMEM;
+    if ((result = hm_wire_unpack(buf, len, msg_limits(max_elems, &lim), &zone, &obj)) < 0)
+        goto out;
+    if ((result = hm_wire_get_array(&obj, 5, 5, &it, NULL)) < 0 ||
+        (result = hm_wire_get_uint(&it[0], &ver)) < 0 ||
+        (result = get_mask(&it[1], &out->dead_mask)) < 0 ||
+        (result = get_mask(&it[2], &out->bad_mask)) < 0 ||
+        (result = get_mask(&it[3], &out->contrib_mask)) < 0)
+        goto out;
+    if (ver != HM_AR_VERSION) {
+        result = -EPROTO;
+        goto out;
+    }
+    if (it[4].type != MSGPACK_OBJECT_NIL) {
+        const uint8_t *d;
+        uint32_t dlen;
+        if ((result = hm_wire_get_bin(&it[4], &d, &dlen)) < 0 ||
+            (result = check_chunk(d, dlen, max_elems)) < 0)
+            goto out;
+        out->data = d;
+        out->data_len = dlen;
+    }
+out:
+    msgpack_zone_destroy(&zone);
+    if (result < 0)
+        memset(out, 0, sizeof(*out));
+    return result;
+}
+
+void hm_ar_dead_encode(hm_wire_wr *w, const hm_ar_dead_msg *m)
+{
+    hm_wire_wr_array(w, 6);
+    hm_wire_wr_uint(w, HM_AR_VERSION);
+    hm_wire_wr_bin(w, m->group_id, HM_AVG_GROUP_ID_BYTES);
+    hm_wire_wr_uint(w, m->sender);
+    hm_wire_wr_uint(w, m->n_total);
+    hm_wire_wr_uint(w, m->dead_mask);
+    hm_wire_wr_uint(w, m->bad_mask);
+}
+
+int hm_ar_dead_decode(const uint8_t *buf, size_t len, hm_ar_dead_msg *out)
+{
+    msgpack_zone zone;
+    msgpack_object obj;
+    const msgpack_object *it;
+    hm_wire_limits lim = {.max_size = 256, .max_depth = 1, .max_elements = 8};
+    uint64_t ver, sender;
+    const uint8_t *gid;
+    uint32_t glen;
+    int result;
+
+    memset(out, 0, sizeof(*out));
+    if (!msgpack_zone_init(&zone, 256))
+        return -ENOMEM;
+    if ((result = hm_wire_unpack(buf, len, &lim, &zone, &obj)) < 0)
+        goto out;
+    if ((result = hm_wire_get_array(&obj, 6, 6, &it, NULL)) < 0 ||
+        (result = hm_wire_get_uint(&it[0], &ver)) < 0 ||
+        (result = hm_wire_get_bin(&it[1], &gid, &glen)) < 0 ||
+        (result = hm_wire_get_uint(&it[2], &sender)) < 0 ||
+        (result = hm_wire_get_uint(&it[3], &out->n_total)) < 0 ||
+        (result = get_mask(&it[4], &out->dead_mask)) < 0 ||
+        (result = get_mask(&it[5], &out->bad_mask)) < 0)
+        goto out;
+    if (ver != HM_AR_VERSION || glen != HM_AVG_GROUP_ID_BYTES || sender >= HM_AVG_MAX_GROUP) {
+        result = -EPROTO;
+        goto out;
+    }
+    memcpy(out->group_id, gid, HM_AVG_GROUP_ID_BYTES);
+    out->sender = (uint32_t)sender;
+out:
+    msgpack_zone_destroy(&zone);
+    if (result < 0)
+        memset(out, 0, sizeof(*out));
+    return result;
+}
+
+/* ================================================================== layout */
+
+static int shares(const hm_avg_group *g, uint64_t *share)
+{
+    double max_b = 0;
+    for (size_t i = 0; i < g->n; i++) {
+        double b = g->members[i].bandwidth;
+        if (isfinite(b) && b > max_b)
+            max_b = b;
+    }
+    if (max_b <= 0)
+        return -EHOSTUNREACH;
+    for (size_t i = 0; i < g->n; i++) {
+        double b = g->members[i].bandwidth;
+        /* b / max_b is correctly rounded and the scaling is exact: the same everywhere. */
+        share[i] = (isfinite(b) && b > 0) ? (uint64_t)floor(b / max_b * (double)(1u << SHARE_BITS))
+                                          : 0;
+    }
+    return 0;
+}
+
+int hm_ar_layout(const hm_avg_group *g, size_t n, size_t *offsets, size_t *counts)
+{
+    uint64_t share[HM_AVG_MAX_GROUP];
+    uint64_t total = 0, acc = 0;
+    int rc;
+
+    if (g == NULL || g->n == 0 || g->n > HM_AVG_MAX_GROUP)
+        return -EINVAL;
+    if ((rc = shares(g, share)) < 0)
+        return rc;
+    for (size_t i = 0; i < g->n; i++)
+        total += share[i];
+    if (total == 0)
+        return -EHOSTUNREACH;
+    for (size_t i = 0; i < g->n; i++) {
+        size_t a = (size_t)(((unsigned __int128)n * acc) / total);
+        acc += share[i];
+        size_t b = (size_t)(((unsigned __int128)n * acc) / total);
+        offsets[i] = a;
+        counts[i] = b - a;
+    }
+    return 0;
+}
+
+/* ================================================================= views */
+
+static uint64_t out_mask(const hm_ar_round *r) { return r->dead | r->bad; }
+
+static int is_out(const hm_ar_round *r, size_t i) { return (out_mask(r) & bit(i)) != 0; }
+
+/* The current reducer of span s: its owner while live, else the next live
+ * member with bandwidth in group order; -1 for an empty span or none left. */
+static int reducer_of(const hm_ar_round *r, size_t s)
+{
+    if (r->cnt[s] == 0)
+        return -1;
+    for (size_t k = 0; k < r->g.n; k++) {
+        size_t j = (s + k) % r->g.n;
+        if (r->share[j] > 0 && !is_out(r, j))
+            return (int)j;
+    }
+    return -1;
+}
+
+/* ============================================================ reducer side */
+
+static int host_span(hm_ar_round *r, size_t s)
+{
+    hspan *h = &r->hs[s];
+    if (h->hosted)
+        return 0;
+    h->n_chunks = r->nch[s];
+    h->final = calloc(h->n_chunks ? h->n_chunks : 1, 1);
+    h->open = calloc(h->n_chunks ? h->n_chunks : 1, sizeof(*h->open));
+    if (h->final == NULL || h->open == NULL) {
+        free(h->final);
+        free(h->open);
+        h->final = NULL;
+        h->open = NULL;
+        return -ENOMEM;
+    }
+    h->hosted = 1;
+    return 0;
+}
+
+static oslot *slot_new(hm_ar_round *r)
+{
+    size_t g = r->g.n;
+    oslot *o = calloc(1, sizeof(*o));
+    if (o == NULL)
+        return NULL;
+    o->part = calloc(g, sizeof(*o->part));
+    o->w = calloc(g, sizeof(*o->w));
+    o->req = calloc(g, sizeof(*o->req));
+    if (o->part == NULL || o->w == NULL || o->req == NULL) {
+        free(o->part);
+        free(o->w);
+        free(o->req);
+        free(o);
+        return NULL;
+    }
+    o->self_task = SIZE_MAX;
+    o->first_ms = hm_now_ms();
+    return o;
+}
+
+static void slot_free(hm_ar_round *r, oslot *o)
+{
+    for (size_t j = 0; j < r->g.n; j++)
+        free(o->part[j]);
+    free(o->part);
+    free(o->w);
+    free(o->req);
+    free(o->result);
+    free(o);
+}
+
+static void reply_status(hm_ar_round *r, hm_rpc_req *req, int status)
+{
+    uint8_t buf[96];
+    hm_wire_wr w;
+    hm_ar_reply_msg m = {.dead_mask = r != NULL ? r->dead : 0, .bad_mask = r != NULL ? r->bad : 0};
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_ar_reply_encode(&w, &m);
+    if (hm_wire_wr_error(&w) == 0 && hm_rpc_respond(req, status, buf, w.len) == 0 && r != NULL)
+        r->bytes_sent += w.len;
+    else if (hm_wire_wr_error(&w) != 0)
+        hm_rpc_respond(req, status, NULL, 0);
+}
+
+/* Encodes x with the round's compression; falls back to none when fp16 cannot hold it. */
+static uint8_t *encode_chunk(const hm_ar_round *r, const float *x, size_t n, size_t *len_out,
+                             int *err)
+{
+    int comp = r->cfg.compression;
+    size_t cap = hm_avg_chunk_size(HM_AVG_COMP_NONE, n);
+    uint8_t *buf = malloc(cap ? cap : 1);
+    *err = -ENOMEM;
+    if (buf == NULL)
+        return NULL;
+    *err = hm_avg_chunk_encode(comp, x, n, buf, cap, len_out);
+    if (*err == -ERANGE)
+        *err = hm_avg_chunk_encode(HM_AVG_COMP_NONE, x, n, buf, cap, len_out);
+    if (*err < 0) {
+        free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
+static void task_complete(hm_ar_round *r, size_t ti, const float *vals, uint64_t contrib)
+{
+    task *t = &r->tasks[ti];
+    memcpy(r->data + t->off, vals, t->cnt * sizeof(float));
+    t->state = T_DONE;
+    t->have_result = 1;
+    t->contrib = contrib;
+    t->gen++;
+}
+
+static void set_status(hm_ar_round *r, int status)
+{
+    if (r->status == 0)
+        r->status = status;
+}
+
+/* Computes the chunk's answer, hands it to every held call and to our own
+ * task, and closes the chunk. */
+static void finalize(hm_ar_round *r, size_t s, size_t k)
+{
+    hspan *h = &r->hs[s];
+    oslot *o = h->open[k];
+    size_t off = r->off[s] + k * r->cfg.chunk_elems;
+    size_t cnt = HM_MIN(r->cfg.chunk_elems, r->cnt[s] - k * r->cfg.chunk_elems);
+    float *out = NULL;
+    const float *ans = NULL;
+    uint64_t contrib = 0;
+
+    if (o->result != NULL) {
+        ans = o->result;
+        contrib = o->result_contrib;
+    } else if (o->have != 0) {
+        const float *xs[HM_AVG_MAX_GROUP];
+        double w[HM_AVG_MAX_GROUP];
+        size_t m = 0;
+        double total = 0;
+        for (size_t j = 0; j < r->g.n; j++) {
+            if (!(o->have & bit(j)))
+                continue;
+            xs[m] = o->part[j] != NULL ? o->part[j] : r->data + off;
+            w[m] = o->w[j];
+            total += w[m];
+            m++;
+        }
+        if (total <= 0) /* every weight 0: the plain mean */
+            for (size_t j = 0; j < m; j++)
+                w[j] = 1.0;
+        if (total <= 0)
+            total = (double)m;
+        out = malloc(cnt ? cnt * sizeof(float) : sizeof(float));
+        if (out != NULL) {
+            int clipped = 0;
+            if (r->cfg.aggregate == HM_AR_CENTERED_CLIP && cnt > 0)
+                clipped = hm_avg_centered_clip(xs, w, m, cnt, r->cfg.clip_tau, r->cfg.clip_iters,
+                                               out) >= 0;
+            if (!clipped) {
+                /* Double accumulation keeps the mean exact to float32 rounding. */
+                for (size_t i = 0; i < cnt; i++) {
+                    double acc = 0;
+                    for (size_t j = 0; j < m; j++)
+                        acc += w[j] * (double)xs[j][i];
+                    out[i] = (float)(acc / total);
+                }
+            }
+            ans = out;
+            contrib = o->have;
+        }
+    }
+
+    uint8_t *body = NULL;
+    size_t blen = 0;
+    int err = -ENOMEM;
+    if (ans != NULL && o->held != 0) {
+        size_t clen;
+        uint8_t *enc = encode_chunk(r, ans, cnt, &clen, &err);
+        if (enc != NULL) {
+            hm_wire_wr w;
+            hm_ar_reply_msg m = {.dead_mask = r->dead, .bad_mask = r->bad, .contrib_mask = contrib,
+                                 .data = enc, .data_len = clen};
+            hm_wire_wr_init_dynamic(&w, clen + MSG_SLACK);
+            hm_ar_reply_encode(&w, &m);
+            body = hm_wire_wr_steal(&w, &blen);
+            free(enc);
+        }
+    }
+    for (size_t j = 0; j < r->g.n; j++) {
+        if (!(o->held & bit(j)))
+            continue;
+        if (body != NULL) {
+            if (hm_rpc_respond(o->req[j], 0, body, blen) == 0)
+                r->bytes_sent += blen;
+        } else {
+            reply_status(r, o->req[j], ans == NULL ? -ETIME : err);
+        }
+        o->req[j] = NULL;
+    }
+    free(body);
+    if (o->self_task != SIZE_MAX) {
+        if (ans != NULL) {
+            task_complete(r, o->self_task, ans, contrib);
+        } else {
+            r->tasks[o->self_task].state = T_FAILED;
+            set_status(r, -ETIMEDOUT);
+        }
+    }
+    free(out);
+    slot_free(r, o);
+    h->open[k] = NULL;
+    h->final[k] = 1;
+    r->n_open--;
+}
+
+static int slot_complete(const hm_ar_round *r, const oslot *o)
+{
+    uint64_t expected = r->all_mask & ~out_mask(r) & ~r->late;
+    return (expected & ~(o->have | o->result_from)) == 0;
+}
+
+/* Takes a member out of every chunk still open here. */
+static void slots_drop_member(hm_ar_round *r, size_t j, int status)
+{
+    for (size_t s = 0; s < r->g.n; s++) {
+        hspan *h = &r->hs[s];
+        if (!h->hosted)
+            continue;
+        for (size_t k = 0; k < h->n_chunks; k++) {
+            oslot *o = h->open[k];
+            if (o == NULL)
+                continue;
+            if (o->held & bit(j)) {
+                reply_status(r, o->req[j], status);
+                o->req[j] = NULL;
+                o->held &= ~bit(j);
+            }
+            if (o->have & bit(j)) {
+                free(o->part[j]);
+                o->part[j] = NULL;
+                o->have &= ~bit(j);
+            }
+        }
+    }
+}
+
+static void check_slots(hm_ar_round *r, int force)
+{
+    if (r->n_open == 0)
+        return;
+    uint64_t now = hm_now_ms();
+    for (size_t s = 0; s < r->g.n; s++) {
+        hspan *h = &r->hs[s];
+        if (!h->hosted)
+            continue;
+        for (size_t k = 0; k < h->n_chunks; k++) {
+            oslot *o = h->open[k];
+            if (o == NULL)
+                continue;
+            if (!force && !slot_complete(r, o) && now >= o->first_ms + r->cfg.part_timeout_ms) {
+                /* Senders that missed this chunk's deadline are not waited for again. */
+                uint64_t missing = r->all_mask & ~out_mask(r) & ~r->late & ~r->self_bit &
+                                   ~(o->have | o->result_from);
+                for (size_t j = 0; j < r->g.n; j++)
+                    if (missing & bit(j)) {
+                        r->late |= bit(j);
+                        if (r->reason[j] == HM_AR_IN)
+                            r->reason[j] = HM_AR_LATE;
+                        hm_debug(MOD, "member %zu missed a chunk deadline", j);
+                    }
+            }
+            if (force || slot_complete(r, o))
+                finalize(r, s, k);
+        }
+    }
+}
+
+/* ============================================================= sender side */
+
+static void notice_cb(void *ud, int status, const uint8_t *body, size_t len)
+{
+    notice *nt = ud;
+    HM_UNUSED(status);
+    HM_UNUSED(body);
+    hm_ar_round *r = nt->r;
+    if (r != NULL)
+        r->bytes_recv += len;
+    nt->pending = 0;
+    if (r == NULL || r->finished) {
+        /* finish() unlinks and frees every notice itself. */
+        if (r == NULL)
+            free(nt);
+        return;
+    }
+    for (notice **pp = &r->notices; *pp != NULL; pp = &(*pp)->next)
+        if (*pp == nt) {
+            *pp = nt->next;
+            break;
+        }
+    free(nt);
+}
+
+/* Tells every live member whom we found dead or bad. */
+static void broadcast_view(hm_ar_round *r)
+{
+    uint8_t buf[128];
+    hm_wire_wr w;
+    hm_ar_dead_msg m = {.sender = (uint32_t)r->g.self, .n_total = r->n, .dead_mask = r->dead,
+                        .bad_mask = r->bad};
+    uint64_t now = hm_now_ms();
+    if (now >= r->deadline_ms)
+        return;
+    memcpy(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_ar_dead_encode(&w, &m);
+    if (hm_wire_wr_error(&w) != 0)
+        return;
+    for (size_t j = 0; j < r->g.n; j++) {
+        if (j == r->g.self || is_out(r, j))
+            continue;
+        notice *nt = calloc(1, sizeof(*nt));
+        if (nt == NULL)
+            return;
+        nt->r = r;
+        nt->pending = 1;
+        const hm_avg_member *mb = &r->g.members[j];
+        int rc = hm_rpc_call(r->ctx->rpc, mb->pk, (const struct sockaddr *)&mb->addr,
+                             HM_AR_DEAD_METHOD, buf, w.len, HM_RPC_STREAM,
+                             HM_MIN(NOTICE_TIMEOUT_MS, r->deadline_ms - now), notice_cb, nt,
+                             &nt->call_id);
+        if (rc < 0) {
+            free(nt);
+            continue;
+        }
+        r->bytes_sent += w.len;
+        nt->next = r->notices;
+        r->notices = nt;
+    }
+}
+
+/* Marks members dead or bad because of what we saw ourselves, and says so. */
+static void found_out(hm_ar_round *r, size_t j, int reason)
+{
+    if (j == r->g.self || is_out(r, j))
+        return;
+    hm_debug(MOD, "member %zu is %s", j, reason == HM_AR_BAD ? "bad" : "dead");
+    if (reason == HM_AR_BAD)
+        apply_view(r, 0, bit(j), HM_AR_BAD);
+    else
+        apply_view(r, bit(j), 0, HM_AR_DEAD);
+    broadcast_view(r);
+}
+
+static void leave_round(hm_ar_round *r, int status)
+{
+    set_status(r, status);
+    r->finishing = 1;
+}
+
+static void task_retry(task *t)
+{
+    uint64_t now = hm_now_ms();
+    unsigned shift = t->attempts < 5 ? t->attempts : 5;
+    t->state = T_TODO;
+    t->attempts++;
+    t->retry_at_ms = now + HM_MIN((uint64_t)RETRY_MIN_MS << shift, (uint64_t)RETRY_MAX_MS);
+    t->gen++;
+}
+
+static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
+{
+    callctx *cc = ud;
+    hm_ar_round *r = cc->r;
+    task *t = &r->tasks[cc->task];
+    hm_ar_reply_msg rep;
+    int rc;
+
+    if (r->finished || t->gen != cc->gen || t->state != T_INFLIGHT) {
+        free(cc);
+        return;
+    }
+    free(cc);
+    r->bytes_recv += len;
+    size_t red = (size_t)t->to;
+    int good = !is_out(r, red) && !(r->late & bit(red));
+    rc = hm_ar_reply_decode(body, len, r->cfg.chunk_elems, &rep);
+    if (rc == 0 && good && !((rep.dead_mask | rep.bad_mask) & r->self_bit))
+        apply_view(r, rep.dead_mask, rep.bad_mask, HM_AR_DEAD);
+    if (t->state != T_INFLIGHT || t->to != (int)red) /* the view moved the task elsewhere */
+        goto out;
+
+    switch (status) {
+    case 0: {
+        float *vals = malloc(t->cnt ? t->cnt * sizeof(float) : sizeof(float));
+        size_t got = 0;
+        if (vals == NULL) {
+            task_retry(t);
+            break;
+        }
+        if (rc < 0 || rep.data == NULL ||
+            hm_avg_chunk_decode(rep.data, rep.data_len, vals, t->cnt, &got) < 0 || got != t->cnt ||
+            (rep.contrib_mask & ~r->all_mask) != 0) {
+            free(vals);
+            t->state = T_TODO;
+            t->gen++;
+            found_out(r, red, HM_AR_BAD);
+            break;
+        }
+        task_complete(r, (size_t)(t - r->tasks), vals, rep.contrib_mask);
+        free(vals);
+        break;
+    }
+    case -EAGAIN:
+    case -ENOBUFS:
+    case -EXDEV:
+        if (hm_now_ms() >= t->first_try_ms + r->cfg.reducer_timeout_ms) {
+            t->state = T_TODO;
+            t->gen++;
+            found_out(r, red, HM_AR_DEAD);
+        } else {
+            task_retry(t);
+        }
+        break;
+    case -ETIME:
+    case -ESRCH:
+        /* We were late for this chunk: it keeps our values. */
+        t->state = T_FAILED;
+        t->gen++;
+        set_status(r, -ETIMEDOUT);
+        break;
+    case -EPROTO:
+    case -EINVAL:
+    case -EDOM:
+    case -EMSGSIZE:
+        /*
+         * Our part passed our own checks (finite, our layout), so a reducer
+         * that calls it malformed disagrees with us about the round: it is
+         * the one left out, and the span goes to the next reducer.
+         */
+        t->state = T_TODO;
+        t->gen++;
+        found_out(r, red, HM_AR_BAD);
+        break;
+    case -EPERM:
+        t->state = T_FAILED;
+        t->gen++;
+        hm_debug(MOD, "member %zu left us out (%s)", red, hm_strerror(status));
+        leave_round(r, -EPERM);
+        break;
+    case -ECANCELED:
+        /* Not our cancel (the generation matched): the rpc layer is closing. */
+        t->state = T_FAILED;
+        t->gen++;
+        leave_round(r, -ECANCELED);
+        break;
+    default:
+        /* Timed out, connection lost, view conflict or anything else: the reducer is gone. */
+        t->state = T_TODO;
+        t->gen++;
+        found_out(r, red, HM_AR_DEAD);
+        break;
+    }
+out:
+    progress(r);
+}
+
+/* Our own part of a chunk we reduce: no network, values read in place. */
+static void submit_local(hm_ar_round *r, size_t ti)
+{
+    task *t = &r->tasks[ti];
+    hspan *h = &r->hs[t->span];
+    size_t self = r->g.self;
+
+    if (host_span(r, t->span) < 0) {
+        task_retry(t);
+        return;
+    }
+    if (h->final[t->chunk]) {
+        t->state = T_FAILED;
+        set_status(r, -ETIMEDOUT);
+        return;
+    }
+    oslot *o = h->open[t->chunk];
+    if (o == NULL) {
+        if ((o = slot_new(r)) == NULL) {
+            task_retry(t);
+            return;
+        }
+        h->open[t->chunk] = o;
+        r->n_open++;
+    }
+    if (t->have_result) {
+        if (o->result == NULL) {
+            o->result = malloc(t->cnt ? t->cnt * sizeof(float) : sizeof(float));
+            if (o->result == NULL) {
+                task_retry(t);
+                return;
+            }
+            memcpy(o->result, r->data + t->off, t->cnt * sizeof(float));
+            o->result_contrib = t->contrib;
+        }
+        o->result_from |= bit(self);
+    } else {
+        o->have |= bit(self);
+        o->w[self] = r->weight;
+    }
+    o->self_task = ti;
+    t->state = T_INFLIGHT;
+    t->to = (int)self;
+    t->gen++;
+}
+
+static void send_task(hm_ar_round *r, size_t ti)
+{
+    task *t = &r->tasks[ti];
+    int red = r->cur[t->span];
+    uint64_t now = hm_now_ms();
+    int err;
+
+    if (red < 0) {
+        t->state = T_FAILED;
+        set_status(r, -EHOSTUNREACH);
+        return;
+    }
+    if ((size_t)red == r->g.self) {
+        submit_local(r, ti);
+        return;
+    }
+    if (now >= r->deadline_ms)
+        return;
+    if (t->first_try_ms == 0)
+        t->first_try_ms = now;
+
+    size_t clen;
+    uint8_t *enc = encode_chunk(r, r->data + t->off, t->cnt, &clen, &err);
+    if (enc == NULL) {
+        if (err == -EDOM) {
+            /* Our own values are not finite (changed during the round): we cannot take part. */
+            t->state = T_FAILED;
+            leave_round(r, -EDOM);
+        } else {
+            task_retry(t);
+        }
+        return;
+    }
+    hm_ar_part_msg m = {
+        .sender = (uint32_t)r->g.self,
+        .n_total = r->n,
+        .span = t->span,
+        .chunk = t->chunk,
+        .kind = t->have_result ? HM_AR_RESULT : HM_AR_DATA,
+        .weight = r->weight,
+        .dead_mask = r->dead,
+        .bad_mask = r->bad,
+        .contrib_mask = t->have_result ? t->contrib : 0,
+        .data = enc,
+        .data_len = clen,
+    };
+    memcpy(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, clen + MSG_SLACK);
+    hm_ar_part_encode(&w, &m);
+    size_t blen;
+    uint8_t *body = hm_wire_wr_steal(&w, &blen);
+    free(enc);
+    callctx *cc = calloc(1, sizeof(*cc));
+    if (body == NULL || cc == NULL) {
+        free(body);
+        free(cc);
+        task_retry(t);
+        return;
+    }
+    t->gen++;
+    cc->r = r;
+    cc->task = ti;
+    cc->gen = t->gen;
+    uint64_t budget = t->first_try_ms + r->cfg.reducer_timeout_ms;
+    uint64_t until = HM_MIN(budget, r->deadline_ms);
+    uint64_t timeout = until > now ? until - now : 1;
+    const hm_avg_member *mb = &r->g.members[red];
+    int rc = hm_rpc_call(r->ctx->rpc, mb->pk, (const struct sockaddr *)&mb->addr,
+                         HM_AR_PART_METHOD, body, blen, HM_RPC_STREAM, timeout, part_cb, cc,
+                         &t->call_id);
+    free(body);
+    if (rc == -ENOBUFS) {
+        free(cc);
+        task_retry(t);
+        return;
+    }
+    if (rc < 0) {
+        free(cc);
+        t->state = T_TODO;
+        found_out(r, (size_t)red, HM_AR_DEAD);
+        return;
+    }
+    r->bytes_sent += blen;
+    t->state = T_INFLIGHT;
+    t->to = red;
+}
+
+/* Every span whose reducer changed is sent again to its new reducer. */
+static void reroute(hm_ar_round *r)
+{
+    for (size_t s = 0; s < r->g.n; s++) {
+        int now_red = reducer_of(r, s);
+        if (now_red == r->cur[s])
+            continue;
+        hm_debug(MOD, "span %zu moves from member %d to member %d", s, r->cur[s], now_red);
+        r->cur[s] = now_red;
+        for (size_t i = 0; i < r->n_tasks; i++) {
+            task *t = &r->tasks[i];
+            if (t->span != s || t->state == T_FAILED)
+                continue;
+            if (t->state == T_INFLIGHT) {
+                t->gen++;
+                t->state = T_TODO;
+                if ((size_t)t->to != r->g.self)
+                    hm_rpc_cancel(r->ctx->rpc, t->call_id);
+            }
+            t->state = T_TODO;
+            t->first_try_ms = 0;
+            t->retry_at_ms = 0;
+            t->attempts = 0;
+        }
+        if (r->lo > 0)
+            r->lo = 0;
+    }
+}
+
+static void apply_view(hm_ar_round *r, uint64_t dead_add, uint64_t bad_add, int reason)
+{
+    dead_add &= r->all_mask & ~r->self_bit;
+    bad_add &= r->all_mask & ~r->self_bit;
+    uint64_t fresh = (dead_add | bad_add) & ~out_mask(r);
+    if (fresh == 0)
+        return;
+    r->dead |= dead_add & fresh;
+    r->bad |= bad_add & fresh;
+    for (size_t j = 0; j < r->g.n; j++) {
+        if (!(fresh & bit(j)))
+            continue;
+        r->reason[j] = (bad_add & bit(j)) ? HM_AR_BAD : (reason == HM_AR_BAD ? HM_AR_DEAD : reason);
+        slots_drop_member(r, j, -EPERM);
+    }
+    reroute(r);
+}
+
+static int task_open(const task *t) { return t->state == T_TODO || t->state == T_INFLIGHT; }
+
+static void pump(hm_ar_round *r)
+{
+    uint64_t now = hm_now_ms();
+    int again = 1;
+    while (again && !r->finishing) {
+        again = 0;
+        while (r->lo < r->n_tasks && !task_open(&r->tasks[r->lo]))
+            r->lo++;
+        size_t end = HM_MIN(r->n_tasks, r->lo + r->cfg.window);
+        for (size_t i = r->lo; i < end && !r->finishing; i++) {
+            task *t = &r->tasks[i];
+            if (t->state != T_TODO || now < t->retry_at_ms)
+                continue;
+            send_task(r, i);
+            if (t->state != T_TODO)
+                again = 1;
+        }
+        if (again)
+            check_slots(r, 0);
+    }
+}
+
+static void schedule_tick(hm_ar_ctx *ctx, uint64_t ms);
+
+static void progress(hm_ar_round *r)
+{
+    if (r->finished)
+        return;
+    check_slots(r, 0);
+    pump(r);
+    check_slots(r, 0);
+    if (!r->finishing) {
+        int done = r->n_open == 0;
+        for (size_t i = r->lo; done && i < r->n_tasks; i++)
+            if (task_open(&r->tasks[i]))
+                done = 0;
+        if (done)
+            r->finishing = 1;
+    }
+    if (r->finishing)
+        schedule_tick(r->ctx, 0);
+}
+
+/* ============================================================== inbound */
+
+static hm_ar_round *round_find(hm_ar_ctx *ctx, const uint8_t *gid)
+{
+    for (hm_ar_round *r = ctx->rounds; r != NULL; r = r->next)
+        if (memcmp(r->g.group_id, gid, HM_AVG_GROUP_ID_BYTES) == 0)
+            return r;
+    return NULL;
+}
+
+static int tomb_find(hm_ar_ctx *ctx, const uint8_t *gid)
+{
+    uint64_t now = hm_now_ms();
+    for (size_t i = 0; i < TOMBSTONES; i++)
+        if (ctx->tomb[i].until_ms > now &&
+            memcmp(ctx->tomb[i].gid, gid, HM_AVG_GROUP_ID_BYTES) == 0)
+            return 1;
+    return 0;
+}
+
+/* Status for a message about a group that has no running round here. */
+static int no_round_status(hm_ar_ctx *ctx, const uint8_t *gid)
+{
+    if (ctx->closing)
+        return -ESRCH;
+    return tomb_find(ctx, gid) ? -ESRCH : -EAGAIN;
+}
+
+/* Common checks of a member's message; returns 0 or the refusal status. */
+static int check_sender(hm_ar_round *r, uint32_t sender, const uint8_t pk[HM_PK_BYTES],
+                        uint64_t n_total, uint64_t dead_mask, uint64_t bad_mask)
+{
+    if (sender >= r->g.n || sender == r->g.self ||
+        memcmp(r->g.members[sender].pk, pk, HM_PK_BYTES) != 0)
+        return -EPERM;
+    if (is_out(r, sender))
+        return -EPERM;
+    if (n_total != r->n) {
+        /* A member averaging a vector of another size: nothing it says can be used. */
+        found_out(r, sender, HM_AR_BAD);
+        return -EINVAL;
+    }
+    if ((dead_mask | bad_mask) & r->self_bit)
+        return -ESTALE;
+    /* Views are taken only from members in good standing (see allreduce.h). */
+    if (!(r->late & bit(sender)))
+        apply_view(r, dead_mask, bad_mask, HM_AR_DEAD);
+    return 0;
+}
+
+static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
+                    const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    hm_ar_ctx *ctx = ud;
+    hm_ar_part_msg m;
+    hm_ar_round *r;
+    int rc;
+    HM_UNUSED(from);
+
+    if ((rc = hm_ar_part_decode(body, len, HM_AR_MAX_CHUNK_ELEMS, &m)) < 0) {
+        reply_status(NULL, req, rc == -EMSGSIZE ? -EMSGSIZE : -EPROTO);
+        return;
+    }
+    r = round_find(ctx, m.group_id);
+    if (r == NULL || r->finishing || r->finished) {
+        reply_status(r, req, r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH);
+        return;
+    }
+    r->bytes_recv += len;
+    if ((rc = check_sender(r, m.sender, pk, m.n_total, m.dead_mask, m.bad_mask)) < 0) {
+        reply_status(r, req, rc);
+        goto out;
+    }
+    size_t s = m.span, k = m.chunk, j = m.sender;
+    size_t cnt = 0;
+    if (s >= r->g.n || r->cnt[s] == 0 || k >= r->nch[s]) {
+        reply_status(r, req, -EINVAL);
+        found_out(r, j, HM_AR_BAD);
+        goto out;
+    }
+    cnt = HM_MIN(r->cfg.chunk_elems, r->cnt[s] - k * r->cfg.chunk_elems);
+    if (r->cur[s] != (int)r->g.self) {
+        reply_status(r, req, -EXDEV);
+        goto out;
+    }
+    if ((rc = host_span(r, s)) < 0) {
+        reply_status(r, req, -ENOBUFS);
+        goto out;
+    }
+    hspan *h = &r->hs[s];
+    if (h->final[k]) {
+        reply_status(r, req, -ETIME);
+        goto out;
+    }
+    float *vals = malloc(cnt * sizeof(float));
+    size_t got = 0;
+    if (vals == NULL) {
+        reply_status(r, req, -ENOBUFS);
+        goto out;
+    }
+    rc = hm_avg_chunk_decode(m.data, m.data_len, vals, cnt, &got);
+    if (rc < 0 || got != cnt || (m.kind == HM_AR_RESULT && (m.contrib_mask & ~r->all_mask))) {
+        free(vals);
+        rc = rc == -EDOM ? -EDOM : -EINVAL;
+        hm_debug(MOD, "member %zu sent a bad part (%s)", j, hm_strerror(rc));
+        reply_status(r, req, rc);
+        found_out(r, j, HM_AR_BAD);
+        goto out;
+    }
+    oslot *o = h->open[k];
+    if (o == NULL) {
+        if ((o = slot_new(r)) == NULL) {
+            free(vals);
+            reply_status(r, req, -ENOBUFS);
+            goto out;
+        }
+        h->open[k] = o;
+        r->n_open++;
+    }
+    if (o->held & bit(j)) /* a newer copy replaces the one held */
+        reply_status(r, o->req[j], -EALREADY);
+    o->req[j] = req;
+    o->held |= bit(j);
+    if (m.kind == HM_AR_RESULT) {
+        if (o->result == NULL) {
+            o->result = vals;
+            o->result_contrib = m.contrib_mask;
+        } else {
+            free(vals);
+        }
+        o->result_from |= bit(j);
+    } else {
+        free(o->part[j]);
+        o->part[j] = vals;
+        o->w[j] = m.weight;
+        o->have |= bit(j);
+    }
+out:
+    progress(r);
+}
+
+static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
+                    const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    hm_ar_ctx *ctx = ud;
+    hm_ar_dead_msg m;
+    hm_ar_round *r;
+    int rc;
+    HM_UNUSED(from);
+
+    if ((rc = hm_ar_dead_decode(body, len, &m)) < 0) {
+        hm_rpc_respond(req, -EPROTO, NULL, 0);
+        return;
+    }
+    r = round_find(ctx, m.group_id);
+    if (r == NULL || r->finishing || r->finished) {
+        hm_rpc_respond(req, r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH, NULL, 0);
+        return;
+    }
+    r->bytes_recv += len;
+    rc = check_sender(r, m.sender, pk, m.n_total, m.dead_mask, m.bad_mask);
+    hm_rpc_respond(req, rc, NULL, 0);
+    progress(r);
+}
+
+/* ================================================================= rounds */
+
+static void round_free(hm_ar_round *r)
+{
+    for (size_t s = 0; s < HM_AVG_MAX_GROUP; s++) {
+        free(r->hs[s].final);
+        free(r->hs[s].open);
+    }
+    free(r->tasks);
+    free(r);
+}
+
+static void finish(hm_ar_round *r)
+{
+    hm_ar_ctx *ctx = r->ctx;
+    hm_ar_report *rep = calloc(1, sizeof(*rep));
+    int cancelled = r->status == -ECANCELED;
+
+    /* Open chunks are answered with what is in (they are due now), or refused on cancel. */
+    if (r->n_open > 0) {
+        if (cancelled) {
+            for (size_t j = 0; j < r->g.n; j++)
+                slots_drop_member(r, j, -ESRCH);
+        }
+        check_slots(r, 1);
+    }
+    r->finished = 1;
+    for (size_t i = 0; i < r->n_tasks; i++) {
+        task *t = &r->tasks[i];
+        if (t->state == T_INFLIGHT && (size_t)t->to != r->g.self) {
+            t->gen++;
+            hm_rpc_cancel(ctx->rpc, t->call_id);
+        }
+    }
+    while (r->notices != NULL) {
+        notice *nt = r->notices;
+        r->notices = nt->next;
+        if (nt->pending) {
+            nt->r = NULL; /* its callback frees it */
+            if (hm_rpc_cancel(ctx->rpc, nt->call_id) < 0)
+                free(nt);
+        } else {
+            free(nt);
+        }
+    }
+    for (hm_ar_round **pp = &ctx->rounds; *pp != NULL; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    tombstone *tb = &ctx->tomb[ctx->tomb_next++ % TOMBSTONES];
+    memcpy(tb->gid, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
+    tb->until_ms = hm_now_ms() + TOMBSTONE_MS;
+
+    int all_done = 1;
+    uint64_t anyone = 0;
+    for (size_t i = 0; i < r->n_tasks; i++) {
+        if (r->tasks[i].state != T_DONE)
+            all_done = 0;
+        else
+            anyone |= r->tasks[i].contrib;
+    }
+    if (rep != NULL) {
+        rep->status = all_done ? 0 : (r->status != 0 ? r->status : -ETIMEDOUT);
+        /* Averaging with nobody else is no success, whatever the chunks say. */
+        if (rep->status == 0 && r->g.n > 1 &&
+            ((anyone & ~r->self_bit) == 0 ||
+             (r->all_mask & ~r->self_bit & ~out_mask(r) & ~r->late) == 0))
+            rep->status = -ENOTCONN;
+        rep->group_size = r->g.n;
+        rep->self = r->g.self;
+        memcpy(rep->group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
+        memcpy(rep->reason, r->reason, sizeof(rep->reason));
+        rep->bytes_sent = r->bytes_sent;
+        rep->bytes_received = r->bytes_recv;
+        rep->duration_s = (double)(hm_now_us() - r->start_us) / 1e6;
+        rep->n_spans = r->g.n;
+        for (size_t s = 0; s < r->g.n; s++) {
+            hm_ar_span_report *sp = &rep->spans[s];
+            uint64_t all = ~(uint64_t)0, any = 0;
+            size_t averaged = 0;
+            sp->offset = r->off[s];
+            sp->count = r->cnt[s];
+            sp->n_chunks = r->nch[s];
+            sp->reducer = r->cnt[s] > 0 ? (int)s : -1;
+            for (size_t i = 0; i < r->n_tasks; i++) {
+                task *t = &r->tasks[i];
+                if (t->span != s)
+                    continue;
+                if (t->state == T_DONE) {
+                    all &= t->contrib;
+                    any |= t->contrib;
+                    averaged++;
+                } else {
+                    sp->chunks_local++;
+                }
+            }
+            sp->contributors = averaged > 0 ? all : 0;
+            sp->partial = any & ~sp->contributors;
+            sp->final_reducer = averaged > 0 ? r->cur[s] : -1;
+        }
+        r->cb(r->ud, rep);
+    } else {
+        /* Out of memory for the report: the caller still hears the outcome. */
+        hm_ar_report small;
+        memset(&small, 0, sizeof(small));
+        small.status = -ENOMEM;
+        small.group_size = r->g.n;
+        small.self = r->g.self;
+        r->cb(r->ud, &small);
+    }
+    free(rep);
+    round_free(r);
+}
+
+static void tick(uv_timer_t *h)
+{
+    hm_ar_ctx *ctx = h->data;
+    uint64_t now = hm_now_ms();
+    hm_ar_round *r = ctx->rounds;
+    while (r != NULL) {
+        hm_ar_round *next = r->next;
+        if (!r->finishing && now >= r->deadline_ms) {
+            set_status(r, -ETIMEDOUT);
+            r->finishing = 1;
+        }
+        if (!r->finishing)
+            progress(r);
+        if (r->finishing) {
+            finish(r);
+            /* done_cb may have started or ended rounds: start over from the head. */
+            next = ctx->rounds;
+        }
+        r = next;
+    }
+    if (ctx->rounds == NULL && ctx->timer_on) {
+        uv_timer_stop(&ctx->timer);
+        ctx->timer_on = 0;
+    } else if (ctx->rounds != NULL) {
+        schedule_tick(ctx, TICK_MS);
+    }
+}
+
+static void schedule_tick(hm_ar_ctx *ctx, uint64_t ms)
+{
+    if (ctx->closing)
+        return;
+    uv_timer_start(&ctx->timer, tick, ms, 0);
+    ctx->timer_on = 1;
+}
+
+void hm_ar_config_defaults(hm_ar_config *cfg)
+{
+    if (cfg->round_timeout_ms == 0)
+        cfg->round_timeout_ms = 30000;
+    if (cfg->part_timeout_ms == 0)
+        cfg->part_timeout_ms = cfg->round_timeout_ms / 5;
+    if (cfg->reducer_timeout_ms == 0)
+        cfg->reducer_timeout_ms = cfg->round_timeout_ms * 2 / 5;
+    if (cfg->chunk_elems == 0)
+        cfg->chunk_elems = 131072;
+    if (cfg->window == 0)
+        cfg->window = 8;
+    if (cfg->clip_iters == 0)
+        cfg->clip_iters = 20;
+}
+
+int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n, double weight,
+                const hm_ar_config *cfg_in, hm_ar_done_cb cb, void *ud, hm_ar_round **round_out)
+{
+    int result = 0;
+    hm_ar_round *r = NULL;
+    hm_ar_config cfg;
+
+    if (round_out != NULL)
+        *round_out = NULL;
+    if (ctx == NULL || group == NULL || cb == NULL || (data == NULL && n > 0) ||
+        !isfinite(weight) || weight < 0 || group->n == 0 || group->n > HM_AVG_MAX_GROUP ||
+        group->self >= group->n ||
+        memcmp(group->members[group->self].pk, ctx->pk, HM_PK_BYTES) != 0 || ctx->closing)
+        return -EINVAL;
+    memset(&cfg, 0, sizeof(cfg));
+    if (cfg_in != NULL)
+        cfg = *cfg_in;
+    hm_ar_config_defaults(&cfg);
+    if (cfg.window > WINDOW_MAX || cfg.chunk_elems > HM_AR_MAX_CHUNK_ELEMS ||
+        cfg.compression < 0 || cfg.compression >= HM_AVG_COMP_COUNT ||
+        (cfg.aggregate != HM_AR_MEAN && cfg.aggregate != HM_AR_CENTERED_CLIP) ||
+        (cfg.aggregate == HM_AR_CENTERED_CLIP &&
+         (!isfinite(cfg.clip_tau) || cfg.clip_tau <= 0 || cfg.clip_iters > HM_AVG_CLIP_MAX_ITERS)))
+        return -EINVAL;
+    if (!hm_avg_all_finite(data, n))
+        return -EDOM;
+    if (round_find(ctx, group->group_id) != NULL)
+        return -EALREADY;
+
+    r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return -ENOMEM;
+    r->ctx = ctx;
+    r->g = *group;
+    r->cfg = cfg;
+    r->data = data;
+    r->n = n;
+    r->weight = weight;
+    r->cb = cb;
+    r->ud = ud;
+    r->self_bit = bit(group->self);
+    r->all_mask = group->n == 64 ? ~(uint64_t)0 : bit(group->n) - 1;
+    if ((result = hm_ar_layout(group, n, r->off, r->cnt)) < 0)
+        goto out;
+    if ((result = shares(group, r->share)) < 0)
+        goto out;
+    size_t max_ch = 0;
+    for (size_t s = 0; s < group->n; s++) {
+        r->nch[s] = (r->cnt[s] + cfg.chunk_elems - 1) / cfg.chunk_elems;
+        r->n_tasks += r->nch[s];
+        max_ch = HM_MAX(max_ch, r->nch[s]);
+        r->cur[s] = r->cnt[s] > 0 ? (int)s : -1;
+    }
+    r->tasks = calloc(r->n_tasks ? r->n_tasks : 1, sizeof(*r->tasks));
+    if (r->tasks == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    size_t ti = 0;
+    for (size_t k = 0; k < max_ch; k++)
+        for (size_t s = 0; s < group->n; s++) {
+            if (k >= r->nch[s])
+                continue;
+            task *t = &r->tasks[ti++];
+            t->span = (uint32_t)s;
+            t->chunk = (uint32_t)k;
+            t->off = r->off[s] + k * cfg.chunk_elems;
+            t->cnt = HM_MIN(cfg.chunk_elems, r->cnt[s] - k * cfg.chunk_elems);
+            t->state = T_TODO;
+        }
+    r->start_ms = hm_now_ms();
+    r->start_us = hm_now_us();
+    r->deadline_ms = r->start_ms + cfg.round_timeout_ms;
+    r->next = ctx->rounds;
+    ctx->rounds = r;
+    if (round_out != NULL)
+        *round_out = r;
+    /* The first sends happen on the next tick, never inside this call. */
+    schedule_tick(ctx, 0);
+    r = NULL;
+out:
+    if (r != NULL)
+        round_free(r);
+    return result;
+}
+
+void hm_ar_cancel(hm_ar_round *r)
+{
+    if (r == NULL || r->finished)
+        return;
+    set_status(r, -ECANCELED);
+    r->status = -ECANCELED;
+    r->finishing = 1;
+    schedule_tick(r->ctx, 0);
+}
+
+/* ================================================================ context */
+
+int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx **out)
+{
+    int result = 0;
+    hm_ar_ctx *ctx = calloc(1, sizeof(*ctx));
+    *out = NULL;
+    if (ctx == NULL)
+        return -ENOMEM;
+    ctx->loop = loop;
+    ctx->rpc = rpc;
+    memcpy(ctx->pk, id->pk, HM_PK_BYTES);
+    if ((result = hm_rpc_register(rpc, HM_AR_PART_METHOD, on_part, ctx)) < 0) {
+        free(ctx);
+        return result;
+    }
+    if ((result = hm_rpc_register(rpc, HM_AR_DEAD_METHOD, on_dead, ctx)) < 0) {
+        /*
+         * The rpc layer has no unregister and now points at ctx for "avg.part":
+         * the context stays allocated, closed, answering every part -ESRCH.
+         */
+        hm_warn(MOD, "cannot register %s: %s", HM_AR_DEAD_METHOD, hm_strerror(result));
+        ctx->closing = 1;
+        return result;
+    }
+    uv_timer_init(loop, &ctx->timer);
+    ctx->timer.data = ctx;
+    *out = ctx;
+    return 0;
+}
+
+static void ctx_timer_closed(uv_handle_t *h)
+{
+    hm_ar_ctx *ctx = h->data;
+    void (*cb)(void *) = ctx->close_cb;
+    void *ud = ctx->close_ud;
+    free(ctx);
+    if (cb != NULL)
+        cb(ud);
+}
+
+void hm_ar_ctx_close(hm_ar_ctx *ctx, void (*cb)(void *ud), void *ud)
+{
+    if (ctx->closing)
+        return;
+    ctx->closing = 1;
+    ctx->close_cb = cb;
+    ctx->close_ud = ud;
+    while (ctx->rounds != NULL) {
+        hm_ar_round *r = ctx->rounds;
+        r->status = -ECANCELED;
+        r->finishing = 1;
+        finish(r);
+    }
+    uv_timer_stop(&ctx->timer);
+    uv_close((uv_handle_t *)&ctx->timer, ctx_timer_closed);
+}

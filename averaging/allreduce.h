@@ -1,0 +1,267 @@
+/*
+ * allreduce: the butterfly all-reduce of one averaging round inside a group
+ * that matchmaking already formed (group.h). It owns the per-node context
+ * that routes all-reduce messages to rounds, every round's sender and
+ * reducer state, and the report handed to the caller. It runs on the node's
+ * uv loop over the node's hm_rpc stream calls (encrypted, chunked,
+ * multiplexed, with deadlines).
+ *
+ * Layout. The flat float32 vector of n elements is split into one span per
+ * member, in group order, sized in proportion to the members' declared
+ * bandwidth: each bandwidth is quantized to an integer share (share_i =
+ * floor(2^20 * b_i / max_b)) and span i covers [floor(n * S_i / S),
+ * floor(n * S_{i+1} / S)) with S_i the sum of the shares before i, all in
+ * integers, so that every member computes the same layout bit for bit.
+ * Members with bandwidth 0 (client mode) get empty spans and reduce nothing.
+ * A span is cut into chunks of chunk_elems elements; chunk k of span s is
+ * the task (k, s), and tasks are ordered chunk-major (all spans' chunk 0,
+ * then all chunk 1, ...), so that every reducer is kept busy at once.
+ *
+ * Messages (stream calls, bodies msgpack, decoded with wire.h's bounded
+ * validator; sizes checked against the layout):
+ *   "avg.part" request: [1, group_id(bin 32), sender, n_total, span, chunk,
+ *        kind, weight, dead_mask, bad_mask, contrib_mask, data(bin)]
+ *     kind 0 (DATA): the sender's own values; kind 1 (RESULT): a chunk
+ *     average the sender already received from an earlier reducer of the
+ *     span, with that average's contributors in contrib_mask. data is one
+ *     chunk in codec.h's self-describing format (none, fp16 or 8-bit).
+ *   reply (any status): [1, dead_mask, bad_mask, contrib_mask, data(bin)|nil]
+ *     status 0 carries the chunk's average and who is in it. Refusals:
+ *     -EAGAIN    this node has not started that group (yet): retry shortly;
+ *     -EXDEV     not this node's span in its view (the masks say why);
+ *     -EPERM     the sender is not a member or is left out of the round;
+ *     -EPROTO / -EINVAL / -EDOM  malformed part, wrong size or non-finite
+ *                values: the sender is left out of the round (marked bad);
+ *     -ETIME     the chunk was final before the part arrived (late sender);
+ *     -ESTALE    the sender's view names the receiver dead;
+ *     -ESRCH     this node's round is over.
+ *   "avg.dead" request: [1, group_id, sender, n_total, dead_mask, bad_mask],
+ *     empty reply: a member tells the others whom it found dead or bad.
+ * A member whose n_total differs from ours (it averages another vector) is
+ * marked bad on its first message. A sender whose own part was checked
+ * (finite, our layout) and is still called malformed by a reducer blames
+ * the reducer: that reducer is marked bad and its span moves on.
+ * Masks are bit i for member i (HM_AVG_MAX_GROUP is 64). Every part and
+ * reply carries the sender's view, so views converge with the traffic;
+ * views are only merged from members in good standing (not dead, bad or
+ * late in ours), and a view naming ourselves dead is refused, so that a
+ * member that was stopped and resumes with a stale view cannot exclude the
+ * live ones.
+ *
+ * Flow. Every member sends each chunk of each span to the span's reducer
+ * with its weight (to itself without the network), at most `window` tasks
+ * ahead of its oldest unfinished one, in task order; that keeps memory
+ * bounded and guarantees progress (the globally oldest task has been sent
+ * by every live member). A reducer keeps each sender's decoded chunk until
+ * the chunk is final: when every live, non-late member's part is in, or
+ * part_timeout_ms after its first part (the missing senders are then
+ * marked late and not waited for again: a sender that misses its deadline
+ * is left out of the spans it had not sent, but parts it still sends to
+ * open chunks count). The reducer then answers every held call with the
+ * weighted average (in double precision; weights summing to 0 give the
+ * plain mean) or CenteredClip, and frees the chunk. Parts for a group the
+ * node has not started are refused with -EAGAIN and retried with backoff;
+ * nothing is buffered for them.
+ *
+ * Failures. A reducer whose call fails (transport error, connection reset,
+ * no answer within reducer_timeout_ms, "not ready" for as long, a reply
+ * with bad data, a refusal of a part we checked) is dead (or bad) for the
+ * round; a reducer whose round is over (-ESRCH) or whose chunk was final
+ * (-ETIME) only means we were late, and that chunk keeps our values. The
+ * finder
+ * tells every other live member ("avg.dead"), and every member that learns
+ * of it (from its own call, the notice, or a mask riding on any message)
+ * reassigns the dead reducer's span, and any span that member held, to the
+ * next live member with bandwidth > 0 after it in group order (cyclic), the
+ * same choice everywhere. Each member then sends every chunk of that span
+ * to the replacement again: as DATA when it had no average for the chunk
+ * yet, as RESULT when it had one. The replacement waits for all live
+ * members as usual; if any RESULT arrived, that average (which the dead
+ * reducer already handed out) becomes the chunk's answer to everyone, so
+ * that the survivors agree; otherwise it averages the DATA. A member found
+ * dead or bad is removed from every chunk this node has open, its held
+ * calls are refused and its later parts too; a sender caught with
+ * non-finite values or a wrong size is marked bad the same way. A member
+ * that learns it was left out stops and reports -EPERM; its data keeps its
+ * local values where no average came back. No state survives a round:
+ * every chunk still open at the round deadline is finalized with what is
+ * in, and the round ends by its deadline whatever happens.
+ *
+ * What a result contains. A chunk's average is over exactly the members
+ * whose part was in when the chunk became final, and the report says who
+ * for each span. A member that fails after its part went into a chunk that
+ * is already final stays in that chunk (its data was valid when sent); a
+ * member found dead or bad while a chunk is open is removed from it
+ * exactly. So when a death is discovered only after some chunks were
+ * finalized, those chunks include the dead member and later ones do not:
+ * the span's report then lists it in `partial`, not in `contributors`. The
+ * dead reducer's own span is always averaged over the survivors only (its
+ * contribution to it never left it). One race remains: if a reducer dies
+ * after answering some senders of a chunk but not others, and a member that
+ * got the answer has already finished its round when the others resend,
+ * the replacement waits part_timeout_ms for it and averages that chunk over
+ * the members that resent; each member's report still says exactly whom
+ * its values include.
+ *
+ * Memory. Per round: the caller's vector (written in place); at most
+ * `window` outgoing chunk bodies per member (each copied once into the
+ * transport's queue); at the reducer, one decoded chunk per live sender for
+ * each open chunk, and senders keep at most `window` tasks open each. With
+ * the defaults that is a few tens of MiB at most for any tensor size.
+ *
+ * Trust. Members are trusted to report deaths honestly: a member that lies
+ * in its masks can leave others out of a round. Data is checked (sizes,
+ * finiteness), and CenteredClip bounds what a minority of bad values can do
+ * to an average.
+ */
+#ifndef HM_AVG_ALLREDUCE_H
+#define HM_AVG_ALLREDUCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "group.h"
+#include "rpc.h"
+#include "wire.h"
+
+typedef struct hm_ar_ctx hm_ar_ctx;
+typedef struct hm_ar_round hm_ar_round;
+
+#define HM_AR_PART_METHOD "avg.part"
+#define HM_AR_DEAD_METHOD "avg.dead"
+#define HM_AR_VERSION 1
+/* Largest chunk a part may carry; matches codec.h's cap. */
+#define HM_AR_MAX_CHUNK_ELEMS (1u << 24)
+
+enum hm_ar_kind { HM_AR_DATA = 0, HM_AR_RESULT = 1 };
+enum hm_ar_aggregate { HM_AR_MEAN = 0, HM_AR_CENTERED_CLIP = 1 };
+
+/* Why a member was left out, per member in the report. */
+enum hm_ar_reason {
+    HM_AR_IN = 0,      /* took part */
+    HM_AR_LATE = 1,    /* missed a reducer's deadline as a sender (out of the spans it had not sent) */
+    HM_AR_DEAD = 2,    /* its calls failed or timed out: out of the round */
+    HM_AR_BAD = 3,     /* sent non-finite values, a wrong size or a malformed part */
+};
+
+typedef struct hm_ar_config {
+    uint64_t round_timeout_ms;   /* hard end of the round, default 30000 */
+    uint64_t part_timeout_ms;    /* reducer's wait for missing senders, default round/5 */
+    uint64_t reducer_timeout_ms; /* sender's wait for a reducer's answer, default round*2/5 */
+    size_t chunk_elems;          /* default 131072 (512 KiB of float32) */
+    size_t window;               /* tasks in flight per member, default 8, at most 32 */
+    int compression;             /* enum hm_avg_comp, default none */
+    int aggregate;               /* enum hm_ar_aggregate */
+    double clip_tau;             /* CenteredClip radius, required when aggregate is clip */
+    unsigned clip_iters;         /* default 20 */
+} hm_ar_config;
+
+typedef struct hm_ar_span_report {
+    size_t offset, count;     /* elements of the vector */
+    size_t n_chunks;
+    int reducer;              /* by layout; -1 for an empty span */
+    int final_reducer;        /* who reduced it in the end; -1 if empty or none could */
+    uint64_t contributors;    /* members in every averaged chunk of the span */
+    uint64_t partial;         /* members in some averaged chunks but not all */
+    size_t chunks_local;      /* chunks left at our local values */
+} hm_ar_span_report;
+
+typedef struct hm_ar_report {
+    /*
+     * 0: every chunk came back averaged. Otherwise the first reason some did
+     * not: -ETIMEDOUT (round deadline, or we were late), -EPERM (we were
+     * left out), -EHOSTUNREACH (no live reducer left for a span),
+     * -ENOTCONN (every other member ended dead, bad or late in our view, or no
+     * chunk we got back holds anyone else's values: how a member cut off
+     * from the rest sees the round; its chunks may hold partial averages),
+     * -ECANCELED (hm_ar_cancel or the rpc layer closed).
+     */
+    int status;
+    size_t group_size, self;
+    uint8_t group_id[HM_AVG_GROUP_ID_BYTES];
+    int reason[HM_AVG_MAX_GROUP]; /* enum hm_ar_reason per member, as this node saw it */
+    uint64_t bytes_sent, bytes_received; /* all-reduce message bodies, network only */
+    double duration_s;
+    size_t n_spans;                         /* = group_size */
+    hm_ar_span_report spans[HM_AVG_MAX_GROUP];
+} hm_ar_report;
+
+/* Fired exactly once per started round, from the loop; the vector is the
+ * caller's again. */
+typedef void (*hm_ar_done_cb)(void *ud, const hm_ar_report *rep);
+
+void hm_ar_config_defaults(hm_ar_config *cfg);
+
+/*
+ * Creates the context on a node's rpc layer and registers the methods
+ * ("avg.part", "avg.dead"); one per rpc. -EEXIST when already registered.
+ */
+int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx **out);
+/*
+ * Ends every round now (each done_cb fires with -ECANCELED before this
+ * returns), then closes the timer and frees the context in its close
+ * callback and fires cb. The rpc layer keeps pointers to the handlers and
+ * has no unregister: call hm_rpc_close right after this, before the loop
+ * runs again (the rpc layer delivers nothing once closing).
+ */
+void hm_ar_ctx_close(hm_ar_ctx *ctx, void (*cb)(void *ud), void *ud);
+
+/*
+ * Starts our part of a round: data[0..n) is read and overwritten in place
+ * with the averages; it must stay valid until done_cb. group is copied;
+ * group->self is our index and its pk must be ours. weight must be finite
+ * and >= 0. Returns 0 (done_cb will fire), -EINVAL, -EALREADY (a round for
+ * that group id is running), -EHOSTUNREACH (no member has bandwidth), or
+ * -ENOMEM.
+ */
+int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n, double weight,
+                const hm_ar_config *cfg, hm_ar_done_cb cb, void *ud, hm_ar_round **round_out);
+/* Ends the round early: done_cb fires from the loop with -ECANCELED. */
+void hm_ar_cancel(hm_ar_round *round);
+
+/* The span layout: offsets/counts for every member (n_members entries). */
+int hm_ar_layout(const hm_avg_group *group, size_t n, size_t *offsets, size_t *counts);
+
+/* ---- messages (public for the fuzz target and tests) ---- */
+
+typedef struct hm_ar_part_msg {
+    uint8_t group_id[HM_AVG_GROUP_ID_BYTES];
+    uint32_t sender, span, chunk;
+    uint64_t n_total;
+    uint32_t kind;
+    double weight;
+    uint64_t dead_mask, bad_mask, contrib_mask;
+    const uint8_t *data; /* a codec chunk, pointing into the decoded buffer */
+    size_t data_len;
+} hm_ar_part_msg;
+
+typedef struct hm_ar_reply_msg {
+    uint64_t dead_mask, bad_mask, contrib_mask;
+    const uint8_t *data; /* NULL when absent */
+    size_t data_len;
+} hm_ar_reply_msg;
+
+typedef struct hm_ar_dead_msg {
+    uint8_t group_id[HM_AVG_GROUP_ID_BYTES];
+    uint32_t sender;
+    uint64_t n_total;
+    uint64_t dead_mask, bad_mask;
+} hm_ar_dead_msg;
+
+/*
+ * Encoders write into a bounded writer (see wire.h). Decoders validate the
+ * whole buffer with the bounded validator (one object, no trailing bytes),
+ * check types and ranges (version, group id length, member indices below
+ * HM_AVG_MAX_GROUP, kind, weight finite and >= 0, the chunk's codec header
+ * and length, at most max_elems elements) and return 0, -EPROTO, -EINVAL,
+ * -EMSGSIZE or -ENOMEM. Checks against a round's layout are the caller's.
+ */
+void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m);
+int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_part_msg *out);
+void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m);
+int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_reply_msg *out);
+void hm_ar_dead_encode(hm_wire_wr *w, const hm_ar_dead_msg *m);
+int hm_ar_dead_decode(const uint8_t *buf, size_t len, hm_ar_dead_msg *out);
+
+#endif

@@ -1,0 +1,588 @@
+/*
+ * Tests for the butterfly all-reduce: 2 to 8 real hm_rpc nodes in one
+ * process on one libuv loop, on 127.0.0.1 with kernel-chosen ports. They
+ * check the layout, that every member gets the weighted average within
+ * 1e-6 relative (uneven bandwidths, client-mode members, sizes not
+ * divisible by the group size, several chunks per span), fp16 and 8-bit
+ * within their documented bounds, that a member that never starts is left
+ * out and the rest finish in time with the average over themselves, that a
+ * reducer stalled mid-round has its span reassigned and every survivor's
+ * result is the weighted average over exactly the contributors reported,
+ * that a member sending NaN or a vector of the wrong size is left out
+ * without touching the others' result, and that parts sent before a member
+ * started are retried until it does.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "allreduce.h"
+#include "codec.h"
+#include "crypto.h"
+#include "rpc.h"
+#include "transport.h"
+#include "util.h"
+
+#define MAXN 8
+
+static uv_loop_t loop;
+static uint8_t swarm[HM_SWARM_ID_BYTES];
+
+typedef struct tnode {
+    hm_identity id;
+    hm_rpc *rpc;
+    hm_ar_ctx *ctx;
+    struct sockaddr_storage addr;
+    float *data;  /* averaged in place */
+    float *orig;  /* what it started with */
+    double weight;
+    hm_ar_round *round;
+    int done;
+    hm_ar_report rep;
+    uint64_t done_ms;
+} tnode;
+
+static tnode nodes[MAXN];
+static int n_nodes;
+
+static void setup(void)
+{
+    hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
+    cr_assert_eq(hm_crypto_init(), 0);
+    cr_assert_eq(uv_loop_init(&loop), 0);
+    hm_swarm_id("allreduce-test", NULL, 0, swarm);
+    memset(nodes, 0, sizeof(nodes));
+    n_nodes = 0;
+}
+
+static void on_tick(uv_timer_t *t) { HM_UNUSED(t); }
+
+static int count_done(void)
+{
+    int c = 0;
+    for (int i = 0; i < n_nodes; i++)
+        c += nodes[i].done;
+    return c;
+}
+
+/* Runs the loop until `target` nodes are done or max_ms passes. */
+static int run_until_done(int target, uint64_t max_ms)
+{
+    uint64_t end = hm_now_ms() + max_ms;
+    uv_timer_t tick;
+    uv_timer_init(&loop, &tick);
+    uv_timer_start(&tick, on_tick, 5, 5);
+    while (count_done() < target && hm_now_ms() < end)
+        uv_run(&loop, UV_RUN_ONCE);
+    uv_close((uv_handle_t *)&tick, NULL);
+    uv_run(&loop, UV_RUN_NOWAIT);
+    return count_done() >= target;
+}
+
+static void run_for(uint64_t ms) { run_until_done(MAXN + 1, ms); }
+
+static void on_closed(void *ud) { (*(int *)ud)++; }
+
+static void nodes_start(int n)
+{
+    n_nodes = n;
+    for (int i = 0; i < n; i++) {
+        tnode *t = &nodes[i];
+        hm_transport_config cfg = {.listen = "127.0.0.1:0"};
+        cr_assert_eq(hm_identity_generate(&t->id), 0);
+        cr_assert_eq(hm_rpc_new(&loop, &t->id, swarm, &cfg, NULL, &t->rpc), 0);
+        cr_assert_eq(hm_transport_local_addr(hm_rpc_transport(t->rpc), &t->addr), 0);
+        cr_assert_eq(hm_ar_ctx_new(&loop, t->rpc, &t->id, &t->ctx), 0);
+    }
+}
+
+static void nodes_stop(void)
+{
+    int closed = 0;
+    for (int i = 0; i < n_nodes; i++) {
+        hm_ar_ctx_close(nodes[i].ctx, on_closed, &closed);
+        hm_rpc_close(nodes[i].rpc, on_closed, &closed);
+    }
+    uint64_t end = hm_now_ms() + 3000;
+    while (closed < 2 * n_nodes && hm_now_ms() < end)
+        uv_run(&loop, UV_RUN_ONCE);
+    cr_assert_eq(closed, 2 * n_nodes, "contexts, rpc and transports close");
+    for (int i = 0; i < n_nodes; i++) {
+        free(nodes[i].data);
+        free(nodes[i].orig);
+        hm_identity_wipe(&nodes[i].id);
+    }
+    uv_run(&loop, UV_RUN_NOWAIT);
+    cr_expect_eq(uv_loop_close(&loop), 0, "every handle is closed at the end");
+}
+
+static void make_group(hm_avg_group *g, int n, const double *bw, uint8_t tag)
+{
+    memset(g, 0, sizeof(*g));
+    memset(g->group_id, tag, sizeof(g->group_id));
+    g->n = (size_t)n;
+    for (int i = 0; i < n; i++) {
+        memcpy(g->members[i].pk, nodes[i].id.pk, HM_PK_BYTES);
+        g->members[i].addr = nodes[i].addr;
+        g->members[i].bandwidth = bw[i];
+    }
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static double rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) / (double)(1ull << 53);
+}
+
+static void fill(int i, size_t n, double weight)
+{
+    tnode *t = &nodes[i];
+    t->data = malloc(n * sizeof(float));
+    t->orig = malloc(n * sizeof(float));
+    for (size_t k = 0; k < n; k++)
+        t->data[k] = t->orig[k] = (float)(rnd() * 4.0 - 2.0 + i);
+    t->weight = weight;
+}
+
+static void done_cb(void *ud, const hm_ar_report *rep)
+{
+    tnode *t = ud;
+    t->done++;
+    t->rep = *rep;
+    t->done_ms = hm_now_ms();
+}
+
+static void start(int i, const hm_avg_group *g0, size_t n, const hm_ar_config *cfg)
+{
+    hm_avg_group g = *g0;
+    g.self = (size_t)i;
+    cr_assert_eq(hm_ar_start(nodes[i].ctx, &g, nodes[i].data, n, nodes[i].weight, cfg, done_cb,
+                             &nodes[i], &nodes[i].round),
+                 0);
+}
+
+/* Weighted average over the members in mask, element k. */
+static double expect(uint64_t mask, size_t k)
+{
+    double s = 0, w = 0;
+    for (int j = 0; j < n_nodes; j++)
+        if (mask & (1ull << j)) {
+            s += nodes[j].weight * nodes[j].orig[k];
+            w += nodes[j].weight;
+        }
+    return s / w;
+}
+
+static void check_close(const float *got, uint64_t mask, size_t from, size_t to, double rel,
+                        double abs_tol, int who)
+{
+    for (size_t k = from; k < to; k++) {
+        double e = expect(mask, k);
+        double tol = rel * fabs(e) + abs_tol;
+        if (fabs(got[k] - e) > tol)
+            cr_assert_fail("node %d element %zu: got %.9g, expected %.9g over mask %#llx", who, k,
+                           (double)got[k], e, (unsigned long long)mask);
+    }
+}
+
+/* Every span of node i is the weighted average over `mask`, and its report says so. */
+static void check_exact(int i, uint64_t mask)
+{
+    tnode *t = &nodes[i];
+    for (size_t s = 0; s < t->rep.n_spans; s++) {
+        const hm_ar_span_report *sp = &t->rep.spans[s];
+        if (sp->count == 0)
+            continue;
+        cr_assert_eq(sp->chunks_local, 0, "node %d span %zu fully averaged", i, s);
+        cr_assert_eq(sp->contributors, mask, "node %d span %zu contributors %#llx", i, s,
+                     (unsigned long long)sp->contributors);
+        cr_assert_eq(sp->partial, 0);
+        check_close(t->data, mask, sp->offset, sp->offset + sp->count, 1e-6, 1e-9, i);
+    }
+}
+
+static const double bw8[MAXN] = {100, 0, 250, 60, 80, 0, 1000, 33};
+
+TestSuite(allreduce, .init = setup, .timeout = 60);
+
+Test(allreduce, layout_is_proportional_and_covers_everything)
+{
+    hm_avg_group g;
+    size_t off[MAXN], cnt[MAXN];
+    nodes_start(0);
+    memset(&g, 0, sizeof(g));
+    g.n = 4;
+    double bw[4] = {100, 0, 300, 100};
+    for (int i = 0; i < 4; i++)
+        g.members[i].bandwidth = bw[i];
+    cr_assert_eq(hm_ar_layout(&g, 1000003, off, cnt), 0);
+    size_t pos = 0;
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(off[i], pos);
+        pos += cnt[i];
+    }
+    cr_assert_eq(pos, 1000003);
+    cr_assert_eq(cnt[1], 0, "a client reduces nothing");
+    cr_assert(cnt[2] > 2 * cnt[0] && cnt[2] < 4 * cnt[0]);
+    for (int i = 0; i < 4; i++)
+        g.members[i].bandwidth = 0;
+    cr_assert_eq(hm_ar_layout(&g, 10, off, cnt), -EHOSTUNREACH);
+    g.members[0].bandwidth = NAN;
+    cr_assert_eq(hm_ar_layout(&g, 10, off, cnt), -EHOSTUNREACH);
+    g.members[3].bandwidth = 1;
+    cr_assert_eq(hm_ar_layout(&g, 10, off, cnt), 0);
+    cr_assert_eq(cnt[3], 10);
+    nodes_stop();
+}
+
+static void exact_round(int n, size_t len, size_t chunk, size_t window)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 20000, .chunk_elems = chunk, .window = window};
+    nodes_start(n);
+    double bw[MAXN];
+    for (int i = 0; i < n; i++) {
+        bw[i] = bw8[i];
+        fill(i, len, 1.0 + 3.0 * rnd());
+    }
+    if (n == 2)
+        bw[1] = 0; /* pairwise with one client: the other reduces everything */
+    make_group(&g, n, bw, (uint8_t)(0x10 + n));
+    uint64_t t0 = hm_now_ms();
+    for (int i = 0; i < n; i++)
+        start(i, &g, len, &cfg);
+    cr_assert(run_until_done(n, 20000), "every member finishes");
+    uint64_t all = (n == 64) ? ~0ull : (1ull << n) - 1;
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d status %d", i, nodes[i].rep.status);
+        cr_assert_eq(nodes[i].rep.group_size, (size_t)n);
+        for (int j = 0; j < n; j++)
+            cr_assert_eq(nodes[i].rep.reason[j], HM_AR_IN);
+        check_exact(i, all);
+        if (n > 1)
+            cr_assert(nodes[i].rep.bytes_sent > 0 && nodes[i].rep.bytes_received > 0);
+        for (size_t s = 0; s < nodes[i].rep.n_spans; s++) {
+            const hm_ar_span_report *sp = &nodes[i].rep.spans[s];
+            cr_assert_eq(sp->count == 0, bw[s] == 0, "spans follow bandwidth");
+            if (sp->count > 0)
+                cr_assert_eq(sp->final_reducer, (int)s);
+        }
+    }
+    cr_log_info("%d members, %zu floats: %llu ms", n, len,
+                (unsigned long long)(hm_now_ms() - t0));
+    nodes_stop();
+}
+
+Test(allreduce, two_members_one_client) { exact_round(2, 10007, 1000, 4); }
+Test(allreduce, three_members) { exact_round(3, 50001, 4096, 8); }
+Test(allreduce, five_members_one_chunk_each) { exact_round(5, 997, 131072, 8); }
+Test(allreduce, eight_members_many_chunks) { exact_round(8, 300007, 8192, 8); }
+Test(allreduce, one_member) { exact_round(1, 1234, 100, 2); }
+
+Test(allreduce, fp16_and_8bit_within_bounds)
+{
+    for (int comp = HM_AVG_COMP_FP16; comp <= HM_AVG_COMP_UINT8; comp++) {
+        hm_avg_group g;
+        hm_ar_config cfg = {.round_timeout_ms = 10000, .chunk_elems = 2048, .compression = comp};
+        size_t len = 20001;
+        if (comp != HM_AVG_COMP_FP16)
+            setup(); /* the first pass runs on the suite's setup */
+        nodes_start(4);
+        double bw[4] = {1, 1, 2, 0};
+        for (int i = 0; i < 4; i++)
+            fill(i, len, 1.0 + i);
+        make_group(&g, 4, bw, (uint8_t)(0x30 + comp));
+        for (int i = 0; i < 4; i++)
+            start(i, &g, len, &cfg);
+        cr_assert(run_until_done(4, 10000));
+        for (int i = 0; i < 4; i++) {
+            cr_assert_eq(nodes[i].rep.status, 0);
+            /*
+             * Values lie in [-2, 5]. fp16: every part and the reply are
+             * within 2^-11 relative (|x| <= 5, so 2.5e-3 absolute each way).
+             * 8-bit: half a step of the chunk's range (at most 7/510 each
+             * way). Our own contribution never goes through the codec.
+             */
+            double tol = comp == HM_AVG_COMP_FP16 ? 2 * 5.0 / 2048 : 2 * 7.0 / 510 + 1e-5;
+            check_close(nodes[i].data, 0xf, 0, len, 0, tol, i);
+        }
+        nodes_stop();
+    }
+}
+
+/* A member that never starts its round (it never sends, and answers "not ready"). */
+static void absent_member(int absent, double absent_bw)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 3000, .chunk_elems = 4096};
+    size_t len = 30011;
+    nodes_start(4);
+    double bw[4] = {100, 200, 0, 150};
+    bw[absent] = absent_bw;
+    for (int i = 0; i < 4; i++)
+        fill(i, len, 1.0 + i);
+    make_group(&g, 4, bw, (uint8_t)(0x40 + absent));
+    uint64_t t0 = hm_now_ms();
+    for (int i = 0; i < 4; i++)
+        if (i != absent)
+            start(i, &g, len, &cfg);
+    cr_assert(run_until_done(3, 5000));
+    uint64_t live = 0xfull & ~(1ull << absent);
+    for (int i = 0; i < 4; i++) {
+        if (i == absent)
+            continue;
+        cr_assert_leq(nodes[i].done_ms - t0, cfg.round_timeout_ms + 1000,
+                      "finished within the round timeout + 1 s");
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d: %d", i, nodes[i].rep.status);
+        cr_assert_eq(nodes[i].rep.reason[absent], absent_bw > 0 ? HM_AR_DEAD : HM_AR_LATE,
+                     "node %d says %d", i, nodes[i].rep.reason[absent]);
+        check_exact(i, live);
+        if (absent_bw > 0) {
+            int fr = nodes[i].rep.spans[absent].final_reducer;
+            cr_assert(fr >= 0 && fr != absent && bw[fr] > 0, "span reassigned to a reducer");
+        }
+    }
+    nodes_stop();
+}
+
+Test(allreduce, absent_reducer_is_left_out) { absent_member(3, 150); }
+Test(allreduce, absent_client_is_left_out) { absent_member(2, 0); }
+
+/* Runs the loop until node i has put at least `bytes` on the wire. */
+static void run_until_sent(int i, uint64_t bytes, uint64_t max_ms)
+{
+    uint64_t end = hm_now_ms() + max_ms;
+    hm_transport_stats st;
+    for (;;) {
+        hm_transport_get_stats(hm_rpc_transport(nodes[i].rpc), &st);
+        if (st.bytes_out >= bytes || hm_now_ms() >= end)
+            break;
+        uv_run(&loop, UV_RUN_ONCE);
+    }
+}
+
+static void stalled_reducer(int mid)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 4000, .chunk_elems = 2048, .window = 4};
+    size_t len = mid ? 400009 : 40009;
+    const int victim = 1;
+    nodes_start(5);
+    double bw[5] = {100, 300, 100, 0, 120};
+    for (int i = 0; i < 5; i++)
+        fill(i, len, 0.5 + i);
+    make_group(&g, 5, bw, (uint8_t)(0x50 + mid));
+    uint64_t t0 = hm_now_ms();
+    for (int i = 0; i < 5; i++)
+        start(i, &g, len, &cfg);
+    /* Stalled after it started: right away, or once it has sent some parts. */
+    if (mid)
+        run_until_sent(victim, 200000, 2000);
+    hm_transport_faults f = {.stall = 1};
+    hm_transport_set_faults(hm_rpc_transport(nodes[victim].rpc), &f);
+    /* The survivors, and maybe the stalled member, which finds itself alone. */
+    uint64_t end = hm_now_ms() + 6000;
+    for (;;) {
+        int d = 0;
+        for (int i = 0; i < 5; i++)
+            d += i != victim && nodes[i].done;
+        if (d == 4 || hm_now_ms() > end)
+            break;
+        run_for(5);
+    }
+
+    uint64_t live = 0x1full & ~(1ull << victim);
+    for (int i = 0; i < 5; i++) {
+        if (i == victim)
+            continue;
+        tnode *t = &nodes[i];
+        cr_assert_leq(t->done_ms - t0, cfg.round_timeout_ms + 1000);
+        cr_assert_eq(t->rep.status, 0, "node %d: %d", i, t->rep.status);
+        cr_assert_eq(t->rep.reason[victim], HM_AR_DEAD);
+        const hm_ar_span_report *vs = &t->rep.spans[victim];
+        cr_assert(vs->final_reducer >= 0 && vs->final_reducer != victim);
+        cr_assert_eq(vs->chunks_local, 0);
+        cr_assert_eq(vs->contributors, live, "the dead reducer's span is over the survivors");
+        for (size_t s = 0; s < t->rep.n_spans; s++) {
+            const hm_ar_span_report *sp = &t->rep.spans[s];
+            if (sp->count == 0)
+                continue;
+            cr_assert_eq(sp->chunks_local, 0);
+            if (!mid) {
+                cr_assert_eq(sp->contributors, live);
+                cr_assert_eq(sp->partial, 0);
+            }
+            /* Whoever is in each chunk, the survivors agree on every value. */
+            for (int o = 0; o < 5; o++)
+                if (o != victim && o != i)
+                    cr_assert_eq(memcmp(t->data + sp->offset, nodes[o].data + sp->offset,
+                                        sp->count * sizeof(float)),
+                                 0, "nodes %d and %d agree on span %zu", i, o, s);
+            if (sp->partial == 0)
+                check_close(t->data, sp->contributors, sp->offset, sp->offset + sp->count, 1e-6,
+                            1e-9, i);
+        }
+        if (!mid)
+            check_exact(i, live);
+    }
+    /* The stalled member gives up by its own deadline, knowing it averaged with nobody. */
+    cr_assert(run_until_done(5, 3000));
+    cr_assert_neq(nodes[victim].rep.status, 0, "the cut-off member says so");
+    f.stall = 0;
+    hm_transport_set_faults(hm_rpc_transport(nodes[victim].rpc), &f);
+    nodes_stop();
+}
+
+Test(allreduce, reducer_stalled_at_start_is_replaced) { stalled_reducer(0); }
+Test(allreduce, reducer_stalled_mid_round_is_replaced) { stalled_reducer(1); }
+
+static void part_reply_cb(void *ud, int status, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    int *st = ud;
+    *st = status;
+}
+
+Test(allreduce, nan_sender_is_left_out)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 4000, .chunk_elems = 4096};
+    size_t len = 20011;
+    const int bad = 3;
+    nodes_start(4);
+    double bw[4] = {100, 100, 50, 100};
+    for (int i = 0; i < 4; i++)
+        fill(i, len, 1.0 + i);
+    make_group(&g, 4, bw, 0x60);
+    for (int i = 0; i < 4; i++)
+        if (i != bad)
+            start(i, &g, len, &cfg);
+    run_for(30);
+
+    /* Member 3 sends, by hand, a chunk holding a NaN to the reducer of span 0. */
+    size_t off[4], cnt[4];
+    cr_assert_eq(hm_ar_layout(&g, len, off, cnt), 0);
+    size_t c = HM_MIN(cfg.chunk_elems, cnt[0]);
+    uint8_t *chunk = malloc(HM_AVG_CHUNK_HEADER + c * 4);
+    float *vals = malloc(c * 4);
+    for (size_t k = 0; k < c; k++)
+        vals[k] = 1.0f;
+    size_t clen;
+    cr_assert_eq(hm_avg_chunk_encode(HM_AVG_COMP_NONE, vals, c, chunk, HM_AVG_CHUNK_HEADER + c * 4,
+                                     &clen),
+                 0);
+    float nan = NAN;
+    memcpy(chunk + HM_AVG_CHUNK_HEADER + 4 * 7, &nan, 4);
+    hm_ar_part_msg m = {.sender = bad, .n_total = len, .span = 0, .chunk = 0,
+                        .kind = HM_AR_DATA, .weight = 1.0, .data = chunk, .data_len = clen};
+    memcpy(m.group_id, g.group_id, sizeof(m.group_id));
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_ar_part_encode(&w, &m);
+    size_t blen;
+    uint8_t *body = hm_wire_wr_steal(&w, &blen);
+    int st = 1;
+    cr_assert_eq(hm_rpc_call(nodes[bad].rpc, nodes[0].id.pk, (struct sockaddr *)&nodes[0].addr,
+                             HM_AR_PART_METHOD, body, blen, HM_RPC_STREAM, 2000, part_reply_cb,
+                             &st, NULL),
+                 0);
+    free(body);
+    free(chunk);
+    free(vals);
+
+    cr_assert(run_until_done(3, 6000));
+    cr_assert_eq(st, -EDOM, "the NaN part is refused");
+    for (int i = 0; i < 4; i++) {
+        if (i == bad)
+            continue;
+        cr_assert_eq(nodes[i].rep.status, 0);
+        cr_assert_eq(nodes[i].rep.reason[bad], HM_AR_BAD, "node %d: %d", i,
+                     nodes[i].rep.reason[bad]);
+        check_exact(i, 0x7);
+    }
+    nodes_stop();
+}
+
+Test(allreduce, wrong_size_member_is_left_out)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 4000, .chunk_elems = 4096};
+    size_t len = 20011;
+    const int bad = 2;
+    nodes_start(4);
+    double bw[4] = {100, 100, 100, 0};
+    for (int i = 0; i < 4; i++)
+        fill(i, len + 7, 1.0 + i);
+    make_group(&g, 4, bw, 0x61);
+    for (int i = 0; i < 4; i++)
+        start(i, &g, i == bad ? len + 7 : len, &cfg);
+    cr_assert(run_until_done(4, 6000));
+    cr_assert_neq(nodes[bad].rep.status, 0, "the odd one out knows");
+    for (int i = 0; i < 4; i++) {
+        if (i == bad)
+            continue;
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d: %d", i, nodes[i].rep.status);
+        cr_assert_eq(nodes[i].rep.reason[bad], HM_AR_BAD);
+        check_exact(i, 0xb);
+    }
+    nodes_stop();
+}
+
+Test(allreduce, early_parts_wait_for_a_late_starter)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 5000, .chunk_elems = 3000};
+    size_t len = 17001;
+    nodes_start(3);
+    double bw[3] = {100, 100, 100};
+    for (int i = 0; i < 3; i++)
+        fill(i, len, 1.0 + i);
+    make_group(&g, 3, bw, 0x70);
+    start(0, &g, len, &cfg);
+    start(1, &g, len, &cfg);
+    run_for(300);
+    cr_assert_eq(count_done(), 0);
+    start(2, &g, len, &cfg);
+    cr_assert(run_until_done(3, 5000));
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(nodes[i].rep.status, 0);
+        check_exact(i, 0x7);
+    }
+    nodes_stop();
+}
+
+Test(allreduce, bad_arguments_and_cancel)
+{
+    hm_avg_group g;
+    float x[4] = {1, 2, 3, NAN};
+    nodes_start(2);
+    double bw[2] = {1, 1};
+    make_group(&g, 2, bw, 0x80);
+    g.self = 0;
+    cr_assert_eq(hm_ar_start(nodes[0].ctx, &g, x, 4, 1.0, NULL, done_cb, &nodes[0], NULL), -EDOM);
+    cr_assert_eq(hm_ar_start(nodes[0].ctx, &g, x, 3, -1.0, NULL, done_cb, &nodes[0], NULL),
+                 -EINVAL);
+    g.self = 1; /* not our key */
+    cr_assert_eq(hm_ar_start(nodes[0].ctx, &g, x, 3, 1.0, NULL, done_cb, &nodes[0], NULL),
+                 -EINVAL);
+    g.self = 0;
+    cr_assert_eq(hm_ar_start(nodes[0].ctx, &g, x, 3, 1.0, NULL, done_cb, &nodes[0],
+                             &nodes[0].round),
+                 0);
+    cr_assert_eq(hm_ar_start(nodes[0].ctx, &g, x, 3, 1.0, NULL, done_cb, &nodes[0], NULL),
+                 -EALREADY);
+    hm_ar_cancel(nodes[0].round);
+    cr_assert(run_until_done(1, 1000));
+    cr_assert_eq(nodes[0].rep.status, -ECANCELED);
+    cr_assert_eq(x[0], 1.0f);
+    nodes_stop();
+}
