@@ -28,7 +28,7 @@ case $seconds in
 esac
 srcdir=$(cd "$(dirname "$0")/../.." && pwd)
 cc=${CC:-clang}
-targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce"}
+targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce fuzz_matchmaking"}
 
 if [ ! -f "$builddir/config.h" ]; then
     echo "$0: $builddir has no config.h; run configure there first" >&2
@@ -43,6 +43,7 @@ sources_for() {
         fuzz_control) echo "src/util.c src/control.c" ;;
         fuzz_dht_record) echo "src/util.c src/wire.c src/crypto.c dht/record.c dht/store.c" ;;
         fuzz_avg_codec) echo "averaging/codec.c" ;;
+        fuzz_matchmaking) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c src/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/matchmaking.c" ;;
         fuzz_allreduce) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c averaging/codec.c averaging/allreduce.c" ;;
         fuzz_dht_proto) echo "src/util.c src/wire.c src/crypto.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c" ;;
         *) return 1 ;;
