@@ -472,7 +472,8 @@ static uint8_t *encode_chunk(const hm_ar_round *r, const float *x, size_t n, siz
                              int *err)
 {
     int comp = r->cfg.compression;
-    size_t cap = hm_avg_chunk_size(HM_AVG_COMP_NONE, n);
+    /* An 8-bit chunk of one or two values is longer than a plain one. */
+    size_t cap = HM_MAX(hm_avg_chunk_size(HM_AVG_COMP_NONE, n), hm_avg_chunk_size(comp, n));
     uint8_t *buf = malloc(cap ? cap : 1);
     *err = -ENOMEM;
     if (buf == NULL)

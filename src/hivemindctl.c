@@ -31,7 +31,8 @@
 
 #define MAX_REPLY (32 * 1024 * 1024)
 
-static const char *const commands[] = {"info", "peers", "metrics", "shutdown", "dht"};
+static const char *const commands[] = {"info", "peers", "metrics", "shutdown", "dht",
+                                       "average", "averaging"};
 
 static void usage(FILE *f)
 {
@@ -47,12 +48,23 @@ static void usage(FILE *f)
             "             look KEY up in the DHT and print its value(s); exit 1 if not found\n"
             "  dht put KEY VALUE [--subkey S] [--ttl SECONDS]\n"
             "             store VALUE under KEY (default ttl 3600 s, at most 86400)\n"
-            "  dht info   routing table size and depth, records stored, bytes\n\n"
+            "  dht info   routing table size and depth, records stored, bytes\n"
+            "  average PREFIX --in FILE --out FILE [--weight W] [--target-group-size N]\n"
+            "          [--min-group-size N] [--timeout S] [--round-timeout S]\n"
+            "          [--matchmaking-time S] [--compression none|fp16|8bit] [--group-bits B]\n"
+            "             average a raw little-endian float32 file with peers of the swarm\n"
+            "             under PREFIX; the daemon reads FILE and writes the result to OUT\n"
+            "             (atomically), and the round's report is printed. --timeout is how\n"
+            "             long to look for a group (default 30), --round-timeout the\n"
+            "             all-reduce's deadline (default 30); hivemindctl waits for both\n"
+            "             plus 15 s. Exit 1 with the reason when no averaged result came\n"
+            "  averaging  the rounds in progress and the recent rounds, as a table\n\n"
             "Options:\n"
             "  -s, --socket PATH    control socket (default: $HIVEMINDD_CONTROL_SOCKET, else\n"
             "                       the daemon's default for this user)\n"
             "  -j, --json           print the daemon's JSON reply as it is\n"
-            "  -T, --timeout SECS   give up after this long without a reply (default 10)\n"
+            "  -T, --timeout SECS   give up after this long without a reply (default 10);\n"
+            "                       with average, see above\n"
             "      --subkey S       with dht put: store under this subkey of KEY\n"
             "      --ttl SECONDS    with dht put: how long the record lives\n"
             "  -V, --version        print the version and exit\n"
@@ -307,19 +319,267 @@ static json_t *build_request(const char *cmd, char **pos, int npos, const char *
     return NULL;
 }
 
+/* ---- average and averaging ---- */
+
+enum {
+    OPT_IN = 256,
+    OPT_OUT,
+    OPT_WEIGHT,
+    OPT_TARGET,
+    OPT_MIN,
+    OPT_ROUND_TIMEOUT,
+    OPT_MM_TIME,
+    OPT_COMPRESSION,
+    OPT_GROUP_BITS,
+};
+
+typedef struct avg_args {
+    const char *in, *out, *weight, *target, *min, *round_timeout, *mm_time, *compression,
+        *group_bits;
+    int any; /* some average option was given */
+} avg_args;
+
+/* path made absolute against the current directory (the daemon's differs). */
+static json_t *abs_path(const char *path)
+{
+    if (path[0] == '/')
+        return json_string(path);
+    char cwd[4096];
+    if (getcwd(cwd, sizeof(cwd)) == NULL)
+        return NULL;
+    size_t len = strlen(cwd) + 1 + strlen(path) + 1;
+    char *p = malloc(len);
+    if (p == NULL)
+        return NULL;
+    snprintf(p, len, "%s/%s", cwd, path);
+    json_t *j = json_string(p);
+    free(p);
+    return j;
+}
+
+static int parse_num(const char *opt, const char *s, double lo, double hi, int integer,
+                     double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || end == s || *end != '\0' || !(v >= lo) || v > hi ||
+        (integer && v != floor(v))) {
+        fprintf(stderr, "hivemindctl: bad %s '%s': expected %s from %g to %g\n", opt, s,
+                integer ? "an integer" : "a number", lo, hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/*
+ * The "average" request, or NULL after printing why. *wait_s gets how long
+ * to wait for the reply: the round's own timeouts plus a margin.
+ */
+static json_t *build_average(char **pos, int npos, const avg_args *a, double timeout_s,
+                             int timeout_given, double *wait_s)
+{
+    double v, mm_timeout = timeout_given ? timeout_s : 30, round_timeout = 30;
+    json_t *args = NULL;
+    if (npos != 1 || a->in == NULL || a->out == NULL) {
+        fprintf(stderr, "hivemindctl: expected 'average PREFIX --in FILE --out FILE ...'\n");
+        return NULL;
+    }
+    if (strlen(pos[0]) == 0 || strlen(pos[0]) > 128) {
+        fprintf(stderr, "hivemindctl: PREFIX must be 1 to 128 bytes\n");
+        return NULL;
+    }
+    args = json_pack("{s:s, s:o, s:o, s:f}", "prefix", pos[0], "in", abs_path(a->in), "out",
+                     abs_path(a->out), "timeout", mm_timeout);
+    if (args == NULL) {
+        fprintf(stderr, "hivemindctl: cannot make the paths absolute\n");
+        return NULL;
+    }
+    if (a->weight != NULL) {
+        if (parse_num("--weight", a->weight, 0, 1e300, 0, &v) < 0)
+            goto fail;
+        json_object_set_new(args, "weight", json_real(v));
+    }
+    if (a->target != NULL) {
+        if (parse_num("--target-group-size", a->target, 1, 64, 1, &v) < 0)
+            goto fail;
+        json_object_set_new(args, "target_group_size", json_integer((json_int_t)v));
+    }
+    if (a->min != NULL) {
+        if (parse_num("--min-group-size", a->min, 1, 64, 1, &v) < 0)
+            goto fail;
+        json_object_set_new(args, "min_group_size", json_integer((json_int_t)v));
+    }
+    if (a->round_timeout != NULL) {
+        if (parse_num("--round-timeout", a->round_timeout, 0.001, 3600, 0, &round_timeout) < 0)
+            goto fail;
+        json_object_set_new(args, "round_timeout", json_real(round_timeout));
+    }
+    if (a->mm_time != NULL) {
+        if (parse_num("--matchmaking-time", a->mm_time, 0.001, 3600, 0, &v) < 0)
+            goto fail;
+        json_object_set_new(args, "matchmaking_time", json_real(v));
+    }
+    if (a->compression != NULL) {
+        if (strcmp(a->compression, "none") != 0 && strcmp(a->compression, "fp16") != 0 &&
+            strcmp(a->compression, "8bit") != 0) {
+            fprintf(stderr, "hivemindctl: --compression must be none, fp16 or 8bit\n");
+            goto fail;
+        }
+        json_object_set_new(args, "compression", json_string(a->compression));
+    }
+    if (a->group_bits != NULL)
+        json_object_set_new(args, "group_bits", json_string(a->group_bits));
+    *wait_s = mm_timeout + round_timeout + 15;
+    return json_pack("{s:s, s:o, s:i}", "cmd", "average", "args", args, "id", 1);
+fail:
+    json_decref(args);
+    return NULL;
+}
+
+static void format_bytes(double b, char *buf, size_t len)
+{
+    if (b < 1024)
+        snprintf(buf, len, "%.0f B", b);
+    else if (b < 1024 * 1024)
+        snprintf(buf, len, "%.1f KiB", b / 1024);
+    else if (b < 1024.0 * 1024 * 1024)
+        snprintf(buf, len, "%.1f MiB", b / 1024 / 1024);
+    else
+        snprintf(buf, len, "%.2f GiB", b / 1024 / 1024 / 1024);
+}
+
+static const char *jstr(const json_t *o, const char *k)
+{
+    const char *s = json_string_value(json_object_get(o, k));
+    return s ? s : "?";
+}
+
+static double jnum(const json_t *o, const char *k) { return json_number_value(json_object_get(o, k)); }
+
+static void print_mask(const json_t *list)
+{
+    size_t i;
+    const json_t *v;
+    if (json_array_size(list) == 0)
+        printf("-");
+    json_array_foreach(list, i, v) printf("%s%lld", i ? "," : "", (long long)json_integer_value(v));
+}
+
+static void print_report(const json_t *r)
+{
+    char sent[32], recv[32];
+    format_bytes(jnum(r, "bytes_sent"), sent, sizeof(sent));
+    format_bytes(jnum(r, "bytes_received"), recv, sizeof(recv));
+    printf("round %lld under '%s' (bits '%s'): %s\n", (long long)jnum(r, "round"),
+           jstr(r, "prefix"), jstr(r, "group_bits"), jstr(r, "status"));
+    printf("group: %lld members, group id %.16s, next bits '%s'\n", (long long)jnum(r, "group_size"),
+           jstr(r, "group_id"), jstr(r, "next_bits"));
+    printf("elements: %lld, weight %g, compression %s\n", (long long)jnum(r, "elements"),
+           jnum(r, "weight"), jstr(r, "compression"));
+    printf("duration: %.3f s (matchmaking %.3f s, all-reduce %.3f s)\n", jnum(r, "duration_s"),
+           jnum(r, "matchmaking_s"), jnum(r, "allreduce_s"));
+    printf("bytes: sent %s, received %s\n", sent, recv);
+    const json_t *members = json_object_get(r, "members");
+    size_t i;
+    const json_t *m;
+    printf("members:\n");
+    json_array_foreach(members, i, m) {
+        printf("  %2lld  %s  %-21s  %-5s%s\n", (long long)jnum(m, "index"), jstr(m, "peer_id"),
+               jstr(m, "address"), jstr(m, "state"),
+               json_is_true(json_object_get(m, "self")) ? "  (this node)" : "");
+    }
+    const json_t *left = json_object_get(r, "left_out");
+    if (json_array_size(left) == 0) {
+        printf("left out: nobody\n");
+    } else {
+        printf("left out:");
+        json_array_foreach(left, i, m) printf(" %.12s (%s)", jstr(m, "peer_id"), jstr(m, "reason"));
+        printf("\n");
+    }
+    const json_t *spans = json_object_get(r, "spans");
+    printf("spans:\n");
+    json_array_foreach(spans, i, m) {
+        if (jnum(m, "count") == 0)
+            continue;
+        printf("  [%lld, +%lld) reduced by %lld, averaged over ", (long long)jnum(m, "offset"),
+               (long long)jnum(m, "count"), (long long)jnum(m, "final_reducer"));
+        print_mask(json_object_get(m, "contributors"));
+        if (json_array_size(json_object_get(m, "partial")) > 0) {
+            printf(", partly ");
+            print_mask(json_object_get(m, "partial"));
+        }
+        printf("\n");
+    }
+    if (json_object_get(r, "out") != NULL)
+        printf("wrote %s\n", jstr(r, "out"));
+}
+
+static void print_averaging(const json_t *r)
+{
+    const json_t *active = json_object_get(r, "active");
+    const json_t *rounds = json_object_get(r, "rounds");
+    size_t i;
+    const json_t *e;
+    json_array_foreach(active, i, e) {
+        printf("in progress: round %lld under '%s', %s, %lld elements\n",
+               (long long)jnum(e, "round"), jstr(e, "prefix"), jstr(e, "stage"),
+               (long long)jnum(e, "elements"));
+    }
+    if (json_array_size(rounds) == 0) {
+        printf("no averaging rounds yet\n");
+        return;
+    }
+    printf("%5s  %-20s  %-24s  %5s  %-28s  %10s  %10s  %8s\n", "ROUND", "PREFIX", "STATUS",
+           "GROUP", "LEFT OUT", "SENT", "RECEIVED", "TIME");
+    json_array_foreach(rounds, i, e) {
+        char sent[32], recv[32], left[64] = "-", status[64];
+        format_bytes(jnum(e, "bytes_sent"), sent, sizeof(sent));
+        format_bytes(jnum(e, "bytes_received"), recv, sizeof(recv));
+        size_t k, used = 0;
+        const json_t *m;
+        json_array_foreach(json_object_get(e, "left_out"), k, m) {
+            if (used + 16 >= sizeof(left))
+                break;
+            used += (size_t)snprintf(left + used, sizeof(left) - used, "%s%.8s:%s", k ? " " : "",
+                                     jstr(m, "peer_id"), jstr(m, "reason"));
+        }
+        if (json_is_true(json_object_get(e, "ok")))
+            snprintf(status, sizeof(status), "ok");
+        else
+            snprintf(status, sizeof(status), "%s (%s)", jstr(e, "status"), jstr(e, "stage"));
+        printf("%5lld  %-20.20s  %-24.24s  %5lld  %-28.28s  %10s  %10s  %7.2fs\n",
+               (long long)jnum(e, "round"), jstr(e, "prefix"), status,
+               (long long)jnum(e, "group_size"), left, sent, recv, jnum(e, "duration_s"));
+    }
+}
+
 int main(int argc, char **argv)
 {
     static const struct option longopts[] = {
         {"socket", required_argument, NULL, 's'}, {"json", no_argument, NULL, 'j'},
         {"timeout", required_argument, NULL, 'T'}, {"version", no_argument, NULL, 'V'},
         {"help", no_argument, NULL, 'h'},          {"subkey", required_argument, NULL, 'K'},
-        {"ttl", required_argument, NULL, 'L'},     {NULL, 0, NULL, 0},
+        {"ttl", required_argument, NULL, 'L'},
+        {"in", required_argument, NULL, OPT_IN},
+        {"out", required_argument, NULL, OPT_OUT},
+        {"weight", required_argument, NULL, OPT_WEIGHT},
+        {"target-group-size", required_argument, NULL, OPT_TARGET},
+        {"min-group-size", required_argument, NULL, OPT_MIN},
+        {"round-timeout", required_argument, NULL, OPT_ROUND_TIMEOUT},
+        {"matchmaking-time", required_argument, NULL, OPT_MM_TIME},
+        {"compression", required_argument, NULL, OPT_COMPRESSION},
+        {"group-bits", required_argument, NULL, OPT_GROUP_BITS},
+        {NULL, 0, NULL, 0},
     };
     const char *subkey_opt = NULL;
     double ttl_opt = 0;
     const char *sock = NULL;
     int json_out = 0;
     double timeout_s = 10;
+    int timeout_given = 0;
+    avg_args avg = {0};
     char path[HM_CONFIG_SOCKET_PATH_LEN];
     char *line = NULL;
     json_t *reply = NULL;
@@ -350,8 +610,36 @@ int main(int argc, char **argv)
                         "and at most 86400\n", optarg);
                 return HM_EXIT_USAGE;
             }
+            timeout_given = 1;
             break;
         }
+        case OPT_IN:
+            avg.in = optarg, avg.any = 1;
+            break;
+        case OPT_OUT:
+            avg.out = optarg, avg.any = 1;
+            break;
+        case OPT_WEIGHT:
+            avg.weight = optarg, avg.any = 1;
+            break;
+        case OPT_TARGET:
+            avg.target = optarg, avg.any = 1;
+            break;
+        case OPT_MIN:
+            avg.min = optarg, avg.any = 1;
+            break;
+        case OPT_ROUND_TIMEOUT:
+            avg.round_timeout = optarg, avg.any = 1;
+            break;
+        case OPT_MM_TIME:
+            avg.mm_time = optarg, avg.any = 1;
+            break;
+        case OPT_COMPRESSION:
+            avg.compression = optarg, avg.any = 1;
+            break;
+        case OPT_GROUP_BITS:
+            avg.group_bits = optarg, avg.any = 1;
+            break;
         case 'K':
             subkey_opt = optarg;
             break;
@@ -391,7 +679,7 @@ int main(int argc, char **argv)
     const char *cmd = argv[optind];
     char **pos = argv + optind + 1;
     int npos = argc - optind - 1;
-    if (strcmp(cmd, "dht") != 0 && npos > 0) {
+    if (strcmp(cmd, "dht") != 0 && strcmp(cmd, "average") != 0 && npos > 0) {
         fprintf(stderr, "hivemindctl: one command at a time\n");
         usage(stderr);
         return HM_EXIT_USAGE;
@@ -404,7 +692,23 @@ int main(int argc, char **argv)
         usage(stderr);
         return HM_EXIT_USAGE;
     }
-    json_t *request = build_request(cmd, pos, npos, subkey_opt, ttl_opt);
+    if (avg.any && strcmp(cmd, "average") != 0) {
+        fprintf(stderr, "hivemindctl: --in, --out, --weight and the other averaging options go "
+                "with average\n");
+        usage(stderr);
+        return HM_EXIT_USAGE;
+    }
+    json_t *request;
+    if (strcmp(cmd, "average") == 0) {
+        if (subkey_opt != NULL || ttl_opt > 0) {
+            fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
+            request = NULL;
+        } else {
+            request = build_average(pos, npos, &avg, timeout_s, timeout_given, &timeout_s);
+        }
+    } else {
+        request = build_request(cmd, pos, npos, subkey_opt, ttl_opt);
+    }
     if (request == NULL) {
         usage(stderr);
         return HM_EXIT_USAGE;
@@ -513,6 +817,10 @@ int main(int argc, char **argv)
                    (long long)json_integer_value(json_object_get(result, "stored")));
         } else if (strcmp(wire_cmd, "dht.get") == 0) {
             print_dht_values(result);
+        } else if (strcmp(cmd, "average") == 0) {
+            print_report(result);
+        } else if (strcmp(cmd, "averaging") == 0) {
+            print_averaging(result);
         }
     }
     /* A get that found nothing is a failure for scripts, like grep. */

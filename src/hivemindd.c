@@ -17,6 +17,8 @@
  */
 #include "config.h"
 
+#include "averager.h"
+#include "codec.h"
 #include "control.h"
 #include "crypto.h"
 #include "hm_config.h"
@@ -24,7 +26,9 @@
 #include "util.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
+#include <limits.h>
 #include <math.h>
 #include <signal.h>
 #include <stddef.h>
@@ -32,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -44,6 +49,9 @@ typedef struct daemon {
     hm_config cfg;      /* the configuration in force */
     hm_config_args args;
     hm_node *node;
+    hm_averager *av;    /* the node's averager; NULL once shutting down */
+    size_t avg_jobs;    /* "average" commands in progress */
+    size_t avg_bytes;   /* bytes of tensors they hold */
     hm_control *ctl;
     uv_signal_t sig_term, sig_int, sig_hup;
     int signals_open;
@@ -118,6 +126,11 @@ static void begin_shutdown(daemon_t *d, const char *why)
     if (d->ctl != NULL) {
         hm_control_close(d->ctl, on_part_closed, d);
         d->ctl = NULL;
+    }
+    /* Rounds end (-ECANCELED) before the node goes, in the same turn. */
+    if (d->av != NULL) {
+        hm_averager_close(d->av, on_part_closed, d);
+        d->av = NULL;
     }
     if (d->node != NULL) {
         hm_node_close(d->node, on_part_closed, d);
@@ -515,6 +528,564 @@ static void cmd_dht_info(void *ud, hm_control_req *req, const json_t *args)
                                  (json_int_t)st.rate_limited, "client_mode", d->cfg.client_mode));
 }
 
+/* ---- averaging commands ----
+ *
+ * "average" averages a raw little-endian float32 file through the swarm:
+ * the daemon reads args.in, runs one round (averager.h) and writes the
+ * result to args.out, atomically (a temporary file in the same directory,
+ * fsync, rename), then replies with the round's report. The paths must be
+ * absolute and are opened with the daemon's own permissions; whoever may
+ * use the control socket already controls the daemon. Files are read and
+ * written on libuv's threadpool, never on the loop. This file interface is
+ * what hivemindctl and scripts use; trainers that average large tensors
+ * often want the shared-memory client library, which the issue's final
+ * design adds on top of the same averager.
+ *
+ * "averaging" lists the rounds in progress and the recent ones.
+ */
+
+/* Largest tensor one "average" takes, and all of them together. */
+#define AVERAGE_MAX_BYTES ((size_t)256 << 20)
+#define AVERAGE_MAX_HELD ((size_t)1 << 30)
+#define AVERAGE_MAX_JOBS 16
+#define AVERAGE_MAX_TIMEOUT_S 3600.0
+
+typedef struct avg_job {
+    uv_work_t work;
+    daemon_t *d;
+    hm_control_req *req;
+    char in[PATH_MAX], out[PATH_MAX];
+    char prefix[HM_MM_PREFIX_MAX + 1];
+    char bits[HM_MM_BITS_MAX + 1];
+    int have_bits;
+    hm_avg_opts opts;
+    float *data;
+    size_t n, held;
+    /* Set by the worker: 0 or a negative code, and a sentence. */
+    int err;
+    char msg[PATH_MAX + 128];
+    hm_avg_report *rep; /* once the round is over */
+} avg_job;
+
+static const char *const comp_names[HM_AVG_COMP_COUNT] = {"none", "fp16", "8bit"};
+static const char *const reason_names[] = {"in", "late", "dead", "bad"};
+
+static const char *reason_name(int r)
+{
+    return r >= 0 && (size_t)r < HM_ARRAY_LEN(reason_names) ? reason_names[r] : "?";
+}
+
+static void avg_job_free(avg_job *j)
+{
+    if (j == NULL)
+        return;
+    if (j->d != NULL) {
+        j->d->avg_jobs--;
+        j->d->avg_bytes -= j->held;
+    }
+    free(j->data);
+    free(j->rep);
+    free(j);
+}
+
+/* Member indices of a mask, as a JSON array. */
+static json_t *mask_json(uint64_t mask, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a != NULL && i < n && i < 64; i++)
+        if ((mask >> i) & 1)
+            json_array_append_new(a, json_integer((json_int_t)i));
+    return a;
+}
+
+/* The report of a round as the control protocol shows it. */
+static json_t *report_json(const hm_avg_report *r)
+{
+    char hex[2 * HM_AVG_GROUP_ID_BYTES + 1];
+    json_t *o = json_pack("{s:I, s:b, s:s, s:s, s:s, s:f, s:I, s:s, s:f, s:f, s:f, s:f}",
+                          "round", (json_int_t)r->round, "ok", r->status == 0, "status",
+                          r->status == 0 ? "ok" : hm_strerror(r->status), "stage",
+                          r->stage == HM_AVG_STAGE_MATCHMAKING ? "matchmaking" : "allreduce",
+                          "prefix", r->prefix, "weight", r->weight, "elements",
+                          (json_int_t)r->n_elems, "compression",
+                          r->compression >= 0 && r->compression < HM_AVG_COMP_COUNT
+                              ? comp_names[r->compression]
+                              : "?",
+                          "started", (double)r->started_unix_ms / 1000.0, "matchmaking_s",
+                          r->matchmaking_s, "allreduce_s", r->allreduce_s, "duration_s",
+                          r->duration_s);
+    if (o == NULL)
+        return NULL;
+    json_object_set_new(o, "group_bits", json_string(r->group_bits));
+    if (r->stage != HM_AVG_STAGE_ALLREDUCE) {
+        json_object_set_new(o, "group_size", json_integer(0));
+        return o;
+    }
+    const hm_avg_group *g = &r->group;
+    const hm_ar_report *ar = &r->ar;
+    hm_hex_encode(g->group_id, sizeof(g->group_id), hex);
+    json_object_set_new(o, "group_id", json_string(hex));
+    json_object_set_new(o, "group_size", json_integer((json_int_t)g->n));
+    json_object_set_new(o, "self", json_integer((json_int_t)g->self));
+    json_object_set_new(o, "next_bits", json_string(g->next_bits));
+    json_object_set_new(o, "bytes_sent", json_integer((json_int_t)ar->bytes_sent));
+    json_object_set_new(o, "bytes_received", json_integer((json_int_t)ar->bytes_received));
+    json_t *members = json_array(), *left = json_array(), *spans = json_array();
+    for (size_t i = 0; i < g->n && members != NULL && left != NULL; i++) {
+        char id[HM_PEER_ID_LEN + 1], addr[HM_ADDRSTRLEN];
+        hm_peer_id_encode(g->members[i].pk, id);
+        if (hm_format_addr((const struct sockaddr *)&g->members[i].addr, addr, sizeof(addr)) != 0)
+            hm_strlcpy(addr, "?", sizeof(addr));
+        int reason = ar->group_size == g->n ? ar->reason[i] : HM_AR_IN;
+        json_array_append_new(members,
+                              json_pack("{s:i, s:s, s:s, s:f, s:s, s:b}", "index", (int)i,
+                                        "peer_id", id, "address", addr, "bandwidth",
+                                        g->members[i].bandwidth, "state", reason_name(reason),
+                                        "self", i == g->self));
+        if (reason != HM_AR_IN)
+            json_array_append_new(left, json_pack("{s:i, s:s, s:s}", "index", (int)i, "peer_id",
+                                                  id, "reason", reason_name(reason)));
+    }
+    for (size_t s = 0; s < ar->n_spans && s < HM_AVG_MAX_GROUP && spans != NULL; s++) {
+        const hm_ar_span_report *sp = &ar->spans[s];
+        json_array_append_new(
+            spans, json_pack("{s:I, s:I, s:I, s:i, s:i, s:o, s:o, s:I}", "offset",
+                             (json_int_t)sp->offset, "count", (json_int_t)sp->count, "chunks",
+                             (json_int_t)sp->n_chunks, "reducer", sp->reducer, "final_reducer",
+                             sp->final_reducer, "contributors", mask_json(sp->contributors, g->n),
+                             "partial", mask_json(sp->partial, g->n), "chunks_local",
+                             (json_int_t)sp->chunks_local));
+    }
+    json_object_set_new(o, "members", members ? members : json_null());
+    json_object_set_new(o, "left_out", left ? left : json_null());
+    json_object_set_new(o, "spans", spans ? spans : json_null());
+    return o;
+}
+
+/* An error reply for a round that did not come back averaged. */
+static void reply_round_error(hm_control_req *req, const hm_avg_report *r)
+{
+    char msg[1024];
+    const char *code;
+    int st = r->status;
+    if (r->stage == HM_AVG_STAGE_MATCHMAKING) {
+        code = st == -ETIMEDOUT ? "no_group" : st == -ECANCELED ? "cancelled" : "matchmaking";
+        if (st == -ETIMEDOUT)
+            snprintf(msg, sizeof(msg),
+                     "no group formed under '%s' (bits '%s') within %.1f s", r->prefix,
+                     r->group_bits, r->matchmaking_s);
+        else
+            snprintf(msg, sizeof(msg), "matchmaking under '%s' failed: %s", r->prefix,
+                     hm_strerror(st));
+    } else {
+        code = st == -ETIMEDOUT ? "timeout"
+               : st == -EPERM   ? "left_out"
+               : st == -ENOTCONN ? "isolated"
+               : st == -ECANCELED ? "cancelled"
+                                  : "allreduce";
+        int len = snprintf(msg, sizeof(msg), "all-reduce in a group of %zu under '%s' failed "
+                           "after %.1f s: %s", r->group.n, r->prefix, r->allreduce_s,
+                           hm_strerror(st));
+        for (size_t i = 0; i < r->group.n && i < r->ar.group_size && len > 0 &&
+                           (size_t)len < sizeof(msg) - 80; i++) {
+            if (r->ar.reason[i] == HM_AR_IN)
+                continue;
+            char id[HM_PEER_ID_LEN + 1];
+            hm_peer_id_encode(r->group.members[i].pk, id);
+            len += snprintf(msg + len, sizeof(msg) - (size_t)len, "; %.12s %s", id,
+                            reason_name(r->ar.reason[i]));
+        }
+    }
+    hm_control_reply_error(req, code, msg);
+}
+
+static void avg_read_work(uv_work_t *w)
+{
+    avg_job *j = w->data;
+    struct stat st;
+    size_t got = 0;
+    /* O_NONBLOCK: opening a FIFO must not hang the worker; we refuse it below. */
+    int fd = open(j->in, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        j->err = -errno;
+        snprintf(j->msg, sizeof(j->msg), "cannot open %s: %s", j->in, strerror(errno));
+        return;
+    }
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        j->err = -EINVAL;
+        snprintf(j->msg, sizeof(j->msg), "%s is not a regular file", j->in);
+        goto out;
+    }
+    if (st.st_size <= 0 || (st.st_size % 4) != 0 || (uint64_t)st.st_size > AVERAGE_MAX_BYTES) {
+        j->err = -EINVAL;
+        snprintf(j->msg, sizeof(j->msg),
+                 "%s holds %lld bytes: expected a positive multiple of 4 (float32), at most %zu",
+                 j->in, (long long)st.st_size, AVERAGE_MAX_BYTES);
+        goto out;
+    }
+    j->n = (size_t)st.st_size / 4;
+    j->data = malloc((size_t)st.st_size);
+    if (j->data == NULL) {
+        j->err = -ENOMEM;
+        snprintf(j->msg, sizeof(j->msg), "out of memory for %lld bytes", (long long)st.st_size);
+        goto out;
+    }
+    while (got < (size_t)st.st_size) {
+        ssize_t r = read(fd, (char *)j->data + got, (size_t)st.st_size - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            j->err = r < 0 ? -errno : -EIO;
+            snprintf(j->msg, sizeof(j->msg), "reading %s: %s", j->in,
+                     r < 0 ? strerror(errno) : "the file shrank while being read");
+            goto out;
+        }
+        got += (size_t)r;
+    }
+    for (size_t i = 0; i < j->n; i++) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        uint32_t u;
+        memcpy(&u, &j->data[i], 4);
+        u = __builtin_bswap32(u);
+        memcpy(&j->data[i], &u, 4);
+#endif
+        if (!isfinite(j->data[i])) {
+            j->err = -EDOM;
+            snprintf(j->msg, sizeof(j->msg), "%s: element %zu is not a finite number", j->in, i);
+            goto out;
+        }
+    }
+out:
+    close(fd);
+}
+
+static void avg_write_work(uv_work_t *w)
+{
+    avg_job *j = w->data;
+    char tmp[PATH_MAX + 16];
+    size_t len = j->n * sizeof(float), done = 0;
+
+    if (snprintf(tmp, sizeof(tmp), "%s.XXXXXX", j->out) >= (int)sizeof(tmp)) {
+        j->err = -ENAMETOOLONG;
+        snprintf(j->msg, sizeof(j->msg), "output path too long");
+        return;
+    }
+    int fd = mkostemp(tmp, O_CLOEXEC);
+    if (fd < 0) {
+        j->err = -errno;
+        snprintf(j->msg, sizeof(j->msg), "cannot create a file next to %s: %s", j->out,
+                 strerror(errno));
+        return;
+    }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (size_t i = 0; i < j->n; i++) {
+        uint32_t u;
+        memcpy(&u, &j->data[i], 4);
+        u = __builtin_bswap32(u);
+        memcpy(&j->data[i], &u, 4);
+    }
+#endif
+    while (done < len) {
+        ssize_t r = write(fd, (const char *)j->data + done, len - done);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            j->err = -errno;
+            break;
+        }
+        done += (size_t)r;
+    }
+    if (j->err == 0 && (fchmod(fd, 0644) != 0 || fsync(fd) != 0))
+        j->err = -errno;
+    if (close(fd) != 0 && j->err == 0)
+        j->err = -errno;
+    if (j->err == 0 && rename(tmp, j->out) != 0)
+        j->err = -errno;
+    if (j->err != 0) {
+        snprintf(j->msg, sizeof(j->msg), "writing %s: %s", j->out, strerror(-j->err));
+        unlink(tmp);
+    }
+}
+
+static void avg_after_write(uv_work_t *w, int status)
+{
+    avg_job *j = w->data;
+    if (status != 0 && j->err == 0) {
+        j->err = status;
+        snprintf(j->msg, sizeof(j->msg), "writing %s: %s", j->out, uv_strerror(status));
+    }
+    if (j->err != 0) {
+        hm_control_reply_error(j->req, "io", j->msg);
+    } else {
+        json_t *rep = report_json(j->rep);
+        if (rep != NULL)
+            json_object_set_new(rep, "out", json_string(j->out));
+        reply_or_fail(j->req, rep);
+    }
+    avg_job_free(j);
+}
+
+static void on_avg_round(void *ud, int status, const hm_avg_report *rep)
+{
+    avg_job *j = ud;
+    j->rep = malloc(sizeof(*j->rep));
+    if (j->rep == NULL) {
+        hm_control_reply_error(j->req, "internal", "out of memory");
+        goto fail;
+    }
+    *j->rep = *rep;
+    if (status != 0) {
+        reply_round_error(j->req, rep);
+        goto fail;
+    }
+    /* The daemon may be closing: the loop still runs the write to its end. */
+    j->err = 0;
+    int r = uv_queue_work(&j->d->loop, &j->work, avg_write_work, avg_after_write);
+    if (r != 0) {
+        hm_control_reply_error(j->req, "internal", uv_strerror(r));
+        goto fail;
+    }
+    return;
+fail:
+    avg_job_free(j);
+}
+
+static void avg_after_read(uv_work_t *w, int status)
+{
+    avg_job *j = w->data;
+    daemon_t *d = j->d;
+    int r;
+    if (status != 0 && j->err == 0) {
+        j->err = status;
+        snprintf(j->msg, sizeof(j->msg), "reading %s: %s", j->in, uv_strerror(status));
+    }
+    if (j->err != 0) {
+        hm_control_reply_error(j->req, j->err == -ENOMEM ? "internal" : "bad_input", j->msg);
+        goto fail;
+    }
+    if (d->av == NULL) {
+        hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
+        goto fail;
+    }
+    j->held = j->n * sizeof(float);
+    d->avg_bytes += j->held;
+    if (d->avg_bytes > AVERAGE_MAX_HELD) {
+        hm_control_reply_error(j->req, "busy", "too many tensors are being averaged at once");
+        goto fail;
+    }
+    r = hm_averager_round(d->av, &j->opts, j->data, j->n, on_avg_round, j, NULL);
+    if (r < 0) {
+        char msg[256];
+        snprintf(msg, sizeof(msg), "cannot start a round under '%s': %s", j->prefix,
+                 r == -EBUSY     ? "a round under this prefix and group bits is running"
+                 : r == -ENOBUFS ? "too many rounds are running"
+                                 : hm_strerror(r));
+        hm_control_reply_error(j->req, r == -EBUSY || r == -ENOBUFS ? "busy" : "bad_args", msg);
+        goto fail;
+    }
+    return;
+fail:
+    avg_job_free(j);
+}
+
+/* args.name as seconds in (0, max], or def when absent; -1 when bad (replied). */
+static double arg_seconds(hm_control_req *req, const json_t *args, const char *name, double def,
+                          double max)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[128];
+    if (v == NULL)
+        return def;
+    if (!json_is_number(v) || !(json_number_value(v) > 0) || json_number_value(v) > max) {
+        snprintf(msg, sizeof(msg), "args.%s must be seconds, above 0 and at most %g", name, max);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -1;
+    }
+    return json_number_value(v);
+}
+
+/* args.name as an integer in [lo, hi], or def when absent; -1 when bad (replied). */
+static long arg_int(hm_control_req *req, const json_t *args, const char *name, long def, long lo,
+                    long hi)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[128];
+    if (v == NULL)
+        return def;
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
+        snprintf(msg, sizeof(msg), "args.%s must be an integer from %ld to %ld", name, lo, hi);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -1;
+    }
+    return (long)json_integer_value(v);
+}
+
+static int arg_path(hm_control_req *req, const json_t *args, const char *name, char *out)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[128];
+    if (!json_is_string(v) || json_string_length(v) == 0 || json_string_length(v) >= PATH_MAX ||
+        json_string_value(v)[0] != '/' || strlen(json_string_value(v)) != json_string_length(v)) {
+        snprintf(msg, sizeof(msg), "args.%s must be an absolute path", name);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -1;
+    }
+    hm_strlcpy(out, json_string_value(v), PATH_MAX);
+    return 0;
+}
+
+static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
+{
+    daemon_t *d = ud;
+    avg_job *j = NULL;
+    const json_t *v;
+
+    if (d->av == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    if (d->avg_jobs >= AVERAGE_MAX_JOBS) {
+        hm_control_reply_error(req, "busy", "too many average commands are running");
+        return;
+    }
+    j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        return;
+    }
+    j->req = req;
+    v = json_object_get(args, "prefix");
+    if (!json_is_string(v) || json_string_length(v) == 0 ||
+        json_string_length(v) > HM_MM_PREFIX_MAX ||
+        strlen(json_string_value(v)) != json_string_length(v)) {
+        hm_control_reply_error(req, "bad_args", "args.prefix must be a string of 1 to 128 bytes");
+        goto fail;
+    }
+    hm_strlcpy(j->prefix, json_string_value(v), sizeof(j->prefix));
+    if (arg_path(req, args, "in", j->in) < 0 || arg_path(req, args, "out", j->out) < 0)
+        goto fail;
+    j->opts.prefix = j->prefix;
+    j->opts.weight = 1.0;
+    v = json_object_get(args, "weight");
+    if (v != NULL) {
+        if (!json_is_number(v) || !isfinite(json_number_value(v)) || json_number_value(v) < 0) {
+            hm_control_reply_error(req, "bad_args", "args.weight must be a finite number >= 0");
+            goto fail;
+        }
+        j->opts.weight = json_number_value(v);
+    }
+    long target = arg_int(req, args, "target_group_size", 16, 1, HM_AVG_MAX_GROUP);
+    if (target < 0)
+        goto fail;
+    long min = arg_int(req, args, "min_group_size", target > 1 ? 2 : 1, 1, target);
+    if (min < 0)
+        goto fail;
+    j->opts.target_group_size = (unsigned)target;
+    j->opts.min_group_size = (unsigned)min;
+    double t = arg_seconds(req, args, "timeout", 30, AVERAGE_MAX_TIMEOUT_S);
+    if (t < 0)
+        goto fail;
+    double rt = arg_seconds(req, args, "round_timeout", 30, AVERAGE_MAX_TIMEOUT_S);
+    if (rt < 0)
+        goto fail;
+    double mt = arg_seconds(req, args, "matchmaking_time", HM_MIN(5.0, t), t);
+    if (mt < 0)
+        goto fail;
+    j->opts.matchmaking_timeout_ms = (uint64_t)(t * 1000);
+    j->opts.round_timeout_ms = (uint64_t)(rt * 1000);
+    j->opts.matchmaking_time_ms = (uint64_t)(mt * 1000);
+    if (j->opts.matchmaking_timeout_ms == 0 || j->opts.round_timeout_ms == 0 ||
+        j->opts.matchmaking_time_ms == 0) {
+        hm_control_reply_error(req, "bad_args", "timeouts must be at least a millisecond");
+        goto fail;
+    }
+    v = json_object_get(args, "compression");
+    if (v != NULL) {
+        int found = -1;
+        for (int c = 0; c < HM_AVG_COMP_COUNT && json_is_string(v); c++)
+            if (strcmp(json_string_value(v), comp_names[c]) == 0)
+                found = c;
+        if (found < 0) {
+            hm_control_reply_error(req, "bad_args", "args.compression must be none, fp16 or 8bit");
+            goto fail;
+        }
+        j->opts.compression = found;
+    }
+    v = json_object_get(args, "group_bits");
+    if (v != NULL) {
+        const char *b = json_string_value(v);
+        if (b == NULL || strlen(b) > HM_MM_BITS_MAX || strspn(b, "01") != strlen(b)) {
+            hm_control_reply_error(req, "bad_args", "args.group_bits must be up to 32 of 0 and 1");
+            goto fail;
+        }
+        hm_strlcpy(j->bits, b, sizeof(j->bits));
+        j->opts.group_bits = j->bits;
+    }
+    v = json_object_get(args, "client_mode");
+    if (v != NULL && !json_is_boolean(v)) {
+        hm_control_reply_error(req, "bad_args", "args.client_mode must be true or false");
+        goto fail;
+    }
+    j->opts.client_mode = json_is_true(v);
+    j->d = d;
+    d->avg_jobs++;
+    j->work.data = j;
+    int r = uv_queue_work(&d->loop, &j->work, avg_read_work, avg_after_read);
+    if (r != 0) {
+        hm_control_reply_error(req, "internal", uv_strerror(r));
+        goto fail;
+    }
+    return;
+fail:
+    avg_job_free(j);
+}
+
+static void cmd_averaging(void *ud, hm_control_req *req, const json_t *args)
+{
+    daemon_t *d = ud;
+    hm_avg_report *hist = NULL;
+    hm_avg_active act[HM_MM_MAX_SEARCHES];
+    json_t *rounds = NULL, *active = NULL;
+    (void)args;
+
+    if (d->av == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    hist = calloc(HM_AVERAGER_HISTORY, sizeof(*hist));
+    rounds = json_array();
+    active = json_array();
+    if (hist == NULL || rounds == NULL || active == NULL)
+        goto fail;
+    size_t nh = HM_MIN(hm_averager_history(d->av, hist, HM_AVERAGER_HISTORY),
+                       (size_t)HM_AVERAGER_HISTORY);
+    for (size_t i = 0; i < nh; i++) {
+        json_t *e = report_json(&hist[i]);
+        if (e == NULL || json_array_append_new(rounds, e) != 0)
+            goto fail;
+    }
+    size_t na = HM_MIN(hm_averager_active(d->av, act, HM_ARRAY_LEN(act)), HM_ARRAY_LEN(act));
+    for (size_t i = 0; i < na; i++) {
+        json_t *e = json_pack("{s:I, s:s, s:s, s:I, s:I, s:f}", "round", (json_int_t)act[i].round,
+                              "stage",
+                              act[i].stage == HM_AVG_STAGE_MATCHMAKING ? "matchmaking"
+                                                                       : "allreduce",
+                              "prefix", act[i].prefix, "elements", (json_int_t)act[i].n_elems,
+                              "group_size", (json_int_t)act[i].group_size, "started",
+                              (double)act[i].started_unix_ms / 1000.0);
+        if (e == NULL || json_array_append_new(active, e) != 0)
+            goto fail;
+    }
+    free(hist);
+    reply_or_fail(req, json_pack("{s:o, s:o}", "active", active, "rounds", rounds));
+    return;
+fail:
+    free(hist);
+    json_decref(rounds);
+    json_decref(active);
+    hm_control_reply_error(req, "internal", "out of memory");
+}
+
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)
 {
     daemon_t *d = ud;
@@ -583,6 +1154,12 @@ static int start(daemon_t *d, char *err, size_t errlen)
     if (r != 0)
         return r;
     d->parts_open++;
+    r = hm_averager_new(d->node, &d->av);
+    if (r != 0) {
+        snprintf(err, errlen, "cannot start the averager: %s", hm_strerror(r));
+        return r;
+    }
+    d->parts_open++;
 
     hm_control_config cc = {
         .path = d->cfg.control_socket,
@@ -603,6 +1180,8 @@ static int start(daemon_t *d, char *err, size_t errlen)
     hm_control_register(d->ctl, "dht.get", cmd_dht_get, d);
     hm_control_register(d->ctl, "dht.put", cmd_dht_put, d);
     hm_control_register(d->ctl, "dht.info", cmd_dht_info, d);
+    hm_control_register(d->ctl, "average", cmd_average, d);
+    hm_control_register(d->ctl, "averaging", cmd_averaging, d);
 
     uv_signal_init(&d->loop, &d->sig_term);
     uv_signal_init(&d->loop, &d->sig_int);
