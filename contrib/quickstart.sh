@@ -276,6 +276,45 @@ stop_all() {
     [ "$failed" -eq 0 ] || fail "a node did not exit cleanly"
 }
 
+# Writes COUNT copies of the little-endian float32 whose bytes are given as
+# printf escapes, e.g. '\x00\x00\x80\x3f' for 1.0.
+write_floats() {
+    local bytes="$1" count="$2" out="$3" k
+    for ((k = 0; k < count; k++)); do printf '%b' "$bytes"; done > "$out"
+}
+
+# Every node averages a 4 KiB tensor (node i holds the value i everywhere)
+# in one group through the swarm; each must end with the mean, 2.5.
+average_demo() {
+    local i pids=() f rc=0
+    local -a values=('\x00\x00\x80\x3f' '\x00\x00\x00\x40' '\x00\x00\x40\x40' '\x00\x00\x80\x40')
+    say "averaging: node i holds a tensor of 1024 values equal to i; all $NODES average it"
+    for ((i = 1; i <= NODES; i++)); do
+        f="$DEMO_DIR/n$i/params"
+        write_floats "${values[i - 1]}" 1024 "$f.in"
+        "$HIVEMINDCTL" -s "$DEMO_DIR/n$i/control.sock" average quickstart/params \
+            --in "$f.in" --out "$f.out" --target-group-size "$NODES" --min-group-size 2 \
+            --matchmaking-time 3 --timeout 20 --round-timeout 20 > "$f.report" 2>&1 &
+        pids+=($!)
+    done
+    for ((i = 1; i <= NODES; i++)); do
+        wait "${pids[i - 1]}" || rc=1
+    done
+    echo "node 1's report:"
+    cat "$DEMO_DIR/n1/params.report"
+    [ "$rc" -eq 0 ] || { cat "$DEMO_DIR"/n*/params.report; fail "an averaging round failed"; }
+    for ((i = 1; i <= NODES; i++)); do
+        f="$DEMO_DIR/n$i/params.out"
+        od -An -tf4 -v "$f" | tr -s ' ' '\n' | grep -v '^$' | sort -u | grep -qx '2.5' \
+            || fail "node $i did not end with the mean 2.5"
+        [ "$(od -An -tf4 -v "$f" | tr -s ' ' '\n' | grep -v '^$' | sort -u | wc -l)" -eq 1 ] \
+            || fail "node $i holds values other than the mean"
+    done
+    echo "every node now holds 2.5, the mean of 1, 2, 3 and 4"
+    say "node 1: hivemindctl averaging"
+    ctl 1 averaging || fail "hivemindctl averaging failed on node 1"
+}
+
 demo() {
     local short="$1" i j peers t0 n
     HIVEMINDD="$BUILD/src/hivemindd"
@@ -321,6 +360,8 @@ demo() {
         || fail "node $NODES read a different value"
     say "node $NODES: hivemindctl dht info"
     ctl "$NODES" dht info || fail "hivemindctl dht info failed on node $NODES"
+
+    average_demo
 
     if [ "$short" -eq 0 ]; then
         say "watching node 1's peer table for 30 s (RTTs come from datagram pings)"
