@@ -58,6 +58,7 @@ static void usage(FILE *f)
             "             long to look for a group (default 30), --round-timeout the\n"
             "             all-reduce's deadline (default 30); hivemindctl waits for both\n"
             "             plus 15 s. Exit 1 with the reason when no averaged result came\n"
+            "             back\n"
             "  averaging  the rounds in progress and the recent rounds, as a table\n\n"
             "Options:\n"
             "  -s, --socket PATH    control socket (default: $HIVEMINDD_CONTROL_SOCKET, else\n"
