@@ -36,7 +36,7 @@
 /* Header bytes of a part or reply around its chunk data (generous). */
 #define MSG_SLACK 256u
 
-enum { T_TODO = 0, T_INFLIGHT, T_DONE, T_FAILED };
+enum { T_QUEUED = 0, T_INFLIGHT, T_DONE, T_FAILED };
 
 typedef struct task {
     uint32_t span, chunk;
@@ -748,7 +748,7 @@ static void task_retry(task *t)
 {
     uint64_t now = hm_now_ms();
     unsigned shift = t->attempts < 5 ? t->attempts : 5;
-    t->state = T_TODO;
+    t->state = T_QUEUED;
     t->attempts++;
     t->retry_at_ms = now + HM_MIN((uint64_t)RETRY_MIN_MS << shift, (uint64_t)RETRY_MAX_MS);
     t->gen++;
@@ -788,7 +788,7 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
             hm_avg_chunk_decode(rep.data, rep.data_len, vals, t->cnt, &got) < 0 || got != t->cnt ||
             (rep.contrib_mask & ~r->all_mask) != 0) {
             free(vals);
-            t->state = T_TODO;
+            t->state = T_QUEUED;
             t->gen++;
             found_out(r, red, HM_AR_BAD);
             break;
@@ -801,7 +801,7 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
     case -ENOBUFS:
     case -EXDEV:
         if (hm_now_ms() >= t->first_try_ms + r->cfg.reducer_timeout_ms) {
-            t->state = T_TODO;
+            t->state = T_QUEUED;
             t->gen++;
             found_out(r, red, HM_AR_DEAD);
         } else {
@@ -824,7 +824,7 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
          * that calls it malformed disagrees with us about the round: it is
          * the one left out, and the span goes to the next reducer.
          */
-        t->state = T_TODO;
+        t->state = T_QUEUED;
         t->gen++;
         found_out(r, red, HM_AR_BAD);
         break;
@@ -842,7 +842,7 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
         break;
     default:
         /* Timed out, connection lost, view conflict or anything else: the reducer is gone. */
-        t->state = T_TODO;
+        t->state = T_QUEUED;
         t->gen++;
         found_out(r, red, HM_AR_DEAD);
         break;
@@ -976,7 +976,7 @@ static void send_task(hm_ar_round *r, size_t ti)
     }
     if (rc < 0) {
         free(cc);
-        t->state = T_TODO;
+        t->state = T_QUEUED;
         found_out(r, (size_t)red, HM_AR_DEAD);
         return;
     }
@@ -1000,11 +1000,11 @@ static void reroute(hm_ar_round *r)
                 continue;
             if (t->state == T_INFLIGHT) {
                 t->gen++;
-                t->state = T_TODO;
+                t->state = T_QUEUED;
                 if ((size_t)t->to != r->g.self)
                     hm_rpc_cancel(r->ctx->rpc, t->call_id);
             }
-            t->state = T_TODO;
+            t->state = T_QUEUED;
             t->first_try_ms = 0;
             t->retry_at_ms = 0;
             t->attempts = 0;
@@ -1032,7 +1032,7 @@ static void apply_view(hm_ar_round *r, uint64_t dead_add, uint64_t bad_add, int 
     reroute(r);
 }
 
-static int task_open(const task *t) { return t->state == T_TODO || t->state == T_INFLIGHT; }
+static int task_open(const task *t) { return t->state == T_QUEUED || t->state == T_INFLIGHT; }
 
 static void pump(hm_ar_round *r)
 {
@@ -1045,10 +1045,10 @@ static void pump(hm_ar_round *r)
         size_t end = HM_MIN(r->n_tasks, r->lo + r->cfg.window);
         for (size_t i = r->lo; i < end && !r->finishing; i++) {
             task *t = &r->tasks[i];
-            if (t->state != T_TODO || now < t->retry_at_ms)
+            if (t->state != T_QUEUED || now < t->retry_at_ms)
                 continue;
             send_task(r, i);
-            if (t->state != T_TODO)
+            if (t->state != T_QUEUED)
                 again = 1;
         }
         if (again)
@@ -1477,7 +1477,7 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
             t->chunk = (uint32_t)k;
             t->off = r->off[s] + k * cfg.chunk_elems;
             t->cnt = HM_MIN(cfg.chunk_elems, r->cnt[s] - k * cfg.chunk_elems);
-            t->state = T_TODO;
+            t->state = T_QUEUED;
         }
     r->start_ms = hm_now_ms();
     r->start_us = hm_now_us();

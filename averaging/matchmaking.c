@@ -1051,27 +1051,44 @@ static int try_suggested(search *s, const hm_mm_reply *r, uint64_t now)
     return send_join(s, &p);
 }
 
-static void on_join_reply(void *ud, int status, const uint8_t *body, size_t len)
+/*
+ * What a reply to a join or a wait starts with: the call is over and we are
+ * searching again. Returns the search when a decoded reply is in *r, NULL
+ * when the reply was handled here (search gone, cancelled, or a failed call,
+ * after which the leader is avoided for a while and the search moves on).
+ */
+static search *reply_begin(void *ud, int status, const uint8_t *body, size_t len,
+                           const char *what, hm_mm_reply *r, peer *leader_out, uint64_t *now_out)
 {
     search *s = op_done(ud);
-    hm_mm_reply r;
     if (s == NULL)
-        return;
-    uint64_t now = now_ms(s->mm);
-    peer leader = s->leader;
+        return NULL;
+    *now_out = now_ms(s->mm);
+    *leader_out = s->leader;
     s->call = NULL;
     s->phase = HM_MM_SEARCHING;
     /* Only the rpc layer closing cancels a call we did not orphan. */
     if (status == -ECANCELED) {
         finish(s, -ECANCELED, NULL);
-        return;
+        return NULL;
     }
-    if (status < 0 || hm_mm_decode_reply(body, len, &r) < 0) {
-        hm_debug(MOD, "%s: join failed: %s", s->key, hm_strerror(status < 0 ? status : -EPROTO));
-        refuse(s, &leader, HM_MAX(s->req_ms, 4 * s->period_ms), now);
+    if (status < 0 || hm_mm_decode_reply(body, len, r) < 0) {
+        hm_debug(MOD, "%s: %s: %s", s->key, what, hm_strerror(status < 0 ? status : -EPROTO));
+        refuse(s, leader_out, HM_MAX(s->req_ms, 4 * s->period_ms), *now_out);
         step(s);
-        return;
+        return NULL;
     }
+    return s;
+}
+
+static void on_join_reply(void *ud, int status, const uint8_t *body, size_t len)
+{
+    hm_mm_reply r;
+    peer leader;
+    uint64_t now;
+    search *s = reply_begin(ud, status, body, len, "join failed", &r, &leader, &now);
+    if (s == NULL)
+        return;
     switch (r.code) {
     case HM_MM_ACCEPTED:
         /* With a full group of our own, we begin rather than move. */
@@ -1110,25 +1127,12 @@ static int valid_begin(const search *s, const hm_mm_reply *r)
 
 static void on_wait_reply(void *ud, int status, const uint8_t *body, size_t len)
 {
-    search *s = op_done(ud);
     hm_mm_reply r;
+    peer leader;
+    uint64_t now;
+    search *s = reply_begin(ud, status, body, len, "leader lost", &r, &leader, &now);
     if (s == NULL)
         return;
-    uint64_t now = now_ms(s->mm);
-    peer leader = s->leader;
-    s->call = NULL;
-    s->phase = HM_MM_SEARCHING;
-    /* Only the rpc layer closing cancels a call we did not orphan. */
-    if (status == -ECANCELED) {
-        finish(s, -ECANCELED, NULL);
-        return;
-    }
-    if (status < 0 || hm_mm_decode_reply(body, len, &r) < 0) {
-        hm_debug(MOD, "%s: leader lost: %s", s->key, hm_strerror(status < 0 ? status : -EPROTO));
-        refuse(s, &leader, HM_MAX(s->req_ms, 4 * s->period_ms), now);
-        step(s);
-        return;
-    }
     if (r.code == HM_MM_BEGIN && valid_begin(s, &r) && complete_group(s, &r.group) == 0) {
         finish(s, 0, &r.group);
         return;
