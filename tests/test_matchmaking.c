@@ -18,6 +18,7 @@
 
 #include "matchmaking.h"
 #include "node.h"
+#include "loop.h"
 #include "util.h"
 
 #define MAX_PEERS 16
@@ -37,22 +38,9 @@ typedef struct swarm {
     size_t n;
 } swarm;
 
-static void on_tick(uv_timer_t *t) { HM_UNUSED(t); }
-
-typedef int (*pred_fn)(void *ud);
-
-static int run_until(uv_loop_t *loop, pred_fn pred, void *ud, uint64_t timeout_ms)
+static int run_until(uv_loop_t *loop, hm_test_pred pred, void *ud, uint64_t timeout_ms)
 {
-    uint64_t end = hm_now_ms() + timeout_ms;
-    while (!pred(ud) && hm_now_ms() < end) {
-        uv_timer_t t;
-        uv_timer_init(loop, &t);
-        uv_timer_start(&t, on_tick, 10, 0);
-        uv_run(loop, UV_RUN_ONCE);
-        uv_close((uv_handle_t *)&t, NULL);
-        uv_run(loop, UV_RUN_NOWAIT);
-    }
-    return pred(ud);
+    return hm_test_run_until(loop, pred, ud, timeout_ms);
 }
 
 static int never(void *ud)
