@@ -5,8 +5,10 @@
 #ifndef HM_TEST_LOOP_H
 #define HM_TEST_LOOP_H
 
+#include <criterion/criterion.h>
 #include <uv.h>
 
+#include "node.h"
 #include "util.h"
 
 typedef int (*hm_test_pred)(void *ud);
@@ -31,6 +33,32 @@ static inline int hm_test_run_until(uv_loop_t *loop, hm_test_pred pred, void *ud
         uv_run(loop, UV_RUN_NOWAIT);
     }
     return pred(ud);
+}
+
+/*
+ * A node on 127.0.0.1 for in-process swarms, joining through peer (an
+ * address, or NULL for the first node). Every node shares 127.0.0.1, so the
+ * DHT's per-address rate limit is lifted: the tests would otherwise measure
+ * the limiter, not the protocol.
+ */
+static inline hm_node *hm_test_make_node(uv_loop_t *loop, const char *swarm, const char *peer)
+{
+    hm_node_options o = {0};
+    const char *peers[1] = {peer};
+    o.listen = "127.0.0.1:0";
+    o.swarm = swarm;
+    o.ping_interval_ms = 1000;
+    o.dht.rate_per_s = 1e6;
+    o.dht.rate_burst = 1e6;
+    if (peer != NULL) {
+        o.initial_peers = peers;
+        o.n_initial_peers = 1;
+    }
+    hm_node *n = NULL;
+    char err[256] = "";
+    int r = hm_node_new(loop, &o, &n, err, sizeof(err));
+    cr_assert_eq(r, 0, "hm_node_new: %s", err);
+    return n;
 }
 
 #endif

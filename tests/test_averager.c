@@ -50,23 +50,7 @@ static int run_until(uv_loop_t *loop, hm_test_pred pred, void *ud, uint64_t time
 
 static hm_node *make_node(uv_loop_t *loop, const char *peer)
 {
-    hm_node_options o = {0};
-    const char *peers[1] = {peer};
-    o.listen = "127.0.0.1:0";
-    o.swarm = "averager-test";
-    o.ping_interval_ms = 1000;
-    /* All nodes share 127.0.0.1, which the DHT's per-address rate limit
-     * would otherwise treat as one very busy peer. */
-    o.dht.rate_per_s = 1e6;
-    o.dht.rate_burst = 1e6;
-    if (peer != NULL) {
-        o.initial_peers = peers;
-        o.n_initial_peers = 1;
-    }
-    hm_node *n = NULL;
-    char err[256] = "";
-    cr_assert_eq(hm_node_new(loop, &o, &n, err, sizeof(err)), 0, "hm_node_new: %s", err);
-    return n;
+    return hm_test_make_node(loop, "averager-test", peer);
 }
 
 static int dht_ready(void *ud)

@@ -53,24 +53,7 @@ static void run_for(uv_loop_t *loop, uint64_t ms) { run_until(loop, never, NULL,
 
 static hm_node *make_node(uv_loop_t *loop, const char *peer)
 {
-    hm_node_options o = {0};
-    const char *peers[1] = {peer};
-    o.listen = "127.0.0.1:0";
-    o.swarm = "mm-test";
-    o.ping_interval_ms = 1000;
-    /* Every node sits on 127.0.0.1, which the DHT's per-address limit
-     * would otherwise count as one very busy peer. */
-    o.dht.rate_per_s = 1e6;
-    o.dht.rate_burst = 1e6;
-    if (peer != NULL) {
-        o.initial_peers = peers;
-        o.n_initial_peers = 1;
-    }
-    hm_node *n = NULL;
-    char err[256] = "";
-    int r = hm_node_new(loop, &o, &n, err, sizeof(err));
-    cr_assert_eq(r, 0, "hm_node_new: %s", err);
-    return n;
+    return hm_test_make_node(loop, "mm-test", peer);
 }
 
 static int dht_ready(void *ud)
