@@ -38,6 +38,7 @@ struct client {
     char *buf;
     size_t len, cap;
     hm_control_req *pending; /* the request being handled, at most one */
+    uint64_t conn_id;        /* unique for the server's lifetime, never 0 */
     size_t queued;           /* reply bytes handed to uv_write, not yet done */
     unsigned writes;         /* outstanding uv_write requests */
     int handles;             /* open libuv handles (pipe, timer) */
@@ -51,6 +52,7 @@ struct client {
 
 struct hm_control_req {
     struct client *client; /* NULL once the client has gone */
+    uint64_t conn_id;      /* the connection it came on, kept after it goes */
     json_t *id;
     char cmd[HM_CONTROL_MAX_CMD + 1];
 };
@@ -74,6 +76,9 @@ struct hm_control {
     int new_failed; /* hm_control_new failed: free on the listener's close */
     void (*close_cb)(void *ud);
     void *close_ud;
+    uint64_t next_conn_id;
+    hm_control_conn_closed_cb conn_closed_cb;
+    void *conn_closed_ud;
 };
 
 struct write_req {
@@ -260,6 +265,9 @@ static void client_close(struct client *c)
         ctl->n_rejected--;
     else
         ctl->n_served--;
+    /* Rejected clients never ran a command, so nothing can hang off them. */
+    if (!c->rejected && ctl->conn_closed_cb != NULL)
+        ctl->conn_closed_cb(ctl->conn_closed_ud, c->conn_id);
     uv_read_stop((uv_stream_t *)&c->pipe);
     uv_timer_stop(&c->idle);
     uv_close((uv_handle_t *)&c->pipe, on_client_handle_closed);
@@ -391,6 +399,7 @@ static void dispatch(struct client *c, const char *line, size_t len)
         goto out;
     }
     req->client = c;
+    req->conn_id = c->conn_id;
     req->id = r.id;
     r.id = NULL;
     memcpy(req->cmd, r.cmd, sizeof(req->cmd));
@@ -560,6 +569,7 @@ static void on_connection(uv_stream_t *server, int status)
     if (c == NULL)
         return;
     c->ctl = ctl;
+    c->conn_id = ++ctl->next_conn_id;
     uv_pipe_init(ctl->loop, &c->pipe, 0);
     uv_timer_init(ctl->loop, &c->idle);
     c->pipe.data = c;
@@ -644,6 +654,13 @@ int hm_control_reply_error(hm_control_req *req, const char *code, const char *me
 }
 
 const char *hm_control_req_cmd(const hm_control_req *req) { return req->cmd; }
+uint64_t hm_control_req_client(const hm_control_req *req) { return req->conn_id; }
+
+void hm_control_set_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void *ud)
+{
+    ctl->conn_closed_cb = cb;
+    ctl->conn_closed_ud = ud;
+}
 
 /* ---- server ---- */
 

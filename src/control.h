@@ -81,6 +81,22 @@ int hm_control_reply(hm_control_req *req, json_t *result);
 int hm_control_reply_error(hm_control_req *req, const char *code, const char *message);
 /* The command name of a request. */
 const char *hm_control_req_cmd(const hm_control_req *req);
+/*
+ * The connection a request came on: an id unique for the server's lifetime
+ * (never 0), still valid after the client has gone. Resources a command
+ * ties to a connection (shared-memory segments) are released when the
+ * close callback below reports that id.
+ */
+uint64_t hm_control_req_client(const hm_control_req *req);
+
+/*
+ * cb(ud, conn_id) fires once for each served connection as it closes (the
+ * client left, misbehaved, idled out, or the server is closing), after its
+ * pending request, if any, has been detached (its reply will be dropped).
+ * It must not call back into the server. NULL unsets it.
+ */
+typedef void (*hm_control_conn_closed_cb)(void *ud, uint64_t conn_id);
+void hm_control_set_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void *ud);
 
 const char *hm_control_path(const hm_control *ctl);
 size_t hm_control_clients(const hm_control *ctl);

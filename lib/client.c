@@ -1,0 +1,1115 @@
+/*
+ * client: libhivemind, the trainer client library (see hivemind.h). It
+ * owns the trainer's connections to the daemon's control socket, their
+ * read buffers, and the mappings of the shared buffers the daemon
+ * allocated for it. Every read and write waits in poll with a deadline;
+ * every reply line is bounded (HMC_MAX_REPLY) and parsed strictly: an
+ * object with a boolean "ok", the request's id echoed, and a "result"
+ * object or an "error" object with string "code" and "message".
+ *
+ * A connection that timed out in the middle of a request, or received
+ * something it could not parse, no longer knows which reply answers which
+ * request; it is marked broken and every later call on it fails at once
+ * with -EPIPE, so a stale reply is never taken for a fresh one.
+ *
+ * Only libc and jansson: no libuv, no state shared between handles.
+ */
+#include "config.h"
+
+#include "hivemind.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <math.h>
+#include <poll.h>
+#include <pwd.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PATH_LEN sizeof(((struct sockaddr_un *)0)->sun_path)
+/* The daemon's request line bound (control.h, HM_CONTROL_MAX_LINE). */
+#define MAX_REQUEST (64 * 1024)
+#define CODE_MAX 64
+/* What a blocking averaging or expert call waits on top of its own timeouts. */
+#define SLACK_MS 30000
+#define DEFAULT_ROUND_S 30.0
+#define READ_CHUNK 65536
+
+struct conn {
+    int fd;
+    int broken;
+    char *buf;
+    size_t len, cap;
+    size_t consume; /* bytes of the last line handed out, dropped on the next read */
+    int64_t next_id;
+};
+
+struct hmc {
+    struct conn c;
+    char path[PATH_LEN];
+    int timeout_ms;
+    char err[HMC_ERROR_MAX];
+    char code[CODE_MAX];
+    hmc_buf *bufs; /* live buffers, detached on hmc_close */
+};
+
+struct hmc_buf {
+    hmc *h; /* NULL once the connection is closed */
+    hmc_buf *prev, *next;
+    void *data;
+    size_t size;
+    uint64_t id;
+};
+
+struct hmc_round {
+    struct conn c;
+    int64_t id;
+    int64_t deadline_ms;
+    int done;
+    int status;
+    char *report;
+    char err[HMC_ERROR_MAX];
+    char code[CODE_MAX];
+};
+
+/* ---- helpers ---- */
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void fmt(char *buf, size_t len, const char *f, ...) __attribute__((format(printf, 3, 4)));
+static void fmt(char *buf, size_t len, const char *f, ...)
+{
+    va_list ap;
+    if (buf == NULL || len == 0)
+        return;
+    va_start(ap, f);
+    vsnprintf(buf, len, f, ap);
+    va_end(ap);
+}
+
+static void copy_str(char *dst, size_t len, const char *src)
+{
+    if (dst == NULL || len == 0)
+        return;
+    snprintf(dst, len, "%s", src);
+}
+
+void hmc_free_string(char *s) { free(s); }
+
+/* The daemon's default control socket, by hivemindd's own rules (hm_config.h). */
+static int default_socket(char *buf, size_t len)
+{
+    int n;
+    const char *env = getenv("HIVEMINDD_CONTROL_SOCKET");
+    if (env != NULL && env[0] != '\0')
+        n = snprintf(buf, len, "%s", env);
+    else if (geteuid() == 0)
+        n = snprintf(buf, len, "/run/hivemindd/control.sock");
+    else if (getenv("XDG_RUNTIME_DIR") != NULL && getenv("XDG_RUNTIME_DIR")[0] == '/')
+        n = snprintf(buf, len, "%s/hivemindd/control.sock", getenv("XDG_RUNTIME_DIR"));
+    else if (getenv("XDG_STATE_HOME") != NULL && getenv("XDG_STATE_HOME")[0] == '/')
+        n = snprintf(buf, len, "%s/hivemindd/control.sock", getenv("XDG_STATE_HOME"));
+    else {
+        const char *home = getenv("HOME");
+        struct passwd pw, *res = NULL;
+        char tmp[4096];
+        if (home == NULL || home[0] != '/') {
+            if (getpwuid_r(geteuid(), &pw, tmp, sizeof(tmp), &res) != 0 || res == NULL ||
+                pw.pw_dir == NULL || pw.pw_dir[0] != '/')
+                return -ENOENT;
+            home = pw.pw_dir;
+        }
+        n = snprintf(buf, len, "%s/.local/state/hivemindd/control.sock", home);
+    }
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+/* ---- connections ---- */
+
+static int conn_open(struct conn *c, const char *path, char *err, size_t errlen)
+{
+    struct sockaddr_un sa;
+    memset(c, 0, sizeof(*c));
+    c->fd = -1;
+    c->next_id = 1;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof(sa.sun_path)) {
+        fmt(err, errlen, "control socket path too long (at most %zu bytes): %s",
+            sizeof(sa.sun_path) - 1, path);
+        return -ENAMETOOLONG;
+    }
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        int e = errno;
+        fmt(err, errlen, "socket: %s", strerror(e));
+        return -e;
+    }
+    /* A local stream socket connects at once or fails at once. */
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+        int e = errno;
+        fmt(err, errlen, "cannot connect to hivemindd at %s: %s%s", path, strerror(e),
+            e == ENOENT || e == ECONNREFUSED
+                ? " (is the daemon running? pass its --control-socket path or set "
+                  "HIVEMINDD_CONTROL_SOCKET)"
+                : "");
+        close(fd);
+        return -e;
+    }
+    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) != 0) {
+        int e = errno;
+        fmt(err, errlen, "fcntl: %s", strerror(e));
+        close(fd);
+        return -e;
+    }
+    c->fd = fd;
+    return 0;
+}
+
+static void conn_close(struct conn *c)
+{
+    if (c->fd >= 0)
+        close(c->fd);
+    c->fd = -1;
+    free(c->buf);
+    c->buf = NULL;
+    c->len = c->cap = c->consume = 0;
+}
+
+/* Waits for events on the socket until deadline; 0, -ETIMEDOUT or -errno. */
+static int conn_wait(struct conn *c, short events, int64_t deadline)
+{
+    for (;;) {
+        int64_t left = deadline - now_ms();
+        struct pollfd p = {.fd = c->fd, .events = events};
+        int r = poll(&p, 1, left <= 0 ? 0 : left > 60000 ? 60000 : (int)left);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return -errno;
+        if (r > 0)
+            return 0;
+        if (left <= 0)
+            return -ETIMEDOUT;
+    }
+}
+
+static int conn_send(struct conn *c, const char *data, size_t len, int64_t deadline, char *err,
+                     size_t errlen)
+{
+    size_t done = 0;
+    while (done < len) {
+        ssize_t n = send(c->fd, data + done, len - done, MSG_NOSIGNAL);
+        if (n >= 0) {
+            done += (size_t)n;
+            continue;
+        }
+        if (errno == EINTR)
+            continue;
+        int r = errno == EAGAIN || errno == EWOULDBLOCK ? conn_wait(c, POLLOUT, deadline) : -errno;
+        if (r != 0) {
+            c->broken = 1;
+            fmt(err, errlen, r == -ETIMEDOUT ? "the daemon did not take the request in time"
+                                             : "sending to the daemon: %s",
+                strerror(-r));
+            return r == -ETIMEDOUT ? r : -EPIPE;
+        }
+    }
+    return 0;
+}
+
+/*
+ * Reads one line (without its newline) into *line_out, valid until the next
+ * read. 0, -ETIMEDOUT (nothing complete by deadline; the connection stays
+ * usable for the caller to decide), -EPIPE (closed or failed) or -EMSGSIZE.
+ */
+static int conn_read_line(struct conn *c, int64_t deadline, char **line_out, size_t *len_out,
+                          char *err, size_t errlen)
+{
+    size_t scanned = 0;
+    if (c->consume > 0) {
+        memmove(c->buf, c->buf + c->consume, c->len - c->consume);
+        c->len -= c->consume;
+        c->consume = 0;
+    }
+    for (;;) {
+        char *nl = c->len > scanned ? memchr(c->buf + scanned, '\n', c->len - scanned) : NULL;
+        if (nl != NULL) {
+            *line_out = c->buf;
+            *len_out = (size_t)(nl - c->buf);
+            c->consume = *len_out + 1;
+            return 0;
+        }
+        scanned = c->len;
+        if (c->len >= HMC_MAX_REPLY) {
+            c->broken = 1;
+            fmt(err, errlen, "the daemon's reply is longer than %zu bytes", HMC_MAX_REPLY);
+            return -EMSGSIZE;
+        }
+        if (c->cap - c->len < READ_CHUNK && c->cap < HMC_MAX_REPLY) {
+            size_t cap = c->cap ? c->cap * 2 : READ_CHUNK * 2;
+            if (cap > HMC_MAX_REPLY)
+                cap = HMC_MAX_REPLY;
+            char *nb = realloc(c->buf, cap);
+            if (nb == NULL) {
+                fmt(err, errlen, "out of memory for the daemon's reply");
+                return -ENOMEM;
+            }
+            c->buf = nb;
+            c->cap = cap;
+        }
+        ssize_t n = recv(c->fd, c->buf + c->len, c->cap - c->len, 0);
+        if (n > 0) {
+            c->len += (size_t)n;
+            continue;
+        }
+        if (n == 0) {
+            c->broken = 1;
+            fmt(err, errlen, "the daemon closed the connection");
+            return -EPIPE;
+        }
+        if (errno == EINTR)
+            continue;
+        int r = errno == EAGAIN || errno == EWOULDBLOCK ? conn_wait(c, POLLIN, deadline) : -errno;
+        if (r == -ETIMEDOUT) {
+            fmt(err, errlen, "no reply from the daemon in time");
+            return r;
+        }
+        if (r != 0) {
+            c->broken = 1;
+            fmt(err, errlen, "reading from the daemon: %s", strerror(-r));
+            return -EPIPE;
+        }
+    }
+}
+
+/* ---- replies ---- */
+
+static int parse_reply(const char *line, size_t len, int64_t expect_id, json_t **result_out,
+                       char *code, size_t codelen, char *err, size_t errlen)
+{
+    json_error_t jerr;
+    json_t *o = NULL;
+    int result = -EPROTO;
+
+    copy_str(code, codelen, "");
+    if (result_out != NULL)
+        *result_out = NULL;
+    if (len > HMC_MAX_REPLY) {
+        fmt(err, errlen, "the daemon's reply is longer than %zu bytes", HMC_MAX_REPLY);
+        return -EPROTO;
+    }
+    o = json_loadb(line, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (o == NULL) {
+        fmt(err, errlen, "the daemon's reply is not JSON: %s", jerr.text);
+        goto out;
+    }
+    if (!json_is_object(o)) {
+        fmt(err, errlen, "the daemon's reply is not a JSON object");
+        goto out;
+    }
+    const json_t *ok = json_object_get(o, "ok");
+    if (!json_is_boolean(ok)) {
+        fmt(err, errlen, "the daemon's reply has no boolean \"ok\"");
+        goto out;
+    }
+    if (expect_id >= 0) {
+        const json_t *id = json_object_get(o, "id");
+        if (!json_is_integer(id) || json_integer_value(id) != expect_id) {
+            fmt(err, errlen, "the daemon's reply does not carry the request's id %lld",
+                (long long)expect_id);
+            goto out;
+        }
+    }
+    if (json_is_true(ok)) {
+        json_t *res = json_object_get(o, "result");
+        if (res != NULL && !json_is_object(res)) {
+            fmt(err, errlen, "the daemon's reply has a \"result\" that is not an object");
+            goto out;
+        }
+        if (result_out != NULL) {
+            *result_out = res != NULL ? json_incref(res) : json_object();
+            if (*result_out == NULL) {
+                fmt(err, errlen, "out of memory");
+                result = -ENOMEM;
+                goto out;
+            }
+        }
+        fmt(err, errlen, "%s", "");
+        result = 0;
+        goto out;
+    }
+    const json_t *e = json_object_get(o, "error");
+    const char *c = json_string_value(json_object_get(e, "code"));
+    const char *m = json_string_value(json_object_get(e, "message"));
+    if (!json_is_object(e) || c == NULL || m == NULL || c[0] == '\0' || strlen(c) >= CODE_MAX) {
+        fmt(err, errlen, "the daemon's error reply lacks a valid \"code\" and \"message\"");
+        goto out;
+    }
+    copy_str(code, codelen, c);
+    fmt(err, errlen, "%s", m);
+    result = -EREMOTEIO;
+out:
+    json_decref(o);
+    return result;
+}
+
+int hmc_parse_reply(const char *line, size_t len, int64_t expect_id, char **result_json_out,
+                    char *code, size_t codelen, char *err, size_t errlen)
+{
+    json_t *res = NULL;
+    if (result_json_out != NULL)
+        *result_json_out = NULL;
+    if (line == NULL && len > 0) {
+        fmt(err, errlen, "no reply");
+        return -EINVAL;
+    }
+    int r = parse_reply(line != NULL ? line : "", len, expect_id,
+                        result_json_out != NULL ? &res : NULL, code, codelen, err, errlen);
+    if (r == 0 && result_json_out != NULL) {
+        *result_json_out = json_dumps(res, JSON_COMPACT);
+        if (*result_json_out == NULL) {
+            fmt(err, errlen, "out of memory");
+            r = -ENOMEM;
+        }
+    }
+    json_decref(res);
+    return r;
+}
+
+/* ---- requests ---- */
+
+/* Sends {"cmd", "args", "id"} on c; args is taken over. *id_out gets the id. */
+static int send_request(struct conn *c, const char *cmd, json_t *args, int64_t deadline,
+                        int64_t *id_out, char *err, size_t errlen)
+{
+    int result = 0;
+    char *text = NULL;
+    int64_t id = c->next_id++;
+    json_t *req = json_pack("{s:s, s:o, s:I}", "cmd", cmd, "args", args, "id", (json_int_t)id);
+    if (req == NULL) {
+        fmt(err, errlen, "out of memory, or a command name that is not UTF-8");
+        return -ENOMEM;
+    }
+    text = json_dumps(req, JSON_COMPACT);
+    if (text == NULL) {
+        fmt(err, errlen, "out of memory");
+        result = -ENOMEM;
+        goto out;
+    }
+    size_t n = strlen(text);
+    if (n + 1 > MAX_REQUEST) {
+        fmt(err, errlen, "the request is %zu bytes; the daemon takes at most %d per line", n + 1,
+            MAX_REQUEST);
+        result = -EMSGSIZE;
+        goto out;
+    }
+    /* JSON text never holds a raw newline, so the line ends where we say. */
+    text[n] = '\n';
+    result = conn_send(c, text, n + 1, deadline, err, errlen);
+    *id_out = id;
+out:
+    free(text);
+    json_decref(req);
+    return result;
+}
+
+/* Reads the reply to id on c until deadline; a timeout breaks the connection. */
+static int read_reply(struct conn *c, int64_t id, int64_t deadline, json_t **result_out,
+                      char *code, size_t codelen, char *err, size_t errlen)
+{
+    char *line;
+    size_t len;
+    int r = conn_read_line(c, deadline, &line, &len, err, errlen);
+    if (r == -ETIMEDOUT)
+        c->broken = 1;
+    if (r != 0)
+        return r;
+    r = parse_reply(line, len, id, result_out, code, codelen, err, errlen);
+    if (r == -EPROTO || r == -ENOMEM)
+        c->broken = 1;
+    return r;
+}
+
+/* One request on the handle's connection; args is taken over. */
+static int call(hmc *h, const char *cmd, json_t *args, int timeout_ms, json_t **result_out)
+{
+    int64_t id;
+    h->code[0] = '\0';
+    if (result_out != NULL)
+        *result_out = NULL;
+    if (args == NULL) {
+        fmt(h->err, sizeof(h->err), "out of memory");
+        return -ENOMEM;
+    }
+    if (h->c.broken || h->c.fd < 0) {
+        json_decref(args);
+        fmt(h->err, sizeof(h->err),
+            "the connection to the daemon is unusable after an earlier failure; reconnect");
+        return -EPIPE;
+    }
+    int64_t deadline = now_ms() + timeout_ms;
+    int r = send_request(&h->c, cmd, args, deadline, &id, h->err, sizeof(h->err));
+    if (r != 0)
+        return r;
+    return read_reply(&h->c, id, deadline, result_out, h->code, sizeof(h->code), h->err,
+                      sizeof(h->err));
+}
+
+/* The result as text for a caller's *out (which may be NULL). */
+static int give_json(hmc *h, json_t *res, char **out)
+{
+    if (out == NULL)
+        return 0;
+    *out = json_dumps(res, JSON_COMPACT);
+    if (*out == NULL) {
+        fmt(h->err, sizeof(h->err), "out of memory");
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+/* ---- connection API ---- */
+
+int hmc_connect(const char *socket_path, hmc **out, char *err, size_t errlen)
+{
+    char path[PATH_LEN];
+    int r;
+    *out = NULL;
+    if (socket_path == NULL) {
+        r = default_socket(path, sizeof(path));
+        if (r != 0) {
+            fmt(err, errlen, "cannot tell the daemon's control socket (%s); pass its path or "
+                "set HIVEMINDD_CONTROL_SOCKET", strerror(-r));
+            return r;
+        }
+    } else if (strlen(socket_path) >= sizeof(path)) {
+        fmt(err, errlen, "control socket path too long (at most %zu bytes): %s",
+            sizeof(path) - 1, socket_path);
+        return -ENAMETOOLONG;
+    } else {
+        memcpy(path, socket_path, strlen(socket_path) + 1);
+    }
+    hmc *h = calloc(1, sizeof(*h));
+    if (h == NULL) {
+        fmt(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    memcpy(h->path, path, sizeof(path));
+    h->timeout_ms = HMC_DEFAULT_TIMEOUT_MS;
+    r = conn_open(&h->c, h->path, err, errlen);
+    if (r != 0) {
+        free(h);
+        return r;
+    }
+    *out = h;
+    return 0;
+}
+
+void hmc_close(hmc *h)
+{
+    if (h == NULL)
+        return;
+    for (hmc_buf *b = h->bufs; b != NULL; b = b->next)
+        b->h = NULL;
+    conn_close(&h->c);
+    free(h);
+}
+
+const char *hmc_last_error(const hmc *h) { return h != NULL ? h->err : "no connection"; }
+const char *hmc_last_error_code(const hmc *h) { return h != NULL ? h->code : ""; }
+
+void hmc_set_timeout(hmc *h, int timeout_ms)
+{
+    if (timeout_ms > 0)
+        h->timeout_ms = timeout_ms;
+}
+
+int hmc_request(hmc *h, const char *cmd, const char *args_json, char **result_json_out)
+{
+    json_t *args, *res = NULL;
+    json_error_t jerr;
+    if (result_json_out != NULL)
+        *result_json_out = NULL;
+    h->code[0] = '\0';
+    if (cmd == NULL || cmd[0] == '\0') {
+        fmt(h->err, sizeof(h->err), "no command given");
+        return -EINVAL;
+    }
+    if (args_json != NULL) {
+        args = json_loads(args_json, JSON_REJECT_DUPLICATES, &jerr);
+        if (!json_is_object(args)) {
+            fmt(h->err, sizeof(h->err), "the args must be a JSON object%s%s",
+                args == NULL ? ": " : "", args == NULL ? jerr.text : "");
+            json_decref(args);
+            return -EINVAL;
+        }
+    } else {
+        args = json_object();
+    }
+    int r = call(h, cmd, args, h->timeout_ms, &res);
+    if (r == 0)
+        r = give_json(h, res, result_json_out);
+    json_decref(res);
+    return r;
+}
+
+int hmc_info(hmc *h, char **info_json_out) { return hmc_request(h, "info", NULL, info_json_out); }
+
+/* ---- shared buffers ---- */
+
+int hmc_buf_alloc(hmc *h, size_t bytes, hmc_buf **out)
+{
+    json_t *res = NULL;
+    hmc_buf *b = NULL;
+    int fd = -1, result;
+    *out = NULL;
+    if (bytes == 0 || bytes > (size_t)INT64_MAX) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "a buffer needs a positive size");
+        return -EINVAL;
+    }
+    result = call(h, "shm.alloc", json_pack("{s:I}", "bytes", (json_int_t)bytes), h->timeout_ms,
+                  &res);
+    if (result != 0)
+        return result;
+    b = calloc(1, sizeof(*b));
+    if (b == NULL) {
+        fmt(h->err, sizeof(h->err), "out of memory");
+        result = -ENOMEM;
+        goto fail;
+    }
+    const json_t *id = json_object_get(res, "shm");
+    const char *name = json_string_value(json_object_get(res, "name"));
+    const json_t *size = json_object_get(res, "bytes");
+    /* The name must be one the daemon makes: nothing else gets opened. */
+    if (!json_is_integer(id) || json_integer_value(id) <= 0 || name == NULL ||
+        strncmp(name, "/hivemindd-", 11) != 0 || strchr(name + 1, '/') != NULL ||
+        strlen(name) >= 64 || !json_is_integer(size) ||
+        (uint64_t)json_integer_value(size) != bytes) {
+        fmt(h->err, sizeof(h->err), "the daemon's shm.alloc reply is malformed");
+        result = -EPROTO;
+        goto fail;
+    }
+    b->id = (uint64_t)json_integer_value(id);
+    fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+        result = -errno;
+        fmt(h->err, sizeof(h->err), "cannot open shared memory %s: %s (is the daemon on "
+            "another machine or in another container?)", name, strerror(errno));
+        goto free_seg;
+    }
+    /* Nobody else needs the name: no trace in /dev/shm whatever happens next. */
+    shm_unlink(name);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size < 0 || (uint64_t)st.st_size < bytes) {
+        fmt(h->err, sizeof(h->err), "shared memory %s is smaller than the %zu bytes asked for",
+            name, bytes);
+        result = -EPROTO;
+        goto free_seg;
+    }
+    b->data = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (b->data == MAP_FAILED) {
+        b->data = NULL;
+        result = -errno;
+        fmt(h->err, sizeof(h->err), "cannot map %zu bytes of shared memory: %s", bytes,
+            strerror(errno));
+        goto free_seg;
+    }
+    close(fd);
+    b->size = bytes;
+    b->h = h;
+    b->next = h->bufs;
+    if (h->bufs != NULL)
+        h->bufs->prev = b;
+    h->bufs = b;
+    json_decref(res);
+    *out = b;
+    return 0;
+free_seg:
+    if (fd >= 0)
+        close(fd);
+    {
+        /* Keep the first failure's text; the release is best effort. */
+        char keep[HMC_ERROR_MAX];
+        memcpy(keep, h->err, sizeof(keep));
+        call(h, "shm.free", json_pack("{s:I}", "shm", (json_int_t)b->id), h->timeout_ms, NULL);
+        memcpy(h->err, keep, sizeof(keep));
+        h->code[0] = '\0';
+    }
+fail:
+    free(b);
+    json_decref(res);
+    return result;
+}
+
+void *hmc_buf_data(const hmc_buf *b) { return b->data; }
+size_t hmc_buf_size(const hmc_buf *b) { return b->size; }
+uint64_t hmc_buf_id(const hmc_buf *b) { return b->id; }
+
+void hmc_buf_free(hmc_buf *b)
+{
+    if (b == NULL)
+        return;
+    hmc *h = b->h;
+    if (h != NULL) {
+        if (b->prev != NULL)
+            b->prev->next = b->next;
+        else
+            h->bufs = b->next;
+        if (b->next != NULL)
+            b->next->prev = b->prev;
+        if (!h->c.broken)
+            call(h, "shm.free", json_pack("{s:I}", "shm", (json_int_t)b->id), h->timeout_ms,
+                 NULL);
+    }
+    munmap(b->data, b->size);
+    free(b);
+}
+
+/* A shared-memory reference to n floats of b from element off, or NULL (err set). */
+static json_t *shm_ref(hmc *h, const char *what, const hmc_buf *b, size_t off, size_t n)
+{
+    h->code[0] = '\0';
+    if (b == NULL || b->data == NULL) {
+        fmt(h->err, sizeof(h->err), "%s: no buffer", what);
+        return NULL;
+    }
+    size_t cap = b->size / sizeof(float);
+    if (n == 0 || off > cap || n > cap - off) {
+        fmt(h->err, sizeof(h->err), "%s: %zu floats from element %zu do not fit in a buffer of "
+            "%zu floats", what, n, off, cap);
+        return NULL;
+    }
+    json_t *r = json_pack("{s:I, s:I, s:I}", "shm", (json_int_t)b->id, "offset",
+                          (json_int_t)(off * sizeof(float)), "elems", (json_int_t)n);
+    if (r == NULL)
+        fmt(h->err, sizeof(h->err), "out of memory");
+    return r;
+}
+
+/* ---- averaging ---- */
+
+void hmc_avg_opts_init(hmc_avg_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->weight = 1.0;
+}
+
+/* The "average" args and how long to wait for its reply; NULL when bad (err set). */
+static json_t *avg_args(hmc *h, hmc_buf *b, size_t off, size_t n, const hmc_avg_opts *o,
+                        int *wait_ms_out)
+{
+    json_t *a = NULL, *extra = NULL, *ref = NULL;
+    json_error_t jerr;
+    if (o == NULL || o->prefix == NULL || o->prefix[0] == '\0') {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "averaging needs options with a prefix");
+        return NULL;
+    }
+    if (!isfinite(o->weight) || o->weight < 0 || !(o->timeout_s >= 0) ||
+        !(o->round_timeout_s >= 0) || !(o->matchmaking_time_s >= 0) ||
+        o->timeout_s > 86400 || o->round_timeout_s > 86400 || o->target_group_size < 0 ||
+        o->min_group_size < 0) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "averaging options out of range (weight and timeouts must "
+            "be finite and >= 0, group sizes >= 0)");
+        return NULL;
+    }
+    ref = shm_ref(h, "data", b, off, n);
+    if (ref == NULL)
+        return NULL;
+    a = json_pack("{s:s, s:f, s:o}", "prefix", o->prefix, "weight", o->weight, "data", ref);
+    if (a == NULL) {
+        fmt(h->err, sizeof(h->err), "out of memory, or a prefix that is not UTF-8");
+        return NULL;
+    }
+    if (o->timeout_s > 0)
+        json_object_set_new(a, "timeout", json_real(o->timeout_s));
+    if (o->round_timeout_s > 0)
+        json_object_set_new(a, "round_timeout", json_real(o->round_timeout_s));
+    if (o->matchmaking_time_s > 0)
+        json_object_set_new(a, "matchmaking_time", json_real(o->matchmaking_time_s));
+    if (o->target_group_size > 0)
+        json_object_set_new(a, "target_group_size", json_integer(o->target_group_size));
+    if (o->min_group_size > 0)
+        json_object_set_new(a, "min_group_size", json_integer(o->min_group_size));
+    if (o->compression != NULL)
+        json_object_set_new(a, "compression", json_string(o->compression));
+    if (o->group_bits != NULL)
+        json_object_set_new(a, "group_bits", json_string(o->group_bits));
+    if (o->client_mode)
+        json_object_set_new(a, "client_mode", json_true());
+    if (o->extra_json != NULL) {
+        extra = json_loads(o->extra_json, JSON_REJECT_DUPLICATES, &jerr);
+        if (!json_is_object(extra) || json_object_update(a, extra) != 0) {
+            fmt(h->err, sizeof(h->err), "extra_json must be a JSON object");
+            json_decref(extra);
+            json_decref(a);
+            return NULL;
+        }
+        json_decref(extra);
+    }
+    /* The daemon answers within its two timeouts; the slack covers a busy machine. */
+    double wait_s = (o->timeout_s > 0 ? o->timeout_s : DEFAULT_ROUND_S) +
+                    (o->round_timeout_s > 0 ? o->round_timeout_s : DEFAULT_ROUND_S);
+    double ms = wait_s * 1000.0 + SLACK_MS;
+    *wait_ms_out = ms > 2e9 ? 2000000000 : (int)ms;
+    if (*wait_ms_out < h->timeout_ms)
+        *wait_ms_out = h->timeout_ms;
+    return a;
+}
+
+int hmc_average(hmc *h, hmc_buf *b, size_t offset_elems, size_t n, const hmc_avg_opts *o,
+                char **report_json_out)
+{
+    json_t *res = NULL;
+    int wait_ms;
+    if (report_json_out != NULL)
+        *report_json_out = NULL;
+    json_t *a = avg_args(h, b, offset_elems, n, o, &wait_ms);
+    if (a == NULL)
+        return -EINVAL;
+    int r = call(h, "average", a, wait_ms, &res);
+    if (r == 0)
+        r = give_json(h, res, report_json_out);
+    json_decref(res);
+    return r;
+}
+
+int hmc_average_start(hmc *h, hmc_buf *b, size_t offset_elems, size_t n, const hmc_avg_opts *o,
+                      hmc_round **out)
+{
+    int wait_ms, r;
+    *out = NULL;
+    json_t *a = avg_args(h, b, offset_elems, n, o, &wait_ms);
+    if (a == NULL)
+        return -EINVAL;
+    hmc_round *rd = calloc(1, sizeof(*rd));
+    if (rd == NULL) {
+        json_decref(a);
+        fmt(h->err, sizeof(h->err), "out of memory");
+        return -ENOMEM;
+    }
+    r = conn_open(&rd->c, h->path, h->err, sizeof(h->err));
+    if (r != 0) {
+        json_decref(a);
+        free(rd);
+        return r;
+    }
+    int64_t now = now_ms();
+    rd->deadline_ms = now + wait_ms;
+    r = send_request(&rd->c, "average", a, now + h->timeout_ms, &rd->id, h->err,
+                     sizeof(h->err));
+    if (r != 0) {
+        conn_close(&rd->c);
+        free(rd);
+        return r;
+    }
+    *out = rd;
+    return 0;
+}
+
+/* Takes the reply if it has come by deadline; marks the round done when over. */
+static void round_poll(hmc_round *r, int64_t deadline)
+{
+    json_t *res = NULL;
+    if (r->done)
+        return;
+    if (deadline > r->deadline_ms)
+        deadline = r->deadline_ms;
+    int st = read_reply(&r->c, r->id, deadline, &res, r->code, sizeof(r->code), r->err,
+                        sizeof(r->err));
+    if (st == -ETIMEDOUT && now_ms() < r->deadline_ms) {
+        /* Not yet: read_reply gave up on the connection, but the round's own
+         * deadline has not passed, so it stays usable. */
+        r->c.broken = 0;
+        return;
+    }
+    if (st == -ETIMEDOUT)
+        fmt(r->err, sizeof(r->err), "the daemon did not finish the round within its timeouts");
+    if (st == 0) {
+        r->report = json_dumps(res, JSON_COMPACT);
+        if (r->report == NULL) {
+            st = -ENOMEM;
+            fmt(r->err, sizeof(r->err), "out of memory");
+        }
+    }
+    json_decref(res);
+    r->status = st;
+    r->done = 1;
+    conn_close(&r->c);
+}
+
+int hmc_round_done(hmc_round *r)
+{
+    round_poll(r, now_ms());
+    return r->done;
+}
+
+int hmc_round_wait(hmc_round *r, int timeout_ms, char **report_json_out)
+{
+    if (report_json_out != NULL)
+        *report_json_out = NULL;
+    round_poll(r, timeout_ms < 0 ? r->deadline_ms : now_ms() + timeout_ms);
+    if (!r->done)
+        return -EAGAIN;
+    if (r->status == 0 && report_json_out != NULL) {
+        *report_json_out = strdup(r->report);
+        if (*report_json_out == NULL)
+            return -ENOMEM;
+    }
+    return r->status;
+}
+
+const char *hmc_round_error(const hmc_round *r) { return r->err; }
+const char *hmc_round_error_code(const hmc_round *r) { return r->code; }
+
+void hmc_round_free(hmc_round *r)
+{
+    if (r == NULL)
+        return;
+    conn_close(&r->c);
+    free(r->report);
+    free(r);
+}
+
+/* ---- experts ---- */
+
+static int mul_ok(size_t a, size_t b, size_t *out)
+{
+    if (a != 0 && b > SIZE_MAX / a)
+        return 0;
+    *out = a * b;
+    return 1;
+}
+
+static int wait_for(hmc *h, double seconds)
+{
+    double ms = seconds * 1000.0 + SLACK_MS;
+    int w = ms > 2e9 ? 2000000000 : (int)ms;
+    return w < h->timeout_ms ? h->timeout_ms : w;
+}
+
+int hmc_experts_find(hmc *h, const char *prefix, const double *scores, const size_t *dim_sizes,
+                     size_t n_dims, size_t k_best, double timeout_s, hmc_expert *out,
+                     size_t max_out, size_t *n_out, char **result_json_out)
+{
+    json_t *grid = NULL, *res = NULL;
+    int result;
+    size_t at = 0;
+    *n_out = 0;
+    if (result_json_out != NULL)
+        *result_json_out = NULL;
+    h->code[0] = '\0';
+    if (prefix == NULL || prefix[0] == '\0' || n_dims == 0 || k_best == 0 || scores == NULL ||
+        dim_sizes == NULL || !(timeout_s > 0) || !isfinite(timeout_s)) {
+        fmt(h->err, sizeof(h->err), "experts_find needs a prefix, at least one dimension of "
+            "scores, k_best >= 1 and a positive timeout");
+        return -EINVAL;
+    }
+    grid = json_array();
+    for (size_t d = 0; grid != NULL && d < n_dims; d++) {
+        json_t *row = json_array();
+        if (row == NULL || dim_sizes[d] == 0 || json_array_append_new(grid, row) != 0) {
+            if (dim_sizes[d] == 0)
+                fmt(h->err, sizeof(h->err), "dimension %zu has no scores", d);
+            else
+                fmt(h->err, sizeof(h->err), "out of memory");
+            json_decref(grid);
+            return dim_sizes[d] == 0 ? -EINVAL : -ENOMEM;
+        }
+        for (size_t i = 0; i < dim_sizes[d]; i++, at++) {
+            if (!isfinite(scores[at])) {
+                fmt(h->err, sizeof(h->err), "score %zu of dimension %zu is not finite", i, d);
+                json_decref(grid);
+                return -EINVAL;
+            }
+            json_array_append_new(row, json_real(scores[at]));
+        }
+    }
+    json_t *args = grid == NULL ? NULL
+                                : json_pack("{s:s, s:o, s:I, s:f}", "prefix", prefix, "scores",
+                                            grid, "k_best", (json_int_t)k_best, "timeout",
+                                            timeout_s);
+    result = call(h, "experts.find", args, wait_for(h, timeout_s), &res);
+    if (result != 0)
+        goto out;
+    const json_t *ex = json_object_get(res, "experts");
+    if (!json_is_array(ex)) {
+        fmt(h->err, sizeof(h->err), "the daemon's experts.find reply has no \"experts\" list");
+        result = -EPROTO;
+        goto out;
+    }
+    for (size_t i = 0; i < json_array_size(ex) && *n_out < max_out && out != NULL; i++) {
+        const json_t *e = json_array_get(ex, i);
+        const char *uid = json_string_value(json_object_get(e, "uid"));
+        const char *peer = json_string_value(json_object_get(e, "peer"));
+        const json_t *score = json_object_get(e, "score");
+        if (uid == NULL || peer == NULL || strlen(uid) >= HMC_UID_MAX ||
+            strlen(peer) >= HMC_PEER_MAX || (score != NULL && !json_is_number(score))) {
+            fmt(h->err, sizeof(h->err), "expert %zu of the daemon's reply is malformed", i);
+            result = -EPROTO;
+            goto out;
+        }
+        hmc_expert *o = &out[(*n_out)++];
+        memset(o, 0, sizeof(*o));
+        memcpy(o->uid, uid, strlen(uid) + 1);
+        memcpy(o->peer, peer, strlen(peer) + 1);
+        o->score = score != NULL ? json_number_value(score) : 0;
+    }
+    result = give_json(h, res, result_json_out);
+out:
+    json_decref(res);
+    return result;
+}
+
+static json_t *experts_json(hmc *h, const hmc_expert *experts, size_t k)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a != NULL && i < k; i++) {
+        if (memchr(experts[i].uid, '\0', HMC_UID_MAX) == NULL ||
+            memchr(experts[i].peer, '\0', HMC_PEER_MAX) == NULL || experts[i].uid[0] == '\0' ||
+            experts[i].peer[0] == '\0') {
+            fmt(h->err, sizeof(h->err), "expert %zu has no uid or peer", i);
+            json_decref(a);
+            return NULL;
+        }
+        json_t *e = json_pack("{s:s, s:s}", "uid", experts[i].uid, "peer", experts[i].peer);
+        if (e == NULL || json_array_append_new(a, e) != 0) {
+            fmt(h->err, sizeof(h->err), "expert %zu: out of memory, or text that is not UTF-8",
+                i);
+            json_decref(a);
+            return NULL;
+        }
+    }
+    return a;
+}
+
+/* Reads {answered: [bool x k], n_answered} into the caller's outputs. */
+static int take_answered(hmc *h, const json_t *res, size_t k, int *answered_out,
+                         size_t *n_answered_out)
+{
+    const json_t *a = json_object_get(res, "answered");
+    const json_t *n = json_object_get(res, "n_answered");
+    size_t count = 0;
+    if (!json_is_array(a) || json_array_size(a) != k || !json_is_integer(n)) {
+        fmt(h->err, sizeof(h->err), "the daemon's reply lacks \"answered\" for each of the %zu "
+            "experts or \"n_answered\"", k);
+        return -EPROTO;
+    }
+    for (size_t i = 0; i < k; i++) {
+        const json_t *v = json_array_get(a, i);
+        if (!json_is_boolean(v)) {
+            fmt(h->err, sizeof(h->err), "answered[%zu] is not true or false", i);
+            return -EPROTO;
+        }
+        count += json_is_true(v);
+        if (answered_out != NULL)
+            answered_out[i] = json_is_true(v);
+    }
+    if ((json_int_t)count != json_integer_value(n)) {
+        fmt(h->err, sizeof(h->err), "n_answered is %lld but %zu experts are marked answered",
+            (long long)json_integer_value(n), count);
+        return -EPROTO;
+    }
+    if (n_answered_out != NULL)
+        *n_answered_out = count;
+    return 0;
+}
+
+/* Checks the sizes of an expert call; out: batch * dim and k * batch * dim. */
+static int expert_sizes(hmc *h, size_t k, size_t batch, size_t dim, size_t k_min, double timeout_s,
+                        size_t *bd_out, size_t *kbd_out)
+{
+    h->code[0] = '\0';
+    if (k == 0 || batch == 0 || dim == 0 || k_min > k || !(timeout_s > 0) ||
+        !isfinite(timeout_s) || !mul_ok(batch, dim, bd_out) || !mul_ok(k, *bd_out, kbd_out)) {
+        fmt(h->err, sizeof(h->err), "an expert call needs k >= 1 experts, k_min <= k, a batch "
+            "and a dimension >= 1 and a positive timeout");
+        return -EINVAL;
+    }
+    return 0;
+}
+
+int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
+                        hmc_buf *yb, size_t y_off, size_t batch, size_t dim, size_t k_min,
+                        double timeout_s, double timeout_after_k_min_s, int *answered_out,
+                        size_t *n_answered_out)
+{
+    size_t bd, kbd;
+    json_t *res = NULL;
+    if (n_answered_out != NULL)
+        *n_answered_out = 0;
+    int r = expert_sizes(h, k, batch, dim, k_min, timeout_s, &bd, &kbd);
+    if (r != 0)
+        return r;
+    if (!(timeout_after_k_min_s >= 0) || !isfinite(timeout_after_k_min_s)) {
+        fmt(h->err, sizeof(h->err), "timeout_after_k_min must be >= 0");
+        return -EINVAL;
+    }
+    json_t *ex = experts_json(h, experts, k);
+    json_t *x = ex != NULL ? shm_ref(h, "x", xb, x_off, bd) : NULL;
+    json_t *y = x != NULL ? shm_ref(h, "y", yb, y_off, kbd) : NULL;
+    if (y == NULL) {
+        json_decref(ex);
+        json_decref(x);
+        return -EINVAL;
+    }
+    json_t *args = json_pack("{s:o, s:o, s:o, s:I, s:I, s:I, s:f, s:f}", "experts", ex, "x", x,
+                             "y", y, "batch", (json_int_t)batch, "dim", (json_int_t)dim, "k_min",
+                             (json_int_t)k_min, "timeout", timeout_s, "timeout_after_k_min",
+                             timeout_after_k_min_s);
+    r = call(h, "experts.forward", args, wait_for(h, timeout_s + timeout_after_k_min_s), &res);
+    if (r == 0)
+        r = take_answered(h, res, k, answered_out, n_answered_out);
+    json_decref(res);
+    return r;
+}
+
+int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
+                         hmc_buf *gyb, size_t gy_off, hmc_buf *gxb, size_t gx_off, size_t batch,
+                         size_t dim, size_t k_min, double timeout_s, int *answered_out,
+                         size_t *n_answered_out)
+{
+    size_t bd, kbd;
+    json_t *res = NULL;
+    if (n_answered_out != NULL)
+        *n_answered_out = 0;
+    int r = expert_sizes(h, k, batch, dim, k_min, timeout_s, &bd, &kbd);
+    if (r != 0)
+        return r;
+    json_t *ex = experts_json(h, experts, k);
+    json_t *x = ex != NULL ? shm_ref(h, "x", xb, x_off, bd) : NULL;
+    json_t *gy = x != NULL ? shm_ref(h, "gy", gyb, gy_off, kbd) : NULL;
+    json_t *gx = gy != NULL ? shm_ref(h, "gx", gxb, gx_off, kbd) : NULL;
+    if (gx == NULL) {
+        json_decref(ex);
+        json_decref(x);
+        json_decref(gy);
+        return -EINVAL;
+    }
+    json_t *args = json_pack("{s:o, s:o, s:o, s:o, s:I, s:I, s:I, s:f}", "experts", ex, "x", x,
+                             "gy", gy, "gx", gx, "batch", (json_int_t)batch, "dim",
+                             (json_int_t)dim, "k_min", (json_int_t)k_min, "timeout", timeout_s);
+    r = call(h, "experts.backward", args, wait_for(h, timeout_s), &res);
+    if (r == 0)
+        r = take_answered(h, res, k, answered_out, n_answered_out);
+    json_decref(res);
+    return r;
+}

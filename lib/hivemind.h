@@ -1,0 +1,224 @@
+/*
+ * hivemind.h: the trainer client library of hivemindd (libhivemind). A
+ * trainer process attaches to the local daemon through its control socket
+ * (newline-delimited JSON, docs/control-protocol.md) and hands tensors over
+ * through shared memory that the daemon allocates, never through the
+ * socket. Plain C: libc and jansson only; every call blocks with a timeout.
+ *
+ * Conventions. Functions return 0 or a negative errno code; after a failure
+ * hmc_last_error(h) holds a sentence and, when the daemon refused the
+ * request, hmc_last_error_code(h) its machine-readable code ("bad_args",
+ * "no_group", ...), and the call returned -EREMOTEIO. Results are also
+ * given as JSON text (char **..._json_out; pass NULL when not wanted) that
+ * the caller frees with hmc_free_string, so bindings (ctypes) can simply
+ * parse them. Handles are opaque; sizes and offsets are plain integers.
+ * Tensors are float32 in the host's byte order.
+ *
+ * Threads: one hmc handle is used by one thread at a time. A background
+ * round (hmc_round) has a connection of its own and may be polled or waited
+ * for from another thread than the one using its hmc.
+ *
+ * Shared buffers. hmc_buf_alloc asks the daemon for a segment
+ * ("shm.alloc"), maps it and unlinks its name, so nothing is left in
+ * /dev/shm even if the trainer crashes. The segment belongs to the
+ * connection: hmc_buf_free or hmc_close (or the trainer's exit) releases it
+ * on the daemon's side; a buffer outlives hmc_close on the trainer's side
+ * until hmc_buf_free unmaps it.
+ *
+ * Averaging with a delayed update (the usual way to keep training while the
+ * swarm averages):
+ *
+ *     hmc_buf *b;  hmc_round *r = NULL;
+ *     hmc_buf_alloc(h, n * sizeof(float), &b);
+ *     for (step = 0;; step++) {
+ *         train_step(params);
+ *         if (r != NULL && hmc_round_done(r)) {
+ *             if (hmc_round_wait(r, 0, NULL) == 0)
+ *                 apply_average(params, hmc_buf_data(b), n);  // e.g. params += avg - snapshot
+ *             hmc_round_free(r);  r = NULL;
+ *         }
+ *         if (r == NULL && step % 100 == 0) {
+ *             memcpy(hmc_buf_data(b), params, n * sizeof(float));  // the snapshot
+ *             hmc_average_start(h, b, 0, n, &opts, &r);
+ *         }
+ *     }
+ *
+ * While a round runs the daemon reads and writes the buffer's range: leave
+ * it alone until the round is done (hmc_round_done is 1 or hmc_round_wait
+ * returned something else than -EAGAIN).
+ */
+#ifndef HIVEMIND_H
+#define HIVEMIND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct hmc hmc;
+typedef struct hmc_buf hmc_buf;
+typedef struct hmc_round hmc_round;
+
+/* The longest reply line the library accepts, and the default timeout. */
+#define HMC_MAX_REPLY ((size_t)16 << 20)
+#define HMC_DEFAULT_TIMEOUT_MS 30000
+#define HMC_ERROR_MAX 512
+
+/* ---- connection ---- */
+
+/*
+ * Connects to the daemon's control socket at socket_path; NULL means
+ * $HIVEMINDD_CONTROL_SOCKET, else the daemon's default path (as
+ * hivemindctl finds it). On failure err (may be NULL) gets a sentence.
+ * Returns 0, -ENOENT/-ECONNREFUSED (no daemon there), -ENAMETOOLONG, -ENOMEM.
+ */
+int hmc_connect(const char *socket_path, hmc **out, char *err, size_t errlen);
+/* Closes the connection: the daemon releases its buffers (see above). NULL is fine. */
+void hmc_close(hmc *h);
+/* The last failure's sentence ("" when none), valid until the next call on h. */
+const char *hmc_last_error(const hmc *h);
+/* The daemon's error code of the last failure, "" when the failure was local. */
+const char *hmc_last_error_code(const hmc *h);
+/* Timeout of each ordinary request in milliseconds (default HMC_DEFAULT_TIMEOUT_MS; >0). */
+void hmc_set_timeout(hmc *h, int timeout_ms);
+/* Frees a string the library returned. */
+void hmc_free_string(char *s);
+
+/*
+ * Any control command: args_json is a JSON object (NULL: {}); the result
+ * object goes to *result_json_out. Returns 0, -EINVAL (args not an
+ * object), -EREMOTEIO (the daemon answered an error), -ETIMEDOUT, -EPIPE
+ * (the daemon went away: the handle is unusable after that) or -EPROTO
+ * (the reply was not a valid reply line).
+ */
+int hmc_request(hmc *h, const char *cmd, const char *args_json, char **result_json_out);
+/* The node's "info" (peer id, address, swarm, shared-memory use, ...). */
+int hmc_info(hmc *h, char **info_json_out);
+
+/* ---- shared buffers ---- */
+
+/* A zero-filled shared buffer of bytes (> 0). */
+int hmc_buf_alloc(hmc *h, size_t bytes, hmc_buf **out);
+void *hmc_buf_data(const hmc_buf *b);
+size_t hmc_buf_size(const hmc_buf *b);
+/* The daemon's segment id, for shared-memory references in hmc_request. */
+uint64_t hmc_buf_id(const hmc_buf *b);
+/* Releases the segment (if its connection is still open) and unmaps it. NULL is fine. */
+void hmc_buf_free(hmc_buf *b);
+
+/* ---- averaging ---- */
+
+typedef struct hmc_avg_opts {
+    const char *prefix;          /* required: what is averaged, e.g. "mymodel.params" */
+    double weight;               /* >= 0; hmc_avg_opts_init sets 1 */
+    double timeout_s;            /* to find a group; 0: the daemon's default (30) */
+    double round_timeout_s;      /* the all-reduce's deadline; 0: 30 */
+    double matchmaking_time_s;   /* 0: the daemon's default */
+    int target_group_size;       /* 0: 16 */
+    int min_group_size;          /* 0: 2 (1 when the target is 1) */
+    const char *compression;     /* NULL: "none"; "fp16", "8bit" */
+    const char *group_bits;      /* NULL: the daemon's */
+    int client_mode;             /* 1: send and receive only */
+    const char *extra_json;      /* NULL, or an object whose members are added to the args */
+} hmc_avg_opts;
+
+void hmc_avg_opts_init(hmc_avg_opts *o);
+
+/*
+ * Averages n floats of b from element offset_elems in place, with the
+ * swarm, and waits for the round. report_json_out gets the round's report
+ * (group, spans, bytes, durations: docs/control-protocol.md, "average").
+ * A round that failed returns -EREMOTEIO with the daemon's code
+ * ("no_group", "timeout", "left_out", ...); chunks not averaged keep their
+ * values.
+ */
+int hmc_average(hmc *h, hmc_buf *b, size_t offset_elems, size_t n, const hmc_avg_opts *o,
+                char **report_json_out);
+
+/*
+ * The same in the background, on a connection of its own: returns at once
+ * with *out set. b must stay allocated until the round is done.
+ */
+int hmc_average_start(hmc *h, hmc_buf *b, size_t offset_elems, size_t n, const hmc_avg_opts *o,
+                      hmc_round **out);
+/* 1 once the round is over (averaged or failed), 0 while it runs. Never blocks. */
+int hmc_round_done(hmc_round *r);
+/*
+ * Waits up to timeout_ms (0: just look; -1: until the round's own deadline)
+ * for the round. Returns -EAGAIN while it still runs, else its outcome as
+ * hmc_average would (0 with the report, -EREMOTEIO, ...); the outcome stays
+ * and may be asked for again.
+ */
+int hmc_round_wait(hmc_round *r, int timeout_ms, char **report_json_out);
+const char *hmc_round_error(const hmc_round *r);
+const char *hmc_round_error_code(const hmc_round *r);
+/*
+ * Frees the round. One still running is not stopped: the daemon finishes it
+ * and writes the buffer all the same, so leave the buffer alone for the
+ * round's timeouts. NULL is fine.
+ */
+void hmc_round_free(hmc_round *r);
+
+/* ---- mixture of experts ---- */
+
+#define HMC_UID_MAX 256
+#define HMC_PEER_MAX 256
+
+typedef struct hmc_expert {
+    char uid[HMC_UID_MAX];   /* "prefix.i.j" */
+    char peer[HMC_PEER_MAX]; /* "PEERID@HOST:PORT" */
+    double score;
+} hmc_expert;
+
+/*
+ * Beam search over the expert grid under prefix: scores holds n_dims
+ * consecutive runs of grid scores, dim_sizes[d] of them for dimension d.
+ * Up to min(k_best, max_out) experts, best first, go to out and their
+ * number to *n_out.
+ */
+int hmc_experts_find(hmc *h, const char *prefix, const double *scores, const size_t *dim_sizes,
+                     size_t n_dims, size_t k_best, double timeout_s, hmc_expert *out,
+                     size_t max_out, size_t *n_out, char **result_json_out);
+
+/*
+ * Calls forward on k experts with the batch x (batch * dim floats of xb
+ * from element x_off); expert i's output goes to y (k * batch * dim floats
+ * of yb from y_off, expert i at i * batch * dim). Succeeds once k_min have
+ * answered, waiting at most timeout_after_k_min_s more for the rest.
+ * answered_out (k ints, may be NULL) says which did; *n_answered_out their
+ * number. Fewer than k_min answering is -EREMOTEIO.
+ */
+int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
+                        hmc_buf *yb, size_t y_off, size_t batch, size_t dim, size_t k_min,
+                        double timeout_s, double timeout_after_k_min_s, int *answered_out,
+                        size_t *n_answered_out);
+
+/*
+ * Backward on k experts: the input x (batch * dim), the gradients of their
+ * outputs gy (k * batch * dim), and the gradients of the input per expert
+ * into gx (k * batch * dim).
+ */
+int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
+                         hmc_buf *gyb, size_t gy_off, hmc_buf *gxb, size_t gx_off, size_t batch,
+                         size_t dim, size_t k_min, double timeout_s, int *answered_out,
+                         size_t *n_answered_out);
+
+/* ---- the reply parser, exposed for tests and fuzzing ---- */
+
+/*
+ * Parses one reply line (without its newline, need not be NUL-terminated)
+ * to a request sent with id expect_id (< 0: any id or none). Returns 0 (an
+ * ok reply; *result_json_out, if not NULL, gets its result object), or
+ * -EREMOTEIO (an error reply: code gets its code) or -EPROTO (not a valid
+ * reply), with a sentence in err either way.
+ */
+int hmc_parse_reply(const char *line, size_t len, int64_t expect_id, char **result_json_out,
+                    char *code, size_t codelen, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

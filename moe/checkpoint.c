@@ -1,0 +1,344 @@
+/*
+ * checkpoint: atomic, verified files for state that must survive a crash
+ * (expert parameters and optimizer moments). A write goes to PATH.tmp, is
+ * fsync'd, rotates the current PATH to PATH.prev, renames PATH.tmp over PATH
+ * and fsyncs the directory; a read verifies the header and BLAKE2b-256 hash
+ * and falls back to PATH.prev. Owns nothing between calls.
+ */
+#include "config.h"
+
+#include "checkpoint.h"
+#include "util.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define CKPT_MAGIC "HMCK"
+#define CKPT_VERSION 1
+#define CKPT_HASH_BYTES 32
+/* read() and write() move at most this much per call, whatever they are asked for. */
+#define IO_CHUNK ((size_t)1 << 30)
+
+static void put_be32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)(v >> 24);
+    p[1] = (uint8_t)(v >> 16);
+    p[2] = (uint8_t)(v >> 8);
+    p[3] = (uint8_t)v;
+}
+
+static uint32_t get_be32(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static void put_be64(uint8_t *p, uint64_t v)
+{
+    put_be32(p, (uint32_t)(v >> 32));
+    put_be32(p + 4, (uint32_t)v);
+}
+
+static uint64_t get_be64(const uint8_t *p) { return (uint64_t)get_be32(p) << 32 | get_be32(p + 4); }
+
+static void hash_payload(uint8_t out[CKPT_HASH_BYTES], const void *payload, size_t len)
+{
+    /* BLAKE2b needs no key and no sodium_init: the portable code path is always there. */
+    crypto_generichash(out, CKPT_HASH_BYTES, payload, (unsigned long long)len, NULL, 0);
+}
+
+static void make_header(uint8_t hdr[HM_CKPT_HEADER_BYTES], const void *payload, size_t len)
+{
+    memcpy(hdr, CKPT_MAGIC, 4);
+    put_be32(hdr + 4, CKPT_VERSION);
+    put_be64(hdr + 8, (uint64_t)len);
+    hash_payload(hdr + 16, payload, len);
+}
+
+/*
+ * Checks a header against the file's length; the hash is checked by the
+ * caller once the payload is at hand. *plen_out gets the declared payload
+ * length. 0, -EBADMSG or -EMSGSIZE.
+ */
+static int check_header(const uint8_t *hdr, uint64_t file_len, size_t max_len, size_t *plen_out)
+{
+    uint64_t plen;
+
+    if (file_len < HM_CKPT_HEADER_BYTES)
+        return -EBADMSG;
+    if (memcmp(hdr, CKPT_MAGIC, 4) != 0 || get_be32(hdr + 4) != CKPT_VERSION)
+        return -EBADMSG;
+    plen = get_be64(hdr + 8);
+    if (plen > max_len)
+        return -EMSGSIZE;
+    if (plen != file_len - HM_CKPT_HEADER_BYTES)
+        return -EBADMSG;
+    *plen_out = (size_t)plen;
+    return 0;
+}
+
+int hm_ckpt_parse(const uint8_t *file, size_t len, size_t max_len, const uint8_t **payload_out,
+                  size_t *payload_len_out)
+{
+    uint8_t hash[CKPT_HASH_BYTES];
+    size_t plen;
+    int result;
+
+    if (file == NULL || len < HM_CKPT_HEADER_BYTES)
+        return -EBADMSG;
+    if ((result = check_header(file, len, max_len, &plen)) < 0)
+        return result;
+    hash_payload(hash, file + HM_CKPT_HEADER_BYTES, plen);
+    if (sodium_memcmp(hash, file + 16, CKPT_HASH_BYTES) != 0)
+        return -EBADMSG;
+    if (payload_out != NULL)
+        *payload_out = file + HM_CKPT_HEADER_BYTES;
+    if (payload_len_out != NULL)
+        *payload_len_out = plen;
+    return 0;
+}
+
+/* path + suffix in a malloc'd string, or NULL. */
+static char *with_suffix(const char *path, const char *suffix)
+{
+    size_t a = strlen(path), b = strlen(suffix);
+    char *s = malloc(a + b + 1);
+
+    if (s == NULL)
+        return NULL;
+    memcpy(s, path, a);
+    memcpy(s + a, suffix, b + 1);
+    return s;
+}
+
+static int write_all(int fd, const uint8_t *p, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = write(fd, p, HM_MIN(len, IO_CHUNK));
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Reads exactly len bytes; a file that ends early is corrupt (it shrank under us). */
+static int read_all(int fd, uint8_t *p, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = read(fd, p, HM_MIN(len, IO_CHUNK));
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (n == 0)
+            return -EBADMSG;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* fsync of the directory holding path, so that the renames themselves are durable. */
+static int sync_dir_of(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    char *dir;
+    int fd, result = 0;
+
+    if (slash == NULL)
+        dir = with_suffix(".", "");
+    else if (slash == path)
+        dir = with_suffix("/", "");
+    else {
+        dir = malloc((size_t)(slash - path) + 1);
+        if (dir != NULL) {
+            memcpy(dir, path, (size_t)(slash - path));
+            dir[slash - path] = '\0';
+        }
+    }
+    if (dir == NULL)
+        return -ENOMEM;
+    fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        result = -errno;
+        goto out;
+    }
+    if (fsync(fd) < 0)
+        result = -errno;
+    close(fd);
+out:
+    free(dir);
+    return result;
+}
+
+/*
+ * Whether the file at path has a checkpoint header that agrees with its
+ * size. Only the header is read: hashing a multi-gigabyte file on every
+ * write would double the I/O, and what this guards against (a truncated or
+ * zeroed file) shows in the header and the size.
+ */
+static int looks_whole(const char *path)
+{
+    uint8_t hdr[HM_CKPT_HEADER_BYTES];
+    struct stat st;
+    size_t plen;
+    int fd, ok = 0;
+
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= HM_CKPT_HEADER_BYTES &&
+        read_all(fd, hdr, sizeof(hdr)) == 0 &&
+        check_header(hdr, (uint64_t)st.st_size, SIZE_MAX, &plen) == 0)
+        ok = 1;
+    close(fd);
+    return ok;
+}
+
+int hm_ckpt_write(const char *path, const void *payload, size_t len)
+{
+    uint8_t hdr[HM_CKPT_HEADER_BYTES];
+    char *tmp = NULL, *prev = NULL;
+    int fd = -1, tmp_made = 0, result;
+
+    if (path == NULL || (payload == NULL && len > 0))
+        return -EINVAL;
+    tmp = with_suffix(path, ".tmp");
+    prev = with_suffix(path, ".prev");
+    if (tmp == NULL || prev == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    make_header(hdr, payload, len);
+    /* O_TRUNC: a PATH.tmp left by an earlier crash is simply overwritten. */
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        result = -errno;
+        goto out;
+    }
+    tmp_made = 1;
+    if ((result = write_all(fd, hdr, sizeof(hdr))) < 0 ||
+        (result = write_all(fd, payload, len)) < 0)
+        goto out;
+    if (fsync(fd) < 0) {
+        result = -errno;
+        goto out;
+    }
+    /* close() can report a delayed write error (NFS); it must not be lost. */
+    result = close(fd) < 0 ? -errno : 0;
+    fd = -1;
+    if (result < 0)
+        goto out;
+    /*
+     * A current PATH that is visibly broken is not rotated: it would
+     * displace a good PATH.prev, and the rename below replaces it anyway.
+     */
+    if (looks_whole(path) && rename(path, prev) < 0 && errno != ENOENT) {
+        result = -errno;
+        goto out;
+    }
+    if (rename(tmp, path) < 0) {
+        result = -errno;
+        goto out;
+    }
+    tmp_made = 0;
+    result = sync_dir_of(path);
+out:
+    if (fd >= 0)
+        close(fd);
+    if (tmp_made)
+        unlink(tmp);
+    free(tmp);
+    free(prev);
+    return result;
+}
+
+/* Reads and verifies one file. 0, -ENOENT, -EBADMSG, -EMSGSIZE, -ENOMEM or -errno. */
+static int read_one(const char *path, size_t max_len, uint8_t **payload_out, size_t *len_out)
+{
+    uint8_t hdr[HM_CKPT_HEADER_BYTES], hash[CKPT_HASH_BYTES];
+    uint8_t *buf = NULL;
+    struct stat st;
+    size_t plen = 0;
+    int fd, result;
+
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    if (fstat(fd, &st) < 0) {
+        result = -errno;
+        goto out;
+    }
+    /* Anything but a regular file (a directory, a FIFO) cannot be a checkpoint. */
+    if (!S_ISREG(st.st_mode) || st.st_size < HM_CKPT_HEADER_BYTES) {
+        result = -EBADMSG;
+        goto out;
+    }
+    if ((result = read_all(fd, hdr, sizeof(hdr))) < 0)
+        goto out;
+    /* The declared length is checked against max_len and the file size before any allocation. */
+    if ((result = check_header(hdr, (uint64_t)st.st_size, max_len, &plen)) < 0)
+        goto out;
+    if ((buf = malloc(plen > 0 ? plen : 1)) == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    if ((result = read_all(fd, buf, plen)) < 0)
+        goto out;
+    hash_payload(hash, buf, plen);
+    if (sodium_memcmp(hash, hdr + 16, CKPT_HASH_BYTES) != 0) {
+        result = -EBADMSG;
+        goto out;
+    }
+    *payload_out = buf;
+    *len_out = plen;
+    buf = NULL;
+    result = 0;
+out:
+    free(buf);
+    close(fd);
+    return result;
+}
+
+int hm_ckpt_read(const char *path, size_t max_len, uint8_t **payload_out, size_t *len_out,
+                 int *used_prev_out)
+{
+    char *prev = NULL;
+    int r_path, r_prev, result;
+
+    if (path == NULL || payload_out == NULL || len_out == NULL)
+        return -EINVAL;
+    *payload_out = NULL;
+    *len_out = 0;
+    if (used_prev_out != NULL)
+        *used_prev_out = 0;
+    r_path = read_one(path, max_len, payload_out, len_out);
+    if (r_path == 0)
+        return 0;
+    if ((prev = with_suffix(path, ".prev")) == NULL)
+        return -ENOMEM;
+    r_prev = read_one(prev, max_len, payload_out, len_out);
+    if (r_prev == 0) {
+        if (used_prev_out != NULL)
+            *used_prev_out = 1;
+        result = 0;
+        goto out;
+    }
+    /* PATH's own failure says most about what is wrong, unless PATH is simply absent. */
+    result = r_path != -ENOENT ? r_path : r_prev;
+out:
+    free(prev);
+    return result;
+}

@@ -1,0 +1,377 @@
+/*
+ * test_client: the trainer client library (lib/hivemind.h) against real
+ * hivemindd processes: connecting, shared buffers the daemon sees, rounds
+ * averaged in shared memory (blocking and in the background), bad
+ * shared-memory references, and segments released when a trainer goes.
+ * The reply parser is checked on hand-made lines too.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <math.h>
+#include <string.h>
+
+#include "hivemind.h"
+#include "proc.h"
+
+static void setup(void) { hm_proc_setup("client"); }
+static void teardown(void) { hm_proc_teardown(); }
+
+TestSuite(client, .init = setup, .fini = teardown, .timeout = 90);
+
+static hmc *attach(struct node *n)
+{
+    hmc *h;
+    char err[256];
+    int r = hmc_connect(n->sock, &h, err, sizeof(err));
+    cr_assert_eq(r, 0, "connect: %s", err);
+    return h;
+}
+
+static json_t *info(hmc *h)
+{
+    char *text;
+    cr_assert_eq(hmc_info(h, &text), 0, "info: %s", hmc_last_error(h));
+    json_t *j = json_loads(text, 0, NULL);
+    hmc_free_string(text);
+    cr_assert_not_null(j);
+    return j;
+}
+
+static long shm_bytes(hmc *h)
+{
+    json_t *j = info(h);
+    long b = (long)json_integer_value(json_object_get(json_object_get(j, "shm"), "bytes"));
+    json_decref(j);
+    return b;
+}
+
+static long rt_size(hmc *h)
+{
+    char *text;
+    long size = -1;
+    if (hmc_request(h, "dht.info", NULL, &text) != 0)
+        return -1;
+    json_t *j = json_loads(text, 0, NULL);
+    hmc_free_string(text);
+    size = (long)json_integer_value(json_object_get(json_object_get(j, "routing_table"), "size"));
+    json_decref(j);
+    return size;
+}
+
+Test(client, connect_errors_are_clear)
+{
+    hmc *h = (hmc *)1;
+    char err[512], path[256];
+    snprintf(path, sizeof(path), "%s/nobody.sock", tmpdir);
+    int r = hmc_connect(path, &h, err, sizeof(err));
+    cr_assert_eq(r, -ENOENT);
+    cr_assert_null(h);
+    cr_assert(strstr(err, "cannot connect to hivemindd") != NULL && strstr(err, path) != NULL,
+              "%s", err);
+    cr_assert(strstr(err, "HIVEMINDD_CONTROL_SOCKET") != NULL, "%s", err);
+
+    char longp[300];
+    memset(longp, 'x', sizeof(longp) - 1);
+    longp[0] = '/';
+    longp[sizeof(longp) - 1] = '\0';
+    cr_assert_eq(hmc_connect(longp, &h, err, sizeof(err)), -ENAMETOOLONG);
+    cr_assert(strstr(err, "too long") != NULL, "%s", err);
+
+    /* The environment names the socket when no path is given. */
+    setenv("HIVEMINDD_CONTROL_SOCKET", path, 1);
+    cr_assert_eq(hmc_connect(NULL, &h, err, sizeof(err)), -ENOENT);
+    cr_assert(strstr(err, path) != NULL, "%s", err);
+}
+
+Test(client, buffers_are_the_daemons_memory)
+{
+    struct node n;
+    start_node(&n, "solo", NULL, NULL);
+    hmc *h = attach(&n);
+    hmc_buf *b;
+    const size_t N = 1000;
+    cr_assert_eq(hmc_buf_alloc(h, N * sizeof(float), &b), 0, "%s", hmc_last_error(h));
+    cr_assert_eq(hmc_buf_size(b), N * sizeof(float));
+    cr_assert_neq(hmc_buf_id(b), 0);
+    cr_assert_eq(shm_bytes(h), (long)(N * sizeof(float)));
+    float *x = hmc_buf_data(b);
+    for (size_t i = 0; i < N; i++)
+        cr_assert_eq(x[i], 0.0f);
+
+    /* The daemon reads what we wrote: a NaN at element 700 is refused... */
+    for (size_t i = 0; i < N; i++)
+        x[i] = (float)i * 0.25f;
+    x[700] = NAN;
+    hmc_avg_opts o;
+    hmc_avg_opts_init(&o);
+    o.prefix = "client.solo";
+    o.target_group_size = 1;
+    o.timeout_s = 5;
+    o.round_timeout_s = 5;
+    char *report = NULL;
+    int r = hmc_average(h, b, 0, N, &o, &report);
+    cr_assert_eq(r, -EREMOTEIO);
+    cr_assert_null(report);
+    cr_assert_str_eq(hmc_last_error_code(h), "bad_args");
+    cr_assert(strstr(hmc_last_error(h), "NaN") != NULL, "%s", hmc_last_error(h));
+    /* ...but not outside the range the round names. */
+    r = hmc_average(h, b, 0, 700, &o, &report);
+    cr_assert_eq(r, 0, "%s: %s", hmc_last_error_code(h), hmc_last_error(h));
+    json_t *rep = json_loads(report, 0, NULL);
+    hmc_free_string(report);
+    cr_assert_eq(json_integer_value(json_object_get(rep, "elements")), 700);
+    cr_assert(json_is_true(json_object_get(rep, "ok")));
+    json_decref(rep);
+    for (size_t i = 0; i < 700; i++)
+        cr_assert_eq(x[i], (float)i * 0.25f, "a group of one keeps the values");
+
+    /* Client-side checks need no daemon round trip. */
+    cr_assert_eq(hmc_average(h, b, 900, 101, &o, NULL), -EINVAL);
+    cr_assert(strstr(hmc_last_error(h), "do not fit") != NULL, "%s", hmc_last_error(h));
+    cr_assert_eq(hmc_average(h, b, 0, 0, &o, NULL), -EINVAL);
+    o.prefix = NULL;
+    cr_assert_eq(hmc_average(h, b, 0, 10, &o, NULL), -EINVAL);
+
+    /* The generic request and strict args. */
+    char *res;
+    cr_assert_eq(hmc_request(h, "info", "[1]", &res), -EINVAL);
+    cr_assert_eq(hmc_request(h, "no.such", "{}", &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "unknown_command");
+
+    hmc_buf_free(b);
+    cr_assert_eq(shm_bytes(h), 0);
+    hmc_close(h);
+    stop_node(&n);
+}
+
+Test(client, bad_shm_references_are_clear_errors)
+{
+    struct node n;
+    char args[512], *res = NULL;
+    start_node(&n, "bad", NULL, NULL);
+    hmc *h = attach(&n);
+    hmc_buf *b, *g;
+    cr_assert_eq(hmc_buf_alloc(h, 4096, &b), 0, "%s", hmc_last_error(h));
+    unsigned long long id = (unsigned long long)hmc_buf_id(b);
+
+    /* A wrong id. */
+    snprintf(args, sizeof(args),
+             "{\"prefix\":\"x\",\"data\":{\"shm\":%llu,\"offset\":0,\"elems\":4}}", id ^ 1);
+    cr_assert_eq(hmc_request(h, "average", args, &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "bad_args");
+    cr_assert(strstr(hmc_last_error(h), "no shared-memory segment") != NULL, "%s",
+              hmc_last_error(h));
+    /* Out of range, and a misaligned offset. */
+    snprintf(args, sizeof(args),
+             "{\"prefix\":\"x\",\"data\":{\"shm\":%llu,\"offset\":4000,\"elems\":25}}", id);
+    cr_assert_eq(hmc_request(h, "average", args, &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "bad_args");
+    cr_assert(strstr(hmc_last_error(h), "do not fit") != NULL, "%s", hmc_last_error(h));
+    snprintf(args, sizeof(args),
+             "{\"prefix\":\"x\",\"data\":{\"shm\":%llu,\"offset\":2,\"elems\":1}}", id);
+    cr_assert_eq(hmc_request(h, "average", args, &res), -EREMOTEIO);
+    /* Not a reference at all, or both forms at once. */
+    cr_assert_eq(hmc_request(h, "average", "{\"prefix\":\"x\",\"data\":7}", &res), -EREMOTEIO);
+    cr_assert(strstr(hmc_last_error(h), "shared-memory reference") != NULL, "%s",
+              hmc_last_error(h));
+    snprintf(args, sizeof(args),
+             "{\"prefix\":\"x\",\"in\":\"/a\",\"out\":\"/b\",\"data\":{\"shm\":%llu,"
+             "\"elems\":1}}", id);
+    cr_assert_eq(hmc_request(h, "average", args, &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "bad_args");
+
+    /* Freed. */
+    cr_assert_eq(hmc_buf_alloc(h, 64, &g), 0);
+    unsigned long long gid = (unsigned long long)hmc_buf_id(g);
+    hmc_buf_free(g);
+    snprintf(args, sizeof(args), "{\"prefix\":\"x\",\"data\":{\"shm\":%llu,\"elems\":4}}", gid);
+    cr_assert_eq(hmc_request(h, "average", args, &res), -EREMOTEIO);
+    cr_assert(strstr(hmc_last_error(h), "no shared-memory segment") != NULL, "%s",
+              hmc_last_error(h));
+    snprintf(args, sizeof(args), "{\"shm\":%llu}", gid);
+    cr_assert_eq(hmc_request(h, "shm.free", args, &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "not_found");
+
+    /* Another connection may name the segment but not free it. */
+    hmc *other = attach(&n);
+    snprintf(args, sizeof(args), "{\"shm\":%llu}", id);
+    cr_assert_eq(hmc_request(other, "shm.free", args, &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(other), "not_owner");
+    cr_assert_eq(hmc_request(h, "shm.alloc", "{\"bytes\":0}", &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "bad_args");
+    cr_assert_eq(hmc_request(h, "shm.alloc", "{\"bytes\":1099511627776000}", &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "limit");
+
+    /* The daemon keeps serving both. */
+    cr_assert_eq(shm_bytes(other), 4096);
+    cr_assert_eq(shm_bytes(h), 4096);
+    hmc_close(other);
+    hmc_buf_free(b);
+    hmc_close(h);
+    stop_node(&n);
+}
+
+Test(client, a_trainer_that_leaves_has_its_segments_released)
+{
+    struct node n;
+    start_node(&n, "leave", NULL, NULL);
+    hmc *watcher = attach(&n);
+    hmc *h = attach(&n);
+    hmc_buf *b1, *b2;
+    cr_assert_eq(hmc_buf_alloc(h, 1 << 20, &b1), 0, "%s", hmc_last_error(h));
+    cr_assert_eq(hmc_buf_alloc(h, 12345, &b2), 0, "%s", hmc_last_error(h));
+    memset(hmc_buf_data(b1), 7, 1 << 20);
+    cr_assert_eq(shm_bytes(watcher), (1 << 20) + 12345);
+    hmc_close(h);
+    long deadline = hm_test_now_ms() + 5000, bytes = -1;
+    while (hm_test_now_ms() < deadline && (bytes = shm_bytes(watcher)) != 0)
+        usleep(20000);
+    cr_assert_eq(bytes, 0, "the daemon still holds %ld bytes", bytes);
+    json_t *j = info(watcher);
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(j, "shm"), "segments")), 0);
+    json_decref(j);
+    /* Our side of the memory stays mapped until we free it. */
+    cr_assert_eq(((unsigned char *)hmc_buf_data(b1))[12345], 7);
+    hmc_buf_free(b1);
+    hmc_buf_free(b2);
+    hmc_close(watcher);
+    stop_node(&n);
+}
+
+#define N_TRAINERS 3
+#define N_ELEMS 30000
+
+Test(client, three_trainers_average_in_shared_memory)
+{
+    struct node nodes[N_TRAINERS];
+    hmc *h[N_TRAINERS];
+    hmc_buf *b[N_TRAINERS];
+    hmc_round *rd[N_TRAINERS];
+    const double w[N_TRAINERS] = {1.0, 2.0, 5.0};
+    char name[16];
+
+    start_node(&nodes[0], "t0", NULL, NULL);
+    for (int i = 1; i < N_TRAINERS; i++) {
+        snprintf(name, sizeof(name), "t%d", i);
+        start_node(&nodes[i], name, NULL, "--initial-peers", nodes[0].addr, NULL);
+    }
+    for (int i = 0; i < N_TRAINERS; i++)
+        h[i] = attach(&nodes[i]);
+    long deadline = hm_test_now_ms() + 20000;
+    for (int i = 0; i < N_TRAINERS; i++)
+        while (rt_size(h[i]) < N_TRAINERS - 1) {
+            cr_assert_lt(hm_test_now_ms(), deadline, "daemon %d does not know the others", i);
+            usleep(100000);
+        }
+    /* Quarter steps: every weighted mean below is exact in float32. */
+    for (int i = 0; i < N_TRAINERS; i++) {
+        cr_assert_eq(hmc_buf_alloc(h[i], N_ELEMS * sizeof(float), &b[i]), 0, "%s",
+                     hmc_last_error(h[i]));
+        float *x = hmc_buf_data(b[i]);
+        for (size_t k = 0; k < N_ELEMS; k++)
+            x[k] = (float)((long)((k * 7 + (size_t)i * 131) % 97) - 48) * 0.25f;
+    }
+    hmc_avg_opts o;
+    hmc_avg_opts_init(&o);
+    o.prefix = "client.three";
+    o.target_group_size = N_TRAINERS;
+    o.min_group_size = N_TRAINERS;
+    o.timeout_s = 20;
+    o.round_timeout_s = 20;
+    o.matchmaking_time_s = 3;
+    for (int i = 0; i < N_TRAINERS; i++) {
+        o.weight = w[i];
+        cr_assert_eq(hmc_average_start(h[i], b[i], 0, N_ELEMS, &o, &rd[i]), 0, "%s",
+                     hmc_last_error(h[i]));
+    }
+    /* The trainer keeps computing while the rounds run. */
+    volatile double acc = 0;
+    long busy_polls = 0;
+    int done = 0;
+    deadline = hm_test_now_ms() + 45000;
+    while (done < N_TRAINERS) {
+        cr_assert_lt(hm_test_now_ms(), deadline, "the rounds did not finish");
+        for (int k = 0; k < 20000; k++)
+            acc += sqrt((double)k);
+        done = 0;
+        for (int i = 0; i < N_TRAINERS; i++)
+            done += hmc_round_done(rd[i]);
+        busy_polls += done < N_TRAINERS;
+    }
+    cr_assert_gt(busy_polls, 0, "the rounds should take a while (matchmaking)");
+    for (int i = 0; i < N_TRAINERS; i++) {
+        char *report;
+        int r = hmc_round_wait(rd[i], 0, &report);
+        cr_assert_eq(r, 0, "trainer %d: %s: %s", i, hmc_round_error_code(rd[i]),
+                     hmc_round_error(rd[i]));
+        json_t *rep = json_loads(report, 0, NULL);
+        hmc_free_string(report);
+        cr_assert_eq(json_integer_value(json_object_get(rep, "group_size")), N_TRAINERS);
+        cr_assert_eq(json_array_size(json_object_get(rep, "left_out")), 0);
+        json_decref(rep);
+        cr_assert_eq(hmc_round_wait(rd[i], 0, NULL), 0, "the outcome stays");
+        hmc_round_free(rd[i]);
+    }
+    for (int i = 0; i < N_TRAINERS; i++) {
+        const float *x = hmc_buf_data(b[i]);
+        for (size_t k = 0; k < N_ELEMS; k++) {
+            double s = 0, ws = 0;
+            for (int j = 0; j < N_TRAINERS; j++) {
+                s += w[j] * ((double)((long)((k * 7 + (size_t)j * 131) % 97) - 48) * 0.25);
+                ws += w[j];
+            }
+            double e = s / ws;
+            if (fabs(x[k] - e) > 1e-6 * (1 + fabs(e)))
+                cr_assert_fail("trainer %d element %zu: %.9g, expected %.9g", i, k,
+                               (double)x[k], e);
+        }
+    }
+    /* A blocking round on the handle's own connection works the same way. */
+    for (int i = 0; i < N_TRAINERS; i++) {
+        o.weight = 1;
+        o.prefix = "client.three.bg";
+        cr_assert_eq(hmc_average_start(h[i], b[i], 0, 100, &o, &rd[i]), 0);
+    }
+    for (int i = 0; i < N_TRAINERS; i++) {
+        cr_assert_eq(hmc_round_wait(rd[i], -1, NULL), 0, "%s", hmc_round_error(rd[i]));
+        hmc_round_free(rd[i]);
+    }
+    for (int i = 0; i < N_TRAINERS; i++) {
+        hmc_buf_free(b[i]);
+        hmc_close(h[i]);
+        stop_node(&nodes[i]);
+    }
+}
+
+Test(client, reply_parser_is_strict)
+{
+    char code[64], err[256], *res;
+    const char *ok = "{\"id\":3,\"ok\":true,\"result\":{\"a\":1}}";
+    cr_assert_eq(hmc_parse_reply(ok, strlen(ok), 3, &res, code, sizeof(code), err, sizeof(err)),
+                 0);
+    cr_assert_str_eq(res, "{\"a\":1}");
+    hmc_free_string(res);
+    cr_assert_eq(hmc_parse_reply(ok, strlen(ok), 4, &res, code, sizeof(code), err, sizeof(err)),
+                 -EPROTO, "another request's reply");
+    const char *noresult = "{\"id\":1,\"ok\":true}";
+    cr_assert_eq(hmc_parse_reply(noresult, strlen(noresult), 1, &res, code, sizeof(code), err,
+                                 sizeof(err)), 0);
+    cr_assert_str_eq(res, "{}");
+    hmc_free_string(res);
+    const char *e = "{\"id\":1,\"ok\":false,\"error\":{\"code\":\"busy\",\"message\":\"later\"}}";
+    cr_assert_eq(hmc_parse_reply(e, strlen(e), 1, &res, code, sizeof(code), err, sizeof(err)),
+                 -EREMOTEIO);
+    cr_assert_null(res);
+    cr_assert_str_eq(code, "busy");
+    cr_assert_str_eq(err, "later");
+    const char *bad[] = {
+        "", "[]", "{\"ok\":1}", "{\"id\":1,\"ok\":true,\"result\":[]}",
+        "{\"id\":1,\"ok\":false}", "{\"id\":1,\"ok\":false,\"error\":{\"code\":5}}",
+        "{\"id\":1,\"ok\":true,\"ok\":false}", "{\"id\":1,\"ok\":true} x",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        cr_assert_eq(hmc_parse_reply(bad[i], strlen(bad[i]), 1, &res, code, sizeof(code), err,
+                                     sizeof(err)), -EPROTO, "accepted %s", bad[i]);
+}
