@@ -1,0 +1,165 @@
+/*
+ * model: the example classifier trained by train_local and trainer, with
+ * its own forward and backward passes on OpenBLAS (cblas_sgemm):
+ *
+ *   h   = relu(x · W_in^T + b_in)                  x: [batch, in_dim]
+ *   s   = h · W_gate^T + b_gate                    s: [batch, G0 + G1]
+ *   mix = sum over chosen experts e = (i, j) that answered of
+ *         softmax_e(s[i] + s[G0 + j]) * expert_e(h)
+ *   z   = mix · W_out^T + b_out                    z: [batch, n_classes]
+ *   loss = mean over the batch of cross-entropy(softmax(z), label)
+ *
+ * The mixture layer follows Hivemind's RemoteMixtureOfExperts on a 2-D
+ * grid of G0 x G1 experts (uid PREFIX.i.j): the gate scores each grid
+ * coordinate, an expert's score is the sum of its two coordinates' scores,
+ * and the whole batch goes to the k_best experts with the highest score
+ * averaged over the batch (a batch-level choice, so each chosen expert is
+ * called once per step with the whole batch). Each sample mixes the
+ * outputs of the experts that answered with softmax weights over their
+ * scores (moe/client.h's hm_moe_combine formula); experts that did not
+ * answer are left out of the softmax. Gradients flow to the gate (through
+ * the weights) and to h (through the gate and through the experts).
+ *
+ * The experts are not part of this module: it calls them through
+ * hm_model_experts, so that the same model runs them in-process (hm_ffn
+ * objects, hm_model_local_experts) or remotely through the client library.
+ * An expert applies its own optimizer step when it runs backward, as
+ * Hivemind's expert servers do.
+ *
+ * The local parameters (W_in, b_in, W_gate, b_gate, W_out, b_out, in this
+ * order, row-major) are one flat float vector, as are their gradient and
+ * the optimizer's moments, so that a swarm can average them as one tensor.
+ *
+ * Errors: -EINVAL (bad config or arguments, a label out of range),
+ * -ENOMEM, -EDOM (a non-finite input or loss: nothing is stepped), and any
+ * error the expert interface returns (-ETIMEDOUT when no expert answered).
+ */
+#ifndef HM_EXAMPLES_MODEL_H
+#define HM_EXAMPLES_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ffn.h"
+
+#define HM_MODEL_MAX_K 64          /* experts per step, as HM_MOE_MAX_K */
+#define HM_MODEL_MAX_GRID 256      /* coordinates per grid dimension */
+#define HM_MODEL_MAX_EXPERTS 4096  /* G0 * G1 */
+#define HM_MODEL_MAX_DIM 8192      /* in_dim and dim */
+#define HM_MODEL_MAX_CLASSES 1024
+#define HM_MODEL_MAX_BATCH 8192
+
+enum hm_model_opt { HM_MODEL_SGD = 0, HM_MODEL_ADAM = 1 };
+
+typedef struct hm_model_config {
+    size_t in_dim;    /* 784 for 28x28 images */
+    size_t dim;       /* d: the hidden width and the experts' dim */
+    size_t n_classes; /* 10 */
+    size_t grid[2];   /* G0 x G1 experts */
+    size_t k_best;    /* experts asked per step, 1..min(HM_MODEL_MAX_K, G0*G1) */
+    size_t max_batch; /* scratch memory is sized for this batch */
+    int optimizer;    /* enum hm_model_opt, for the local parameters */
+    double lr;        /* 0: 1e-3 (Adam) or 1e-2 (SGD) */
+    double momentum;  /* SGD only, 0: none */
+    double beta1, beta2, eps; /* Adam, 0: 0.9, 0.999, 1e-8 */
+    uint64_t seed;    /* initial weights are a deterministic function of it */
+} hm_model_config;
+
+/*
+ * The experts. Indices are flat grid positions e = i * G1 + j. Buffers are
+ * [k, batch, dim] with row block n for experts[n].
+ *
+ * forward: runs experts[0..k) on h and writes y_out, sets answered[n] to 1
+ * for each expert whose rows are valid (the model zeroes answered first).
+ * Returns 0, or a negative code to fail the step (e.g. fewer than k_min
+ * answered).
+ *
+ * backward: for the experts that answered forward, with gy = dL/dy; writes
+ * gh_out = dL/dh of each and sets answered[n] for those that answered
+ * (the model zeroes it first). A remote expert steps its own parameters
+ * here. An expert that does not answer backward contributes no gradient to
+ * h. Returns 0 or a negative code to fail the step.
+ */
+typedef struct hm_model_experts {
+    void *ud;
+    int (*forward)(void *ud, const size_t *experts, size_t k, const float *h, size_t batch,
+                   size_t dim, float *y_out, uint8_t *answered);
+    int (*backward)(void *ud, const size_t *experts, size_t k, const float *h, const float *gy,
+                    size_t batch, size_t dim, float *gh_out, uint8_t *answered);
+} hm_model_experts;
+
+/* What one forward (and backward) did. */
+typedef struct hm_model_result {
+    double loss;                       /* mean cross-entropy (0 without labels) */
+    size_t correct;                    /* samples whose argmax is the label */
+    size_t k;                          /* experts asked */
+    size_t chosen[HM_MODEL_MAX_K];     /* their flat indices, best first */
+    uint8_t answered[HM_MODEL_MAX_K];  /* forward */
+    size_t n_answered;                 /* forward */
+    size_t n_answered_backward;
+} hm_model_result;
+
+typedef struct hm_model hm_model;
+
+/* Weights uniform in +-1/sqrt(fan_in) (torch's nn.Linear), biases 0. */
+int hm_model_new(const hm_model_config *cfg, hm_model **out);
+void hm_model_free(hm_model *m);
+
+/* The config with defaults filled in. */
+const hm_model_config *hm_model_config_of(const hm_model *m);
+size_t hm_model_nparams(const hm_model *m);
+float *hm_model_params(hm_model *m);
+const float *hm_model_grad(const hm_model *m);
+size_t hm_model_n_experts(const hm_model *m);
+uint64_t hm_model_steps(const hm_model *m);
+
+/*
+ * Which experts may be chosen: mask[G0 * G1], nonzero for yes (all are, at
+ * first). -EINVAL when none is; when fewer than k_best are available,
+ * only those are asked.
+ */
+int hm_model_set_available(hm_model *m, const uint8_t *mask);
+
+/*
+ * Forward only. labels may be NULL (then res->loss is 0); pred_out
+ * ([batch], may be NULL) gets each sample's argmax. Experts run forward
+ * only. batch 1..max_batch.
+ */
+int hm_model_forward(hm_model *m, const hm_model_experts *ex, const float *x,
+                     const uint8_t *labels, size_t batch, uint8_t *pred_out,
+                     hm_model_result *res);
+
+/*
+ * Forward and backward: the gradient of the mean loss with respect to the
+ * local parameters replaces hm_model_grad; grad_x ([batch, in_dim], may be
+ * NULL) gets dL/dx. Experts run backward (and step themselves). No local
+ * step.
+ */
+int hm_model_backward(hm_model *m, const hm_model_experts *ex, const float *x,
+                      const uint8_t *labels, size_t batch, float *grad_x, hm_model_result *res);
+
+/* One optimizer step of the local parameters with hm_model_grad. */
+int hm_model_step(hm_model *m);
+
+/* hm_model_backward, then hm_model_step when it succeeded. */
+int hm_model_train_step(hm_model *m, const hm_model_experts *ex, const float *x,
+                        const uint8_t *labels, size_t batch, hm_model_result *res);
+
+/*
+ * In-process experts: experts[e] serves flat index e. step 1: backward is
+ * hm_ffn_backward (the expert's optimizer steps, as on a server); step 0:
+ * hm_ffn_grad only (for finite differences). dead, when not NULL, marks
+ * experts that never answer (dead[e] != 0), to exercise the model's
+ * handling of missing experts. bind fills an hm_model_experts that calls
+ * into le, which must outlive it.
+ */
+typedef struct hm_model_local_experts {
+    hm_ffn **experts;
+    size_t n;
+    int step;
+    const uint8_t *dead;
+} hm_model_local_experts;
+
+void hm_model_local_experts_bind(hm_model_local_experts *le, hm_model_experts *out);
+
+#endif

@@ -1,0 +1,423 @@
+/*
+ * daemon_state: the state.* commands of hivemindd (daemon_state.h). Every
+ * command validates its arguments completely before it starts anything,
+ * pins the shared-memory range it uses for as long as it uses it, and
+ * answers exactly once: with the result, with the reason it failed, or
+ * with "stopping" when the daemon shuts down under it.
+ */
+#include "config.h"
+
+#include "daemon_state.h"
+
+#include "daemon.h"
+#include "state.h"
+#include "util.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MOD "state"
+
+/* A download may be given at most this long (seconds); default 300. */
+#define MAX_TIMEOUT_S 3600.0
+#define DEFAULT_TIMEOUT_S 300.0
+/* The largest shared-memory range a command takes, in float32 slots
+ * (the state module's default blob cap of 4 GiB). */
+#define MAX_ELEMS ((size_t)1 << 30)
+
+struct hm_dstate {
+    struct daemon *d;
+    hm_node *node;
+    hm_state *st;
+    size_t jobs; /* state.load commands in progress */
+    int closing;
+    void (*close_cb)(void *ud);
+    void *close_ud;
+};
+
+typedef struct load_job {
+    hm_dstate *s;
+    hm_control_req *req;
+    hm_shm *shm; /* pinned range's registry, valid until the loop ends */
+    uint64_t shm_id;
+} load_job;
+
+/* ---- argument helpers ---- */
+
+static void reply_json(hm_control_req *req, json_t *result)
+{
+    if (result == NULL)
+        hm_control_reply_error(req, "internal", "out of memory");
+    else
+        hm_control_reply(req, result);
+}
+
+static int refuse_if_closing(hm_dstate *s, hm_control_req *req)
+{
+    if (s->closing) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return 1;
+    }
+    return 0;
+}
+
+/* args.prefix, checked as the state module wants it; NULL when bad (replied). */
+static const char *arg_prefix(hm_control_req *req, const json_t *args)
+{
+    const json_t *v = json_object_get(args, "prefix");
+    char msg[160];
+    if (!json_is_string(v) || json_string_length(v) == 0 ||
+        json_string_length(v) > HM_STATE_PREFIX_MAX ||
+        strlen(json_string_value(v)) != json_string_length(v) ||
+        strstr(json_string_value(v), "[owner:") != NULL) {
+        snprintf(msg, sizeof(msg),
+                 "args.prefix must be a string of 1 to %d bytes without \"[owner:\"",
+                 HM_STATE_PREFIX_MAX);
+        hm_control_reply_error(req, "bad_args", msg);
+        return NULL;
+    }
+    return json_string_value(v);
+}
+
+/* args.name as an integer in [lo, hi], def when absent (def < 0: required);
+ * -1 when bad (replied). */
+static long long arg_int(hm_control_req *req, const json_t *args, const char *name, long long def,
+                         long long lo, long long hi)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[160];
+    if (v == NULL && def >= 0)
+        return def;
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
+        snprintf(msg, sizeof(msg), "args.%s must be an integer from %lld to %lld", name, lo, hi);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -1;
+    }
+    return (long long)json_integer_value(v);
+}
+
+/* args.name as seconds in (0, max], def when absent; < 0 when bad (replied). */
+static double arg_seconds(hm_control_req *req, const json_t *args, const char *name, double def,
+                          double max)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[160];
+    if (v == NULL)
+        return def;
+    if (!json_is_number(v) || !(json_number_value(v) > 0) || json_number_value(v) > max) {
+        snprintf(msg, sizeof(msg), "args.%s must be seconds, above 0 and at most %g", name, max);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -1;
+    }
+    return json_number_value(v);
+}
+
+static json_t *hash_json(const uint8_t h[HM_STATE_HASH_BYTES])
+{
+    char hex[2 * HM_STATE_HASH_BYTES + 1];
+    hm_hex_encode(h, HM_STATE_HASH_BYTES, hex);
+    return json_string(hex);
+}
+
+/* ---- state.share ---- */
+
+static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_dstate *s = ud;
+    hm_shm *shm = hm_daemon_shm(s->d);
+    float *p;
+    uint64_t id;
+    size_t elems;
+    char msg[256];
+
+    if (refuse_if_closing(s, req))
+        return;
+    const char *prefix = arg_prefix(req, args);
+    if (prefix == NULL)
+        return;
+    const json_t *sv = json_object_get(args, "step");
+    if (!json_is_integer(sv) || json_integer_value(sv) < 0) {
+        hm_control_reply_error(req, "bad_args", "args.step must be an integer, 0 or above");
+        return;
+    }
+    long long chunk = arg_int(req, args, "chunk_size", HM_STATE_CHUNK_DEFAULT, HM_STATE_CHUNK_MIN,
+                              HM_STATE_CHUNK_MAX);
+    if (chunk < 0)
+        return;
+    double ttl = arg_seconds(req, args, "ttl", 60.0, 86400.0);
+    if (ttl < 0)
+        return;
+    if (ttl < 1.0) {
+        hm_control_reply_error(req, "bad_args", "args.ttl must be at least 1 second");
+        return;
+    }
+    if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS, &p,
+                              &id, &elems) < 0)
+        return;
+    long long bytes = arg_int(req, args, "bytes", (long long)(elems * sizeof(float)), 1,
+                              (long long)(elems * sizeof(float)));
+    if (bytes < 0) {
+        hm_shm_put(shm, id);
+        return;
+    }
+    hm_state_share_opts o = {.chunk_size = (size_t)chunk, .ttl_s = ttl};
+    uint64_t step = (uint64_t)json_integer_value(sv);
+    /* The module copies the bytes, so the range is free again at once. */
+    int r = hm_state_share(s->st, prefix, step, p, (size_t)bytes, &o);
+    hm_shm_put(shm, id);
+    if (r == -ESTALE) {
+        snprintf(msg, sizeof(msg), "a newer step than %llu is already shared under '%s'",
+                 (unsigned long long)step, prefix);
+        hm_control_reply_error(req, "stale", msg);
+        return;
+    }
+    if (r == -EMSGSIZE) {
+        snprintf(msg, sizeof(msg), "%lld bytes in chunks of %lld are over the state's bounds "
+                 "(at most %d chunks and the size cap)", bytes, chunk, HM_STATE_MAX_CHUNKS);
+        hm_control_reply_error(req, "limit", msg);
+        return;
+    }
+    if (r == -ENOBUFS) {
+        snprintf(msg, sizeof(msg), "at most %d prefixes may be shared at once",
+                 HM_STATE_MAX_SHARES);
+        hm_control_reply_error(req, "limit", msg);
+        return;
+    }
+    if (r < 0) {
+        hm_control_reply_error(req, r == -ENOMEM ? "no_space" : "internal", hm_strerror(r));
+        return;
+    }
+    hm_info(MOD, "sharing '%s' at step %llu: %lld bytes", prefix, (unsigned long long)step,
+            bytes);
+    size_t chunks = hm_state_n_chunks((uint64_t)bytes, (uint64_t)chunk, UINT64_MAX);
+    reply_json(req, json_pack("{s:s, s:I, s:I, s:I, s:I}", "prefix", prefix, "step",
+                              (json_int_t)step, "bytes", (json_int_t)bytes, "chunk_size",
+                              (json_int_t)chunk, "chunks", (json_int_t)chunks));
+}
+
+/* ---- state.info ---- */
+
+static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_dstate *s = ud;
+    hm_state_share_info info;
+    if (refuse_if_closing(s, req))
+        return;
+    const char *prefix = arg_prefix(req, args);
+    if (prefix == NULL)
+        return;
+    if (hm_state_share_info_get(s->st, prefix, &info) < 0) {
+        hm_control_reply_error(req, "not_found", "this node shares no state under the prefix");
+        return;
+    }
+    json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:b, s:I, s:I, s:I, s:I}", "prefix", prefix,
+                          "step", (json_int_t)info.step, "bytes", (json_int_t)info.bytes,
+                          "chunk_size", (json_int_t)info.chunk_size, "chunks",
+                          (json_int_t)info.n_chunks, "ready", info.ready, "declared",
+                          (json_int_t)info.declared, "chunks_served",
+                          (json_int_t)info.chunks_served, "manifests_served",
+                          (json_int_t)info.manifests_served, "refused_busy",
+                          (json_int_t)info.refused_busy);
+    if (o != NULL && info.ready)
+        json_object_set_new(o, "hash", hash_json(info.hash));
+    reply_json(req, o);
+}
+
+/* ---- state.load ---- */
+
+static json_t *report_json(const hm_state_report *rep)
+{
+    json_t *donors = json_array();
+    if (donors == NULL)
+        return NULL;
+    for (size_t i = 0; i < rep->n_donors; i++) {
+        const hm_state_donor_report *d = &rep->donors[i];
+        json_t *o = json_pack("{s:s, s:s, s:I, s:I, s:s}", "peer", d->peer_id, "addr", d->addr,
+                              "chunks", (json_int_t)d->chunks, "bytes", (json_int_t)d->bytes,
+                              "dropped", hm_state_drop_name(d->dropped));
+        if (o == NULL) {
+            json_decref(donors);
+            return NULL;
+        }
+        if (d->last_error != 0)
+            json_object_set_new(o, "last_error", json_string(hm_strerror(d->last_error)));
+        json_array_append_new(donors, o);
+    }
+    json_t *r = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:o}", "prefix",
+                          rep->prefix, "step", (json_int_t)rep->step, "bytes",
+                          (json_int_t)rep->bytes, "chunk_size", (json_int_t)rep->chunk_size,
+                          "chunks", (json_int_t)rep->n_chunks, "declared",
+                          (json_int_t)rep->n_declared, "refetched",
+                          (json_int_t)rep->chunks_refetched, "duration_s", rep->duration_s,
+                          "donors", donors);
+    if (r != NULL)
+        json_object_set_new(r, "hash", hash_json(rep->hash));
+    return r;
+}
+
+static void free_if_done(hm_dstate *s);
+
+static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_state_report *rep)
+{
+    HM_UNUSED(blob);
+    load_job *j = ud;
+    hm_dstate *s = j->s;
+    char msg[256];
+    size_t dropped = 0;
+
+    hm_shm_put(j->shm, j->shm_id);
+    for (size_t i = 0; i < rep->n_donors; i++)
+        if (rep->donors[i].dropped != HM_STATE_DROP_NONE)
+            dropped++;
+    switch (status) {
+    case 0:
+        hm_info(MOD, "loaded '%s' at step %llu: %zu bytes from %zu donors (%zu dropped) in %.1f s",
+                rep->prefix, (unsigned long long)rep->step, len, rep->n_donors, dropped,
+                rep->duration_s);
+        reply_json(j->req, report_json(rep));
+        break;
+    case -ENOENT:
+        hm_control_reply_error(j->req, "not_found", "no donor declares a state under the prefix");
+        break;
+    case -EPROTO:
+        snprintf(msg, sizeof(msg), "no state that %s: %zu declarations read",
+                 rep->n_donors > 0 ? "the donors vouch for checks out (bad manifest)"
+                                   : "enough donors agree on",
+                 rep->n_declared);
+        hm_control_reply_error(j->req, "no_agreement", msg);
+        break;
+    case -ETIMEDOUT:
+        snprintf(msg, sizeof(msg), "the download did not finish in time (%llu bytes of "
+                 "step %llu were in)", (unsigned long long)rep->bytes,
+                 (unsigned long long)rep->step);
+        hm_control_reply_error(j->req, "timeout", msg);
+        break;
+    case -EMSGSIZE:
+        snprintf(msg, sizeof(msg), "the agreed state (step %llu) does not fit args.data",
+                 (unsigned long long)rep->step);
+        hm_control_reply_error(j->req, "no_space", msg);
+        break;
+    case -EHOSTUNREACH:
+        snprintf(msg, sizeof(msg), "every donor of step %llu was dropped (%zu donors)",
+                 (unsigned long long)rep->step, rep->n_donors);
+        hm_control_reply_error(j->req, "unreachable", msg);
+        break;
+    case -ECANCELED:
+        hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
+        break;
+    default:
+        hm_control_reply_error(j->req, "internal", hm_strerror(status));
+        break;
+    }
+    free(j);
+    s->jobs--;
+    free_if_done(s);
+}
+
+static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_dstate *s = ud;
+    hm_shm *shm = hm_daemon_shm(s->d);
+    float *p;
+    uint64_t id;
+    size_t elems;
+
+    if (refuse_if_closing(s, req))
+        return;
+    const char *prefix = arg_prefix(req, args);
+    if (prefix == NULL)
+        return;
+    double timeout = arg_seconds(req, args, "timeout", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S);
+    if (timeout < 0)
+        return;
+    long long min_agree = arg_int(req, args, "min_agree", 2, 1, HM_STATE_MAX_DONORS);
+    if (min_agree < 0)
+        return;
+    if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS, &p,
+                              &id, &elems) < 0)
+        return;
+    load_job *j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        hm_shm_put(shm, id);
+        hm_control_reply_error(req, "internal", "out of memory");
+        return;
+    }
+    j->s = s;
+    j->req = req;
+    j->shm = shm;
+    j->shm_id = id;
+    hm_state_load_opts o = {
+        .min_agree = (unsigned)min_agree,
+        .timeout_ms = (uint64_t)llround(timeout * 1000.0),
+        .dest = p,
+        .dest_cap = elems * sizeof(float),
+    };
+    int r = hm_state_load(s->st, prefix, &o, on_loaded, j);
+    if (r < 0) {
+        hm_shm_put(shm, id);
+        free(j);
+        hm_control_reply_error(req, r == -ENOBUFS ? "busy" : "internal",
+                               r == -ENOBUFS ? "too many state downloads at once"
+                                             : hm_strerror(r));
+        return;
+    }
+    s->jobs++;
+}
+
+/* ---- lifetime ---- */
+
+int hm_dstate_new(struct daemon *d, hm_node *node, hm_control *ctl, hm_dstate **out, char *err,
+                  size_t errlen)
+{
+    int r;
+    hm_dstate *s = calloc(1, sizeof(*s));
+    *out = NULL;
+    if (s == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    s->d = d;
+    s->node = node;
+    if ((r = hm_state_new(node, NULL, &s->st)) < 0) {
+        snprintf(err, errlen, "cannot start state sharing: %s", hm_strerror(r));
+        free(s);
+        return r;
+    }
+    hm_control_register(ctl, "state.share", cmd_share, s);
+    hm_control_register(ctl, "state.load", cmd_load, s);
+    hm_control_register(ctl, "state.info", cmd_info, s);
+    *out = s;
+    return 0;
+}
+
+static void free_if_done(hm_dstate *s)
+{
+    if (!s->closing || s->jobs > 0 || s->st != NULL)
+        return;
+    void (*cb)(void *) = s->close_cb;
+    void *ud = s->close_ud;
+    free(s);
+    if (cb != NULL)
+        cb(ud);
+}
+
+static void on_state_closed(void *ud)
+{
+    hm_dstate *s = ud;
+    s->st = NULL;
+    free_if_done(s);
+}
+
+void hm_dstate_close(hm_dstate *s, void (*cb)(void *ud), void *ud)
+{
+    s->closing = 1;
+    s->close_cb = cb;
+    s->close_ud = ud;
+    /* Downloads end now (-ECANCELED), which answers their commands; the
+     * module's own callback comes from the loop and frees us. */
+    hm_state_close(s->st, on_state_closed, s);
+}

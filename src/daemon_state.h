@@ -1,0 +1,47 @@
+/*
+ * daemon_state: state sharing in hivemindd. It owns the node's state
+ * module (averaging/state.h: the blobs this node shares and the downloads
+ * in progress) and registers the state.* control commands
+ * (docs/control-protocol.md):
+ *
+ *   state.share  {prefix, step, data: SHMREF, bytes?, chunk_size?, ttl?}
+ *                shares a copy of the bytes in shared memory as the state
+ *                at step (the bytes are copied before the reply; "bytes"
+ *                trims a blob that is not a whole number of floats)
+ *   state.load   {prefix, data: SHMREF, timeout?, min_agree?}
+ *                downloads the agreed state into the shared-memory range
+ *                (which must be large enough) and answers with the report:
+ *                step, hash, bytes, donors used and dropped with reasons
+ *   state.info   {prefix} what this node shares under the prefix
+ *
+ * Shared-memory references are daemon.h's {"shm": ID, "offset": BYTES,
+ * "elems": N}; N counts float32 slots, so a range holds 4 N bytes.
+ *
+ * Shutdown: hm_dstate_close ends the downloads (their commands are answered
+ * "stopping") and must run before the node closes, in the same loop turn
+ * at the latest.
+ */
+#ifndef HM_DAEMON_STATE_H
+#define HM_DAEMON_STATE_H
+
+#include "control.h"
+#include "node.h"
+
+#include <stddef.h>
+
+struct daemon;
+typedef struct hm_dstate hm_dstate;
+
+/*
+ * Creates the state module on node and registers the commands on ctl. On
+ * failure err holds a sentence for the operator and nothing is left
+ * running.
+ */
+int hm_dstate_new(struct daemon *d, hm_node *node, hm_control *ctl, hm_dstate **out, char *err,
+                  size_t errlen);
+
+/* Ends the downloads, stops sharing and frees everything; cb fires from
+ * the loop after that. */
+void hm_dstate_close(hm_dstate *s, void (*cb)(void *ud), void *ud);
+
+#endif

@@ -1,0 +1,660 @@
+/*
+ * Tests for state sharing: real nodes on 127.0.0.1 in one process and one
+ * loop, bootstrapped to each other so that their DHT works. Donors share
+ * a multi-megabyte blob; a newcomer downloads it from all of them at once
+ * and must end with exactly the donors' bytes, also when one donor serves
+ * corrupted chunks, when a hostile peer (raw rpc handlers under a real
+ * declaration) serves a manifest or chunks that do not verify, when a
+ * donor dies in the middle of the download, and when donors disagree on
+ * the state. It also checks the clear failures (-ENOENT, -EPROTO,
+ * -ETIMEDOUT, -EMSGSIZE, -ECANCELED) and the wire forms.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "loop.h"
+#include "node.h"
+#include "record.h"
+#include "state.h"
+#include "util.h"
+
+#define MAX_NODES 6
+#define BLOB_BYTES (6u * 1024 * 1024 + 12345)
+#define CHUNK (256u * 1024)
+
+typedef struct swarm {
+    uv_loop_t loop;
+    hm_node *nodes[MAX_NODES];
+    hm_state *st[MAX_NODES];
+    size_t n;
+    hm_rpc_req *held; /* a request a hostile handler keeps unanswered */
+} swarm;
+
+typedef struct result {
+    int calls, status;
+    uint8_t *blob;
+    size_t len;
+    hm_state_report rep;
+    uint64_t start_ms, done_ms;
+} result;
+
+static int dht_ready(void *ud)
+{
+    swarm *sw = ud;
+    size_t need = HM_MIN(sw->n - 1, (size_t)4);
+    for (size_t i = 0; i < sw->n; i++)
+        if (sw->nodes[i] != NULL &&
+            hm_rt_size(hm_dht_routing(hm_node_dht(sw->nodes[i]))) < need)
+            return 0;
+    return 1;
+}
+
+/* n nodes bootstrapped from the first; nodes in [0, with_state) get a state module. */
+static void swarm_start(swarm *sw, size_t n, size_t with_state)
+{
+    char addr[256];
+    memset(sw, 0, sizeof(*sw));
+    hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
+    cr_assert_eq(uv_loop_init(&sw->loop), 0);
+    sw->n = n;
+    for (size_t i = 0; i < n; i++) {
+        sw->nodes[i] = hm_test_make_node(&sw->loop, "state-test", i == 0 ? NULL : addr);
+        if (i == 0)
+            cr_assert_eq(hm_node_address(sw->nodes[0], addr, sizeof(addr)), 0);
+        if (i < with_state)
+            cr_assert_eq(hm_state_new(sw->nodes[i], NULL, &sw->st[i]), 0);
+    }
+    cr_assert(hm_test_run_until(&sw->loop, dht_ready, sw, 10000), "the DHT did not come up");
+}
+
+static void kill_node(swarm *sw, size_t i)
+{
+    if (sw->st[i] != NULL)
+        hm_state_close(sw->st[i], NULL, NULL);
+    sw->st[i] = NULL;
+    if (sw->nodes[i] != NULL)
+        hm_node_close(sw->nodes[i], NULL, NULL);
+    sw->nodes[i] = NULL;
+}
+
+static void swarm_stop(swarm *sw)
+{
+    if (sw->held != NULL)
+        hm_rpc_respond(sw->held, -ECANCELED, NULL, 0);
+    for (size_t i = 0; i < sw->n; i++)
+        kill_node(sw, i);
+    uv_run(&sw->loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&sw->loop), 0, "handles left open after close");
+}
+
+static uint8_t *make_blob(size_t n, uint64_t seed)
+{
+    uint8_t *b = malloc(n);
+    cr_assert_not_null(b);
+    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        b[i] = (uint8_t)x;
+    }
+    return b;
+}
+
+typedef struct declared_pred {
+    swarm *sw;
+    const char *prefix;
+    size_t from, to;
+    uint64_t step;
+} declared_pred;
+
+static int all_declared(void *ud)
+{
+    declared_pred *p = ud;
+    for (size_t i = p->from; i < p->to; i++) {
+        hm_state_share_info info;
+        if (hm_state_share_info_get(p->sw->st[i], p->prefix, &info) < 0 || !info.ready ||
+            info.declared == 0 || info.step != p->step)
+            return 0;
+    }
+    return 1;
+}
+
+static void share_on(swarm *sw, size_t from, size_t to, const char *prefix, uint64_t step,
+                     const uint8_t *blob, size_t len, const hm_state_share_opts *o)
+{
+    for (size_t i = from; i < to; i++)
+        cr_assert_eq(hm_state_share(sw->st[i], prefix, step, blob, len, o), 0);
+    declared_pred p = {sw, prefix, from, to, step};
+    cr_assert(hm_test_run_until(&sw->loop, all_declared, &p, 15000), "declarations not stored");
+}
+
+static void on_load(void *ud, int status, uint8_t *blob, size_t len, const hm_state_report *rep)
+{
+    result *r = ud;
+    r->calls++;
+    r->status = status;
+    r->blob = blob;
+    r->len = len;
+    r->rep = *rep;
+    r->done_ms = hm_now_ms();
+    if (status != 0)
+        cr_assert_null(blob);
+}
+
+static int load_done(void *ud) { return ((result *)ud)->calls > 0; }
+
+static void load(swarm *sw, size_t who, const char *prefix, const hm_state_load_opts *o,
+                 result *r, uint64_t wait_ms)
+{
+    memset(r, 0, sizeof(*r));
+    r->start_ms = hm_now_ms();
+    cr_assert_eq(hm_state_load(sw->st[who], prefix, o, on_load, r), 0);
+    cr_assert_eq(r->calls, 0, "the callback fired from inside hm_state_load");
+    cr_assert(hm_test_run_until(&sw->loop, load_done, r, wait_ms), "the load did not end");
+    cr_assert_eq(r->calls, 1);
+}
+
+static const hm_state_donor_report *donor_of(const result *r, hm_node *n)
+{
+    char id[HM_PEER_ID_LEN + 1];
+    hm_peer_id_encode(hm_node_identity(n)->pk, id);
+    for (size_t i = 0; i < r->rep.n_donors; i++)
+        if (strcmp(r->rep.donors[i].peer_id, id) == 0)
+            return &r->rep.donors[i];
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- downloads */
+
+Test(state, three_donors_newcomer_loads_exactly)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 4);
+    uint8_t *blob = make_blob(BLOB_BYTES, 1);
+    hm_state_share_opts so = {.chunk_size = CHUNK};
+    share_on(&sw, 0, 3, "run1", 7, blob, BLOB_BYTES, &so);
+    /* The donors hashed the same bytes alike. */
+    hm_state_share_info i0, i2;
+    cr_assert_eq(hm_state_share_info_get(sw.st[0], "run1", &i0), 0);
+    cr_assert_eq(hm_state_share_info_get(sw.st[2], "run1", &i2), 0);
+    cr_assert_eq(memcmp(i0.hash, i2.hash, HM_STATE_HASH_BYTES), 0);
+    cr_assert_eq(i0.n_chunks, (BLOB_BYTES + CHUNK - 1) / CHUNK);
+
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 20000};
+    load(&sw, 3, "run1", &o, &r, 25000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.len, BLOB_BYTES);
+    cr_assert_eq(memcmp(r.blob, blob, BLOB_BYTES), 0);
+    cr_assert_eq(r.rep.step, 7u);
+    cr_assert_eq(r.rep.bytes, BLOB_BYTES);
+    cr_assert_eq(memcmp(r.rep.hash, i0.hash, HM_STATE_HASH_BYTES), 0);
+    cr_assert_eq(r.rep.n_donors, 3u);
+    cr_assert_eq(r.rep.n_declared, 3u);
+    uint64_t chunks = 0;
+    for (size_t i = 0; i < 3; i++) {
+        const hm_state_donor_report *d = donor_of(&r, sw.nodes[i]);
+        cr_assert_not_null(d, "donor %zu missing from the report", i);
+        cr_assert_eq(d->dropped, HM_STATE_DROP_NONE);
+        /* Parallel: every donor served part of it. */
+        cr_assert_gt(d->chunks, 0u, "donor %zu served nothing", i);
+        chunks += d->chunks;
+    }
+    cr_assert_eq(chunks, i0.n_chunks);
+    free(r.blob);
+    free(blob);
+    swarm_stop(&sw);
+}
+
+Test(state, corrupting_donor_is_dropped_and_blob_still_right)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 4);
+    uint8_t *blob = make_blob(BLOB_BYTES, 2);
+    hm_state_share_opts so = {.chunk_size = CHUNK};
+    share_on(&sw, 0, 2, "run2", 7, blob, BLOB_BYTES, &so);
+    hm_state_share_opts bad = {.chunk_size = CHUNK, .corrupt_chunks = 1};
+    share_on(&sw, 2, 3, "run2", 7, blob, BLOB_BYTES, &bad);
+
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 20000};
+    load(&sw, 3, "run2", &o, &r, 25000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.len, BLOB_BYTES);
+    cr_assert_eq(memcmp(r.blob, blob, BLOB_BYTES), 0);
+    const hm_state_donor_report *d = donor_of(&r, sw.nodes[2]);
+    cr_assert_not_null(d);
+    cr_assert_eq(d->dropped, HM_STATE_DROP_BAD_CHUNK, "dropped: %s",
+                 hm_state_drop_name(d->dropped));
+    cr_assert_eq(d->chunks, 0u);
+    cr_assert_gt(r.rep.chunks_refetched, 0u);
+    for (size_t i = 0; i < 2; i++)
+        cr_assert_eq(donor_of(&r, sw.nodes[i])->dropped, HM_STATE_DROP_NONE);
+    free(r.blob);
+    free(blob);
+    swarm_stop(&sw);
+}
+
+/* A hostile peer's handlers: a manifest and chunks of its own invention. */
+static void hostile_manifest(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                             const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(ud);
+    HM_UNUSED(peer_pk);
+    HM_UNUSED(from);
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    uint8_t hashes[4 * HM_STATE_HASH_BYTES];
+    memset(hashes, 0xab, sizeof(hashes));
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, 4096);
+    hm_state_encode_manifest(&w, 7, 4 * CHUNK, CHUNK, hashes, 4);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    hm_rpc_respond(req, 0, w.buf, w.len);
+    hm_wire_wr_free(&w);
+}
+
+static void hostile_chunk(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                          const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(ud);
+    HM_UNUSED(peer_pk);
+    HM_UNUSED(from);
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    uint8_t *junk = make_blob(CHUNK, 99);
+    hm_rpc_respond(req, 0, junk, CHUNK);
+    free(junk);
+}
+
+static void hostile_hold(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                         const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(peer_pk);
+    HM_UNUSED(from);
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    swarm *sw = ud;
+    if (sw->held != NULL) {
+        hm_rpc_respond(req, -EBUSY, NULL, 0);
+        return;
+    }
+    sw->held = req;
+}
+
+static void put_done(void *ud, int status, unsigned stored, const hm_dht_lookup_info *info)
+{
+    HM_UNUSED(info);
+    int *p = ud;
+    *p = status == 0 && stored > 0 ? 1 : -1;
+}
+
+static int flag_set(void *ud) { return *(int *)ud != 0; }
+
+/* Declares node i as a donor of (step, hash, total, chunk) under prefix,
+ * exactly as a real donor would, whatever it serves. */
+static void declare_raw(swarm *sw, size_t i, const char *prefix, uint64_t step,
+                        const uint8_t hash[HM_STATE_HASH_BYTES], uint64_t total, uint64_t chunk)
+{
+    char key[256], marker[HM_DHT_OWNER_MARKER_LEN + 1];
+    uint8_t value[HM_STATE_SMALL_MAX];
+    hm_wire_wr w;
+    hm_state_decl d = {.step = step, .total_len = total, .chunk_size = chunk};
+    memcpy(d.hash, hash, HM_STATE_HASH_BYTES);
+    cr_assert_eq(hm_transport_local_addr(hm_rpc_transport(hm_node_rpc(sw->nodes[i])), &d.addr), 0);
+    hm_wire_wr_init_fixed(&w, value, sizeof(value));
+    hm_state_encode_decl(&w, &d);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    snprintf(key, sizeof(key), "%s.state", prefix);
+    hm_dht_owner_marker(hm_node_identity(sw->nodes[i])->pk, marker);
+    int done = 0;
+    cr_assert_eq(hm_node_dht_put(sw->nodes[i], (const uint8_t *)key, strlen(key),
+                                 (const uint8_t *)marker, strlen(marker), 1, value, w.len, 60.0,
+                                 5000, put_done, &done),
+                 0);
+    cr_assert(hm_test_run_until(&sw->loop, flag_set, &done, 10000));
+    cr_assert_eq(done, 1, "the hostile declaration was not stored");
+}
+
+Test(state, manifest_hash_mismatch_rejected)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 3);
+    /* Node 3 declares a state it cannot back: its manifest hashes to something else. */
+    hm_rpc *rpc = hm_node_rpc(sw.nodes[3]);
+    cr_assert_eq(hm_rpc_register(rpc, "state.manifest", hostile_manifest, NULL), 0);
+    cr_assert_eq(hm_rpc_register(rpc, "state.chunk", hostile_chunk, NULL), 0);
+    uint8_t fake[HM_STATE_HASH_BYTES];
+    memset(fake, 0x11, sizeof(fake));
+    declare_raw(&sw, 3, "run3", 7, fake, 4 * CHUNK, CHUNK);
+
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000, .min_agree = 1};
+    load(&sw, 2, "run3", &o, &r, 15000);
+    cr_assert_eq(r.status, -EPROTO, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.n_donors, 1u);
+    cr_assert_eq(r.rep.donors[0].dropped, HM_STATE_DROP_BAD_MANIFEST);
+    cr_assert_eq(r.rep.bytes, 0u);
+    swarm_stop(&sw);
+}
+
+Test(state, hostile_peer_under_a_true_declaration_is_dropped)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 3);
+    uint8_t *blob = make_blob(BLOB_BYTES, 3);
+    hm_state_share_opts so = {.chunk_size = CHUNK};
+    share_on(&sw, 0, 2, "run4", 7, blob, BLOB_BYTES, &so);
+    hm_state_share_info info;
+    cr_assert_eq(hm_state_share_info_get(sw.st[0], "run4", &info), 0);
+    /* Node 3 claims the honest donors' state and serves junk for it. */
+    hm_rpc *rpc = hm_node_rpc(sw.nodes[3]);
+    cr_assert_eq(hm_rpc_register(rpc, "state.manifest", hostile_manifest, NULL), 0);
+    cr_assert_eq(hm_rpc_register(rpc, "state.chunk", hostile_chunk, NULL), 0);
+    declare_raw(&sw, 3, "run4", 7, info.hash, BLOB_BYTES, CHUNK);
+
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 20000};
+    load(&sw, 2, "run4", &o, &r, 25000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.len, BLOB_BYTES);
+    cr_assert_eq(memcmp(r.blob, blob, BLOB_BYTES), 0);
+    cr_assert_eq(r.rep.n_donors, 3u);
+    const hm_state_donor_report *d = donor_of(&r, sw.nodes[3]);
+    cr_assert_not_null(d);
+    /* Asked for the manifest or for chunks, it is found out either way. */
+    cr_assert(d->dropped == HM_STATE_DROP_BAD_CHUNK || d->dropped == HM_STATE_DROP_BAD_MANIFEST,
+              "dropped: %s", hm_state_drop_name(d->dropped));
+    cr_assert_eq(d->chunks, 0u);
+    free(r.blob);
+    free(blob);
+    swarm_stop(&sw);
+}
+
+typedef struct served_pred {
+    swarm *sw;
+    size_t i;
+    uint64_t at_least;
+    result *r;
+} served_pred;
+
+static int served_some(void *ud)
+{
+    served_pred *p = ud;
+    hm_state_share_info info;
+    if (p->r->calls > 0)
+        return 1;
+    return hm_state_share_info_get(p->sw->st[p->i], "run5", &info) == 0 &&
+           info.chunks_served >= p->at_least;
+}
+
+Test(state, donor_dies_mid_download)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 4);
+    const size_t len = 4u * 1024 * 1024, chunk = 32u * 1024;
+    uint8_t *blob = make_blob(len, 5);
+    hm_state_share_opts so = {.chunk_size = chunk};
+    share_on(&sw, 0, 3, "run5", 11, blob, len, &so);
+    /* Slow every donor down so that the download lasts long enough to lose one. */
+    hm_transport_faults f = {.delay_ms = 30};
+    for (size_t i = 0; i < 3; i++)
+        hm_transport_set_faults(hm_rpc_transport(hm_node_rpc(sw.nodes[i])), &f);
+
+    result r;
+    memset(&r, 0, sizeof(r));
+    hm_state_load_opts o = {.timeout_ms = 25000, .request_timeout_ms = 3000, .window = 2};
+    cr_assert_eq(hm_state_load(sw.st[3], "run5", &o, on_load, &r), 0);
+    served_pred p = {&sw, 0, 4, &r};
+    cr_assert(hm_test_run_until(&sw.loop, served_some, &p, 15000));
+    cr_assert_eq(r.calls, 0, "the download ended before the donor could die");
+    kill_node(&sw, 0);
+    cr_assert(hm_test_run_until(&sw.loop, load_done, &r, 28000), "the load did not end");
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.len, len);
+    cr_assert_eq(memcmp(r.blob, blob, len), 0);
+    cr_assert_eq(r.rep.n_donors, 3u);
+    /* The dead donor served part; the others finished it. */
+    uint64_t total = 0, dead_chunks = UINT64_MAX;
+    for (size_t i = 0; i < 3; i++) {
+        const hm_state_donor_report *d = &r.rep.donors[i];
+        total += d->chunks;
+        if (d->last_error != 0 && d->dropped != HM_STATE_DROP_BAD_CHUNK)
+            dead_chunks = d->chunks;
+    }
+    cr_assert_eq(total, len / chunk);
+    cr_assert_neq(dead_chunks, UINT64_MAX, "no donor saw a failure");
+    cr_assert_lt(dead_chunks, len / chunk);
+    free(r.blob);
+    free(blob);
+    swarm_stop(&sw);
+}
+
+/* ---------------------------------------------------------------- agreement */
+
+Test(state, newest_agreed_step_wins)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 4);
+    uint8_t *a = make_blob(64 * 1024, 6), *b = make_blob(80 * 1024, 7);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 2, "run6", 7, a, 64 * 1024, &so);
+    /* A newer step that only one donor holds is not trusted by default. */
+    share_on(&sw, 2, 3, "run6", 9, b, 80 * 1024, &so);
+
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000};
+    load(&sw, 3, "run6", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 7u);
+    cr_assert_eq(r.rep.n_declared, 3u);
+    cr_assert_eq(r.rep.n_donors, 2u);
+    cr_assert_eq(r.len, 64u * 1024);
+    cr_assert_eq(memcmp(r.blob, a, r.len), 0);
+    free(r.blob);
+
+    /* Allowing a single donor takes the newest step. */
+    o.min_agree = 1;
+    load(&sw, 3, "run6", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 9u);
+    cr_assert_eq(r.len, 80u * 1024);
+    cr_assert_eq(memcmp(r.blob, b, r.len), 0);
+    free(r.blob);
+
+    /* Once a second donor moves to step 9, it is the agreed one. */
+    share_on(&sw, 1, 2, "run6", 9, b, 80 * 1024, &so);
+    o.min_agree = 0;
+    load(&sw, 3, "run6", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 9u);
+    cr_assert_eq(r.rep.n_donors, 2u);
+    cr_assert_eq(memcmp(r.blob, b, r.len), 0);
+    free(r.blob);
+    /* A donor never goes back to an older step. */
+    cr_assert_eq(hm_state_share(sw.st[1], "run6", 8, a, 64 * 1024, &so), -ESTALE);
+    free(a);
+    free(b);
+    swarm_stop(&sw);
+}
+
+Test(state, disagreeing_donors_give_eproto)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 4);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    for (size_t i = 0; i < 3; i++) {
+        uint8_t *x = make_blob(50 * 1024, 10 + i);
+        share_on(&sw, i, i + 1, "run7", 7, x, 50 * 1024, &so);
+        free(x);
+    }
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000, .dht_attempts = 2};
+    load(&sw, 3, "run7", &o, &r, 15000);
+    cr_assert_eq(r.status, -EPROTO, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.n_declared, 3u);
+    cr_assert_eq(r.rep.n_donors, 0u);
+    swarm_stop(&sw);
+}
+
+/* ---------------------------------------------------------------- failures */
+
+Test(state, no_donors_enoent_within_timeout)
+{
+    swarm sw;
+    swarm_start(&sw, 3, 3);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 8000};
+    load(&sw, 2, "nobody", &o, &r, 12000);
+    cr_assert_eq(r.status, -ENOENT, "%s", hm_strerror(r.status));
+    cr_assert_lt(r.done_ms - r.start_ms, 8000 + 2000u);
+    cr_assert_eq(r.rep.n_declared, 0u);
+    swarm_stop(&sw);
+}
+
+Test(state, silent_donor_times_out)
+{
+    swarm sw;
+    swarm_start(&sw, 3, 2);
+    /* Node 2 declares and then never answers the manifest request. */
+    cr_assert_eq(hm_rpc_register(hm_node_rpc(sw.nodes[2]), "state.manifest", hostile_hold, &sw),
+                 0);
+    uint8_t h[HM_STATE_HASH_BYTES];
+    memset(h, 0x22, sizeof(h));
+    declare_raw(&sw, 2, "run8", 3, h, 10000, 4096);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 2000, .request_timeout_ms = 10000, .min_agree = 1};
+    load(&sw, 1, "run8", &o, &r, 8000);
+    cr_assert_eq(r.status, -ETIMEDOUT, "%s", hm_strerror(r.status));
+    cr_assert_geq(r.done_ms - r.start_ms, 1900u);
+    cr_assert_lt(r.done_ms - r.start_ms, 2000 + 3000u);
+    cr_assert_not_null(sw.held);
+    swarm_stop(&sw);
+}
+
+Test(state, destination_buffer_and_its_size)
+{
+    swarm sw;
+    swarm_start(&sw, 3, 3);
+    uint8_t *blob = make_blob(100000, 8);
+    hm_state_share_opts so = {.chunk_size = 8192};
+    share_on(&sw, 0, 2, "run9", 1, blob, 100000, &so);
+    uint8_t *dest = calloc(1, 100000);
+    cr_assert_not_null(dest);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000, .dest = dest, .dest_cap = 99999};
+    load(&sw, 2, "run9", &o, &r, 15000);
+    cr_assert_eq(r.status, -EMSGSIZE, "%s", hm_strerror(r.status));
+    o.dest_cap = 100000;
+    load(&sw, 2, "run9", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.blob, dest);
+    cr_assert_eq(memcmp(dest, blob, 100000), 0);
+    free(dest);
+    free(blob);
+    swarm_stop(&sw);
+}
+
+static void count_closed(void *ud) { (*(int *)ud)++; }
+
+Test(state, close_cancels_loads_and_unshare)
+{
+    swarm sw;
+    swarm_start(&sw, 3, 3);
+    uint8_t *blob = make_blob(20000, 9);
+    cr_assert_eq(hm_state_share(sw.st[0], "run10", 1, blob, 20000, NULL), 0);
+    cr_assert_eq(hm_state_unshare(sw.st[0], "run10"), 0);
+    cr_assert_eq(hm_state_unshare(sw.st[0], "run10"), -ENOENT);
+    hm_state_share_info info;
+    cr_assert_eq(hm_state_share_info_get(sw.st[0], "run10", &info), -ENOENT);
+
+    /* Bad arguments never start anything. */
+    cr_assert_eq(hm_state_share(sw.st[0], "", 1, blob, 20000, NULL), -EINVAL);
+    cr_assert_eq(hm_state_share(sw.st[0], "x[owner:y]", 1, blob, 20000, NULL), -EINVAL);
+    cr_assert_eq(hm_state_share(sw.st[0], "x", 1, blob, 0, NULL), -EINVAL);
+    hm_state_share_opts tiny = {.chunk_size = 16};
+    cr_assert_eq(hm_state_share(sw.st[0], "x", 1, blob, 20000, &tiny), -EINVAL);
+
+    result r;
+    memset(&r, 0, sizeof(r));
+    cr_assert_eq(hm_state_load(sw.st[2], "nothing-here", NULL, on_load, &r), 0);
+    int closed = 0;
+    hm_state_close(sw.st[2], count_closed, &closed);
+    sw.st[2] = NULL;
+    cr_assert_eq(r.calls, 1);
+    cr_assert_eq(r.status, -ECANCELED);
+    cr_assert_eq(closed, 0, "close's callback fired from inside the call");
+    hm_test_run_until(&sw.loop, flag_set, &closed, 5000);
+    cr_assert_eq(closed, 1);
+    /* The methods are free again for a new module on the node. */
+    cr_assert_eq(hm_state_new(sw.nodes[2], NULL, &sw.st[2]), 0);
+    free(blob);
+    swarm_stop(&sw);
+}
+
+/* ---------------------------------------------------------------- wire forms */
+
+Test(state_wire, round_trips_and_rejects)
+{
+    hm_wire_wr w;
+    uint8_t buf[HM_STATE_SMALL_MAX];
+    hm_state_decl d = {.step = 42, .total_len = 5000, .chunk_size = 1024}, d2;
+    memset(d.hash, 7, sizeof(d.hash));
+    cr_assert_eq(hm_parse_hostport("127.0.0.1:4567", &d.addr), 0);
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_state_encode_decl(&w, &d);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    cr_assert_eq(hm_state_decode_decl(buf, w.len, &d2), 0);
+    cr_assert_eq(d2.step, 42u);
+    cr_assert_eq(d2.total_len, 5000u);
+    cr_assert_eq(memcmp(d2.hash, d.hash, 32), 0);
+    cr_assert(hm_addr_equal((struct sockaddr *)&d.addr, (struct sockaddr *)&d2.addr));
+    /* Truncated, trailing bytes, a chunk size out of bounds, too many chunks. */
+    cr_assert_lt(hm_state_decode_decl(buf, w.len - 1, &d2), 0);
+    d.chunk_size = 100;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_state_encode_decl(&w, &d);
+    cr_assert_eq(hm_state_decode_decl(buf, w.len, &d2), -EPROTO);
+    d.chunk_size = 1024;
+    d.total_len = (uint64_t)HM_STATE_MAX_CHUNKS * 1024 + 1;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_state_encode_decl(&w, &d);
+    cr_assert_eq(hm_state_decode_decl(buf, w.len, &d2), -EPROTO);
+
+    uint8_t hashes[3 * 32];
+    memset(hashes, 3, sizeof(hashes));
+    hm_state_manifest m;
+    hm_wire_wr_init_dynamic(&w, 4096);
+    hm_state_encode_manifest(&w, 5, 2500, 1024, hashes, 3);
+    cr_assert_eq(hm_state_decode_manifest(w.buf, w.len, &m), 0);
+    cr_assert_eq(m.n_chunks, 3u);
+    cr_assert_eq(memcmp(m.hashes, hashes, sizeof(hashes)), 0);
+    hm_wire_wr_free(&w);
+    /* The hash count must be the chunking's. */
+    hm_wire_wr_init_dynamic(&w, 4096);
+    hm_state_encode_manifest(&w, 5, 2500, 1024, hashes, 2);
+    cr_assert_eq(hm_state_decode_manifest(w.buf, w.len, &m), -EPROTO);
+    hm_wire_wr_free(&w);
+
+    hm_state_req q = {.prefix = "p.q", .index = 9}, q2;
+    memset(q.hash, 1, 32);
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_state_encode_req(&w, &q, 1);
+    cr_assert_eq(hm_state_decode_req(buf, w.len, 1, &q2), 0);
+    cr_assert_str_eq(q2.prefix, "p.q");
+    cr_assert_eq(q2.index, 9u);
+    cr_assert_eq(hm_state_decode_req(buf, w.len, 0, &q2), -EPROTO);
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_state_encode_req(&w, &q, 0);
+    cr_assert_eq(hm_state_decode_req(buf, w.len, 0, &q2), 0);
+    static const uint8_t junk[] = {0xdd, 0xff, 0xff, 0xff, 0xff};
+    cr_assert_lt(hm_state_decode_req(junk, sizeof(junk), 1, &q2), 0);
+    cr_assert_lt(hm_state_decode_manifest(junk, sizeof(junk), &m), 0);
+}
