@@ -30,6 +30,7 @@ enum opt_type {
     T_SWARM,    /* swarm name */
     T_BOOL,     /* yes/no */
     T_LEVEL,    /* log level */
+    T_WORD,     /* one word of [A-Za-z0-9._:,[]-], checked further by its user */
 };
 
 struct opt {
@@ -76,6 +77,26 @@ static const struct opt opts[] = {
      "how often each known peer is pinged (default 15)"},
     {"MaxConnections", "max-connections", T_UINT, FIELD(max_connections), 1, 65536, 0, "N",
      "TCP connections open at once (default 512)"},
+    {"HostExperts", "host-experts", T_WORD, FIELD(host_experts), 0, 0, 0, "PATTERN[,PATTERN...]",
+     "experts to host, e.g. ffn.[0:16].[0:4] for 64 experts ffn.0.0 to ffn.15.3 (default none)"},
+    {"ExpertType", "expert-type", T_WORD, FIELD(expert_type), 0, 0, 0, "TYPE",
+     "layer of the hosted experts: ffn, LayerNorm -> Linear(d, 4d) -> GELU -> Linear(4d, d) "
+     "with a residual (default ffn)"},
+    {"ExpertDim", "expert-dim", T_UINT, FIELD(expert_dim), 1, 8192, 0, "D",
+     "input and output width d of the hosted experts (default 512)"},
+    {"ExpertHidden", "expert-hidden", T_UINT, FIELD(expert_hidden), 0, 32768, 0, "H",
+     "hidden width of the hosted experts, 0 for 4 d (default 0)"},
+    {"ExpertOptimizer", "expert-optimizer", T_WORD, FIELD(expert_optimizer), 0, 0, 0, "adam|sgd",
+     "optimizer each hosted expert steps on every backward call (default adam)"},
+    {"ExpertLearningRate", "expert-lr", T_WORD, FIELD(expert_lr), 0, 0, 0, "RATE",
+     "learning rate of the hosted experts (default 0.001 for adam, 0.01 for sgd)"},
+    {"ExpertWorkers", "expert-workers", T_UINT, FIELD(expert_workers), 1, 256, 0, "N",
+     "compute threads of the expert server (default 2)"},
+    {"ExpertMaxBatch", "expert-max-batch", T_UINT, FIELD(expert_max_batch), 1, 4096, 0, "N",
+     "samples in one expert batch (default 1024)"},
+    {"CheckpointInterval", "checkpoint-interval", T_UINT, FIELD(checkpoint_interval_s), 1, 86400,
+     0, "SECONDS", "how often hosted experts that changed are checkpointed under "
+     "STATEDIR/experts (default 60; also on shutdown)"},
 };
 
 #define N_OPTS HM_ARRAY_LEN(opts)
@@ -304,6 +325,20 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
             return -EINVAL;
         }
         return 0;
+    case T_WORD:
+        if (strlen(v) >= o->size) {
+            set_err(why, whylen, "value longer than %zu bytes", o->size - 1);
+            return -EINVAL;
+        }
+        for (const char *p = v; *p; p++) {
+            if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
+                  (*p >= '0' && *p <= '9') || strchr("._:,[]-", *p) != NULL)) {
+                set_err(why, whylen, "unexpected character '%c'", *p);
+                return -EINVAL;
+            }
+        }
+        hm_strlcpy(field_str(c, o), v, o->size);
+        return 0;
     case T_LEVEL: {
         char low[16];
         size_t n = strlen(v);
@@ -395,6 +430,12 @@ void hm_config_defaults(hm_config *c)
     c->log_level = HM_LOG_INFO;
     c->ping_interval_s = 15;
     c->max_connections = 512;
+    hm_strlcpy(c->expert_type, "ffn", sizeof(c->expert_type));
+    c->expert_dim = 512;
+    hm_strlcpy(c->expert_optimizer, "adam", sizeof(c->expert_optimizer));
+    c->expert_workers = 2;
+    c->expert_max_batch = 1024;
+    c->checkpoint_interval_s = 60;
 }
 
 int hm_config_finish(hm_config *c, char *err, size_t errlen)
@@ -704,6 +745,7 @@ char *hm_config_format(const hm_config *c)
         case T_SOCKET:
         case T_GROUP:
         case T_SWARM:
+        case T_WORD:
             if (field_cstr(c, o)[0] == '\0')
                 hm_strbuf_printf(&b, "# %s (none)\n", o->keyword);
             else

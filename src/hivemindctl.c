@@ -31,8 +31,8 @@
 
 #define MAX_REPLY (32 * 1024 * 1024)
 
-static const char *const commands[] = {"info", "peers", "metrics", "shutdown", "dht",
-                                       "average", "averaging"};
+static const char *const commands[] = {"info",    "peers",     "metrics", "shutdown", "dht",
+                                       "average", "averaging", "experts"};
 
 static void usage(FILE *f)
 {
@@ -59,7 +59,19 @@ static void usage(FILE *f)
             "             all-reduce's deadline (default 30); hivemindctl waits for both\n"
             "             plus 15 s. Exit 1 with the reason when no averaged result came\n"
             "             back\n"
-            "  averaging  the rounds in progress and the recent rounds, as a table\n\n"
+            "  averaging  the rounds in progress and the recent rounds, as a table\n"
+            "  experts list [PREFIX]\n"
+            "             the experts this node hosts (requests served, mean batch size,\n"
+            "             latency, optimizer steps) and those the swarm declares under\n"
+            "             PREFIX (default: the grids this node hosts in): uid, host, expiry\n"
+            "  experts host PATTERN [--type ffn] [--dim D] [--hidden H]\n"
+            "          [--optimizer adam|sgd] [--lr RATE]\n"
+            "             host more experts, e.g. 'ffn.[0:16].[0:4]' (64 experts); the\n"
+            "             defaults are the daemon's Expert* settings\n"
+            "  experts call UID --in FILE --out FILE [--timeout S]\n"
+            "             one forward pass of expert UID, wherever it is hosted, on a raw\n"
+            "             float32 [batch, d] file; the output is written to OUT (default\n"
+            "             timeout 30 s)\n\n"
             "Options:\n"
             "  -s, --socket PATH    control socket (default: $HIVEMINDD_CONTROL_SOCKET, else\n"
             "                       the daemon's default for this user)\n"
@@ -332,6 +344,11 @@ enum {
     OPT_MM_TIME,
     OPT_COMPRESSION,
     OPT_GROUP_BITS,
+    OPT_TYPE,
+    OPT_DIM,
+    OPT_HIDDEN,
+    OPT_OPTIMIZER,
+    OPT_LR,
 };
 
 typedef struct avg_args {
@@ -556,6 +573,112 @@ static void print_averaging(const json_t *r)
     }
 }
 
+/* ---- experts ---- */
+
+typedef struct ex_args {
+    const char *type, *dim, *hidden, *optimizer, *lr;
+    int any;
+} ex_args;
+
+/*
+ * The experts.* request, or NULL after printing why. For call, *wait_s
+ * gets the call's timeout plus slack (the daemon answers within it).
+ */
+static json_t *build_experts(char **pos, int npos, const ex_args *e, const char *in,
+                             const char *out, double timeout_s, int timeout_given,
+                             double *wait_s)
+{
+    const char *sub = npos > 0 ? pos[0] : "";
+    double x;
+    json_t *args = NULL;
+    if (strcmp(sub, "list") == 0 && npos <= 2 && !e->any && in == NULL && out == NULL) {
+        args = json_object();
+        if (args != NULL && npos == 2)
+            json_object_set_new(args, "prefix", json_string(pos[1]));
+        return json_pack("{s:s, s:o, s:i}", "cmd", "experts.list", "args", args, "id", 1);
+    }
+    if (strcmp(sub, "host") == 0 && npos == 2 && in == NULL && out == NULL) {
+        args = json_pack("{s:s}", "pattern", pos[1]);
+        if (args == NULL)
+            return NULL;
+        if (e->type != NULL)
+            json_object_set_new(args, "type", json_string(e->type));
+        if (e->optimizer != NULL)
+            json_object_set_new(args, "optimizer", json_string(e->optimizer));
+        if (e->dim != NULL) {
+            if (parse_num("--dim", e->dim, 1, 8192, 1, &x) != 0)
+                goto bad;
+            json_object_set_new(args, "dim", json_integer((json_int_t)x));
+        }
+        if (e->hidden != NULL) {
+            if (parse_num("--hidden", e->hidden, 0, 32768, 1, &x) != 0)
+                goto bad;
+            json_object_set_new(args, "hidden", json_integer((json_int_t)x));
+        }
+        if (e->lr != NULL) {
+            if (parse_num("--lr", e->lr, 1e-12, 10, 0, &x) != 0)
+                goto bad;
+            json_object_set_new(args, "lr", json_real(x));
+        }
+        return json_pack("{s:s, s:o, s:i}", "cmd", "experts.host", "args", args, "id", 1);
+    }
+    if (strcmp(sub, "call") == 0 && npos == 2 && !e->any) {
+        if (in == NULL || out == NULL) {
+            fprintf(stderr, "hivemindctl: experts call needs --in FILE and --out FILE\n");
+            return NULL;
+        }
+        json_t *ip = abs_path(in), *op = abs_path(out);
+        double t = timeout_given ? timeout_s : 30;
+        if (ip == NULL || op == NULL) {
+            json_decref(ip);
+            json_decref(op);
+            return NULL;
+        }
+        if (t > 600) {
+            fprintf(stderr, "hivemindctl: experts call: --timeout is at most 600\n");
+            json_decref(ip);
+            json_decref(op);
+            return NULL;
+        }
+        *wait_s = t + 5;
+        args = json_pack("{s:s, s:o, s:o, s:f}", "uid", pos[1], "in", ip, "out", op, "timeout",
+                         t);
+        return json_pack("{s:s, s:o, s:i}", "cmd", "experts.call", "args", args, "id", 1);
+    }
+    fprintf(stderr, "hivemindctl: expected 'experts list [PREFIX]', 'experts host PATTERN "
+            "[--type T] [--dim D] [--hidden H] [--optimizer O] [--lr R]' or 'experts call UID "
+            "--in FILE --out FILE [--timeout S]'\n");
+    return NULL;
+bad:
+    json_decref(args);
+    return NULL;
+}
+
+static void print_experts(const json_t *r)
+{
+    const json_t *hosted = json_object_get(r, "hosted"), *swarm = json_object_get(r, "swarm");
+    size_t i;
+    const json_t *e;
+    printf("hosted here: %zu\n", json_array_size(hosted));
+    if (json_array_size(hosted) > 0)
+        printf("  %-20s %5s %9s %9s %7s %9s %9s %8s\n", "UID", "DIM", "FORWARD", "BACKWARD",
+               "BATCH", "P50_MS", "P99_MS", "STEPS");
+    json_array_foreach(hosted, i, e)
+    {
+        printf("  %-20s %5lld %9lld %9lld %7.1f %9.2f %9.2f %8lld\n", jstr(e, "uid"),
+               (long long)jnum(e, "dim"), (long long)jnum(e, "forward_requests"),
+               (long long)jnum(e, "backward_requests"), jnum(e, "mean_batch_size"),
+               jnum(e, "latency_p50_ms"), jnum(e, "latency_p99_ms"), (long long)jnum(e, "steps"));
+    }
+    printf("declared in the swarm: %zu\n", json_array_size(swarm));
+    double now = (double)time(NULL);
+    json_array_foreach(swarm, i, e)
+    {
+        printf("  %-20s %s  expires in %.0f s\n", jstr(e, "uid"), jstr(e, "host"),
+               jnum(e, "expires") - now);
+    }
+}
+
 int main(int argc, char **argv)
 {
     static const struct option longopts[] = {
@@ -572,6 +695,11 @@ int main(int argc, char **argv)
         {"matchmaking-time", required_argument, NULL, OPT_MM_TIME},
         {"compression", required_argument, NULL, OPT_COMPRESSION},
         {"group-bits", required_argument, NULL, OPT_GROUP_BITS},
+        {"type", required_argument, NULL, OPT_TYPE},
+        {"dim", required_argument, NULL, OPT_DIM},
+        {"hidden", required_argument, NULL, OPT_HIDDEN},
+        {"optimizer", required_argument, NULL, OPT_OPTIMIZER},
+        {"lr", required_argument, NULL, OPT_LR},
         {NULL, 0, NULL, 0},
     };
     const char *subkey_opt = NULL;
@@ -581,6 +709,7 @@ int main(int argc, char **argv)
     double timeout_s = 10;
     int timeout_given = 0;
     avg_args avg = {0};
+    ex_args ex = {0};
     char path[HM_CONFIG_SOCKET_PATH_LEN];
     char *line = NULL;
     json_t *reply = NULL;
@@ -641,6 +770,21 @@ int main(int argc, char **argv)
         case OPT_GROUP_BITS:
             avg.group_bits = optarg, avg.any = 1;
             break;
+        case OPT_TYPE:
+            ex.type = optarg, ex.any = 1;
+            break;
+        case OPT_DIM:
+            ex.dim = optarg, ex.any = 1;
+            break;
+        case OPT_HIDDEN:
+            ex.hidden = optarg, ex.any = 1;
+            break;
+        case OPT_OPTIMIZER:
+            ex.optimizer = optarg, ex.any = 1;
+            break;
+        case OPT_LR:
+            ex.lr = optarg, ex.any = 1;
+            break;
         case 'K':
             subkey_opt = optarg;
             break;
@@ -680,7 +824,8 @@ int main(int argc, char **argv)
     const char *cmd = argv[optind];
     char **pos = argv + optind + 1;
     int npos = argc - optind - 1;
-    if (strcmp(cmd, "dht") != 0 && strcmp(cmd, "average") != 0 && npos > 0) {
+    if (strcmp(cmd, "dht") != 0 && strcmp(cmd, "average") != 0 && strcmp(cmd, "experts") != 0 &&
+        npos > 0) {
         fprintf(stderr, "hivemindctl: one command at a time\n");
         usage(stderr);
         return HM_EXIT_USAGE;
@@ -693,7 +838,18 @@ int main(int argc, char **argv)
         usage(stderr);
         return HM_EXIT_USAGE;
     }
-    if (avg.any && strcmp(cmd, "average") != 0) {
+    if (ex.any && strcmp(cmd, "experts") != 0) {
+        fprintf(stderr, "hivemindctl: --type, --dim, --hidden, --optimizer and --lr go with "
+                "experts host\n");
+        usage(stderr);
+        return HM_EXIT_USAGE;
+    }
+    int in_out_only = avg.in != NULL || avg.out != NULL;
+    if (avg.any && strcmp(cmd, "experts") == 0 && in_out_only &&
+        avg.weight == NULL && avg.target == NULL && avg.min == NULL && avg.round_timeout == NULL &&
+        avg.mm_time == NULL && avg.compression == NULL && avg.group_bits == NULL) {
+        /* --in and --out also go with experts call. */
+    } else if (avg.any && strcmp(cmd, "average") != 0) {
         fprintf(stderr, "hivemindctl: --in, --out, --weight and the other averaging options go "
                 "with average\n");
         usage(stderr);
@@ -706,6 +862,14 @@ int main(int argc, char **argv)
             request = NULL;
         } else {
             request = build_average(pos, npos, &avg, timeout_s, timeout_given, &timeout_s);
+        }
+    } else if (strcmp(cmd, "experts") == 0) {
+        if (subkey_opt != NULL || ttl_opt > 0) {
+            fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
+            request = NULL;
+        } else {
+            request = build_experts(pos, npos, &ex, avg.in, avg.out, timeout_s, timeout_given,
+                                    &timeout_s);
         }
     } else {
         request = build_request(cmd, pos, npos, subkey_opt, ttl_opt);
@@ -822,6 +986,17 @@ int main(int argc, char **argv)
             print_report(result);
         } else if (strcmp(cmd, "averaging") == 0) {
             print_averaging(result);
+        } else if (strcmp(wire_cmd, "experts.list") == 0) {
+            print_experts(result);
+        } else if (strcmp(wire_cmd, "experts.host") == 0) {
+            printf("hosting %lld more experts, %lld in all\n",
+                   (long long)json_integer_value(json_object_get(result, "added")),
+                   (long long)json_integer_value(json_object_get(result, "hosted")));
+        } else if (strcmp(wire_cmd, "experts.call") == 0) {
+            printf("%s at %s: %lld x %lld in %.3f s\n", jstr(result, "uid"), jstr(result, "peer"),
+                   (long long)json_integer_value(json_object_get(result, "batch")),
+                   (long long)json_integer_value(json_object_get(result, "dim")),
+                   jnum(result, "duration"));
         }
     }
     /* A get that found nothing is a failure for scripts, like grep. */

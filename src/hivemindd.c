@@ -21,8 +21,12 @@
 #include "codec.h"
 #include "control.h"
 #include "crypto.h"
+#include "daemon.h"
+#include "daemon_moe.h"
+#include "daemon_state.h"
 #include "hm_config.h"
 #include "node.h"
+#include "shm.h"
 #include "util.h"
 
 #include <errno.h>
@@ -53,6 +57,9 @@ typedef struct daemon {
     size_t avg_jobs;    /* "average" commands in progress */
     size_t avg_bytes;   /* bytes of tensors they hold */
     hm_control *ctl;
+    hm_shm *shm;        /* shared memory with the trainers; freed after the loop */
+    hm_dmoe *moe;       /* hosted experts and expert calls; NULL once closing */
+    hm_dstate *state;   /* state sharing (state.* commands); NULL once closing */
     uv_signal_t sig_term, sig_int, sig_hup;
     int signals_open;
     int stopping;
@@ -108,6 +115,15 @@ static void on_part_closed(void *ud)
     d->parts_open--;
 }
 
+static void close_node(daemon_t *d);
+
+static void on_moe_closed(void *ud)
+{
+    daemon_t *d = ud;
+    d->parts_open--;
+    close_node(d);
+}
+
 static void begin_shutdown(daemon_t *d, const char *why)
 {
     if (d->stopping)
@@ -126,6 +142,23 @@ static void begin_shutdown(daemon_t *d, const char *why)
     if (d->ctl != NULL) {
         hm_control_close(d->ctl, on_part_closed, d);
         d->ctl = NULL;
+    }
+    /* The expert server checkpoints and withdraws its DHT declarations
+     * while the node still runs; the rest closes after it. */
+    if (d->moe != NULL) {
+        hm_dmoe *m = d->moe;
+        d->moe = NULL;
+        hm_dmoe_close(m, on_moe_closed, d);
+        return;
+    }
+    close_node(d);
+}
+
+static void close_node(daemon_t *d)
+{
+    if (d->state != NULL) {
+        hm_dstate_close(d->state, on_part_closed, d);
+        d->state = NULL;
     }
     /* Rounds end (-ECANCELED) before the node goes, in the same turn. */
     if (d->av != NULL) {
@@ -231,12 +264,16 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
     }
     if (hm_node_address(d->node, addr, sizeof(addr)) != 0)
         addr[0] = '\0';
-    reply_or_fail(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s}", "peer_id",
-                                 hm_node_identity(d->node)->peer_id, "address", addr, "swarm",
-                                 hm_node_swarm(d->node), "version", PACKAGE_VERSION, "uptime_s",
-                                 (json_int_t)(hm_node_uptime_ms(d->node) / 1000), "client_mode",
-                                 d->cfg.client_mode, "pid", (json_int_t)getpid(),
-                                 "control_socket", d->cfg.control_socket));
+    size_t shm_segments = 0, shm_bytes = 0;
+    if (d->shm != NULL)
+        hm_shm_stats(d->shm, &shm_segments, &shm_bytes);
+    reply_or_fail(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}}",
+                                 "peer_id", hm_node_identity(d->node)->peer_id, "address", addr,
+                                 "swarm", hm_node_swarm(d->node), "version", PACKAGE_VERSION,
+                                 "uptime_s", (json_int_t)(hm_node_uptime_ms(d->node) / 1000),
+                                 "client_mode", d->cfg.client_mode, "pid", (json_int_t)getpid(),
+                                 "control_socket", d->cfg.control_socket, "shm", "segments",
+                                 (json_int_t)shm_segments, "bytes", (json_int_t)shm_bytes));
 }
 
 static void cmd_peers(void *ud, hm_control_req *req, const json_t *args)
@@ -537,9 +574,11 @@ static void cmd_dht_info(void *ud, hm_control_req *req, const json_t *args)
  * absolute and are opened with the daemon's own permissions; whoever may
  * use the control socket already controls the daemon. Files are read and
  * written on libuv's threadpool, never on the loop. This file interface is
- * what hivemindctl and scripts use; trainers that average large tensors
- * often want the shared-memory client library, which the issue's final
- * design adds on top of the same averager.
+ * what hivemindctl and scripts use. Trainers pass args.data instead, a
+ * shared-memory reference (daemon.h): the round averages those floats in
+ * place, pinned until it ends, and the reply is the same report; the
+ * client library (lib/hivemind.h) runs such a round on a connection of its
+ * own when the trainer wants to keep computing meanwhile.
  *
  * "averaging" lists the rounds in progress and the recent ones.
  */
@@ -549,6 +588,8 @@ static void cmd_dht_info(void *ud, hm_control_req *req, const json_t *args)
 #define AVERAGE_MAX_HELD ((size_t)1 << 30)
 #define AVERAGE_MAX_JOBS 16
 #define AVERAGE_MAX_TIMEOUT_S 3600.0
+/* Largest shared-memory tensor: the default largest segment (shm.h). */
+#define AVERAGE_SHM_MAX_ELEMS ((size_t)1 << 30)
 
 typedef struct avg_job {
     uv_work_t work;
@@ -565,6 +606,8 @@ typedef struct avg_job {
     int err;
     char msg[PATH_MAX + 128];
     hm_avg_report *rep; /* once the round is over */
+    uint64_t shm_id;    /* data is pinned shared memory (args.data) when in_shm */
+    int in_shm;
 } avg_job;
 
 static const char *const comp_names[HM_AVG_COMP_COUNT] = {"none", "fp16", "8bit"};
@@ -583,7 +626,10 @@ static void avg_job_free(avg_job *j)
         j->d->avg_jobs--;
         j->d->avg_bytes -= j->held;
     }
-    free(j->data);
+    if (j->in_shm)
+        hm_shm_put(j->d->shm, j->shm_id);
+    else
+        free(j->data);
     free(j->rep);
     free(j);
 }
@@ -838,6 +884,11 @@ static void on_avg_round(void *ud, int status, const hm_avg_report *rep)
         reply_round_error(j->req, rep);
         goto fail;
     }
+    if (j->in_shm) {
+        /* Averaged in place: the trainer reads the result where it wrote. */
+        reply_or_fail(j->req, report_json(j->rep));
+        goto fail;
+    }
     /* The daemon may be closing: the loop still runs the write to its end. */
     j->err = 0;
     int r = uv_queue_work(&j->d->loop, &j->work, avg_write_work, avg_after_write);
@@ -850,11 +901,12 @@ fail:
     avg_job_free(j);
 }
 
+static void avg_start_round(avg_job *j);
+
 static void avg_after_read(uv_work_t *w, int status)
 {
     avg_job *j = w->data;
     daemon_t *d = j->d;
-    int r;
     if (status != 0 && j->err == 0) {
         j->err = status;
         snprintf(j->msg, sizeof(j->msg), "reading %s: %s", j->in, uv_strerror(status));
@@ -873,12 +925,23 @@ static void avg_after_read(uv_work_t *w, int status)
         hm_control_reply_error(j->req, "busy", "too many tensors are being averaged at once");
         goto fail;
     }
-    r = hm_averager_round(d->av, &j->opts, j->data, j->n, on_avg_round, j, NULL);
+    avg_start_round(j);
+    return;
+fail:
+    avg_job_free(j);
+}
+
+/* Starts the round of a job whose data is ready; on failure replies and frees it. */
+static void avg_start_round(avg_job *j)
+{
+    daemon_t *d = j->d;
+    int r = hm_averager_round(d->av, &j->opts, j->data, j->n, on_avg_round, j, NULL);
     if (r < 0) {
         char msg[256];
         snprintf(msg, sizeof(msg), "cannot start a round under '%s': %s", j->prefix,
                  r == -EBUSY     ? "a round under this prefix and group bits is running"
                  : r == -ENOBUFS ? "too many rounds are running"
+                 : r == -EDOM    ? "the tensor holds NaN or infinity"
                                  : hm_strerror(r));
         hm_control_reply_error(j->req, r == -EBUSY || r == -ENOBUFS ? "busy" : "bad_args", msg);
         goto fail;
@@ -962,7 +1025,13 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
         goto fail;
     }
     hm_strlcpy(j->prefix, json_string_value(v), sizeof(j->prefix));
-    if (arg_path(req, args, "in", j->in) < 0 || arg_path(req, args, "out", j->out) < 0)
+    const json_t *data_ref = json_object_get(args, "data");
+    if (data_ref != NULL && (json_object_get(args, "in") || json_object_get(args, "out"))) {
+        hm_control_reply_error(req, "bad_args", "give either args.data or args.in and args.out");
+        goto fail;
+    }
+    if (data_ref == NULL &&
+        (arg_path(req, args, "in", j->in) < 0 || arg_path(req, args, "out", j->out) < 0))
         goto fail;
     j->opts.prefix = j->prefix;
     j->opts.weight = 1.0;
@@ -1029,6 +1098,14 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
     j->opts.client_mode = json_is_true(v);
     j->d = d;
     d->avg_jobs++;
+    if (data_ref != NULL) {
+        if (hm_daemon_shm_ref_any(hm_daemon_shm(d), req, data_ref, "data", AVERAGE_SHM_MAX_ELEMS,
+                                  &j->data, &j->shm_id, &j->n) < 0)
+            goto fail;
+        j->in_shm = 1;
+        avg_start_round(j);
+        return;
+    }
     j->work.data = j;
     int r = uv_queue_work(&d->loop, &j->work, avg_read_work, avg_after_read);
     if (r != 0) {
@@ -1084,6 +1161,171 @@ fail:
     json_decref(rounds);
     json_decref(active);
     hm_control_reply_error(req, "internal", "out of memory");
+}
+
+/* ---- shared memory with the trainers (shm.h, daemon.h) ---- */
+
+hm_shm *hm_daemon_shm(struct daemon *d) { return d->stopping ? NULL : d->shm; }
+
+/* args.<what>.<name> as an integer in [lo, hi], or def when absent (-1: required). */
+static int ref_uint(hm_control_req *req, const json_t *ref, const char *what, const char *name,
+                    int64_t def, int64_t lo, int64_t hi, uint64_t *out)
+{
+    const json_t *v = json_object_get(ref, name);
+    char msg[160];
+    if (v == NULL && def >= 0) {
+        *out = (uint64_t)def;
+        return 0;
+    }
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
+        snprintf(msg, sizeof(msg), "args.%s.%s must be an integer from %lld to %lld", what, name,
+                 (long long)lo, (long long)hi);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -EINVAL;
+    }
+    *out = (uint64_t)json_integer_value(v);
+    return 0;
+}
+
+/* The one parser of shared-memory references: elems > 0 fixes the count,
+ * 0 takes it from the reference (1..max_elems). */
+static int shm_ref(hm_shm *shm, hm_control_req *req, const json_t *ref, const char *what,
+                   size_t elems, size_t max_elems, float **ptr_out, uint64_t *id_out,
+                   size_t *elems_out)
+{
+    char msg[256];
+    uint64_t id, offset, n;
+    void *p;
+    if (shm == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return -ESHUTDOWN;
+    }
+    if (!json_is_object(ref)) {
+        snprintf(msg, sizeof(msg),
+                 "args.%s must be a shared-memory reference {\"shm\": ID, \"offset\": BYTES, "
+                 "\"elems\": N}", what);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -EINVAL;
+    }
+    if (ref_uint(req, ref, what, "shm", -1, 1, (int64_t)1 << 53, &id) < 0 ||
+        ref_uint(req, ref, what, "offset", 0, 0, INT64_MAX, &offset) < 0 ||
+        ref_uint(req, ref, what, "elems", elems > 0 ? (int64_t)elems : -1, 1,
+                 (int64_t)(elems > 0 ? elems : max_elems), &n) < 0)
+        return -EINVAL;
+    if (elems > 0 && n != elems) {
+        snprintf(msg, sizeof(msg), "args.%s.elems is %llu but the command needs %zu floats",
+                 what, (unsigned long long)n, elems);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -EINVAL;
+    }
+    int r = hm_shm_get(shm, id, offset, n * sizeof(float), &p);
+    if (r == -ENOENT) {
+        snprintf(msg, sizeof(msg), "args.%s: no shared-memory segment %llu (never allocated, "
+                 "or freed)", what, (unsigned long long)id);
+        hm_control_reply_error(req, "bad_args", msg);
+        return r;
+    }
+    if (r != 0) {
+        snprintf(msg, sizeof(msg), "args.%s: %llu floats at byte offset %llu do not fit in "
+                 "segment %llu (or the offset is not a multiple of 4)", what,
+                 (unsigned long long)n, (unsigned long long)offset, (unsigned long long)id);
+        hm_control_reply_error(req, "bad_args", msg);
+        return r;
+    }
+    *ptr_out = p;
+    *id_out = id;
+    if (elems_out != NULL)
+        *elems_out = (size_t)n;
+    return 0;
+}
+
+int hm_daemon_shm_ref(hm_shm *shm, hm_control_req *req, const json_t *ref, const char *what,
+                      size_t elems, float **ptr_out, uint64_t *id_out)
+{
+    if (elems == 0) {
+        hm_control_reply_error(req, "bad_args", "a tensor of no elements");
+        return -EINVAL;
+    }
+    return shm_ref(shm, req, ref, what, elems, elems, ptr_out, id_out, NULL);
+}
+
+int hm_daemon_shm_ref_any(hm_shm *shm, hm_control_req *req, const json_t *ref, const char *what,
+                          size_t max_elems, float **ptr_out, uint64_t *id_out, size_t *elems_out)
+{
+    return shm_ref(shm, req, ref, what, 0, max_elems, ptr_out, id_out, elems_out);
+}
+
+static void cmd_shm_alloc(void *ud, hm_control_req *req, const json_t *args)
+{
+    daemon_t *d = ud;
+    hm_shm *shm = hm_daemon_shm(d);
+    const json_t *v = json_object_get(args, "bytes");
+    char name[HM_SHM_NAME_MAX], msg[256];
+    uint64_t id;
+    if (shm == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    if (!json_is_integer(v) || json_integer_value(v) < 1) {
+        hm_control_reply_error(req, "bad_args", "args.bytes must be a positive integer");
+        return;
+    }
+    size_t bytes = (size_t)json_integer_value(v);
+    int r = hm_shm_alloc(shm, hm_control_req_client(req), bytes, &id, name);
+    if (r != 0) {
+        size_t segs, total;
+        hm_shm_stats(shm, &segs, &total);
+        if (r == -ENOBUFS)
+            snprintf(msg, sizeof(msg), "cannot allocate %zu bytes of shared memory: over the "
+                     "daemon's bounds (%zu segments of %zu bytes are in use)", bytes, segs, total);
+        else
+            snprintf(msg, sizeof(msg), "cannot allocate %zu bytes of shared memory: %s", bytes,
+                     strerror(-r));
+        hm_control_reply_error(req, r == -ENOBUFS ? "limit" : r == -ENOSPC ? "no_space"
+                                                                        : "internal", msg);
+        return;
+    }
+    reply_or_fail(req, json_pack("{s:I, s:s, s:I}", "shm", (json_int_t)id, "name", name, "bytes",
+                                 (json_int_t)bytes));
+}
+
+static void cmd_shm_free(void *ud, hm_control_req *req, const json_t *args)
+{
+    daemon_t *d = ud;
+    hm_shm *shm = hm_daemon_shm(d);
+    const json_t *v = json_object_get(args, "shm");
+    char msg[160];
+    if (shm == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    if (!json_is_integer(v) || json_integer_value(v) < 1) {
+        hm_control_reply_error(req, "bad_args", "args.shm must be a segment id");
+        return;
+    }
+    uint64_t id = (uint64_t)json_integer_value(v);
+    int r = hm_shm_release(shm, hm_control_req_client(req), id);
+    if (r == -ENOENT) {
+        snprintf(msg, sizeof(msg), "no shared-memory segment %llu (never allocated, or freed)",
+                 (unsigned long long)id);
+        hm_control_reply_error(req, "not_found", msg);
+        return;
+    }
+    if (r == -EPERM) {
+        snprintf(msg, sizeof(msg), "segment %llu belongs to another connection",
+                 (unsigned long long)id);
+        hm_control_reply_error(req, "not_owner", msg);
+        return;
+    }
+    reply_or_fail(req, json_object());
+}
+
+/* A control connection closed: its segments go (pinned ones at their last put). */
+static void on_conn_closed(void *ud, uint64_t conn_id)
+{
+    daemon_t *d = ud;
+    if (d->shm != NULL)
+        hm_shm_release_owner(d->shm, conn_id);
 }
 
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)
@@ -1161,6 +1403,12 @@ static int start(daemon_t *d, char *err, size_t errlen)
     }
     d->parts_open++;
 
+    r = hm_shm_new(NULL, &d->shm);
+    if (r != 0) {
+        snprintf(err, errlen, "cannot set up shared memory: %s", hm_strerror(r));
+        return r;
+    }
+
     hm_control_config cc = {
         .path = d->cfg.control_socket,
         .group = d->cfg.control_socket_group[0] ? d->cfg.control_socket_group : NULL,
@@ -1182,6 +1430,29 @@ static int start(daemon_t *d, char *err, size_t errlen)
     hm_control_register(d->ctl, "dht.info", cmd_dht_info, d);
     hm_control_register(d->ctl, "average", cmd_average, d);
     hm_control_register(d->ctl, "averaging", cmd_averaging, d);
+    hm_control_register(d->ctl, "shm.alloc", cmd_shm_alloc, d);
+    hm_control_register(d->ctl, "shm.free", cmd_shm_free, d);
+    hm_control_set_close_cb(d->ctl, on_conn_closed, d);
+    hm_dmoe_config mc = {
+        .state_dir = d->cfg.state_dir,
+        .host_experts = d->cfg.host_experts,
+        .type = d->cfg.expert_type,
+        .dim = d->cfg.expert_dim,
+        .hidden = d->cfg.expert_hidden,
+        .optimizer = d->cfg.expert_optimizer,
+        .lr = d->cfg.expert_lr,
+        .workers = d->cfg.expert_workers,
+        .max_batch = d->cfg.expert_max_batch,
+        .checkpoint_interval_s = d->cfg.checkpoint_interval_s,
+    };
+    r = hm_dmoe_new(d, d->node, d->ctl, &mc, &d->moe, err, errlen);
+    if (r != 0)
+        return r;
+    d->parts_open++;
+    r = hm_dstate_new(d, d->node, d->ctl, &d->state, err, errlen);
+    if (r != 0)
+        return r;
+    d->parts_open++;
 
     uv_signal_init(&d->loop, &d->sig_term);
     uv_signal_init(&d->loop, &d->sig_int);
@@ -1278,6 +1549,9 @@ int main(int argc, char **argv)
         hm_info(MOD, "stopped");
 out:
     if (d != NULL) {
+        /* After the loop: rounds and connections that pinned or owned
+         * segments are all over by now. */
+        hm_shm_free(d->shm);
         sodium_memzero(d->swarm_key, sizeof(d->swarm_key));
         free(d);
     }

@@ -66,6 +66,14 @@ typedef struct hm_config {
     int log_level; /* enum hm_log_level */
     unsigned ping_interval_s;
     unsigned max_connections;
+    /* The expert server (moe/): patterns validated when the daemon starts. */
+    char host_experts[512];          /* comma-separated patterns; empty: none */
+    char expert_type[16];
+    unsigned expert_dim, expert_hidden;
+    char expert_optimizer[16];
+    char expert_lr[32];              /* empty: the optimizer's default */
+    unsigned expert_workers, expert_max_batch;
+    unsigned checkpoint_interval_s;
 } hm_config;
 
 /*

@@ -6,7 +6,7 @@
 #
 # Environment: HM_BUILDDIR and HM_SRCDIR (set by `make check`; default to
 # the current directory and this script's source tree), FUZZ_RUNS (default
-# 20000), FUZZ_SEED (default 1), HM_FUZZ_TARGETS (default all four targets).
+# 20000), FUZZ_SEED (default 1), HM_FUZZ_TARGETS (default: every target).
 # It writes nothing into the source tree, so it runs from a read-only srcdir
 # as under `make distcheck`; a crashing input is saved in the build tree.
 
@@ -16,7 +16,7 @@ srcdir=${HM_SRCDIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 builddir=${HM_BUILDDIR:-$(pwd)}
 runs=${FUZZ_RUNS:-20000}
 seed=${FUZZ_SEED:-1}
-targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce fuzz_matchmaking"}
+targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce fuzz_matchmaking fuzz_moe_proto fuzz_moe_checkpoint fuzz_state fuzz_client fuzz_idx"}
 
 failed=0
 passed=0

@@ -11,7 +11,7 @@
 # paths printed. SECONDS defaults to 60 per target. The source tree is found
 # from this script's location and is never written to. Targets run one
 # after another, each in one process. Environment: CC (default clang),
-# HM_FUZZ_TARGETS (default all four targets).
+# HM_FUZZ_TARGETS (default: every target).
 
 set -u
 
@@ -28,7 +28,7 @@ case $seconds in
 esac
 srcdir=$(cd "$(dirname "$0")/../.." && pwd)
 cc=${CC:-clang}
-targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce fuzz_matchmaking"}
+targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce fuzz_matchmaking fuzz_moe_proto fuzz_moe_checkpoint fuzz_state fuzz_client fuzz_idx"}
 
 if [ ! -f "$builddir/config.h" ]; then
     echo "$0: $builddir has no config.h; run configure there first" >&2
@@ -45,12 +45,17 @@ sources_for() {
         fuzz_avg_codec) echo "averaging/codec.c" ;;
         fuzz_matchmaking) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c src/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/matchmaking.c" ;;
         fuzz_allreduce) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c averaging/codec.c averaging/allreduce.c" ;;
+        fuzz_moe_proto) echo "src/util.c src/wire.c src/crypto.c moe/proto.c" ;;
+        fuzz_moe_checkpoint) echo "src/util.c src/wire.c moe/ffn.c moe/checkpoint.c" ;;
+        fuzz_state) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c src/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/state.c" ;;
+        fuzz_client) echo "lib/client.c" ;;
+        fuzz_idx) echo "contrib/examples/idx.c" ;;
         fuzz_dht_proto) echo "src/util.c src/wire.c src/crypto.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c" ;;
         *) return 1 ;;
     esac
 }
 
-pkgs="libuv libsodium msgpack jansson openblas"
+pkgs="libuv libsodium msgpack jansson openblas zlib"
 dep_cflags=$(pkg-config --cflags $pkgs) || exit 1
 dep_libs=$(pkg-config --libs $pkgs) || exit 1
 
@@ -77,7 +82,8 @@ for t in $targets; do
     # shellcheck disable=SC2086 # the source and flag lists are meant to split
     if ! "$cc" -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
         -fno-sanitize-recover=undefined -fno-omit-frame-pointer \
-        -I "$builddir" -I "$srcdir/src" -I "$srcdir/dht" -I "$srcdir/averaging" $dep_cflags \
+        -I "$builddir" -I "$srcdir/src" -I "$srcdir/dht" -I "$srcdir/averaging" -I "$srcdir/moe" \
+        -I "$srcdir/lib" -I "$srcdir/contrib/examples" $dep_cflags \
         -o "$bin" $srcs $dep_libs -lm; then
         echo "FAIL: $t: build failed"
         failed=$((failed + 1))

@@ -1,0 +1,763 @@
+/*
+ * client: finding experts through the DHT and calling them (see client.h
+ * for the semantics).
+ *
+ * It owns two kinds of work in flight:
+ *   - find operations (a lookup or a beam search), each waiting on one DHT
+ *     get or get_many. The node gives no handle to cancel those, so when
+ *     the client is freed a find operation is detached (its callback fires
+ *     with -ECANCELED then) and lives on until the DHT answers or the node
+ *     closes, when it only frees itself;
+ *   - expert calls, each with one rpc call per expert, an overall timer and
+ *     a timer started at the k_min-th answer. Finishing a call cancels its
+ *     rpc calls (whose callbacks fire synchronously and find the call
+ *     done), so nothing writes into the caller's buffers after its
+ *     callback; the call's memory goes in the timers' close callback.
+ */
+#include "config.h"
+
+#include "client.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "record.h"
+#include "util.h"
+#include "wire.h"
+
+#define MOD "moe.client"
+
+/* Keys fetched per beam level, so that a level is one get_many. */
+#define BEAM_MAX HM_DHT_MANY_MAX
+
+typedef struct find_op find_op;
+typedef struct call call;
+
+struct hm_moe_client {
+    hm_node *node;
+    hm_rpc *rpc;
+    uint64_t next_call_id;
+    find_op *finds; /* active find operations (doubly linked) */
+    call *calls;    /* active expert calls (doubly linked) */
+};
+
+/* ------------------------------------------------------------ find ops */
+
+enum { FIND_LOOKUP = 1, FIND_BEAM = 2 };
+
+/* One beam entry: a grid prefix ("ffn.3.") or, at the last level, an expert. */
+typedef struct beam_ent {
+    char name[HM_MOE_UID_MAX + 1];
+    double score;
+    double expiration; /* experts: the chosen declaration's, to keep the freshest */
+    hm_moe_expert ex;  /* experts only */
+} beam_ent;
+
+struct find_op {
+    hm_moe_client *c; /* NULL once detached by hm_moe_client_free */
+    find_op *prev, *next;
+    int kind;
+    hm_moe_find_cb cb;
+    void *ud;
+    char uid[HM_MOE_UID_MAX + 1]; /* lookup */
+
+    /* Beam search. scores are copied so that the caller's may go away. */
+    char prefix[HM_MOE_PREFIX_MAX + 1];
+    size_t ndims, k_best, beam_size;
+    size_t grid[HM_MOE_MAX_GRID_DIMS];
+    double *scores[HM_MOE_MAX_GRID_DIMS];
+    uint64_t deadline_ms;
+    unsigned level;
+    int failed_gets; /* a get of this search failed (timeout, unreachable) */
+    beam_ent *beam;  /* beam_size entries */
+    size_t n_beam;
+    beam_ent *next_beam; /* candidates of the level being read */
+    size_t n_next;
+};
+
+static void find_link(hm_moe_client *c, find_op *f)
+{
+    f->c = c;
+    f->prev = NULL;
+    f->next = c->finds;
+    if (c->finds != NULL)
+        c->finds->prev = f;
+    c->finds = f;
+}
+
+static void find_unlink(find_op *f)
+{
+    if (f->c == NULL)
+        return;
+    if (f->prev != NULL)
+        f->prev->next = f->next;
+    else
+        f->c->finds = f->next;
+    if (f->next != NULL)
+        f->next->prev = f->prev;
+    f->prev = f->next = NULL;
+    f->c = NULL;
+}
+
+static void find_free(find_op *f)
+{
+    if (f == NULL)
+        return;
+    for (size_t d = 0; d < HM_MOE_MAX_GRID_DIMS; d++)
+        free(f->scores[d]);
+    free(f->beam);
+    free(f->next_beam);
+    free(f);
+}
+
+/* Ends a find operation that is still attached: unlinks, reports, frees. */
+static void find_finish(find_op *f, int status, const hm_moe_expert *ex, size_t n)
+{
+    find_unlink(f);
+    hm_moe_find_cb cb = f->cb;
+    void *ud = f->ud;
+    cb(ud, status, ex, n);
+    find_free(f);
+}
+
+/* "[owner:PEERID]" exactly: the owner's key. 0 or -EINVAL. */
+static int parse_owner_subkey(const uint8_t *sk, size_t len, uint8_t pk[HM_PK_BYTES])
+{
+    if (len != HM_DHT_OWNER_MARKER_LEN || memcmp(sk, "[owner:", 7) != 0 || sk[len - 1] != ']')
+        return -EINVAL;
+    return hm_peer_id_decode((const char *)sk + 7, HM_PEER_ID_LEN, pk) == 0 ? 0 : -EINVAL;
+}
+
+/* Fills an expert's address from "HOST:PORT". 0 or -EINVAL. */
+static int expert_set_addr(hm_moe_expert *ex, const char *addr)
+{
+    if (hm_strlcpy(ex->addr_str, addr, sizeof(ex->addr_str)) < 0)
+        return -EINVAL;
+    return hm_parse_hostport(addr, &ex->addr) == 0 ? 0 : -EINVAL;
+}
+
+static int map_get_status(int status)
+{
+    /* No replica answering at all is a failed lookup, not an absent key. */
+    return status == -EHOSTUNREACH ? -ETIMEDOUT : status;
+}
+
+static void lookup_cb(void *ud, int status, const hm_dht_value *values, size_t n,
+                      const hm_dht_lookup_info *info)
+{
+    find_op *f = ud;
+    HM_UNUSED(info);
+    if (f->c == NULL) { /* detached: the caller has heard -ECANCELED already */
+        find_free(f);
+        return;
+    }
+    if (status < 0) {
+        find_finish(f, map_get_status(status), NULL, 0);
+        return;
+    }
+    hm_moe_expert best;
+    memset(&best, 0, sizeof(best));
+    double best_exp = -INFINITY;
+    int found = 0;
+    size_t uid_len = strlen(f->uid);
+    for (size_t i = 0; i < n; i++) {
+        const hm_dht_record *r = &values[i].rec;
+        hm_moe_expert ex;
+        char addr[HM_MOE_ADDR_MAX + 1], type[HM_MOE_TYPE_MAX + 1];
+        size_t dim;
+        if (r->key_len != uid_len || memcmp(r->key, f->uid, uid_len) != 0 || !r->has_subkey)
+            continue;
+        if (r->expiration <= best_exp)
+            continue;
+        memset(&ex, 0, sizeof(ex));
+        if (parse_owner_subkey(r->subkey, r->subkey_len, ex.pk) != 0)
+            continue;
+        /* Empty (withdrawn) and malformed declarations are skipped alike. */
+        if (hm_moe_decode_expert_value(r->value, r->value_len, addr, type, &dim) != 0)
+            continue;
+        if (expert_set_addr(&ex, addr) != 0)
+            continue;
+        memcpy(ex.uid, f->uid, uid_len + 1);
+        best = ex;
+        best_exp = r->expiration;
+        found = 1;
+    }
+    if (found)
+        find_finish(f, 0, &best, 1);
+    else
+        find_finish(f, -ENOENT, NULL, 0);
+}
+
+int hm_moe_lookup(hm_moe_client *c, const char *uid, uint64_t timeout_ms, hm_moe_find_cb cb,
+                  void *ud)
+{
+    hm_moe_uid u;
+    if (c == NULL || uid == NULL || cb == NULL || timeout_ms == 0)
+        return -EINVAL;
+    size_t len = strnlen(uid, HM_MOE_UID_MAX + 1);
+    if (len > HM_MOE_UID_MAX || hm_moe_uid_parse(uid, len, &u) != 0)
+        return -EINVAL;
+    find_op *f = calloc(1, sizeof(*f));
+    if (f == NULL)
+        return -ENOMEM;
+    f->kind = FIND_LOOKUP;
+    f->cb = cb;
+    f->ud = ud;
+    memcpy(f->uid, uid, len);
+    f->uid[len] = '\0';
+    int r = hm_node_dht_get(c->node, (const uint8_t *)f->uid, len, timeout_ms, lookup_cb, f);
+    if (r < 0) {
+        find_free(f);
+        return r;
+    }
+    find_link(c, f);
+    return 0;
+}
+
+/* ----------------------------------------------------------- beam search */
+
+/* Whether a ranks before b: higher score, then the smaller name (so that the
+ * result does not depend on the order replies came in). */
+static int ent_better(const beam_ent *a, const beam_ent *b)
+{
+    if (a->score != b->score)
+        return a->score > b->score;
+    return strcmp(a->name, b->name) < 0;
+}
+
+/*
+ * Offers a candidate to a sorted array of at most cap entries. A name
+ * already present is not added twice; for experts the fresher declaration
+ * replaces the older one (same name, hence same score and place).
+ */
+static void ent_offer(beam_ent *arr, size_t *n, size_t cap, const beam_ent *cand)
+{
+    for (size_t i = 0; i < *n; i++) {
+        if (strcmp(arr[i].name, cand->name) == 0) {
+            if (cand->expiration > arr[i].expiration)
+                arr[i] = *cand;
+            return;
+        }
+    }
+    size_t pos = *n;
+    while (pos > 0 && ent_better(cand, &arr[pos - 1]))
+        pos--;
+    if (pos >= cap)
+        return;
+    size_t last = *n < cap ? *n : cap - 1;
+    memmove(&arr[pos + 1], &arr[pos], (last - pos) * sizeof(*arr));
+    arr[pos] = *cand;
+    if (*n < cap)
+        (*n)++;
+}
+
+static void beam_finish(find_op *f)
+{
+    hm_moe_expert out[HM_MOE_MAX_K];
+    size_t n = 0;
+    /* At the last level next_beam holds the experts, best first. */
+    for (size_t i = 0; i < f->n_next && n < f->k_best; i++)
+        out[n++] = f->next_beam[i].ex;
+    int status = 0;
+    if (n == 0)
+        status = f->failed_gets ? -ETIMEDOUT : -ENOENT;
+    find_finish(f, status, out, n);
+}
+
+static int beam_request(find_op *f);
+
+/* Reads one key's dictionary into the level's candidates. */
+static void beam_take(find_op *f, const beam_ent *parent, const hm_dht_value *values, size_t n)
+{
+    int last = f->level + 1 == f->ndims;
+    size_t plen = strlen(parent->name);
+    for (size_t i = 0; i < n; i++) {
+        const hm_dht_record *r = &values[i].rec;
+        uint32_t coord;
+        beam_ent cand;
+        char uid[HM_MOE_UID_MAX + 1], addr[HM_MOE_ADDR_MAX + 1];
+        hm_moe_uid u;
+
+        if (!r->has_subkey || r->key_len != plen || memcmp(r->key, parent->name, plen) != 0)
+            continue;
+        memset(&cand.ex, 0, sizeof(cand.ex));
+        if (hm_moe_parse_prefix_subkey(r->subkey, r->subkey_len, &coord, cand.ex.pk) != 0)
+            continue;
+        if (coord >= f->grid[f->level])
+            continue;
+        if (hm_moe_decode_prefix_value(r->value, r->value_len, uid, addr) != 0)
+            continue; /* withdrawn or malformed */
+        int w = snprintf(cand.name, sizeof(cand.name), "%s%" PRIu32 "%s", parent->name, coord,
+                         last ? "" : ".");
+        if (w < 0 || (size_t)w >= sizeof(cand.name))
+            continue;
+        /* The entry's expert must lie below the prefix it is listed under
+         * (at the last level: be exactly the uid it names). */
+        size_t clen = (size_t)w;
+        size_t ulen = strlen(uid);
+        if (hm_moe_uid_parse(uid, ulen, &u) != 0 || u.ndims != f->ndims)
+            continue;
+        if (last ? strcmp(uid, cand.name) != 0 : strncmp(uid, cand.name, clen) != 0)
+            continue;
+        cand.score = parent->score + f->scores[f->level][coord];
+        cand.expiration = r->expiration;
+        if (last) {
+            memcpy(cand.ex.uid, uid, ulen + 1);
+            cand.ex.score = cand.score;
+            if (expert_set_addr(&cand.ex, addr) != 0)
+                continue;
+        }
+        ent_offer(f->next_beam, &f->n_next, last ? f->k_best : f->beam_size, &cand);
+    }
+}
+
+static void beam_level_cb(void *ud, const hm_dht_many_result *results, size_t n_keys)
+{
+    find_op *f = ud;
+    if (f->c == NULL) {
+        find_free(f);
+        return;
+    }
+    f->n_next = 0;
+    for (size_t k = 0; k < n_keys && k < f->n_beam; k++) {
+        if (results[k].status < 0) {
+            f->failed_gets = 1;
+            continue;
+        }
+        beam_take(f, &f->beam[k], results[k].values, results[k].n);
+    }
+    if (f->level + 1 == f->ndims) {
+        beam_finish(f);
+        return;
+    }
+    /* The candidates become the next level's beam. */
+    beam_ent *t = f->beam;
+    f->beam = f->next_beam;
+    f->n_beam = f->n_next;
+    f->next_beam = t;
+    f->n_next = 0;
+    f->level++;
+    if (f->n_beam == 0 || hm_now_ms() >= f->deadline_ms) {
+        if (f->n_beam > 0)
+            f->failed_gets = 1;
+        beam_finish(f);
+        return;
+    }
+    int r = beam_request(f);
+    if (r < 0) {
+        f->failed_gets = 1;
+        f->n_next = 0;
+        beam_finish(f);
+    }
+}
+
+/* Starts the get_many for the current beam. */
+static int beam_request(find_op *f)
+{
+    const uint8_t *keys[BEAM_MAX];
+    size_t lens[BEAM_MAX];
+    for (size_t i = 0; i < f->n_beam; i++) {
+        keys[i] = (const uint8_t *)f->beam[i].name;
+        lens[i] = strlen(f->beam[i].name);
+    }
+    uint64_t now = hm_now_ms();
+    uint64_t left = f->deadline_ms > now ? f->deadline_ms - now : 1;
+    hm_moe_client *c = f->c;
+    return hm_node_dht_get_many(c->node, keys, lens, f->n_beam, left, beam_level_cb, f);
+}
+
+int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const *scores,
+                       const size_t *grid_sizes, size_t ndims, size_t k_best, size_t beam_size,
+                       uint64_t timeout_ms, hm_moe_find_cb cb, void *ud)
+{
+    int result = 0;
+    find_op *f = NULL;
+    char probe[HM_MOE_PREFIX_MAX + 8];
+    hm_moe_uid u;
+
+    if (c == NULL || prefix == NULL || scores == NULL || grid_sizes == NULL || cb == NULL ||
+        timeout_ms == 0)
+        return -EINVAL;
+    if (ndims < 1 || ndims > HM_MOE_MAX_GRID_DIMS || k_best < 1 || k_best > HM_MOE_MAX_K)
+        return -EINVAL;
+    if (beam_size == 0)
+        beam_size = k_best;
+    if (beam_size > BEAM_MAX)
+        return -EINVAL;
+    /* The prefix is valid exactly when "PREFIX.0" is a uid. */
+    size_t plen = strnlen(prefix, HM_MOE_PREFIX_MAX + 1);
+    if (plen > HM_MOE_PREFIX_MAX)
+        return -EINVAL;
+    snprintf(probe, sizeof(probe), "%s.0", prefix);
+    if (hm_moe_uid_parse(probe, strlen(probe), &u) != 0)
+        return -EINVAL;
+    for (size_t d = 0; d < ndims; d++) {
+        if (scores[d] == NULL || grid_sizes[d] < 1 || grid_sizes[d] > HM_MOE_MAX_GRID)
+            return -EINVAL;
+        for (size_t i = 0; i < grid_sizes[d]; i++)
+            if (!isfinite(scores[d][i]))
+                return -EINVAL;
+    }
+
+    f = calloc(1, sizeof(*f));
+    if (f == NULL)
+        return -ENOMEM;
+    f->kind = FIND_BEAM;
+    f->cb = cb;
+    f->ud = ud;
+    memcpy(f->prefix, prefix, plen + 1);
+    f->ndims = ndims;
+    f->k_best = k_best;
+    f->beam_size = beam_size;
+    f->deadline_ms = hm_now_ms() + timeout_ms;
+    for (size_t d = 0; d < ndims; d++) {
+        f->grid[d] = grid_sizes[d];
+        f->scores[d] = malloc(grid_sizes[d] * sizeof(double));
+        if (f->scores[d] == NULL) {
+            result = -ENOMEM;
+            goto out;
+        }
+        memcpy(f->scores[d], scores[d], grid_sizes[d] * sizeof(double));
+    }
+    /* Both arrays must hold a level of prefixes and the final experts. */
+    size_t cap = HM_MAX(beam_size, k_best);
+    f->beam = calloc(cap, sizeof(beam_ent));
+    f->next_beam = calloc(cap, sizeof(beam_ent));
+    if (f->beam == NULL || f->next_beam == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    snprintf(f->beam[0].name, sizeof(f->beam[0].name), "%s.", prefix);
+    f->beam[0].score = 0;
+    f->n_beam = 1;
+    f->c = c;
+    if ((result = beam_request(f)) < 0) {
+        f->c = NULL;
+        goto out;
+    }
+    find_link(c, f);
+    f = NULL;
+out:
+    find_free(f);
+    return result;
+}
+
+/* ---------------------------------------------------------- expert calls */
+
+typedef struct slot {
+    call *call;
+    size_t e;
+    uint64_t rpc_id;
+    int pending; /* an rpc call is in flight */
+} slot;
+
+struct call {
+    hm_moe_client *c;
+    call *prev, *next;
+    uint64_t id;
+    int backward;
+    int done;
+    size_t k, k_min, batch, dim;
+    uint64_t timeout_after_k_min_ms;
+    float *out; /* [k, batch, dim] */
+    hm_moe_call_cb cb;
+    void *ud;
+    size_t n_pending, n_answered;
+    uint8_t answered[HM_MOE_MAX_K];
+    slot slots[HM_MOE_MAX_K];
+    uv_timer_t timer;      /* the overall timeout (or a deferred finish) */
+    uv_timer_t kmin_timer; /* timeout_after_k_min, from the k_min-th answer */
+    int handles_open;
+};
+
+static void call_unlink(call *k)
+{
+    if (k->c == NULL)
+        return;
+    if (k->prev != NULL)
+        k->prev->next = k->next;
+    else
+        k->c->calls = k->next;
+    if (k->next != NULL)
+        k->next->prev = k->prev;
+    k->prev = k->next = NULL;
+    k->c = NULL;
+}
+
+static void call_handle_closed(uv_handle_t *h)
+{
+    call *k = h->data;
+    if (--k->handles_open == 0)
+        free(k);
+}
+
+/*
+ * Ends a call: cancels what is still in flight (those callbacks fire here
+ * and see done), reports once, and closes the timers, whose close
+ * callback frees the call.
+ */
+static void call_finish(call *k, int status)
+{
+    if (k->done)
+        return;
+    k->done = 1;
+    hm_rpc *rpc = k->c->rpc;
+    call_unlink(k);
+    for (size_t e = 0; e < k->k; e++)
+        if (k->slots[e].pending)
+            (void)hm_rpc_cancel(rpc, k->slots[e].rpc_id);
+    uv_timer_stop(&k->timer);
+    uv_timer_stop(&k->kmin_timer);
+    uv_close((uv_handle_t *)&k->timer, call_handle_closed);
+    uv_close((uv_handle_t *)&k->kmin_timer, call_handle_closed);
+    k->cb(k->ud, status, k->answered, k->n_answered);
+}
+
+static void call_timeout_cb(uv_timer_t *t)
+{
+    call *k = t->data;
+    call_finish(k, k->n_answered >= k->k_min ? 0 : -ETIMEDOUT);
+}
+
+static void call_kmin_cb(uv_timer_t *t)
+{
+    call_finish(t->data, 0);
+}
+
+static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
+{
+    slot *s = ud;
+    call *k = s->call;
+    s->pending = 0;
+    k->n_pending--;
+    if (k->done)
+        return;
+    if (status == 0) {
+        float *block = k->out + s->e * k->batch * k->dim;
+        int r = hm_moe_decode_out(body, len, k->backward, k->batch, k->dim, block);
+        if (r == 0) {
+            k->answered[s->e] = 1;
+            k->n_answered++;
+        } else {
+            hm_debug(MOD, "call %" PRIu64 ": expert %zu sent a bad reply (%s)", k->id, s->e,
+                     hm_strerror(r));
+        }
+    }
+    if (k->n_pending == 0) {
+        call_finish(k, k->n_answered >= k->k_min ? 0 : -ETIMEDOUT);
+        return;
+    }
+    if (status == 0 && k->answered[s->e] && k->n_answered == k->k_min) {
+        if (k->timeout_after_k_min_ms == 0)
+            call_finish(k, 0);
+        else
+            uv_timer_start(&k->kmin_timer, call_kmin_cb, k->timeout_after_k_min_ms, 0);
+    }
+}
+
+static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n,
+                      const float *x, const float *gy, size_t batch, size_t dim, float *out,
+                      const hm_moe_call_opts *o, hm_moe_call_cb cb, void *ud,
+                      uint64_t *call_out)
+{
+    int result = 0;
+    call *k = NULL;
+    hm_wire_wr w;
+
+    if (c == NULL || experts == NULL || x == NULL || out == NULL || o == NULL || cb == NULL)
+        return -EINVAL;
+    if (k_n < 1 || k_n > HM_MOE_MAX_K || o->k_min < 1 || o->k_min > k_n || o->timeout_ms == 0)
+        return -EINVAL;
+    if (batch < 1 || batch > HM_MOE_MAX_BATCH || dim < 1 || dim > HM_MOE_MAX_DIM ||
+        batch * dim > HM_MOE_MAX_ELEMS)
+        return -EINVAL;
+    for (size_t e = 0; e < k_n; e++)
+        if (strnlen(experts[e].uid, sizeof(experts[e].uid)) > HM_MOE_UID_MAX)
+            return -EINVAL;
+
+    k = calloc(1, sizeof(*k));
+    if (k == NULL)
+        return -ENOMEM;
+    k->backward = gy != NULL;
+    k->k = k_n;
+    k->k_min = o->k_min;
+    k->batch = batch;
+    k->dim = dim;
+    k->timeout_after_k_min_ms = o->timeout_after_k_min_ms;
+    k->out = out;
+    k->cb = cb;
+    k->ud = ud;
+    k->c = c;
+
+    size_t block = batch * dim;
+    for (size_t e = 0; e < k_n; e++) {
+        slot *s = &k->slots[e];
+        s->call = k;
+        s->e = e;
+        hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+        if (k->backward)
+            hm_moe_encode_bwd(&w, experts[e].uid, x, gy + e * block, batch, dim);
+        else
+            hm_moe_encode_fwd(&w, experts[e].uid, x, batch, dim);
+        int r = hm_wire_wr_error(&w);
+        if (r == -ENOMEM) {
+            hm_wire_wr_free(&w);
+            result = -ENOMEM;
+            goto out;
+        }
+        if (r == 0)
+            r = hm_rpc_call(c->rpc, experts[e].pk, (const struct sockaddr *)&experts[e].addr,
+                            k->backward ? HM_MOE_METHOD_BWD : HM_MOE_METHOD_FWD, w.buf, w.len,
+                            HM_RPC_STREAM, o->timeout_ms, slot_cb, s, &s->rpc_id);
+        hm_wire_wr_free(&w);
+        if (r == 0) {
+            s->pending = 1;
+            k->n_pending++;
+        } else {
+            /* An expert we cannot even send to counts as not answering. */
+            hm_debug(MOD, "cannot call %s at %s: %s", experts[e].uid, experts[e].addr_str,
+                     hm_strerror(r));
+        }
+    }
+
+    uv_loop_t *loop = hm_node_loop(c->node);
+    uv_timer_init(loop, &k->timer);
+    uv_timer_init(loop, &k->kmin_timer);
+    k->timer.data = k;
+    k->kmin_timer.data = k;
+    k->handles_open = 2;
+    /* With nothing in flight the call is over, but the callback must not
+     * fire from inside this function: a zero timer reports it. */
+    uv_timer_start(&k->timer, call_timeout_cb, k->n_pending == 0 ? 0 : o->timeout_ms, 0);
+
+    k->id = ++c->next_call_id;
+    k->prev = NULL;
+    k->next = c->calls;
+    if (c->calls != NULL)
+        c->calls->prev = k;
+    c->calls = k;
+    if (call_out != NULL)
+        *call_out = k->id;
+    k = NULL;
+out:
+    if (k != NULL) {
+        /* Abandon what was started; those callbacks see done and return. */
+        k->done = 1;
+        for (size_t e = 0; e < k_n; e++)
+            if (k->slots[e].pending)
+                (void)hm_rpc_cancel(c->rpc, k->slots[e].rpc_id);
+        free(k);
+    }
+    return result;
+}
+
+int hm_moe_forward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, const float *x,
+                   size_t batch, size_t dim, float *y_out, const hm_moe_call_opts *o,
+                   hm_moe_call_cb cb, void *ud, uint64_t *call_out)
+{
+    return call_start(c, experts, k, x, NULL, batch, dim, y_out, o, cb, ud, call_out);
+}
+
+int hm_moe_backward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, const float *x,
+                    const float *gy, size_t batch, size_t dim, float *gx_out,
+                    const hm_moe_call_opts *o, hm_moe_call_cb cb, void *ud, uint64_t *call_out)
+{
+    if (gy == NULL)
+        return -EINVAL;
+    return call_start(c, experts, k, x, gy, batch, dim, gx_out, o, cb, ud, call_out);
+}
+
+int hm_moe_cancel(hm_moe_client *c, uint64_t id)
+{
+    if (c == NULL)
+        return -EINVAL;
+    for (call *k = c->calls; k != NULL; k = k->next) {
+        if (k->id == id) {
+            call_finish(k, -ECANCELED);
+            return 0;
+        }
+    }
+    return -ENOENT;
+}
+
+/* -------------------------------------------------------------- combine */
+
+int hm_moe_combine(const float *y, const float *logits, const uint8_t *answered, size_t k,
+                   size_t batch, size_t dim, float *out, float *weights_out)
+{
+    if (y == NULL || logits == NULL || answered == NULL || out == NULL || k < 1 ||
+        k > HM_MOE_MAX_K || batch < 1 || dim < 1)
+        return -EINVAL;
+    size_t n_ans = 0;
+    for (size_t e = 0; e < k; e++)
+        n_ans += answered[e] != 0;
+    if (n_ans == 0)
+        return -EINVAL;
+
+    for (size_t b = 0; b < batch; b++) {
+        const float *lg = logits + b * k;
+        double w[HM_MOE_MAX_K];
+        /* Softmax with the maximum subtracted, so that large logits do not
+         * overflow exp. */
+        double mx = -INFINITY;
+        for (size_t e = 0; e < k; e++)
+            if (answered[e] && lg[e] > mx)
+                mx = lg[e];
+        double sum = 0;
+        for (size_t e = 0; e < k; e++) {
+            w[e] = answered[e] ? exp((double)lg[e] - mx) : 0.0;
+            sum += w[e];
+        }
+        if (!(sum > 0) || !isfinite(sum))
+            return -EINVAL; /* a non-finite logit */
+        float *o = out + b * dim;
+        for (size_t i = 0; i < dim; i++)
+            o[i] = 0.0f;
+        for (size_t e = 0; e < k; e++) {
+            w[e] /= sum;
+            if (weights_out != NULL)
+                weights_out[b * k + e] = (float)w[e];
+            if (!answered[e])
+                continue;
+            const float *ye = y + (e * batch + b) * dim;
+            for (size_t i = 0; i < dim; i++)
+                o[i] += (float)(w[e] * ye[i]);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------- lifetime */
+
+int hm_moe_client_new(hm_node *node, hm_moe_client **out)
+{
+    if (node == NULL || out == NULL)
+        return -EINVAL;
+    hm_moe_client *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return -ENOMEM;
+    c->node = node;
+    c->rpc = hm_node_rpc(node);
+    *out = c;
+    return 0;
+}
+
+void hm_moe_client_free(hm_moe_client *c)
+{
+    if (c == NULL)
+        return;
+    while (c->calls != NULL)
+        call_finish(c->calls, -ECANCELED);
+    /* A find waits on the DHT, which cannot be cancelled from here: detach
+     * it (its DHT callback then only frees it) and report now. */
+    while (c->finds != NULL) {
+        find_op *f = c->finds;
+        find_unlink(f);
+        f->cb(f->ud, -ECANCELED, NULL, 0);
+    }
+    free(c);
+}

@@ -1,0 +1,733 @@
+/*
+ * proto: the expert protocol's uid grammar, rpc bodies and DHT values (see
+ * proto.h). Pure functions over caller memory; it owns nothing. Every
+ * decoder first walks the bytes with the bounded wire validator under
+ * limits sized for the message at hand, and tensors are read with an
+ * element cap, so a declared shape never drives an allocation.
+ */
+#include "config.h"
+
+#include "proto.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "record.h"
+#include "util.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "moe/proto.c sends float32 tensors as host bytes and needs a little-endian host"
+#endif
+
+/* A request or reply: one map with a few keys and at most two tensors. */
+static const hm_wire_limits frame_limits = {
+    .max_size = HM_MOE_MAX_FRAME,
+    .max_depth = 4,
+    .max_elements = 64,
+};
+/* Info requests and replies, and DHT values: small maps and arrays. */
+static const hm_wire_limits small_limits = {
+    .max_size = HM_DHT_VALUE_MAX,
+    .max_depth = 4,
+    .max_elements = 64,
+};
+
+/* hidden is not a wire cap of its own; this keeps nonsense out of listings. */
+#define INFO_MAX_HIDDEN ((size_t)1 << 20)
+
+static const char owner_open[] = "[owner:";
+
+/* ------------------------------------------------------------ uids */
+
+static int prefix_char(char c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '_' || c == '-';
+}
+
+/*
+ * Reads a canonical decimal coordinate at s[*pos..len): no sign, no leading
+ * zero (so that one expert has one uid, which is also its DHT key), below
+ * HM_MOE_MAX_GRID. Returns 0 and advances *pos, or -EINVAL.
+ */
+static int read_coord(const char *s, size_t len, size_t *pos, uint32_t *out)
+{
+    size_t i = *pos;
+    uint32_t v = 0;
+
+    if (i >= len || s[i] < '0' || s[i] > '9')
+        return -EINVAL;
+    if (s[i] == '0' && i + 1 < len && s[i + 1] >= '0' && s[i + 1] <= '9')
+        return -EINVAL;
+    while (i < len && s[i] >= '0' && s[i] <= '9') {
+        v = v * 10 + (uint32_t)(s[i] - '0');
+        if (v >= HM_MOE_MAX_GRID)
+            return -EINVAL;
+        i++;
+    }
+    *pos = i;
+    *out = v;
+    return 0;
+}
+
+/* The prefix up to the first dot; returns its length or -EINVAL. */
+static int read_prefix(const char *s, size_t len)
+{
+    size_t i = 0;
+    while (i < len && s[i] != '.') {
+        if (!prefix_char(s[i]))
+            return -EINVAL;
+        i++;
+    }
+    if (i == 0 || i > HM_MOE_PREFIX_MAX || i >= len)
+        return -EINVAL;
+    return (int)i;
+}
+
+int hm_moe_uid_parse(const char *s, size_t len, hm_moe_uid *out)
+{
+    hm_moe_uid u;
+    size_t pos;
+    int pl;
+
+    if (s == NULL || len == 0 || len > HM_MOE_UID_MAX)
+        return -EINVAL;
+    memset(&u, 0, sizeof(u));
+    if ((pl = read_prefix(s, len)) < 0)
+        return pl;
+    memcpy(u.prefix, s, (size_t)pl);
+    pos = (size_t)pl;
+    while (pos < len) {
+        if (s[pos] != '.' || u.ndims == HM_MOE_MAX_GRID_DIMS)
+            return -EINVAL;
+        pos++;
+        if (read_coord(s, len, &pos, &u.coords[u.ndims]) < 0)
+            return -EINVAL;
+        u.ndims++;
+    }
+    if (u.ndims == 0)
+        return -EINVAL;
+    if (out != NULL)
+        *out = u;
+    return 0;
+}
+
+/* Checks a uid struct a caller filled in, so that formatting it yields a parseable uid. */
+static int uid_ok(const hm_moe_uid *u)
+{
+    size_t pl;
+    if (u == NULL || u->ndims == 0 || u->ndims > HM_MOE_MAX_GRID_DIMS)
+        return 0;
+    pl = strnlen(u->prefix, sizeof(u->prefix));
+    if (pl == 0 || pl > HM_MOE_PREFIX_MAX)
+        return 0;
+    for (size_t i = 0; i < pl; i++)
+        if (!prefix_char(u->prefix[i]))
+            return 0;
+    for (unsigned i = 0; i < u->ndims; i++)
+        if (u->coords[i] >= HM_MOE_MAX_GRID)
+            return 0;
+    return 1;
+}
+
+/* Writes the prefix and the first n coordinates, each followed by a dot when dot_after. */
+static int format_cut(const hm_moe_uid *u, unsigned n, int trailing_dot, char *buf, size_t len)
+{
+    size_t pos;
+    int w;
+
+    if (buf == NULL || !uid_ok(u))
+        return -EINVAL;
+    w = snprintf(buf, len, "%s", u->prefix);
+    if (w < 0 || (size_t)w >= len)
+        return -EMSGSIZE;
+    pos = (size_t)w;
+    for (unsigned i = 0; i < n; i++) {
+        w = snprintf(buf + pos, len - pos, ".%u", (unsigned)u->coords[i]);
+        if (w < 0 || (size_t)w >= len - pos)
+            return -EMSGSIZE;
+        pos += (size_t)w;
+    }
+    if (trailing_dot) {
+        if (pos + 1 >= len)
+            return -EMSGSIZE;
+        buf[pos++] = '.';
+        buf[pos] = '\0';
+    }
+    return (int)pos;
+}
+
+int hm_moe_uid_format(const hm_moe_uid *u, char *buf, size_t len)
+{
+    if (u == NULL)
+        return -EINVAL;
+    return format_cut(u, u->ndims, 0, buf, len);
+}
+
+int hm_moe_uid_prefix(const hm_moe_uid *u, unsigned level, char *buf, size_t len)
+{
+    if (u == NULL || level >= u->ndims)
+        return -EINVAL;
+    return format_cut(u, level, 1, buf, len);
+}
+
+/* ------------------------------------------------------------ patterns */
+
+static int pattern_fail(char *err, size_t errlen, int code, size_t at, const char *what)
+{
+    if (err != NULL && errlen > 0)
+        snprintf(err, errlen, "bad expert pattern at byte %zu: %s", at, what);
+    return code;
+}
+
+int hm_moe_pattern_expand(const char *pattern, hm_moe_uid *out, size_t max, char *err,
+                          size_t errlen)
+{
+    uint32_t lo[HM_MOE_MAX_GRID_DIMS], hi[HM_MOE_MAX_GRID_DIMS];
+    hm_moe_uid u;
+    unsigned nd = 0;
+    size_t len, pos, total = 1, cap;
+    int pl;
+
+    if (err != NULL && errlen > 0)
+        err[0] = '\0';
+    if (pattern == NULL)
+        return pattern_fail(err, errlen, -EINVAL, 0, "no pattern");
+    /* A pattern is longer than a uid only by its brackets: 4 * "[65535:65536]". */
+    len = strnlen(pattern, 256);
+    if (len == 256)
+        return pattern_fail(err, errlen, -EINVAL, 0, "pattern too long");
+    memset(&u, 0, sizeof(u));
+    if ((pl = read_prefix(pattern, len)) < 0)
+        return pattern_fail(err, errlen, -EINVAL, 0,
+                            "expected a prefix of 1..32 characters of [A-Za-z0-9_-] and a dot");
+    memcpy(u.prefix, pattern, (size_t)pl);
+    pos = (size_t)pl;
+    while (pos < len) {
+        if (pattern[pos] != '.')
+            return pattern_fail(err, errlen, -EINVAL, pos, "expected '.'");
+        if (nd == HM_MOE_MAX_GRID_DIMS)
+            return pattern_fail(err, errlen, -EINVAL, pos, "more than 4 grid coordinates");
+        pos++;
+        if (pos < len && pattern[pos] == '[') {
+            pos++;
+            if (read_coord(pattern, len, &pos, &lo[nd]) < 0)
+                return pattern_fail(err, errlen, -EINVAL, pos,
+                                    "expected a coordinate below 65536 (no leading zeros)");
+            if (pos >= len || pattern[pos] != ':')
+                return pattern_fail(err, errlen, -EINVAL, pos, "expected ':' in a range");
+            pos++;
+            /* The end is exclusive, so it may equal HM_MOE_MAX_GRID. */
+            if (pos + 5 <= len && memcmp(pattern + pos, "65536", 5) == 0 &&
+                (pos + 5 == len || pattern[pos + 5] < '0' || pattern[pos + 5] > '9')) {
+                hi[nd] = HM_MOE_MAX_GRID;
+                pos += 5;
+            } else if (read_coord(pattern, len, &pos, &hi[nd]) < 0) {
+                return pattern_fail(err, errlen, -EINVAL, pos,
+                                    "expected a range end of at most 65536");
+            }
+            if (pos >= len || pattern[pos] != ']')
+                return pattern_fail(err, errlen, -EINVAL, pos, "expected ']'");
+            pos++;
+            if (hi[nd] <= lo[nd])
+                return pattern_fail(err, errlen, -EINVAL, pos, "empty range");
+        } else {
+            if (read_coord(pattern, len, &pos, &lo[nd]) < 0)
+                return pattern_fail(err, errlen, -EINVAL, pos,
+                                    "expected a coordinate below 65536 (no leading zeros) or "
+                                    "a range [a:b]");
+            hi[nd] = lo[nd] + 1;
+        }
+        nd++;
+    }
+    if (nd == 0)
+        return pattern_fail(err, errlen, -EINVAL, pos, "no grid coordinates");
+    cap = HM_MIN(max, (size_t)HM_MOE_MAX_PATTERN_EXPERTS);
+    for (unsigned d = 0; d < nd; d++) {
+        total *= hi[d] - lo[d];
+        /* Each factor is at most 65536, so checking after every product cannot overflow. */
+        if (total > cap) {
+            if (err != NULL && errlen > 0)
+                snprintf(err, errlen, "expert pattern names more than %zu experts", cap);
+            return -EMSGSIZE;
+        }
+    }
+    if (out == NULL && total > 0 && max > 0)
+        return pattern_fail(err, errlen, -EINVAL, 0, "no output array");
+    /* Row-major: the last coordinate varies fastest. */
+    u.ndims = nd;
+    for (size_t k = 0; k < total; k++) {
+        size_t rem = k;
+        for (unsigned d = nd; d-- > 0;) {
+            size_t span = hi[d] - lo[d];
+            u.coords[d] = lo[d] + (uint32_t)(rem % span);
+            rem /= span;
+        }
+        out[k] = u;
+    }
+    return (int)total;
+}
+
+/* ------------------------------------------------------------ rpc bodies */
+
+static void wr_tensor2(hm_wire_wr *w, const float *t, size_t batch, size_t dim)
+{
+    hm_wire_tensor tt;
+
+    memset(&tt, 0, sizeof(tt));
+    tt.dtype = HM_DTYPE_F32;
+    tt.ndim = 2;
+    tt.shape[0] = batch;
+    tt.shape[1] = dim;
+    tt.data = (const uint8_t *)t;
+    tt.nbytes = batch * dim * sizeof(float);
+    if (batch != 0 && tt.nbytes / batch / sizeof(float) != dim) {
+        if (w->err == 0)
+            w->err = -EINVAL;
+        return;
+    }
+    hm_wire_wr_tensor(w, &tt);
+}
+
+/* A NULL uid is a caller bug; it lands in the writer like any other encoding error. */
+static int uid_arg_ok(hm_wire_wr *w, const char *uid)
+{
+    if (uid != NULL)
+        return 1;
+    if (w->err == 0)
+        w->err = -EINVAL;
+    return 0;
+}
+
+void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t batch, size_t dim)
+{
+    if (!uid_arg_ok(w, uid))
+        return;
+    hm_wire_wr_map(w, 2);
+    hm_wire_wr_cstr(w, "uid");
+    hm_wire_wr_cstr(w, uid);
+    hm_wire_wr_cstr(w, "x");
+    wr_tensor2(w, x, batch, dim);
+}
+
+void hm_moe_encode_bwd(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
+                       size_t batch, size_t dim)
+{
+    if (!uid_arg_ok(w, uid))
+        return;
+    hm_wire_wr_map(w, 3);
+    hm_wire_wr_cstr(w, "uid");
+    hm_wire_wr_cstr(w, uid);
+    hm_wire_wr_cstr(w, "x");
+    wr_tensor2(w, x, batch, dim);
+    hm_wire_wr_cstr(w, "gy");
+    wr_tensor2(w, gy, batch, dim);
+}
+
+void hm_moe_encode_info_req(hm_wire_wr *w, const char *uid)
+{
+    if (!uid_arg_ok(w, uid))
+        return;
+    hm_wire_wr_map(w, 1);
+    hm_wire_wr_cstr(w, "uid");
+    hm_wire_wr_cstr(w, uid);
+}
+
+void hm_moe_encode_out(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t dim)
+{
+    hm_wire_wr_map(w, 1);
+    hm_wire_wr_cstr(w, backward ? "gx" : "y");
+    wr_tensor2(w, t, batch, dim);
+}
+
+void hm_moe_encode_info(hm_wire_wr *w, const char *type, size_t dim, size_t hidden)
+{
+    if (!uid_arg_ok(w, type))
+        return;
+    hm_wire_wr_map(w, 3);
+    hm_wire_wr_cstr(w, "type");
+    hm_wire_wr_cstr(w, type);
+    hm_wire_wr_cstr(w, "dim");
+    hm_wire_wr_uint(w, dim);
+    hm_wire_wr_cstr(w, "hidden");
+    hm_wire_wr_uint(w, hidden);
+}
+
+/* Reads the "uid" field of a request map: a str that parses as a uid. */
+static int get_uid(const msgpack_object *map, char uid[HM_MOE_UID_MAX + 1])
+{
+    const msgpack_object *o = hm_wire_map_get(map, "uid");
+    const char *p;
+    uint32_t n;
+
+    if (o == NULL || hm_wire_get_str(o, &p, &n) < 0)
+        return -EINVAL;
+    if (hm_moe_uid_parse(p, n, NULL) < 0)
+        return -EINVAL;
+    memcpy(uid, p, n);
+    uid[n] = '\0';
+    return 0;
+}
+
+/*
+ * Reads a float32 [batch, dim] tensor under the protocol's caps. The wire
+ * layer checks the element count against the bin before anything else, so
+ * a declared shape larger than the bytes sent is refused here.
+ */
+static int get_f32_2d(const msgpack_object *o, hm_wire_tensor *t)
+{
+    int r;
+
+    if (o == NULL)
+        return -EINVAL;
+    if ((r = hm_wire_get_tensor(o, HM_MOE_MAX_ELEMS, t)) < 0)
+        return r;
+    if (t->dtype != HM_DTYPE_F32 || t->ndim != 2)
+        return -EPROTO;
+    if (t->shape[0] == 0 || t->shape[1] == 0)
+        return -EINVAL;
+    if (t->shape[0] > HM_MOE_MAX_BATCH || t->shape[1] > HM_MOE_MAX_DIM)
+        return -EMSGSIZE;
+    return 0;
+}
+
+static int unpack_map(const uint8_t *buf, size_t len, const hm_wire_limits *lim,
+                      msgpack_zone *z, msgpack_object *obj)
+{
+    int r;
+    if (buf == NULL)
+        return -EINVAL;
+    if ((r = hm_wire_unpack(buf, len, lim, z, obj)) < 0)
+        return r;
+    return obj->type == MSGPACK_OBJECT_MAP ? 0 : -EINVAL;
+}
+
+int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *out)
+{
+    msgpack_zone z;
+    msgpack_object obj;
+    hm_wire_tensor x, gy;
+    hm_moe_req req;
+    int result;
+
+    if (out == NULL)
+        return -EINVAL;
+    memset(&req, 0, sizeof(req));
+    if (!msgpack_zone_init(&z, 512))
+        return -ENOMEM;
+    if ((result = unpack_map(buf, len, &frame_limits, &z, &obj)) < 0)
+        goto out;
+    if ((result = get_uid(&obj, req.uid)) < 0)
+        goto out;
+    if ((result = get_f32_2d(hm_wire_map_get(&obj, "x"), &x)) < 0)
+        goto out;
+    req.batch = (size_t)x.shape[0];
+    req.dim = (size_t)x.shape[1];
+    req.x = x.data;
+    if (backward) {
+        if ((result = get_f32_2d(hm_wire_map_get(&obj, "gy"), &gy)) < 0)
+            goto out;
+        if (gy.shape[0] != x.shape[0] || gy.shape[1] != x.shape[1]) {
+            result = -EPROTO;
+            goto out;
+        }
+        req.gy = gy.data;
+    }
+    *out = req;
+    result = 0;
+out:
+    msgpack_zone_destroy(&z);
+    return result;
+}
+
+int hm_moe_decode_info_req(const uint8_t *buf, size_t len, char uid[HM_MOE_UID_MAX + 1])
+{
+    msgpack_zone z;
+    msgpack_object obj;
+    int result;
+
+    if (uid == NULL)
+        return -EINVAL;
+    if (!msgpack_zone_init(&z, 256))
+        return -ENOMEM;
+    if ((result = unpack_map(buf, len, &small_limits, &z, &obj)) < 0)
+        goto out;
+    result = get_uid(&obj, uid);
+out:
+    msgpack_zone_destroy(&z);
+    return result;
+}
+
+/* Whether every float in the (possibly unaligned) bytes is finite; exponent bits all set is not. */
+static int all_finite_bytes(const uint8_t *p, size_t n)
+{
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, p + 4 * i, 4);
+        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad == 0;
+}
+
+int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch, size_t dim,
+                      float *out)
+{
+    msgpack_zone z;
+    msgpack_object obj;
+    hm_wire_tensor t;
+    int result;
+
+    if (out == NULL || batch == 0 || dim == 0 || batch > HM_MOE_MAX_BATCH ||
+        dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS)
+        return -EINVAL;
+    if (!msgpack_zone_init(&z, 256))
+        return -ENOMEM;
+    if ((result = unpack_map(buf, len, &frame_limits, &z, &obj)) < 0)
+        goto out;
+    if ((result = get_f32_2d(hm_wire_map_get(&obj, backward ? "gx" : "y"), &t)) < 0)
+        goto out;
+    if (t.shape[0] != batch || t.shape[1] != dim) {
+        result = -EPROTO;
+        goto out;
+    }
+    if (!all_finite_bytes(t.data, batch * dim)) {
+        result = -EDOM;
+        goto out;
+    }
+    memcpy(out, t.data, batch * dim * sizeof(float));
+    result = 0;
+out:
+    msgpack_zone_destroy(&z);
+    return result;
+}
+
+/* Type names are short printable words, so that listings and logs can show them as they are. */
+static int get_type(const msgpack_object *o, char type[HM_MOE_TYPE_MAX + 1])
+{
+    const char *p;
+    uint32_t n;
+
+    if (o == NULL || hm_wire_get_str(o, &p, &n) < 0 || n == 0 || n > HM_MOE_TYPE_MAX)
+        return -EINVAL;
+    for (uint32_t i = 0; i < n; i++)
+        if (!prefix_char(p[i]))
+            return -EINVAL;
+    memcpy(type, p, n);
+    type[n] = '\0';
+    return 0;
+}
+
+int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
+                       size_t *dim_out, size_t *hidden_out)
+{
+    msgpack_zone z;
+    msgpack_object obj;
+    const msgpack_object *o;
+    char ty[HM_MOE_TYPE_MAX + 1];
+    uint64_t dim, hidden;
+    int result;
+
+    if (!msgpack_zone_init(&z, 256))
+        return -ENOMEM;
+    if ((result = unpack_map(buf, len, &small_limits, &z, &obj)) < 0)
+        goto out;
+    result = -EINVAL;
+    if (get_type(hm_wire_map_get(&obj, "type"), ty) < 0)
+        goto out;
+    if ((o = hm_wire_map_get(&obj, "dim")) == NULL || hm_wire_get_uint(o, &dim) < 0)
+        goto out;
+    if ((o = hm_wire_map_get(&obj, "hidden")) == NULL || hm_wire_get_uint(o, &hidden) < 0)
+        goto out;
+    if (dim == 0 || dim > HM_MOE_MAX_DIM || hidden == 0 || hidden > INFO_MAX_HIDDEN) {
+        result = -EMSGSIZE;
+        goto out;
+    }
+    if (type != NULL)
+        memcpy(type, ty, sizeof(ty));
+    if (dim_out != NULL)
+        *dim_out = (size_t)dim;
+    if (hidden_out != NULL)
+        *hidden_out = (size_t)hidden;
+    result = 0;
+out:
+    msgpack_zone_destroy(&z);
+    return result;
+}
+
+/* ------------------------------------------------------------ DHT values */
+
+/* HOST:PORT with a numeric host, as the node's listen address prints. */
+static int addr_ok(const char *p, size_t n)
+{
+    char tmp[HM_MOE_ADDR_MAX + 1];
+    struct sockaddr_storage ss;
+
+    if (n == 0 || n > HM_MOE_ADDR_MAX || memchr(p, '\0', n) != NULL)
+        return 0;
+    memcpy(tmp, p, n);
+    tmp[n] = '\0';
+    return hm_parse_hostport(tmp, &ss) == 0;
+}
+
+static int finish_value(hm_wire_wr *w)
+{
+    int r = hm_wire_wr_error(w);
+    if (r < 0)
+        return r == -EINVAL ? -EINVAL : -EMSGSIZE;
+    return (int)w->len;
+}
+
+int hm_moe_encode_expert_value(uint8_t *buf, size_t len, const char *addr, const char *type,
+                               size_t dim)
+{
+    hm_wire_wr w;
+    size_t tl;
+
+    if (buf == NULL || addr == NULL || type == NULL || !addr_ok(addr, strlen(addr)))
+        return -EINVAL;
+    tl = strlen(type);
+    if (tl == 0 || tl > HM_MOE_TYPE_MAX || dim == 0 || dim > HM_MOE_MAX_DIM)
+        return -EINVAL;
+    for (size_t i = 0; i < tl; i++)
+        if (!prefix_char(type[i]))
+            return -EINVAL;
+    hm_wire_wr_init_fixed(&w, buf, HM_MIN(len, (size_t)HM_DHT_VALUE_MAX));
+    hm_wire_wr_array(&w, 3);
+    hm_wire_wr_cstr(&w, addr);
+    hm_wire_wr_str(&w, type, tl);
+    hm_wire_wr_uint(&w, dim);
+    return finish_value(&w);
+}
+
+int hm_moe_encode_prefix_value(uint8_t *buf, size_t len, const char *uid, const char *addr)
+{
+    hm_wire_wr w;
+
+    if (buf == NULL || uid == NULL || addr == NULL || !addr_ok(addr, strlen(addr)) ||
+        hm_moe_uid_parse(uid, strlen(uid), NULL) < 0)
+        return -EINVAL;
+    hm_wire_wr_init_fixed(&w, buf, HM_MIN(len, (size_t)HM_DHT_VALUE_MAX));
+    hm_wire_wr_array(&w, 2);
+    hm_wire_wr_cstr(&w, uid);
+    hm_wire_wr_cstr(&w, addr);
+    return finish_value(&w);
+}
+
+static int get_addr(const msgpack_object *o, char addr[HM_MOE_ADDR_MAX + 1])
+{
+    const char *p;
+    uint32_t n;
+    if (hm_wire_get_str(o, &p, &n) < 0 || !addr_ok(p, n))
+        return -EINVAL;
+    memcpy(addr, p, n);
+    addr[n] = '\0';
+    return 0;
+}
+
+static int unpack_value(const uint8_t *buf, size_t len, msgpack_zone *z, uint32_t n,
+                        const msgpack_object **items)
+{
+    msgpack_object obj;
+    int r;
+
+    if (buf == NULL)
+        return -EINVAL;
+    if ((r = hm_wire_unpack(buf, len, &small_limits, z, &obj)) < 0)
+        return -EINVAL;
+    /* Exactly n elements: a later version that adds fields changes the form on purpose. */
+    if ((r = hm_wire_get_array(&obj, n, n, items, NULL)) < 0)
+        return -EINVAL;
+    return 0;
+}
+
+int hm_moe_decode_expert_value(const uint8_t *buf, size_t len, char addr[HM_MOE_ADDR_MAX + 1],
+                               char type[HM_MOE_TYPE_MAX + 1], size_t *dim_out)
+{
+    msgpack_zone z;
+    const msgpack_object *it;
+    char a[HM_MOE_ADDR_MAX + 1], ty[HM_MOE_TYPE_MAX + 1];
+    uint64_t dim;
+    int result;
+
+    if (len == 0)
+        return -ENOENT;
+    if (!msgpack_zone_init(&z, 256))
+        return -ENOMEM;
+    if ((result = unpack_value(buf, len, &z, 3, &it)) < 0)
+        goto out;
+    result = -EINVAL;
+    if (get_addr(&it[0], a) < 0 || get_type(&it[1], ty) < 0 || hm_wire_get_uint(&it[2], &dim) < 0 ||
+        dim == 0 || dim > HM_MOE_MAX_DIM)
+        goto out;
+    if (addr != NULL)
+        memcpy(addr, a, sizeof(a));
+    if (type != NULL)
+        memcpy(type, ty, sizeof(ty));
+    if (dim_out != NULL)
+        *dim_out = (size_t)dim;
+    result = 0;
+out:
+    msgpack_zone_destroy(&z);
+    return result;
+}
+
+int hm_moe_decode_prefix_value(const uint8_t *buf, size_t len, char uid[HM_MOE_UID_MAX + 1],
+                               char addr[HM_MOE_ADDR_MAX + 1])
+{
+    msgpack_zone z;
+    const msgpack_object *it;
+    char a[HM_MOE_ADDR_MAX + 1], u[HM_MOE_UID_MAX + 1];
+    const char *p;
+    uint32_t n;
+    int result;
+
+    if (len == 0)
+        return -ENOENT;
+    if (!msgpack_zone_init(&z, 256))
+        return -ENOMEM;
+    if ((result = unpack_value(buf, len, &z, 2, &it)) < 0)
+        goto out;
+    result = -EINVAL;
+    if (hm_wire_get_str(&it[0], &p, &n) < 0 || hm_moe_uid_parse(p, n, NULL) < 0 ||
+        get_addr(&it[1], a) < 0)
+        goto out;
+    memcpy(u, p, n);
+    u[n] = '\0';
+    if (uid != NULL)
+        memcpy(uid, u, sizeof(u));
+    if (addr != NULL)
+        memcpy(addr, a, sizeof(a));
+    result = 0;
+out:
+    msgpack_zone_destroy(&z);
+    return result;
+}
+
+int hm_moe_parse_prefix_subkey(const uint8_t *sk, size_t len, uint32_t *coord_out,
+                               uint8_t pk_out[HM_PK_BYTES])
+{
+    const size_t ol = sizeof(owner_open) - 1;
+    const size_t marker = ol + HM_PEER_ID_LEN + 1;
+    const char *s = (const char *)sk;
+    uint8_t pk[HM_PK_BYTES];
+    uint32_t coord;
+    size_t pos = 0;
+
+    if (sk == NULL || len <= marker || len > HM_DHT_SUBKEY_MAX)
+        return -EINVAL;
+    if (read_coord(s, len - marker, &pos, &coord) < 0 || pos != len - marker)
+        return -EINVAL;
+    if (memcmp(s + pos, owner_open, ol) != 0 || s[len - 1] != ']')
+        return -EINVAL;
+    if (hm_peer_id_decode(s + pos + ol, HM_PEER_ID_LEN, pk) < 0)
+        return -EINVAL;
+    if (coord_out != NULL)
+        *coord_out = coord;
+    if (pk_out != NULL)
+        memcpy(pk_out, pk, HM_PK_BYTES);
+    return 0;
+}

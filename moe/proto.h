@@ -1,0 +1,151 @@
+/*
+ * proto: the expert protocol's messages, DHT declarations and uid grammar.
+ * Pure encode/decode over caller memory; every decoder goes through the
+ * bounded wire validator (wire.h) and trusts no declared shape.
+ *
+ * UIDs. "PREFIX.i.j..." : a prefix of 1..32 characters of [A-Za-z0-9_-]
+ * followed by 1..HM_MOE_MAX_GRID_DIMS grid coordinates, each a decimal
+ * integer in [0, HM_MOE_MAX_GRID) without leading zeros (so that an expert
+ * has exactly one uid, which is also its DHT key); at most HM_MOE_UID_MAX
+ * bytes. A hosting
+ * pattern is a uid whose coordinates may be ranges "[a:b]" (b exclusive),
+ * e.g. "ffn.[0:16].[0:4]" names 64 experts.
+ *
+ * RPC methods (rpc.h, HM_RPC_STREAM; bodies are msgpack maps):
+ *   "moe.fwd"   {"uid": str, "x": tensor f32 [batch, dim]}
+ *               -> {"y": tensor f32 [batch, dim]}
+ *   "moe.bwd"   {"uid": str, "x": tensor f32 [batch, dim],
+ *                "gy": tensor f32 [batch, dim]}
+ *               -> {"gx": tensor f32 [batch, dim]}
+ *   "moe.info"  {"uid": str}
+ *               -> {"type": str, "dim": uint, "hidden": uint}
+ * Errors travel as the rpc status: -ENOENT (no such expert here), -EINVAL
+ * (malformed), -EMSGSIZE (over a cap), -EPROTO (dim is not the expert's),
+ * -EDOM (non-finite input), -ENOBUFS (the server's queue is full).
+ *
+ * Caps: batch <= HM_MOE_MAX_BATCH, dim <= HM_MOE_MAX_DIM, batch * dim <=
+ * HM_MOE_MAX_ELEMS; a request frame is at most HM_MOE_MAX_FRAME bytes.
+ *
+ * DHT declarations (owned records, signed by the host; dht/record.h). For
+ * an expert uid "ffn.3.5" hosted by PEERID at HOST:PORT:
+ *   key "ffn.3.5",  subkey "[owner:PEERID]"   -> value EXPERT
+ *   key "ffn.",     subkey "3[owner:PEERID]"  -> value PREFIX_ENTRY
+ *   key "ffn.3.",   subkey "5[owner:PEERID]"  -> value PREFIX_ENTRY
+ * i.e. each grid prefix (the uid cut after each coordinate but the last,
+ * and the bare "PREFIX.") lists, as subkeys, the next coordinate that some
+ * host serves under it. Values (msgpack):
+ *   EXPERT        ["HOST:PORT", type str, dim uint]
+ *   PREFIX_ENTRY  [uid str, "HOST:PORT"]  (uid: one live expert below the
+ *                                          prefix, its host's address)
+ * An empty value is a withdrawal (a host that shuts down cleanly puts
+ * empty values with a later expiration); readers skip it.
+ */
+#ifndef HM_MOE_PROTO_H
+#define HM_MOE_PROTO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "crypto.h"
+#include "wire.h"
+
+#define HM_MOE_UID_MAX 96
+#define HM_MOE_PREFIX_MAX 32
+#define HM_MOE_MAX_GRID_DIMS 4
+#define HM_MOE_MAX_GRID 65536
+#define HM_MOE_MAX_BATCH 4096
+#define HM_MOE_MAX_DIM 8192
+#define HM_MOE_MAX_ELEMS ((size_t)1 << 24)          /* 64 MiB of float32 */
+#define HM_MOE_MAX_FRAME (2 * HM_MOE_MAX_ELEMS * 4 + 4096)
+#define HM_MOE_MAX_PATTERN_EXPERTS 4096
+#define HM_MOE_TYPE_MAX 16
+#define HM_MOE_ADDR_MAX 64
+
+/* ---- uids ---- */
+
+typedef struct hm_moe_uid {
+    char prefix[HM_MOE_PREFIX_MAX + 1];
+    unsigned ndims;
+    uint32_t coords[HM_MOE_MAX_GRID_DIMS];
+} hm_moe_uid;
+
+/* Parses a uid (len bytes, need not be NUL-terminated). 0 or -EINVAL. */
+int hm_moe_uid_parse(const char *s, size_t len, hm_moe_uid *out);
+/* Formats "prefix.c0.c1..." ; returns bytes written or -EMSGSIZE. */
+int hm_moe_uid_format(const hm_moe_uid *u, char *buf, size_t len);
+/*
+ * The grid prefix of u cut after its first `level` coordinates, with a
+ * trailing dot: level 0 -> "ffn.", level 1 -> "ffn.3.". level < ndims.
+ */
+int hm_moe_uid_prefix(const hm_moe_uid *u, unsigned level, char *buf, size_t len);
+
+/*
+ * Expands a hosting pattern into at most max uids (the caller's array).
+ * Returns the number of uids, -EINVAL (malformed: the message says where)
+ * or -EMSGSIZE (more than max, or HM_MOE_MAX_PATTERN_EXPERTS).
+ */
+int hm_moe_pattern_expand(const char *pattern, hm_moe_uid *out, size_t max, char *err,
+                          size_t errlen);
+
+/* ---- rpc bodies ---- */
+
+#define HM_MOE_METHOD_FWD "moe.fwd"
+#define HM_MOE_METHOD_BWD "moe.bwd"
+#define HM_MOE_METHOD_INFO "moe.info"
+
+/* A decoded request; pointers point into the frame. x and gy are
+ * little-endian float32 [batch, dim], possibly unaligned: copy with memcpy. */
+typedef struct hm_moe_req {
+    char uid[HM_MOE_UID_MAX + 1];
+    size_t batch, dim;
+    const uint8_t *x;  /* batch*dim*4 bytes */
+    const uint8_t *gy; /* backward only, else NULL */
+} hm_moe_req;
+
+/* Encoders write one msgpack map into w (check hm_wire_wr_error). */
+void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t batch, size_t dim);
+void hm_moe_encode_bwd(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
+                       size_t batch, size_t dim);
+void hm_moe_encode_info_req(hm_wire_wr *w, const char *uid);
+/* Replies: the output tensor "y" (forward) or "gx" (backward). */
+void hm_moe_encode_out(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t dim);
+void hm_moe_encode_info(hm_wire_wr *w, const char *type, size_t dim, size_t hidden);
+
+/*
+ * Decoders. backward selects which request/reply is expected. 0, -EINVAL
+ * (malformed, bad uid), -EMSGSIZE (over a cap), -EPROTO (wrong dtype,
+ * shapes that disagree).
+ */
+int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *out);
+int hm_moe_decode_info_req(const uint8_t *buf, size_t len, char uid[HM_MOE_UID_MAX + 1]);
+/*
+ * A reply must be float32 [batch, dim] exactly as asked (-EPROTO otherwise)
+ * and hold only finite values (-EDOM otherwise). Copies into out.
+ */
+int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch, size_t dim,
+                      float *out);
+int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
+                       size_t *dim_out, size_t *hidden_out);
+
+/* ---- DHT values ---- */
+
+/* Write into buf (at most HM_DHT_VALUE_MAX); return bytes, -EMSGSIZE, or
+ * -EINVAL for what a decoder would refuse (an address that is not a numeric
+ * HOST:PORT, a type that is not 1..HM_MOE_TYPE_MAX of [A-Za-z0-9_-], dim 0
+ * or over HM_MOE_MAX_DIM, a bad uid). */
+int hm_moe_encode_expert_value(uint8_t *buf, size_t len, const char *addr, const char *type,
+                               size_t dim);
+int hm_moe_encode_prefix_value(uint8_t *buf, size_t len, const char *uid, const char *addr);
+/* 0, -ENOENT (an empty value: withdrawn) or -EINVAL. */
+int hm_moe_decode_expert_value(const uint8_t *buf, size_t len, char addr[HM_MOE_ADDR_MAX + 1],
+                               char type[HM_MOE_TYPE_MAX + 1], size_t *dim_out);
+int hm_moe_decode_prefix_value(const uint8_t *buf, size_t len, char uid[HM_MOE_UID_MAX + 1],
+                               char addr[HM_MOE_ADDR_MAX + 1]);
+/*
+ * A prefix subkey "COORD[owner:PEERID]": the coordinate and the owner.
+ * 0 or -EINVAL.
+ */
+int hm_moe_parse_prefix_subkey(const uint8_t *sk, size_t len, uint32_t *coord_out,
+                               uint8_t pk_out[HM_PK_BYTES]);
+
+#endif

@@ -1,0 +1,1615 @@
+/*
+ * server: hosts experts on a node (see server.h for batching, declarations
+ * and durability).
+ *
+ * It owns the hosted experts (each an ffn, its request queues and its
+ * statistics), a pool of compute threads with one job queue, the uv_async
+ * that brings finished jobs back to the loop, three timers (batch
+ * deadlines, declaration rounds, periodic checkpoints) and the DHT puts it
+ * started. Puts outlive nothing: when the server goes while one is in
+ * flight, its op is orphaned and only frees itself when the DHT answers
+ * (the node's close answers every one).
+ *
+ * Threads. The loop thread owns every field except an expert's ffn, which
+ * is touched under the expert's lock: by one worker at a time (an expert
+ * with a job out is "busy" and gets no second one) or by the loop in the
+ * blocking hm_moe_server_checkpoint. Workers see only their job, which
+ * holds copies of the request tensors, and return it through the done
+ * list; they build the reply bodies themselves so that the loop only
+ * sends.
+ */
+#include "config.h"
+
+#include "server.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "checkpoint.h"
+#include "record.h"
+#include "util.h"
+
+#define MOD "moe"
+
+/* Ring of recent request latencies per expert, for the percentiles in listings. */
+#define LAT_RING 256
+/* DHT puts a declaration round keeps in flight; the DHT's lookup slots are shared. */
+#define PUTS_INFLIGHT 8
+#define PUT_TIMEOUT_MS 5000
+/* A put the DHT refused for lack of slots is retried after this long. */
+#define PUT_RETRY_MS 250
+/* Withdrawal at close gives up after this long. */
+#define WITHDRAW_MAX_MS 4000
+#define WITHDRAW_PUT_TIMEOUT_MS 3000
+/*
+ * Request copies waiting in all queues together: the per-expert bound is in
+ * samples, and thousands of experts times a large dim would otherwise let
+ * callers pin far more memory than a host has.
+ */
+#define MAX_QUEUED_BYTES ((size_t)1 << 30)
+/* Checkpoints are read back with this much room over the parameters and two moments. */
+#define CKPT_SLACK (64 * 1024)
+#define DECL_VALUE_MAX 256
+
+enum { Q_FWD = 0, Q_BWD = 1 };
+enum { JOB_FWD = 0, JOB_BWD = 1, JOB_CKPT = 2 };
+
+/* The server's life: serving, then the steps of hm_moe_server_close in order. */
+enum srv_state { S_RUNNING, S_DRAINING, S_WITHDRAWING, S_CLOSING };
+
+static const char *state_name(enum srv_state st)
+{
+    switch (st) {
+    case S_RUNNING:
+        return "running";
+    case S_DRAINING:
+        return "draining";
+    case S_WITHDRAWING:
+        return "withdrawing";
+    case S_CLOSING:
+        return "closing";
+    }
+    return "?";
+}
+
+typedef struct expert expert;
+typedef struct pending pending;
+
+/* One request waiting in a queue or riding in a job; x and gy are its own copies. */
+struct pending {
+    pending *next;
+    hm_rpc_req *req;
+    size_t batch;
+    size_t bytes; /* of the copies, for the server-wide bound */
+    uint64_t arrived_ms;
+    float *x;
+    float *gy;
+    uint8_t *reply; /* built by the worker */
+    size_t reply_len;
+    int status;
+};
+
+typedef struct queue {
+    pending *head, *tail;
+    size_t samples;
+    size_t *srv_bytes; /* the server's total of queued copies */
+} queue;
+
+typedef struct job {
+    struct job *next;
+    expert *e;
+    int kind;
+    pending *reqs;
+    size_t samples;
+    int status;
+    uint64_t steps;          /* the expert's step count after the job */
+    uint64_t ckpt_wall_ms;   /* a checkpoint job: when it was written */
+} job;
+
+struct expert {
+    hm_moe_server *s;
+    char uid[HM_MOE_UID_MAX + 1];
+    hm_moe_uid u;
+    char type[HM_MOE_TYPE_MAX + 1];
+    size_t dim, hidden;
+    hm_ffn *ffn;
+    uv_mutex_t lock; /* guards ffn between the loop and a worker */
+    char *path;      /* checkpoint file, NULL without a state_dir */
+
+    queue q[2];
+    int busy;          /* a job of this expert is out on a worker */
+    int ckpt_wanted;   /* a periodic checkpoint waits for the current job */
+    int waiting;       /* on the server's list of experts with queued requests */
+    expert *wprev, *wnext;
+
+    uint64_t steps, steps_at_ckpt;
+    uint64_t fwd_requests, bwd_requests, batches, batch_samples;
+    uint64_t last_ckpt_unix_ms;
+    int resumed;
+    double lat_ms[LAT_RING];
+    size_t lat_n, lat_pos;
+};
+
+/* One declaration record: key, owned subkey, value (empty for a withdrawal). */
+typedef struct decl {
+    char key[HM_MOE_UID_MAX + 2];
+    uint8_t subkey[16 + HM_DHT_OWNER_MARKER_LEN];
+    size_t subkey_len;
+    uint8_t value[DECL_VALUE_MAX];
+    size_t value_len;
+} decl;
+
+typedef struct putop putop;
+struct putop {
+    hm_moe_server *s; /* NULL once orphaned */
+    putop *prev, *next;
+};
+
+struct hm_moe_server {
+    hm_node *node;
+    uv_loop_t *loop;
+    hm_rpc *rpc;
+    enum srv_state state;
+    char *state_dir;
+    unsigned nworkers;
+    size_t max_batch, max_queued;
+    size_t queued_bytes;
+    uint64_t batch_wait_ms, ckpt_interval_ms;
+    double ttl_s;
+    char addr[HM_MOE_ADDR_MAX + 1];
+    char marker[HM_DHT_OWNER_MARKER_LEN + 1];
+    int registered;
+
+    expert **ex; /* sorted by uid */
+    size_t nex;
+
+    /* Experts with queued requests, and the batch timer's due time. */
+    expert *whead;
+    uv_timer_t batch_timer;
+    uint64_t batch_due_ms; /* 0: not armed */
+
+    /* Compute workers. */
+    uv_thread_t *threads;
+    unsigned nthreads;
+    uv_mutex_t jlock;
+    uv_cond_t jcond;
+    job *jhead, *jtail;
+    int jstop;
+    job *dhead; /* finished, guarded by jlock */
+    uv_async_t async;
+    size_t jobs_out;
+
+    /* Declarations. */
+    uv_timer_t decl_timer;
+    decl *decls;
+    size_t ndecls;
+    size_t decl_cursor;
+    int decl_round;  /* a round is running */
+    int decl_dirty;  /* the expert set changed since decls was built */
+    int withdrawing;
+    putop *puts;
+    size_t puts_out;
+    size_t round_stored;   /* puts of this round that some replica accepted */
+    unsigned failed_rounds; /* rounds in a row in which none was stored */
+    uint64_t withdraw_deadline_ms;
+
+    uv_timer_t ckpt_timer;
+
+    int handles_open;
+    void (*close_cb)(void *ud);
+    void *close_ud;
+    int do_withdraw;
+};
+
+static void set_state(hm_moe_server *s, enum srv_state st)
+{
+    if (s->state == st)
+        return;
+    hm_debug(MOD, "server %s -> %s", state_name(s->state), state_name(st));
+    s->state = st;
+}
+
+/* ------------------------------------------------------------ small helpers */
+
+static uint64_t splitmix64(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* The seed of one expert: the configured seed mixed with a hash of its uid. */
+static uint64_t expert_seed(uint64_t seed, const char *uid)
+{
+    uint8_t h[8];
+    uint64_t v = 0;
+    crypto_generichash(h, sizeof(h), (const uint8_t *)uid, strlen(uid), NULL, 0);
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | h[i];
+    return splitmix64(seed ^ v);
+}
+
+static uint64_t wall_ms(void) { return hm_wall_us() / 1000; }
+
+/* delay_ms scaled by a uniform factor in [0.9, 1.1], so that servers started together drift apart. */
+static uint64_t jitter(uint64_t delay_ms)
+{
+    uint64_t span = delay_ms / 5;
+    if (span == 0)
+        return delay_ms;
+    return delay_ms - span / 2 + randombytes_uniform((uint32_t)HM_MIN(span, (uint64_t)UINT32_MAX));
+}
+
+static int type_ok(const char *type)
+{
+    size_t n = type ? strnlen(type, HM_MOE_TYPE_MAX + 1) : 0;
+    if (n == 0 || n > HM_MOE_TYPE_MAX)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = type[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '_' || c == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+static int floats_finite(const float *v, size_t n)
+{
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &v[i], 4);
+        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad == 0;
+}
+
+static int expert_cmp(const void *a, const void *b)
+{
+    const expert *x = *(expert *const *)a, *y = *(expert *const *)b;
+    return strcmp(x->uid, y->uid);
+}
+
+static expert *find_expert(hm_moe_server *s, const char *uid)
+{
+    size_t lo = 0, hi = s->nex;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(uid, s->ex[mid]->uid);
+        if (c == 0)
+            return s->ex[mid];
+        if (c < 0)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return NULL;
+}
+
+static void pending_free(pending *p)
+{
+    if (p == NULL)
+        return;
+    free(p->reply);
+    free(p);
+}
+
+static void lat_add(expert *e, double ms)
+{
+    e->lat_ms[e->lat_pos] = ms;
+    e->lat_pos = (e->lat_pos + 1) % LAT_RING;
+    if (e->lat_n < LAT_RING)
+        e->lat_n++;
+}
+
+/* ------------------------------------------------------------ workers */
+
+/*
+ * Checkpoints one expert: save and write under its lock, so that the
+ * periodic job on a worker and the blocking call on the loop never write
+ * the same files at once.
+ */
+static int write_checkpoint(expert *e, uint64_t *steps_out)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int result;
+
+    uv_mutex_lock(&e->lock);
+    *steps_out = hm_ffn_steps(e->ffn);
+    result = hm_ffn_save(e->ffn, &buf, &len);
+    if (result == 0)
+        result = hm_ckpt_write(e->path, buf, len);
+    uv_mutex_unlock(&e->lock);
+    free(buf);
+    return result;
+}
+
+/*
+ * Runs one batch: gathers the requests' rows, computes, and builds each
+ * request's reply from its rows of the output.
+ */
+static void run_batch(job *j)
+{
+    expert *e = j->e;
+    size_t dim = e->dim, off = 0;
+    int backward = j->kind == JOB_BWD;
+    float *x = malloc(j->samples * dim * sizeof(float));
+    float *gy = backward ? malloc(j->samples * dim * sizeof(float)) : NULL;
+    float *out = malloc(j->samples * dim * sizeof(float));
+    int r;
+
+    if (x == NULL || out == NULL || (backward && gy == NULL)) {
+        j->status = -ENOMEM;
+        goto out;
+    }
+    for (pending *p = j->reqs; p != NULL; p = p->next) {
+        memcpy(x + off * dim, p->x, p->batch * dim * sizeof(float));
+        if (backward)
+            memcpy(gy + off * dim, p->gy, p->batch * dim * sizeof(float));
+        off += p->batch;
+    }
+    uv_mutex_lock(&e->lock);
+    if (backward)
+        r = hm_ffn_backward(e->ffn, x, gy, j->samples, out);
+    else
+        r = hm_ffn_forward(e->ffn, x, j->samples, out);
+    j->steps = hm_ffn_steps(e->ffn);
+    uv_mutex_unlock(&e->lock);
+    if (r < 0) {
+        j->status = r;
+        goto out;
+    }
+    off = 0;
+    for (pending *p = j->reqs; p != NULL; p = p->next) {
+        hm_wire_wr w;
+        hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+        hm_moe_encode_out(&w, backward, out + off * dim, p->batch, dim);
+        if ((r = hm_wire_wr_error(&w)) < 0) {
+            hm_wire_wr_free(&w);
+            p->status = r;
+        } else {
+            p->reply = hm_wire_wr_steal(&w, &p->reply_len);
+            p->status = p->reply != NULL ? 0 : -ENOMEM;
+        }
+        off += p->batch;
+    }
+    j->status = 0;
+out:
+    free(x);
+    free(gy);
+    free(out);
+}
+
+static void worker_main(void *arg)
+{
+    hm_moe_server *s = arg;
+
+    for (;;) {
+        job *j;
+        uv_mutex_lock(&s->jlock);
+        while (s->jhead == NULL && !s->jstop)
+            uv_cond_wait(&s->jcond, &s->jlock);
+        if (s->jhead == NULL) {
+            uv_mutex_unlock(&s->jlock);
+            return;
+        }
+        j = s->jhead;
+        s->jhead = j->next;
+        if (s->jhead == NULL)
+            s->jtail = NULL;
+        uv_mutex_unlock(&s->jlock);
+
+        j->next = NULL;
+        if (j->kind == JOB_CKPT) {
+            j->status = write_checkpoint(j->e, &j->steps);
+            j->ckpt_wall_ms = wall_ms();
+        } else {
+            run_batch(j);
+        }
+
+        uv_mutex_lock(&s->jlock);
+        j->next = s->dhead;
+        s->dhead = j;
+        uv_mutex_unlock(&s->jlock);
+        uv_async_send(&s->async);
+    }
+}
+
+static void submit(hm_moe_server *s, job *j)
+{
+    j->e->busy = 1;
+    s->jobs_out++;
+    uv_mutex_lock(&s->jlock);
+    j->next = NULL;
+    if (s->jtail != NULL)
+        s->jtail->next = j;
+    else
+        s->jhead = j;
+    s->jtail = j;
+    uv_cond_signal(&s->jcond);
+    uv_mutex_unlock(&s->jlock);
+}
+
+/* ------------------------------------------------------------ queues and batching */
+
+static void waiting_add(hm_moe_server *s, expert *e)
+{
+    if (e->waiting)
+        return;
+    e->waiting = 1;
+    e->wprev = NULL;
+    e->wnext = s->whead;
+    if (s->whead != NULL)
+        s->whead->wprev = e;
+    s->whead = e;
+}
+
+static void waiting_remove(hm_moe_server *s, expert *e)
+{
+    if (!e->waiting)
+        return;
+    if (e->wprev != NULL)
+        e->wprev->wnext = e->wnext;
+    else
+        s->whead = e->wnext;
+    if (e->wnext != NULL)
+        e->wnext->wprev = e->wprev;
+    e->wprev = e->wnext = NULL;
+    e->waiting = 0;
+}
+
+static pending *queue_pop(queue *q)
+{
+    pending *p = q->head;
+    if (p == NULL)
+        return NULL;
+    q->head = p->next;
+    if (q->head == NULL)
+        q->tail = NULL;
+    q->samples -= p->batch;
+    *q->srv_bytes -= p->bytes;
+    p->next = NULL;
+    return p;
+}
+
+static void queue_push(queue *q, pending *p)
+{
+    p->next = NULL;
+    if (q->tail != NULL)
+        q->tail->next = p;
+    else
+        q->head = p;
+    q->tail = p;
+    q->samples += p->batch;
+    *q->srv_bytes += p->bytes;
+}
+
+/* Drops requests at the head of q whose callers have gone: they are not computed. */
+static void queue_drop_gone(queue *q)
+{
+    while (q->head != NULL && hm_rpc_req_cancelled(q->head->req)) {
+        pending *p = queue_pop(q);
+        hm_rpc_respond(p->req, -ECANCELED, NULL, 0);
+        pending_free(p);
+    }
+}
+
+/* Answers every queued request of e with status (shutdown, or the expert going away). */
+static void queue_fail_all(hm_moe_server *s, expert *e, int status)
+{
+    for (int k = 0; k < 2; k++) {
+        pending *p;
+        while ((p = queue_pop(&e->q[k])) != NULL) {
+            hm_rpc_respond(p->req, status, NULL, 0);
+            pending_free(p);
+        }
+    }
+    waiting_remove(s, e);
+}
+
+/* When e's next batch is due (its oldest request plus the wait), or 0 with nothing queued. */
+static uint64_t expert_due(const hm_moe_server *s, const expert *e)
+{
+    uint64_t due = 0;
+    for (int k = 0; k < 2; k++) {
+        const queue *q = &e->q[k];
+        if (q->head == NULL)
+            continue;
+        uint64_t d = q->samples >= s->max_batch ? q->head->arrived_ms
+                                                : q->head->arrived_ms + s->batch_wait_ms;
+        if (due == 0 || d < due)
+            due = d;
+    }
+    return due;
+}
+
+static int dispatch_checkpoint(hm_moe_server *s, expert *e)
+{
+    job *j = calloc(1, sizeof(*j));
+    if (j == NULL)
+        return -ENOMEM;
+    j->e = e;
+    j->kind = JOB_CKPT;
+    e->ckpt_wanted = 0;
+    submit(s, j);
+    return 0;
+}
+
+/*
+ * Gives e's next job to a worker when e is idle: a checkpoint that waited
+ * for the last batch, else a due batch (from the due queue whose oldest
+ * request came first: oldest requests first, up to max_batch samples; a
+ * single larger request goes alone). Requests whose callers left are
+ * dropped on the way.
+ */
+static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
+{
+    if (e->busy || s->state != S_RUNNING)
+        return;
+    if (e->ckpt_wanted && e->path != NULL) {
+        if (dispatch_checkpoint(s, e) == 0)
+            return;
+    }
+    queue_drop_gone(&e->q[Q_FWD]);
+    queue_drop_gone(&e->q[Q_BWD]);
+    if (e->q[Q_FWD].head == NULL && e->q[Q_BWD].head == NULL) {
+        waiting_remove(s, e);
+        return;
+    }
+    /* Of the queues whose batch is due, the one whose oldest request came first. */
+    int k = -1;
+    for (int i = 0; i < 2; i++) {
+        const queue *c = &e->q[i];
+        if (c->head == NULL)
+            continue;
+        if (c->samples < s->max_batch && now < c->head->arrived_ms + s->batch_wait_ms)
+            continue;
+        if (k < 0 || c->head->arrived_ms < e->q[k].head->arrived_ms)
+            k = i;
+    }
+    if (k < 0)
+        return;
+    queue *q = &e->q[k];
+    job *j = calloc(1, sizeof(*j));
+    if (j == NULL)
+        return; /* the batch timer tries again */
+    j->e = e;
+    j->kind = k == Q_BWD ? JOB_BWD : JOB_FWD;
+    pending **tail = &j->reqs;
+    while (q->head != NULL) {
+        if (hm_rpc_req_cancelled(q->head->req)) {
+            pending *gone = queue_pop(q);
+            hm_rpc_respond(gone->req, -ECANCELED, NULL, 0);
+            pending_free(gone);
+            continue;
+        }
+        if (j->samples > 0 && j->samples + q->head->batch > s->max_batch)
+            break;
+        pending *p = queue_pop(q);
+        j->samples += p->batch;
+        *tail = p;
+        tail = &p->next;
+    }
+    if (j->reqs == NULL) {
+        free(j);
+        if (e->q[0].head == NULL && e->q[1].head == NULL)
+            waiting_remove(s, e);
+        return;
+    }
+    if (e->q[0].head == NULL && e->q[1].head == NULL)
+        waiting_remove(s, e);
+    submit(s, j);
+}
+
+static void batch_timer_cb(uv_timer_t *t);
+
+/* Arms the batch timer for the earliest due batch of an idle expert. */
+static void batch_rearm(hm_moe_server *s)
+{
+    uint64_t now = hm_now_ms(), due = 0;
+
+    if (s->state != S_RUNNING)
+        return;
+    for (expert *e = s->whead; e != NULL; e = e->wnext) {
+        if (e->busy)
+            continue;
+        uint64_t d = expert_due(s, e);
+        if (d != 0 && (due == 0 || d < due))
+            due = d;
+    }
+    if (due == 0) {
+        uv_timer_stop(&s->batch_timer);
+        s->batch_due_ms = 0;
+        return;
+    }
+    if (s->batch_due_ms != 0 && s->batch_due_ms <= due && uv_is_active((uv_handle_t *)&s->batch_timer))
+        return;
+    s->batch_due_ms = due;
+    uv_timer_start(&s->batch_timer, batch_timer_cb, due > now ? due - now : 0, 0);
+}
+
+static void batch_timer_cb(uv_timer_t *t)
+{
+    hm_moe_server *s = t->data;
+    uint64_t now = hm_now_ms();
+    expert *e = s->whead;
+
+    s->batch_due_ms = 0;
+    while (e != NULL) {
+        expert *next = e->wnext; /* kick may take e off the list */
+        expert_kick(s, e, now);
+        e = next;
+    }
+    batch_rearm(s);
+}
+
+/* ------------------------------------------------------------ finished jobs */
+
+static void close_step(hm_moe_server *s);
+
+static void finish_batch(job *j)
+{
+    expert *e = j->e;
+    uint64_t now = hm_now_ms();
+    int backward = j->kind == JOB_BWD;
+    pending *p = j->reqs;
+
+    e->steps = HM_MAX(e->steps, j->steps);
+    if (j->status == 0) {
+        e->batches++;
+        e->batch_samples += j->samples;
+    } else {
+        hm_warn(MOD, "%s: %s batch of %zu samples failed: %s", e->uid,
+                backward ? "backward" : "forward", j->samples, hm_strerror(j->status));
+    }
+    while (p != NULL) {
+        pending *next = p->next;
+        int st = j->status != 0 ? j->status : p->status;
+        if (st == 0) {
+            hm_rpc_respond(p->req, 0, p->reply, p->reply_len);
+            if (backward)
+                e->bwd_requests++;
+            else
+                e->fwd_requests++;
+            lat_add(e, (double)(now - p->arrived_ms));
+        } else {
+            hm_rpc_respond(p->req, st, NULL, 0);
+        }
+        pending_free(p);
+        p = next;
+    }
+}
+
+static void async_cb(uv_async_t *a)
+{
+    hm_moe_server *s = a->data;
+    job *done, *j;
+    uint64_t now;
+
+    uv_mutex_lock(&s->jlock);
+    done = s->dhead;
+    s->dhead = NULL;
+    uv_mutex_unlock(&s->jlock);
+    /* The list is newest first; answer in completion order. */
+    job *rev = NULL;
+    while (done != NULL) {
+        j = done;
+        done = j->next;
+        j->next = rev;
+        rev = j;
+    }
+    now = hm_now_ms();
+    while (rev != NULL) {
+        j = rev;
+        rev = j->next;
+        expert *e = j->e;
+        e->busy = 0;
+        s->jobs_out--;
+        if (j->kind == JOB_CKPT) {
+            if (j->status == 0) {
+                e->steps_at_ckpt = HM_MAX(e->steps_at_ckpt, j->steps);
+                e->last_ckpt_unix_ms = j->ckpt_wall_ms;
+            } else {
+                hm_error(MOD, "%s: checkpoint to %s failed: %s", e->uid, e->path,
+                         hm_strerror(j->status));
+            }
+        } else {
+            finish_batch(j);
+        }
+        free(j);
+        expert_kick(s, e, now);
+    }
+    if (s->state == S_DRAINING && s->jobs_out == 0)
+        close_step(s);
+    else
+        batch_rearm(s);
+}
+
+/* ------------------------------------------------------------ rpc handlers */
+
+static void handle(hm_moe_server *s, hm_rpc_req *req, const uint8_t *body, size_t len,
+                   int backward)
+{
+    hm_moe_req mr;
+    expert *e;
+    pending *p;
+    size_t n;
+    int r;
+
+    if (s->state != S_RUNNING) {
+        r = -ESHUTDOWN;
+        goto fail;
+    }
+    if ((r = hm_moe_decode_req(body, len, backward, &mr)) < 0)
+        goto fail;
+    if ((e = find_expert(s, mr.uid)) == NULL) {
+        r = -ENOENT;
+        goto fail;
+    }
+    if (mr.dim != e->dim) {
+        r = -EPROTO;
+        goto fail;
+    }
+    if (e->q[Q_FWD].samples + e->q[Q_BWD].samples + mr.batch > s->max_queued) {
+        r = -ENOBUFS;
+        goto fail;
+    }
+    n = mr.batch * mr.dim;
+    if (s->queued_bytes + n * sizeof(float) * 2 > MAX_QUEUED_BYTES) {
+        r = -ENOBUFS;
+        goto fail;
+    }
+    /* The body lives only during this call: the request keeps its own copy. */
+    p = malloc(sizeof(*p) + n * sizeof(float) * (backward ? 2 : 1));
+    if (p == NULL) {
+        r = -ENOMEM;
+        goto fail;
+    }
+    memset(p, 0, sizeof(*p));
+    p->x = (float *)(p + 1);
+    memcpy(p->x, mr.x, n * sizeof(float));
+    if (backward) {
+        p->gy = p->x + n;
+        memcpy(p->gy, mr.gy, n * sizeof(float));
+    }
+    /* Non-finite input is refused alone, so that it cannot fail a whole batch. */
+    if (!floats_finite(p->x, n) || (backward && !floats_finite(p->gy, n))) {
+        free(p);
+        r = -EDOM;
+        goto fail;
+    }
+    p->req = req;
+    p->batch = mr.batch;
+    p->bytes = n * sizeof(float) * (backward ? 2 : 1);
+    p->arrived_ms = hm_now_ms();
+    queue_push(&e->q[backward ? Q_BWD : Q_FWD], p);
+    waiting_add(s, e);
+    expert_kick(s, e, p->arrived_ms);
+    batch_rearm(s);
+    return;
+fail:
+    hm_rpc_respond(req, r, NULL, 0);
+}
+
+static void on_fwd(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                   const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(peer_pk);
+    HM_UNUSED(from);
+    handle(ud, req, body, len, 0);
+}
+
+static void on_bwd(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                   const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(peer_pk);
+    HM_UNUSED(from);
+    handle(ud, req, body, len, 1);
+}
+
+static void on_info(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                    const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    hm_moe_server *s = ud;
+    char uid[HM_MOE_UID_MAX + 1];
+    uint8_t out[128];
+    hm_wire_wr w;
+    expert *e;
+    int r;
+
+    HM_UNUSED(peer_pk);
+    HM_UNUSED(from);
+    if (s->state != S_RUNNING) {
+        r = -ESHUTDOWN;
+        goto fail;
+    }
+    if ((r = hm_moe_decode_info_req(body, len, uid)) < 0)
+        goto fail;
+    if ((e = find_expert(s, uid)) == NULL) {
+        r = -ENOENT;
+        goto fail;
+    }
+    hm_wire_wr_init_fixed(&w, out, sizeof(out));
+    hm_moe_encode_info(&w, e->type, e->dim, e->hidden);
+    if ((r = hm_wire_wr_error(&w)) < 0)
+        goto fail;
+    hm_rpc_respond(req, 0, out, w.len);
+    return;
+fail:
+    hm_rpc_respond(req, r, NULL, 0);
+}
+
+/* ------------------------------------------------------------ declarations */
+
+static int decl_cmp(const void *a, const void *b)
+{
+    const decl *x = a, *y = b;
+    int c = strcmp(x->key, y->key);
+    if (c != 0)
+        return c;
+    if (x->subkey_len != y->subkey_len)
+        return x->subkey_len < y->subkey_len ? -1 : 1;
+    c = memcmp(x->subkey, y->subkey, x->subkey_len);
+    if (c != 0)
+        return c;
+    if (x->value_len != y->value_len)
+        return x->value_len < y->value_len ? -1 : 1;
+    return memcmp(x->value, y->value, x->value_len);
+}
+
+/*
+ * Builds the records of every hosted expert: its own and one per grid
+ * prefix (deduplicated: experts under one prefix coordinate share it, and
+ * the entry names the first of them in uid order).
+ */
+static int decls_build(hm_moe_server *s)
+{
+    size_t cap = 0, n = 0;
+    decl *d;
+
+    for (size_t i = 0; i < s->nex; i++)
+        cap += 1 + s->ex[i]->u.ndims;
+    d = calloc(cap > 0 ? cap : 1, sizeof(*d));
+    if (d == NULL)
+        return -ENOMEM;
+    for (size_t i = 0; i < s->nex; i++) {
+        expert *e = s->ex[i];
+        decl *x = &d[n];
+        int r;
+        hm_strlcpy(x->key, e->uid, sizeof(x->key));
+        x->subkey_len = strlen(s->marker);
+        memcpy(x->subkey, s->marker, x->subkey_len);
+        r = hm_moe_encode_expert_value(x->value, sizeof(x->value), s->addr, e->type, e->dim);
+        if (r < 0) {
+            free(d);
+            return r;
+        }
+        x->value_len = (size_t)r;
+        n++;
+        for (unsigned l = 0; l < e->u.ndims; l++) {
+            x = &d[n];
+            if ((r = hm_moe_uid_prefix(&e->u, l, x->key, sizeof(x->key))) < 0) {
+                free(d);
+                return r;
+            }
+            r = snprintf((char *)x->subkey, sizeof(x->subkey), "%u%s", (unsigned)e->u.coords[l],
+                         s->marker);
+            x->subkey_len = (size_t)r;
+            r = hm_moe_encode_prefix_value(x->value, sizeof(x->value), e->uid, s->addr);
+            if (r < 0) {
+                free(d);
+                return r;
+            }
+            x->value_len = (size_t)r;
+            n++;
+        }
+    }
+    qsort(d, n, sizeof(*d), decl_cmp);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (m > 0 && strcmp(d[m - 1].key, d[i].key) == 0 &&
+            d[m - 1].subkey_len == d[i].subkey_len &&
+            memcmp(d[m - 1].subkey, d[i].subkey, d[i].subkey_len) == 0)
+            continue;
+        if (m != i)
+            d[m] = d[i];
+        m++;
+    }
+    free(s->decls);
+    s->decls = d;
+    s->ndecls = m;
+    s->decl_dirty = 0;
+    return 0;
+}
+
+static void decl_timer_cb(uv_timer_t *t);
+static void decl_continue(hm_moe_server *s);
+
+static void putop_unlink(hm_moe_server *s, putop *o)
+{
+    if (o->prev != NULL)
+        o->prev->next = o->next;
+    else
+        s->puts = o->next;
+    if (o->next != NULL)
+        o->next->prev = o->prev;
+    o->prev = o->next = NULL;
+    s->puts_out--;
+}
+
+static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_info *info)
+{
+    putop *o = ud;
+    hm_moe_server *s = o->s;
+
+    HM_UNUSED(stored);
+    HM_UNUSED(info);
+    if (s == NULL) {
+        free(o);
+        return;
+    }
+    putop_unlink(s, o);
+    free(o);
+    if (status == 0)
+        s->round_stored++;
+    if (status < 0 && status != -ECANCELED)
+        hm_debug(MOD, "declaration not stored: %s", hm_strerror(status));
+    decl_continue(s);
+}
+
+/* Orphans the puts in flight: their callbacks free only themselves. */
+static void puts_orphan(hm_moe_server *s)
+{
+    putop *o = s->puts;
+    while (o != NULL) {
+        putop *next = o->next;
+        o->s = NULL;
+        o->prev = o->next = NULL;
+        o = next;
+    }
+    s->puts = NULL;
+    s->puts_out = 0;
+}
+
+static void withdraw_done(hm_moe_server *s)
+{
+    uv_timer_stop(&s->decl_timer);
+    puts_orphan(s);
+    s->decl_round = 0;
+    close_step(s);
+}
+
+/*
+ * Starts puts from the cursor while slots are free. A round ends when every
+ * record is out and answered; the next refresh is then a third of the TTL
+ * away (with jitter), or now when the expert set changed meanwhile.
+ */
+static void decl_continue(hm_moe_server *s)
+{
+    int withdraw = s->withdrawing;
+
+    if (!s->decl_round)
+        return;
+    if (withdraw && hm_now_ms() >= s->withdraw_deadline_ms) {
+        withdraw_done(s);
+        return;
+    }
+    while (s->decl_cursor < s->ndecls && s->puts_out < PUTS_INFLIGHT) {
+        decl *d = &s->decls[s->decl_cursor];
+        putop *o = calloc(1, sizeof(*o));
+        int r;
+        if (o == NULL)
+            break;
+        o->s = s;
+        r = hm_node_dht_put(s->node, (const uint8_t *)d->key, strlen(d->key), d->subkey,
+                            d->subkey_len, 1, d->value, withdraw ? 0 : d->value_len, s->ttl_s,
+                            withdraw ? WITHDRAW_PUT_TIMEOUT_MS : PUT_TIMEOUT_MS, on_put, o);
+        if (r == -ENOBUFS || r == -ENOMEM) {
+            /* The DHT is busy with other lookups: come back shortly. */
+            free(o);
+            if (s->puts_out == 0)
+                uv_timer_start(&s->decl_timer, decl_timer_cb, PUT_RETRY_MS, 0);
+            return;
+        }
+        s->decl_cursor++;
+        if (r < 0) {
+            free(o);
+            hm_debug(MOD, "%s: declaration not started: %s", d->key, hm_strerror(r));
+            continue;
+        }
+        o->next = s->puts;
+        if (s->puts != NULL)
+            s->puts->prev = o;
+        s->puts = o;
+        s->puts_out++;
+    }
+    if (s->decl_cursor < s->ndecls || s->puts_out > 0)
+        return;
+    s->decl_round = 0;
+    if (withdraw) {
+        withdraw_done(s);
+        return;
+    }
+    if (s->state != S_RUNNING)
+        return;
+    uint64_t next = (uint64_t)(s->ttl_s * 1000.0 / 3.0);
+    if (s->ndecls > 0 && s->round_stored == 0) {
+        /*
+         * Nothing was stored (a node that has not found its peers yet, say):
+         * retry sooner than the refresh period, backing off from 1 s.
+         */
+        uint64_t backoff = (uint64_t)1000 << HM_MIN(s->failed_rounds, 6u);
+        s->failed_rounds++;
+        next = HM_MIN(next, backoff);
+    } else {
+        s->failed_rounds = 0;
+    }
+    uv_timer_start(&s->decl_timer, decl_timer_cb, s->decl_dirty ? 0 : jitter(next), 0);
+}
+
+static void decl_round_start(hm_moe_server *s)
+{
+    if (s->decl_dirty || s->decls == NULL) {
+        if (decls_build(s) < 0) {
+            hm_warn(MOD, "cannot build the expert declarations; retrying");
+            uv_timer_start(&s->decl_timer, decl_timer_cb, 1000, 0);
+            return;
+        }
+    }
+    s->decl_round = 1;
+    s->decl_cursor = 0;
+    s->round_stored = 0;
+    decl_continue(s);
+}
+
+static void decl_timer_cb(uv_timer_t *t)
+{
+    hm_moe_server *s = t->data;
+
+    if (s->decl_round) {
+        /* A retry after the DHT was busy, or the withdrawal's deadline. */
+        decl_continue(s);
+        return;
+    }
+    if (s->state == S_RUNNING)
+        decl_round_start(s);
+}
+
+/* Asks for a declaration round now (after the current one, if one is running). */
+static void decl_soon(hm_moe_server *s)
+{
+    s->decl_dirty = 1;
+    if (!s->decl_round && s->state == S_RUNNING)
+        uv_timer_start(&s->decl_timer, decl_timer_cb, 0, 0);
+}
+
+/* ------------------------------------------------------------ checkpoints */
+
+static void ckpt_timer_cb(uv_timer_t *t)
+{
+    hm_moe_server *s = t->data;
+
+    if (s->state != S_RUNNING)
+        return;
+    for (size_t i = 0; i < s->nex; i++) {
+        expert *e = s->ex[i];
+        if (e->steps <= e->steps_at_ckpt)
+            continue;
+        e->ckpt_wanted = 1;
+        expert_kick(s, e, hm_now_ms());
+    }
+    batch_rearm(s);
+}
+
+int hm_moe_server_checkpoint(hm_moe_server *s)
+{
+    int first = 0;
+
+    if (s == NULL)
+        return -EINVAL;
+    if (s->state_dir == NULL)
+        return 0;
+    for (size_t i = 0; i < s->nex; i++) {
+        expert *e = s->ex[i];
+        uint64_t steps;
+        int r;
+        /* The lock also waits for a batch running on a worker; its step is saved too. */
+        uv_mutex_lock(&e->lock);
+        steps = hm_ffn_steps(e->ffn);
+        uv_mutex_unlock(&e->lock);
+        /*
+         * An expert that never stepped is still written once (unless its
+         * file exists already), so that what it serves can be read back.
+         */
+        if (steps <= e->steps_at_ckpt && (e->last_ckpt_unix_ms != 0 || e->resumed))
+            continue;
+        if ((r = write_checkpoint(e, &steps)) < 0) {
+            hm_error(MOD, "%s: checkpoint to %s failed: %s", e->uid, e->path, hm_strerror(r));
+            if (first == 0)
+                first = r;
+            continue;
+        }
+        e->steps_at_ckpt = HM_MAX(e->steps_at_ckpt, steps);
+        e->last_ckpt_unix_ms = wall_ms();
+    }
+    return first;
+}
+
+/* ------------------------------------------------------------ hosting */
+
+static void expert_free(expert *e)
+{
+    if (e == NULL)
+        return;
+    hm_ffn_free(e->ffn);
+    uv_mutex_destroy(&e->lock);
+    free(e->path);
+    free(e);
+}
+
+/* Room for a checkpoint of this config: the parameters and at most two moment vectors. */
+static size_t ckpt_max_len(const hm_ffn_config *cfg)
+{
+    size_t d = cfg->dim, h = cfg->hidden ? cfg->hidden : 4 * cfg->dim;
+    size_t np = 2 * d + h * d + h + d * h + d;
+    return np * sizeof(float) * 3 + CKPT_SLACK;
+}
+
+static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
+                      const hm_ffn_config *cfg, expert **out, char *err, size_t errlen)
+{
+    hm_ffn_config c = *cfg;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int used_prev = 0;
+    expert *e;
+    int result;
+
+    e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return -ENOMEM;
+    if (uv_mutex_init(&e->lock) != 0) {
+        free(e);
+        return -ENOMEM;
+    }
+    e->s = s;
+    e->u = *u;
+    e->q[Q_FWD].srv_bytes = e->q[Q_BWD].srv_bytes = &s->queued_bytes;
+    if ((result = hm_moe_uid_format(u, e->uid, sizeof(e->uid))) < 0)
+        goto out;
+    hm_strlcpy(e->type, type, sizeof(e->type));
+    c.seed = expert_seed(cfg->seed, e->uid);
+    if (s->state_dir != NULL) {
+        size_t pl = strlen(s->state_dir) + strlen("/experts/") + strlen(e->uid) + 6;
+        e->path = malloc(pl);
+        if (e->path == NULL) {
+            result = -ENOMEM;
+            goto out;
+        }
+        /* The uid grammar admits no '/' nor "..", so the name stays inside experts/. */
+        snprintf(e->path, pl, "%s/experts/%s.ckpt", s->state_dir, e->uid);
+        result = hm_ckpt_read(e->path, ckpt_max_len(cfg), &buf, &len, &used_prev);
+        if (result == 0) {
+            result = hm_ffn_load(buf, len, &c, &e->ffn);
+            if (result == -EPROTO) {
+                snprintf(err, errlen,
+                         "the checkpoint %s does not match the requested dim, hidden size or "
+                         "optimizer",
+                         e->path);
+                goto out;
+            }
+            if (result < 0) {
+                hm_error(MOD, "%s: checkpoint %s is unreadable (%s); starting afresh", e->uid,
+                         e->path, hm_strerror(result));
+                e->ffn = NULL;
+            } else {
+                if (used_prev)
+                    hm_warn(MOD, "%s: %s was missing or corrupt; resumed from %s.prev", e->uid,
+                            e->path, e->path);
+                e->resumed = 1;
+                e->steps = e->steps_at_ckpt = hm_ffn_steps(e->ffn);
+            }
+        } else if (result == -EMSGSIZE) {
+            snprintf(err, errlen,
+                     "the checkpoint %s is larger than an expert of the requested size",
+                     e->path);
+            result = -EPROTO;
+            goto out;
+        } else if (result != -ENOENT) {
+            hm_error(MOD, "%s: no good checkpoint at %s (%s); starting afresh", e->uid, e->path,
+                     hm_strerror(result));
+        }
+    }
+    if (e->ffn == NULL) {
+        if ((result = hm_ffn_new(&c, &e->ffn)) < 0) {
+            snprintf(err, errlen, "cannot create expert %s: %s", e->uid, hm_strerror(result));
+            goto out;
+        }
+    }
+    e->dim = hm_ffn_dim(e->ffn);
+    e->hidden = hm_ffn_config_of(e->ffn)->hidden;
+    result = 0;
+out:
+    free(buf);
+    if (result < 0) {
+        expert_free(e);
+        e = NULL;
+    }
+    *out = e;
+    return result;
+}
+
+static int make_dirs(const char *state_dir, char *err, size_t errlen)
+{
+    size_t pl = strlen(state_dir) + strlen("/experts") + 1;
+    char *p = malloc(pl);
+    int result = 0;
+
+    if (p == NULL)
+        return -ENOMEM;
+    snprintf(p, pl, "%s/experts", state_dir);
+    if (mkdir(p, 0700) < 0 && errno != EEXIST) {
+        result = -errno;
+        snprintf(err, errlen, "cannot create %s: %s", p, strerror(errno));
+    }
+    free(p);
+    return result;
+}
+
+int hm_moe_server_host(hm_moe_server *s, const char *pattern, const char *type,
+                       const hm_ffn_config *cfg, size_t *n_added_out, char *err, size_t errlen)
+{
+    hm_moe_uid *uids = NULL;
+    expert **fresh = NULL;
+    expert **grown;
+    size_t nfresh = 0, nnew = 0;
+    char ebuf[1];
+    int n, result;
+
+    if (err == NULL || errlen == 0) {
+        err = ebuf;
+        errlen = sizeof(ebuf);
+    }
+    err[0] = '\0';
+    if (n_added_out != NULL)
+        *n_added_out = 0;
+    if (s == NULL || cfg == NULL) {
+        snprintf(err, errlen, "no server or no expert config");
+        return -EINVAL;
+    }
+    if (s->state != S_RUNNING) {
+        snprintf(err, errlen, "the expert server is shutting down");
+        return -ESHUTDOWN;
+    }
+    if (!type_ok(type)) {
+        snprintf(err, errlen, "expert type must be 1..%d characters of [A-Za-z0-9_-]",
+                 HM_MOE_TYPE_MAX);
+        return -EINVAL;
+    }
+    if (cfg->dim == 0 || cfg->dim > HM_MOE_MAX_DIM || cfg->dim > HM_FFN_MAX_DIM ||
+        cfg->hidden > HM_FFN_MAX_HIDDEN ||
+        (cfg->optimizer != HM_FFN_SGD && cfg->optimizer != HM_FFN_ADAM)) {
+        snprintf(err, errlen, "expert dim must be 1..%d, hidden at most %d, optimizer sgd or adam",
+                 HM_MOE_MAX_DIM, HM_FFN_MAX_HIDDEN);
+        return -EINVAL;
+    }
+    uids = calloc(HM_MOE_MAX_PATTERN_EXPERTS, sizeof(*uids));
+    if (uids == NULL)
+        return -ENOMEM;
+    n = hm_moe_pattern_expand(pattern, uids, HM_MOE_MAX_PATTERN_EXPERTS, err, errlen);
+    if (n < 0) {
+        result = n;
+        goto out;
+    }
+    for (int i = 0; i < n; i++) {
+        char uid[HM_MOE_UID_MAX + 1];
+        hm_moe_uid_format(&uids[i], uid, sizeof(uid));
+        if (find_expert(s, uid) == NULL)
+            nnew++;
+    }
+    if (s->nex + nnew > HM_MOE_SERVER_MAX_EXPERTS) {
+        snprintf(err, errlen, "hosting %zu more experts would exceed %d", nnew,
+                 HM_MOE_SERVER_MAX_EXPERTS);
+        result = -EMSGSIZE;
+        goto out;
+    }
+    if (nnew == 0) {
+        result = 0;
+        goto out;
+    }
+    if (s->state_dir != NULL && (result = make_dirs(s->state_dir, err, errlen)) < 0)
+        goto out;
+    fresh = calloc(nnew, sizeof(*fresh));
+    if (fresh == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    for (int i = 0; i < n; i++) {
+        char uid[HM_MOE_UID_MAX + 1];
+        hm_moe_uid_format(&uids[i], uid, sizeof(uid));
+        if (find_expert(s, uid) != NULL)
+            continue;
+        /* A pattern may name an expert twice only through the same coordinates: skip repeats. */
+        int dup = 0;
+        for (size_t k = 0; k < nfresh && !dup; k++)
+            dup = strcmp(fresh[k]->uid, uid) == 0;
+        if (dup)
+            continue;
+        if ((result = expert_new(s, &uids[i], type, cfg, &fresh[nfresh], err, errlen)) < 0) {
+            if (err[0] == '\0')
+                snprintf(err, errlen, "cannot host %s: %s", uid, hm_strerror(result));
+            goto out;
+        }
+        nfresh++;
+    }
+    grown = realloc(s->ex, (s->nex + nfresh) * sizeof(*grown));
+    if (grown == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    s->ex = grown;
+    memcpy(s->ex + s->nex, fresh, nfresh * sizeof(*fresh));
+    s->nex += nfresh;
+    qsort(s->ex, s->nex, sizeof(*s->ex), expert_cmp);
+    if (n_added_out != NULL)
+        *n_added_out = nfresh;
+    hm_info(MOD, "hosting %zu new experts from %s (%zu in all)", nfresh, pattern, s->nex);
+    nfresh = 0;
+    decl_soon(s);
+    result = 0;
+out:
+    for (size_t k = 0; k < nfresh; k++)
+        expert_free(fresh[k]);
+    free(fresh);
+    free(uids);
+    return result;
+}
+
+/* ------------------------------------------------------------ listing */
+
+static int dbl_cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+size_t hm_moe_server_list(hm_moe_server *s, hm_moe_hosted *out, size_t max)
+{
+    double lat[LAT_RING];
+
+    if (s == NULL)
+        return 0;
+    for (size_t i = 0; i < s->nex && i < max && out != NULL; i++) {
+        expert *e = s->ex[i];
+        hm_moe_hosted *h = &out[i];
+        memset(h, 0, sizeof(*h));
+        hm_strlcpy(h->uid, e->uid, sizeof(h->uid));
+        hm_strlcpy(h->type, e->type, sizeof(h->type));
+        h->dim = e->dim;
+        h->hidden = e->hidden;
+        h->fwd_requests = e->fwd_requests;
+        h->bwd_requests = e->bwd_requests;
+        h->batches = e->batches;
+        h->mean_batch_size = e->batches ? (double)e->batch_samples / (double)e->batches : 0.0;
+        if (e->lat_n > 0) {
+            memcpy(lat, e->lat_ms, e->lat_n * sizeof(double));
+            qsort(lat, e->lat_n, sizeof(double), dbl_cmp);
+            h->latency_p50_ms = lat[(e->lat_n - 1) / 2];
+            h->latency_p99_ms = lat[(size_t)((double)(e->lat_n - 1) * 0.99 + 0.5)];
+        }
+        h->steps = e->steps;
+        h->last_checkpoint_unix_ms = e->last_ckpt_unix_ms;
+        h->resumed = e->resumed;
+    }
+    return s->nex;
+}
+
+/* ------------------------------------------------------------ life */
+
+static void handle_closed(uv_handle_t *h)
+{
+    hm_moe_server *s = h->data;
+    if (--s->handles_open > 0)
+        return;
+    void (*cb)(void *) = s->close_cb;
+    void *ud = s->close_ud;
+    for (size_t i = 0; i < s->nex; i++)
+        expert_free(s->ex[i]);
+    free(s->ex);
+    free(s->decls);
+    free(s->threads);
+    free(s->state_dir);
+    uv_mutex_destroy(&s->jlock);
+    uv_cond_destroy(&s->jcond);
+    free(s);
+    if (cb != NULL)
+        cb(ud);
+}
+
+static void join_workers(hm_moe_server *s)
+{
+    uv_mutex_lock(&s->jlock);
+    s->jstop = 1;
+    uv_cond_broadcast(&s->jcond);
+    uv_mutex_unlock(&s->jlock);
+    for (unsigned i = 0; i < s->nthreads; i++)
+        uv_thread_join(&s->threads[i]);
+    s->nthreads = 0;
+}
+
+/*
+ * Advances the close: DRAINING (running jobs finish) -> checkpoint ->
+ * WITHDRAWING (empty values over the declarations, bounded) -> CLOSING
+ * (methods unregistered, workers joined, handles closed, then freed).
+ */
+static void close_step(hm_moe_server *s)
+{
+    if (s->state == S_DRAINING) {
+        if (s->jobs_out > 0)
+            return;
+        if (s->state_dir != NULL)
+            (void)hm_moe_server_checkpoint(s);
+        uv_timer_stop(&s->decl_timer);
+        puts_orphan(s);
+        s->decl_round = 0;
+        if (s->do_withdraw && s->nex > 0) {
+            set_state(s, S_WITHDRAWING);
+            s->withdrawing = 1;
+            s->withdraw_deadline_ms = hm_now_ms() + WITHDRAW_MAX_MS;
+            if (s->decl_dirty || s->decls == NULL)
+                (void)decls_build(s);
+            s->decl_round = 1;
+            s->decl_cursor = 0;
+            /* The deadline holds even when every put hangs. */
+            uv_timer_start(&s->decl_timer, decl_timer_cb, WITHDRAW_MAX_MS, 0);
+            decl_continue(s);
+            return;
+        }
+        set_state(s, S_CLOSING);
+    } else if (s->state == S_WITHDRAWING) {
+        set_state(s, S_CLOSING);
+    } else {
+        return;
+    }
+    if (s->registered) {
+        hm_rpc_unregister(s->rpc, HM_MOE_METHOD_FWD);
+        hm_rpc_unregister(s->rpc, HM_MOE_METHOD_BWD);
+        hm_rpc_unregister(s->rpc, HM_MOE_METHOD_INFO);
+        s->registered = 0;
+    }
+    join_workers(s);
+    s->handles_open = 4;
+    uv_close((uv_handle_t *)&s->async, handle_closed);
+    uv_close((uv_handle_t *)&s->batch_timer, handle_closed);
+    uv_close((uv_handle_t *)&s->decl_timer, handle_closed);
+    uv_close((uv_handle_t *)&s->ckpt_timer, handle_closed);
+}
+
+void hm_moe_server_close(hm_moe_server *s, int withdraw, void (*cb)(void *ud), void *ud)
+{
+    if (s == NULL) {
+        if (cb != NULL)
+            cb(ud);
+        return;
+    }
+    if (s->state != S_RUNNING)
+        return;
+    s->close_cb = cb;
+    s->close_ud = ud;
+    s->do_withdraw = withdraw;
+    set_state(s, S_DRAINING);
+    uv_timer_stop(&s->batch_timer);
+    uv_timer_stop(&s->ckpt_timer);
+    for (size_t i = 0; i < s->nex; i++)
+        queue_fail_all(s, s->ex[i], -ESHUTDOWN);
+    close_step(s);
+}
+
+int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_server **out)
+{
+    hm_moe_server_opts o;
+    hm_moe_server *s = NULL;
+    char addr[HM_PEER_ID_LEN + 2 + HM_ADDRSTRLEN];
+    const char *at;
+    int result, locks = 0;
+
+    if (out == NULL)
+        return -EINVAL;
+    *out = NULL;
+    if (node == NULL)
+        return -EINVAL;
+    memset(&o, 0, sizeof(o));
+    if (opts != NULL)
+        o = *opts;
+    if (o.declare_ttl_s < 0 || o.declare_ttl_s != o.declare_ttl_s || o.declare_ttl_s > 86400 ||
+        o.workers > 256)
+        return -EINVAL;
+    if (hm_node_address(node, addr, sizeof(addr)) < 0 || (at = strchr(addr, '@')) == NULL ||
+        strlen(at + 1) > HM_MOE_ADDR_MAX)
+        return -EINVAL;
+
+    s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return -ENOMEM;
+    s->node = node;
+    s->loop = hm_node_loop(node);
+    s->rpc = hm_node_rpc(node);
+    s->state = S_RUNNING;
+    s->nworkers = o.workers ? o.workers : 2;
+    s->max_batch = o.max_batch_size ? o.max_batch_size : 1024;
+    s->batch_wait_ms = o.batch_wait_ms ? o.batch_wait_ms : 2;
+    s->max_queued = o.max_queued_samples ? o.max_queued_samples : 16384;
+    s->ttl_s = o.declare_ttl_s > 0 ? o.declare_ttl_s : 60.0;
+    s->ckpt_interval_ms = o.checkpoint_interval_ms ? o.checkpoint_interval_ms : 60000;
+    hm_strlcpy(s->addr, at + 1, sizeof(s->addr));
+    hm_dht_owner_marker(hm_node_identity(node)->pk, s->marker);
+    if (o.state_dir != NULL && (s->state_dir = strdup(o.state_dir)) == NULL) {
+        result = -ENOMEM;
+        goto fail;
+    }
+    if (uv_mutex_init(&s->jlock) != 0) {
+        result = -ENOMEM;
+        goto fail;
+    }
+    locks = 1;
+    if (uv_cond_init(&s->jcond) != 0) {
+        result = -ENOMEM;
+        goto fail;
+    }
+    locks = 2;
+    s->threads = calloc(s->nworkers, sizeof(*s->threads));
+    if (s->threads == NULL) {
+        result = -ENOMEM;
+        goto fail;
+    }
+
+    result = hm_rpc_register(s->rpc, HM_MOE_METHOD_FWD, on_fwd, s);
+    if (result == 0 && (result = hm_rpc_register(s->rpc, HM_MOE_METHOD_BWD, on_bwd, s)) < 0)
+        hm_rpc_unregister(s->rpc, HM_MOE_METHOD_FWD);
+    if (result == 0 && (result = hm_rpc_register(s->rpc, HM_MOE_METHOD_INFO, on_info, s)) < 0) {
+        hm_rpc_unregister(s->rpc, HM_MOE_METHOD_FWD);
+        hm_rpc_unregister(s->rpc, HM_MOE_METHOD_BWD);
+    }
+    if (result < 0)
+        goto fail; /* -EEXIST: this node already has an expert server */
+    s->registered = 1;
+
+    for (unsigned i = 0; i < s->nworkers; i++) {
+        if (uv_thread_create(&s->threads[i], worker_main, s) != 0) {
+            result = -ENOMEM;
+            join_workers(s);
+            hm_rpc_unregister(s->rpc, HM_MOE_METHOD_FWD);
+            hm_rpc_unregister(s->rpc, HM_MOE_METHOD_BWD);
+            hm_rpc_unregister(s->rpc, HM_MOE_METHOD_INFO);
+            goto fail;
+        }
+        s->nthreads++;
+    }
+    /* Handle inits on a running loop do not fail. */
+    uv_async_init(s->loop, &s->async, async_cb);
+    uv_timer_init(s->loop, &s->batch_timer);
+    uv_timer_init(s->loop, &s->decl_timer);
+    uv_timer_init(s->loop, &s->ckpt_timer);
+    s->async.data = s->batch_timer.data = s->decl_timer.data = s->ckpt_timer.data = s;
+    if (s->state_dir != NULL)
+        uv_timer_start(&s->ckpt_timer, ckpt_timer_cb, s->ckpt_interval_ms, s->ckpt_interval_ms);
+    *out = s;
+    return 0;
+fail:
+    if (locks >= 2)
+        uv_cond_destroy(&s->jcond);
+    if (locks >= 1)
+        uv_mutex_destroy(&s->jlock);
+    free(s->threads);
+    free(s->state_dir);
+    free(s);
+    return result;
+}

@@ -1,0 +1,101 @@
+/*
+ * server: the expert server inside hivemindd. It hosts experts (ffn.h) on
+ * a node, answers "moe.fwd", "moe.bwd" and "moe.info" (proto.h), declares
+ * its experts in the DHT and checkpoints them.
+ *
+ * Batching. Requests for one expert queue in arrival order; a batch is
+ * taken, oldest first, as soon as it reaches max_batch_size samples or the
+ * oldest request has waited batch_wait_ms, and runs on one of the server's
+ * compute worker threads (never the loop thread); the results return to
+ * the loop through uv_async and each request gets its own rows back. One
+ * expert runs at most one batch at a time (backward steps its optimizer);
+ * forward and backward requests are batched separately, in arrival order.
+ * A request whose caller has gone (cancel or deadline) is dropped before
+ * it is computed. At most max_queued_samples samples wait per expert, and
+ * at most 1 GiB of request tensors in all the server's queues together;
+ * beyond that requests are answered -ENOBUFS. Non-finite inputs are
+ * refused on arrival (-EDOM), so that they never fail a whole batch.
+ *
+ * Declarations. Every hosted expert and each of its grid prefixes is put
+ * into the DHT as an owned record (proto.h) with declare_ttl_s, refreshed
+ * every declare_ttl_s / 3 with jitter; hm_moe_server_close with withdraw
+ * set puts empty values over them before it finishes.
+ *
+ * Durability. With a state_dir, each expert is checkpointed
+ * (checkpoint.h) to STATE_DIR/experts/UID.ckpt every checkpoint_interval_ms
+ * when it has stepped since the last one, and on close. Hosting an expert
+ * whose checkpoint exists resumes from it (the newest good one; a corrupt
+ * file is logged and the previous used); a checkpoint whose dim, hidden or
+ * optimizer differ from the requested config is refused (-EPROTO).
+ *
+ * Lifetime: create on a running node; close before the node.
+ */
+#ifndef HM_MOE_SERVER_H
+#define HM_MOE_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ffn.h"
+#include "node.h"
+#include "proto.h"
+
+typedef struct hm_moe_server hm_moe_server;
+
+#define HM_MOE_SERVER_MAX_EXPERTS 4096
+
+typedef struct hm_moe_server_opts {
+    const char *state_dir;           /* NULL: no checkpoints */
+    unsigned workers;                /* compute threads; 0: 2 */
+    size_t max_batch_size;           /* samples per batch; 0: 1024 */
+    uint64_t batch_wait_ms;          /* 0: 2 */
+    size_t max_queued_samples;       /* per expert; 0: 16384 */
+    double declare_ttl_s;            /* 0: 60 */
+    uint64_t checkpoint_interval_ms; /* 0: 60000 */
+} hm_moe_server_opts;
+
+/* 0, -ENOMEM, -EEXIST (the node already has a server), -EINVAL. */
+int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_server **out);
+
+/*
+ * Hosts every expert a pattern names (proto.h), each an ffn with cfg
+ * (the seed is mixed with the uid so that experts differ). Experts already
+ * hosted are skipped. n_added_out gets how many were added. On failure err
+ * holds a sentence and nothing was added: -EINVAL (pattern or config),
+ * -EMSGSIZE (over HM_MOE_SERVER_MAX_EXPERTS), -EPROTO (a checkpoint that
+ * does not match cfg), -ENOMEM, -ESHUTDOWN (the server is closing).
+ * A checkpoint file that exists but is unreadable (neither it nor its
+ * .prev verifies) is logged and the expert starts afresh.
+ */
+int hm_moe_server_host(hm_moe_server *s, const char *pattern, const char *type,
+                       const hm_ffn_config *cfg, size_t *n_added_out, char *err, size_t errlen);
+
+typedef struct hm_moe_hosted {
+    char uid[HM_MOE_UID_MAX + 1];
+    char type[HM_MOE_TYPE_MAX + 1];
+    size_t dim, hidden;
+    uint64_t fwd_requests, bwd_requests; /* answered with results */
+    uint64_t batches;
+    double mean_batch_size;              /* samples per batch */
+    double latency_p50_ms, latency_p99_ms; /* request arrival to reply */
+    uint64_t steps;                      /* optimizer steps */
+    uint64_t last_checkpoint_unix_ms;    /* 0: never */
+    int resumed;                         /* started from a checkpoint */
+} hm_moe_hosted;
+
+/* Copies up to max hosted experts (sorted by uid); returns how many there are. */
+size_t hm_moe_server_list(hm_moe_server *s, hm_moe_hosted *out, size_t max);
+
+/* Checkpoints every expert that stepped since its last checkpoint, now
+ * (blocking the loop; used on SIGTERM). Returns 0 or the first error. */
+int hm_moe_server_checkpoint(hm_moe_server *s);
+
+/*
+ * Stops taking requests (answered -ESHUTDOWN), waits for running batches,
+ * checkpoints, withdraws the declarations when withdraw is set (bounded by
+ * a few seconds), unregisters the methods, joins the workers and frees the
+ * server; cb (may be NULL) fires from the loop after that.
+ */
+void hm_moe_server_close(hm_moe_server *s, int withdraw, void (*cb)(void *ud), void *ud);
+
+#endif

@@ -1,0 +1,1165 @@
+/*
+ * daemon_moe: the experts.* commands of hivemindd (daemon_moe.h). Every
+ * command validates its arguments completely before it starts anything,
+ * pins the shared-memory tensors it uses for as long as it uses them, and
+ * answers exactly once: with the result, with the reason it failed, or
+ * with "stopping" when the daemon shuts down under it.
+ */
+#include "config.h"
+
+#include "daemon_moe.h"
+
+#include "client.h"
+#include "daemon.h"
+#include "ffn.h"
+#include "proto.h"
+#include "server.h"
+#include "util.h"
+#include "wire.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define MOD "experts"
+
+/* A command may ask for at most this long (seconds). */
+#define MAX_TIMEOUT_S 600.0
+/* experts.list walks at most this many grid prefixes and lists at most this
+ * many experts of the swarm. */
+#define LIST_MAX_PREFIXES 1024
+#define LIST_MAX_EXPERTS 1024
+#define LIST_MAX_GRIDS 8
+
+struct hm_dmoe {
+    struct daemon *d;
+    hm_node *node;
+    hm_moe_server *srv;
+    hm_moe_client *cli;
+    hm_ffn_config defcfg;       /* the configured experts' layer */
+    char deftype[HM_MOE_TYPE_MAX + 1];
+    size_t jobs;                /* commands in progress */
+    int closing;
+    int srv_open;
+    void (*close_cb)(void *ud);
+    void *close_ud;
+};
+
+/* ---- lifetime ---- */
+
+static void maybe_free(hm_dmoe *m)
+{
+    if (!m->closing || m->jobs > 0 || m->srv_open)
+        return;
+    void (*cb)(void *) = m->close_cb;
+    void *ud = m->close_ud;
+    free(m);
+    if (cb != NULL)
+        cb(ud);
+}
+
+static void job_done(hm_dmoe *m)
+{
+    m->jobs--;
+    maybe_free(m);
+}
+
+static void on_server_closed(void *ud)
+{
+    hm_dmoe *m = ud;
+    m->srv_open = 0;
+    maybe_free(m);
+}
+
+void hm_dmoe_close(hm_dmoe *m, void (*cb)(void *ud), void *ud)
+{
+    m->closing = 1;
+    m->close_cb = cb;
+    m->close_ud = ud;
+    /* Calls in flight end now (-ECANCELED), which answers their commands. */
+    if (m->cli != NULL) {
+        hm_moe_client_free(m->cli);
+        m->cli = NULL;
+    }
+    if (m->srv != NULL) {
+        hm_moe_server *s = m->srv;
+        m->srv = NULL;
+        hm_moe_server_close(s, 1, on_server_closed, m);
+        return;
+    }
+    maybe_free(m);
+}
+
+/* ---- argument helpers ---- */
+
+static void reply_json(hm_control_req *req, json_t *result)
+{
+    if (result == NULL)
+        hm_control_reply_error(req, "internal", "out of memory");
+    else
+        hm_control_reply(req, result);
+}
+
+static int refuse_if_closing(hm_dmoe *m, hm_control_req *req)
+{
+    if (m->closing) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return 1;
+    }
+    return 0;
+}
+
+/* args.name as seconds in (0, MAX_TIMEOUT_S], def when absent; < 0 when bad (replied). */
+static double arg_seconds(hm_control_req *req, const json_t *args, const char *name, double def)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[160];
+    if (v == NULL)
+        return def;
+    if (!json_is_number(v) || !(json_number_value(v) > 0) ||
+        json_number_value(v) > MAX_TIMEOUT_S) {
+        snprintf(msg, sizeof(msg), "args.%s must be seconds, above 0 and at most %g", name,
+                 MAX_TIMEOUT_S);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -1;
+    }
+    return json_number_value(v);
+}
+
+/* args.name as an integer in [lo, hi], def when absent (def < 0: required);
+ * < 0 when bad (replied). */
+static long long arg_uint(hm_control_req *req, const json_t *args, const char *name,
+                          long long def, long long lo, long long hi)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[160];
+    if (v == NULL && def >= 0)
+        return def;
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
+        snprintf(msg, sizeof(msg), "args.%s must be an integer from %lld to %lld", name, lo, hi);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -1;
+    }
+    return (long long)json_integer_value(v);
+}
+
+/* args.name as a string of 1..max bytes without NULs; NULL when bad (replied)
+ * or, when optional, absent (*absent_out = 1). */
+static const char *arg_str(hm_control_req *req, const json_t *args, const char *name, size_t max,
+                           int optional, int *absent_out)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[160];
+    if (absent_out != NULL)
+        *absent_out = 0;
+    if (v == NULL && optional) {
+        if (absent_out != NULL)
+            *absent_out = 1;
+        return NULL;
+    }
+    if (!json_is_string(v) || json_string_length(v) == 0 || json_string_length(v) > max ||
+        strlen(json_string_value(v)) != json_string_length(v)) {
+        snprintf(msg, sizeof(msg), "args.%s must be a string of 1 to %zu bytes", name, max);
+        hm_control_reply_error(req, "bad_args", msg);
+        return NULL;
+    }
+    return json_string_value(v);
+}
+
+static uint64_t ms_of(double s) { return (uint64_t)llround(s * 1000.0); }
+
+/* Fills an expert config from type/optimizer/lr strings; err gets why not. */
+static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
+                            const char *optimizer, const char *lr, hm_ffn_config *out, char *err,
+                            size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    if (strcmp(type, "ffn") != 0) {
+        snprintf(err, errlen, "unknown expert type '%s' (known: ffn)", type);
+        return -EINVAL;
+    }
+    if (dim < 1 || dim > HM_FFN_MAX_DIM || dim > HM_MOE_MAX_DIM) {
+        snprintf(err, errlen, "expert dim %u is outside 1..%d", dim, HM_FFN_MAX_DIM);
+        return -EINVAL;
+    }
+    if (hidden > HM_FFN_MAX_HIDDEN) {
+        snprintf(err, errlen, "expert hidden width %u is over %d", hidden, HM_FFN_MAX_HIDDEN);
+        return -EINVAL;
+    }
+    if (strcmp(optimizer, "adam") == 0) {
+        out->optimizer = HM_FFN_ADAM;
+    } else if (strcmp(optimizer, "sgd") == 0) {
+        out->optimizer = HM_FFN_SGD;
+    } else {
+        snprintf(err, errlen, "unknown optimizer '%s' (known: adam, sgd)", optimizer);
+        return -EINVAL;
+    }
+    if (lr != NULL && lr[0] != '\0') {
+        char *end;
+        errno = 0;
+        double x = strtod(lr, &end);
+        if (errno != 0 || *end != '\0' || !(x > 0) || !isfinite(x) || x > 10) {
+            snprintf(err, errlen, "learning rate '%s' is not a number in (0, 10]", lr);
+            return -EINVAL;
+        }
+        out->lr = x;
+    }
+    out->dim = dim;
+    out->hidden = hidden;
+    return 0;
+}
+
+/* Hosts each comma-separated pattern of list. */
+static int host_list(hm_dmoe *m, const char *list, const char *type, const hm_ffn_config *cfg,
+                     size_t *added_out, char *err, size_t errlen)
+{
+    char one[HM_MOE_UID_MAX * 4];
+    const char *p = list;
+    *added_out = 0;
+    while (*p != '\0') {
+        const char *comma = strchr(p, ',');
+        size_t n = comma != NULL ? (size_t)(comma - p) : strlen(p);
+        if (n == 0 || n >= sizeof(one)) {
+            snprintf(err, errlen, "empty or overlong pattern in '%s'", list);
+            return -EINVAL;
+        }
+        memcpy(one, p, n);
+        one[n] = '\0';
+        size_t added = 0;
+        char why[256] = "";
+        int r = hm_moe_server_host(m->srv, one, type, cfg, &added, why, sizeof(why));
+        if (r != 0) {
+            snprintf(err, errlen, "cannot host '%s': %s", one, why[0] ? why : hm_strerror(r));
+            return r;
+        }
+        *added_out += added;
+        p += n;
+        if (*p == ',')
+            p++;
+    }
+    return 0;
+}
+
+/* ---- experts.host ---- */
+
+static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_dmoe *m = ud;
+    hm_ffn_config cfg;
+    char err[512];
+    int absent;
+    size_t added = 0;
+
+    if (refuse_if_closing(m, req))
+        return;
+    const char *pattern = arg_str(req, args, "pattern", HM_MOE_UID_MAX * 4, 0, NULL);
+    if (pattern == NULL)
+        return;
+    const char *type = arg_str(req, args, "type", HM_MOE_TYPE_MAX, 1, &absent);
+    if (type == NULL && !absent)
+        return;
+    type = absent ? m->deftype : type;
+    const char *opt = arg_str(req, args, "optimizer", 16, 1, &absent);
+    if (opt == NULL && !absent)
+        return;
+    opt = absent ? (m->defcfg.optimizer == HM_FFN_SGD ? "sgd" : "adam") : opt;
+    long long dim = arg_uint(req, args, "dim", (long long)m->defcfg.dim, 1, HM_FFN_MAX_DIM);
+    long long hidden = arg_uint(req, args, "hidden", 0, 0, HM_FFN_MAX_HIDDEN);
+    if (dim < 0 || hidden < 0)
+        return;
+    char lr[32] = "";
+    const json_t *v = json_object_get(args, "lr");
+    if (v != NULL) {
+        if (!json_is_number(v)) {
+            hm_control_reply_error(req, "bad_args", "args.lr must be a number");
+            return;
+        }
+        snprintf(lr, sizeof(lr), "%.17g", json_number_value(v));
+    }
+    if (build_ffn_config(type, (unsigned)dim, (unsigned)hidden, opt, lr, &cfg, err,
+                         sizeof(err)) != 0) {
+        hm_control_reply_error(req, "bad_args", err);
+        return;
+    }
+    cfg.seed = m->defcfg.seed;
+    int r = host_list(m, pattern, type, &cfg, &added, err, sizeof(err));
+    if (r != 0) {
+        hm_control_reply_error(req, r == -EPROTO ? "conflict" : "bad_args", err);
+        return;
+    }
+    size_t total = hm_moe_server_list(m->srv, NULL, 0);
+    hm_info(MOD, "hosting %zu more experts (%s), %zu in all", added, pattern, total);
+    reply_json(req, json_pack("{s:I, s:I}", "added", (json_int_t)added, "hosted",
+                              (json_int_t)total));
+}
+
+/* ---- experts.list ---- */
+
+typedef struct list_job {
+    hm_dmoe *m;
+    hm_control_req *req;
+    json_t *result;   /* {"hosted": [...], "swarm": [...]} */
+    json_t *swarm;    /* borrowed from result */
+    uint64_t deadline_ms;
+    /* the grid prefixes still to look at, this level's and the next */
+    char (*keys)[HM_MOE_UID_MAX + 2];
+    size_t n_keys;
+    char (*next)[HM_MOE_UID_MAX + 2];
+    size_t n_next;
+    size_t walked;
+} list_job;
+
+static void list_finish(list_job *j)
+{
+    hm_dmoe *m = j->m;
+    hm_control_reply(j->req, j->result);
+    free(j->keys);
+    free(j->next);
+    free(j);
+    job_done(m);
+}
+
+static size_t count_coords(const char *key)
+{
+    size_t dots = 0;
+    for (const char *p = key; *p; p++)
+        dots += *p == '.';
+    return dots > 0 ? dots - 1 : 0;
+}
+
+static int swarm_has(const json_t *swarm, const char *uid, const char *host)
+{
+    size_t i;
+    json_t *e;
+    json_array_foreach(swarm, i, e)
+    {
+        if (strcmp(json_string_value(json_object_get(e, "uid")), uid) == 0 &&
+            strcmp(json_string_value(json_object_get(e, "host")), host) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+static void list_next_level(list_job *j);
+
+static void on_list_level(void *ud, const hm_dht_many_result *results, size_t n_keys)
+{
+    list_job *j = ud;
+    j->n_next = 0;
+    for (size_t k = 0; k < n_keys && k < j->n_keys; k++) {
+        const char *key = j->keys[k];
+        size_t level = count_coords(key);
+        for (size_t i = 0; i < results[k].n; i++) {
+            const hm_dht_record *rec = &results[k].values[i].rec;
+            uint32_t coord;
+            uint8_t pk[HM_PK_BYTES];
+            char uid[HM_MOE_UID_MAX + 1], addr[HM_MOE_ADDR_MAX + 1];
+            hm_moe_uid u;
+            if (!rec->has_subkey ||
+                hm_moe_parse_prefix_subkey(rec->subkey, rec->subkey_len, &coord, pk) != 0 ||
+                hm_moe_decode_prefix_value(rec->value, rec->value_len, uid, addr) != 0 ||
+                hm_moe_uid_parse(uid, strlen(uid), &u) != 0)
+                continue; /* withdrawn, or not ours to read */
+            if (u.ndims == level + 1) {
+                char peer[HM_PEER_ID_LEN + 1], host[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2];
+                hm_peer_id_encode(pk, peer);
+                snprintf(host, sizeof(host), "%s@%s", peer, addr);
+                if (json_array_size(j->swarm) >= LIST_MAX_EXPERTS || swarm_has(j->swarm, uid, host))
+                    continue;
+                json_array_append_new(j->swarm,
+                                      json_pack("{s:s, s:s, s:f}", "uid", uid, "host", host,
+                                                "expires", rec->expiration));
+            } else if (u.ndims > level + 1 && j->n_next < HM_DHT_MANY_MAX &&
+                       j->walked + j->n_next < LIST_MAX_PREFIXES) {
+                char nk[2 * (HM_MOE_UID_MAX + 2)];
+                int w = snprintf(nk, sizeof(nk), "%s%u.", key, (unsigned)coord);
+                if (w <= 0 || (size_t)w >= sizeof(j->next[0]))
+                    continue;
+                int dup = 0;
+                for (size_t q = 0; q < j->n_next && !dup; q++)
+                    dup = strcmp(j->next[q], nk) == 0;
+                if (!dup)
+                    memcpy(j->next[j->n_next++], nk, (size_t)w + 1);
+            }
+        }
+    }
+    /* The next level becomes the current one. */
+    char(*t)[HM_MOE_UID_MAX + 2] = j->keys;
+    j->keys = j->next;
+    j->next = t;
+    j->n_keys = j->n_next;
+    j->n_next = 0;
+    list_next_level(j);
+}
+
+static void list_next_level(list_job *j)
+{
+    const uint8_t *keys[HM_DHT_MANY_MAX];
+    size_t lens[HM_DHT_MANY_MAX];
+    uint64_t now = hm_now_ms();
+    if (j->n_keys == 0 || j->m->closing || now >= j->deadline_ms) {
+        list_finish(j);
+        return;
+    }
+    for (size_t i = 0; i < j->n_keys; i++) {
+        keys[i] = (const uint8_t *)j->keys[i];
+        lens[i] = strlen(j->keys[i]);
+    }
+    j->walked += j->n_keys;
+    int r = hm_node_dht_get_many(j->m->node, keys, lens, j->n_keys, j->deadline_ms - now,
+                                 on_list_level, j);
+    if (r != 0)
+        list_finish(j);
+}
+
+static json_t *hosted_json(hm_dmoe *m)
+{
+    size_t n = hm_moe_server_list(m->srv, NULL, 0);
+    hm_moe_hosted *h = NULL;
+    json_t *arr = json_array();
+    if (arr == NULL)
+        return NULL;
+    if (n > 0) {
+        h = calloc(n, sizeof(*h));
+        if (h == NULL) {
+            json_decref(arr);
+            return NULL;
+        }
+        n = HM_MIN(n, hm_moe_server_list(m->srv, h, n));
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_pack(
+            "{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:I, s:f, s:b}", "uid", h[i].uid,
+            "type", h[i].type, "dim", (json_int_t)h[i].dim, "hidden", (json_int_t)h[i].hidden,
+            "forward_requests", (json_int_t)h[i].fwd_requests, "backward_requests",
+            (json_int_t)h[i].bwd_requests, "batches", (json_int_t)h[i].batches,
+            "mean_batch_size", h[i].mean_batch_size, "latency_p50_ms", h[i].latency_p50_ms,
+            "latency_p99_ms", h[i].latency_p99_ms, "steps", (json_int_t)h[i].steps,
+            "last_checkpoint", (double)h[i].last_checkpoint_unix_ms / 1000.0, "resumed",
+            h[i].resumed != 0);
+        if (e == NULL || json_array_append_new(arr, e) != 0) {
+            json_decref(arr);
+            arr = NULL;
+            break;
+        }
+    }
+    free(h);
+    return arr;
+}
+
+static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_dmoe *m = ud;
+    list_job *j = NULL;
+    int absent;
+    char grids[LIST_MAX_GRIDS][HM_MOE_PREFIX_MAX + 1];
+    size_t n_grids = 0;
+
+    if (refuse_if_closing(m, req))
+        return;
+    const char *prefix = arg_str(req, args, "prefix", HM_MOE_PREFIX_MAX, 1, &absent);
+    if (prefix == NULL && !absent)
+        return;
+    double timeout = arg_seconds(req, args, "timeout", 5.0);
+    if (timeout < 0)
+        return;
+    if (prefix != NULL) {
+        for (const char *p = prefix; *p; p++) {
+            if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
+                  (*p >= '0' && *p <= '9') || *p == '_' || *p == '-')) {
+                hm_control_reply_error(req, "bad_args", "args.prefix must be a grid name of "
+                                       "[A-Za-z0-9_-], such as ffn");
+                return;
+            }
+        }
+        hm_strlcpy(grids[n_grids++], prefix, sizeof(grids[0]));
+    }
+    j = calloc(1, sizeof(*j));
+    if (j == NULL)
+        goto nomem;
+    j->keys = calloc(HM_DHT_MANY_MAX, sizeof(*j->keys));
+    j->next = calloc(HM_DHT_MANY_MAX, sizeof(*j->next));
+    json_t *hosted = hosted_json(m);
+    j->swarm = json_array();
+    j->result = json_object();
+    if (j->keys == NULL || j->next == NULL || hosted == NULL || j->swarm == NULL ||
+        j->result == NULL) {
+        json_decref(hosted);
+        json_decref(j->swarm);
+        goto nomem;
+    }
+    json_object_set_new(j->result, "swarm", j->swarm);
+    /* Without a prefix, the swarm part covers the grids this node hosts in. */
+    if (prefix == NULL) {
+        size_t i;
+        json_t *e;
+        json_array_foreach(hosted, i, e)
+        {
+            hm_moe_uid u;
+            const char *uid = json_string_value(json_object_get(e, "uid"));
+            if (hm_moe_uid_parse(uid, strlen(uid), &u) != 0)
+                continue;
+            int dup = 0;
+            for (size_t g = 0; g < n_grids && !dup; g++)
+                dup = strcmp(grids[g], u.prefix) == 0;
+            if (!dup && n_grids < LIST_MAX_GRIDS)
+                hm_strlcpy(grids[n_grids++], u.prefix, sizeof(grids[0]));
+        }
+    } else {
+        /* Only the hosted experts under the prefix. */
+        json_t *keep = json_array();
+        size_t i;
+        json_t *e;
+        if (keep == NULL) {
+            json_decref(hosted);
+            goto nomem;
+        }
+        json_array_foreach(hosted, i, e)
+        {
+            hm_moe_uid u;
+            const char *uid = json_string_value(json_object_get(e, "uid"));
+            if (hm_moe_uid_parse(uid, strlen(uid), &u) == 0 && strcmp(u.prefix, prefix) == 0)
+                json_array_append(keep, e);
+        }
+        json_decref(hosted);
+        hosted = keep;
+    }
+    json_object_set_new(j->result, "hosted", hosted);
+    for (size_t g = 0; g < n_grids; g++) {
+        size_t n = strnlen(grids[g], HM_MOE_PREFIX_MAX);
+        memcpy(j->keys[j->n_keys], grids[g], n);
+        memcpy(j->keys[j->n_keys++] + n, ".", 2);
+    }
+    j->m = m;
+    j->req = req;
+    j->deadline_ms = hm_now_ms() + ms_of(timeout);
+    m->jobs++;
+    list_next_level(j);
+    return;
+nomem:
+    if (j != NULL) {
+        json_decref(j->result);
+        free(j->keys);
+        free(j->next);
+        free(j);
+    }
+    hm_control_reply_error(req, "internal", "out of memory");
+}
+
+/* ---- experts.find ---- */
+
+typedef struct find_job {
+    hm_dmoe *m;
+    hm_control_req *req;
+} find_job;
+
+static json_t *experts_json(const hm_moe_expert *e, size_t n)
+{
+    json_t *arr = json_array();
+    for (size_t i = 0; arr != NULL && i < n; i++) {
+        char peer[HM_PEER_ID_LEN + 1], host[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2];
+        hm_peer_id_encode(e[i].pk, peer);
+        snprintf(host, sizeof(host), "%s@%s", peer, e[i].addr_str);
+        if (json_array_append_new(arr, json_pack("{s:s, s:s, s:f}", "uid", e[i].uid, "peer",
+                                                 host, "score", e[i].score)) != 0) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    }
+    return arr;
+}
+
+static void on_found(void *ud, int status, const hm_moe_expert *experts, size_t n)
+{
+    find_job *j = ud;
+    hm_dmoe *m = j->m;
+    if (status == -ECANCELED) {
+        hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
+    } else if (status != 0 && status != -ENOENT) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "beam search failed: %s", hm_strerror(status));
+        hm_control_reply_error(j->req, status == -ETIMEDOUT ? "timeout" : "failed", msg);
+    } else {
+        json_t *arr = experts_json(experts, status == 0 ? n : 0);
+        reply_json(j->req, arr != NULL ? json_pack("{s:o}", "experts", arr) : NULL);
+    }
+    free(j);
+    job_done(m);
+}
+
+static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_dmoe *m = ud;
+    double *scores[HM_MOE_MAX_GRID_DIMS] = {0};
+    size_t sizes[HM_MOE_MAX_GRID_DIMS] = {0};
+    const double *cscores[HM_MOE_MAX_GRID_DIMS];
+    size_t ndims = 0;
+    find_job *j = NULL;
+
+    if (refuse_if_closing(m, req))
+        return;
+    const char *prefix = arg_str(req, args, "prefix", HM_MOE_PREFIX_MAX, 0, NULL);
+    if (prefix == NULL)
+        return;
+    long long k_best = arg_uint(req, args, "k_best", -1, 1, HM_MOE_MAX_K);
+    long long beam = arg_uint(req, args, "beam_size", 0, 0, 1024);
+    double timeout = arg_seconds(req, args, "timeout", 5.0);
+    if (k_best < 0 || beam < 0 || timeout < 0)
+        return;
+    const json_t *sv = json_object_get(args, "scores");
+    if (!json_is_array(sv) || json_array_size(sv) < 1 ||
+        json_array_size(sv) > HM_MOE_MAX_GRID_DIMS) {
+        hm_control_reply_error(req, "bad_args", "args.scores must be a list of 1 to 4 lists of "
+                               "gate scores, one per grid dimension");
+        return;
+    }
+    ndims = json_array_size(sv);
+    for (size_t d = 0; d < ndims; d++) {
+        const json_t *row = json_array_get(sv, d);
+        size_t n = json_array_size(row);
+        if (!json_is_array(row) || n < 1 || n > HM_MOE_MAX_GRID) {
+            hm_control_reply_error(req, "bad_args", "each list in args.scores must hold 1 to "
+                                   "65536 numbers");
+            goto out;
+        }
+        scores[d] = malloc(n * sizeof(double));
+        if (scores[d] == NULL) {
+            hm_control_reply_error(req, "internal", "out of memory");
+            goto out;
+        }
+        for (size_t c = 0; c < n; c++) {
+            const json_t *x = json_array_get(row, c);
+            if (!json_is_number(x) || !isfinite(json_number_value(x))) {
+                hm_control_reply_error(req, "bad_args", "gate scores must be finite numbers");
+                goto out;
+            }
+            scores[d][c] = json_number_value(x);
+        }
+        sizes[d] = n;
+        cscores[d] = scores[d];
+    }
+    j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        goto out;
+    }
+    j->m = m;
+    j->req = req;
+    int r = hm_moe_beam_search(m->cli, prefix, cscores, sizes, ndims, (size_t)k_best,
+                               (size_t)beam, ms_of(timeout), on_found, j);
+    if (r != 0) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "cannot search under '%s': %s", prefix, hm_strerror(r));
+        hm_control_reply_error(req, "bad_args", msg);
+        free(j);
+        goto out;
+    }
+    m->jobs++;
+out:
+    for (size_t d = 0; d < ndims; d++)
+        free(scores[d]);
+}
+
+/* ---- experts.forward and experts.backward ---- */
+
+typedef struct call_job {
+    hm_dmoe *m;
+    hm_control_req *req;
+    hm_shm *shm;
+    uint64_t pins[4];
+    size_t n_pins;
+    int backward;
+    size_t k, k_min;
+    double timeout_s;
+    hm_moe_expert experts[HM_MOE_MAX_K];
+} call_job;
+
+static void call_release(call_job *j)
+{
+    for (size_t i = 0; i < j->n_pins; i++)
+        hm_shm_put(j->shm, j->pins[i]);
+    j->n_pins = 0;
+}
+
+static void on_called(void *ud, int status, const uint8_t *answered, size_t n_answered)
+{
+    call_job *j = ud;
+    hm_dmoe *m = j->m;
+    char msg[256];
+    call_release(j);
+    if (status == -ECANCELED) {
+        hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
+    } else if (status == -ETIMEDOUT) {
+        snprintf(msg, sizeof(msg), "only %zu of %zu experts answered within %g s (%s needs %zu)",
+                 n_answered, j->k, j->timeout_s, j->backward ? "backward_k_min" : "k_min",
+                 j->k_min);
+        hm_control_reply_error(j->req, "timeout", msg);
+    } else if (status != 0) {
+        snprintf(msg, sizeof(msg), "the call failed: %s", hm_strerror(status));
+        hm_control_reply_error(j->req, "failed", msg);
+    } else {
+        json_t *arr = json_array();
+        for (size_t i = 0; arr != NULL && i < j->k; i++)
+            json_array_append_new(arr, json_boolean(answered != NULL && answered[i]));
+        reply_json(j->req, arr != NULL ? json_pack("{s:o, s:I}", "answered", arr, "n_answered",
+                                                   (json_int_t)n_answered)
+                                       : NULL);
+    }
+    free(j);
+    job_done(m);
+}
+
+/* args.experts: [{uid, peer}, ...] into j->experts. */
+static int parse_experts(hm_control_req *req, const json_t *args, call_job *j)
+{
+    const json_t *ev = json_object_get(args, "experts");
+    char msg[200];
+    if (!json_is_array(ev) || json_array_size(ev) < 1 || json_array_size(ev) > HM_MOE_MAX_K) {
+        snprintf(msg, sizeof(msg), "args.experts must be a list of 1 to %d experts "
+                 "{\"uid\": ..., \"peer\": \"PEERID@HOST:PORT\"} (as experts.find returns)",
+                 HM_MOE_MAX_K);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -EINVAL;
+    }
+    j->k = json_array_size(ev);
+    for (size_t i = 0; i < j->k; i++) {
+        const json_t *e = json_array_get(ev, i);
+        const char *uid = json_string_value(json_object_get(e, "uid"));
+        const char *peer = json_string_value(json_object_get(e, "peer"));
+        hm_moe_uid u;
+        const char *at = peer != NULL ? strchr(peer, '@') : NULL;
+        if (uid == NULL || hm_moe_uid_parse(uid, strlen(uid), &u) != 0 || at == NULL ||
+            strlen(at + 1) > HM_MOE_ADDR_MAX ||
+            hm_peer_addr_parse(peer, j->experts[i].pk, &j->experts[i].addr) != 0) {
+            snprintf(msg, sizeof(msg), "args.experts[%zu] must be {\"uid\": UID, \"peer\": "
+                     "\"PEERID@HOST:PORT\"} with a valid uid and peer", i);
+            hm_control_reply_error(req, "bad_args", msg);
+            return -EINVAL;
+        }
+        hm_strlcpy(j->experts[i].uid, uid, sizeof(j->experts[i].uid));
+        hm_strlcpy(j->experts[i].addr_str, at + 1, sizeof(j->experts[i].addr_str));
+    }
+    return 0;
+}
+
+static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int backward)
+{
+    call_job *j = NULL;
+    float *x = NULL, *gy = NULL, *out = NULL;
+    char msg[200];
+
+    if (refuse_if_closing(m, req))
+        return;
+    hm_shm *shm = hm_daemon_shm(m->d);
+    if (shm == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        return;
+    }
+    j->m = m;
+    j->req = req;
+    j->shm = shm;
+    j->backward = backward;
+    if (parse_experts(req, args, j) != 0)
+        goto fail;
+    long long batch = arg_uint(req, args, "batch", -1, 1, HM_MOE_MAX_BATCH);
+    long long dim = arg_uint(req, args, "dim", -1, 1, HM_MOE_MAX_DIM);
+    if (batch < 0 || dim < 0)
+        goto fail;
+    if ((size_t)batch * (size_t)dim > HM_MOE_MAX_ELEMS) {
+        snprintf(msg, sizeof(msg), "batch * dim is over %zu values", (size_t)HM_MOE_MAX_ELEMS);
+        hm_control_reply_error(req, "bad_args", msg);
+        goto fail;
+    }
+    /* backward_k_min and backward_timeout, when given, win over k_min and timeout. */
+    const char *kname =
+        backward && json_object_get(args, "backward_k_min") != NULL ? "backward_k_min" : "k_min";
+    const char *tname = backward && json_object_get(args, "backward_timeout") != NULL
+                            ? "backward_timeout"
+                            : "timeout";
+    long long k_min = arg_uint(req, args, kname, (long long)j->k, 1, (long long)j->k);
+    double timeout = arg_seconds(req, args, tname, 10.0);
+    double after = arg_seconds(req, args, "timeout_after_k_min", 1.0);
+    if (k_min < 0 || timeout < 0 || after < 0)
+        goto fail;
+    size_t n = (size_t)batch * (size_t)dim, kn = j->k * n;
+    if (hm_daemon_shm_ref(shm, req, json_object_get(args, "x"), "x", n, &x,
+                          &j->pins[j->n_pins]) != 0)
+        goto fail;
+    j->n_pins++;
+    if (backward) {
+        if (hm_daemon_shm_ref(shm, req, json_object_get(args, "gy"), "gy", kn, &gy,
+                              &j->pins[j->n_pins]) != 0)
+            goto fail;
+        j->n_pins++;
+    }
+    const char *oname = backward ? "gx" : "y";
+    if (hm_daemon_shm_ref(shm, req, json_object_get(args, oname), oname, kn, &out,
+                          &j->pins[j->n_pins]) != 0)
+        goto fail;
+    j->n_pins++;
+    j->k_min = (size_t)k_min;
+    j->timeout_s = timeout;
+    hm_moe_call_opts o = {.k_min = (size_t)k_min,
+                          .timeout_ms = ms_of(timeout),
+                          .timeout_after_k_min_ms = ms_of(after)};
+    int r = backward ? hm_moe_backward(m->cli, j->experts, j->k, x, gy, (size_t)batch,
+                                       (size_t)dim, out, &o, on_called, j, NULL)
+                     : hm_moe_forward(m->cli, j->experts, j->k, x, (size_t)batch, (size_t)dim,
+                                      out, &o, on_called, j, NULL);
+    if (r != 0) {
+        snprintf(msg, sizeof(msg), "cannot start the call: %s", hm_strerror(r));
+        hm_control_reply_error(req, r == -EINVAL ? "bad_args" : "internal", msg);
+        goto fail;
+    }
+    m->jobs++;
+    return;
+fail:
+    call_release(j);
+    free(j);
+}
+
+static void cmd_forward(void *ud, hm_control_req *req, const json_t *args)
+{
+    call_common(ud, req, args, 0);
+}
+
+static void cmd_backward(void *ud, hm_control_req *req, const json_t *args)
+{
+    call_common(ud, req, args, 1);
+}
+
+/* ---- experts.call: one forward on a file, for hivemindctl ---- */
+
+typedef struct file_job {
+    hm_dmoe *m;
+    hm_control_req *req;
+    char uid[HM_MOE_UID_MAX + 1];
+    char in[PATH_MAX], out[PATH_MAX];
+    uint64_t deadline_ms;
+    hm_moe_expert ex;
+    size_t dim, batch;
+    float *x, *y;
+    uint64_t started_ms;
+    uint64_t info_call;
+} file_job;
+
+static void file_finish(file_job *j, const char *code, const char *msg)
+{
+    hm_dmoe *m = j->m;
+    if (code != NULL)
+        hm_control_reply_error(j->req, code, msg);
+    free(j->x);
+    free(j->y);
+    free(j);
+    job_done(m);
+}
+
+static uint64_t remaining_ms(const file_job *j)
+{
+    uint64_t now = hm_now_ms();
+    return now < j->deadline_ms ? j->deadline_ms - now : 1;
+}
+
+/* Reads the whole input, a multiple of dim floats, at most the call's cap. */
+static int read_input(file_job *j, char *msg, size_t msglen)
+{
+    int fd = open(j->in, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    int result = 0;
+    if (fd < 0) {
+        snprintf(msg, msglen, "cannot open %s: %s", j->in, strerror(errno));
+        return -errno;
+    }
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        snprintf(msg, msglen, "%s is not a regular file", j->in);
+        result = -EINVAL;
+        goto out;
+    }
+    size_t row = j->dim * sizeof(float);
+    if (st.st_size <= 0 || (size_t)st.st_size % row != 0 ||
+        (size_t)st.st_size / row > HM_MOE_MAX_BATCH ||
+        (size_t)st.st_size / sizeof(float) > HM_MOE_MAX_ELEMS) {
+        snprintf(msg, msglen, "%s holds %lld bytes: expected 1 to %d rows of %zu float32 (the "
+                 "expert's dim)", j->in, (long long)st.st_size, HM_MOE_MAX_BATCH, j->dim);
+        result = -EINVAL;
+        goto out;
+    }
+    j->batch = (size_t)st.st_size / row;
+    j->x = malloc((size_t)st.st_size);
+    j->y = malloc((size_t)st.st_size);
+    if (j->x == NULL || j->y == NULL) {
+        snprintf(msg, msglen, "out of memory");
+        result = -ENOMEM;
+        goto out;
+    }
+    size_t got = 0;
+    while (got < (size_t)st.st_size) {
+        ssize_t r = read(fd, (char *)j->x + got, (size_t)st.st_size - got);
+        if (r <= 0) {
+            snprintf(msg, msglen, "cannot read %s: %s", j->in,
+                     r == 0 ? "it shrank while being read" : strerror(errno));
+            result = -EIO;
+            goto out;
+        }
+        got += (size_t)r;
+    }
+out:
+    close(fd);
+    return result;
+}
+
+/* Writes the output next to its final name and renames it into place. */
+static int write_output(file_job *j, char *msg, size_t msglen)
+{
+    char tmp[PATH_MAX + 16];
+    size_t len = j->batch * j->dim * sizeof(float), put = 0;
+    int result = 0;
+    snprintf(tmp, sizeof(tmp), "%s.tmp", j->out);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        snprintf(msg, msglen, "cannot create %s: %s", tmp, strerror(errno));
+        return -errno;
+    }
+    while (put < len) {
+        ssize_t r = write(fd, (const char *)j->y + put, len - put);
+        if (r <= 0) {
+            snprintf(msg, msglen, "cannot write %s: %s", tmp, strerror(errno));
+            result = -EIO;
+            break;
+        }
+        put += (size_t)r;
+    }
+    if (close(fd) != 0 && result == 0) {
+        snprintf(msg, msglen, "cannot write %s: %s", tmp, strerror(errno));
+        result = -EIO;
+    }
+    if (result == 0 && rename(tmp, j->out) != 0) {
+        snprintf(msg, msglen, "cannot move the output into place at %s: %s", j->out,
+                 strerror(errno));
+        result = -errno;
+    }
+    if (result != 0)
+        unlink(tmp);
+    return result;
+}
+
+static void on_file_called(void *ud, int status, const uint8_t *answered, size_t n_answered)
+{
+    file_job *j = ud;
+    char msg[PATH_MAX + 200];
+    HM_UNUSED(answered);
+    if (status == -ECANCELED) {
+        file_finish(j, "stopping", "the daemon is shutting down");
+        return;
+    }
+    if (status != 0 || n_answered != 1) {
+        snprintf(msg, sizeof(msg), "expert %s did not answer: %s", j->uid,
+                 status == -ETIMEDOUT ? "timed out" : hm_strerror(status != 0 ? status : -EPROTO));
+        file_finish(j, status == -ETIMEDOUT ? "timeout" : "failed", msg);
+        return;
+    }
+    if (write_output(j, msg, sizeof(msg)) != 0) {
+        file_finish(j, "io", msg);
+        return;
+    }
+    char peer[HM_PEER_ID_LEN + 1], host[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2];
+    hm_peer_id_encode(j->ex.pk, peer);
+    snprintf(host, sizeof(host), "%s@%s", peer, j->ex.addr_str);
+    reply_json(j->req, json_pack("{s:s, s:s, s:I, s:I, s:f}", "uid", j->uid, "peer", host,
+                                 "batch", (json_int_t)j->batch, "dim", (json_int_t)j->dim,
+                                 "duration", (double)(hm_now_ms() - j->started_ms) / 1000.0));
+    file_finish(j, NULL, NULL);
+}
+
+static void on_file_info(void *ud, int status, const uint8_t *body, size_t len)
+{
+    file_job *j = ud;
+    char type[HM_MOE_TYPE_MAX + 1], msg[PATH_MAX + 200];
+    size_t hidden;
+    if (status == -ECANCELED || j->m->closing) {
+        file_finish(j, "stopping", "the daemon is shutting down");
+        return;
+    }
+    if (status != 0 || hm_moe_decode_info(body, len, type, &j->dim, &hidden) != 0) {
+        snprintf(msg, sizeof(msg), "expert %s at %s did not describe itself: %s", j->uid,
+                 j->ex.addr_str, status != 0 ? hm_strerror(status) : "malformed reply");
+        file_finish(j, status == -ETIMEDOUT ? "timeout" : "failed", msg);
+        return;
+    }
+    if (read_input(j, msg, sizeof(msg)) != 0) {
+        file_finish(j, "bad_input", msg);
+        return;
+    }
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = remaining_ms(j), .timeout_after_k_min_ms = 0};
+    int r = hm_moe_forward(j->m->cli, &j->ex, 1, j->x, j->batch, j->dim, j->y, &o,
+                           on_file_called, j, NULL);
+    if (r != 0) {
+        snprintf(msg, sizeof(msg), "cannot call %s: %s", j->uid, hm_strerror(r));
+        file_finish(j, "failed", msg);
+    }
+}
+
+static void on_file_lookup(void *ud, int status, const hm_moe_expert *experts, size_t n)
+{
+    file_job *j = ud;
+    char msg[256];
+    uint8_t buf[256];
+    hm_wire_wr w;
+    if (status == -ECANCELED || j->m->closing) {
+        file_finish(j, "stopping", "the daemon is shutting down");
+        return;
+    }
+    if (status != 0 || n == 0) {
+        snprintf(msg, sizeof(msg), "no live host declares expert %s%s", j->uid,
+                 status == -ETIMEDOUT ? " (the lookup timed out)" : "");
+        file_finish(j, status == -ETIMEDOUT ? "timeout" : "not_found", msg);
+        return;
+    }
+    j->ex = experts[0];
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_moe_encode_info_req(&w, j->uid);
+    int r = hm_wire_wr_error(&w);
+    if (r == 0)
+        r = hm_rpc_call(hm_node_rpc(j->m->node), j->ex.pk, (const struct sockaddr *)&j->ex.addr,
+                        HM_MOE_METHOD_INFO, w.buf, w.len, HM_RPC_STREAM, remaining_ms(j),
+                        on_file_info, j, &j->info_call);
+    if (r != 0) {
+        snprintf(msg, sizeof(msg), "cannot ask %s for its shape: %s", j->uid, hm_strerror(r));
+        file_finish(j, "failed", msg);
+    }
+}
+
+static int arg_abs_path(hm_control_req *req, const json_t *args, const char *name, char *out)
+{
+    const json_t *v = json_object_get(args, name);
+    char msg[128];
+    if (!json_is_string(v) || json_string_length(v) == 0 || json_string_length(v) >= PATH_MAX ||
+        json_string_value(v)[0] != '/' || strlen(json_string_value(v)) != json_string_length(v)) {
+        snprintf(msg, sizeof(msg), "args.%s must be an absolute path", name);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -1;
+    }
+    hm_strlcpy(out, json_string_value(v), PATH_MAX);
+    return 0;
+}
+
+static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_dmoe *m = ud;
+    file_job *j;
+    hm_moe_uid u;
+
+    if (refuse_if_closing(m, req))
+        return;
+    const char *uid = arg_str(req, args, "uid", HM_MOE_UID_MAX, 0, NULL);
+    if (uid == NULL)
+        return;
+    if (hm_moe_uid_parse(uid, strlen(uid), &u) != 0) {
+        hm_control_reply_error(req, "bad_args", "args.uid is not an expert uid such as ffn.3.5");
+        return;
+    }
+    double timeout = arg_seconds(req, args, "timeout", 30.0);
+    if (timeout < 0)
+        return;
+    j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        return;
+    }
+    j->m = m;
+    j->req = req;
+    hm_strlcpy(j->uid, uid, sizeof(j->uid));
+    if (arg_abs_path(req, args, "in", j->in) != 0 || arg_abs_path(req, args, "out", j->out) != 0) {
+        free(j);
+        return;
+    }
+    j->started_ms = hm_now_ms();
+    j->deadline_ms = j->started_ms + ms_of(timeout);
+    int r = hm_moe_lookup(m->cli, j->uid, remaining_ms(j), on_file_lookup, j);
+    if (r != 0) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "cannot look %s up: %s", j->uid, hm_strerror(r));
+        hm_control_reply_error(req, "internal", msg);
+        free(j);
+        return;
+    }
+    m->jobs++;
+}
+
+/* ---- setup ---- */
+
+int hm_dmoe_new(struct daemon *d, hm_node *node, hm_control *ctl, const hm_dmoe_config *c,
+                hm_dmoe **out, char *err, size_t errlen)
+{
+    hm_dmoe *m = calloc(1, sizeof(*m));
+    int r;
+    size_t added = 0;
+
+    if (m == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    m->d = d;
+    m->node = node;
+    r = build_ffn_config(c->type, c->dim, c->hidden, c->optimizer, c->lr, &m->defcfg, err,
+                         errlen);
+    if (r != 0)
+        goto fail;
+    hm_strlcpy(m->deftype, c->type, sizeof(m->deftype));
+    hm_moe_server_opts so = {
+        .state_dir = c->state_dir,
+        .workers = c->workers,
+        .max_batch_size = c->max_batch,
+        .checkpoint_interval_ms = (uint64_t)c->checkpoint_interval_s * 1000u,
+    };
+    r = hm_moe_server_new(node, &so, &m->srv);
+    if (r != 0) {
+        snprintf(err, errlen, "cannot start the expert server: %s", hm_strerror(r));
+        goto fail;
+    }
+    m->srv_open = 1;
+    r = hm_moe_client_new(node, &m->cli);
+    if (r != 0) {
+        snprintf(err, errlen, "cannot start the expert client: %s", hm_strerror(r));
+        goto fail;
+    }
+    if (c->host_experts != NULL && c->host_experts[0] != '\0') {
+        r = host_list(m, c->host_experts, m->deftype, &m->defcfg, &added, err, errlen);
+        if (r != 0)
+            goto fail;
+        hm_info(MOD, "hosting %zu experts (%s, %s, dim %u)", added, c->host_experts, c->type,
+                c->dim);
+    }
+    if ((r = hm_control_register(ctl, "experts.host", cmd_host, m)) != 0 ||
+        (r = hm_control_register(ctl, "experts.list", cmd_list, m)) != 0 ||
+        (r = hm_control_register(ctl, "experts.find", cmd_find, m)) != 0 ||
+        (r = hm_control_register(ctl, "experts.forward", cmd_forward, m)) != 0 ||
+        (r = hm_control_register(ctl, "experts.backward", cmd_backward, m)) != 0 ||
+        (r = hm_control_register(ctl, "experts.call", cmd_call, m)) != 0) {
+        snprintf(err, errlen, "cannot register the experts commands: %s", hm_strerror(r));
+        goto fail;
+    }
+    *out = m;
+    return 0;
+fail:
+    /* Nothing was hosted for long: close without withdrawing, synchronously
+     * as far as the caller is concerned (the loop finishes the rest). */
+    if (m->cli != NULL)
+        hm_moe_client_free(m->cli);
+    if (m->srv != NULL)
+        hm_moe_server_close(m->srv, 0, NULL, NULL);
+    free(m);
+    return r;
+}

@@ -1,0 +1,794 @@
+/*
+ * test_moe_client: the expert client against real expert servers on
+ * in-process nodes over 127.0.0.1: lookup, beam search over a sparse grid,
+ * forward/backward checked against the experts' own math (an ffn loaded
+ * from the server's checkpoint), k_min / timeout semantics with a stalled
+ * node and a closed one, hostile replies, cancellation, freeing with calls
+ * in flight, and the mixture's softmax.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+#include "client.h"
+#include "ffn.h"
+#include "helpers.h"
+#include "loop.h"
+#include "proto.h"
+#include "server.h"
+#include "util.h"
+#include "wire.h"
+
+#define SWARM "moe-client-test"
+#define DIM 16
+#define HIDDEN 32
+#define MAXN 5
+
+typedef struct swarm {
+    uv_loop_t loop;
+    size_t n;
+    hm_node *nodes[MAXN];
+    hm_moe_server *servers[MAXN];
+    char dirs[MAXN][64];
+    hm_moe_client *client; /* on nodes[0], which hosts nothing */
+    int closed;
+} swarm;
+
+static int never(void *ud)
+{
+    HM_UNUSED(ud);
+    return 0;
+}
+
+static void run_for(uv_loop_t *loop, uint64_t ms) { hm_test_run_until(loop, never, NULL, ms); }
+
+static int dht_ready(void *ud)
+{
+    swarm *sw = ud;
+    for (size_t i = 0; i < sw->n; i++)
+        if (hm_rt_size(hm_dht_routing(hm_node_dht(sw->nodes[i]))) < sw->n - 1)
+            return 0;
+    return 1;
+}
+
+static void swarm_start(swarm *sw, size_t n)
+{
+    char addr[256];
+    memset(sw, 0, sizeof(*sw));
+    hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
+    cr_assert_eq(uv_loop_init(&sw->loop), 0);
+    sw->n = n;
+    for (size_t i = 0; i < n; i++) {
+        sw->nodes[i] = hm_test_make_node(&sw->loop, SWARM, i == 0 ? NULL : addr);
+        if (i == 0)
+            cr_assert_eq(hm_node_address(sw->nodes[0], addr, sizeof(addr)), 0);
+    }
+    cr_assert(hm_test_run_until(&sw->loop, dht_ready, sw, 10000), "the DHT did not come up");
+    cr_assert_eq(hm_moe_client_new(sw->nodes[0], &sw->client), 0);
+}
+
+static hm_ffn_config expert_cfg(void)
+{
+    hm_ffn_config c = {0};
+    c.dim = DIM;
+    c.hidden = HIDDEN;
+    c.optimizer = HM_FFN_SGD;
+    /* A step this small leaves every parameter as it was (to well below
+     * the tolerances here), so that the checkpoint written after a
+     * backward call still describes the expert that answered it. */
+    c.lr = 1e-30;
+    c.seed = 7;
+    return c;
+}
+
+/* Starts an expert server on node i (with a state directory) hosting the
+ * given patterns. */
+static void host(swarm *sw, size_t i, const char *const *patterns, size_t n_patterns)
+{
+    char err[256] = "";
+    hm_ffn_config cfg = expert_cfg();
+    if (sw->servers[i] == NULL) {
+        hm_moe_server_opts o = {0};
+        cr_assert_eq(hm_test_mkdtemp(sw->dirs[i], sizeof(sw->dirs[i]), "moecl"), 0);
+        o.state_dir = sw->dirs[i];
+        o.workers = 1;
+        o.batch_wait_ms = 1;
+        cr_assert_eq(hm_moe_server_new(sw->nodes[i], &o, &sw->servers[i]), 0);
+    }
+    for (size_t p = 0; p < n_patterns; p++) {
+        size_t added = 0;
+        int r = hm_moe_server_host(sw->servers[i], patterns[p], "ffn", &cfg, &added, err,
+                                   sizeof(err));
+        cr_assert_eq(r, 0, "host %s: %s", patterns[p], err);
+    }
+}
+
+static void on_closed(void *ud) { ++*(int *)ud; }
+
+static int count_is(void *ud) { return ((int *)ud)[0] >= ((int *)ud)[1]; }
+
+/* Closes node i's server and the node itself (a peer that goes away). */
+static void close_node(swarm *sw, size_t i)
+{
+    int cnt[2] = {0, 0};
+    if (sw->servers[i] != NULL) {
+        hm_moe_server_close(sw->servers[i], 0, on_closed, cnt);
+        sw->servers[i] = NULL;
+        cnt[1]++;
+    }
+    hm_node_close(sw->nodes[i], on_closed, cnt);
+    cnt[1]++;
+    sw->nodes[i] = NULL;
+    cr_assert(hm_test_run_until(&sw->loop, count_is, cnt, 10000), "node %zu did not close", i);
+}
+
+static void set_stall(swarm *sw, size_t i, int stall)
+{
+    hm_transport_faults f = {0};
+    f.stall = stall;
+    hm_transport_set_faults(hm_rpc_transport(hm_node_rpc(sw->nodes[i])), &f);
+}
+
+static void swarm_stop(swarm *sw)
+{
+    if (sw->client != NULL)
+        hm_moe_client_free(sw->client);
+    for (size_t i = 0; i < sw->n; i++) {
+        if (sw->nodes[i] != NULL) {
+            set_stall(sw, i, 0);
+            close_node(sw, i);
+        }
+        if (sw->dirs[i][0] != '\0')
+            hm_test_rmtree(sw->dirs[i]);
+    }
+    uv_run(&sw->loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&sw->loop), 0, "handles left open after close");
+}
+
+/* ------------------------------------------------------------ callbacks */
+
+typedef struct findres {
+    int calls;
+    int status;
+    hm_moe_expert ex[HM_MOE_MAX_K];
+    size_t n;
+} findres;
+
+static void on_find(void *ud, int status, const hm_moe_expert *ex, size_t n)
+{
+    findres *f = ud;
+    f->calls++;
+    f->status = status;
+    f->n = n;
+    cr_assert_leq(n, (size_t)HM_MOE_MAX_K);
+    if (n > 0)
+        memcpy(f->ex, ex, n * sizeof(*ex));
+}
+
+static int find_done(void *ud) { return ((findres *)ud)->calls > 0; }
+
+typedef struct callres {
+    int calls;
+    int status;
+    size_t k;
+    uint8_t answered[HM_MOE_MAX_K];
+    size_t n_answered;
+    uint64_t start_ms, done_ms;
+} callres;
+
+static void on_call(void *ud, int status, const uint8_t *answered, size_t n_answered)
+{
+    callres *c = ud;
+    c->calls++;
+    c->status = status;
+    c->n_answered = n_answered;
+    c->done_ms = hm_now_ms();
+    cr_assert_not_null(answered);
+    memcpy(c->answered, answered, c->k);
+    size_t cnt = 0;
+    for (size_t e = 0; e < c->k; e++)
+        cnt += answered[e] != 0;
+    cr_assert_eq(cnt, n_answered);
+}
+
+static int call_done(void *ud) { return ((callres *)ud)->calls > 0; }
+
+/* Looks a uid up until the declaration has reached the DHT. */
+static hm_moe_expert lookup_wait(swarm *sw, const char *uid)
+{
+    uint64_t end = hm_now_ms() + 15000;
+    findres f;
+    do {
+        memset(&f, 0, sizeof(f));
+        cr_assert_eq(hm_moe_lookup(sw->client, uid, 2000, on_find, &f), 0);
+        cr_assert_eq(f.calls, 0, "the callback fired inside hm_moe_lookup");
+        cr_assert(hm_test_run_until(&sw->loop, find_done, &f, 5000));
+        if (f.status == 0)
+            break;
+        run_for(&sw->loop, 200);
+    } while (hm_now_ms() < end);
+    cr_assert_eq(f.status, 0, "lookup %s: %s", uid, hm_strerror(f.status));
+    cr_assert_eq(f.n, 1u);
+    cr_assert_str_eq(f.ex[0].uid, uid);
+    return f.ex[0];
+}
+
+/* HOST:PORT of node i. */
+static void host_port(swarm *sw, size_t i, char *buf, size_t len)
+{
+    char a[256];
+    cr_assert_eq(hm_node_address(sw->nodes[i], a, sizeof(a)), 0);
+    const char *at = strchr(a, '@');
+    cr_assert_not_null(at);
+    snprintf(buf, len, "%s", at + 1);
+}
+
+/* An ffn with node i's expert uid as its server has it (from a checkpoint
+ * written now). */
+static hm_ffn *load_expert(swarm *sw, size_t i, const char *uid)
+{
+    char path[512];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_ffn *f = NULL;
+    snprintf(path, sizeof(path), "%s/experts/%s.ckpt", sw->dirs[i], uid);
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 26, &buf, &len, NULL), 0, "no checkpoint %s",
+                 path);
+    hm_ffn_config cfg = expert_cfg();
+    cr_assert_eq(hm_ffn_load(buf, len, &cfg, &f), 0);
+    free(buf);
+    return f;
+}
+
+static void fill(float *v, size_t n, unsigned seed)
+{
+    for (size_t i = 0; i < n; i++)
+        v[i] = (float)sin(0.37 * (double)(i + 1) * (seed + 1)) * 1.5f;
+}
+
+static void assert_close(const float *a, const float *b, size_t n, double tol, const char *what)
+{
+    for (size_t i = 0; i < n; i++)
+        cr_assert(fabs((double)a[i] - (double)b[i]) <= tol * (1.0 + fabs((double)b[i])),
+                  "%s[%zu]: %g vs %g", what, i, (double)a[i], (double)b[i]);
+}
+
+/* ---------------------------------------------------------------- tests */
+
+Test(moe_client, lookup_finds_hosted_and_enoent)
+{
+    swarm sw;
+    swarm_start(&sw, 3);
+    const char *pats[] = {"ffn.[0:2].[0:2]"};
+    host(&sw, 1, pats, 1);
+
+    hm_moe_expert ex = lookup_wait(&sw, "ffn.1.0");
+    char hp[128];
+    host_port(&sw, 1, hp, sizeof(hp));
+    cr_assert_str_eq(ex.addr_str, hp);
+    cr_assert_eq(memcmp(ex.pk, hm_node_identity(sw.nodes[1])->pk, HM_PK_BYTES), 0);
+    struct sockaddr_storage want;
+    cr_assert_eq(hm_parse_hostport(hp, &want), 0);
+    cr_assert(hm_addr_equal((const struct sockaddr *)&ex.addr, (const struct sockaddr *)&want));
+
+    /* Inside the grid but not hosted, and outside it: both absent. */
+    const char *absent[] = {"ffn.1.3", "ffn.7.7"};
+    for (size_t i = 0; i < 2; i++) {
+        findres f = {0};
+        cr_assert_eq(hm_moe_lookup(sw.client, absent[i], 3000, on_find, &f), 0);
+        cr_assert(hm_test_run_until(&sw.loop, find_done, &f, 6000));
+        cr_assert_eq(f.calls, 1);
+        cr_assert_eq(f.status, -ENOENT, "%s: %s", absent[i], hm_strerror(f.status));
+        cr_assert_eq(f.n, 0u);
+    }
+    findres f = {0};
+    cr_assert_eq(hm_moe_lookup(sw.client, "not a uid", 1000, on_find, &f), -EINVAL);
+    cr_assert_eq(hm_moe_lookup(sw.client, "ffn", 1000, on_find, &f), -EINVAL);
+    run_for(&sw.loop, 50);
+    cr_assert_eq(f.calls, 0);
+    swarm_stop(&sw);
+}
+
+/* The sparse grid of the beam search test: ffn.[0:4].[0:4] without
+ * ffn.0.3, ffn.1.0, ffn.2.2 and ffn.3.0 / ffn.3.1, across three nodes. */
+static const char *const grid_node1[] = {"ffn.0.[0:3]", "ffn.1.[1:3]"};
+static const char *const grid_node2[] = {"ffn.1.3", "ffn.2.[0:2]", "ffn.2.3"};
+static const char *const grid_node3[] = {"ffn.3.[2:4]"};
+
+static int grid_hosted(unsigned i, unsigned j)
+{
+    if (i == 0)
+        return j != 3;
+    if (i == 1)
+        return j != 0;
+    if (i == 2)
+        return j != 2;
+    return j >= 2;
+}
+
+typedef struct scored {
+    char uid[32];
+    double s;
+} scored;
+
+static int scored_cmp(const void *a, const void *b)
+{
+    const scored *x = a, *y = b;
+    return x->s < y->s ? 1 : x->s > y->s ? -1 : 0;
+}
+
+/* The expected top k: every hosted uid with j < cols, by summed score. */
+static size_t expect_top(const double *s0, const double *s1, unsigned cols, size_t k,
+                         scored *out)
+{
+    scored all[16];
+    size_t n = 0;
+    for (unsigned i = 0; i < 4; i++)
+        for (unsigned j = 0; j < cols; j++)
+            if (grid_hosted(i, j)) {
+                snprintf(all[n].uid, sizeof(all[n].uid), "ffn.%u.%u", i, j);
+                all[n].s = s0[i] + s1[j];
+                n++;
+            }
+    qsort(all, n, sizeof(*all), scored_cmp);
+    n = HM_MIN(n, k);
+    memcpy(out, all, n * sizeof(*out));
+    return n;
+}
+
+static void beam(swarm *sw, const double *s0, const double *s1, size_t cols, size_t k,
+                 size_t beam_size, findres *f)
+{
+    const double *scores[2] = {s0, s1};
+    size_t sizes[2] = {4, cols};
+    memset(f, 0, sizeof(*f));
+    cr_assert_eq(hm_moe_beam_search(sw->client, "ffn", scores, sizes, 2, k, beam_size, 5000,
+                                    on_find, f),
+                 0);
+    cr_assert_eq(f->calls, 0, "the callback fired inside hm_moe_beam_search");
+    cr_assert(hm_test_run_until(&sw->loop, find_done, f, 10000));
+    cr_assert_eq(f->calls, 1);
+}
+
+static void assert_top(swarm *sw, const findres *f, const scored *want, size_t n_want)
+{
+    cr_assert_eq(f->status, 0, "beam search: %s", hm_strerror(f->status));
+    cr_assert_eq(f->n, n_want);
+    for (size_t e = 0; e < n_want; e++) {
+        cr_assert_str_eq(f->ex[e].uid, want[e].uid, "rank %zu", e);
+        cr_assert_float_eq(f->ex[e].score, want[e].s, 1e-9);
+        unsigned i = (unsigned)(f->ex[e].uid[4] - '0');
+        unsigned j = (unsigned)(f->ex[e].uid[6] - '0');
+        size_t owner = i == 0 || (i == 1 && j < 3) ? 1 : i == 3 ? 3 : 2;
+        char hp[128];
+        host_port(sw, owner, hp, sizeof(hp));
+        cr_assert_str_eq(f->ex[e].addr_str, hp, "%s", f->ex[e].uid);
+        cr_assert_eq(memcmp(f->ex[e].pk, hm_node_identity(sw->nodes[owner])->pk, HM_PK_BYTES),
+                     0);
+    }
+}
+
+Test(moe_client, beam_search_sparse_grid)
+{
+    swarm sw;
+    swarm_start(&sw, 4);
+    host(&sw, 1, (const char *const *)grid_node1, HM_ARRAY_LEN(grid_node1));
+    host(&sw, 2, (const char *const *)grid_node2, HM_ARRAY_LEN(grid_node2));
+    host(&sw, 3, (const char *const *)grid_node3, HM_ARRAY_LEN(grid_node3));
+
+    /* Distinct sums; the best row (3) and column (3) each miss some
+     * experts, so the best prefix alone does not give the answer. */
+    const double s0[4] = {0.5, -1.25, 0.0625, 2.0};
+    const double s1[4] = {1.0, 0.375, -0.75, 3.0};
+    scored want[16];
+    findres f;
+
+    /* Wait for every declaration (11 experts) to be visible. */
+    uint64_t end = hm_now_ms() + 20000;
+    do {
+        beam(&sw, s0, s1, 4, 16, 4, &f);
+        if (f.status == 0 && f.n == 11)
+            break;
+        run_for(&sw.loop, 300);
+    } while (hm_now_ms() < end);
+    size_t nw = expect_top(s0, s1, 4, 16, want);
+    cr_assert_eq(nw, 11u);
+    assert_top(&sw, &f, want, nw);
+
+    /* Top 3 with a beam as wide as the grid: exactly the best three. */
+    beam(&sw, s0, s1, 4, 3, 4, &f);
+    nw = expect_top(s0, s1, 4, 3, want);
+    assert_top(&sw, &f, want, nw);
+
+    /* Other scores: the order follows them. */
+    const double t0[4] = {-3.0, 1.5, 0.25, 0.125};
+    const double t1[4] = {0.5, 2.5, -0.5, -2.0};
+    beam(&sw, t0, t1, 4, 5, 4, &f);
+    nw = expect_top(t0, t1, 4, 5, want);
+    assert_top(&sw, &f, want, nw);
+
+    /* A grid narrower than what is declared: column 3 is ignored. */
+    beam(&sw, s0, s1, 3, 4, 4, &f);
+    nw = expect_top(s0, s1, 3, 4, want);
+    assert_top(&sw, &f, want, nw);
+    for (size_t e = 0; e < f.n; e++)
+        cr_assert_neq(f.ex[e].uid[6], '3');
+
+    /* No such grid at all. */
+    const double *sc[2] = {s0, s1};
+    size_t sizes[2] = {4, 4};
+    memset(&f, 0, sizeof(f));
+    cr_assert_eq(hm_moe_beam_search(sw.client, "nope", sc, sizes, 2, 3, 0, 3000, on_find, &f),
+                 0);
+    cr_assert(hm_test_run_until(&sw.loop, find_done, &f, 6000));
+    cr_assert_eq(f.status, -ENOENT);
+    cr_assert_eq(f.n, 0u);
+
+    /* Bad arguments fail at once and never call back. */
+    double bad[4] = {0, NAN, 0, 0};
+    const double *badsc[2] = {s0, bad};
+    cr_assert_eq(hm_moe_beam_search(sw.client, "ffn", badsc, sizes, 2, 3, 0, 1000, on_find, &f),
+                 -EINVAL);
+    cr_assert_eq(hm_moe_beam_search(sw.client, "ffn", sc, sizes, 0, 3, 0, 1000, on_find, &f),
+                 -EINVAL);
+    cr_assert_eq(hm_moe_beam_search(sw.client, "ffn", sc, sizes, 2, 0, 0, 1000, on_find, &f),
+                 -EINVAL);
+    cr_assert_eq(hm_moe_beam_search(sw.client, "f.n", sc, sizes, 2, 3, 0, 1000, on_find, &f),
+                 -EINVAL);
+    swarm_stop(&sw);
+}
+
+static const char *const fb_uids[4] = {"ffn.0.0", "ffn.0.1", "ffn.1.0", "ffn.1.1"};
+
+Test(moe_client, forward_and_backward_match_experts)
+{
+    swarm sw;
+    swarm_start(&sw, 3);
+    const char *p1[] = {"ffn.0.[0:2]"};
+    const char *p2[] = {"ffn.1.[0:2]"};
+    host(&sw, 1, p1, 1);
+    host(&sw, 2, p2, 1);
+    hm_moe_expert ex[4];
+    for (size_t e = 0; e < 4; e++)
+        ex[e] = lookup_wait(&sw, fb_uids[e]);
+
+    enum { B = 3 };
+    float x[B * DIM], y[4 * B * DIM], gy[4 * B * DIM], gx[4 * B * DIM];
+    fill(x, B * DIM, 1);
+    fill(gy, 4 * B * DIM, 2);
+    for (size_t i = 0; i < 4 * B * DIM; i++)
+        y[i] = gx[i] = NAN;
+
+    hm_moe_call_opts o = {.k_min = 4, .timeout_ms = 10000, .timeout_after_k_min_ms = 0};
+    callres c = {.k = 4};
+    uint64_t id = 0;
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 4, x, B, DIM, y, &o, on_call, &c, &id), 0);
+    cr_assert_eq(c.calls, 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &c, 12000));
+    cr_assert_eq(c.status, 0, "forward: %s", hm_strerror(c.status));
+    cr_assert_eq(c.n_answered, 4u);
+
+    callres cb = {.k = 4};
+    cr_assert_eq(hm_moe_backward(sw.client, ex, 4, x, gy, B, DIM, gx, &o, on_call, &cb, &id), 0);
+    cr_assert_eq(cb.calls, 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &cb, 12000));
+    cr_assert_eq(cb.status, 0, "backward: %s", hm_strerror(cb.status));
+    cr_assert_eq(cb.n_answered, 4u);
+    run_for(&sw.loop, 100);
+    cr_assert_eq(c.calls, 1);
+    cr_assert_eq(cb.calls, 1);
+
+    /* Each block is what that expert computes: compare with the expert
+     * itself, read back from its server's checkpoint. */
+    cr_assert_eq(hm_moe_server_checkpoint(sw.servers[1]), 0);
+    cr_assert_eq(hm_moe_server_checkpoint(sw.servers[2]), 0);
+    for (size_t e = 0; e < 4; e++) {
+        hm_ffn *f = load_expert(&sw, e < 2 ? 1 : 2, fb_uids[e]);
+        float ly[B * DIM], lgx[B * DIM];
+        cr_assert_eq(hm_ffn_forward(f, x, B, ly), 0);
+        cr_assert_eq(hm_ffn_grad(f, x, gy + e * B * DIM, B, lgx, NULL), 0);
+        assert_close(y + e * B * DIM, ly, B * DIM, 1e-4, fb_uids[e]);
+        assert_close(gx + e * B * DIM, lgx, B * DIM, 1e-4, fb_uids[e]);
+        hm_ffn_free(f);
+    }
+    /* The experts differ, so a block in the wrong place would show. */
+    cr_assert_neq(memcmp(y, y + B * DIM, sizeof(float) * B * DIM), 0);
+
+    /* Bad sizes or options: -EINVAL and no callback. */
+    callres bad = {.k = 4};
+    hm_moe_call_opts o0 = o;
+    o0.k_min = 5;
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 4, x, B, DIM, y, &o0, on_call, &bad, NULL),
+                 -EINVAL);
+    o0.k_min = 0;
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 4, x, B, DIM, y, &o0, on_call, &bad, NULL),
+                 -EINVAL);
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 0, x, B, DIM, y, &o, on_call, &bad, NULL),
+                 -EINVAL);
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 4, x, 0, DIM, y, &o, on_call, &bad, NULL),
+                 -EINVAL);
+    cr_assert_eq(hm_moe_backward(sw.client, ex, 4, x, NULL, B, DIM, gx, &o, on_call, &bad, NULL),
+                 -EINVAL);
+    run_for(&sw.loop, 50);
+    cr_assert_eq(bad.calls, 0);
+    swarm_stop(&sw);
+}
+
+Test(moe_client, stragglers_k_min_and_timeout)
+{
+    swarm sw;
+    swarm_start(&sw, 4);
+    const char *p1[] = {"ffn.0.[0:2]"};
+    const char *p2[] = {"ffn.1.0"};
+    const char *p3[] = {"ffn.2.0"};
+    host(&sw, 1, p1, 1);
+    host(&sw, 2, p2, 1);
+    host(&sw, 3, p3, 1);
+    const char *uids[4] = {"ffn.0.0", "ffn.0.1", "ffn.1.0", "ffn.2.0"};
+    hm_moe_expert ex[4];
+    for (size_t e = 0; e < 4; e++)
+        ex[e] = lookup_wait(&sw, uids[e]);
+
+    /* Node 2 stops reading and writing (like a SIGSTOPped process); node 3
+     * goes away entirely. */
+    set_stall(&sw, 2, 1);
+    close_node(&sw, 3);
+
+    enum { B = 2 };
+    float x[B * DIM], y[4 * B * DIM];
+    fill(x, B * DIM, 3);
+
+    /* k_min 2: the two live experts answer, then timeout_after_k_min. */
+    hm_moe_call_opts o = {.k_min = 2, .timeout_ms = 20000, .timeout_after_k_min_ms = 400};
+    callres c = {.k = 4, .start_ms = hm_now_ms()};
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 4, x, B, DIM, y, &o, on_call, &c, NULL), 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &c, 25000));
+    cr_assert_eq(c.status, 0, "%s", hm_strerror(c.status));
+    cr_assert_eq(c.n_answered, 2u);
+    cr_assert(c.answered[0] && c.answered[1] && !c.answered[2] && !c.answered[3]);
+    uint64_t took = c.done_ms - c.start_ms;
+    cr_assert_geq(took, 400u, "finished %" PRIu64 " ms in, before timeout_after_k_min", took);
+    cr_assert_lt(took, 400u + 5000u, "took %" PRIu64 " ms", took);
+    for (size_t i = 0; i < 2 * B * DIM; i++)
+        cr_assert(isfinite(y[i]));
+
+    /* k_min 3: only two can answer, so it fails at the timeout. */
+    o.k_min = 3;
+    o.timeout_ms = 1500;
+    callres c3 = {.k = 4, .start_ms = hm_now_ms()};
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 4, x, B, DIM, y, &o, on_call, &c3, NULL), 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &c3, 15000));
+    cr_assert_eq(c3.status, -ETIMEDOUT, "%s", hm_strerror(c3.status));
+    cr_assert_eq(c3.n_answered, 2u);
+    took = c3.done_ms - c3.start_ms;
+    cr_assert_geq(took, 1490u, "took %" PRIu64 " ms", took);
+    cr_assert_lt(took, 1500u + 5000u, "took %" PRIu64 " ms", took);
+    run_for(&sw.loop, 100);
+    cr_assert_eq(c.calls, 1);
+    cr_assert_eq(c3.calls, 1);
+    swarm_stop(&sw);
+}
+
+/* A hostile peer: answers "moe.fwd" with garbage, a wrong shape or NaN,
+ * by the uid asked for. */
+static void hostile_fwd(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                        const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(ud);
+    HM_UNUSED(peer_pk);
+    HM_UNUSED(from);
+    hm_moe_req q;
+    if (hm_moe_decode_req(body, len, 0, &q) != 0) {
+        hm_rpc_respond(req, -EINVAL, NULL, 0);
+        return;
+    }
+    size_t rows = q.batch, n = q.batch * q.dim;
+    float *t = calloc(n + q.dim, sizeof(float));
+    cr_assert_not_null(t);
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    if (strcmp(q.uid, "junk.0.0") == 0) {
+        static const uint8_t junk[] = {0x93, 0x01, 0xc0, 0xa1, 'y'};
+        hm_rpc_respond(req, 0, junk, sizeof(junk));
+    } else if (strcmp(q.uid, "error.0.0") == 0) {
+        hm_rpc_respond(req, -EPROTO, NULL, 0);
+    } else {
+        if (strcmp(q.uid, "shape.0.0") == 0)
+            rows++;
+        else
+            t[n / 2] = NAN;
+        hm_moe_encode_out(&w, 0, t, rows, q.dim);
+        cr_assert_eq(hm_wire_wr_error(&w), 0);
+        hm_rpc_respond(req, 0, w.buf, w.len);
+    }
+    hm_wire_wr_free(&w);
+    free(t);
+}
+
+Test(moe_client, hostile_replies_do_not_count)
+{
+    swarm sw;
+    swarm_start(&sw, 3);
+    const char *p1[] = {"ffn.0.0"};
+    host(&sw, 1, p1, 1);
+    cr_assert_eq(hm_rpc_register(hm_node_rpc(sw.nodes[2]), HM_MOE_METHOD_FWD, hostile_fwd, NULL),
+                 0);
+    hm_moe_expert ex[5];
+    ex[0] = lookup_wait(&sw, "ffn.0.0");
+    const char *bad[] = {"junk.0.0", "shape.0.0", "nan.0.0", "error.0.0"};
+    char hp[128];
+    host_port(&sw, 2, hp, sizeof(hp));
+    for (size_t e = 1; e < 5; e++) {
+        memset(&ex[e], 0, sizeof(ex[e]));
+        snprintf(ex[e].uid, sizeof(ex[e].uid), "%s", bad[e - 1]);
+        memcpy(ex[e].pk, hm_node_identity(sw.nodes[2])->pk, HM_PK_BYTES);
+        cr_assert_eq(hm_strlcpy(ex[e].addr_str, hp, sizeof(ex[e].addr_str)), 0);
+        cr_assert_eq(hm_parse_hostport(hp, &ex[e].addr), 0);
+    }
+
+    enum { B = 2 };
+    float x[B * DIM], y[5 * B * DIM];
+    fill(x, B * DIM, 4);
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = 20000, .timeout_after_k_min_ms = 10000};
+    callres c = {.k = 5, .start_ms = hm_now_ms()};
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 5, x, B, DIM, y, &o, on_call, &c, NULL), 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &c, 25000));
+    /* Every expert replied, so it ends without waiting for either timer. */
+    cr_assert_eq(c.status, 0, "%s", hm_strerror(c.status));
+    cr_assert_eq(c.n_answered, 1u);
+    cr_assert(c.answered[0]);
+    cr_assert_lt(c.done_ms - c.start_ms, 8000u);
+    for (size_t i = 0; i < B * DIM; i++)
+        cr_assert(isfinite(y[i]));
+
+    /* Needing two answers fails: the hostile ones are not answers. */
+    o.k_min = 2;
+    callres c2 = {.k = 5, .start_ms = hm_now_ms()};
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 5, x, B, DIM, y, &o, on_call, &c2, NULL), 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &c2, 25000));
+    cr_assert_eq(c2.status, -ETIMEDOUT);
+    cr_assert_eq(c2.n_answered, 1u);
+    cr_assert_lt(c2.done_ms - c2.start_ms, 8000u);
+    swarm_stop(&sw);
+}
+
+Test(moe_client, combine_softmax_over_answered)
+{
+    /* k = 3, batch = 2, dim = 2. */
+    const float y[3 * 2 * 2] = {
+        1, 2, 3, 4,      /* expert 0: rows b0, b1 */
+        100, 100, 9, 9,  /* expert 1 (did not answer) */
+        -1, 0.5f, 2, -2, /* expert 2 */
+    };
+    const float logits[2 * 3] = {1, 5, 3, 1000, 0, 1001};
+    const uint8_t answered[3] = {1, 0, 1};
+    float out[4], w[6];
+    cr_assert_eq(hm_moe_combine(y, logits, answered, 3, 2, 2, out, w), 0);
+
+    /* Row 0: softmax of (1, 3) over experts 0 and 2. */
+    double w0 = 1.0 / (1.0 + exp(2.0)), w2 = exp(2.0) / (1.0 + exp(2.0));
+    cr_assert_float_eq(w[0], w0, 1e-6);
+    cr_assert_float_eq(w[1], 0.0, 0);
+    cr_assert_float_eq(w[2], w2, 1e-6);
+    cr_assert_float_eq(out[0], w0 * 1 + w2 * -1, 1e-5);
+    cr_assert_float_eq(out[1], w0 * 2 + w2 * 0.5, 1e-5);
+    /* Row 1: logits 1000 and 1001 must not overflow. */
+    double v0 = 1.0 / (1.0 + exp(1.0)), v2 = exp(1.0) / (1.0 + exp(1.0));
+    cr_assert_float_eq(w[3], v0, 1e-6);
+    cr_assert_float_eq(w[4], 0.0, 0);
+    cr_assert_float_eq(w[5], v2, 1e-6);
+    cr_assert_float_eq(out[2], v0 * 3 + v2 * 2, 1e-5);
+    cr_assert_float_eq(out[3], v0 * 4 + v2 * -2, 1e-5);
+
+    /* One answered: weight 1, output its row. Without weights_out too. */
+    const uint8_t only1[3] = {0, 1, 0};
+    cr_assert_eq(hm_moe_combine(y, logits, only1, 3, 2, 2, out, NULL), 0);
+    cr_assert_float_eq(out[0], 100, 1e-5);
+    cr_assert_float_eq(out[3], 9, 1e-5);
+
+    const uint8_t none[3] = {0, 0, 0};
+    cr_assert_eq(hm_moe_combine(y, logits, none, 3, 2, 2, out, w), -EINVAL);
+}
+
+Test(moe_client, cancel_fires_once)
+{
+    swarm sw;
+    swarm_start(&sw, 2);
+    const char *p1[] = {"ffn.0.0"};
+    host(&sw, 1, p1, 1);
+    hm_moe_expert ex = lookup_wait(&sw, "ffn.0.0");
+    set_stall(&sw, 1, 1);
+
+    enum { B = 1 };
+    float x[B * DIM], y[B * DIM];
+    fill(x, B * DIM, 5);
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = 10000, .timeout_after_k_min_ms = 0};
+    callres c = {.k = 1};
+    uint64_t id = 0;
+    cr_assert_eq(hm_moe_forward(sw.client, &ex, 1, x, B, DIM, y, &o, on_call, &c, &id), 0);
+    run_for(&sw.loop, 200);
+    cr_assert_eq(c.calls, 0);
+    cr_assert_eq(hm_moe_cancel(sw.client, id), 0);
+    cr_assert_eq(c.calls, 1);
+    cr_assert_eq(c.status, -ECANCELED);
+    cr_assert_eq(c.n_answered, 0u);
+    cr_assert_eq(hm_moe_cancel(sw.client, id), -ENOENT);
+    run_for(&sw.loop, 300);
+    cr_assert_eq(c.calls, 1);
+
+    /* An expert that cannot even be called (no address): the call still
+     * reports once, and not from inside hm_moe_forward. */
+    hm_moe_expert nowhere = ex;
+    memset(&nowhere.addr, 0, sizeof(nowhere.addr));
+    uint8_t other_pk[HM_PK_BYTES];
+    memset(other_pk, 0x5a, sizeof(other_pk));
+    memcpy(nowhere.pk, other_pk, HM_PK_BYTES);
+    callres cn = {.k = 1};
+    cr_assert_eq(hm_moe_forward(sw.client, &nowhere, 1, x, B, DIM, y, &o, on_call, &cn, NULL),
+                 0);
+    cr_assert_eq(cn.calls, 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &cn, 15000));
+    cr_assert_eq(cn.calls, 1);
+    cr_assert_eq(cn.status, -ETIMEDOUT);
+    swarm_stop(&sw);
+}
+
+Test(moe_client, free_with_calls_in_flight)
+{
+    swarm sw;
+    swarm_start(&sw, 3);
+    const char *p1[] = {"ffn.0.[0:2]"};
+    host(&sw, 1, p1, 1);
+    hm_moe_expert ex[2] = {lookup_wait(&sw, "ffn.0.0"), lookup_wait(&sw, "ffn.0.1")};
+
+    /* Node 2 stalls: lookups that ask it wait for their DHT timeouts. */
+    set_stall(&sw, 1, 1);
+    set_stall(&sw, 2, 1);
+    enum { B = 2 };
+    float x[B * DIM], y1[2 * B * DIM], y2[2 * B * DIM], gy[2 * B * DIM], gx[2 * B * DIM];
+    fill(x, B * DIM, 6);
+    fill(gy, 2 * B * DIM, 7);
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = 10000, .timeout_after_k_min_ms = 0};
+    callres c[3] = {{.k = 2}, {.k = 2}, {.k = 2}};
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 2, x, B, DIM, y1, &o, on_call, &c[0], NULL), 0);
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 2, x, B, DIM, y2, &o, on_call, &c[1], NULL), 0);
+    cr_assert_eq(hm_moe_backward(sw.client, ex, 2, x, gy, B, DIM, gx, &o, on_call, &c[2], NULL),
+                 0);
+    findres fl = {0}, fb = {0};
+    cr_assert_eq(hm_moe_lookup(sw.client, "ffn.0.1", 5000, on_find, &fl), 0);
+    const double s[2] = {0.5, 0.25};
+    const double *sc[2] = {s, s};
+    size_t sizes[2] = {2, 2};
+    cr_assert_eq(hm_moe_beam_search(sw.client, "ffn", sc, sizes, 2, 2, 0, 5000, on_find, &fb),
+                 0);
+    run_for(&sw.loop, 100);
+    for (size_t i = 0; i < 3; i++)
+        cr_assert_eq(c[i].calls, 0);
+
+    hm_moe_client_free(sw.client);
+    sw.client = NULL;
+    for (size_t i = 0; i < 3; i++) {
+        cr_assert_eq(c[i].calls, 1, "call %zu", i);
+        cr_assert_eq(c[i].status, -ECANCELED);
+    }
+    cr_assert_eq(fl.calls, 1);
+    cr_assert_eq(fl.status, -ECANCELED);
+    cr_assert_eq(fb.calls, 1);
+    cr_assert_eq(fb.status, -ECANCELED);
+    /* The DHT operations end later and must find nothing to call. */
+    set_stall(&sw, 1, 0);
+    set_stall(&sw, 2, 0);
+    run_for(&sw.loop, 1500);
+    for (size_t i = 0; i < 3; i++)
+        cr_assert_eq(c[i].calls, 1);
+    cr_assert_eq(fl.calls, 1);
+    cr_assert_eq(fb.calls, 1);
+    swarm_stop(&sw);
+}

@@ -1,0 +1,333 @@
+/*
+ * test_moe_daemon: experts across real hivemindd processes on 127.0.0.1,
+ * called the way trainers call them: through the client library
+ * (lib/hivemind.h) attached to a daemon of their own, with tensors in
+ * shared memory.
+ *
+ *  - numerics: a remote forward equals the local computation of the same
+ *    expert (its checkpoint, loaded with moe/ffn.h) within 1e-5; a remote
+ *    backward returns the local dL/dx and leaves the host's parameters one
+ *    SGD step further, as its next checkpoint shows; a host restarted on
+ *    its state directory resumes from its checkpoint.
+ *  - stragglers: of 4 experts one host is SIGSTOPped and one SIGKILLed;
+ *    k_min = 2 returns within timeout_after_k_min plus slack with exactly
+ *    the two live experts; k_min = 3 fails with a timeout within the
+ *    forward timeout plus slack.
+ *  - durability: a host SIGKILLed after a backward restarts from its
+ *    periodic checkpoint and reappears in the DHT at its new address.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <math.h>
+#include <signal.h>
+#include <string.h>
+
+#include "checkpoint.h"
+#include "ffn.h"
+#include "hivemind.h"
+#include "proc.h"
+
+#define DIM 16
+#define BATCH 5
+
+static void setup(void) { hm_proc_setup("moed"); }
+static void teardown(void) { hm_proc_teardown(); }
+
+TestSuite(moe_daemon, .init = setup, .fini = teardown, .timeout = 120);
+
+static hmc *attach(struct node *n)
+{
+    hmc *h = NULL;
+    char err[256] = "";
+    int r = hmc_connect(n->sock, &h, err, sizeof(err));
+    cr_assert_eq(r, 0, "hmc_connect %s: %s", n->sock, err);
+    hmc_set_timeout(h, 20000);
+    return h;
+}
+
+/* Beam search with flat scores until want experts are found (declarations
+ * take a moment to spread); returns how many were found. */
+static size_t find_experts(hmc *h, size_t g0, size_t g1, size_t want, hmc_expert *out,
+                           int timeout_ms)
+{
+    double scores[64];
+    size_t sizes[2] = {g0, g1}, n = 0;
+    for (size_t i = 0; i < g0 + g1; i++)
+        scores[i] = 0.01 * (double)i; /* a fixed preference: later coordinates first */
+    long deadline = hm_test_now_ms() + timeout_ms;
+    do {
+        n = 0;
+        int r = hmc_experts_find(h, "ffn", scores, sizes, 2, want, 5.0, out, want, &n, NULL);
+        if (r == 0 && n >= want)
+            return n;
+        usleep(300000);
+    } while (hm_test_now_ms() < deadline);
+    return n;
+}
+
+static hm_ffn *load_expert(const char *dir, const char *uid)
+{
+    char path[512];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_ffn *f = NULL;
+    snprintf(path, sizeof(path), "%s/experts/%s.ckpt", dir, uid);
+    int r = hm_ckpt_read(path, (size_t)1 << 30, &buf, &len, NULL);
+    cr_assert_eq(r, 0, "reading %s: %d", path, r);
+    r = hm_ffn_load(buf, len, NULL, &f);
+    free(buf);
+    cr_assert_eq(r, 0, "loading %s: %d", path, r);
+    return f;
+}
+
+static void fill(float *x, size_t n, unsigned seed)
+{
+    for (size_t i = 0; i < n; i++) {
+        seed = seed * 1103515245u + 12345u;
+        x[i] = (float)((seed >> 8) & 0xffff) / 65536.0f - 0.5f;
+    }
+}
+
+static double rel_err(const float *a, const float *b, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1));
+}
+
+static json_t *hosted_entry(struct node *n, const char *uid)
+{
+    char *argv[] = {bin_ctl, "-s", n->sock, "--json", "experts", "list", NULL};
+    char *out, *err;
+    int rc = run_prog(bin_ctl, argv, &out, &err);
+    cr_assert_eq(rc, 0, "experts list: %s", err);
+    json_t *j = json_loads(out, 0, NULL);
+    free(out);
+    free(err);
+    cr_assert_not_null(j);
+    json_t *hosted = json_object_get(json_object_get(j, "result"), "hosted"), *e, *found = NULL;
+    size_t i;
+    json_array_foreach(hosted, i, e)
+    {
+        if (strcmp(json_string_value(json_object_get(e, "uid")), uid) == 0)
+            found = json_incref(e);
+    }
+    json_decref(j);
+    cr_assert_not_null(found, "%s is not hosted", uid);
+    return found;
+}
+
+Test(moe_daemon, remote_equals_local_and_resumes)
+{
+    struct node host, tr;
+    const char *sgd[] = {"--host-experts", "ffn.0.[0:2]", "--expert-dim", "16",
+                         "--expert-optimizer", "sgd", "--expert-lr", "0.1"};
+
+    /* A first life only writes the initial checkpoints (on SIGTERM). */
+    start_node(&host, "host", NULL, sgd[0], sgd[1], sgd[2], sgd[3], sgd[4], sgd[5], sgd[6], sgd[7],
+               NULL);
+    stop_node(&host);
+    hm_ffn *p0 = load_expert(host.dir, "ffn.0.1");
+    cr_assert_eq(hm_ffn_dim(p0), DIM);
+
+    start_node(&host, "host", NULL, sgd[0], sgd[1], sgd[2], sgd[3], sgd[4], sgd[5], sgd[6], sgd[7],
+               NULL);
+    json_t *e = hosted_entry(&host, "ffn.0.1");
+    cr_assert(json_is_true(json_object_get(e, "resumed")), "the restarted host did not resume");
+    json_decref(e);
+    start_node(&tr, "trainer", NULL, "--initial-peers", host.addr, NULL);
+
+    hmc *h = attach(&tr);
+    hmc_expert ex[2];
+    size_t n = find_experts(h, 1, 2, 2, ex, 20000);
+    cr_assert_eq(n, 2, "beam search found %zu of 2 experts", n);
+    /* Scores prefer coordinate 1 of the second dimension. */
+    cr_assert_str_eq(ex[0].uid, "ffn.0.1");
+    cr_assert(strstr(ex[0].peer, host.id) == ex[0].peer, "expert declared by %s", ex[0].peer);
+
+    hmc_buf *xb, *yb, *gyb, *gxb;
+    size_t bd = BATCH * DIM;
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &xb), 0, "%s", hmc_last_error(h));
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &yb), 0, "%s", hmc_last_error(h));
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &gyb), 0, "%s", hmc_last_error(h));
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &gxb), 0, "%s", hmc_last_error(h));
+    float *x = hmc_buf_data(xb), *y = hmc_buf_data(yb), *gy = hmc_buf_data(gyb),
+          *gx = hmc_buf_data(gxb);
+    fill(x, bd, 7);
+    fill(gy, bd, 11);
+
+    int answered[1];
+    size_t n_ans = 0;
+    int r = hmc_experts_forward(h, ex, 1, xb, 0, yb, 0, BATCH, DIM, 1, 10.0, 1.0, answered,
+                                &n_ans);
+    cr_assert_eq(r, 0, "forward: %s", hmc_last_error(h));
+    cr_assert_eq(n_ans, 1);
+    float want[BATCH * DIM], want_gx[BATCH * DIM];
+    cr_assert_eq(hm_ffn_forward(p0, x, BATCH, want), 0);
+    double err = rel_err(y, want, bd);
+    cr_assert(err <= 1e-5, "remote forward differs from local by %g", err);
+
+    r = hmc_experts_backward(h, ex, 1, xb, 0, gyb, 0, gxb, 0, BATCH, DIM, 1, 10.0, answered,
+                             &n_ans);
+    cr_assert_eq(r, 0, "backward: %s", hmc_last_error(h));
+    size_t np = hm_ffn_nparams(p0);
+    float *gp = calloc(np, sizeof(float));
+    cr_assert_not_null(gp);
+    cr_assert_eq(hm_ffn_grad(p0, x, gy, BATCH, want_gx, gp), 0);
+    err = rel_err(gx, want_gx, bd);
+    cr_assert(err <= 1e-5, "remote dL/dx differs from local by %g", err);
+
+    hmc_buf_free(xb);
+    hmc_buf_free(yb);
+    hmc_buf_free(gyb);
+    hmc_buf_free(gxb);
+    hmc_close(h);
+
+    /* The host's parameters took exactly one SGD step with that gradient. */
+    stop_node(&host);
+    hm_ffn *p1 = load_expert(host.dir, "ffn.0.1");
+    cr_assert_eq(hm_ffn_steps(p1), 1);
+    const float *a = hm_ffn_params(p0), *b = hm_ffn_params(p1);
+    double worst = 0;
+    for (size_t i = 0; i < np; i++)
+        worst = fmax(worst, fabs((double)b[i] - ((double)a[i] - 0.1 * gp[i])));
+    cr_assert(worst <= 1e-5, "parameters after the backward are off by %g", worst);
+    free(gp);
+    hm_ffn_free(p0);
+    hm_ffn_free(p1);
+    stop_node(&tr);
+}
+
+Test(moe_daemon, stragglers_and_k_min)
+{
+    struct node hosts[4], tr;
+    char pat[32], name[16];
+    start_node(&tr, "trainer", NULL, NULL);
+    for (int i = 0; i < 4; i++) {
+        snprintf(pat, sizeof(pat), "ffn.0.%d", i);
+        snprintf(name, sizeof(name), "h%d", i);
+        start_node(&hosts[i], name, NULL, "--host-experts", pat, "--expert-dim", "16",
+                   "--initial-peers", tr.addr, NULL);
+    }
+    hmc *h = attach(&tr);
+    hmc_expert ex[4];
+    size_t n = find_experts(h, 1, 4, 4, ex, 20000);
+    cr_assert_eq(n, 4, "beam search found %zu of 4 experts", n);
+
+    /* h2 stalls, h3 dies. */
+    cr_assert_eq(kill(hosts[2].pid, SIGSTOP), 0);
+    cr_assert_eq(kill(hosts[3].pid, SIGKILL), 0);
+    waitpid(hosts[3].pid, NULL, 0);
+    forget_child(hosts[3].pid);
+
+    hmc_buf *xb, *yb;
+    size_t bd = BATCH * DIM;
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &xb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, 4 * bd * sizeof(float), &yb), 0);
+    fill(hmc_buf_data(xb), bd, 3);
+
+    int answered[4];
+    size_t n_ans = 0;
+    long t0 = hm_test_now_ms();
+    int r = hmc_experts_forward(h, ex, 4, xb, 0, yb, 0, BATCH, DIM, 2, 5.0, 0.5, answered,
+                                &n_ans);
+    long took = hm_test_now_ms() - t0;
+    cr_assert_eq(r, 0, "k_min 2: %s", hmc_last_error(h));
+    cr_assert_eq(n_ans, 2);
+    for (int i = 0; i < 4; i++) {
+        int live = strstr(ex[i].peer, hosts[0].id) == ex[i].peer ||
+                   strstr(ex[i].peer, hosts[1].id) == ex[i].peer;
+        cr_assert_eq(answered[i] != 0, live, "%s answered=%d", ex[i].uid, answered[i]);
+    }
+    cr_assert(took <= 500 + 2000, "k_min 2 took %ld ms (timeout_after_k_min 0.5 s)", took);
+
+    t0 = hm_test_now_ms();
+    r = hmc_experts_forward(h, ex, 4, xb, 0, yb, 0, BATCH, DIM, 3, 5.0, 0.5, answered, &n_ans);
+    took = hm_test_now_ms() - t0;
+    cr_assert_eq(r, -EREMOTEIO, "k_min 3 should fail, got %d", r);
+    cr_assert_str_eq(hmc_last_error_code(h), "timeout");
+    cr_assert(strstr(hmc_last_error(h), "2 of 4") != NULL, "message: %s", hmc_last_error(h));
+    cr_assert(took >= 4500 && took <= 5000 + 2500, "k_min 3 failed after %ld ms (timeout 5 s)",
+              took);
+
+    hmc_buf_free(xb);
+    hmc_buf_free(yb);
+    hmc_close(h);
+    kill(hosts[2].pid, SIGCONT);
+}
+
+Test(moe_daemon, restart_after_sigkill_resumes)
+{
+    struct node host, tr;
+    start_node(&tr, "trainer", NULL, NULL);
+    start_node(&host, "host", NULL, "--host-experts", "ffn.0.0", "--expert-dim", "16",
+               "--checkpoint-interval", "1", "--initial-peers", tr.addr, NULL);
+    hmc *h = attach(&tr);
+    hmc_expert ex[1];
+    cr_assert_eq(find_experts(h, 1, 1, 1, ex, 20000), 1);
+
+    hmc_buf *xb, *gyb, *gxb;
+    size_t bd = BATCH * DIM;
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &xb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &gyb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &gxb), 0);
+    fill(hmc_buf_data(xb), bd, 5);
+    fill(hmc_buf_data(gyb), bd, 9);
+    int answered[1];
+    size_t n_ans;
+    cr_assert_eq(hmc_experts_backward(h, ex, 1, xb, 0, gyb, 0, gxb, 0, BATCH, DIM, 1, 10.0,
+                                      answered, &n_ans),
+                 0, "backward: %s", hmc_last_error(h));
+
+    /* Let the periodic checkpoint (every second) catch the step, then kill. */
+    json_t *e = NULL;
+    long deadline = hm_test_now_ms() + 10000;
+    do {
+        usleep(300000);
+        json_decref(e);
+        e = hosted_entry(&host, "ffn.0.0");
+    } while (json_number_value(json_object_get(e, "last_checkpoint")) <= 0 &&
+             hm_test_now_ms() < deadline);
+    usleep(1500000);
+    json_decref(e);
+    char old_addr[256];
+    snprintf(old_addr, sizeof(old_addr), "%s", host.addr);
+    cr_assert_eq(kill(host.pid, SIGKILL), 0);
+    waitpid(host.pid, NULL, 0);
+    forget_child(host.pid);
+
+    start_node(&host, "host", NULL, "--host-experts", "ffn.0.0", "--expert-dim", "16",
+               "--checkpoint-interval", "1", "--initial-peers", tr.addr, NULL);
+    cr_assert_str_neq(host.addr, old_addr, "the restarted host should listen on a new port");
+    e = hosted_entry(&host, "ffn.0.0");
+    cr_assert(json_is_true(json_object_get(e, "resumed")));
+    cr_assert_eq(json_integer_value(json_object_get(e, "steps")), 1,
+                 "resumed with %lld steps", (long long)json_integer_value(json_object_get(e, "steps")));
+    json_decref(e);
+
+    /* The trainer finds it at its new address and can call it. */
+    int moved = 0;
+    deadline = hm_test_now_ms() + 30000;
+    while (!moved && hm_test_now_ms() < deadline) {
+        if (find_experts(h, 1, 1, 1, ex, 1000) == 1 && strcmp(ex[0].peer, host.addr) == 0)
+            moved = 1;
+        else
+            usleep(500000);
+    }
+    cr_assert(moved, "the DHT still points at %s", ex[0].peer);
+    hmc_buf *yb;
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &yb), 0);
+    cr_assert_eq(hmc_experts_forward(h, ex, 1, xb, 0, yb, 0, BATCH, DIM, 1, 10.0, 1.0, answered,
+                                     &n_ans),
+                 0, "forward after the restart: %s", hmc_last_error(h));
+    hmc_buf_free(xb);
+    hmc_buf_free(yb);
+    hmc_buf_free(gyb);
+    hmc_buf_free(gxb);
+    hmc_close(h);
+}

@@ -1,0 +1,929 @@
+/*
+ * Tests for the expert server (moe/server.h), with in-process nodes on
+ * 127.0.0.1: node A hosts "ffn.[0:2].[0:2]" (dim 16), node B calls it over
+ * real rpc streams. Forward replies equal a local ffn rebuilt from the
+ * server's own checkpoint; backward returns the local dL/dx and steps the
+ * server's parameters exactly as one local optimizer step; concurrent
+ * requests are batched and each gets its own rows back; hostile, non-finite
+ * or misdirected requests get their error and the server keeps serving;
+ * the queue bound answers -ENOBUFS; the DHT declarations are found from B
+ * (uid key and both prefix levels, owner-marked) and withdrawn on close; a
+ * new server resumes from the state directory, from the previous file when
+ * the current one is corrupt.
+ */
+#include "config.h"
+
+#include "server.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "checkpoint.h"
+#include "crypto.h"
+#include "helpers.h"
+#include "loop.h"
+#include "record.h"
+#include "util.h"
+
+#define DIM 16
+#define PATTERN "ffn.[0:2].[0:2]"
+
+typedef struct fx {
+    uv_loop_t loop;
+    hm_node *a, *b;
+    hm_moe_server *srv;
+    uint8_t a_pk[HM_PK_BYTES];
+    struct sockaddr_storage a_addr;
+    char a_hostport[HM_MOE_ADDR_MAX + 1];
+    char dir[64];
+} fx;
+
+/* ---- helpers ---- */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static float rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 4.0 - 2.0);
+}
+
+static void fill(float *v, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        v[i] = rnd();
+}
+
+static int never(void *ud)
+{
+    HM_UNUSED(ud);
+    return 0;
+}
+
+static int dht_ready(void *ud)
+{
+    fx *f = ud;
+    return hm_rt_size(hm_dht_routing(hm_node_dht(f->a))) >= 1 &&
+           hm_rt_size(hm_dht_routing(hm_node_dht(f->b))) >= 1;
+}
+
+static void fx_start(fx *f, int with_dir)
+{
+    char addr[256];
+    memset(f, 0, sizeof(*f));
+    hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
+    cr_assert_eq(hm_crypto_init(), 0);
+    cr_assert_eq(uv_loop_init(&f->loop), 0);
+    f->a = hm_test_make_node(&f->loop, "moe-server-test", NULL);
+    cr_assert_eq(hm_node_address(f->a, addr, sizeof(addr)), 0);
+    cr_assert_eq(hm_peer_addr_parse(addr, f->a_pk, &f->a_addr), 0);
+    hm_strlcpy(f->a_hostport, strchr(addr, '@') + 1, sizeof(f->a_hostport));
+    f->b = hm_test_make_node(&f->loop, "moe-server-test", addr);
+    cr_assert(hm_test_run_until(&f->loop, dht_ready, f, 10000), "the DHT did not come up");
+    if (with_dir)
+        cr_assert_eq(hm_test_mkdtemp(f->dir, sizeof(f->dir), "moe"), 0);
+}
+
+static int flag_set(void *ud) { return *(int *)ud; }
+static void set_flag(void *ud) { *(int *)ud = 1; }
+
+static void server_close(fx *f, int withdraw)
+{
+    int closed = 0;
+    if (f->srv == NULL)
+        return;
+    hm_moe_server_close(f->srv, withdraw, set_flag, &closed);
+    cr_assert(hm_test_run_until(&f->loop, flag_set, &closed, 15000), "server close hung");
+    f->srv = NULL;
+}
+
+static void fx_stop(fx *f)
+{
+    server_close(f, 0);
+    hm_node_close(f->a, NULL, NULL);
+    hm_node_close(f->b, NULL, NULL);
+    uv_run(&f->loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&f->loop), 0, "handles left open after close");
+    hm_test_rmtree(f->dir);
+}
+
+static hm_ffn_config cfg16(void)
+{
+    hm_ffn_config c;
+    memset(&c, 0, sizeof(c));
+    c.dim = DIM;
+    c.optimizer = HM_FFN_SGD;
+    c.lr = 0.05;
+    c.seed = 7;
+    return c;
+}
+
+static void server_start(fx *f, const hm_moe_server_opts *o)
+{
+    hm_moe_server_opts def;
+    hm_ffn_config c = cfg16();
+    char err[256] = "";
+    size_t added = 0;
+    memset(&def, 0, sizeof(def));
+    def.state_dir = f->dir[0] ? f->dir : NULL;
+    cr_assert_eq(hm_moe_server_new(f->a, o ? o : &def, &f->srv), 0);
+    cr_assert_eq(hm_moe_server_host(f->srv, PATTERN, "ffn", &c, &added, err, sizeof(err)), 0,
+                 "%s", err);
+    cr_assert_eq(added, 4);
+}
+
+/* One rpc call from B to A, with its result copied out. */
+typedef struct call {
+    int done, status;
+    uint8_t *body;
+    size_t len;
+} call;
+
+static void on_reply(void *ud, int status, const uint8_t *body, size_t len)
+{
+    call *c = ud;
+    c->done = 1;
+    c->status = status;
+    if (status == 0 && len > 0) {
+        c->body = malloc(len);
+        cr_assert_not_null(c->body);
+        memcpy(c->body, body, len);
+        c->len = len;
+    }
+}
+
+static void call_start(fx *f, const char *method, const uint8_t *body, size_t len, call *c)
+{
+    memset(c, 0, sizeof(*c));
+    int r = hm_rpc_call(hm_node_rpc(f->b), f->a_pk, (const struct sockaddr *)&f->a_addr, method,
+                        body, len, HM_RPC_STREAM, 10000, on_reply, c, NULL);
+    cr_assert_eq(r, 0, "hm_rpc_call: %s", hm_strerror(r));
+}
+
+static int call_done(void *ud) { return ((call *)ud)->done; }
+
+static int call_sync(fx *f, const char *method, const uint8_t *body, size_t len, call *c)
+{
+    call_start(f, method, body, len, c);
+    cr_assert(hm_test_run_until(&f->loop, call_done, c, 12000), "%s did not finish", method);
+    return c->status;
+}
+
+static uint8_t *enc_fwd(const char *uid, const float *x, size_t batch, size_t dim, size_t *len)
+{
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+    hm_moe_encode_fwd(&w, uid, x, batch, dim);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    uint8_t *b = hm_wire_wr_steal(&w, len);
+    cr_assert_not_null(b);
+    return b;
+}
+
+static uint8_t *enc_bwd(const char *uid, const float *x, const float *gy, size_t batch,
+                        size_t dim, size_t *len)
+{
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+    hm_moe_encode_bwd(&w, uid, x, gy, batch, dim);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    uint8_t *b = hm_wire_wr_steal(&w, len);
+    cr_assert_not_null(b);
+    return b;
+}
+
+/* Forward through the server: status, and y on success. */
+static int remote_fwd(fx *f, const char *uid, const float *x, size_t batch, float *y)
+{
+    size_t len;
+    call c;
+    uint8_t *b = enc_fwd(uid, x, batch, DIM, &len);
+    int st = call_sync(f, HM_MOE_METHOD_FWD, b, len, &c);
+    free(b);
+    if (st == 0)
+        cr_assert_eq(hm_moe_decode_out(c.body, c.len, 0, batch, DIM, y), 0);
+    free(c.body);
+    return st;
+}
+
+static void ckpt_path(const fx *f, const char *uid, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s/experts/%s.ckpt", f->dir, uid);
+}
+
+/* The expert as the server has it: checkpoint now, read the file back. */
+static hm_ffn *server_copy(fx *f, const char *uid)
+{
+    char path[256];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_ffn *e = NULL;
+    cr_assert_eq(hm_moe_server_checkpoint(f->srv), 0);
+    ckpt_path(f, uid, path, sizeof(path));
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 26, &buf, &len, NULL), 0, "%s", path);
+    cr_assert_eq(hm_ffn_load(buf, len, NULL, &e), 0);
+    free(buf);
+    return e;
+}
+
+static hm_ffn *file_copy(fx *f, const char *uid, int *used_prev)
+{
+    char path[256];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_ffn *e = NULL;
+    ckpt_path(f, uid, path, sizeof(path));
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 26, &buf, &len, used_prev), 0, "%s", path);
+    cr_assert_eq(hm_ffn_load(buf, len, NULL, &e), 0);
+    free(buf);
+    return e;
+}
+
+static void assert_close(const float *got, const float *want, size_t n, const char *what)
+{
+    for (size_t i = 0; i < n; i++)
+        cr_assert(fabsf(got[i] - want[i]) <= 1e-6f * (1.0f + fabsf(want[i])),
+                  "%s[%zu]: %.9g vs %.9g", what, i, (double)got[i], (double)want[i]);
+}
+
+static const hm_moe_hosted *find_hosted(const hm_moe_hosted *h, size_t n, const char *uid)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(h[i].uid, uid) == 0)
+            return &h[i];
+    cr_assert_fail("%s is not listed", uid);
+    return NULL;
+}
+
+/* ---- tests ---- */
+
+Test(moe_server, forward_matches_the_checkpointed_expert)
+{
+    fx f;
+    fx_start(&f, 1);
+    server_start(&f, NULL);
+
+    hm_moe_hosted h[8];
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 8), 4);
+    cr_assert_str_eq(h[0].uid, "ffn.0.0");
+    cr_assert_str_eq(h[3].uid, "ffn.1.1");
+    cr_assert_eq(h[0].dim, DIM);
+    cr_assert_eq(h[0].hidden, 4 * DIM);
+    cr_assert_str_eq(h[0].type, "ffn");
+    cr_assert_eq(h[0].resumed, 0);
+
+    enum { B = 3 };
+    float x[B * DIM], y[B * DIM], want[B * DIM], y2[B * DIM];
+    fill(x, B * DIM);
+    hm_ffn *local = server_copy(&f, "ffn.1.0");
+    cr_assert_eq(remote_fwd(&f, "ffn.1.0", x, B, y), 0);
+    cr_assert_eq(hm_ffn_forward(local, x, B, want), 0);
+    assert_close(y, want, B * DIM, "y");
+    /* Experts differ: the seed is mixed with the uid. */
+    cr_assert_eq(remote_fwd(&f, "ffn.0.1", x, B, y2), 0);
+    cr_assert(memcmp(y, y2, sizeof(y)) != 0);
+    hm_ffn_free(local);
+
+    /* moe.info */
+    uint8_t body[128];
+    hm_wire_wr w;
+    call c;
+    char type[HM_MOE_TYPE_MAX + 1];
+    size_t dim, hidden;
+    hm_wire_wr_init_fixed(&w, body, sizeof(body));
+    hm_moe_encode_info_req(&w, "ffn.1.1");
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_INFO, body, w.len, &c), 0);
+    cr_assert_eq(hm_moe_decode_info(c.body, c.len, type, &dim, &hidden), 0);
+    cr_assert_str_eq(type, "ffn");
+    cr_assert_eq(dim, DIM);
+    cr_assert_eq(hidden, 4 * DIM);
+    free(c.body);
+    hm_wire_wr_init_fixed(&w, body, sizeof(body));
+    hm_moe_encode_info_req(&w, "ffn.2.0");
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_INFO, body, w.len, &c), -ENOENT);
+
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 8), 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.1.0")->fwd_requests, 1);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->fwd_requests, 0);
+    cr_assert_gt(find_hosted(h, 4, "ffn.1.0")->batches, 0);
+    cr_assert_neq(find_hosted(h, 4, "ffn.1.0")->last_checkpoint_unix_ms, 0);
+    fx_stop(&f);
+}
+
+Test(moe_server, backward_returns_grad_and_steps_once)
+{
+    fx f;
+    fx_start(&f, 1);
+    server_start(&f, NULL);
+
+    enum { B = 4 };
+    float x[B * DIM], gy[B * DIM], gx[B * DIM], want[B * DIM];
+    fill(x, B * DIM);
+    fill(gy, B * DIM);
+    hm_ffn *local = server_copy(&f, "ffn.0.1");
+    hm_ffn *initial = file_copy(&f, "ffn.0.1", NULL);
+    size_t np = hm_ffn_nparams(local);
+    float *gp = malloc(np * sizeof(float));
+    cr_assert_not_null(gp);
+    cr_assert_eq(hm_ffn_grad(local, x, gy, B, want, gp), 0);
+    cr_assert_eq(hm_ffn_apply(local, gp), 0);
+
+    size_t len;
+    call c;
+    uint8_t *b = enc_bwd("ffn.0.1", x, gy, B, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_BWD, b, len, &c), 0);
+    free(b);
+    cr_assert_eq(hm_moe_decode_out(c.body, c.len, 1, B, DIM, gx), 0);
+    free(c.body);
+    assert_close(gx, want, B * DIM, "gx");
+
+    hm_moe_hosted h[4];
+    hm_moe_server_list(f.srv, h, 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.1")->steps, 1);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.1")->bwd_requests, 1);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->steps, 0);
+
+    hm_ffn *after = server_copy(&f, "ffn.0.1");
+    cr_assert_eq(hm_ffn_steps(after), 1);
+    cr_assert_eq(hm_ffn_nparams(after), np);
+    assert_close(hm_ffn_params(after), hm_ffn_params(local), np, "params");
+    /* And the step did change them. */
+    cr_assert(memcmp(hm_ffn_params(after), hm_ffn_params(initial), np * sizeof(float)) != 0);
+    hm_ffn_free(initial);
+    hm_ffn_free(after);
+    hm_ffn_free(local);
+    free(gp);
+    fx_stop(&f);
+}
+
+Test(moe_server, concurrent_requests_are_batched)
+{
+    fx f;
+    hm_moe_server_opts o;
+    fx_start(&f, 1);
+    memset(&o, 0, sizeof(o));
+    o.state_dir = f.dir;
+    o.batch_wait_ms = 30;
+    server_start(&f, &o);
+
+    enum { N = 50, MAXB = 2 };
+    static float x[N][MAXB * DIM], want[N][MAXB * DIM], y[MAXB * DIM];
+    static call c[N];
+    uint8_t *bodies[N];
+    size_t lens[N], batch[N];
+    hm_ffn *local = server_copy(&f, "ffn.1.1");
+    for (int i = 0; i < N; i++) {
+        batch[i] = 1 + (size_t)(i % MAXB);
+        fill(x[i], batch[i] * DIM);
+        cr_assert_eq(hm_ffn_forward(local, x[i], batch[i], want[i]), 0);
+        bodies[i] = enc_fwd("ffn.1.1", x[i], batch[i], DIM, &lens[i]);
+    }
+    for (int i = 0; i < N; i++)
+        call_start(&f, HM_MOE_METHOD_FWD, bodies[i], lens[i], &c[i]);
+    for (int i = 0; i < N; i++) {
+        cr_assert(hm_test_run_until(&f.loop, call_done, &c[i], 15000));
+        cr_assert_eq(c[i].status, 0, "request %d: %s", i, hm_strerror(c[i].status));
+        cr_assert_eq(hm_moe_decode_out(c[i].body, c[i].len, 0, batch[i], DIM, y), 0);
+        assert_close(y, want[i], batch[i] * DIM, "y");
+        free(c[i].body);
+        free(bodies[i]);
+    }
+    hm_moe_hosted h[4];
+    hm_moe_server_list(f.srv, h, 4);
+    const hm_moe_hosted *e = find_hosted(h, 4, "ffn.1.1");
+    cr_assert_eq(e->fwd_requests, N);
+    cr_assert_gt(e->mean_batch_size, 1.0, "mean batch %.2f over %llu batches",
+                 e->mean_batch_size, (unsigned long long)e->batches);
+    cr_assert_lt(e->batches, (uint64_t)N);
+    cr_assert_gt(e->latency_p50_ms, 0.0);
+    cr_assert_geq(e->latency_p99_ms, e->latency_p50_ms);
+    hm_ffn_free(local);
+    fx_stop(&f);
+}
+
+Test(moe_server, bad_requests_get_errors_and_serving_goes_on)
+{
+    fx f;
+    fx_start(&f, 0);
+    server_start(&f, NULL);
+
+    enum { B = 2 };
+    float x[B * DIM], y[B * DIM];
+    fill(x, B * DIM);
+    call c;
+    size_t len;
+
+    /* A declared shape far larger than the bytes behind it. */
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_wire_wr_map(&w, 2);
+    hm_wire_wr_cstr(&w, "uid");
+    hm_wire_wr_cstr(&w, "ffn.0.0");
+    hm_wire_wr_cstr(&w, "x");
+    hm_wire_wr_array(&w, 3);
+    hm_wire_wr_uint(&w, HM_DTYPE_F32);
+    hm_wire_wr_array(&w, 2);
+    hm_wire_wr_uint(&w, 4096);
+    hm_wire_wr_uint(&w, 4096);
+    hm_wire_wr_bin(&w, x, sizeof(x));
+    uint8_t *b = hm_wire_wr_steal(&w, &len);
+    cr_assert_not_null(b);
+    cr_assert_lt(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), 0);
+    cr_assert_neq(c.status, -ETIMEDOUT);
+    free(b);
+
+    /* Not msgpack at all. */
+    uint8_t junk[] = {0xc1, 0xff, 0x00};
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, junk, sizeof(junk), &c), -EINVAL);
+
+    /* The wrong dim for this expert. */
+    float x8[B * 8];
+    fill(x8, B * 8);
+    hm_moe_encode_fwd(&w, "ffn.0.0", x8, B, 8);
+    b = hm_wire_wr_steal(&w, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -EPROTO);
+    free(b);
+
+    /* Non-finite input, forward and backward. */
+    float xn[B * DIM];
+    memcpy(xn, x, sizeof(x));
+    xn[5] = NAN;
+    b = enc_fwd("ffn.0.0", xn, B, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -EDOM);
+    free(b);
+    xn[5] = INFINITY;
+    b = enc_bwd("ffn.0.0", x, xn, B, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_BWD, b, len, &c), -EDOM);
+    free(b);
+
+    /* An expert that is not here, and a uid that is not a uid. */
+    b = enc_fwd("ffn.5.5", x, B, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -ENOENT);
+    free(b);
+    b = enc_fwd("moe.0", x, B, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -ENOENT);
+    free(b);
+
+    /* A forward body sent as backward lacks gy. */
+    b = enc_fwd("ffn.0.0", x, B, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_BWD, b, len, &c), -EINVAL);
+    free(b);
+
+    /* Still serving, and nothing stepped. */
+    cr_assert_eq(remote_fwd(&f, "ffn.0.0", x, B, y), 0);
+    hm_moe_hosted h[4];
+    hm_moe_server_list(f.srv, h, 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->steps, 0);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->fwd_requests, 1);
+    hm_wire_wr_free(&w);
+    fx_stop(&f);
+}
+
+Test(moe_server, queue_bound_answers_enobufs)
+{
+    fx f;
+    hm_moe_server_opts o;
+    fx_start(&f, 0);
+    memset(&o, 0, sizeof(o));
+    o.max_queued_samples = 8;
+    o.batch_wait_ms = 300;
+    server_start(&f, &o);
+
+    enum { N = 12, B = 2 };
+    float x[B * DIM], y[B * DIM];
+    fill(x, B * DIM);
+    size_t len;
+    call one;
+
+    /* One request larger than the whole bound. */
+    float big[9 * DIM];
+    fill(big, 9 * DIM);
+    uint8_t *b = enc_fwd("ffn.0.0", big, 9, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &one), -ENOBUFS);
+    free(b);
+
+    /* A burst while the batch wait holds them: four fit (8 samples), the rest bounce. */
+    static call c[N];
+    b = enc_fwd("ffn.0.0", x, B, DIM, &len);
+    for (int i = 0; i < N; i++)
+        call_start(&f, HM_MOE_METHOD_FWD, b, len, &c[i]);
+    int ok = 0, nobufs = 0;
+    for (int i = 0; i < N; i++) {
+        cr_assert(hm_test_run_until(&f.loop, call_done, &c[i], 10000));
+        if (c[i].status == 0) {
+            cr_assert_eq(hm_moe_decode_out(c[i].body, c[i].len, 0, B, DIM, y), 0);
+            ok++;
+        } else {
+            cr_assert_eq(c[i].status, -ENOBUFS);
+            nobufs++;
+        }
+        free(c[i].body);
+    }
+    free(b);
+    cr_assert_geq(ok, 4);
+    cr_assert_geq(nobufs, 1, "ok %d, -ENOBUFS %d", ok, nobufs);
+    /* Other experts have their own bound. */
+    cr_assert_eq(remote_fwd(&f, "ffn.1.1", x, B, y), 0);
+    fx_stop(&f);
+}
+
+/* ---- declarations ---- */
+
+typedef struct got {
+    int done, status;
+    size_t n;
+    struct {
+        uint8_t subkey[HM_DHT_SUBKEY_MAX];
+        size_t subkey_len;
+        uint8_t value[HM_DHT_VALUE_MAX];
+        size_t value_len;
+        int has_subkey;
+    } v[16];
+} got;
+
+static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
+                   const hm_dht_lookup_info *info)
+{
+    got *g = ud;
+    HM_UNUSED(info);
+    g->done = 1;
+    g->status = status;
+    g->n = HM_MIN(n, HM_ARRAY_LEN(g->v));
+    for (size_t i = 0; i < g->n; i++) {
+        const hm_dht_record *r = &values[i].rec;
+        g->v[i].has_subkey = r->has_subkey;
+        g->v[i].subkey_len = r->has_subkey ? r->subkey_len : 0;
+        if (r->has_subkey)
+            memcpy(g->v[i].subkey, r->subkey, r->subkey_len);
+        g->v[i].value_len = r->value_len;
+        memcpy(g->v[i].value, r->value, r->value_len);
+    }
+}
+
+static int got_done(void *ud) { return ((got *)ud)->done; }
+
+static void dht_get_b(fx *f, const char *key, got *g)
+{
+    memset(g, 0, sizeof(*g));
+    cr_assert_eq(hm_node_dht_get(f->b, (const uint8_t *)key, strlen(key), 3000, on_get, g), 0);
+    cr_assert(hm_test_run_until(&f->loop, got_done, g, 6000));
+}
+
+/* Gets key from B until it shows at least n live (non-empty) values, or gives up. */
+static size_t live_values(const got *g)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < g->n; i++)
+        k += g->v[i].value_len > 0;
+    return k;
+}
+
+static void get_until_live(fx *f, const char *key, size_t n, got *g)
+{
+    uint64_t end = hm_now_ms() + 10000;
+    do {
+        dht_get_b(f, key, g);
+        if (g->status == 0 && live_values(g) >= n)
+            return;
+        hm_test_run_until(&f->loop, never, NULL, 100);
+    } while (hm_now_ms() < end);
+    cr_assert_fail("%s: %zu live values, wanted %zu", key, live_values(g), n);
+}
+
+/* Checks a prefix key lists coordinates 0 and 1, owned by A, with entries below it. */
+static void check_prefix(fx *f, const char *key, got *g)
+{
+    int seen[2] = {0, 0};
+    get_until_live(f, key, 2, g);
+    for (size_t i = 0; i < g->n; i++) {
+        uint32_t coord;
+        uint8_t pk[HM_PK_BYTES];
+        char uid[HM_MOE_UID_MAX + 1], addr[HM_MOE_ADDR_MAX + 1];
+        cr_assert(g->v[i].has_subkey);
+        cr_assert_eq(hm_moe_parse_prefix_subkey(g->v[i].subkey, g->v[i].subkey_len, &coord, pk),
+                     0);
+        cr_assert_arr_eq(pk, f->a_pk, HM_PK_BYTES);
+        cr_assert_lt(coord, 2);
+        seen[coord] = 1;
+        cr_assert_eq(hm_moe_decode_prefix_value(g->v[i].value, g->v[i].value_len, uid, addr), 0);
+        cr_assert_str_eq(addr, f->a_hostport);
+        /* The entry names an expert below key.coord. */
+        char below[HM_MOE_UID_MAX + 2];
+        snprintf(below, sizeof(below), "%s%u.", key, (unsigned)coord);
+        char uidd[HM_MOE_UID_MAX + 2];
+        snprintf(uidd, sizeof(uidd), "%s.", uid);
+        cr_assert(strncmp(uidd, below, strlen(below)) == 0, "%s under %s", uid, below);
+    }
+    cr_assert(seen[0] && seen[1]);
+}
+
+Test(moe_server, declarations_are_found_and_withdrawn)
+{
+    fx f;
+    hm_moe_server_opts o;
+    got g;
+    char marker[HM_DHT_OWNER_MARKER_LEN + 1];
+    fx_start(&f, 0);
+    memset(&o, 0, sizeof(o));
+    o.declare_ttl_s = 30;
+    server_start(&f, &o);
+    hm_dht_owner_marker(f.a_pk, marker);
+
+    get_until_live(&f, "ffn.0.1", 1, &g);
+    cr_assert_eq(g.n, 1);
+    cr_assert(g.v[0].has_subkey);
+    cr_assert_eq(g.v[0].subkey_len, strlen(marker));
+    cr_assert(memcmp(g.v[0].subkey, marker, strlen(marker)) == 0);
+    char addr[HM_MOE_ADDR_MAX + 1], type[HM_MOE_TYPE_MAX + 1];
+    size_t dim;
+    cr_assert_eq(hm_moe_decode_expert_value(g.v[0].value, g.v[0].value_len, addr, type, &dim), 0);
+    cr_assert_str_eq(addr, f.a_hostport);
+    cr_assert_str_eq(type, "ffn");
+    cr_assert_eq(dim, DIM);
+
+    check_prefix(&f, "ffn.", &g);
+    check_prefix(&f, "ffn.1.", &g);
+
+    /* Close with withdraw: the same keys now read as withdrawn. */
+    server_close(&f, 1);
+    dht_get_b(&f, "ffn.0.1", &g);
+    cr_assert_eq(g.status, 0);
+    cr_assert_eq(live_values(&g), 0, "ffn.0.1 still has a live declaration");
+    cr_assert_geq(g.n, 1);
+    cr_assert_eq(hm_moe_decode_expert_value(g.v[0].value, g.v[0].value_len, addr, type, &dim),
+                 -ENOENT);
+    dht_get_b(&f, "ffn.", &g);
+    cr_assert_eq(live_values(&g), 0);
+    dht_get_b(&f, "ffn.0.", &g);
+    cr_assert_eq(live_values(&g), 0);
+    /* After close the methods are gone. */
+    float x[DIM];
+    fill(x, DIM);
+    size_t len;
+    call c;
+    uint8_t *b = enc_fwd("ffn.0.0", x, 1, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -ENOSYS);
+    free(b);
+    fx_stop(&f);
+}
+
+/* ---- durability ---- */
+
+static void do_backward(fx *f, const char *uid)
+{
+    enum { B = 2 };
+    float x[B * DIM], gy[B * DIM], gx[B * DIM];
+    size_t len;
+    call c;
+    fill(x, B * DIM);
+    fill(gy, B * DIM);
+    uint8_t *b = enc_bwd(uid, x, gy, B, DIM, &len);
+    cr_assert_eq(call_sync(f, HM_MOE_METHOD_BWD, b, len, &c), 0);
+    cr_assert_eq(hm_moe_decode_out(c.body, c.len, 1, B, DIM, gx), 0);
+    free(c.body);
+    free(b);
+}
+
+Test(moe_server, resumes_from_the_state_dir)
+{
+    fx f;
+    fx_start(&f, 1);
+    server_start(&f, NULL);
+    do_backward(&f, "ffn.1.0");
+    do_backward(&f, "ffn.1.0");
+    server_close(&f, 0);
+
+    /* What close wrote. */
+    hm_ffn *saved = file_copy(&f, "ffn.1.0", NULL);
+    cr_assert_eq(hm_ffn_steps(saved), 2);
+
+    /* A second server on the same node and state dir picks it up. */
+    server_start(&f, NULL);
+    hm_moe_hosted h[4];
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 4), 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.1.0")->resumed, 1);
+    cr_assert_eq(find_hosted(h, 4, "ffn.1.0")->steps, 2);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->steps, 0);
+
+    enum { B = 3 };
+    float x[B * DIM], y[B * DIM], want[B * DIM];
+    fill(x, B * DIM);
+    cr_assert_eq(hm_ffn_forward(saved, x, B, want), 0);
+    cr_assert_eq(remote_fwd(&f, "ffn.1.0", x, B, y), 0);
+    assert_close(y, want, B * DIM, "resumed y");
+    hm_ffn_free(saved);
+
+    /* Hosting again skips what is hosted; a mismatching config is refused. */
+    hm_ffn_config c = cfg16();
+    size_t added = 99;
+    char err[256] = "";
+    cr_assert_eq(hm_moe_server_host(f.srv, PATTERN, "ffn", &c, &added, err, sizeof(err)), 0);
+    cr_assert_eq(added, 0);
+    server_close(&f, 0);
+
+    hm_moe_server_opts o;
+    memset(&o, 0, sizeof(o));
+    o.state_dir = f.dir;
+    cr_assert_eq(hm_moe_server_new(f.a, &o, &f.srv), 0);
+    c.hidden = 32;
+    cr_assert_eq(hm_moe_server_host(f.srv, "ffn.1.[0:2]", "ffn", &c, &added, err, sizeof(err)),
+                 -EPROTO);
+    cr_assert(strlen(err) > 0);
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 4), 0, "a refused pattern adds nothing");
+    fx_stop(&f);
+}
+
+Test(moe_server, corrupt_checkpoint_falls_back_to_previous)
+{
+    fx f;
+    char path[256];
+    fx_start(&f, 1);
+    server_start(&f, NULL);
+    do_backward(&f, "ffn.0.1");
+    cr_assert_eq(hm_moe_server_checkpoint(f.srv), 0);
+    do_backward(&f, "ffn.0.1");
+    server_close(&f, 0);
+
+    /* Current holds step 2, previous step 1; damage the current file's payload. */
+    ckpt_path(&f, "ffn.0.1", path, sizeof(path));
+    FILE *fp = fopen(path, "r+b");
+    cr_assert_not_null(fp);
+    cr_assert_eq(fseek(fp, HM_CKPT_HEADER_BYTES + 40, SEEK_SET), 0);
+    int ch = fgetc(fp);
+    cr_assert_eq(fseek(fp, HM_CKPT_HEADER_BYTES + 40, SEEK_SET), 0);
+    fputc(ch ^ 0x5a, fp);
+    fclose(fp);
+    int used_prev = 0;
+    hm_ffn *prev = file_copy(&f, "ffn.0.1", &used_prev);
+    cr_assert_eq(used_prev, 1);
+    cr_assert_eq(hm_ffn_steps(prev), 1);
+
+    server_start(&f, NULL);
+    hm_moe_hosted h[4];
+    hm_moe_server_list(f.srv, h, 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.1")->resumed, 1);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.1")->steps, 1);
+    enum { B = 2 };
+    float x[B * DIM], y[B * DIM], want[B * DIM];
+    fill(x, B * DIM);
+    cr_assert_eq(hm_ffn_forward(prev, x, B, want), 0);
+    cr_assert_eq(remote_fwd(&f, "ffn.0.1", x, B, y), 0);
+    assert_close(y, want, B * DIM, "y from previous");
+    hm_ffn_free(prev);
+    fx_stop(&f);
+}
+
+Test(moe_server, one_server_per_node_and_bad_host_calls)
+{
+    fx f;
+    fx_start(&f, 0);
+    server_start(&f, NULL);
+    hm_moe_server *second = NULL;
+    cr_assert_eq(hm_moe_server_new(f.a, NULL, &second), -EEXIST);
+    cr_assert_null(second);
+
+    hm_ffn_config c = cfg16();
+    char err[256];
+    size_t added = 5;
+    cr_assert_eq(hm_moe_server_host(f.srv, "ffn.[0:2", "ffn", &c, &added, err, sizeof(err)),
+                 -EINVAL);
+    cr_assert(strstr(err, "byte") != NULL, "%s", err);
+    cr_assert_eq(added, 0);
+    cr_assert_eq(hm_moe_server_host(f.srv, "big.[0:65536]", "ffn", &c, &added, err, sizeof(err)),
+                 -EMSGSIZE);
+    cr_assert_eq(hm_moe_server_host(f.srv, "ffn.9", "bad type!", &c, &added, err, sizeof(err)),
+                 -EINVAL);
+    c.dim = 0;
+    cr_assert_eq(hm_moe_server_host(f.srv, "ffn.9", "ffn", &c, &added, err, sizeof(err)),
+                 -EINVAL);
+    c = cfg16();
+    c.dim = 8;
+    /* Another grid next to the first, with its own dim. */
+    cr_assert_eq(hm_moe_server_host(f.srv, "small.[0:3]", "ffn", &c, &added, err, sizeof(err)), 0,
+                 "%s", err);
+    cr_assert_eq(added, 3);
+    hm_moe_hosted h[8];
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 8), 7);
+    cr_assert_eq(find_hosted(h, 7, "small.2")->dim, 8);
+    /* list copies at most max and still says how many there are. */
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 2), 7);
+    fx_stop(&f);
+}
+
+Test(moe_server, requests_whose_caller_left_are_not_computed)
+{
+    fx f;
+    hm_moe_server_opts o;
+    fx_start(&f, 0);
+    memset(&o, 0, sizeof(o));
+    o.batch_wait_ms = 400;
+    server_start(&f, &o);
+
+    float x[DIM], y[DIM];
+    fill(x, DIM);
+    size_t len;
+    call c;
+    memset(&c, 0, sizeof(c));
+    uint8_t *b = enc_fwd("ffn.1.1", x, 1, DIM, &len);
+    /* The caller gives up long before the batch wait is over. */
+    cr_assert_eq(hm_rpc_call(hm_node_rpc(f.b), f.a_pk, (const struct sockaddr *)&f.a_addr,
+                             HM_MOE_METHOD_FWD, b, len, HM_RPC_STREAM, 100, on_reply, &c, NULL),
+                 0);
+    cr_assert(hm_test_run_until(&f.loop, call_done, &c, 5000));
+    cr_assert_eq(c.status, -ETIMEDOUT);
+    free(b);
+    hm_test_run_until(&f.loop, never, NULL, 700);
+    hm_moe_hosted h[4];
+    hm_moe_server_list(f.srv, h, 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.1.1")->batches, 0, "a request nobody waits for ran");
+    cr_assert_eq(find_hosted(h, 4, "ffn.1.1")->fwd_requests, 0);
+    /* The expert still serves the next caller. */
+    cr_assert_eq(remote_fwd(&f, "ffn.1.1", x, 1, y), 0);
+    fx_stop(&f);
+}
+
+Test(moe_server, declares_once_peers_appear)
+{
+    uv_loop_t loop;
+    hm_moe_server *srv = NULL;
+    hm_moe_server_opts o;
+    hm_ffn_config c = cfg16();
+    char addr[256], err[256] = "";
+    got g;
+    int closed = 0;
+
+    hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
+    cr_assert_eq(hm_crypto_init(), 0);
+    cr_assert_eq(uv_loop_init(&loop), 0);
+    /* A lone node hosts first (as a daemon does at start); its first round stores nothing. */
+    hm_node *a = hm_test_make_node(&loop, "moe-server-test", NULL);
+    memset(&o, 0, sizeof(o));
+    o.declare_ttl_s = 600; /* a refresh would be 200 s away */
+    cr_assert_eq(hm_moe_server_new(a, &o, &srv), 0);
+    cr_assert_eq(hm_moe_server_host(srv, "late.[0:2]", "ffn", &c, NULL, err, sizeof(err)), 0);
+    hm_test_run_until(&loop, never, NULL, 300);
+
+    cr_assert_eq(hm_node_address(a, addr, sizeof(addr)), 0);
+    hm_node *b = hm_test_make_node(&loop, "moe-server-test", addr);
+    fx f;
+    memset(&f, 0, sizeof(f));
+    f.a = a;
+    f.b = b;
+    cr_assert(hm_test_run_until(&loop, dht_ready, &f, 10000));
+    memset(&g, 0, sizeof(g));
+    uint64_t end = hm_now_ms() + 12000;
+    int found = 0;
+    while (!found && hm_now_ms() < end) {
+        memset(&g, 0, sizeof(g));
+        cr_assert_eq(hm_node_dht_get(b, (const uint8_t *)"late.1", 6, 2000, on_get, &g), 0);
+        cr_assert(hm_test_run_until(&loop, got_done, &g, 4000));
+        found = g.status == 0 && live_values(&g) == 1;
+        if (!found)
+            hm_test_run_until(&loop, never, NULL, 200);
+    }
+    cr_assert(found, "the declaration never appeared after the peer came");
+
+    hm_moe_server_close(srv, 0, set_flag, &closed);
+    cr_assert(hm_test_run_until(&loop, flag_set, &closed, 10000));
+    hm_node_close(a, NULL, NULL);
+    hm_node_close(b, NULL, NULL);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&loop), 0);
+}
+
+static int stepped_and_saved(void *ud)
+{
+    fx *f = ud;
+    hm_moe_hosted h[4];
+    hm_moe_server_list(f->srv, h, 4);
+    const hm_moe_hosted *e = find_hosted(h, 4, "ffn.1.1");
+    return e->steps == 1 && e->last_checkpoint_unix_ms != 0;
+}
+
+Test(moe_server, periodic_checkpoints_save_stepped_experts)
+{
+    fx f;
+    hm_moe_server_opts o;
+    fx_start(&f, 1);
+    memset(&o, 0, sizeof(o));
+    o.state_dir = f.dir;
+    o.checkpoint_interval_ms = 150;
+    server_start(&f, &o);
+    do_backward(&f, "ffn.1.1");
+    cr_assert(hm_test_run_until(&f.loop, stepped_and_saved, &f, 5000),
+              "no periodic checkpoint after a step");
+    hm_ffn *saved = file_copy(&f, "ffn.1.1", NULL);
+    cr_assert_eq(hm_ffn_steps(saved), 1);
+    hm_ffn_free(saved);
+    /* Experts that never stepped are not rewritten periodically. */
+    hm_moe_hosted h[4];
+    hm_moe_server_list(f.srv, h, 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->last_checkpoint_unix_ms, 0);
+    fx_stop(&f);
+}
