@@ -10,11 +10,16 @@
  * score among the coordinates that some host declared under each prefix
  * (proto.h); the last level yields experts with their hosts. Results are
  * the k_best best live experts, best first (fewer when fewer exist).
+ * With a beam at least as wide as the number of declared prefixes at each
+ * level the result is exact; a narrower beam may miss an expert whose
+ * prefix scored low.
  *
  * Calls. hm_moe_forward sends x to k experts at once. It finishes
  *   - with 0 as soon as all k answered, or timeout_after_k_min after the
  *     k_min-th answer (whichever first);
- *   - with -ETIMEDOUT when timeout passes with fewer than k_min answers.
+ *   - with -ETIMEDOUT when timeout passes with fewer than k_min answers
+ *     (or as soon as every expert has replied or failed with fewer than
+ *     k_min answers, since nothing more can come).
  * An expert whose reply is an error, wrongly shaped or non-finite counts
  * as not answering. Calls still open when it finishes are cancelled.
  * hm_moe_backward is the same with backward_k_min and backward_timeout.
@@ -49,12 +54,18 @@ void hm_moe_client_free(hm_moe_client *c);
 typedef void (*hm_moe_find_cb)(void *ud, int status, const hm_moe_expert *experts, size_t n);
 
 /* Looks one uid up (the freshest non-withdrawn declaration). status 0 or
- * -ENOENT / -ETIMEDOUT. */
+ * -ENOENT / -ETIMEDOUT (no DHT replica answered) / -ECANCELED (the client
+ * was freed, or the node is closing). experts is valid during the
+ * callback only. */
 int hm_moe_lookup(hm_moe_client *c, const char *uid, uint64_t timeout_ms, hm_moe_find_cb cb,
                   void *ud);
 
-/* scores[d] has grid_sizes[d] entries; ndims <= HM_MOE_MAX_GRID_DIMS;
- * k_best <= HM_MOE_MAX_K; beam_size 0: k_best. */
+/* scores[d] has grid_sizes[d] finite entries (copied: they may go away
+ * after the call); ndims <= HM_MOE_MAX_GRID_DIMS; k_best <= HM_MOE_MAX_K;
+ * beam_size 0: k_best, at most HM_DHT_MANY_MAX. Declared coordinates
+ * outside grid_sizes are ignored. status 0 with n >= 1; -ENOENT when no
+ * live expert is declared in the grid; -ETIMEDOUT when none was found and
+ * some DHT read failed or the timeout passed mid-search; -ECANCELED. */
 int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const *scores,
                        const size_t *grid_sizes, size_t ndims, size_t k_best, size_t beam_size,
                        uint64_t timeout_ms, hm_moe_find_cb cb, void *ud);
@@ -67,7 +78,8 @@ typedef struct hm_moe_call_opts {
 
 /*
  * status 0 or -ETIMEDOUT (or -ECANCELED); answered[e] is 1 for the experts
- * whose rows in the output are valid, n_answered how many.
+ * whose rows in the output are valid, n_answered how many. answered is
+ * valid during the callback only.
  */
 typedef void (*hm_moe_call_cb)(void *ud, int status, const uint8_t *answered, size_t n_answered);
 

@@ -4,7 +4,9 @@
  * fresh, and the DHT (dht.h); the averager and the expert server will hang
  * off it too.
  * It runs on a caller-provided libuv loop and keeps no global state, so one
- * process can run many nodes (tests, simulations).
+ * process can run many nodes (tests, simulations). The process must ignore
+ * SIGPIPE (hivemindd does): libuv writes to TCP sockets with write(2), and
+ * a peer that closes while a write is in flight would raise it.
  *
  * Peers. Every authenticated datagram or stream message refreshes its
  * sender's entry (address, last seen). The node pings each known peer every

@@ -6,6 +6,7 @@
 #define HM_TEST_LOOP_H
 
 #include <criterion/criterion.h>
+#include <signal.h>
 #include <uv.h>
 
 #include "node.h"
@@ -45,6 +46,9 @@ static inline hm_node *hm_test_make_node(uv_loop_t *loop, const char *swarm, con
 {
     hm_node_options o = {0};
     const char *peers[1] = {peer};
+    /* As node.h says, the process must ignore SIGPIPE: a peer that closes
+     * while a write is in flight would otherwise kill the test. */
+    signal(SIGPIPE, SIG_IGN);
     o.listen = "127.0.0.1:0";
     o.swarm = swarm;
     o.ping_interval_ms = 1000;
