@@ -1044,9 +1044,12 @@ static void decl_continue(hm_moe_server *s)
     if (s->ndecls > 0 && s->round_stored == 0) {
         /*
          * Nothing was stored (a node that has not found its peers yet, say):
-         * retry sooner than the refresh period, backing off from 1 s.
+         * retry sooner than the refresh period, backing off from 1 s to
+         * 4 s: a round that reaches nobody costs next to nothing, and a
+         * daemon started with its experts should be findable as soon as
+         * its first peer answers.
          */
-        uint64_t backoff = (uint64_t)1000 << HM_MIN(s->failed_rounds, 6u);
+        uint64_t backoff = (uint64_t)1000 << HM_MIN(s->failed_rounds, 2u);
         s->failed_rounds++;
         next = HM_MIN(next, backoff);
     } else {

@@ -1096,6 +1096,38 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
         goto fail;
     }
     j->opts.client_mode = json_is_true(v);
+    /* The bandwidth this node declares sizes its span (0: the default). */
+    v = json_object_get(args, "bandwidth");
+    if (v != NULL) {
+        if (!json_is_number(v) || !(json_number_value(v) > 0) || json_number_value(v) > 1e12) {
+            hm_control_reply_error(req, "bad_args", "args.bandwidth must be bytes per second, "
+                                   "above 0 and at most 1e12");
+            goto fail;
+        }
+        j->opts.bandwidth = json_number_value(v);
+    }
+    /* CenteredClip, for swarms whose members do not trust each other. */
+    v = json_object_get(args, "aggregate");
+    if (v != NULL) {
+        const char *a = json_string_value(v);
+        if (a != NULL && strcmp(a, "mean") == 0) {
+            j->opts.aggregate = HM_AR_MEAN;
+        } else if (a != NULL && strcmp(a, "centered_clip") == 0) {
+            const json_t *tau = json_object_get(args, "clip_tau");
+            if (!json_is_number(tau) || !(json_number_value(tau) > 0) ||
+                !isfinite(json_number_value(tau))) {
+                hm_control_reply_error(req, "bad_args", "aggregate centered_clip needs "
+                                       "args.clip_tau, a finite radius above 0");
+                goto fail;
+            }
+            j->opts.aggregate = HM_AR_CENTERED_CLIP;
+            j->opts.clip_tau = json_number_value(tau);
+        } else {
+            hm_control_reply_error(req, "bad_args", "args.aggregate must be mean or "
+                                   "centered_clip");
+            goto fail;
+        }
+    }
     j->d = d;
     d->avg_jobs++;
     if (data_ref != NULL) {

@@ -193,7 +193,11 @@ struct hm_transport {
     uv_udp_t udp;
     uv_timer_t hk_timer;
     uv_timer_t delay_timer;
+    uv_timer_t self_timer;  /* delivers messages sent to our own key */
     int open_handles;
+    /* Stream messages to ourselves, in order, awaiting self_timer. */
+    struct selfmsg *self_head, *self_tail;
+    size_t self_bytes;
     struct sockaddr_storage local;
 
     conn *conns;
@@ -233,6 +237,19 @@ static void conn_close(conn *c, const char *why);
 static void conn_pump(conn *c);
 static void conn_process(conn *c);
 static void delay_timer_cb(uv_timer_t *h);
+
+/*
+ * A stream message sent to our own key. The node's modules address peers
+ * by key and may well pick their own node (a trainer calling an expert
+ * that its own daemon hosts), so such a message is delivered to our
+ * on_message from the loop, as if it had come over a connection; a TCP
+ * connection to oneself would need a handshake with oneself.
+ */
+typedef struct selfmsg {
+    struct selfmsg *next;
+    size_t len;
+    uint8_t data[];
+} selfmsg;
 static void maybe_finish_close(hm_transport *t);
 
 /* ---------------------------------------------------------------- helpers */
@@ -1500,11 +1517,13 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     t->udp.data = t;
     t->hk_timer.data = t;
     t->delay_timer.data = t;
+    t->self_timer.data = t;
     uv_tcp_init(loop, &t->listener);
     uv_udp_init(loop, &t->udp);
     uv_timer_init(loop, &t->hk_timer);
     uv_timer_init(loop, &t->delay_timer);
-    t->open_handles = 4;
+    uv_timer_init(loop, &t->self_timer);
+    t->open_handles = 5;
     result = uv_tcp_open(&t->listener, tfd);
     if (result == 0)
         tfd = -1;
@@ -1534,6 +1553,7 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
         uv_close((uv_handle_t *)&t->udp, handle_closed_cb);
         uv_close((uv_handle_t *)&t->hk_timer, handle_closed_cb);
         uv_close((uv_handle_t *)&t->delay_timer, handle_closed_cb);
+        uv_close((uv_handle_t *)&t->self_timer, handle_closed_cb);
         return result;
     }
     {
@@ -1583,6 +1603,50 @@ int hm_transport_send_dgram(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
     return dgram_send_now(t, pk, to, msg, len);
 }
 
+static void self_timer_cb(uv_timer_t *h)
+{
+    hm_transport *t = h->data;
+    /* Only what was queued before this turn: a reply sent from a handler
+     * goes out on the next one. */
+    selfmsg *m = t->self_head;
+    t->self_head = t->self_tail = NULL;
+    while (m != NULL) {
+        selfmsg *next = m->next;
+        t->self_bytes -= m->len;
+        if (!t->closing && t->cbs.on_message != NULL)
+            t->cbs.on_message(t->ud, t->id.pk, (const struct sockaddr *)&t->local, m->data,
+                              m->len);
+        free(m);
+        m = next;
+    }
+}
+
+static int self_send(hm_transport *t, const uv_buf_t *bufs, unsigned n, size_t len)
+{
+    if (t->self_bytes + len > t->cfg.max_queued_bytes)
+        return -ENOBUFS;
+    selfmsg *m = malloc(sizeof(*m) + len);
+    if (m == NULL)
+        return -ENOMEM;
+    m->next = NULL;
+    m->len = len;
+    size_t off = 0;
+    for (unsigned i = 0; i < n; i++) {
+        if (bufs[i].len > 0)
+            memcpy(m->data + off, bufs[i].base, bufs[i].len);
+        off += bufs[i].len;
+    }
+    if (t->self_tail != NULL)
+        t->self_tail->next = m;
+    else
+        t->self_head = m;
+    t->self_tail = m;
+    t->self_bytes += len;
+    if (!uv_is_active((uv_handle_t *)&t->self_timer))
+        uv_timer_start(&t->self_timer, self_timer_cb, 0, 0);
+    return 0;
+}
+
 int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                        const uv_buf_t *bufs, unsigned n, int prio)
 {
@@ -1593,6 +1657,8 @@ int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
     size_t len = bufs_len(bufs, n);
     if (len > t->cfg.max_message)
         return -EMSGSIZE;
+    if (memcmp(pk, t->id.pk, HM_PK_BYTES) == 0)
+        return self_send(t, bufs, n, len);
     if (fault_drop(t, pk))
         return 0;
     if (t->faults.delay_ms > 0) {
@@ -1710,8 +1776,16 @@ void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)
         free(d);
     }
     t->delayed_bytes = 0;
+    while (t->self_head != NULL) {
+        selfmsg *m = t->self_head;
+        t->self_head = m->next;
+        free(m);
+    }
+    t->self_tail = NULL;
+    t->self_bytes = 0;
     uv_close((uv_handle_t *)&t->listener, handle_closed_cb);
     uv_close((uv_handle_t *)&t->udp, handle_closed_cb);
     uv_close((uv_handle_t *)&t->hk_timer, handle_closed_cb);
     uv_close((uv_handle_t *)&t->delay_timer, handle_closed_cb);
+    uv_close((uv_handle_t *)&t->self_timer, handle_closed_cb);
 }

@@ -21,6 +21,10 @@
  * times that); a peer past a cap is disconnected; connections are capped in
  * total; handshakes must finish within handshake_timeout_ms.
  *
+ * A stream message to our own key is delivered to our own on_message from
+ * the loop (never from inside the send), in order, without a connection;
+ * at most max_queued_bytes wait at once.
+ *
  * Fault injection (tests only, off by default): drop a fraction of outgoing
  * datagrams and stream messages, delay everything we send, stall (stop
  * reading and writing entirely, like a SIGSTOPped process), or partition

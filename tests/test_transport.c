@@ -1122,3 +1122,31 @@ Test(transport, oneway_datagrams_reach_their_channel_only)
     node_stop(&a);
     node_stop(&b);
 }
+
+Test(transport, stream_call_to_own_key_is_served_locally)
+{
+    tnode a;
+    node_start(&a);
+    uint8_t big[100000];
+    for (size_t i = 0; i < sizeof(big); i++)
+        big[i] = (uint8_t)(i * 7);
+    result r1 = {0}, r2 = {0};
+    /* Two calls to ourselves: both come back, in order, with their bodies. */
+    cr_assert_eq(call(&a, &a, "echo", "self", 4, HM_RPC_STREAM, 2000, &r1), 0);
+    cr_assert_eq(call(&a, &a, "echo", big, sizeof(big), HM_RPC_STREAM, 2000, &r2), 0);
+    cr_assert_eq(r1.count, 0, "a call never completes from inside hm_rpc_call");
+    cr_assert(run_until(&r2.count, 1, 3000));
+    cr_assert_eq(r1.count, 1);
+    cr_assert_eq(r1.status, 0);
+    cr_assert_eq(r1.len, 4);
+    cr_assert_eq(memcmp(r1.body, "self", 4), 0);
+    cr_assert_eq(r2.status, 0);
+    cr_assert_eq(r2.len, sizeof(big));
+    cr_assert_eq(memcmp(r2.body, big, sizeof(big)), 0);
+    cr_assert_lt(r1.order, r2.order);
+    /* No connection was made for it. */
+    cr_assert_eq(stats_of(&a).connections, 0);
+    result_free(&r1);
+    result_free(&r2);
+    node_stop(&a);
+}
