@@ -630,6 +630,10 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     k->timer.data = k;
     k->kmin_timer.data = k;
     k->handles_open = 2;
+    /* libuv's clock is cached at the start of the loop turn; a caller that
+     * computed for a while before this call would otherwise get a timeout
+     * that is already mostly spent. */
+    uv_update_time(loop);
     /* With nothing in flight the call is over, but the callback must not
      * fire from inside this function: a zero timer reports it. */
     uv_timer_start(&k->timer, call_timeout_cb, k->n_pending == 0 ? 0 : o->timeout_ms, 0);
