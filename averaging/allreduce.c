@@ -3,7 +3,8 @@
  * design, the messages and the failure rules are in allreduce.h). This file
  * owns the per-node context (rounds by group id, a short list of finished
  * rounds, one tick timer), each round's sender tasks and reducer chunks,
- * and the message codecs.
+ * the copy of its input kept for rollback, the end-of-round barrier's
+ * state, and the message codecs.
  *
  * Reentrancy: hm_rpc_cancel fires the call's callback synchronously, so a
  * task's generation is bumped before its call is cancelled and a callback
@@ -19,6 +20,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "codec.h"
 #include "util.h"
@@ -42,7 +44,7 @@ typedef struct task {
     uint32_t span, chunk;
     size_t off, cnt;
     uint8_t state;
-    uint8_t have_result; /* the data region holds an average */
+    uint8_t have_result; /* the data region holds an average, not our own values */
     uint8_t attempts;    /* "not ready" retries at the current reducer */
     int to;              /* reducer while in flight */
     uint32_t gen;
@@ -57,12 +59,9 @@ typedef struct oslot {
     uint64_t first_ms;
     uint64_t have;        /* DATA in */
     uint64_t held;        /* network calls held, answered at finalization */
-    uint64_t result_from; /* members that sent a RESULT */
     float **part;         /* [G]; NULL for self, whose values are read from data */
     double *w;            /* [G] */
     hm_rpc_req **req;     /* [G] */
-    float *result;        /* adopted RESULT */
-    uint64_t result_contrib;
     size_t self_task;     /* our task waiting here, or SIZE_MAX */
 } oslot;
 
@@ -70,14 +69,18 @@ typedef struct hspan {
     int hosted;
     size_t n_chunks;
     uint8_t *final;
+    uint64_t *fcontrib; /* who is in each final chunk's answer, so that a death reopens it */
     oslot **open;
 } hspan;
 
+/* A call of ours on "avg.dead": a notice of deaths, or our "done". */
 typedef struct notice {
     struct notice *next;
     hm_ar_round *r;
     uint64_t call_id;
     int pending;
+    int done;      /* a done announcement (its reply matters) */
+    size_t member; /* whom it went to */
 } notice;
 
 typedef struct callctx {
@@ -98,6 +101,12 @@ struct hm_ar_round {
     void *ud;
     uint64_t self_bit;
     uint64_t all_mask;
+    /*
+     * Our values as they came in: a chunk whose average turns out to hold a
+     * member found dead later is averaged again from these (allreduce.h,
+     * "Rollback").
+     */
+    float *orig;
 
     size_t off[HM_AVG_MAX_GROUP], cnt[HM_AVG_MAX_GROUP], nch[HM_AVG_MAX_GROUP];
     uint64_t share[HM_AVG_MAX_GROUP];
@@ -111,6 +120,16 @@ struct hm_ar_round {
 
     uint64_t dead, bad, late;
     int reason[HM_AVG_MAX_GROUP];
+
+    /* The end-of-round barrier (allreduce.h, "Rollback"). */
+    uint64_t peer_done;                      /* members whose "done" we hold */
+    uint64_t peer_over;                      /* members whose round is over ("round over") */
+    uint64_t done_pending;                   /* our "done" calls in flight */
+    uint64_t peer_done_view[HM_AVG_MAX_GROUP]; /* the view each was sent under */
+    uint64_t done_sent;                      /* members our "done" reached (or is on its way to) */
+    uint64_t done_sent_view[HM_AVG_MAX_GROUP];
+    uint64_t done_retry_at[HM_AVG_MAX_GROUP];
+    uint64_t done_first_ms[HM_AVG_MAX_GROUP]; /* first try under "not ready" answers */
 
     notice *notices;
     uint64_t start_ms, deadline_ms, start_us;
@@ -139,7 +158,30 @@ struct hm_ar_ctx {
     void *close_ud;
 };
 
+/* Inputs at least this large get their rollback copy in huge pages where the kernel allows. */
+#define HUGE_BYTES ((size_t)2 << 20)
+
 static void progress(hm_ar_round *r);
+
+/*
+ * The rollback copy of a round's input. A large one is aligned to 2 MiB
+ * and marked for transparent huge pages: fresh memory of the vector's size
+ * every round otherwise costs one page fault per 4 KiB, which on virtual
+ * machines is most of the copy's price.
+ */
+static float *copy_alloc(size_t n)
+{
+    size_t bytes = n ? n * sizeof(float) : sizeof(float);
+    void *p = NULL;
+    if (bytes < HUGE_BYTES)
+        return malloc(bytes);
+    if (posix_memalign(&p, HUGE_BYTES, bytes) != 0)
+        return NULL;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p;
+}
 static void apply_view(hm_ar_round *r, uint64_t dead_add, uint64_t bad_add, int reason);
 
 static inline uint64_t bit(size_t i) { return (uint64_t)1 << i; }
@@ -290,13 +332,14 @@ out:
 
 void hm_ar_dead_encode(hm_wire_wr *w, const hm_ar_dead_msg *m)
 {
-    hm_wire_wr_array(w, 6);
+    hm_wire_wr_array(w, 7);
     hm_wire_wr_uint(w, HM_AR_VERSION);
     hm_wire_wr_bin(w, m->group_id, HM_AVG_GROUP_ID_BYTES);
     hm_wire_wr_uint(w, m->sender);
     hm_wire_wr_uint(w, m->n_total);
     hm_wire_wr_uint(w, m->dead_mask);
     hm_wire_wr_uint(w, m->bad_mask);
+    hm_wire_wr_uint(w, m->done ? 1 : 0);
 }
 
 int hm_ar_dead_decode(const uint8_t *buf, size_t len, hm_ar_dead_msg *out)
@@ -305,9 +348,9 @@ int hm_ar_dead_decode(const uint8_t *buf, size_t len, hm_ar_dead_msg *out)
     msgpack_object obj;
     const msgpack_object *it;
     hm_wire_limits lim = {.max_size = 256, .max_depth = 1, .max_elements = 8};
-    uint64_t ver, sender;
+    uint64_t ver, sender, done = 0;
     const uint8_t *gid;
-    uint32_t glen;
+    uint32_t glen, count = 0;
     int result;
 
     memset(out, 0, sizeof(*out));
@@ -315,20 +358,24 @@ int hm_ar_dead_decode(const uint8_t *buf, size_t len, hm_ar_dead_msg *out)
         return -ENOMEM;
     if ((result = hm_wire_unpack(buf, len, &lim, &zone, &obj)) < 0)
         goto out;
-    if ((result = hm_wire_get_array(&obj, 6, 6, &it, NULL)) < 0 ||
+    /* The seventh element (done) is optional: a plain notice may omit it. */
+    if ((result = hm_wire_get_array(&obj, 6, 7, &it, &count)) < 0 ||
         (result = hm_wire_get_uint(&it[0], &ver)) < 0 ||
         (result = hm_wire_get_bin(&it[1], &gid, &glen)) < 0 ||
         (result = hm_wire_get_uint(&it[2], &sender)) < 0 ||
         (result = hm_wire_get_uint(&it[3], &out->n_total)) < 0 ||
         (result = get_mask(&it[4], &out->dead_mask)) < 0 ||
-        (result = get_mask(&it[5], &out->bad_mask)) < 0)
+        (result = get_mask(&it[5], &out->bad_mask)) < 0 ||
+        (count == 7 && (result = hm_wire_get_uint(&it[6], &done)) < 0))
         goto out;
-    if (ver != HM_AR_VERSION || glen != HM_AVG_GROUP_ID_BYTES || sender >= HM_AVG_MAX_GROUP) {
+    if (ver != HM_AR_VERSION || glen != HM_AVG_GROUP_ID_BYTES || sender >= HM_AVG_MAX_GROUP ||
+        done > 1) {
         result = -EPROTO;
         goto out;
     }
     memcpy(out->group_id, gid, HM_AVG_GROUP_ID_BYTES);
     out->sender = (uint32_t)sender;
+    out->done = (uint32_t)done;
 out:
     msgpack_zone_destroy(&zone);
     if (result < 0)
@@ -410,11 +457,14 @@ static int host_span(hm_ar_round *r, size_t s)
         return 0;
     h->n_chunks = r->nch[s];
     h->final = calloc(h->n_chunks ? h->n_chunks : 1, 1);
+    h->fcontrib = calloc(h->n_chunks ? h->n_chunks : 1, sizeof(*h->fcontrib));
     h->open = calloc(h->n_chunks ? h->n_chunks : 1, sizeof(*h->open));
-    if (h->final == NULL || h->open == NULL) {
+    if (h->final == NULL || h->fcontrib == NULL || h->open == NULL) {
         free(h->final);
+        free(h->fcontrib);
         free(h->open);
         h->final = NULL;
+        h->fcontrib = NULL;
         h->open = NULL;
         return -ENOMEM;
     }
@@ -450,7 +500,6 @@ static void slot_free(hm_ar_round *r, oslot *o)
     free(o->part);
     free(o->w);
     free(o->req);
-    free(o->result);
     free(o);
 }
 
@@ -516,10 +565,7 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
     const float *ans = NULL;
     uint64_t contrib = 0;
 
-    if (o->result != NULL) {
-        ans = o->result;
-        contrib = o->result_contrib;
-    } else if (o->have != 0) {
+    if (o->have != 0) {
         const float *xs[HM_AVG_MAX_GROUP];
         double w[HM_AVG_MAX_GROUP];
         size_t m = 0;
@@ -597,13 +643,14 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
     slot_free(r, o);
     h->open[k] = NULL;
     h->final[k] = 1;
+    h->fcontrib[k] = ans != NULL ? contrib : 0;
     r->n_open--;
 }
 
 static int slot_complete(const hm_ar_round *r, const oslot *o)
 {
     uint64_t expected = r->all_mask & ~out_mask(r) & ~r->late;
-    return (expected & ~(o->have | o->result_from)) == 0;
+    return (expected & ~o->have) == 0;
 }
 
 /* Takes a member out of every chunk still open here. */
@@ -646,8 +693,8 @@ static void check_slots(hm_ar_round *r, int force)
                 continue;
             if (!force && !slot_complete(r, o) && now >= o->first_ms + r->cfg.part_timeout_ms) {
                 /* Senders that missed this chunk's deadline are not waited for again. */
-                uint64_t missing = r->all_mask & ~out_mask(r) & ~r->late & ~r->self_bit &
-                                   ~(o->have | o->result_from);
+                uint64_t missing =
+                    r->all_mask & ~out_mask(r) & ~r->late & ~r->self_bit & ~o->have;
                 for (size_t j = 0; j < r->g.n; j++)
                     if (missing & bit(j)) {
                         r->late |= bit(j);
@@ -664,11 +711,71 @@ static void check_slots(hm_ar_round *r, int force)
 
 /* ============================================================= sender side */
 
+static void found_out(hm_ar_round *r, size_t j, int reason);
+static void leave_round(hm_ar_round *r, int status);
+
+/* Member j's "done" counts: it is done under the view we hold now, or its round is over. */
+static int done_of(const hm_ar_round *r, size_t j)
+{
+    if (r->peer_over & bit(j))
+        return 1;
+    return (r->peer_done & bit(j)) && r->peer_done_view[j] == out_mask(r);
+}
+
+/* What member j answered to our "done". */
+static void done_reply(hm_ar_round *r, size_t j, int status, const uint8_t *body, size_t len)
+{
+    hm_ar_dead_msg m;
+    uint64_t now = hm_now_ms();
+
+    r->done_pending &= ~bit(j);
+    if (is_out(r, j))
+        return;
+    switch (status) {
+    case 0:
+        /* The reply carries its view, so that we learn of deaths it knows. */
+        if (hm_ar_dead_decode(body, len, &m) == 0 && m.sender == j && m.n_total == r->n &&
+            !(r->late & bit(j)) && !((m.dead_mask | m.bad_mask) & r->self_bit) &&
+            memcmp(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES) == 0)
+            apply_view(r, m.dead_mask, m.bad_mask, HM_AR_DEAD);
+        break;
+    case -ESRCH:
+        /* Its round is over: it needs nothing more from us, and we can get nothing from it. */
+        r->peer_over |= bit(j);
+        break;
+    case -EAGAIN:
+        /* It has not started the round: ask again shortly, for a reducer timeout at most. */
+        if (r->done_first_ms[j] == 0)
+            r->done_first_ms[j] = now;
+        if (now < r->done_first_ms[j] + r->cfg.reducer_timeout_ms) {
+            r->done_sent &= ~bit(j);
+            r->done_retry_at[j] = now + RETRY_MAX_MS;
+            break;
+        }
+        if (!(r->late & bit(j)))
+            found_out(r, j, HM_AR_DEAD);
+        break;
+    case -EPERM:
+        leave_round(r, -EPERM);
+        break;
+    case -ESTALE:
+    case -ECANCELED:
+        break;
+    default:
+        /*
+         * No answer: a member we wait for is gone, unless we already hold
+         * its own "done" (it had every result, so nothing it sent changes).
+         * A late member is not waited for, so its silence changes nothing.
+         */
+        if (!(r->late & bit(j)) && !done_of(r, j))
+            found_out(r, j, HM_AR_DEAD);
+        break;
+    }
+}
+
 static void notice_cb(void *ud, int status, const uint8_t *body, size_t len)
 {
     notice *nt = ud;
-    HM_UNUSED(status);
-    HM_UNUSED(body);
     hm_ar_round *r = nt->r;
     if (r != NULL)
         r->bytes_recv += len;
@@ -684,44 +791,105 @@ static void notice_cb(void *ud, int status, const uint8_t *body, size_t len)
             *pp = nt->next;
             break;
         }
+    if (nt->done) {
+        size_t j = nt->member;
+        free(nt);
+        done_reply(r, j, status, body, len);
+        progress(r);
+        return;
+    }
     free(nt);
+}
+
+/* Sends one "avg.dead" call (a notice or our "done") to member j. */
+static int notice_send(hm_ar_round *r, size_t j, const uint8_t *buf, size_t len, int done,
+                       uint64_t timeout)
+{
+    notice *nt = calloc(1, sizeof(*nt));
+    if (nt == NULL)
+        return -ENOMEM;
+    nt->r = r;
+    nt->pending = 1;
+    nt->done = done;
+    nt->member = j;
+    const hm_avg_member *mb = &r->g.members[j];
+    int rc = hm_rpc_call(r->ctx->rpc, mb->pk, (const struct sockaddr *)&mb->addr,
+                         HM_AR_DEAD_METHOD, buf, len, HM_RPC_STREAM, timeout, notice_cb, nt,
+                         &nt->call_id);
+    if (rc < 0) {
+        free(nt);
+        return rc;
+    }
+    r->bytes_sent += len;
+    nt->next = r->notices;
+    r->notices = nt;
+    return 0;
+}
+
+static int encode_view(const hm_ar_round *r, int done, uint8_t *buf, size_t cap, size_t *len)
+{
+    hm_wire_wr w;
+    hm_ar_dead_msg m = {.sender = (uint32_t)r->g.self, .n_total = r->n, .dead_mask = r->dead,
+                        .bad_mask = r->bad, .done = (uint32_t)done};
+    memcpy(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
+    hm_wire_wr_init_fixed(&w, buf, cap);
+    hm_ar_dead_encode(&w, &m);
+    *len = w.len;
+    return hm_wire_wr_error(&w);
+}
+
+/*
+ * Every task of ours is finished: tell each member that is not out, once
+ * per view (a view that changes may reopen chunks, so an earlier "done"
+ * no longer counts).
+ */
+static void send_dones(hm_ar_round *r)
+{
+    uint8_t buf[128];
+    size_t len;
+    uint64_t now = hm_now_ms(), view = out_mask(r);
+    if (now >= r->deadline_ms || encode_view(r, 1, buf, sizeof(buf), &len) != 0)
+        return;
+    for (size_t j = 0; j < r->g.n; j++) {
+        if (j == r->g.self || is_out(r, j) || (r->peer_over & bit(j)) ||
+            (r->done_pending & bit(j)) || now < r->done_retry_at[j] ||
+            ((r->done_sent & bit(j)) && r->done_sent_view[j] == view))
+            continue;
+        uint64_t timeout = HM_MIN(r->cfg.reducer_timeout_ms, r->deadline_ms - now);
+        if (notice_send(r, j, buf, len, 1, timeout) < 0) {
+            r->done_retry_at[j] = now + RETRY_MAX_MS;
+            continue;
+        }
+        r->done_sent |= bit(j);
+        r->done_sent_view[j] = view;
+        r->done_pending |= bit(j);
+    }
+}
+
+/* The barrier: every member we wait for (not out, not late) is done under our view. */
+static int barrier_met(const hm_ar_round *r)
+{
+    for (size_t j = 0; j < r->g.n; j++) {
+        if (j == r->g.self || is_out(r, j) || (r->late & bit(j)))
+            continue;
+        if (!done_of(r, j))
+            return 0;
+    }
+    return 1;
 }
 
 /* Tells every live member whom we found dead or bad. */
 static void broadcast_view(hm_ar_round *r)
 {
     uint8_t buf[128];
-    hm_wire_wr w;
-    hm_ar_dead_msg m = {.sender = (uint32_t)r->g.self, .n_total = r->n, .dead_mask = r->dead,
-                        .bad_mask = r->bad};
+    size_t len;
     uint64_t now = hm_now_ms();
-    if (now >= r->deadline_ms)
-        return;
-    memcpy(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
-    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
-    hm_ar_dead_encode(&w, &m);
-    if (hm_wire_wr_error(&w) != 0)
+    if (now >= r->deadline_ms || encode_view(r, 0, buf, sizeof(buf), &len) != 0)
         return;
     for (size_t j = 0; j < r->g.n; j++) {
         if (j == r->g.self || is_out(r, j))
             continue;
-        notice *nt = calloc(1, sizeof(*nt));
-        if (nt == NULL)
-            return;
-        nt->r = r;
-        nt->pending = 1;
-        const hm_avg_member *mb = &r->g.members[j];
-        int rc = hm_rpc_call(r->ctx->rpc, mb->pk, (const struct sockaddr *)&mb->addr,
-                             HM_AR_DEAD_METHOD, buf, w.len, HM_RPC_STREAM,
-                             HM_MIN(NOTICE_TIMEOUT_MS, r->deadline_ms - now), notice_cb, nt,
-                             &nt->call_id);
-        if (rc < 0) {
-            free(nt);
-            continue;
-        }
-        r->bytes_sent += w.len;
-        nt->next = r->notices;
-        r->notices = nt;
+        notice_send(r, j, buf, len, 0, HM_MIN(NOTICE_TIMEOUT_MS, r->deadline_ms - now));
     }
 }
 
@@ -786,11 +954,21 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
         }
         if (rc < 0 || rep.data == NULL ||
             hm_avg_chunk_decode(rep.data, rep.data_len, vals, t->cnt, &got) < 0 || got != t->cnt ||
-            (rep.contrib_mask & ~r->all_mask) != 0) {
+            (rep.contrib_mask & ~r->all_mask) != 0 || !(rep.contrib_mask & r->self_bit)) {
             free(vals);
             t->state = T_QUEUED;
             t->gen++;
             found_out(r, red, HM_AR_BAD);
+            break;
+        }
+        if (rep.contrib_mask & out_mask(r)) {
+            /*
+             * The average holds a member we know is out (the reducer had
+             * not heard yet): send our values again, with our view, so that
+             * it reopens the chunk and averages it without that member.
+             */
+            free(vals);
+            task_retry(t);
             break;
         }
         task_complete(r, (size_t)(t - r->tasks), vals, rep.contrib_mask);
@@ -876,21 +1054,8 @@ static void submit_local(hm_ar_round *r, size_t ti)
         h->open[t->chunk] = o;
         r->n_open++;
     }
-    if (t->have_result) {
-        if (o->result == NULL) {
-            o->result = malloc(t->cnt ? t->cnt * sizeof(float) : sizeof(float));
-            if (o->result == NULL) {
-                task_retry(t);
-                return;
-            }
-            memcpy(o->result, r->data + t->off, t->cnt * sizeof(float));
-            o->result_contrib = t->contrib;
-        }
-        o->result_from |= bit(self);
-    } else {
-        o->have |= bit(self);
-        o->w[self] = r->weight;
-    }
+    o->have |= bit(self);
+    o->w[self] = r->weight;
     o->self_task = ti;
     t->state = T_INFLIGHT;
     t->to = (int)self;
@@ -935,11 +1100,11 @@ static void send_task(hm_ar_round *r, size_t ti)
         .n_total = r->n,
         .span = t->span,
         .chunk = t->chunk,
-        .kind = t->have_result ? HM_AR_RESULT : HM_AR_DATA,
+        .kind = HM_AR_DATA,
         .weight = r->weight,
         .dead_mask = r->dead,
         .bad_mask = r->bad,
-        .contrib_mask = t->have_result ? t->contrib : 0,
+        .contrib_mask = 0,
         .data = enc,
         .data_len = clen,
     };
@@ -985,6 +1150,53 @@ static void send_task(hm_ar_round *r, size_t ti)
     t->to = red;
 }
 
+/* Puts our own values back into a task's region and queues it to be sent again. */
+static void task_reset(hm_ar_round *r, task *t)
+{
+    if (t->state == T_INFLIGHT) {
+        t->gen++;
+        t->state = T_QUEUED;
+        if ((size_t)t->to != r->g.self)
+            hm_rpc_cancel(r->ctx->rpc, t->call_id);
+    }
+    if (t->have_result) {
+        memcpy(r->data + t->off, r->orig + t->off, t->cnt * sizeof(float));
+        t->have_result = 0;
+        t->contrib = 0;
+    }
+    t->state = T_QUEUED;
+    t->first_try_ms = 0;
+    t->retry_at_ms = 0;
+    t->attempts = 0;
+    t->gen++;
+    r->lo = 0;
+}
+
+/*
+ * Rollback (allreduce.h): every average that holds a member now out is
+ * undone, on both sides. As a sender, each such chunk gets our own values
+ * back and is sent again; as a reducer, each such final chunk is reopened,
+ * so that the parts sent again are averaged over the members still in.
+ */
+static void rollback(hm_ar_round *r, uint64_t gone)
+{
+    for (size_t i = 0; i < r->n_tasks; i++) {
+        task *t = &r->tasks[i];
+        if (t->state == T_DONE && (t->contrib & gone))
+            task_reset(r, t);
+    }
+    for (size_t s = 0; s < r->g.n; s++) {
+        hspan *h = &r->hs[s];
+        if (!h->hosted)
+            continue;
+        for (size_t k = 0; k < h->n_chunks; k++)
+            if (h->final[k] && (h->fcontrib[k] & gone)) {
+                h->final[k] = 0;
+                h->fcontrib[k] = 0;
+            }
+    }
+}
+
 /* Every span whose reducer changed is sent again to its new reducer. */
 static void reroute(hm_ar_round *r)
 {
@@ -994,23 +1206,16 @@ static void reroute(hm_ar_round *r)
             continue;
         hm_debug(MOD, "span %zu moves from member %d to member %d", s, r->cur[s], now_red);
         r->cur[s] = now_red;
+        /*
+         * The new reducer averages every chunk of the span again from
+         * everyone's own values, so that all survivors end with the same
+         * average over themselves.
+         */
         for (size_t i = 0; i < r->n_tasks; i++) {
             task *t = &r->tasks[i];
-            if (t->span != s || t->state == T_FAILED)
-                continue;
-            if (t->state == T_INFLIGHT) {
-                t->gen++;
-                t->state = T_QUEUED;
-                if ((size_t)t->to != r->g.self)
-                    hm_rpc_cancel(r->ctx->rpc, t->call_id);
-            }
-            t->state = T_QUEUED;
-            t->first_try_ms = 0;
-            t->retry_at_ms = 0;
-            t->attempts = 0;
+            if (t->span == s && t->state != T_FAILED)
+                task_reset(r, t);
         }
-        if (r->lo > 0)
-            r->lo = 0;
     }
 }
 
@@ -1029,6 +1234,7 @@ static void apply_view(hm_ar_round *r, uint64_t dead_add, uint64_t bad_add, int 
         r->reason[j] = (bad_add & bit(j)) ? HM_AR_BAD : (reason == HM_AR_BAD ? HM_AR_DEAD : reason);
         slots_drop_member(r, j, -EPERM);
     }
+    rollback(r, fresh);
     reroute(r);
 }
 
@@ -1066,12 +1272,20 @@ static void progress(hm_ar_round *r)
     pump(r);
     check_slots(r, 0);
     if (!r->finishing) {
-        int done = r->n_open == 0;
+        int done = 1;
         for (size_t i = r->lo; done && i < r->n_tasks; i++)
             if (task_open(&r->tasks[i]))
                 done = 0;
-        if (done)
-            r->finishing = 1;
+        /*
+         * Our results are final only once every member we wait for is done
+         * under the same view (allreduce.h, "Rollback"); until then we keep
+         * serving our chunks, which a late death may reopen.
+         */
+        if (done) {
+            send_dones(r);
+            if (!r->finishing && barrier_met(r))
+                r->finishing = 1;
+        }
     }
     if (r->finishing)
         schedule_tick(r->ctx, 0);
@@ -1152,6 +1366,12 @@ static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     }
     size_t s = m.span, k = m.chunk, j = m.sender;
     size_t cnt = 0;
+    if (m.kind != HM_AR_DATA) {
+        /* RESULT is retired (allreduce.h): a member that sends one speaks another protocol. */
+        reply_status(r, req, -EPROTO);
+        found_out(r, j, HM_AR_BAD);
+        goto out;
+    }
     if (s >= r->g.n || r->cnt[s] == 0 || k >= r->nch[s]) {
         reply_status(r, req, -EINVAL);
         found_out(r, j, HM_AR_BAD);
@@ -1178,7 +1398,7 @@ static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
         goto out;
     }
     rc = hm_avg_chunk_decode(m.data, m.data_len, vals, cnt, &got);
-    if (rc < 0 || got != cnt || (m.kind == HM_AR_RESULT && (m.contrib_mask & ~r->all_mask))) {
+    if (rc < 0 || got != cnt) {
         free(vals);
         rc = rc == -EDOM ? -EDOM : -EINVAL;
         hm_debug(MOD, "member %zu sent a bad part (%s)", j, hm_strerror(rc));
@@ -1200,20 +1420,10 @@ static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
         reply_status(r, o->req[j], -EALREADY);
     o->req[j] = req;
     o->held |= bit(j);
-    if (m.kind == HM_AR_RESULT) {
-        if (o->result == NULL) {
-            o->result = vals;
-            o->result_contrib = m.contrib_mask;
-        } else {
-            free(vals);
-        }
-        o->result_from |= bit(j);
-    } else {
-        free(o->part[j]);
-        o->part[j] = vals;
-        o->w[j] = m.weight;
-        o->have |= bit(j);
-    }
+    free(o->part[j]);
+    o->part[j] = vals;
+    o->w[j] = m.weight;
+    o->have |= bit(j);
 out:
     progress(r);
 }
@@ -1238,7 +1448,22 @@ static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     }
     r->bytes_recv += len;
     rc = check_sender(r, m.sender, pk, m.n_total, m.dead_mask, m.bad_mask);
-    hm_rpc_respond(req, rc, NULL, 0);
+    if (rc == 0 && m.done) {
+        r->peer_done |= bit(m.sender);
+        r->peer_done_view[m.sender] = m.dead_mask | m.bad_mask;
+    }
+    if (rc == 0) {
+        /* Our view rides on the reply, so that a member done under an older one hears. */
+        uint8_t buf[128];
+        size_t blen;
+        if (encode_view(r, 0, buf, sizeof(buf), &blen) == 0 &&
+            hm_rpc_respond(req, 0, buf, blen) == 0)
+            r->bytes_sent += blen;
+        else
+            hm_rpc_respond(req, 0, NULL, 0);
+    } else {
+        hm_rpc_respond(req, rc, NULL, 0);
+    }
     progress(r);
 }
 
@@ -1248,9 +1473,11 @@ static void round_free(hm_ar_round *r)
 {
     for (size_t s = 0; s < HM_AVG_MAX_GROUP; s++) {
         free(r->hs[s].final);
+        free(r->hs[s].fcontrib);
         free(r->hs[s].open);
     }
     free(r->tasks);
+    free(r->orig);
     free(r);
 }
 
@@ -1463,7 +1690,8 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
         r->cur[s] = r->cnt[s] > 0 ? (int)s : -1;
     }
     r->tasks = calloc(r->n_tasks ? r->n_tasks : 1, sizeof(*r->tasks));
-    if (r->tasks == NULL) {
+    r->orig = copy_alloc(n);
+    if (r->tasks == NULL || r->orig == NULL) {
         result = -ENOMEM;
         goto out;
     }
@@ -1479,6 +1707,8 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
             t->cnt = HM_MIN(cfg.chunk_elems, r->cnt[s] - k * cfg.chunk_elems);
             t->state = T_QUEUED;
         }
+    if (n > 0)
+        memcpy(r->orig, data, n * sizeof(float));
     r->start_ms = hm_now_ms();
     r->start_us = hm_now_us();
     r->deadline_ms = r->start_ms + cfg.round_timeout_ms;

@@ -21,10 +21,12 @@
  * validator; sizes checked against the layout):
  *   "avg.part" request: [1, group_id(bin 32), sender, n_total, span, chunk,
  *        kind, weight, dead_mask, bad_mask, contrib_mask, data(bin)]
- *     kind 0 (DATA): the sender's own values; kind 1 (RESULT): a chunk
- *     average the sender already received from an earlier reducer of the
- *     span, with that average's contributors in contrib_mask. data is one
- *     chunk in codec.h's self-describing format (none, fp16 or 8-bit).
+ *     kind 0 (DATA): the sender's own values, always. Kind 1 (RESULT, a
+ *     chunk average handed on with its contributors in contrib_mask) is
+ *     retired since rollback (below) makes every replacement average
+ *     from DATA: the codec still parses it, and a reducer refuses it
+ *     (-EPROTO, the sender marked bad). data is one chunk in codec.h's
+ *     self-describing format (none, fp16 or 8-bit).
  *   reply (any status): [1, dead_mask, bad_mask, contrib_mask, data(bin)|nil]
  *     status 0 carries the chunk's average and who is in it. Refusals:
  *     -EAGAIN    this node has not started that group (yet): retry shortly;
@@ -35,8 +37,12 @@
  *     -ETIME     the chunk was final before the part arrived (late sender);
  *     -ESTALE    the sender's view names the receiver dead;
  *     -ESRCH     this node's round is over.
- *   "avg.dead" request: [1, group_id, sender, n_total, dead_mask, bad_mask],
- *     empty reply: a member tells the others whom it found dead or bad.
+ *   "avg.dead" request: [1, group_id, sender, n_total, dead_mask, bad_mask,
+ *        done]: a member tells the others whom it found dead or bad
+ *     (done 0, a notice) or that it holds every result under that view
+ *     (done 1, the end-of-round barrier below); done may be absent (0).
+ *     Reply with status 0: the same form with the receiver's view (done 0),
+ *     so that a member learns the deaths the other knows of.
  * A member whose n_total differs from ours (it averages another vector) is
  * marked bad on its first message. A sender whose own part was checked
  * (finite, our layout) and is still called malformed by a reducer blames
@@ -74,11 +80,8 @@
  * reassigns the dead reducer's span, and any span that member held, to the
  * next live member with bandwidth > 0 after it in group order (cyclic), the
  * same choice everywhere. Each member then sends every chunk of that span
- * to the replacement again: as DATA when it had no average for the chunk
- * yet, as RESULT when it had one. The replacement waits for all live
- * members as usual; if any RESULT arrived, that average (which the dead
- * reducer already handed out) becomes the chunk's answer to everyone, so
- * that the survivors agree; otherwise it averages the DATA. A member found
+ * to the replacement again, as DATA with its own values (rollback below),
+ * and the replacement averages them over the live members. A member found
  * dead or bad is removed from every chunk this node has open, its held
  * calls are refused and its later parts too; a sender caught with
  * non-finite values or a wrong size is marked bad the same way. A member
@@ -87,27 +90,54 @@
  * every chunk still open at the round deadline is finalized with what is
  * in, and the round ends by its deadline whatever happens.
  *
- * What a result contains. A chunk's average is over exactly the members
- * whose part was in when the chunk became final, and the report says who
- * for each span. A member that fails after its part went into a chunk that
- * is already final stays in that chunk (its data was valid when sent); a
- * member found dead or bad while a chunk is open is removed from it
- * exactly. So when a death is discovered only after some chunks were
- * finalized, those chunks include the dead member and later ones do not:
- * the span's report then lists it in `partial`, not in `contributors`. The
- * dead reducer's own span is always averaged over the survivors only (its
- * contribution to it never left it). One race remains: if a reducer dies
- * after answering some senders of a chunk but not others, and a member that
- * got the answer has already finished its round when the others resend,
- * the replacement waits part_timeout_ms for it and averages that chunk over
- * the members that resent; each member's report still says exactly whom
- * its values include.
+ * Rollback. A result is only final once every contributor is known to have
+ * lived through the round. Each member keeps a copy of its own input for
+ * the round, and each reducer remembers, per final chunk, whose parts are
+ * in it (one 64-bit mask). When a member learns that someone is dead or
+ * bad (from its own call, a notice, a mask on any message), every average
+ * it holds that includes that member is undone: as a sender it puts its
+ * own values back into those chunks and sends them again (to the same
+ * reducer, or to the replacement if the reducer is the one gone); as a
+ * reducer it reopens those final chunks, and averages the parts sent
+ * again over the members still in. An answer that arrives holding a member
+ * the sender already knows is out is not taken: the part goes again, with
+ * the sender's view, which makes the reducer reopen the chunk. So a member
+ * killed while reducing (after the others' parts reached it, and after
+ * its own parts went into averages others handed out) ends up in no chunk
+ * of any survivor.
  *
- * Memory. Per round: the caller's vector (written in place); at most
- * `window` outgoing chunk bodies per member (each copied once into the
- * transport's queue); at the reducer, one decoded chunk per live sender for
- * each open chunk, and senders keep at most `window` tasks open each. With
- * the defaults that is a few tens of MiB at most for any tensor size.
+ * The end-of-round barrier. A member whose tasks are all finished does
+ * not end its round: it sends "done" (with its view) to every member not
+ * out, keeps serving its chunks, and ends once every member it waits for
+ * (not dead, bad or late in its view) has sent "done" under the same view
+ * as its own now, or has ended its round ("round over"), or at the
+ * deadline. A "done" sent under an older view does not count, since that
+ * member still has to undo averages; a member that does not answer our
+ * "done" (and whose own "done" we do not hold) is dead, which is how a
+ * member killed after every call to it was answered is still found. So no
+ * survivor ends with an average that another survivor is about to undo.
+ *
+ * What a result contains. A chunk's average is over exactly the members
+ * whose part was in when the chunk became final (after any rollback), and
+ * the report says who for each span. A member found dead or bad during the
+ * round is in no chunk of any survivor. Members marked late are not waited
+ * for at the barrier: a late member's parts that made it into open chunks
+ * count, and a late member that dies after the others ended stays in them.
+ * Races remain only where the round is already over for someone: a member
+ * that dies after it sent "done" to some members but not others (it had
+ * every result: the ones that got its "done" keep it, the others undo it),
+ * or a member late in some views and waited for in others, found dead after
+ * the ones that did not wait ended (the others cannot reopen chunks held
+ * there: those keep their local values and the round reports -ETIMEDOUT).
+ * Each member's report still says exactly whom its values include.
+ *
+ * Memory. Per round: the caller's vector (written in place) and one copy
+ * of it (our input, for rollback), so twice the vector; at most `window`
+ * outgoing chunk bodies per member (each copied once into the transport's
+ * queue); at the reducer, one decoded chunk per live sender for each open
+ * chunk and one mask per chunk of the spans it reduces; senders keep at
+ * most `window` tasks open each. Beyond the two vectors, that is a few tens
+ * of MiB at most with the defaults, whatever the tensor's size.
  *
  * Trust. Members are trusted to report deaths honestly: a member that lies
  * in its masks can leave others out of a round. Data is checked (sizes,
@@ -247,6 +277,7 @@ typedef struct hm_ar_dead_msg {
     uint32_t sender;
     uint64_t n_total;
     uint64_t dead_mask, bad_mask;
+    uint32_t done; /* 1: the sender has every result under this view (the barrier) */
 } hm_ar_dead_msg;
 
 /*

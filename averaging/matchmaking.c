@@ -214,9 +214,11 @@ void hm_mm_encode_join(hm_wire_wr *w, const hm_mm_join *j)
 
 void hm_mm_encode_wait(hm_wire_wr *w, const hm_mm_wait *m)
 {
-    hm_wire_wr_array(w, 2);
+    hm_wire_wr_array(w, m->leave ? 3 : 2);
     hm_wire_wr_uint(w, WIRE_VERSION);
     hm_wire_wr_bin(w, m->key, m->key_len);
+    if (m->leave)
+        hm_wire_wr_bool(w, 1);
 }
 
 void hm_mm_encode_reply(hm_wire_wr *w, const hm_mm_reply *r)
@@ -326,10 +328,13 @@ int hm_mm_decode_wait(const void *buf, size_t len, hm_mm_wait *out)
     memset(out, 0, sizeof(*out));
     if (!msgpack_zone_init(&z, 256))
         return -ENOMEM;
-    if ((result = unpack_array(buf, len, &z, 2, 2, &it, &n)) < 0)
+    if ((result = unpack_array(buf, len, &z, 2, 3, &it, &n)) < 0)
         goto out;
-    if (get_version(&it[0]) < 0 || get_key(&it[1], out->key, &out->key_len) < 0)
+    if (get_version(&it[0]) < 0 || get_key(&it[1], out->key, &out->key_len) < 0 ||
+        (n == 3 && it[2].type != MSGPACK_OBJECT_BOOLEAN))
         result = -EPROTO;
+    else if (n == 3)
+        out->leave = it[2].via.boolean ? 1 : 0;
 out:
     msgpack_zone_destroy(&z);
     return result;
@@ -644,6 +649,54 @@ static void refuse(search *s, const peer *p, uint64_t transient_ms, uint64_t now
     f->deadline_ms = p->deadline_ms;
     if (transient_ms > 0)
         f->until_ms = HM_MAX(f->until_ms, now + transient_ms);
+}
+
+/*
+ * Refuses a leader for ms without refusing its attempt: a leader whose key
+ * is later than ours (BAD_DEADLINE) may still take us once it is committed.
+ */
+static void refuse_briefly(search *s, const peer *p, uint64_t ms, uint64_t now)
+{
+    refusal *f = NULL;
+    for (size_t i = 0; i < s->n_refused; i++)
+        if (memcmp(s->refused[i].pk, p->pk, HM_PK_BYTES) == 0)
+            f = &s->refused[i];
+    if (f == NULL) {
+        if (s->n_refused == MAX_REFUSED) {
+            memmove(&s->refused[0], &s->refused[1], (MAX_REFUSED - 1) * sizeof(refusal));
+            s->n_refused--;
+        }
+        f = &s->refused[s->n_refused++];
+        memcpy(f->pk, p->pk, HM_PK_BYTES);
+        f->deadline_ms = 0; /* no attempt refused */
+        f->until_ms = 0;
+    }
+    f->until_ms = HM_MAX(f->until_ms, now + ms);
+}
+
+/*
+ * A leader is committed when it has followers and its deadline is less
+ * than a request timeout away: it asks nobody else before it begins (see
+ * try_next_candidate), so it may also take a joiner whose key is earlier
+ * than its own without any risk of a cycle.
+ */
+static int committed(const search *s, uint64_t now)
+{
+    return s->phase == HM_MM_SEARCHING && !s->client && s->n_followers > 0 &&
+           now < s->deadline_ms && s->deadline_ms <= now + s->req_ms;
+}
+
+/*
+ * A peer is stranded when nobody follows it and its deadline is less than
+ * a request timeout away: the later peers it was waiting for have led
+ * groups of their own, and without a follower it would disband at its
+ * deadline and find them begun. It then asks later leaders too, which take
+ * it if they are committed.
+ */
+static int stranded(const search *s, uint64_t now)
+{
+    return s->phase == HM_MM_SEARCHING && !s->client && s->n_followers == 0 &&
+           s->deadline_ms <= now + s->req_ms;
 }
 
 static size_t n_waiting(const search *s)
@@ -1006,7 +1059,7 @@ static int send_wait(search *s)
 {
     uint8_t buf[HM_MM_KEY_MAX + 16];
     hm_wire_wr w;
-    hm_mm_wait m;
+    hm_mm_wait m = {.leave = 0};
     uint64_t now = now_ms(s->mm);
     int r;
 
@@ -1035,6 +1088,28 @@ static int send_wait(search *s)
     return 0;
 }
 
+/* Tells a leader that accepted us that we will not come; nobody waits for the answer. */
+static void send_leave(search *s, const peer *p)
+{
+    uint8_t buf[HM_MM_KEY_MAX + 16];
+    hm_wire_wr w;
+    hm_mm_wait m = {.leave = 1};
+
+    memcpy(m.key, s->key, s->key_len);
+    m.key_len = s->key_len;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_mm_encode_wait(&w, &m);
+    if (hm_wire_wr_error(&w) < 0)
+        return;
+    op *o = op_new(s->mm, s, OP_WAIT);
+    if (o == NULL)
+        return;
+    o->search_id = 0; /* orphaned from the start: its answer is dropped */
+    if (hm_rpc_call(s->mm->rpc, p->pk, (const struct sockaddr *)&p->addr, M_WAIT, buf, w.len,
+                    HM_RPC_STREAM, s->req_ms, on_wait_reply, o, &o->call_id) < 0)
+        op_free(o);
+}
+
 /* Follows a suggested leader when it may lead us; 0 when a join went out. */
 static int try_suggested(search *s, const hm_mm_reply *r, uint64_t now)
 {
@@ -1045,7 +1120,7 @@ static int try_suggested(search *s, const hm_mm_reply *r, uint64_t now)
     p.addr = r->leader_addr;
     p.deadline_ms = r->deadline_ms;
     if (memcmp(p.pk, s->mm->pk, HM_PK_BYTES) == 0 || is_refused(s, &p, now) ||
-        !key_less(p.deadline_ms, p.pk, self_deadline(s), s->mm->pk))
+        (!key_less(p.deadline_ms, p.pk, self_deadline(s), s->mm->pk) && !stranded(s, now)))
         return -1;
     s->redirects++;
     return send_join(s, &p);
@@ -1091,9 +1166,15 @@ static void on_join_reply(void *ud, int status, const uint8_t *body, size_t len)
         return;
     switch (r.code) {
     case HM_MM_ACCEPTED:
-        /* With a full group of our own, we begin rather than move. */
-        if (s->n_followers + 1 >= s->target)
+        /*
+         * With a full group of our own, we begin rather than move, and say
+         * so: the leader frees our place now, not a request timeout later
+         * (a place held for nobody can leave a peer with no group).
+         */
+        if (s->n_followers + 1 >= s->target) {
+            send_leave(s, &leader);
             break;
+        }
         s->leader.deadline_ms = r.deadline_ms;
         leader.deadline_ms = r.deadline_ms;
         disband(s, &leader);
@@ -1105,6 +1186,10 @@ static void on_join_reply(void *ud, int status, const uint8_t *body, size_t len)
         refuse(s, &leader, s->period_ms, now);
         if (try_suggested(s, &r, now) == 0)
             return;
+        break;
+    case HM_MM_BAD_DEADLINE:
+        /* It should join us; once committed it may take us instead (stranded()). */
+        refuse_briefly(s, &leader, s->period_ms, now);
         break;
     default:
         refuse(s, &leader, 0, now);
@@ -1156,7 +1241,7 @@ static void try_next_candidate(search *s, uint64_t now)
         return;
     while (s->next_cand < s->n_cands) {
         const peer *c = &s->cands[s->next_cand++];
-        if (!key_less(c->deadline_ms, c->pk, self_deadline(s), s->mm->pk)) {
+        if (!key_less(c->deadline_ms, c->pk, self_deadline(s), s->mm->pk) && !stranded(s, now)) {
             s->next_cand = s->n_cands; /* sorted: no later one may lead us */
             return;
         }
@@ -1292,7 +1377,7 @@ static void on_join_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
         if (memcmp(s->followers[i].pk, peer_pk, HM_PK_BYTES) == 0)
             f = &s->followers[i];
     if (f == NULL) {
-        if (!key_less(s->deadline_ms, mm->pk, joiner_deadline, peer_pk)) {
+        if (!key_less(s->deadline_ms, mm->pk, joiner_deadline, peer_pk) && !committed(s, now)) {
             r.code = HM_MM_BAD_DEADLINE;
             goto reply;
         }
@@ -1342,7 +1427,7 @@ static void on_wait_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
 {
     HM_UNUSED(from);
     hm_mm *mm = ud;
-    hm_mm_wait m;
+    hm_mm_wait m = {.leave = 0};
     int rc;
 
     if ((rc = hm_mm_decode_wait(body, len, &m)) < 0) {
@@ -1369,8 +1454,17 @@ static void on_wait_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
             (void)hm_rpc_respond(req, -EPROTO, NULL, 0);
         return;
     }
-    if (f == NULL) {
+    if (f == NULL || m.leave) {
+        /* A follower that leaves gives its place back at once. */
+        if (f != NULL) {
+            if (f->wait != NULL)
+                (void)hm_rpc_respond(f->wait, -ECANCELED, NULL, 0);
+            drop_follower(s, (size_t)(f - s->followers));
+            hm_debug(MOD, "%s: follower left", s->key);
+        }
         respond_code(req, HM_MM_DISBANDED);
+        if (f != NULL)
+            step(s);
         return;
     }
     /* A newer wait from the same follower replaces the one it gave up. */

@@ -43,7 +43,17 @@
  * once that leader accepts it, it disbands its own followers and redirects
  * them to its new leader, so a peer that follows never leads. A peer with
  * followers stops asking others when its own deadline is less than
- * request_timeout_ms away.
+ * request_timeout_ms away; it is then committed: it also accepts a joiner
+ * whose key is earlier than its own (it will follow nobody before it
+ * begins, so no cycle can form). A peer that nobody follows and whose
+ * deadline is less than request_timeout_ms away is stranded: the later
+ * peers it waited for lead groups of their own, so it also asks later
+ * candidates (and follows later leaders it is redirected to), which take
+ * it if committed and answer BAD_DEADLINE otherwise (a refusal for a
+ * read period only, not for the attempt). A peer accepted by a leader
+ * while its own group filled up begins its own group and tells that leader
+ * it leaves (a wait with the leave flag), so its place is given back at
+ * once rather than held until request_timeout_ms passes.
  *
  * Assembly. A leader begins when target_group_size - 1 followers wait on
  * it, or at its deadline with at least min_group_size - 1 of them (it
@@ -80,7 +90,8 @@
  * Wire forms (msgpack; bodies of stream rpc calls):
  *   join  [1, group_key bin, addr str, bandwidth float, client bool,
  *          deadline uint]
- *   wait  [1, group_key bin]
+ *   wait  [1, group_key bin] or [1, group_key bin, true] (leave: the
+ *         follower gives its place back; answered DISBANDED)
  *   reply [code, ...]: ACCEPTED [0, deadline]; REDIRECT [1, pk bin(32),
  *          addr str, deadline]; FULL [2], NOT_LOOKING [3],
  *          BAD_DEADLINE [4]; BEGIN [5, group_id bin(32),
@@ -204,6 +215,7 @@ typedef struct hm_mm_join {
 typedef struct hm_mm_wait {
     uint8_t key[HM_MM_KEY_MAX];
     size_t key_len;
+    int leave; /* the follower gives its place back (it will not wait) */
 } hm_mm_wait;
 
 typedef struct hm_mm_reply {

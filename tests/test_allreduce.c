@@ -7,10 +7,12 @@
  * within their documented bounds, that a member that never starts is left
  * out and the rest finish in time with the average over themselves, that a
  * reducer stalled mid-round has its span reassigned and every survivor's
- * result is the weighted average over exactly the contributors reported,
+ * result is the weighted average over the survivors exactly,
  * that a member sending NaN or a vector of the wrong size is left out
- * without touching the others' result, and that parts sent before a member
- * started are retried until it does.
+ * without touching the others' result, that a reducer crashing mid-round
+ * (its parts already in averages others handed out) is undone everywhere
+ * so every span is over the survivors exactly, and that parts sent before
+ * a member started are retried until it does.
  */
 #include "config.h"
 
@@ -105,6 +107,10 @@ static void nodes_stop(void)
 {
     int closed = 0;
     for (int i = 0; i < n_nodes; i++) {
+        if (nodes[i].rpc == NULL) { /* crashed earlier, already closed */
+            closed += 2;
+            continue;
+        }
         hm_ar_ctx_close(nodes[i].ctx, on_closed, &closed);
         hm_rpc_close(nodes[i].rpc, on_closed, &closed);
     }
@@ -416,10 +422,14 @@ static void stalled_reducer(int mid)
             if (sp->count == 0)
                 continue;
             cr_assert_eq(sp->chunks_local, 0);
-            if (!mid) {
-                cr_assert_eq(sp->contributors, live);
-                cr_assert_eq(sp->partial, 0);
-            }
+            /*
+             * Even when the victim's parts were already in averages that
+             * other reducers had handed out, those chunks are averaged again
+             * without it: every span is over the survivors exactly.
+             */
+            cr_assert_eq(sp->contributors, live, "node %d span %zu: %#llx", i, s,
+                         (unsigned long long)sp->contributors);
+            cr_assert_eq(sp->partial, 0);
             /* Whoever is in each chunk, the survivors agree on every value. */
             for (int o = 0; o < 5; o++)
                 if (o != victim && o != i)
@@ -430,8 +440,7 @@ static void stalled_reducer(int mid)
                 check_close(t->data, sp->contributors, sp->offset, sp->offset + sp->count, 1e-6,
                             1e-9, i);
         }
-        if (!mid)
-            check_exact(i, live);
+        check_exact(i, live);
     }
     /* The stalled member gives up by its own deadline, knowing it averaged with nobody. */
     cr_assert(run_until_done(5, 3000));
@@ -443,6 +452,60 @@ static void stalled_reducer(int mid)
 
 Test(allreduce, reducer_stalled_at_start_is_replaced) { stalled_reducer(0); }
 Test(allreduce, reducer_stalled_mid_round_is_replaced) { stalled_reducer(1); }
+
+/*
+ * A reducer that crashes while it reduces its span: the others' parts have
+ * reached it, and its own parts are already in averages the other reducers
+ * handed out. Its connections close (as when its process is killed), and
+ * the survivors undo every average that holds it: every span of every
+ * survivor is the weighted average over the survivors exactly, and they all
+ * hold the same values.
+ */
+Test(allreduce, reducer_crashed_mid_round_is_undone_everywhere)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 5000, .chunk_elems = 2048, .window = 4};
+    size_t len = 600011;
+    const int victim = 2;
+    nodes_start(4);
+    double bw[4] = {100, 100, 100, 100};
+    for (int i = 0; i < 4; i++)
+        fill(i, len, 0.5 + i);
+    make_group(&g, 4, bw, 0x5c);
+    uint64_t t0 = hm_now_ms();
+    for (int i = 0; i < 4; i++)
+        start(i, &g, len, &cfg);
+    /* Well into the round: parts in both directions, chunks finalized everywhere. */
+    run_until_sent(victim, 400000, 3000);
+    hm_transport_stats st;
+    hm_transport_get_stats(hm_rpc_transport(nodes[victim].rpc), &st);
+    cr_assert_gt(st.bytes_in, 100000, "others' parts reached the victim");
+    cr_assert_eq(nodes[victim].done, 0, "the victim was still reducing");
+    int crashed = 0;
+    hm_ar_ctx_close(nodes[victim].ctx, on_closed, &crashed);
+    hm_rpc_close(nodes[victim].rpc, on_closed, &crashed);
+    nodes[victim].ctx = NULL;
+    nodes[victim].rpc = NULL;
+    cr_assert(run_until_done(4, cfg.round_timeout_ms + 2000));
+    cr_assert_eq(crashed, 2);
+
+    uint64_t live = 0xfull & ~(1ull << victim);
+    for (int i = 0; i < 4; i++) {
+        if (i == victim)
+            continue;
+        tnode *t = &nodes[i];
+        cr_assert_leq(t->done_ms - t0, cfg.round_timeout_ms + 1000);
+        cr_assert_eq(t->rep.status, 0, "node %d: %d", i, t->rep.status);
+        cr_assert_eq(t->rep.reason[victim], HM_AR_DEAD);
+        cr_assert_neq(t->rep.spans[victim].final_reducer, victim);
+        check_exact(i, live);
+        for (int o = 0; o < 4; o++)
+            if (o != victim && o != i)
+                cr_assert_eq(memcmp(t->data, nodes[o].data, len * sizeof(float)), 0,
+                             "nodes %d and %d agree", i, o);
+    }
+    nodes_stop();
+}
 
 static void part_reply_cb(void *ud, int status, const uint8_t *body, size_t len)
 {
@@ -585,4 +648,33 @@ Test(allreduce, bad_arguments_and_cancel)
     cr_assert_eq(nodes[0].rep.status, -ECANCELED);
     cr_assert_eq(x[0], 1.0f);
     nodes_stop();
+}
+
+/* The view message carries the end-of-round "done" flag; the 6-element form (no flag) is a notice. */
+Test(allreduce, view_message_done_flag_round_trips)
+{
+    uint8_t buf[256];
+    hm_wire_wr w;
+    hm_ar_dead_msg m = {.sender = 3, .n_total = 1000, .dead_mask = 0x8, .bad_mask = 0x2}, m2;
+    memset(m.group_id, 0x7a, sizeof(m.group_id));
+    for (uint32_t done = 0; done <= 1; done++) {
+        m.done = done;
+        hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+        hm_ar_dead_encode(&w, &m);
+        cr_assert_eq(hm_wire_wr_error(&w), 0);
+        cr_assert_eq(hm_ar_dead_decode(buf, w.len, &m2), 0);
+        cr_assert_eq(m2.done, done);
+        cr_assert_eq(m2.sender, 3);
+        cr_assert_eq(m2.dead_mask, 0x8);
+        cr_assert_eq(m2.bad_mask, 0x2);
+    }
+    /* Without the seventh element: array header 0x97 becomes 0x96, last byte dropped. */
+    cr_assert_eq(buf[0], 0x97);
+    buf[0] = 0x96;
+    cr_assert_eq(hm_ar_dead_decode(buf, w.len - 1, &m2), 0);
+    cr_assert_eq(m2.done, 0);
+    /* A flag other than 0 or 1 is refused. */
+    buf[0] = 0x97;
+    buf[w.len - 1] = 0x02;
+    cr_assert_eq(hm_ar_dead_decode(buf, w.len, &m2), -EPROTO);
 }

@@ -4,11 +4,14 @@
  * daemons average known float32 files with known weights, concurrently,
  * and every output file is the weighted average. Then the failures, each
  * with real processes: a member SIGKILLed after its group formed and
- * before it sent anything, and a member SIGSTOPped past the round's
- * deadline. In both, the survivors finish within the round timeout plus
- * one second, each span of their result is the weighted average over
- * exactly the members their report names for it (and the victim is in
- * none), and the next round forms without the victim.
+ * before it sent anything, a member SIGKILLed while it reduces its span
+ * (once the others' parts reached it, watched through its metrics), and
+ * a member SIGSTOPped past the round's deadline. In all three, the
+ * survivors finish within the round timeout plus one second, each span of
+ * their result is the weighted average over exactly the members their
+ * report names for it (and the victim is in none; for the member killed
+ * while reducing, every span is over exactly the three survivors), and
+ * the next round forms without the victim.
  *
  * How the victim gets into the group while it cannot take part: the group
  * target is 5 with 4 daemons, so the leader waits for its matchmaking
@@ -23,12 +26,18 @@
 #include <math.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include "proc.h"
 
 #define N_DAEMONS 4
 #define N_ELEMS 40000
 #define ROUND_TIMEOUT_S 4
+
+/* The vector's length and the round timeout; the killed-reducer case uses more of both. */
+static size_t n_elems = N_ELEMS;
+static int round_timeout_s = ROUND_TIMEOUT_S;
 
 static void setup(void) { hm_proc_setup("avgd"); }
 static void teardown(void) { hm_proc_teardown(); }
@@ -88,13 +97,13 @@ static void write_inputs(int round)
     for (int i = 0; i < N_DAEMONS; i++) {
         char path[128];
         free(inputs[i]);
-        inputs[i] = malloc(N_ELEMS * sizeof(float));
+        inputs[i] = malloc(n_elems * sizeof(float));
         cr_assert_not_null(inputs[i]);
-        for (size_t k = 0; k < N_ELEMS; k++)
+        for (size_t k = 0; k < n_elems; k++)
             inputs[i][k] = (float)(sin((double)k * 0.001 * (i + 1) + round) * 3.0 + i - 1.5);
         snprintf(path, sizeof(path), "%s/in%d.%d", tmpdir, i, round);
         /* The file format is little-endian float32; so is every host we run on. */
-        cr_assert_eq(hm_test_write_file(path, inputs[i], N_ELEMS * sizeof(float), 0600), 0);
+        cr_assert_eq(hm_test_write_file(path, inputs[i], n_elems * sizeof(float), 0600), 0);
     }
 }
 
@@ -112,7 +121,7 @@ static void average_start(job *j, struct node *nodes, int i, int round, const ch
     snprintf(in[i], sizeof(in[i]), "%s/in%d.%d", tmpdir, i, round);
     snprintf(outp[i], sizeof(outp[i]), "%s/out%d.%d", tmpdir, i, round);
     snprintf(w[i], sizeof(w[i]), "%.17g", weights[i]);
-    snprintf(rt, sizeof(rt), "%d", ROUND_TIMEOUT_S);
+    snprintf(rt, sizeof(rt), "%d", round_timeout_s);
     char *argv[] = {bin_ctl,          "-s",        nodes[i].sock, "--json",
                     "average",        (char *)prefix, "--in",     in[i],
                     "--out",          outp[i],     "--weight",    w[i],
@@ -149,10 +158,11 @@ static float *read_output(int i, int round)
     snprintf(path, sizeof(path), "%s/out%d.%d", tmpdir, i, round);
     FILE *f = fopen(path, "rb");
     cr_assert_not_null(f, "no output file %s", path);
-    float *x = malloc(N_ELEMS * sizeof(float) + 4);
-    size_t n = fread(x, sizeof(float), N_ELEMS + 1, f);
+    float *x = malloc(n_elems * sizeof(float) + 4);
+    cr_assert_not_null(x);
+    size_t n = fread(x, sizeof(float), n_elems + 1, f);
     fclose(f);
-    cr_assert_eq(n, N_ELEMS, "output of %zu floats", n);
+    cr_assert_eq(n, n_elems, "output of %zu floats", n);
     return x;
 }
 
@@ -170,9 +180,11 @@ static int daemon_of(struct node *nodes, const json_t *member)
 /*
  * Daemon i's output equals, on every span, the weighted average over the
  * members its report names as that span's contributors; returns the
- * union of those daemons as a mask.
+ * union of those daemons as a mask. With `each` nonzero, every span's
+ * contributors must be exactly those daemons.
  */
-static unsigned check_output(struct node *nodes, int i, int round, const json_t *result)
+static unsigned check_output_each(struct node *nodes, int i, int round, const json_t *result,
+                                  unsigned each)
 {
     const json_t *members = json_object_get(result, "members");
     const json_t *spans = json_object_get(result, "spans");
@@ -195,6 +207,9 @@ static unsigned check_output(struct node *nodes, int i, int round, const json_t 
             mask |= 1u << daemon_of(nodes, m);
         }
         cr_assert(cnt == 0 || mask != 0);
+        if (each != 0 && cnt > 0)
+            cr_assert_eq(mask, each, "daemon %d span %zu averaged over %#x, not %#x", i, si, mask,
+                         each);
         all |= mask;
         covered += cnt;
         for (size_t k = off; k < off + cnt; k++) {
@@ -210,9 +225,14 @@ static unsigned check_output(struct node *nodes, int i, int round, const json_t 
                                (double)got[k], e, mask);
         }
     }
-    cr_assert_eq(covered, N_ELEMS);
+    cr_assert_eq(covered, n_elems);
     free(got);
     return all;
+}
+
+static unsigned check_output(struct node *nodes, int i, int round, const json_t *result)
+{
+    return check_output_each(nodes, i, round, result, 0);
 }
 
 Test(avg_daemon, four_daemons_average_exactly)
@@ -358,4 +378,136 @@ Test(avg_daemon, bad_input_is_refused)
     free(out);
     free(err);
     stop_node(&n);
+}
+
+/*
+ * The daemon's received bytes (its metrics), asked over its control socket
+ * directly: a poll takes about a millisecond, so that the test can act at a
+ * precise point of a running round. -1 when it cannot be read.
+ */
+static long long rx_bytes(struct node *n)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    static char buf[256 * 1024];
+    size_t got = 0;
+    long long v = -1;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (strlen(n->sock) >= sizeof(sa.sun_path))
+        goto out;
+    memcpy(sa.sun_path, n->sock, strlen(n->sock) + 1);
+    const char *req = "{\"cmd\": \"metrics\"}\n";
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
+        write(fd, req, strlen(req)) != (ssize_t)strlen(req))
+        goto out;
+    while (got < sizeof(buf) - 1) {
+        ssize_t r = read(fd, buf + got, sizeof(buf) - 1 - got);
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+        if (memchr(buf, '\n', got) != NULL)
+            break;
+    }
+    buf[got] = '\0';
+    json_t *j = json_loads(buf, JSON_DISABLE_EOF_CHECK, NULL);
+    const char *text = json_string_value(json_object_get(json_object_get(j, "result"), "text"));
+    const char *line = text != NULL ? strstr(text, "\nhivemindd_received_bytes_total ") : NULL;
+    if (line != NULL)
+        v = strtoll(line + strlen("\nhivemindd_received_bytes_total "), NULL, 10);
+    json_decref(j);
+out:
+    close(fd);
+    return v;
+}
+
+/*
+ * A member SIGKILLed while it reduces its span: the others' parts have
+ * reached it, and its own parts are already in averages that the other
+ * reducers handed out. The survivors undo those averages and average
+ * again without it: each survivor finishes within the round timeout plus
+ * one second, every span of its output is the weighted average over the
+ * three survivors exactly (its report says so for every span), the dead
+ * member's span went to a survivor, and the next round forms without it.
+ */
+Test(avg_daemon, member_killed_while_reducing_is_undone_everywhere)
+{
+    struct node nodes[N_DAEMONS];
+    job jobs[N_DAEMONS];
+    const int victim = N_DAEMONS - 1;
+    const unsigned survivors = (1u << victim) - 1;
+    /* 16 MiB per member: each receives 12 MiB of parts, so a poll lands mid-round. */
+    n_elems = 4u << 20;
+    round_timeout_s = 8;
+    start_swarm(nodes, N_DAEMONS);
+    write_inputs(0);
+    long long base = rx_bytes(&nodes[victim]);
+    cr_assert_geq(base, 0, "metrics of the victim");
+    for (int i = 0; i < N_DAEMONS; i++)
+        average_start(&jobs[i], nodes, i, 0, "daemon.killed", "4");
+    /*
+     * Kill it once 2 MiB of parts have come in (a sixth of what it gets):
+     * it has chunks to reduce, and has sent parts of its own in every
+     * reducer's first chunks (tasks go chunk-major, 8 in flight).
+     */
+    long long rx = base, limit = hm_test_now_ms() + 30000;
+    while (rx - base < (2ll << 20) && hm_test_now_ms() < limit) {
+        usleep(1000);
+        long long v = rx_bytes(&nodes[victim]);
+        if (v >= 0)
+            rx = v;
+    }
+    cr_assert_eq(kill(nodes[victim].pid, SIGKILL), 0);
+    long long parts_in = rx - base;
+    cr_assert_geq(parts_in, 2ll << 20, "the round never reached the victim");
+    /* Mid-round: its `average` had not returned (its round had not ended). */
+    cr_assert_eq(waitpid(jobs[victim].pid, NULL, WNOHANG), 0, "killed after its round");
+    cr_assert_neq(wait_exit(nodes[victim].pid, 5000), -1);
+    cr_log_info("victim killed with %lld bytes in", parts_in);
+
+    for (int i = 0; i < victim; i++) {
+        int rc;
+        json_t *reply = average_wait(&jobs[i], &rc);
+        cr_assert_eq(rc, 0, "survivor %d: average failed", i);
+        const json_t *result = json_object_get(reply, "result");
+        cr_assert_eq(json_integer_value(json_object_get(result, "group_size")), N_DAEMONS);
+        double ar_s = json_number_value(json_object_get(result, "allreduce_s"));
+        cr_assert_leq(ar_s, round_timeout_s + 1.0, "survivor %d took %.2f s", i, ar_s);
+        const json_t *left = json_object_get(result, "left_out");
+        cr_assert_eq(json_array_size(left), 1, "survivor %d: %zu left out", i,
+                     json_array_size(left));
+        const json_t *gone = json_array_get(left, 0);
+        cr_assert_str_eq(json_string_value(json_object_get(gone, "peer_id")), nodes[victim].id);
+        cr_assert_str_eq(json_string_value(json_object_get(gone, "reason")), "dead");
+        /* The dead member's own span was reduced by a survivor in the end. */
+        json_int_t vi = json_integer_value(json_object_get(gone, "index"));
+        const json_t *vspan = json_array_get(json_object_get(result, "spans"), (size_t)vi);
+        json_int_t fr = json_integer_value(json_object_get(vspan, "final_reducer"));
+        cr_assert(fr >= 0 && fr != vi, "survivor %d: span %lld reduced by %lld", i,
+                  (long long)vi, (long long)fr);
+        cr_assert_eq(check_output_each(nodes, i, 0, result, survivors), survivors);
+        json_decref(reply);
+    }
+    forget_child(jobs[victim].pid);
+    kill(jobs[victim].pid, SIGKILL);
+    waitpid(jobs[victim].pid, NULL, 0);
+
+    /* The next round forms among the survivors only (at the leader's deadline). */
+    write_inputs(1);
+    for (int i = 0; i < victim; i++)
+        average_start(&jobs[i], nodes, i, 1, "daemon.killed", "4");
+    for (int i = 0; i < victim; i++) {
+        int rc;
+        json_t *reply = average_wait(&jobs[i], &rc);
+        cr_assert_eq(rc, 0, "survivor %d: second round failed", i);
+        const json_t *result = json_object_get(reply, "result");
+        cr_assert_eq(json_integer_value(json_object_get(result, "group_size")), victim);
+        cr_assert_eq(json_array_size(json_object_get(result, "left_out")), 0);
+        cr_assert_eq(check_output_each(nodes, i, 1, result, survivors), survivors);
+        json_decref(reply);
+    }
+    for (int i = 0; i < victim; i++)
+        stop_node(&nodes[i]);
+    for (int i = 0; i < N_DAEMONS; i++)
+        free(inputs[i]);
 }
