@@ -284,19 +284,34 @@ double hm_train_evaluate(hm_model *m, const hm_model_experts *ex, const hm_train
     return (double)correct / (double)d->test.n;
 }
 
+/*
+ * The signal that asked us to stop. OpenBLAS starts its threads before
+ * main, and a blocked signal can still land on one of them and kill the
+ * process, so the signals get a handler (process-wide) rather than a mask;
+ * a handler can only talk through a variable like this one.
+ */
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop_signal(int sig) { stop_signal = sig; }
+
 int hm_train_signals_block(sigset_t *set)
 {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
     sigemptyset(set);
     sigaddset(set, SIGINT);
     sigaddset(set, SIGTERM);
-    return sigprocmask(SIG_BLOCK, set, NULL) < 0 ? -errno : 0;
+    if (sigaction(SIGINT, &sa, NULL) < 0 || sigaction(SIGTERM, &sa, NULL) < 0)
+        return -errno;
+    return 0;
 }
 
 int hm_train_stop_requested(const sigset_t *set)
 {
-    struct timespec zero = {0, 0};
-    int sig = sigtimedwait(set, NULL, &zero);
-    return sig > 0 ? sig : 0;
+    (void)set;
+    return (int)stop_signal;
 }
 
 uint64_t hm_train_now_us(void)

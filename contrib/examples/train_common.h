@@ -85,7 +85,8 @@ void hm_train_next_batch(hm_train_data *d);
 double hm_train_evaluate(hm_model *m, const hm_model_experts *ex, const hm_train_data *d,
                          size_t *failed_out);
 
-/* Blocks SIGINT and SIGTERM so that hm_train_stop_requested can poll them. */
+/* Catches SIGINT and SIGTERM (set gets them) so that hm_train_stop_requested
+ * can poll them; the loop then stops cleanly. */
 int hm_train_signals_block(sigset_t *set);
 /* The signal that arrived (and is consumed), or 0. */
 int hm_train_stop_requested(const sigset_t *set);

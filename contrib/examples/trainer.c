@@ -8,7 +8,9 @@
  *   trainer --socket PATH [--expert-prefix ffn] [--k-min 1] [--timeout 5]
  *           [--timeout-after-k-min 1] [--find-every 200]
  *           [--average-every 100] [--average-prefix fmnist.params]
- *           [--group-size 16] [common options: train_common.h]
+ *           [--group-size 16] [--share-every 0] [--state-prefix fmnist]
+ *           [--load-state] [--load-timeout 60] [--min-agree 1]
+ *           [common options: train_common.h]
  *
  * Experts. The grid PREFIX.i.j (G0 x G1, from --experts) is looked up with
  * hmc_experts_find at start and every --find-every steps, with equal
@@ -17,7 +19,10 @@
  * available). A forward call succeeds once k_min experts answered (at most
  * --timeout seconds, then --timeout-after-k-min more for the rest); a step
  * with fewer is skipped and counted. The experts step their own optimizer
- * on backward.
+ * on backward. An expert that did not answer a forward is left out of
+ * the gate's choice until the next lookup, so that a stopped or dead host
+ * costs one timeout per expert and lookup, not one per step (its DHT
+ * declaration outlives it until it expires).
  *
  * Averaging with a delayed update. Every --average-every steps (when no
  * round is running) the parameters are copied into a shared buffer and a
@@ -26,10 +31,31 @@
  * the update is params += averaged - snapshot, so the steps taken during
  * the round are kept. A failed round (no group, timeout) changes nothing.
  *
- * Output: the lines of train_common.h, with "avg" lines for rounds:
- *   avg t=SECONDS step=N status=ok|CODE group=SIZE weight=W duration=S
- * and the train lines carry failed=STEPS_SKIPPED experts=LIVE. SIGINT or
- * SIGTERM ends training after the current step with a done line.
+ * State for newcomers. Every --share-every steps the trainer publishes its
+ * local parameters with the daemon's state.share under --state-prefix,
+ * so that a trainer that joins later can start from the swarm's state
+ * instead of from scratch. The step it shares under is the swarm step: its
+ * own steps plus the step of the state it loaded, so that the newest state
+ * is the one trained longest. With --load-state a trainer first downloads
+ * that newest state (state.load, from several donors at once, every chunk
+ * checked against the manifest's hashes) and prints its test accuracy
+ * before its first step. --min-agree (default 1) is how many donors must
+ * declare the same state: trainers that average with a delayed update hold
+ * equal parameters only right after a round, and each goes on stepping
+ * with its own batches, so two donors almost never share the same bytes
+ * and a higher value would find no agreement. The experts' parameters
+ * live on their servers and need no download; the local optimizer's
+ * moments are not part of the state (Adam starts afresh, which moves each
+ * parameter by at most about the learning rate per step).
+ *
+ * Output: the lines of train_common.h; the train lines carry
+ * failed=STEPS_SKIPPED experts=LIVE silent=LEFT_OUT_UNTIL_THE_NEXT_LOOKUP.
+ * Rounds print "avg" lines, a failed share a "share" line, and
+ * --load-state one "load" line before the first step:
+ *   avg t=SECONDS step=N status=ok|CODE group=SIZE
+ *   share t=SECONDS step=N status=CODE
+ *   load t=SECONDS status=ok|CODE step=SWARM_STEP donors=N bytes=B acc=TEST_ACCURACY
+ * SIGINT or SIGTERM ends training after the current step with a done line.
  *
  * Exit status: 0 when it trained to the end or was stopped by a signal, 64
  * on a usage error, 1 otherwise (no daemon, the daemon went away).
@@ -52,7 +78,11 @@ struct remote {
     hmc_buf *xb, *yb, *gyb, *gxb;
     size_t G1;
     hmc_expert *by_index; /* [G0 * G1]: found experts at their grid index */
-    uint8_t *live;        /* [G0 * G1] */
+    uint8_t *live;        /* [G0 * G1]: found in the last lookup */
+    uint8_t *avail;       /* [G0 * G1]: live and not silent since that lookup */
+    int avail_changed;    /* avail lost an expert: tell the model */
+    hm_model *m;          /* whose choice avail restricts */
+    size_t n_experts;     /* G0 * G1 */
     size_t n_live;
     size_t k_min;
     double timeout_s, after_k_min_s;
@@ -69,6 +99,11 @@ struct trainer_opts {
     size_t find_every;
     size_t average_every;
     size_t group_size;
+    size_t share_every;
+    const char *state_prefix;
+    int load_state;
+    double load_timeout_s;
+    size_t min_agree;
 };
 
 static void usage(FILE *f)
@@ -88,6 +123,12 @@ static void usage(FILE *f)
             "  --average-prefix P       what the parameters are averaged under\n"
             "                           (default fmnist.params)\n"
             "  --group-size N           target averaging group size (default 16)\n"
+            "  --share-every N          share the parameters for newcomers every N steps\n"
+            "                           (default 0: never)\n"
+            "  --state-prefix P         what the state is shared under (default fmnist)\n"
+            "  --load-state             start from the newest state shared in the swarm\n"
+            "  --load-timeout S         how long to try downloading it (default 60)\n"
+            "  --min-agree N            donors that must declare the same state (default 1)\n"
             "%s"
             "  -h, --help               this text\n",
             hm_train_common_usage);
@@ -117,6 +158,37 @@ static int note_failure(struct remote *r, int rc, const char *what)
     return rc;
 }
 
+/* Leaves the experts that did not answer out until the next lookup. */
+static void mark_silent(struct remote *r, const size_t *experts, size_t k, const int *ans)
+{
+    for (size_t e = 0; e < k; e++) {
+        if ((ans == NULL || !ans[e]) && r->avail[experts[e]]) {
+            r->avail[experts[e]] = 0;
+            r->avail_changed = 1;
+        }
+    }
+}
+
+/*
+ * The model's choice follows avail; when every expert fell silent, all
+ * found ones are tried again. Called from the forward callback: the model
+ * chose this batch's experts already, and the mask only steers the next
+ * choice (evaluation batches included).
+ */
+static void apply_avail(struct remote *r)
+{
+    size_t n = 0, n_experts = r->n_experts;
+    if (!r->avail_changed)
+        return;
+    r->avail_changed = 0;
+    for (size_t e = 0; e < n_experts; e++)
+        n += r->avail[e] != 0;
+    if (n == 0)
+        memcpy(r->avail, r->live, n_experts);
+    if (r->n_live > 0)
+        hm_model_set_available(r->m, r->avail);
+}
+
 static int remote_forward(void *ud, const size_t *experts, size_t k, const float *h, size_t batch,
                           size_t dim, float *y_out, uint8_t *answered)
 {
@@ -130,9 +202,17 @@ static int remote_forward(void *ud, const size_t *experts, size_t k, const float
     size_t k_min = r->k_min < k ? r->k_min : k;
     int rc = hmc_experts_forward(r->h, list, k, r->xb, 0, r->yb, 0, batch, dim, k_min,
                                  r->timeout_s, r->after_k_min_s, ans, &n_ans);
-    if (rc < 0)
+    if (rc < 0) {
+        /* Too few answered: all of them count as silent (ans is not set). */
+        if (rc == -EREMOTEIO || rc == -ETIMEDOUT) {
+            mark_silent(r, experts, k, NULL);
+            apply_avail(r);
+        }
         return note_failure(r, rc, "experts forward");
+    }
     map_answered(ans, k, answered);
+    mark_silent(r, experts, k, ans);
+    apply_avail(r);
     memcpy(y_out, hmc_buf_data(r->yb), k * batch * dim * sizeof(float));
     return 0;
 }
@@ -183,6 +263,7 @@ static int find_experts(struct remote *r, hm_model *m, const char *prefix, const
     }
     memset(r->live, 0, n);
     r->n_live = 0;
+    r->avail_changed = 0;
     size_t plen = strlen(prefix);
     for (size_t f = 0; f < found; f++) {
         unsigned long i, j;
@@ -197,8 +278,9 @@ static int find_experts(struct remote *r, hm_model *m, const char *prefix, const
         r->live[i * grid[1] + j] = 1;
         r->n_live++;
     }
+    memcpy(r->avail, r->live, n);
     if (r->n_live > 0)
-        hm_model_set_available(m, r->live);
+        hm_model_set_available(m, r->avail);
     result = (int)r->n_live;
 out:
     free(scores);
@@ -222,11 +304,130 @@ static int report_group_size(const char *report)
     return size;
 }
 
+/*
+ * The arguments of state.share (step >= 0) or state.load (step < 0) as
+ * JSON text to free(), or NULL when out of memory. Built with jansson so
+ * that any prefix is quoted correctly.
+ */
+static char *request_args(const char *prefix, json_int_t step, double timeout_s,
+                          size_t min_agree, uint64_t shm, size_t np)
+{
+    json_t *a = json_pack("{s:s, s:{s:I, s:i, s:I}}", "prefix", prefix, "data", "shm",
+                          (json_int_t)shm, "offset", 0, "elems", (json_int_t)np);
+    char *text = NULL;
+    if (a == NULL)
+        return NULL;
+    if (step >= 0) {
+        /* The declaration outlives a few shares of a slow trainer. */
+        if (json_object_set_new(a, "step", json_integer(step)) < 0 ||
+            json_object_set_new(a, "ttl", json_integer(120)) < 0)
+            goto out;
+    } else {
+        if (json_object_set_new(a, "timeout", json_real(timeout_s)) < 0 ||
+            json_object_set_new(a, "min_agree", json_integer((json_int_t)min_agree)) < 0)
+            goto out;
+    }
+    text = json_dumps(a, JSON_COMPACT);
+out:
+    json_decref(a);
+    return text;
+}
+
+/*
+ * Publishes params (np floats, copied into the shared buffer sb) under
+ * prefix at the given swarm step. The daemon copies the bytes out before
+ * it answers, so sb is free again on return.
+ */
+static int share_state(hmc *h, hmc_buf *sb, const float *params, size_t np, const char *prefix,
+                       uint64_t step)
+{
+    memcpy(hmc_buf_data(sb), params, np * sizeof(float));
+    char *args = request_args(prefix, (json_int_t)step, 0, 0, hmc_buf_id(sb), np);
+    if (args == NULL)
+        return -ENOMEM;
+    int result = hmc_request(h, "state.share", args, NULL);
+    free(args);
+    return result;
+}
+
+/*
+ * Downloads the newest state under prefix into sb and, when it is exactly
+ * np floats, copies it into params. *step_out gets its swarm step,
+ * *donors_out how many donors served it. A failed attempt is retried
+ * until the timeout: a newcomer may start before any donor declared
+ * itself, and a donor keeps only its newest state, so a download of a step
+ * that the donor replaced meanwhile fails ("unreachable") and the next
+ * attempt finds the newer step.
+ */
+static int load_state(hmc *h, hmc_buf *sb, float *params, size_t np, const char *prefix,
+                      double timeout_s, size_t min_agree, uint64_t *step_out,
+                      size_t *donors_out, size_t *bytes_out)
+{
+    char *res = NULL;
+    uint64_t t0 = hm_train_now_us();
+    int result;
+    for (;;) {
+        double left = timeout_s - hm_train_seconds(t0);
+        if (left < 1)
+            left = 1;
+        char *args = request_args(prefix, -1, left, min_agree, hmc_buf_id(sb), np);
+        if (args == NULL)
+            return -ENOMEM;
+        /* The reply comes when the download is done: wait past its timeout. */
+        hmc_free_string(res);
+        res = NULL;
+        hmc_set_timeout(h, (int)((left + 10) * 1000));
+        result = hmc_request(h, "state.load", args, &res);
+        hmc_set_timeout(h, HMC_DEFAULT_TIMEOUT_MS);
+        free(args);
+        if (result == 0 || (result != -EREMOTEIO && result != -ETIMEDOUT) ||
+            strcmp(hmc_last_error_code(h), "no_space") == 0 ||
+            strcmp(hmc_last_error_code(h), "bad_args") == 0 ||
+            hm_train_seconds(t0) + 1 > timeout_s)
+            break;
+        fprintf(stderr, "trainer: state.load: %s; trying again\n", hmc_last_error(h));
+        struct timespec one = {1, 0};
+        nanosleep(&one, NULL);
+    }
+    if (result < 0)
+        goto out;
+    json_t *j = json_loads(res, 0, NULL);
+    json_t *bytes = j ? json_object_get(j, "bytes") : NULL;
+    json_t *step = j ? json_object_get(j, "step") : NULL;
+    json_t *donors = j ? json_object_get(j, "donors") : NULL;
+    if (!json_is_integer(bytes) || !json_is_integer(step) || !json_is_array(donors)) {
+        result = -EPROTO;
+    } else if ((size_t)json_integer_value(bytes) != np * sizeof(float)) {
+        /* A state of another model shape (other --dim or --experts). */
+        fprintf(stderr, "trainer: the shared state has %lld bytes, this model %zu\n",
+                (long long)json_integer_value(bytes), np * sizeof(float));
+        result = -EMSGSIZE;
+    } else {
+        size_t served = 0, k;
+        json_t *dn;
+        json_array_foreach(donors, k, dn) {
+            json_t *c = json_object_get(dn, "chunks");
+            if (json_is_integer(c) && json_integer_value(c) > 0)
+                served++;
+        }
+        memcpy(params, hmc_buf_data(sb), np * sizeof(float));
+        *step_out = (uint64_t)json_integer_value(step);
+        *donors_out = served;
+        *bytes_out = np * sizeof(float);
+    }
+    json_decref(j);
+out:
+    hmc_free_string(res);
+    return result;
+}
+
 static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
 {
     static const char *const names[] = {"--socket", "--expert-prefix", "--average-prefix",
                                         "--k-min", "--timeout", "--timeout-after-k-min",
-                                        "--find-every", "--average-every", "--group-size"};
+                                        "--find-every", "--average-every", "--group-size",
+                                        "--share-every", "--state-prefix", "--load-timeout",
+                                        "--min-agree"};
     const size_t count = sizeof(names) / sizeof(names[0]);
     const char *arg = argv[*i], *val = NULL;
     size_t which = count;
@@ -238,8 +439,13 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
             break;
         }
     }
-    if (which == count)
+    if (which == count) {
+        if (strcmp(arg, "--load-state") == 0) {
+            t->load_state = 1;
+            return 1;
+        }
         return 0;
+    }
     if (val == NULL) {
         if (*i + 1 >= argc) {
             fprintf(stderr, "%s needs a value\n", names[which]);
@@ -249,7 +455,7 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
     }
     char *end;
     errno = 0;
-    if (which <= 2) {
+    if (which <= 2 || which == 10) {
         if (val[0] == '\0' || strlen(val) > 128) {
             fprintf(stderr, "%s: 1 to 128 characters\n", names[which]);
             return -EINVAL;
@@ -258,18 +464,23 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
             t->socket = val;
         else if (which == 1)
             t->expert_prefix = val;
+        else if (which == 10)
+            t->state_prefix = val;
         else
             t->average_prefix = val;
         return 1;
     }
-    if (which == 4 || which == 5) {
+    if (which == 4 || which == 5 || which == 11) {
         double x = strtod(val, &end);
         if (errno != 0 || end == val || *end != '\0' || !(x > 0) || x > 3600) {
             fprintf(stderr, "%s: '%s' is not a number of seconds in (0, 3600]\n", names[which],
                     val);
             return -EINVAL;
         }
-        *(which == 4 ? &t->timeout_s : &t->after_k_min_s) = x;
+        if (which == 11)
+            t->load_timeout_s = x;
+        else
+            *(which == 4 ? &t->timeout_s : &t->after_k_min_s) = x;
         return 1;
     }
     unsigned long long x = strtoull(val, &end, 10);
@@ -278,7 +489,7 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
         return -EINVAL;
     }
     if ((which == 3 && (x < 1 || x > HM_MODEL_MAX_K)) || (which == 6 && x < 1) ||
-        (which == 8 && (x < 1 || x > 64))) {
+        (which == 8 && (x < 1 || x > 64)) || (which == 12 && (x < 1 || x > 16))) {
         fprintf(stderr, "%s: %llu is out of range\n", names[which], x);
         return -EINVAL;
     }
@@ -288,8 +499,12 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
         t->find_every = (size_t)x;
     else if (which == 7)
         t->average_every = (size_t)x;
-    else
+    else if (which == 8)
         t->group_size = (size_t)x;
+    else if (which == 9)
+        t->share_every = (size_t)x;
+    else
+        t->min_agree = (size_t)x;
     return 1;
 }
 
@@ -298,11 +513,12 @@ int main(int argc, char **argv)
     hm_train_opts o;
     struct trainer_opts t = {.expert_prefix = "ffn", .average_prefix = "fmnist.params",
                              .k_min = 1, .timeout_s = 5, .after_k_min_s = 1,
-                             .find_every = 200, .average_every = 100, .group_size = 16};
+                             .find_every = 200, .average_every = 100, .group_size = 16,
+                             .state_prefix = "fmnist", .load_timeout_s = 60, .min_agree = 1};
     hm_train_data d;
     hm_model *m = NULL;
     struct remote r;
-    hmc_buf *pb = NULL;
+    hmc_buf *pb = NULL, *sb = NULL;
     hmc_round *round = NULL;
     float *snapshot = NULL;
     sigset_t sigs;
@@ -356,18 +572,22 @@ int main(int argc, char **argv)
     size_t n_experts = o.grid[0] * o.grid[1], np = hm_model_nparams(m);
     size_t kbd = o.k_best * o.batch * o.dim * sizeof(float);
     r.G1 = o.grid[1];
+    r.m = m;
+    r.n_experts = n_experts;
     r.k_min = t.k_min;
     r.timeout_s = t.timeout_s;
     r.after_k_min_s = t.after_k_min_s;
     r.by_index = calloc(n_experts, sizeof(hmc_expert));
     r.live = calloc(n_experts, 1);
+    r.avail = calloc(n_experts, 1);
     snapshot = malloc(np * sizeof(float));
-    if (r.by_index == NULL || r.live == NULL || snapshot == NULL)
+    if (r.by_index == NULL || r.live == NULL || r.avail == NULL || snapshot == NULL)
         goto out;
     if ((rc = hmc_buf_alloc(r.h, o.batch * o.dim * sizeof(float), &r.xb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, kbd, &r.yb)) < 0 || (rc = hmc_buf_alloc(r.h, kbd, &r.gyb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, kbd, &r.gxb)) < 0 ||
-        (rc = hmc_buf_alloc(r.h, np * sizeof(float), &pb)) < 0) {
+        (rc = hmc_buf_alloc(r.h, np * sizeof(float), &pb)) < 0 ||
+        (rc = hmc_buf_alloc(r.h, np * sizeof(float), &sb)) < 0) {
         fprintf(stderr, "trainer: shared buffers: %s (%s)\n", strerror(-rc),
                 hmc_last_error(r.h));
         goto out;
@@ -381,6 +601,30 @@ int main(int argc, char **argv)
     fflush(stdout);
 
     uint64_t start = hm_train_now_us();
+    /* The swarm step of the state this trainer started from (0: scratch). */
+    uint64_t base_step = 0;
+    int loaded = 0;
+    char load_status[64] = "ok";
+    size_t load_donors = 0, load_bytes = 0;
+    if (t.load_state) {
+        rc = load_state(r.h, sb, hm_model_params(m), np, t.state_prefix, t.load_timeout_s,
+                        t.min_agree, &base_step, &load_donors, &load_bytes);
+        if (rc == -EPIPE) {
+            fprintf(stderr, "trainer: state.load: the daemon went away\n");
+            goto out;
+        }
+        if (rc < 0) {
+            /* Training from scratch is still useful; the load line says why. */
+            snprintf(load_status, sizeof(load_status), "%s",
+                     hmc_last_error_code(r.h)[0] != '\0' ? hmc_last_error_code(r.h)
+                                                         : strerror(-rc));
+            fprintf(stderr, "trainer: state.load: %s\n", rc == -EREMOTEIO ? hmc_last_error(r.h)
+                                                                         : strerror(-rc));
+            base_step = 0;
+        } else {
+            loaded = 1;
+        }
+    }
     double last_t = 0, loss_sum = 0, acc = -1;
     size_t step = 0, since = 0, skipped = 0, samples_since_avg = 0;
     size_t rounds = 0, rounds_ok = 0, last_find = 0;
@@ -404,8 +648,20 @@ int main(int argc, char **argv)
         if (!found_once || step - last_find >= t.find_every) {
             rc = find_experts(&r, m, t.expert_prefix, o.grid);
             last_find = step;
-            if (rc > 0 && !found_once)
+            if (rc > 0 && !found_once) {
                 printf("experts t=%.2f live=%zu\n", hm_train_seconds(start), r.n_live);
+                if (t.load_state) {
+                    /* The loaded state's accuracy before any step of ours:
+                     * what the newcomer got from the swarm. */
+                    size_t lfail = 0;
+                    double lacc = loaded ? hm_train_evaluate(m, &ex, &d, &lfail) : 0.0;
+                    printf("load t=%.2f status=%s step=%llu donors=%zu bytes=%zu acc=%.4f "
+                           "failed_batches=%zu\n",
+                           hm_train_seconds(start), load_status, (unsigned long long)base_step,
+                           load_donors, load_bytes, lacc, lfail);
+                }
+                fflush(stdout);
+            }
             if (rc > 0)
                 found_once = 1;
             else if (!found_once) {
@@ -476,11 +732,29 @@ int main(int argc, char **argv)
             }
         }
 
+        if (t.share_every != 0 && step % t.share_every == 0) {
+            rc = share_state(r.h, sb, hm_model_params(m), np, t.state_prefix, base_step + step);
+            if (rc == -EPIPE) {
+                r.fatal = 1;
+            } else if (rc < 0) {
+                printf("share t=%.2f step=%llu status=%s\n", hm_train_seconds(start),
+                       (unsigned long long)(base_step + step),
+                       hmc_last_error_code(r.h)[0] != '\0' ? hmc_last_error_code(r.h)
+                                                           : strerror(-rc));
+                fflush(stdout);
+            }
+        }
+
         if (step % o.print_every == 0) {
             double now = hm_train_seconds(start);
-            printf("train t=%.2f step=%zu loss=%.4f sps=%.1f failed=%zu experts=%zu\n", now,
-                   step, since ? loss_sum / (double)since : 0.0,
-                   (double)(since * o.batch) / (now - last_t), skipped, r.n_live);
+            size_t n_avail = 0;
+            for (size_t e = 0; e < n_experts; e++)
+                n_avail += r.avail[e] != 0;
+            printf("train t=%.2f step=%zu loss=%.4f sps=%.1f failed=%zu experts=%zu "
+                   "silent=%zu\n",
+                   now, step, since ? loss_sum / (double)since : 0.0,
+                   (double)(since * o.batch) / (now - last_t), skipped, r.n_live,
+                   r.n_live - n_avail);
             fflush(stdout);
             last_t = now;
             loss_sum = 0;
@@ -522,6 +796,7 @@ int main(int argc, char **argv)
 out:
     hmc_round_free(round);
     hmc_buf_free(pb);
+    hmc_buf_free(sb);
     hmc_buf_free(r.xb);
     hmc_buf_free(r.yb);
     hmc_buf_free(r.gyb);
@@ -529,6 +804,7 @@ out:
     hmc_close(r.h);
     free(r.by_index);
     free(r.live);
+    free(r.avail);
     free(snapshot);
     hm_model_free(m);
     hm_train_data_free(&d);
