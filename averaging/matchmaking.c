@@ -139,42 +139,6 @@ static const hm_wire_limits mm_limits = {
     .max_elements = 8 + 4 * HM_AVG_MAX_GROUP,
 };
 
-static void wr_addr(hm_wire_wr *w, const struct sockaddr_storage *ss)
-{
-    char buf[HM_ADDRSTRLEN];
-    if (hm_format_addr((const struct sockaddr *)ss, buf, sizeof(buf)) < 0) {
-        if (w->err == 0)
-            w->err = -EINVAL;
-        return;
-    }
-    hm_wire_wr_cstr(w, buf);
-}
-
-static int get_addr(const msgpack_object *o, struct sockaddr_storage *out)
-{
-    const char *p;
-    uint32_t n;
-    char buf[HM_ADDRSTRLEN];
-    if (hm_wire_get_str(o, &p, &n) < 0 || n == 0 || n >= sizeof(buf))
-        return -EPROTO;
-    memcpy(buf, p, n);
-    buf[n] = '\0';
-    if (memchr(buf, '\0', n) != NULL)
-        return -EPROTO;
-    memset(out, 0, sizeof(*out));
-    return hm_parse_hostport(buf, out) == 0 ? 0 : -EPROTO;
-}
-
-static int get_pk(const msgpack_object *o, uint8_t pk[HM_PK_BYTES])
-{
-    const uint8_t *p;
-    uint32_t n;
-    if (hm_wire_get_bin(o, &p, &n) < 0 || n != HM_PK_BYTES)
-        return -EPROTO;
-    memcpy(pk, p, HM_PK_BYTES);
-    return 0;
-}
-
 static int get_bandwidth(const msgpack_object *o, double *out)
 {
     double v;
@@ -206,7 +170,7 @@ void hm_mm_encode_join(hm_wire_wr *w, const hm_mm_join *j)
     hm_wire_wr_array(w, 6);
     hm_wire_wr_uint(w, WIRE_VERSION);
     hm_wire_wr_bin(w, j->key, j->key_len);
-    wr_addr(w, &j->addr);
+    hm_wire_wr_addr(w, &j->addr);
     hm_wire_wr_double(w, j->bandwidth);
     hm_wire_wr_bool(w, j->client);
     hm_wire_wr_uint(w, j->deadline_ms);
@@ -239,7 +203,7 @@ void hm_mm_encode_reply(hm_wire_wr *w, const hm_mm_reply *r)
         hm_wire_wr_array(w, 4);
         hm_wire_wr_uint(w, (uint64_t)r->code);
         hm_wire_wr_bin(w, r->leader_pk, HM_PK_BYTES);
-        wr_addr(w, &r->leader_addr);
+        hm_wire_wr_addr(w, &r->leader_addr);
         hm_wire_wr_uint(w, r->deadline_ms);
         break;
     case HM_MM_FULL:
@@ -262,7 +226,7 @@ void hm_mm_encode_reply(hm_wire_wr *w, const hm_mm_reply *r)
             const hm_avg_member *m = &r->group.members[i];
             hm_wire_wr_array(w, 3);
             hm_wire_wr_bin(w, m->pk, HM_PK_BYTES);
-            wr_addr(w, &m->addr);
+            hm_wire_wr_addr(w, &m->addr);
             hm_wire_wr_double(w, m->bandwidth);
         }
         break;
@@ -276,7 +240,7 @@ void hm_mm_encode_decl(hm_wire_wr *w, const hm_mm_decl *d)
 {
     hm_wire_wr_array(w, 6);
     hm_wire_wr_uint(w, WIRE_VERSION);
-    wr_addr(w, &d->addr);
+    hm_wire_wr_addr(w, &d->addr);
     hm_wire_wr_double(w, d->bandwidth);
     hm_wire_wr_bool(w, d->client);
     hm_wire_wr_uint(w, d->deadline_ms);
@@ -309,7 +273,7 @@ int hm_mm_decode_join(const void *buf, size_t len, hm_mm_join *out)
     if ((result = unpack_array(buf, len, &z, 6, 6, &it, &n)) < 0)
         goto out;
     if (get_version(&it[0]) < 0 || get_key(&it[1], out->key, &out->key_len) < 0 ||
-        get_addr(&it[2], &out->addr) < 0 || get_bandwidth(&it[3], &out->bandwidth) < 0 ||
+        hm_wire_get_addr(&it[2], &out->addr) < 0 || get_bandwidth(&it[3], &out->bandwidth) < 0 ||
         hm_wire_get_bool(&it[4], &out->client) < 0 ||
         hm_wire_get_uint(&it[5], &out->deadline_ms) < 0)
         result = -EPROTO;
@@ -348,8 +312,9 @@ static int decode_members(const msgpack_object *o, hm_avg_group *g)
         return -EPROTO;
     for (uint32_t i = 0; i < n; i++) {
         hm_avg_member *m = &g->members[i];
-        if (hm_wire_get_array(&ms[i], 3, 3, &f, &nf) < 0 || get_pk(&f[0], m->pk) < 0 ||
-            get_addr(&f[1], &m->addr) < 0 || get_bandwidth(&f[2], &m->bandwidth) < 0)
+        if (hm_wire_get_array(&ms[i], 3, 3, &f, &nf) < 0 ||
+            hm_wire_get_bin_exact(&f[0], m->pk, HM_PK_BYTES) < 0 ||
+            hm_wire_get_addr(&f[1], &m->addr) < 0 || get_bandwidth(&f[2], &m->bandwidth) < 0)
             return -EPROTO;
         for (uint32_t k = 0; k < i; k++)
             if (memcmp(g->members[k].pk, m->pk, HM_PK_BYTES) == 0)
@@ -387,8 +352,8 @@ int hm_mm_decode_reply(const void *buf, size_t len, hm_mm_reply *out)
             break;
         /* fallthrough */
     case HM_MM_REDIRECT:
-        if (n != 4 || get_pk(&it[1], out->leader_pk) < 0 ||
-            get_addr(&it[2], &out->leader_addr) < 0 ||
+        if (n != 4 || hm_wire_get_bin_exact(&it[1], out->leader_pk, HM_PK_BYTES) < 0 ||
+            hm_wire_get_addr(&it[2], &out->leader_addr) < 0 ||
             hm_wire_get_uint(&it[3], &out->deadline_ms) < 0)
             goto out;
         out->has_leader = 1;
@@ -427,7 +392,7 @@ int hm_mm_decode_decl(const void *buf, size_t len, hm_mm_decl *out)
         return -ENOMEM;
     if ((result = unpack_array(buf, len, &z, 6, 6, &it, &n)) < 0)
         goto out;
-    if (get_version(&it[0]) < 0 || get_addr(&it[1], &out->addr) < 0 ||
+    if (get_version(&it[0]) < 0 || hm_wire_get_addr(&it[1], &out->addr) < 0 ||
         get_bandwidth(&it[2], &out->bandwidth) < 0 ||
         hm_wire_get_bool(&it[3], &out->client) < 0 ||
         hm_wire_get_uint(&it[4], &out->deadline_ms) < 0 ||

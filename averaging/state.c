@@ -179,42 +179,6 @@ size_t hm_state_n_chunks(uint64_t total_len, uint64_t chunk_size, uint64_t max_b
     return n <= HM_STATE_MAX_CHUNKS ? (size_t)n : 0;
 }
 
-static void wr_addr(hm_wire_wr *w, const struct sockaddr_storage *ss)
-{
-    char buf[HM_ADDRSTRLEN];
-    if (hm_format_addr((const struct sockaddr *)ss, buf, sizeof(buf)) < 0) {
-        if (w->err == 0)
-            w->err = -EINVAL;
-        return;
-    }
-    hm_wire_wr_cstr(w, buf);
-}
-
-static int get_addr(const msgpack_object *o, struct sockaddr_storage *out)
-{
-    const char *p;
-    uint32_t n;
-    char buf[HM_ADDRSTRLEN];
-    if (hm_wire_get_str(o, &p, &n) < 0 || n == 0 || n >= sizeof(buf))
-        return -EPROTO;
-    memcpy(buf, p, n);
-    buf[n] = '\0';
-    if (memchr(buf, '\0', n) != NULL)
-        return -EPROTO;
-    memset(out, 0, sizeof(*out));
-    return hm_parse_hostport(buf, out) == 0 ? 0 : -EPROTO;
-}
-
-static int get_hash(const msgpack_object *o, uint8_t out[HM_STATE_HASH_BYTES])
-{
-    const uint8_t *p;
-    uint32_t n;
-    if (hm_wire_get_bin(o, &p, &n) < 0 || n != HM_STATE_HASH_BYTES)
-        return -EPROTO;
-    memcpy(out, p, HM_STATE_HASH_BYTES);
-    return 0;
-}
-
 /* A prefix: 1..HM_STATE_PREFIX_MAX bytes, no NUL, no owner marker (which
  * would make the key owned and every declaration malformed). */
 static int prefix_ok(const char *p, size_t n)
@@ -231,7 +195,7 @@ static int prefix_ok(const char *p, size_t n)
 void hm_state_encode_decl(hm_wire_wr *w, const hm_state_decl *d)
 {
     hm_wire_wr_array(w, 5);
-    wr_addr(w, &d->addr);
+    hm_wire_wr_addr(w, &d->addr);
     hm_wire_wr_uint(w, d->step);
     hm_wire_wr_uint(w, d->total_len);
     hm_wire_wr_uint(w, d->chunk_size);
@@ -249,10 +213,11 @@ int hm_state_decode_decl(const uint8_t *buf, size_t len, hm_state_decl *out)
     if ((r = hm_wire_unpack(buf, len, &small_limits, &zone, &obj)) < 0)
         goto out;
     r = -EPROTO;
-    if (hm_wire_get_array(&obj, 5, 5, &it, NULL) < 0 || get_addr(&it[0], &out->addr) < 0 ||
+    if (hm_wire_get_array(&obj, 5, 5, &it, NULL) < 0 || hm_wire_get_addr(&it[0], &out->addr) < 0 ||
         hm_wire_get_uint(&it[1], &out->step) < 0 ||
         hm_wire_get_uint(&it[2], &out->total_len) < 0 ||
-        hm_wire_get_uint(&it[3], &out->chunk_size) < 0 || get_hash(&it[4], out->hash) < 0)
+        hm_wire_get_uint(&it[3], &out->chunk_size) < 0 ||
+        hm_wire_get_bin_exact(&it[4], out->hash, HM_STATE_HASH_BYTES) < 0)
         goto out;
     if (hm_state_n_chunks(out->total_len, out->chunk_size, ABS_MAX_BLOB) == 0)
         goto out;
@@ -325,7 +290,7 @@ int hm_state_decode_req(const uint8_t *buf, size_t len, int with_index, hm_state
         goto out;
     r = -EPROTO;
     if (hm_wire_get_array(&obj, want, want, &it, NULL) < 0 || hm_wire_get_str(&it[0], &p, &n) < 0 ||
-        !prefix_ok(p, n) || get_hash(&it[1], out->hash) < 0)
+        !prefix_ok(p, n) || hm_wire_get_bin_exact(&it[1], out->hash, HM_STATE_HASH_BYTES) < 0)
         goto out;
     memcpy(out->prefix, p, n);
     out->prefix[n] = '\0';

@@ -55,4 +55,20 @@ int hm_daemon_shm_ref_any(hm_shm *shm, hm_control_req *req, const json_t *ref, c
                           size_t max_elems, float **ptr_out, uint64_t *id_out,
                           size_t *elems_out);
 
+/* ---- argument checks shared by the command files (daemon_args.c) ---- */
+
+/* Answers req with result, or with an "internal" error when it is NULL
+ * (a failed json_pack). */
+void hm_daemon_reply(hm_control_req *req, json_t *result);
+/* args.name as seconds in (0, max], def when absent; -1 when bad (replied). */
+double hm_daemon_arg_seconds(hm_control_req *req, const json_t *args, const char *name,
+                             double def, double max);
+/* args.name as an integer in [lo, hi], def when absent (def < 0: the
+ * argument is required); -1 when bad (replied). */
+long long hm_daemon_arg_int(hm_control_req *req, const json_t *args, const char *name,
+                            long long def, long long lo, long long hi);
+/* args.name as an absolute path of less than PATH_MAX bytes, copied into
+ * out (PATH_MAX bytes); -1 when bad (replied). */
+int hm_daemon_arg_path(hm_control_req *req, const json_t *args, const char *name, char *out);
+
 #endif

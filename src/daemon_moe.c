@@ -99,14 +99,6 @@ void hm_dmoe_close(hm_dmoe *m, void (*cb)(void *ud), void *ud)
 
 /* ---- argument helpers ---- */
 
-static void reply_json(hm_control_req *req, json_t *result)
-{
-    if (result == NULL)
-        hm_control_reply_error(req, "internal", "out of memory");
-    else
-        hm_control_reply(req, result);
-}
-
 static int refuse_if_closing(hm_dmoe *m, hm_control_req *req)
 {
     if (m->closing) {
@@ -114,40 +106,6 @@ static int refuse_if_closing(hm_dmoe *m, hm_control_req *req)
         return 1;
     }
     return 0;
-}
-
-/* args.name as seconds in (0, MAX_TIMEOUT_S], def when absent; < 0 when bad (replied). */
-static double arg_seconds(hm_control_req *req, const json_t *args, const char *name, double def)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[160];
-    if (v == NULL)
-        return def;
-    if (!json_is_number(v) || !(json_number_value(v) > 0) ||
-        json_number_value(v) > MAX_TIMEOUT_S) {
-        snprintf(msg, sizeof(msg), "args.%s must be seconds, above 0 and at most %g", name,
-                 MAX_TIMEOUT_S);
-        hm_control_reply_error(req, "bad_args", msg);
-        return -1;
-    }
-    return json_number_value(v);
-}
-
-/* args.name as an integer in [lo, hi], def when absent (def < 0: required);
- * < 0 when bad (replied). */
-static long long arg_uint(hm_control_req *req, const json_t *args, const char *name,
-                          long long def, long long lo, long long hi)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[160];
-    if (v == NULL && def >= 0)
-        return def;
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
-        snprintf(msg, sizeof(msg), "args.%s must be an integer from %lld to %lld", name, lo, hi);
-        hm_control_reply_error(req, "bad_args", msg);
-        return -1;
-    }
-    return (long long)json_integer_value(v);
 }
 
 /* args.name as a string of 1..max bytes without NULs; NULL when bad (replied)
@@ -270,8 +228,9 @@ static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
     if (opt == NULL && !absent)
         return;
     opt = absent ? (m->defcfg.optimizer == HM_FFN_SGD ? "sgd" : "adam") : opt;
-    long long dim = arg_uint(req, args, "dim", (long long)m->defcfg.dim, 1, HM_FFN_MAX_DIM);
-    long long hidden = arg_uint(req, args, "hidden", 0, 0, HM_FFN_MAX_HIDDEN);
+    long long dim =
+        hm_daemon_arg_int(req, args, "dim", (long long)m->defcfg.dim, 1, HM_FFN_MAX_DIM);
+    long long hidden = hm_daemon_arg_int(req, args, "hidden", 0, 0, HM_FFN_MAX_HIDDEN);
     if (dim < 0 || hidden < 0)
         return;
     char lr[32] = "";
@@ -296,7 +255,7 @@ static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
     }
     size_t total = hm_moe_server_list(m->srv, NULL, 0);
     hm_info(MOD, "hosting %zu more experts (%s), %zu in all", added, pattern, total);
-    reply_json(req, json_pack("{s:I, s:I}", "added", (json_int_t)added, "hosted",
+    hm_daemon_reply(req, json_pack("{s:I, s:I}", "added", (json_int_t)added, "hosted",
                               (json_int_t)total));
 }
 
@@ -467,7 +426,7 @@ static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
     const char *prefix = arg_str(req, args, "prefix", HM_MOE_PREFIX_MAX, 1, &absent);
     if (prefix == NULL && !absent)
         return;
-    double timeout = arg_seconds(req, args, "timeout", 5.0);
+    double timeout = hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S);
     if (timeout < 0)
         return;
     if (prefix != NULL) {
@@ -588,7 +547,7 @@ static void on_found(void *ud, int status, const hm_moe_expert *experts, size_t 
         hm_control_reply_error(j->req, status == -ETIMEDOUT ? "timeout" : "failed", msg);
     } else {
         json_t *arr = experts_json(experts, status == 0 ? n : 0);
-        reply_json(j->req, arr != NULL ? json_pack("{s:o}", "experts", arr) : NULL);
+        hm_daemon_reply(j->req, arr != NULL ? json_pack("{s:o}", "experts", arr) : NULL);
     }
     free(j);
     job_done(m);
@@ -608,9 +567,9 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
     const char *prefix = arg_str(req, args, "prefix", HM_MOE_PREFIX_MAX, 0, NULL);
     if (prefix == NULL)
         return;
-    long long k_best = arg_uint(req, args, "k_best", -1, 1, HM_MOE_MAX_K);
-    long long beam = arg_uint(req, args, "beam_size", 0, 0, 1024);
-    double timeout = arg_seconds(req, args, "timeout", 5.0);
+    long long k_best = hm_daemon_arg_int(req, args, "k_best", -1, 1, HM_MOE_MAX_K);
+    long long beam = hm_daemon_arg_int(req, args, "beam_size", 0, 0, 1024);
+    double timeout = hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S);
     if (k_best < 0 || beam < 0 || timeout < 0)
         return;
     const json_t *sv = json_object_get(args, "scores");
@@ -708,7 +667,7 @@ static void on_called(void *ud, int status, const uint8_t *answered, size_t n_an
         json_t *arr = json_array();
         for (size_t i = 0; arr != NULL && i < j->k; i++)
             json_array_append_new(arr, json_boolean(answered != NULL && answered[i]));
-        reply_json(j->req, arr != NULL ? json_pack("{s:o, s:I}", "answered", arr, "n_answered",
+        hm_daemon_reply(j->req, arr != NULL ? json_pack("{s:o, s:I}", "answered", arr, "n_answered",
                                                    (json_int_t)n_answered)
                                        : NULL);
     }
@@ -773,8 +732,8 @@ static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int
     j->backward = backward;
     if (parse_experts(req, args, j) != 0)
         goto fail;
-    long long batch = arg_uint(req, args, "batch", -1, 1, HM_MOE_MAX_BATCH);
-    long long dim = arg_uint(req, args, "dim", -1, 1, HM_MOE_MAX_DIM);
+    long long batch = hm_daemon_arg_int(req, args, "batch", -1, 1, HM_MOE_MAX_BATCH);
+    long long dim = hm_daemon_arg_int(req, args, "dim", -1, 1, HM_MOE_MAX_DIM);
     if (batch < 0 || dim < 0)
         goto fail;
     if ((size_t)batch * (size_t)dim > HM_MOE_MAX_ELEMS) {
@@ -788,9 +747,9 @@ static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int
     const char *tname = backward && json_object_get(args, "backward_timeout") != NULL
                             ? "backward_timeout"
                             : "timeout";
-    long long k_min = arg_uint(req, args, kname, (long long)j->k, 1, (long long)j->k);
-    double timeout = arg_seconds(req, args, tname, 10.0);
-    double after = arg_seconds(req, args, "timeout_after_k_min", 1.0);
+    long long k_min = hm_daemon_arg_int(req, args, kname, (long long)j->k, 1, (long long)j->k);
+    double timeout = hm_daemon_arg_seconds(req, args, tname, 10.0, MAX_TIMEOUT_S);
+    double after = hm_daemon_arg_seconds(req, args, "timeout_after_k_min", 1.0, MAX_TIMEOUT_S);
     if (k_min < 0 || timeout < 0 || after < 0)
         goto fail;
     size_t n = (size_t)batch * (size_t)dim, kn = j->k * n;
@@ -977,7 +936,7 @@ static void on_file_called(void *ud, int status, const uint8_t *answered, size_t
     char peer[HM_PEER_ID_LEN + 1], host[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2];
     hm_peer_id_encode(j->ex.pk, peer);
     snprintf(host, sizeof(host), "%s@%s", peer, j->ex.addr_str);
-    reply_json(j->req, json_pack("{s:s, s:s, s:I, s:I, s:f}", "uid", j->uid, "peer", host,
+    hm_daemon_reply(j->req, json_pack("{s:s, s:s, s:I, s:I, s:f}", "uid", j->uid, "peer", host,
                                  "batch", (json_int_t)j->batch, "dim", (json_int_t)j->dim,
                                  "duration", (double)(hm_now_ms() - j->started_ms) / 1000.0));
     file_finish(j, NULL, NULL);
@@ -1041,20 +1000,6 @@ static void on_file_lookup(void *ud, int status, const hm_moe_expert *experts, s
     }
 }
 
-static int arg_abs_path(hm_control_req *req, const json_t *args, const char *name, char *out)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[128];
-    if (!json_is_string(v) || json_string_length(v) == 0 || json_string_length(v) >= PATH_MAX ||
-        json_string_value(v)[0] != '/' || strlen(json_string_value(v)) != json_string_length(v)) {
-        snprintf(msg, sizeof(msg), "args.%s must be an absolute path", name);
-        hm_control_reply_error(req, "bad_args", msg);
-        return -1;
-    }
-    hm_strlcpy(out, json_string_value(v), PATH_MAX);
-    return 0;
-}
-
 static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
 {
     hm_dmoe *m = ud;
@@ -1070,7 +1015,7 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
         hm_control_reply_error(req, "bad_args", "args.uid is not an expert uid such as ffn.3.5");
         return;
     }
-    double timeout = arg_seconds(req, args, "timeout", 30.0);
+    double timeout = hm_daemon_arg_seconds(req, args, "timeout", 30.0, MAX_TIMEOUT_S);
     if (timeout < 0)
         return;
     j = calloc(1, sizeof(*j));
@@ -1081,7 +1026,8 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
     j->m = m;
     j->req = req;
     hm_strlcpy(j->uid, uid, sizeof(j->uid));
-    if (arg_abs_path(req, args, "in", j->in) != 0 || arg_abs_path(req, args, "out", j->out) != 0) {
+    if (hm_daemon_arg_path(req, args, "in", j->in) != 0 ||
+        hm_daemon_arg_path(req, args, "out", j->out) != 0) {
         free(j);
         return;
     }

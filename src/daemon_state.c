@@ -48,14 +48,6 @@ typedef struct load_job {
 
 /* ---- argument helpers ---- */
 
-static void reply_json(hm_control_req *req, json_t *result)
-{
-    if (result == NULL)
-        hm_control_reply_error(req, "internal", "out of memory");
-    else
-        hm_control_reply(req, result);
-}
-
 static int refuse_if_closing(hm_dstate *s, hm_control_req *req)
 {
     if (s->closing) {
@@ -81,39 +73,6 @@ static const char *arg_prefix(hm_control_req *req, const json_t *args)
         return NULL;
     }
     return json_string_value(v);
-}
-
-/* args.name as an integer in [lo, hi], def when absent (def < 0: required);
- * -1 when bad (replied). */
-static long long arg_int(hm_control_req *req, const json_t *args, const char *name, long long def,
-                         long long lo, long long hi)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[160];
-    if (v == NULL && def >= 0)
-        return def;
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
-        snprintf(msg, sizeof(msg), "args.%s must be an integer from %lld to %lld", name, lo, hi);
-        hm_control_reply_error(req, "bad_args", msg);
-        return -1;
-    }
-    return (long long)json_integer_value(v);
-}
-
-/* args.name as seconds in (0, max], def when absent; < 0 when bad (replied). */
-static double arg_seconds(hm_control_req *req, const json_t *args, const char *name, double def,
-                          double max)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[160];
-    if (v == NULL)
-        return def;
-    if (!json_is_number(v) || !(json_number_value(v) > 0) || json_number_value(v) > max) {
-        snprintf(msg, sizeof(msg), "args.%s must be seconds, above 0 and at most %g", name, max);
-        hm_control_reply_error(req, "bad_args", msg);
-        return -1;
-    }
-    return json_number_value(v);
 }
 
 static json_t *hash_json(const uint8_t h[HM_STATE_HASH_BYTES])
@@ -144,11 +103,11 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
         hm_control_reply_error(req, "bad_args", "args.step must be an integer, 0 or above");
         return;
     }
-    long long chunk = arg_int(req, args, "chunk_size", HM_STATE_CHUNK_DEFAULT, HM_STATE_CHUNK_MIN,
-                              HM_STATE_CHUNK_MAX);
+    long long chunk = hm_daemon_arg_int(req, args, "chunk_size", HM_STATE_CHUNK_DEFAULT,
+                                        HM_STATE_CHUNK_MIN, HM_STATE_CHUNK_MAX);
     if (chunk < 0)
         return;
-    double ttl = arg_seconds(req, args, "ttl", 60.0, 86400.0);
+    double ttl = hm_daemon_arg_seconds(req, args, "ttl", 60.0, 86400.0);
     if (ttl < 0)
         return;
     if (ttl < 1.0) {
@@ -158,8 +117,8 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
     if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS, &p,
                               &id, &elems) < 0)
         return;
-    long long bytes = arg_int(req, args, "bytes", (long long)(elems * sizeof(float)), 1,
-                              (long long)(elems * sizeof(float)));
+    long long bytes = hm_daemon_arg_int(req, args, "bytes", (long long)(elems * sizeof(float)),
+                                        1, (long long)(elems * sizeof(float)));
     if (bytes < 0) {
         hm_shm_put(shm, id);
         return;
@@ -194,7 +153,7 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
     hm_info(MOD, "sharing '%s' at step %llu: %lld bytes", prefix, (unsigned long long)step,
             bytes);
     size_t chunks = hm_state_n_chunks((uint64_t)bytes, (uint64_t)chunk, UINT64_MAX);
-    reply_json(req, json_pack("{s:s, s:I, s:I, s:I, s:I}", "prefix", prefix, "step",
+    hm_daemon_reply(req, json_pack("{s:s, s:I, s:I, s:I, s:I}", "prefix", prefix, "step",
                               (json_int_t)step, "bytes", (json_int_t)bytes, "chunk_size",
                               (json_int_t)chunk, "chunks", (json_int_t)chunks));
 }
@@ -224,7 +183,7 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
                           (json_int_t)info.refused_busy);
     if (o != NULL && info.ready)
         json_object_set_new(o, "hash", hash_json(info.hash));
-    reply_json(req, o);
+    hm_daemon_reply(req, o);
 }
 
 /* ---- state.load ---- */
@@ -278,7 +237,7 @@ static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_
         hm_info(MOD, "loaded '%s' at step %llu: %zu bytes from %zu donors (%zu dropped) in %.1f s",
                 rep->prefix, (unsigned long long)rep->step, len, rep->n_donors, dropped,
                 rep->duration_s);
-        reply_json(j->req, report_json(rep));
+        hm_daemon_reply(j->req, report_json(rep));
         break;
     case -ENOENT:
         hm_control_reply_error(j->req, "not_found", "no donor declares a state under the prefix");
@@ -331,10 +290,11 @@ static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
     const char *prefix = arg_prefix(req, args);
     if (prefix == NULL)
         return;
-    double timeout = arg_seconds(req, args, "timeout", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S);
+    double timeout =
+        hm_daemon_arg_seconds(req, args, "timeout", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S);
     if (timeout < 0)
         return;
-    long long min_agree = arg_int(req, args, "min_agree", 2, 1, HM_STATE_MAX_DONORS);
+    long long min_agree = hm_daemon_arg_int(req, args, "min_agree", 2, 1, HM_STATE_MAX_DONORS);
     if (min_agree < 0)
         return;
     if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS, &p,

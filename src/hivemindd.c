@@ -245,14 +245,6 @@ static void on_signal(uv_signal_t *h, int signum)
 
 /* ---- control commands ---- */
 
-static void reply_or_fail(hm_control_req *req, json_t *result)
-{
-    if (result == NULL)
-        hm_control_reply_error(req, "internal", "out of memory");
-    else
-        hm_control_reply(req, result);
-}
-
 static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
 {
     daemon_t *d = ud;
@@ -267,7 +259,7 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
     size_t shm_segments = 0, shm_bytes = 0;
     if (d->shm != NULL)
         hm_shm_stats(d->shm, &shm_segments, &shm_bytes);
-    reply_or_fail(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}}",
+    hm_daemon_reply(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}}",
                                  "peer_id", hm_node_identity(d->node)->peer_id, "address", addr,
                                  "swarm", hm_node_swarm(d->node), "version", PACKAGE_VERSION,
                                  "uptime_s", (json_int_t)(hm_node_uptime_ms(d->node) / 1000),
@@ -315,7 +307,7 @@ static void cmd_peers(void *ud, hm_control_req *req, const json_t *args)
             goto fail;
     }
     free(peers);
-    reply_or_fail(req, json_pack("{s:o}", "peers", list));
+    hm_daemon_reply(req, json_pack("{s:o}", "peers", list));
     return;
 fail:
     free(peers);
@@ -336,7 +328,7 @@ static void cmd_metrics(void *ud, hm_control_req *req, const json_t *args)
         hm_control_reply_error(req, "internal", "out of memory");
         return;
     }
-    reply_or_fail(req, json_pack("{s:s}", "text", text));
+    hm_daemon_reply(req, json_pack("{s:s}", "text", text));
     free(text);
 }
 
@@ -430,7 +422,7 @@ static void on_dht_get(void *ud, int status, const hm_dht_value *values, size_t 
             goto oom;
         }
     }
-    reply_or_fail(c->req, json_pack("{s:b, s:o, s:i, s:i}", "found", json_array_size(list) > 0,
+    hm_daemon_reply(c->req, json_pack("{s:b, s:o, s:i, s:i}", "found", json_array_size(list) > 0,
                                     "values", list, "hops", (int)info->hops, "requests",
                                     (int)info->requests));
     list = NULL;
@@ -502,7 +494,7 @@ static void on_dht_put(void *ud, int status, unsigned stored, const hm_dht_looku
                                dht_strerror(status));
         return;
     }
-    reply_or_fail(req, json_pack("{s:i, s:i, s:i}", "stored", (int)stored, "hops", (int)info->hops,
+    hm_daemon_reply(req, json_pack("{s:i, s:i, s:i}", "stored", (int)stored, "hops", (int)info->hops,
                                  "requests", (int)info->requests));
 }
 
@@ -552,7 +544,7 @@ static void cmd_dht_info(void *ud, hm_control_req *req, const json_t *args)
     }
     hm_dht_stats st;
     hm_dht_get_stats(hm_node_dht(d->node), &st);
-    reply_or_fail(req, json_pack("{s:{s:I, s:I, s:I, s:I}, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b}",
+    hm_daemon_reply(req, json_pack("{s:{s:I, s:I, s:I, s:I}, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b}",
                                  "routing_table", "size", (json_int_t)st.rt_size, "depth",
                                  (json_int_t)st.rt_depth, "buckets", (json_int_t)st.rt_buckets,
                                  "cached", (json_int_t)st.rt_cached, "records",
@@ -866,7 +858,7 @@ static void avg_after_write(uv_work_t *w, int status)
         json_t *rep = report_json(j->rep);
         if (rep != NULL)
             json_object_set_new(rep, "out", json_string(j->out));
-        reply_or_fail(j->req, rep);
+        hm_daemon_reply(j->req, rep);
     }
     avg_job_free(j);
 }
@@ -886,7 +878,7 @@ static void on_avg_round(void *ud, int status, const hm_avg_report *rep)
     }
     if (j->in_shm) {
         /* Averaged in place: the trainer reads the result where it wrote. */
-        reply_or_fail(j->req, report_json(j->rep));
+        hm_daemon_reply(j->req, report_json(j->rep));
         goto fail;
     }
     /* The daemon may be closing: the loop still runs the write to its end. */
@@ -951,52 +943,6 @@ fail:
     avg_job_free(j);
 }
 
-/* args.name as seconds in (0, max], or def when absent; -1 when bad (replied). */
-static double arg_seconds(hm_control_req *req, const json_t *args, const char *name, double def,
-                          double max)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[128];
-    if (v == NULL)
-        return def;
-    if (!json_is_number(v) || !(json_number_value(v) > 0) || json_number_value(v) > max) {
-        snprintf(msg, sizeof(msg), "args.%s must be seconds, above 0 and at most %g", name, max);
-        hm_control_reply_error(req, "bad_args", msg);
-        return -1;
-    }
-    return json_number_value(v);
-}
-
-/* args.name as an integer in [lo, hi], or def when absent; -1 when bad (replied). */
-static long arg_int(hm_control_req *req, const json_t *args, const char *name, long def, long lo,
-                    long hi)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[128];
-    if (v == NULL)
-        return def;
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
-        snprintf(msg, sizeof(msg), "args.%s must be an integer from %ld to %ld", name, lo, hi);
-        hm_control_reply_error(req, "bad_args", msg);
-        return -1;
-    }
-    return (long)json_integer_value(v);
-}
-
-static int arg_path(hm_control_req *req, const json_t *args, const char *name, char *out)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[128];
-    if (!json_is_string(v) || json_string_length(v) == 0 || json_string_length(v) >= PATH_MAX ||
-        json_string_value(v)[0] != '/' || strlen(json_string_value(v)) != json_string_length(v)) {
-        snprintf(msg, sizeof(msg), "args.%s must be an absolute path", name);
-        hm_control_reply_error(req, "bad_args", msg);
-        return -1;
-    }
-    hm_strlcpy(out, json_string_value(v), PATH_MAX);
-    return 0;
-}
-
 static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
 {
     daemon_t *d = ud;
@@ -1031,7 +977,8 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
         goto fail;
     }
     if (data_ref == NULL &&
-        (arg_path(req, args, "in", j->in) < 0 || arg_path(req, args, "out", j->out) < 0))
+        (hm_daemon_arg_path(req, args, "in", j->in) < 0 ||
+         hm_daemon_arg_path(req, args, "out", j->out) < 0))
         goto fail;
     j->opts.prefix = j->prefix;
     j->opts.weight = 1.0;
@@ -1043,21 +990,22 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
         }
         j->opts.weight = json_number_value(v);
     }
-    long target = arg_int(req, args, "target_group_size", 16, 1, HM_AVG_MAX_GROUP);
+    long long target = hm_daemon_arg_int(req, args, "target_group_size", 16, 1, HM_AVG_MAX_GROUP);
     if (target < 0)
         goto fail;
-    long min = arg_int(req, args, "min_group_size", target > 1 ? 2 : 1, 1, target);
+    long long min =
+        hm_daemon_arg_int(req, args, "min_group_size", target > 1 ? 2 : 1, 1, target);
     if (min < 0)
         goto fail;
     j->opts.target_group_size = (unsigned)target;
     j->opts.min_group_size = (unsigned)min;
-    double t = arg_seconds(req, args, "timeout", 30, AVERAGE_MAX_TIMEOUT_S);
+    double t = hm_daemon_arg_seconds(req, args, "timeout", 30, AVERAGE_MAX_TIMEOUT_S);
     if (t < 0)
         goto fail;
-    double rt = arg_seconds(req, args, "round_timeout", 30, AVERAGE_MAX_TIMEOUT_S);
+    double rt = hm_daemon_arg_seconds(req, args, "round_timeout", 30, AVERAGE_MAX_TIMEOUT_S);
     if (rt < 0)
         goto fail;
-    double mt = arg_seconds(req, args, "matchmaking_time", HM_MIN(5.0, t), t);
+    double mt = hm_daemon_arg_seconds(req, args, "matchmaking_time", HM_MIN(5.0, t), t);
     if (mt < 0)
         goto fail;
     j->opts.matchmaking_timeout_ms = (uint64_t)(t * 1000);
@@ -1186,7 +1134,7 @@ static void cmd_averaging(void *ud, hm_control_req *req, const json_t *args)
             goto fail;
     }
     free(hist);
-    reply_or_fail(req, json_pack("{s:o, s:o}", "active", active, "rounds", rounds));
+    hm_daemon_reply(req, json_pack("{s:o, s:o}", "active", active, "rounds", rounds));
     return;
 fail:
     free(hist);
@@ -1317,7 +1265,7 @@ static void cmd_shm_alloc(void *ud, hm_control_req *req, const json_t *args)
                                                                         : "internal", msg);
         return;
     }
-    reply_or_fail(req, json_pack("{s:I, s:s, s:I}", "shm", (json_int_t)id, "name", name, "bytes",
+    hm_daemon_reply(req, json_pack("{s:I, s:s, s:I}", "shm", (json_int_t)id, "name", name, "bytes",
                                  (json_int_t)bytes));
 }
 
@@ -1349,7 +1297,7 @@ static void cmd_shm_free(void *ud, hm_control_req *req, const json_t *args)
         hm_control_reply_error(req, "not_owner", msg);
         return;
     }
-    reply_or_fail(req, json_object());
+    hm_daemon_reply(req, json_object());
 }
 
 /* A control connection closed: its segments go (pinned ones at their last put). */
@@ -1365,7 +1313,7 @@ static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)
     daemon_t *d = ud;
     (void)args;
     /* The reply is queued first; closing the server lets it be written. */
-    reply_or_fail(req, json_pack("{s:b}", "stopping", 1));
+    hm_daemon_reply(req, json_pack("{s:b}", "stopping", 1));
     begin_shutdown(d, "hivemindctl shutdown");
 }
 

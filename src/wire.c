@@ -8,6 +8,8 @@
 
 #include "wire.h"
 
+#include "util.h"
+
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -599,4 +601,40 @@ int hm_wire_get_tensor(const msgpack_object *o, uint64_t max_elems, hm_wire_tens
     result = 0;
 out:
     return result;
+}
+
+void hm_wire_wr_addr(hm_wire_wr *w, const struct sockaddr_storage *ss)
+{
+    char buf[HM_ADDRSTRLEN];
+    if (hm_format_addr((const struct sockaddr *)ss, buf, sizeof(buf)) < 0) {
+        if (w->err == 0)
+            w->err = -EINVAL;
+        return;
+    }
+    hm_wire_wr_cstr(w, buf);
+}
+
+int hm_wire_get_addr(const msgpack_object *o, struct sockaddr_storage *out)
+{
+    const char *p;
+    uint32_t n;
+    char buf[HM_ADDRSTRLEN];
+    if (hm_wire_get_str(o, &p, &n) < 0 || n == 0 || n >= sizeof(buf))
+        return -EPROTO;
+    memcpy(buf, p, n);
+    buf[n] = '\0';
+    if (memchr(buf, '\0', n) != NULL)
+        return -EPROTO;
+    memset(out, 0, sizeof(*out));
+    return hm_parse_hostport(buf, out) == 0 ? 0 : -EPROTO;
+}
+
+int hm_wire_get_bin_exact(const msgpack_object *o, void *out, size_t n)
+{
+    const uint8_t *p;
+    uint32_t len;
+    if (hm_wire_get_bin(o, &p, &len) < 0 || len != n)
+        return -EPROTO;
+    memcpy(out, p, n);
+    return 0;
 }

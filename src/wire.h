@@ -23,6 +23,7 @@
 #include <msgpack.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 typedef struct hm_wire_limits {
     size_t max_size;     /* bytes in one frame */
@@ -126,6 +127,13 @@ void hm_wire_wr_nil(hm_wire_wr *w);
 void hm_wire_wr_str(hm_wire_wr *w, const char *s, size_t len);
 void hm_wire_wr_cstr(hm_wire_wr *w, const char *s);
 void hm_wire_wr_bin(hm_wire_wr *w, const void *p, size_t len);
+/* A socket address as "HOST:PORT" text (hm_format_addr); an address that
+ * cannot be formatted sets err = -EINVAL. */
+void hm_wire_wr_addr(hm_wire_wr *w, const struct sockaddr_storage *ss);
+/* Reads such a string back (numeric host only). 0 or -EPROTO. */
+int hm_wire_get_addr(const msgpack_object *o, struct sockaddr_storage *out);
+/* A bin of exactly n bytes, copied into out. 0 or -EPROTO. */
+int hm_wire_get_bin_exact(const msgpack_object *o, void *out, size_t n);
 /* Appends bytes that already are one encoded msgpack object. */
 void hm_wire_wr_raw(hm_wire_wr *w, const void *p, size_t len);
 
