@@ -1046,6 +1046,44 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
 
 /* ---- setup ---- */
 
+int hm_dmoe_check_config(const hm_dmoe_config *c, char *err, size_t errlen)
+{
+    hm_ffn_config cfg;
+    char one[HM_MOE_UID_MAX * 4], why[256];
+    int r = build_ffn_config(c->type, c->dim, c->hidden, c->optimizer, c->lr, &cfg, err, errlen);
+    if (r != 0 || c->host_experts == NULL || c->host_experts[0] == '\0')
+        return r;
+    hm_moe_uid *uids = calloc(HM_MOE_MAX_PATTERN_EXPERTS, sizeof(*uids));
+    if (uids == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    const char *p = c->host_experts;
+    while (r == 0 && *p != '\0') {
+        const char *comma = strchr(p, ',');
+        size_t n = comma != NULL ? (size_t)(comma - p) : strlen(p);
+        if (n == 0 || n >= sizeof(one)) {
+            snprintf(err, errlen, "HostExperts: empty or overlong pattern in '%s'",
+                     c->host_experts);
+            r = -EINVAL;
+            break;
+        }
+        memcpy(one, p, n);
+        one[n] = '\0';
+        int got = hm_moe_pattern_expand(one, uids, HM_MOE_MAX_PATTERN_EXPERTS, why, sizeof(why));
+        if (got < 0) {
+            snprintf(err, errlen, "HostExperts: '%s': %s", one,
+                     why[0] != '\0' ? why : hm_strerror(got));
+            r = -EINVAL;
+        }
+        p += n;
+        if (*p == ',')
+            p++;
+    }
+    free(uids);
+    return r;
+}
+
 int hm_dmoe_new(struct daemon *d, hm_node *node, hm_control *ctl, const hm_dmoe_config *c,
                 hm_dmoe **out, char *err, size_t errlen)
 {

@@ -40,6 +40,13 @@ typedef struct hm_dmoe_config {
 } hm_dmoe_config;
 
 /*
+ * Checks a configuration without starting anything: the expert type,
+ * sizes, optimizer, learning rate and every hosting pattern. 0, or
+ * -EINVAL with a sentence in err (hivemindd exits 78 on it, also for -t).
+ */
+int hm_dmoe_check_config(const hm_dmoe_config *c, char *err, size_t errlen);
+
+/*
  * Starts the expert server and client on node, hosts the configured
  * experts and registers the commands on ctl. On failure err holds a
  * sentence for the operator (a bad pattern or option is a configuration

@@ -117,6 +117,23 @@ static void on_part_closed(void *ud)
 
 static void close_node(daemon_t *d);
 
+/* The expert settings of the configuration, as daemon_moe takes them. */
+static void moe_config(const hm_config *c, hm_dmoe_config *out)
+{
+    *out = (hm_dmoe_config){
+        .state_dir = c->state_dir,
+        .host_experts = c->host_experts,
+        .type = c->expert_type,
+        .dim = c->expert_dim,
+        .hidden = c->expert_hidden,
+        .optimizer = c->expert_optimizer,
+        .lr = c->expert_lr,
+        .workers = c->expert_workers,
+        .max_batch = c->expert_max_batch,
+        .checkpoint_interval_s = c->checkpoint_interval_s,
+    };
+}
+
 static void on_moe_closed(void *ud)
 {
     daemon_t *d = ud;
@@ -1413,18 +1430,8 @@ static int start(daemon_t *d, char *err, size_t errlen)
     hm_control_register(d->ctl, "shm.alloc", cmd_shm_alloc, d);
     hm_control_register(d->ctl, "shm.free", cmd_shm_free, d);
     hm_control_set_close_cb(d->ctl, on_conn_closed, d);
-    hm_dmoe_config mc = {
-        .state_dir = d->cfg.state_dir,
-        .host_experts = d->cfg.host_experts,
-        .type = d->cfg.expert_type,
-        .dim = d->cfg.expert_dim,
-        .hidden = d->cfg.expert_hidden,
-        .optimizer = d->cfg.expert_optimizer,
-        .lr = d->cfg.expert_lr,
-        .workers = d->cfg.expert_workers,
-        .max_batch = d->cfg.expert_max_batch,
-        .checkpoint_interval_s = d->cfg.checkpoint_interval_s,
-    };
+    hm_dmoe_config mc;
+    moe_config(&d->cfg, &mc);
     r = hm_dmoe_new(d, d->node, d->ctl, &mc, &d->moe, err, errlen);
     if (r != 0)
         return r;
@@ -1476,6 +1483,15 @@ int main(int argc, char **argv)
         goto out;
     }
     if (hm_config_build(&d->cfg, &d->args, err, sizeof(err)) != 0) {
+        fprintf(stderr, "hivemindd: %s\n", err);
+        code = HM_EXIT_CONFIG;
+        goto out;
+    }
+    /* Expert patterns and settings are checked here, so that a bad one is a
+     * configuration error (also for -t) rather than a failure to start. */
+    hm_dmoe_config mc;
+    moe_config(&d->cfg, &mc);
+    if (hm_dmoe_check_config(&mc, err, sizeof(err)) != 0) {
         fprintf(stderr, "hivemindd: %s\n", err);
         code = HM_EXIT_CONFIG;
         goto out;

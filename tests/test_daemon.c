@@ -125,6 +125,20 @@ Test(daemon, bad_config_exits_78_naming_the_line)
     cr_assert(strstr(err, "/nonexistent/hivemindd.conf") != NULL, "%s", err);
     free(out);
     free(err);
+
+    /* So is an expert pattern that names no experts, with or without -t. */
+    char *argv4[] = {bin_daemon, "-t", "--host-experts", "ffn.[0:4].[3:1]", NULL};
+    cr_assert_eq(run_prog(bin_daemon, argv4, &out, &err), 78, "%s", err);
+    cr_assert(strstr(err, "HostExperts") != NULL && strstr(err, "ffn.[0:4].[3:1]") != NULL,
+              "%s", err);
+    free(out);
+    free(err);
+    char *argv5[] = {bin_daemon, "--listen", "127.0.0.1:0", "--state-dir", tmpdir,
+                     "--expert-optimizer", "rmsprop", NULL};
+    cr_assert_eq(run_prog(bin_daemon, argv5, &out, &err), 78, "%s", err);
+    cr_assert(strstr(err, "rmsprop") != NULL, "%s", err);
+    free(out);
+    free(err);
 }
 
 Test(daemon, test_config_prints_the_effective_config)
