@@ -131,7 +131,12 @@ static const char *arg_str(hm_control_req *req, const json_t *args, const char *
     return json_string_value(v);
 }
 
-static uint64_t ms_of(double s) { return (uint64_t)llround(s * 1000.0); }
+/* Seconds to milliseconds, at least 1: a timeout above 0 never becomes "none". */
+static uint64_t ms_of(double s)
+{
+    long long ms = llround(s * 1000.0);
+    return ms < 1 ? 1 : (uint64_t)ms;
+}
 
 /* Fills an expert config from type/optimizer/lr strings; err gets why not. */
 static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
@@ -228,10 +233,13 @@ static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
     if (opt == NULL && !absent)
         return;
     opt = absent ? (m->defcfg.optimizer == HM_FFN_SGD ? "sgd" : "adam") : opt;
+    /* Each check answers the request when it fails: stop at the first. */
     long long dim =
         hm_daemon_arg_int(req, args, "dim", (long long)m->defcfg.dim, 1, HM_FFN_MAX_DIM);
+    if (dim < 0)
+        return;
     long long hidden = hm_daemon_arg_int(req, args, "hidden", 0, 0, HM_FFN_MAX_HIDDEN);
-    if (dim < 0 || hidden < 0)
+    if (hidden < 0)
         return;
     char lr[32] = "";
     const json_t *v = json_object_get(args, "lr");
@@ -568,9 +576,13 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
     if (prefix == NULL)
         return;
     long long k_best = hm_daemon_arg_int(req, args, "k_best", -1, 1, HM_MOE_MAX_K);
+    if (k_best < 0)
+        return;
     long long beam = hm_daemon_arg_int(req, args, "beam_size", 0, 0, 1024);
+    if (beam < 0)
+        return;
     double timeout = hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S);
-    if (k_best < 0 || beam < 0 || timeout < 0)
+    if (timeout < 0)
         return;
     const json_t *sv = json_object_get(args, "scores");
     if (!json_is_array(sv) || json_array_size(sv) < 1 ||
@@ -733,8 +745,10 @@ static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int
     if (parse_experts(req, args, j) != 0)
         goto fail;
     long long batch = hm_daemon_arg_int(req, args, "batch", -1, 1, HM_MOE_MAX_BATCH);
+    if (batch < 0)
+        goto fail;
     long long dim = hm_daemon_arg_int(req, args, "dim", -1, 1, HM_MOE_MAX_DIM);
-    if (batch < 0 || dim < 0)
+    if (dim < 0)
         goto fail;
     if ((size_t)batch * (size_t)dim > HM_MOE_MAX_ELEMS) {
         snprintf(msg, sizeof(msg), "batch * dim is over %zu values", (size_t)HM_MOE_MAX_ELEMS);
@@ -748,9 +762,13 @@ static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int
                             ? "backward_timeout"
                             : "timeout";
     long long k_min = hm_daemon_arg_int(req, args, kname, (long long)j->k, 1, (long long)j->k);
+    if (k_min < 0)
+        goto fail;
     double timeout = hm_daemon_arg_seconds(req, args, tname, 10.0, MAX_TIMEOUT_S);
+    if (timeout < 0)
+        goto fail;
     double after = hm_daemon_arg_seconds(req, args, "timeout_after_k_min", 1.0, MAX_TIMEOUT_S);
-    if (k_min < 0 || timeout < 0 || after < 0)
+    if (after < 0)
         goto fail;
     size_t n = (size_t)batch * (size_t)dim, kn = j->k * n;
     if (hm_daemon_shm_ref(shm, req, json_object_get(args, "x"), "x", n, &x,

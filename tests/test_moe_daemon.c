@@ -331,3 +331,31 @@ Test(moe_daemon, restart_after_sigkill_resumes)
     hmc_buf_free(gxb);
     hmc_close(h);
 }
+
+Test(moe_daemon, bad_arguments_are_answered_once_and_survived)
+{
+    struct node n;
+    start_node(&n, "solo", NULL, "--host-experts", "ffn.0.0", "--expert-dim", "16", NULL);
+    hmc *h = attach(&n);
+    /* Requests with two bad or missing arguments each: exactly one error
+     * reply, and the daemon goes on serving the same connection. */
+    static const char *const bad[][2] = {
+        {"experts.find", "{\"prefix\":\"ffn\",\"scores\":[[1]],\"beam_size\":-1}"},
+        {"experts.host", "{\"pattern\":\"ffn.5\",\"dim\":0,\"hidden\":-1}"},
+        {"experts.forward", "{\"experts\":[{\"uid\":\"ffn.0.0\",\"peer\":\"x\"}],\"batch\":0}"},
+        {"experts.forward", "{\"batch\":0,\"dim\":-1}"},
+        {"experts.backward", "{\"k_min\":5,\"timeout\":-1}"},
+        {"experts.call", "{\"uid\":\"ffn.0.0\",\"in\":\"rel\",\"out\":\"rel\",\"timeout\":-1}"},
+        {"experts.list", "{\"prefix\":\"a.b\",\"timeout\":0}"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        int r = hmc_request(h, bad[i][0], bad[i][1], NULL);
+        cr_assert_eq(r, -EREMOTEIO, "%s %s: %d %s", bad[i][0], bad[i][1], r, hmc_last_error(h));
+        cr_assert_str_eq(hmc_last_error_code(h), "bad_args", "%s", hmc_last_error(h));
+        char *info = NULL;
+        cr_assert_eq(hmc_info(h, &info), 0, "after %s: %s", bad[i][0], hmc_last_error(h));
+        hmc_free_string(info);
+    }
+    hmc_close(h);
+    stop_node(&n);
+}
