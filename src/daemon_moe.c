@@ -37,6 +37,15 @@
 #define LIST_MAX_PREFIXES 1024
 #define LIST_MAX_EXPERTS 1024
 #define LIST_MAX_GRIDS 8
+/*
+ * Bounds on what control clients can make the daemon hold: the encoded
+ * frames of expert calls in flight (each of the k experts gets its own
+ * frame), and the parameters and optimizer state of hosted experts.
+ */
+#define MAX_CALL_BYTES ((uint64_t)1 << 30)
+#define MAX_HOSTED_BYTES ((uint64_t)8 << 30)
+
+struct file_job;
 
 struct hm_dmoe {
     struct daemon *d;
@@ -46,6 +55,9 @@ struct hm_dmoe {
     hm_ffn_config defcfg;       /* the configured experts' layer */
     char deftype[HM_MOE_TYPE_MAX + 1];
     size_t jobs;                /* commands in progress */
+    uint64_t call_bytes;        /* frames of experts.forward/backward in flight */
+    uint64_t hosted_bytes;      /* parameters and optimizer state hosted */
+    struct file_job *files;     /* experts.call commands, to cancel at close */
     int closing;
     int srv_open;
     void (*close_cb)(void *ud);
@@ -53,6 +65,10 @@ struct hm_dmoe {
 };
 
 /* ---- lifetime ---- */
+
+static struct file_job *file_next(struct file_job *f);
+static int file_info_pending(const struct file_job *f);
+static uint64_t file_info_call(const struct file_job *f);
 
 static void maybe_free(hm_dmoe *m)
 {
@@ -83,6 +99,13 @@ void hm_dmoe_close(hm_dmoe *m, void (*cb)(void *ud), void *ud)
     m->closing = 1;
     m->close_cb = cb;
     m->close_ud = ud;
+    /* experts.call jobs asking an expert for its shape hold an rpc call of
+     * their own: end them now rather than at their timeout. */
+    for (struct file_job *f = m->files, *next; f != NULL; f = next) {
+        next = file_next(f);
+        if (file_info_pending(f))
+            hm_rpc_cancel(hm_node_rpc(m->node), file_info_call(f));
+    }
     /* Calls in flight end now (-ECANCELED), which answers their commands. */
     if (m->cli != NULL) {
         hm_moe_client_free(m->cli);
@@ -197,11 +220,30 @@ static int host_list(hm_dmoe *m, const char *list, const char *type, const hm_ff
         one[n] = '\0';
         size_t added = 0;
         char why[256] = "";
+        /* The pattern's experts, counted as if all were new, must fit the
+         * budget: each holds its parameters and up to two moments. */
+        size_t h = cfg->hidden > 0 ? cfg->hidden : 4 * cfg->dim;
+        uint64_t per = ((uint64_t)3 * cfg->dim + 2 * (uint64_t)h * cfg->dim + h) * 3 *
+                       sizeof(float);
+        hm_moe_uid *uids = calloc(HM_MOE_MAX_PATTERN_EXPERTS, sizeof(*uids));
+        if (uids == NULL) {
+            snprintf(err, errlen, "out of memory");
+            return -ENOMEM;
+        }
+        int count = hm_moe_pattern_expand(one, uids, HM_MOE_MAX_PATTERN_EXPERTS, NULL, 0);
+        free(uids);
+        if (count > 0 && m->hosted_bytes + (uint64_t)count * per > MAX_HOSTED_BYTES) {
+            snprintf(err, errlen, "cannot host '%s': its experts would take the hosted experts "
+                     "past %llu GiB of parameters and optimizer state", one,
+                     (unsigned long long)(MAX_HOSTED_BYTES >> 30));
+            return -ENOBUFS;
+        }
         int r = hm_moe_server_host(m->srv, one, type, cfg, &added, why, sizeof(why));
         if (r != 0) {
             snprintf(err, errlen, "cannot host '%s': %s", one, why[0] ? why : hm_strerror(r));
             return r;
         }
+        m->hosted_bytes += (uint64_t)added * per;
         *added_out += added;
         p += n;
         if (*p == ',')
@@ -258,7 +300,9 @@ static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
     cfg.seed = m->defcfg.seed;
     int r = host_list(m, pattern, type, &cfg, &added, err, sizeof(err));
     if (r != 0) {
-        hm_control_reply_error(req, r == -EPROTO ? "conflict" : "bad_args", err);
+        hm_control_reply_error(req, r == -EPROTO ? "conflict" : r == -ENOBUFS ? "limit"
+                                                                            : "bad_args",
+                               err);
         return;
     }
     size_t total = hm_moe_server_list(m->srv, NULL, 0);
@@ -648,6 +692,7 @@ typedef struct call_job {
     size_t n_pins;
     int backward;
     size_t k, k_min;
+    uint64_t bytes;             /* counted in hm_dmoe.call_bytes */
     double timeout_s;
     hm_moe_expert experts[HM_MOE_MAX_K];
 } call_job;
@@ -665,6 +710,7 @@ static void on_called(void *ud, int status, const uint8_t *answered, size_t n_an
     hm_dmoe *m = j->m;
     char msg[256];
     call_release(j);
+    m->call_bytes -= j->bytes;
     if (status == -ECANCELED) {
         hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
     } else if (status == -ETIMEDOUT) {
@@ -771,6 +817,17 @@ static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int
     if (after < 0)
         goto fail;
     size_t n = (size_t)batch * (size_t)dim, kn = j->k * n;
+    /* Each expert gets a frame of its own: x (and gy) plus an envelope. */
+    j->bytes = (uint64_t)j->k * ((uint64_t)n * sizeof(float) * (backward ? 2 : 1) + 4096);
+    if (m->call_bytes + j->bytes > MAX_CALL_BYTES) {
+        snprintf(msg, sizeof(msg), "expert calls in flight already hold %llu MiB, and this one "
+                 "needs %llu MiB more (at most %llu MiB at once): retry later",
+                 (unsigned long long)(m->call_bytes >> 20),
+                 (unsigned long long)(j->bytes >> 20),
+                 (unsigned long long)(MAX_CALL_BYTES >> 20));
+        hm_control_reply_error(req, "busy", msg);
+        goto fail;
+    }
     if (hm_daemon_shm_ref(shm, req, json_object_get(args, "x"), "x", n, &x,
                           &j->pins[j->n_pins]) != 0)
         goto fail;
@@ -800,6 +857,7 @@ static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int
         hm_control_reply_error(req, r == -EINVAL ? "bad_args" : "internal", msg);
         goto fail;
     }
+    m->call_bytes += j->bytes;
     m->jobs++;
     return;
 fail:
@@ -820,6 +878,8 @@ static void cmd_backward(void *ud, hm_control_req *req, const json_t *args)
 /* ---- experts.call: one forward on a file, for hivemindctl ---- */
 
 typedef struct file_job {
+    struct file_job *next, *prev;
+    int info_pending;           /* info_call is in flight */
     hm_dmoe *m;
     hm_control_req *req;
     char uid[HM_MOE_UID_MAX + 1];
@@ -835,6 +895,12 @@ typedef struct file_job {
 static void file_finish(file_job *j, const char *code, const char *msg)
 {
     hm_dmoe *m = j->m;
+    if (j->prev != NULL)
+        j->prev->next = j->next;
+    else
+        m->files = j->next;
+    if (j->next != NULL)
+        j->next->prev = j->prev;
     if (code != NULL)
         hm_control_reply_error(j->req, code, msg);
     free(j->x);
@@ -842,6 +908,10 @@ static void file_finish(file_job *j, const char *code, const char *msg)
     free(j);
     job_done(m);
 }
+
+static struct file_job *file_next(struct file_job *f) { return f->next; }
+static int file_info_pending(const struct file_job *f) { return f->info_pending; }
+static uint64_t file_info_call(const struct file_job *f) { return f->info_call; }
 
 static uint64_t remaining_ms(const file_job *j)
 {
@@ -852,7 +922,9 @@ static uint64_t remaining_ms(const file_job *j)
 /* Reads the whole input, a multiple of dim floats, at most the call's cap. */
 static int read_input(file_job *j, char *msg, size_t msglen)
 {
-    int fd = open(j->in, O_RDONLY | O_CLOEXEC);
+    /* Non-blocking, so that a FIFO named as input cannot hang the loop
+     * in open(); it is then refused as not a regular file. */
+    int fd = open(j->in, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     struct stat st;
     int result = 0;
     if (fd < 0) {
@@ -965,6 +1037,7 @@ static void on_file_info(void *ud, int status, const uint8_t *body, size_t len)
     file_job *j = ud;
     char type[HM_MOE_TYPE_MAX + 1], msg[PATH_MAX + 200];
     size_t hidden;
+    j->info_pending = 0;
     if (status == -ECANCELED || j->m->closing) {
         file_finish(j, "stopping", "the daemon is shutting down");
         return;
@@ -1012,6 +1085,8 @@ static void on_file_lookup(void *ud, int status, const hm_moe_expert *experts, s
         r = hm_rpc_call(hm_node_rpc(j->m->node), j->ex.pk, (const struct sockaddr *)&j->ex.addr,
                         HM_MOE_METHOD_INFO, w.buf, w.len, HM_RPC_STREAM, remaining_ms(j),
                         on_file_info, j, &j->info_call);
+    if (r == 0)
+        j->info_pending = 1;
     if (r != 0) {
         snprintf(msg, sizeof(msg), "cannot ask %s for its shape: %s", j->uid, hm_strerror(r));
         file_finish(j, "failed", msg);
@@ -1060,6 +1135,10 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
         return;
     }
     m->jobs++;
+    j->next = m->files;
+    if (m->files != NULL)
+        m->files->prev = j;
+    m->files = j;
 }
 
 /* ---- setup ---- */

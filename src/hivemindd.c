@@ -156,12 +156,10 @@ static void begin_shutdown(daemon_t *d, const char *why)
         uv_close((uv_handle_t *)&d->sig_hup, NULL);
         d->signals_open = 0;
     }
-    if (d->ctl != NULL) {
-        hm_control_close(d->ctl, on_part_closed, d);
-        d->ctl = NULL;
-    }
-    /* The expert server checkpoints and withdraws its DHT declarations
-     * while the node still runs; the rest closes after it. */
+    /* The control socket closes last but the node, so that commands ended
+     * by the shutdown are still answered ("stopping"). The expert server
+     * checkpoints and withdraws its DHT declarations while the node still
+     * runs; the rest closes after it. */
     if (d->moe != NULL) {
         hm_dmoe *m = d->moe;
         d->moe = NULL;
@@ -177,10 +175,14 @@ static void close_node(daemon_t *d)
         hm_dstate_close(d->state, on_part_closed, d);
         d->state = NULL;
     }
-    /* Rounds end (-ECANCELED) before the node goes, in the same turn. */
+    /* Rounds end (-ECANCELED) and are answered before the socket closes. */
     if (d->av != NULL) {
         hm_averager_close(d->av, on_part_closed, d);
         d->av = NULL;
+    }
+    if (d->ctl != NULL) {
+        hm_control_close(d->ctl, on_part_closed, d);
+        d->ctl = NULL;
     }
     if (d->node != NULL) {
         hm_node_close(d->node, on_part_closed, d);
@@ -592,9 +594,13 @@ static void cmd_dht_info(void *ud, hm_control_req *req, const json_t *args)
  * "averaging" lists the rounds in progress and the recent ones.
  */
 
-/* Largest tensor one "average" takes, and all of them together. */
+/*
+ * Largest tensor one "average" takes from a file, and the memory all rounds
+ * may hold together: a file's buffer, and the copy of its input that the
+ * all-reduce keeps for the round (allreduce.h), also for shared memory.
+ */
 #define AVERAGE_MAX_BYTES ((size_t)256 << 20)
-#define AVERAGE_MAX_HELD ((size_t)1 << 30)
+#define AVERAGE_MAX_HELD ((size_t)4 << 30)
 #define AVERAGE_MAX_JOBS 16
 #define AVERAGE_MAX_TIMEOUT_S 3600.0
 /* Largest shared-memory tensor: the default largest segment (shm.h). */
@@ -928,7 +934,7 @@ static void avg_after_read(uv_work_t *w, int status)
         hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
         goto fail;
     }
-    j->held = j->n * sizeof(float);
+    j->held = 2 * j->n * sizeof(float);
     d->avg_bytes += j->held;
     if (d->avg_bytes > AVERAGE_MAX_HELD) {
         hm_control_reply_error(j->req, "busy", "too many tensors are being averaged at once");
@@ -966,7 +972,7 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
     avg_job *j = NULL;
     const json_t *v;
 
-    if (d->av == NULL) {
+    if (d->av == NULL || d->stopping) {
         hm_control_reply_error(req, "stopping", "the daemon is shutting down");
         return;
     }
@@ -1100,6 +1106,12 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
                                   &j->data, &j->shm_id, &j->n) < 0)
             goto fail;
         j->in_shm = 1;
+        j->held = j->n * sizeof(float);
+        d->avg_bytes += j->held;
+        if (d->avg_bytes > AVERAGE_MAX_HELD) {
+            hm_control_reply_error(req, "busy", "too many tensors are being averaged at once");
+            goto fail;
+        }
         avg_start_round(j);
         return;
     }
@@ -1325,6 +1337,14 @@ static void on_conn_closed(void *ud, uint64_t conn_id)
         hm_shm_release_owner(d->shm, conn_id);
 }
 
+/* A connection that holds segments is a trainer between rounds: closing it
+ * for idleness would release its buffers, so it never idles out. */
+static int conn_holds_shm(void *ud, uint64_t conn_id)
+{
+    daemon_t *d = ud;
+    return d->shm != NULL && hm_shm_owned(d->shm, conn_id) > 0;
+}
+
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)
 {
     daemon_t *d = ud;
@@ -1430,6 +1450,7 @@ static int start(daemon_t *d, char *err, size_t errlen)
     hm_control_register(d->ctl, "shm.alloc", cmd_shm_alloc, d);
     hm_control_register(d->ctl, "shm.free", cmd_shm_free, d);
     hm_control_set_close_cb(d->ctl, on_conn_closed, d);
+    hm_control_set_idle_check(d->ctl, conn_holds_shm, d);
     hm_dmoe_config mc;
     moe_config(&d->cfg, &mc);
     r = hm_dmoe_new(d, d->node, d->ctl, &mc, &d->moe, err, errlen);

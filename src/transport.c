@@ -1612,7 +1612,9 @@ static void self_timer_cb(uv_timer_t *h)
     t->self_head = t->self_tail = NULL;
     while (m != NULL) {
         selfmsg *next = m->next;
-        t->self_bytes -= m->len;
+        /* A close from a handler has already zeroed the count. */
+        if (!t->closing)
+            t->self_bytes -= m->len;
         if (!t->closing && t->cbs.on_message != NULL)
             t->cbs.on_message(t->ud, t->id.pk, (const struct sockaddr *)&t->local, m->data,
                               m->len);
