@@ -39,6 +39,8 @@
 #define BUSY_BACKOFF_MS 200
 /* After a failed request, a donor waits this times its failures in a row. */
 #define FAIL_BACKOFF_MS 100
+/* Between two hashing slices of a share, so that the loop polls for I/O in between. */
+#define HASH_SLICE_GAP_MS 1
 /* The absolute ceiling of a state's size: the chunk count times the chunk size. */
 #define ABS_MAX_BLOB ((uint64_t)HM_STATE_MAX_CHUNKS * HM_STATE_CHUNK_MAX)
 
@@ -507,7 +509,13 @@ static void on_share_timer(uv_timer_t *t)
     share *s = t->data;
     if (s->next_v != NULL) {
         if (!hash_slice(s->next_v)) {
-            uv_timer_start(&s->timer, on_share_timer, 0, 0);
+            /*
+             * 1 ms, not 0: libuv runs a timer re-armed with 0 from its own
+             * callback again in the same pass, so every slice would run
+             * before the loop polls for I/O. A 1 ms timer waits for the next
+             * pass, with I/O and other timers in between.
+             */
+            uv_timer_start(&s->timer, on_share_timer, HASH_SLICE_GAP_MS, 0);
             return;
         }
         if (build_manifest(s->next_v) < 0) {
@@ -672,10 +680,23 @@ static int req_version(hm_state *st, const hm_state_req *q, share **s_out)
     return 0;
 }
 
+/*
+ * The serving caps (state.h): bytes still queued for this peer, and for
+ * everyone. 1 when a reply now would go over them.
+ */
+static int serving_busy(hm_state *st, const uint8_t peer_pk[HM_PK_BYTES])
+{
+    hm_transport *t = hm_rpc_transport(st->rpc);
+    hm_transport_stats ts;
+
+    hm_transport_get_stats(t, &ts);
+    return hm_transport_queued(t, peer_pk) > st->cfg.max_queued_per_peer ||
+           ts.queued_bytes > st->cfg.max_queued_total;
+}
+
 static void on_manifest_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                             const struct sockaddr *from, const uint8_t *body, size_t len)
 {
-    HM_UNUSED(peer_pk);
     HM_UNUSED(from);
     hm_state *st = ud;
     hm_state_req q;
@@ -689,6 +710,12 @@ static void on_manifest_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
         (void)hm_rpc_respond(req, r, NULL, 0);
         return;
     }
+    /* A manifest is up to 2 MiB: it is held to the same caps as a chunk. */
+    if (serving_busy(st, peer_pk)) {
+        s->refused_busy++;
+        (void)hm_rpc_respond(req, -ENOBUFS, NULL, 0);
+        return;
+    }
     s->manifests_served++;
     (void)hm_rpc_respond(req, 0, s->cur->manifest, s->cur->manifest_len);
 }
@@ -698,8 +725,6 @@ static void on_chunk_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_
 {
     HM_UNUSED(from);
     hm_state *st = ud;
-    hm_transport *t = hm_rpc_transport(st->rpc);
-    hm_transport_stats ts;
     hm_state_req q;
     share *s = NULL;
     int r;
@@ -716,10 +741,7 @@ static void on_chunk_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_
         (void)hm_rpc_respond(req, -ERANGE, NULL, 0);
         return;
     }
-    /* The serving caps: bytes still queued for this peer, and for everyone. */
-    hm_transport_get_stats(t, &ts);
-    if (hm_transport_queued(t, peer_pk) > st->cfg.max_queued_per_peer ||
-        ts.queued_bytes > st->cfg.max_queued_total) {
+    if (serving_busy(st, peer_pk)) {
         s->refused_busy++;
         (void)hm_rpc_respond(req, -ENOBUFS, NULL, 0);
         return;

@@ -16,7 +16,8 @@
  * the length, the chunking and every byte.
  *
  * Donor side. hm_state_share copies the blob and hashes it a slice at a
- * time on the loop (HM_STATE_HASH_SLICE bytes per loop turn, so that a
+ * time on the loop (HM_STATE_HASH_SLICE bytes per loop turn, with the
+ * next slice 1 ms later so that I/O and other timers run in between: a
  * multi-gigabyte blob never stalls the loop for long); once hashed, the
  * new version replaces the one served so far and the node declares itself
  * under key "PREFIX.state" with its owner marker as subkey (an owned,
@@ -109,6 +110,7 @@ typedef struct hm_state hm_state;
 
 typedef struct hm_state_config {
     uint64_t max_blob_bytes;        /* shared or loaded; 0: 4 GiB */
+    /* Manifest and chunk requests over a cap are answered -ENOBUFS. */
     size_t max_queued_per_peer;     /* serving cap per peer, bytes queued; 0: 8 MiB */
     size_t max_queued_total;        /* serving cap over all peers; 0: 64 MiB */
 } hm_state_config;

@@ -1,8 +1,8 @@
 /*
  * checkpoint: atomic, verified files for state that must survive a crash
  * (expert parameters and optimizer moments). A write goes to PATH.tmp, is
- * fsync'd, rotates the current PATH to PATH.prev, renames PATH.tmp over PATH
- * and fsyncs the directory; a read verifies the header and BLAKE2b-256 hash
+ * fsync'd, rotates the current PATH to PATH.prev (when PATH verifies),
+ * renames PATH.tmp over PATH and fsyncs the directory; a read verifies the header and BLAKE2b-256 hash
  * and falls back to PATH.prev. Owns nothing between calls.
  */
 #include "config.h"
@@ -25,6 +25,8 @@
 #define CKPT_HASH_BYTES 32
 /* read() and write() move at most this much per call, whatever they are asked for. */
 #define IO_CHUNK ((size_t)1 << 30)
+/* Verifying a file before it is rotated reads it through a buffer of this size. */
+#define VERIFY_CHUNK ((size_t)1 << 20)
 
 static void put_be32(uint8_t *p, uint32_t v)
 {
@@ -75,10 +77,15 @@ static int check_header(const uint8_t *hdr, uint64_t file_len, size_t max_len, s
     if (memcmp(hdr, CKPT_MAGIC, 4) != 0 || get_be32(hdr + 4) != CKPT_VERSION)
         return -EBADMSG;
     plen = get_be64(hdr + 8);
-    if (plen > max_len)
-        return -EMSGSIZE;
+    /*
+     * A length that disagrees with the file is corruption, whatever its
+     * value; only a consistent file that is too large is -EMSGSIZE (a
+     * checkpoint of a larger expert, say).
+     */
     if (plen != file_len - HM_CKPT_HEADER_BYTES)
         return -EBADMSG;
+    if (plen > max_len)
+        return -EMSGSIZE;
     *plen_out = (size_t)plen;
     return 0;
 }
@@ -184,25 +191,44 @@ out:
 }
 
 /*
- * Whether the file at path has a checkpoint header that agrees with its
- * size. Only the header is read: hashing a multi-gigabyte file on every
- * write would double the I/O, and what this guards against (a truncated or
- * zeroed file) shows in the header and the size.
+ * Whether the file at path is a whole, verified checkpoint: header, size
+ * and the hash of the payload, read back a chunk at a time. Only such a
+ * file is rotated to PATH.prev; one with a good header but a bad payload
+ * would otherwise push out a good PATH.prev. This reads the current file
+ * once more on every write (an expert's state is tens of MiB at typical
+ * sizes, a few GiB at the largest dim and hidden), which the periodic
+ * checkpoints on worker threads can afford.
  */
 static int looks_whole(const char *path)
 {
-    uint8_t hdr[HM_CKPT_HEADER_BYTES];
+    uint8_t hdr[HM_CKPT_HEADER_BYTES], hash[CKPT_HASH_BYTES];
+    crypto_generichash_state hs;
     struct stat st;
-    size_t plen;
+    uint8_t *chunk = NULL;
+    size_t plen, left;
     int fd, ok = 0;
 
     fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return 0;
-    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= HM_CKPT_HEADER_BYTES &&
-        read_all(fd, hdr, sizeof(hdr)) == 0 &&
-        check_header(hdr, (uint64_t)st.st_size, SIZE_MAX, &plen) == 0)
-        ok = 1;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size < HM_CKPT_HEADER_BYTES ||
+        read_all(fd, hdr, sizeof(hdr)) < 0 ||
+        check_header(hdr, (uint64_t)st.st_size, SIZE_MAX, &plen) < 0)
+        goto out;
+    if ((chunk = malloc(VERIFY_CHUNK)) == NULL)
+        goto out;
+    crypto_generichash_init(&hs, NULL, 0, CKPT_HASH_BYTES);
+    for (left = plen; left > 0;) {
+        size_t n = HM_MIN(left, VERIFY_CHUNK);
+        if (read_all(fd, chunk, n) < 0)
+            goto out;
+        crypto_generichash_update(&hs, chunk, (unsigned long long)n);
+        left -= n;
+    }
+    crypto_generichash_final(&hs, hash, CKPT_HASH_BYTES);
+    ok = sodium_memcmp(hash, hdr + 16, CKPT_HASH_BYTES) == 0;
+out:
+    free(chunk);
     close(fd);
     return ok;
 }
@@ -310,6 +336,15 @@ out:
     free(buf);
     close(fd);
     return result;
+}
+
+int hm_ckpt_read_file(const char *path, size_t max_len, uint8_t **payload_out, size_t *len_out)
+{
+    if (path == NULL || payload_out == NULL || len_out == NULL)
+        return -EINVAL;
+    *payload_out = NULL;
+    *len_out = 0;
+    return read_one(path, max_len, payload_out, len_out);
 }
 
 int hm_ckpt_read(const char *path, size_t max_len, uint8_t **payload_out, size_t *len_out,

@@ -8,9 +8,10 @@
  * corrupt.
  *
  * Writing is atomic: the payload goes to PATH.tmp, which is fsync'd; the
- * current PATH (if any) is renamed to PATH.prev, unless its header or size
- * is already wrong (then it would only displace a good PATH.prev); PATH.tmp
- * is renamed to PATH; the directory is fsync'd. A crash at any point leaves PATH or
+ * current PATH (if any) is renamed to PATH.prev only when it verifies in
+ * full (header, size and payload hash: a broken PATH would only displace a
+ * good PATH.prev), which reads PATH back once on every write; PATH.tmp is
+ * renamed to PATH; the directory is fsync'd. A crash at any point leaves PATH or
  * PATH.prev (or both) holding a complete, verified checkpoint.
  *
  * Reading tries PATH, then PATH.prev, and says which one it used.
@@ -34,6 +35,13 @@ int hm_ckpt_write(const char *path, const void *payload, size_t len);
  */
 int hm_ckpt_read(const char *path, size_t max_len, uint8_t **payload_out, size_t *len_out,
                  int *used_prev_out);
+
+/*
+ * Reads and verifies exactly the file at path, with no fallback (for a
+ * caller that found PATH's content unusable and wants PATH.prev itself).
+ * Returns 0, -ENOENT, -EBADMSG, -EMSGSIZE, -ENOMEM or -errno.
+ */
+int hm_ckpt_read_file(const char *path, size_t max_len, uint8_t **payload_out, size_t *len_out);
 
 /*
  * The pure check, for the fuzz target: verifies a whole file image and

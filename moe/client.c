@@ -448,6 +448,10 @@ out:
 
 /* ---------------------------------------------------------- expert calls */
 
+/* The largest request (a backward at HM_MOE_MAX_ELEMS) must fit the transport's default frame. */
+_Static_assert(HM_MOE_MAX_FRAME <= (size_t)80 << 20,
+               "a backward frame at HM_MOE_MAX_ELEMS exceeds the transport's max_message");
+
 typedef struct slot {
     call *call;
     size_t e;
@@ -467,6 +471,7 @@ struct call {
     hm_moe_call_cb cb;
     void *ud;
     size_t n_pending, n_answered;
+    size_t n_cancelled; /* slots the rpc layer ended with -ECANCELED (the node closing) */
     uint8_t answered[HM_MOE_MAX_K];
     slot slots[HM_MOE_MAX_K];
     uv_timer_t timer;      /* the overall timeout (or a deferred finish) */
@@ -536,6 +541,8 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
     k->n_pending--;
     if (k->done)
         return;
+    if (status == -ECANCELED)
+        k->n_cancelled++;
     if (status == 0) {
         float *block = k->out + s->e * k->batch * k->dim;
         int r = hm_moe_decode_out(body, len, k->backward, k->batch, k->dim, block);
@@ -548,7 +555,13 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
         }
     }
     if (k->n_pending == 0) {
-        call_finish(k, k->n_answered >= k->k_min ? 0 : -ETIMEDOUT);
+        /*
+         * Our calls are only cancelled under us when the node closes (the
+         * call's own cancel marks it done first): that is -ECANCELED, not
+         * a timeout.
+         */
+        int fail = k->n_cancelled > 0 ? -ECANCELED : -ETIMEDOUT;
+        call_finish(k, k->n_answered >= k->k_min ? 0 : fail);
         return;
     }
     if (status == 0 && k->answered[s->e] && k->n_answered == k->k_min) {
@@ -572,9 +585,14 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
         return -EINVAL;
     if (k_n < 1 || k_n > HM_MOE_MAX_K || o->k_min < 1 || o->k_min > k_n || o->timeout_ms == 0)
         return -EINVAL;
-    if (batch < 1 || batch > HM_MOE_MAX_BATCH || dim < 1 || dim > HM_MOE_MAX_DIM ||
-        batch * dim > HM_MOE_MAX_ELEMS)
+    if (batch < 1 || dim < 1)
         return -EINVAL;
+    /*
+     * Over the protocol's caps the frame could not be sent (or would be
+     * refused): say so now, rather than as a timeout when every send fails.
+     */
+    if (batch > HM_MOE_MAX_BATCH || dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS)
+        return -EMSGSIZE;
     for (size_t e = 0; e < k_n; e++)
         if (strnlen(experts[e].uid, sizeof(experts[e].uid)) > HM_MOE_UID_MAX)
             return -EINVAL;

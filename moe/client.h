@@ -77,7 +77,8 @@ typedef struct hm_moe_call_opts {
 } hm_moe_call_opts;
 
 /*
- * status 0 or -ETIMEDOUT (or -ECANCELED); answered[e] is 1 for the experts
+ * status 0, -ETIMEDOUT, or -ECANCELED (hm_moe_cancel, hm_moe_client_free,
+ * or the node closing under the call); answered[e] is 1 for the experts
  * whose rows in the output are valid, n_answered how many. answered is
  * valid during the callback only.
  */
@@ -85,8 +86,9 @@ typedef void (*hm_moe_call_cb)(void *ud, int status, const uint8_t *answered, si
 
 /*
  * x: [batch, dim]; y_out: [k, batch, dim], row block e for expert e.
- * Buffers must stay valid until the callback. 0, -EINVAL (bad sizes or
- * options: the callback will not fire), -ENOMEM.
+ * Buffers must stay valid until the callback. 0, -EINVAL (zero sizes, bad
+ * options), -EMSGSIZE (batch, dim or batch * dim over the caps of
+ * proto.h), -ENOMEM; the callback fires only after 0.
  */
 int hm_moe_forward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, const float *x,
                    size_t batch, size_t dim, float *y_out, const hm_moe_call_opts *o,

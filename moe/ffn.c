@@ -470,57 +470,97 @@ out:
 
 /* ---- optimizers ---- */
 
+/* The step's constants, computed once per step from the config and the step count. */
+struct step_k {
+    float keep;               /* decoupled weight decay: 1 - lr * weight_decay, or 1 */
+    float lr, mom;            /* SGD */
+    float step_size, bc2_sqrt, b1, b2, eps; /* Adam */
+};
+
+static struct step_k step_constants(const hm_ffn *f)
+{
+    const hm_ffn_config *c = &f->cfg;
+    struct step_k k;
+    /* torch.optim.Adam: bias-corrected moments, eps added after the correction. */
+    const double t = (double)(f->steps + 1);
+    const double bc1 = 1.0 - pow(c->beta1, t), bc2 = 1.0 - pow(c->beta2, t);
+
+    k.keep = c->weight_decay != 0 ? (float)(1.0 - c->lr * c->weight_decay) : 1.0f;
+    k.lr = (float)c->lr;
+    k.mom = (float)c->momentum;
+    k.step_size = (float)(c->lr / bc1);
+    k.bc2_sqrt = (float)sqrt(bc2);
+    k.b1 = (float)c->beta1;
+    k.b2 = (float)c->beta2;
+    k.eps = (float)c->eps;
+    return k;
+}
+
+/*
+ * One parameter's step: its new value and new moments, computed without
+ * writing anything, so that the same arithmetic serves the check pass and
+ * the update pass. SGD follows torch.optim.SGD (dampening 0: buf =
+ * momentum * buf + g, with buf = g on the first step, which a zero buffer
+ * gives too); weight decay is decoupled (AdamW-style: it shrinks the
+ * weights, not the gradient).
+ */
+static inline void step_one(const hm_ffn *f, const struct step_k *k, size_t i, float g,
+                            float *p_out, float *m1_out, float *m2_out)
+{
+    float p = f->params[i] * k->keep;
+
+    if (f->cfg.optimizer == HM_FFN_SGD) {
+        if (f->m1 != NULL) {
+            float b = k->mom * f->m1[i] + g;
+            *m1_out = b;
+            p -= k->lr * b;
+        } else {
+            p -= k->lr * g;
+        }
+    } else {
+        float m = k->b1 * f->m1[i] + (1.0f - k->b1) * g;
+        float v = k->b2 * f->m2[i] + (1.0f - k->b2) * g * g;
+        *m1_out = m;
+        *m2_out = v;
+        p -= k->step_size * m / (sqrtf(v) / k->bc2_sqrt + k->eps);
+    }
+    *p_out = p;
+}
+
 int hm_ffn_apply(hm_ffn *f, const float *grad_params)
 {
-    const hm_ffn_config *c;
-    float *p;
+    struct step_k k;
     size_t i, n;
 
     if (f == NULL || grad_params == NULL)
         return -EINVAL;
-    c = &f->cfg;
-    p = f->params;
     n = f->nparams;
     /* A non-finite gradient would poison every parameter it touches: refuse it whole. */
     if (!finite_all(grad_params, n))
         return -EDOM;
-    if (c->weight_decay != 0) {
-        /* Decoupled (AdamW-style): the decay shrinks the weights, not the gradient. */
-        float keep = (float)(1.0 - c->lr * c->weight_decay);
-        for (i = 0; i < n; i++)
-            p[i] *= keep;
+    k = step_constants(f);
+    /*
+     * A finite but huge gradient can still overflow a moment (Adam squares
+     * it) or a parameter: the expert would then stop learning for good and
+     * its checkpoints could not be loaded. So a first, read-only pass checks
+     * that every new value would be finite, and only then are they written.
+     * The pass costs a few flops per parameter, little next to the matrix
+     * products of the gradient.
+     */
+    for (i = 0; i < n; i++) {
+        float p, m1 = 0, m2 = 0;
+        step_one(f, &k, i, grad_params[i], &p, &m1, &m2);
+        if (!isfinite(p) || !isfinite(m1) || !isfinite(m2))
+            return -EDOM;
     }
-    if (c->optimizer == HM_FFN_SGD) {
-        const float lr = (float)c->lr;
-
-        if (f->m1 != NULL) {
-            /*
-             * torch.optim.SGD (dampening 0): buf = momentum * buf + g, with
-             * buf = g on the first step, which a zero buffer gives too.
-             */
-            const float mom = (float)c->momentum;
-            for (i = 0; i < n; i++) {
-                f->m1[i] = mom * f->m1[i] + grad_params[i];
-                p[i] -= lr * f->m1[i];
-            }
-        } else {
-            for (i = 0; i < n; i++)
-                p[i] -= lr * grad_params[i];
-        }
-    } else {
-        /* torch.optim.Adam: bias-corrected moments, eps added after the correction. */
-        const double t = (double)(f->steps + 1);
-        const double bc1 = 1.0 - pow(c->beta1, t), bc2 = 1.0 - pow(c->beta2, t);
-        const float step_size = (float)(c->lr / bc1);
-        const float bc2_sqrt = (float)sqrt(bc2);
-        const float b1 = (float)c->beta1, b2 = (float)c->beta2, eps = (float)c->eps;
-
-        for (i = 0; i < n; i++) {
-            float g = grad_params[i];
-            float m = f->m1[i] = b1 * f->m1[i] + (1.0f - b1) * g;
-            float v = f->m2[i] = b2 * f->m2[i] + (1.0f - b2) * g * g;
-            p[i] -= step_size * m / (sqrtf(v) / bc2_sqrt + eps);
-        }
+    for (i = 0; i < n; i++) {
+        float p, m1 = 0, m2 = 0;
+        step_one(f, &k, i, grad_params[i], &p, &m1, &m2);
+        f->params[i] = p;
+        if (f->m1 != NULL)
+            f->m1[i] = m1;
+        if (f->m2 != NULL)
+            f->m2[i] = m2;
     }
     f->steps++;
     return 0;
@@ -674,14 +714,14 @@ static int get_uint_key(const msgpack_object *map, const char *key, uint64_t *ou
 {
     const msgpack_object *o = hm_wire_map_get(map, key);
 
-    return o != NULL ? hm_wire_get_uint(o, out) : -EPROTO;
+    return o != NULL ? hm_wire_get_uint(o, out) : -EBADMSG;
 }
 
 static int get_double_key(const msgpack_object *map, const char *key, double *out)
 {
     const msgpack_object *o = hm_wire_map_get(map, key);
 
-    return o != NULL ? hm_wire_get_double(o, out) : -EPROTO;
+    return o != NULL ? hm_wire_get_double(o, out) : -EBADMSG;
 }
 
 /*
@@ -698,15 +738,15 @@ static int get_vector(const msgpack_object *map, const char *key, size_t n, int 
     size_t i;
 
     if (o == NULL || hm_wire_get_bin(o, &p, &len) < 0)
-        return -EPROTO;
+        return -EBADMSG;
     if (n > UINT32_MAX / 4 || len != n * 4)
-        return -EPROTO;
+        return -EBADMSG;
     if (dst == NULL)
         return 0;
     le_to_f32(dst, p, n);
     for (i = 0; i < n; i++) {
         if (!isfinite(dst[i]) || (nonneg && dst[i] < 0))
-            return -EPROTO;
+            return -EBADMSG;
     }
     return 0;
 }
@@ -732,9 +772,13 @@ int hm_ffn_load(const uint8_t *buf, size_t len, const hm_ffn_config *expect, hm_
         return -EMSGSIZE;
     if (!msgpack_zone_init(&zone, 1024))
         return -ENOMEM;
-    if ((result = hm_wire_unpack(buf, len, &lim, &zone, &root)) < 0)
+    /* Whatever the validator refuses (truncation, trailing bytes, depth) is malformed content. */
+    if ((result = hm_wire_unpack(buf, len, &lim, &zone, &root)) < 0) {
+        if (result != -ENOMEM)
+            result = -EBADMSG;
         goto out;
-    result = -EPROTO;
+    }
+    result = -EBADMSG;
     if (root.type != MSGPACK_OBJECT_MAP)
         goto out;
     if (get_uint_key(&root, "version", &version) < 0 || version != STATE_VERSION)
@@ -763,8 +807,11 @@ int hm_ffn_load(const uint8_t *buf, size_t len, const hm_ffn_config *expect, hm_
             result = -EINVAL;
             goto out;
         }
-        if (want.dim != c.dim || want.hidden != c.hidden || want.optimizer != c.optimizer)
+        /* A well-formed state of another shape: the one error that is not corruption. */
+        if (want.dim != c.dim || want.hidden != c.hidden || want.optimizer != c.optimizer) {
+            result = -EPROTO;
             goto out;
+        }
     }
     /* Every length is checked before anything is allocated, so the allocation is bounded by len. */
     np = nparams_of(&c);
@@ -775,7 +822,7 @@ int hm_ffn_load(const uint8_t *buf, size_t len, const hm_ffn_config *expect, hm_
         goto out;
     if ((result = ffn_alloc(&c, &f)) < 0)
         goto out;
-    result = -EPROTO;
+    result = -EBADMSG;
     f->steps = steps;
     if (get_vector(&root, "params", np, 0, f->params) < 0 ||
         (f->m1 != NULL && get_vector(&root, "m1", np, 0, f->m1) < 0) ||

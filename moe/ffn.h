@@ -27,7 +27,8 @@
  *
  * Errors: -EINVAL (bad config, zero batch or one over INT_MAX, which BLAS
  * cannot take, NULL), -ENOMEM, -EDOM (a non-finite value in x or dL/dy, or
- * in the gradient given to hm_ffn_apply: nothing is stepped).
+ * in the gradient given to hm_ffn_apply, or a finite gradient so large that
+ * a new parameter or optimizer moment would overflow: nothing is stepped).
  *
  * Each forward/backward call allocates its own scratch, about
  * 4 * batch * (dim + 2 * hidden) bytes, and backward also one gradient
@@ -82,7 +83,13 @@ int hm_ffn_forward(const hm_ffn *f, const float *x, size_t batch, float *y);
 int hm_ffn_grad(const hm_ffn *f, const float *x, const float *grad_y, size_t batch,
                 float *grad_x, float *grad_params);
 
-/* One optimizer step with the given parameter gradient. */
+/*
+ * One optimizer step with the given parameter gradient. A read-only pass
+ * first checks that every new parameter and moment would be finite; if
+ * one would not (a huge but finite gradient overflowing Adam's second
+ * moment, say), nothing changes and -EDOM is returned, so that one hostile
+ * dL/dy can neither stop the expert learning nor make its state unloadable.
+ */
 int hm_ffn_apply(hm_ffn *f, const float *grad_params);
 
 /* hm_ffn_grad then hm_ffn_apply, as the server does on each backward call. */
@@ -99,8 +106,11 @@ int hm_ffn_backward(hm_ffn *f, const float *x, const float *grad_y, size_t batch
  * none). Loaded values must be finite (and m2 non-negative). hm_ffn_load parses
  * through the bounded wire validator and checks every length against the
  * config it declares; when expect is not NULL, dim, hidden and optimizer
- * must match it (-EPROTO otherwise). Returns 0, -EINVAL/-EPROTO (malformed),
- * -EMSGSIZE or -ENOMEM.
+ * must match it. Returns 0; -EPROTO only for a well-formed state whose dim,
+ * hidden or optimizer differ from expect; -EBADMSG for malformed content
+ * (truncated, trailing bytes, missing or mistyped fields, lengths that
+ * disagree, non-finite values); -EMSGSIZE (over the largest state any
+ * config can have); -EINVAL (NULL, or an invalid expect); -ENOMEM.
  */
 int hm_ffn_save(const hm_ffn *f, uint8_t **buf_out, size_t *len_out);
 int hm_ffn_load(const uint8_t *buf, size_t len, const hm_ffn_config *expect, hm_ffn **out);

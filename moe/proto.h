@@ -55,7 +55,13 @@
 #define HM_MOE_MAX_GRID 65536
 #define HM_MOE_MAX_BATCH 4096
 #define HM_MOE_MAX_DIM 8192
-#define HM_MOE_MAX_ELEMS ((size_t)1 << 24)          /* 64 MiB of float32 */
+/*
+ * 32 MiB of float32 per tensor. A backward request carries two tensors, so
+ * its frame is at most 64 MiB plus a header: this must stay under the
+ * transport's max_message (80 MiB by default, transport.h), or calls of the
+ * largest sizes could never be sent.
+ */
+#define HM_MOE_MAX_ELEMS ((size_t)1 << 23)
 #define HM_MOE_MAX_FRAME (2 * HM_MOE_MAX_ELEMS * 4 + 4096)
 #define HM_MOE_MAX_PATTERN_EXPERTS 4096
 #define HM_MOE_TYPE_MAX 16

@@ -23,11 +23,13 @@
 #include "server.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "checkpoint.h"
@@ -52,6 +54,8 @@
  * callers pin far more memory than a host has.
  */
 #define MAX_QUEUED_BYTES ((size_t)1 << 30)
+/* After a failed job allocation, the batch timer waits this long before trying again. */
+#define ALLOC_RETRY_MS 10
 /* Checkpoints are read back with this much room over the parameters and two moments. */
 #define CKPT_SLACK (64 * 1024)
 #define DECL_VALUE_MAX 256
@@ -158,7 +162,9 @@ struct hm_moe_server {
     char *state_dir;
     unsigned nworkers;
     size_t max_batch, max_queued;
-    size_t queued_bytes;
+    size_t queued_bytes;     /* request copies from arrival until their batch is answered */
+    size_t max_queued_bytes;
+    uint64_t retry_after_ms; /* a job allocation failed: no batch before this (0: none) */
     uint64_t batch_wait_ms, ckpt_interval_ms;
     double ttl_s;
     char addr[HM_MOE_ADDR_MAX + 1];
@@ -333,6 +339,22 @@ static int write_checkpoint(expert *e, uint64_t *steps_out)
 }
 
 /*
+ * A backward batch refused with -EDOM stepped nothing: one request's dL/dy
+ * (finite, but large enough to overflow a parameter or moment) may be the
+ * cause. Each request then runs alone, as its own step, so that only the
+ * offending one is answered -EDOM. Called with the expert's lock held.
+ */
+static void backward_each(expert *e, job *j, float *out)
+{
+    size_t off = 0;
+
+    for (pending *p = j->reqs; p != NULL; p = p->next) {
+        p->status = hm_ffn_backward(e->ffn, p->x, p->gy, p->batch, out + off * e->dim);
+        off += p->batch;
+    }
+}
+
+/*
  * Runs one batch: gathers the requests' rows, computes, and builds each
  * request's reply from its rows of the output.
  */
@@ -357,9 +379,13 @@ static void run_batch(job *j)
         off += p->batch;
     }
     uv_mutex_lock(&e->lock);
-    if (backward)
+    if (backward) {
         r = hm_ffn_backward(e->ffn, x, gy, j->samples, out);
-    else
+        if (r == -EDOM && j->reqs->next != NULL) {
+            backward_each(e, j, out);
+            r = 0;
+        }
+    } else
         r = hm_ffn_forward(e->ffn, x, j->samples, out);
     j->steps = hm_ffn_steps(e->ffn);
     uv_mutex_unlock(&e->lock);
@@ -370,6 +396,10 @@ static void run_batch(job *j)
     off = 0;
     for (pending *p = j->reqs; p != NULL; p = p->next) {
         hm_wire_wr w;
+        if (p->status != 0) {
+            off += p->batch; /* refused alone by backward_each */
+            continue;
+        }
         hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
         hm_moe_encode_out(&w, backward, out + off * dim, p->batch, dim);
         if ((r = hm_wire_wr_error(&w)) < 0) {
@@ -466,6 +496,12 @@ static void waiting_remove(hm_moe_server *s, expert *e)
     e->waiting = 0;
 }
 
+/*
+ * Takes the oldest request off q. Its bytes stay counted in the server's
+ * total until the request is answered (pending_done): a request that
+ * moved into a job waiting for a worker, or running on one, still holds
+ * its copies.
+ */
 static pending *queue_pop(queue *q)
 {
     pending *p = q->head;
@@ -475,9 +511,15 @@ static pending *queue_pop(queue *q)
     if (q->head == NULL)
         q->tail = NULL;
     q->samples -= p->batch;
-    *q->srv_bytes -= p->bytes;
     p->next = NULL;
     return p;
+}
+
+/* Releases an answered request and its share of the server-wide byte bound. */
+static void pending_done(hm_moe_server *s, pending *p)
+{
+    s->queued_bytes -= p->bytes;
+    pending_free(p);
 }
 
 static void queue_push(queue *q, pending *p)
@@ -493,12 +535,12 @@ static void queue_push(queue *q, pending *p)
 }
 
 /* Drops requests at the head of q whose callers have gone: they are not computed. */
-static void queue_drop_gone(queue *q)
+static void queue_drop_gone(hm_moe_server *s, queue *q)
 {
     while (q->head != NULL && hm_rpc_req_cancelled(q->head->req)) {
         pending *p = queue_pop(q);
         hm_rpc_respond(p->req, -ECANCELED, NULL, 0);
-        pending_free(p);
+        pending_done(s, p);
     }
 }
 
@@ -509,7 +551,7 @@ static void queue_fail_all(hm_moe_server *s, expert *e, int status)
         pending *p;
         while ((p = queue_pop(&e->q[k])) != NULL) {
             hm_rpc_respond(p->req, status, NULL, 0);
-            pending_free(p);
+            pending_done(s, p);
         }
     }
     waiting_remove(s, e);
@@ -558,8 +600,8 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
         if (dispatch_checkpoint(s, e) == 0)
             return;
     }
-    queue_drop_gone(&e->q[Q_FWD]);
-    queue_drop_gone(&e->q[Q_BWD]);
+    queue_drop_gone(s, &e->q[Q_FWD]);
+    queue_drop_gone(s, &e->q[Q_BWD]);
     if (e->q[Q_FWD].head == NULL && e->q[Q_BWD].head == NULL) {
         waiting_remove(s, e);
         return;
@@ -579,8 +621,14 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
         return;
     queue *q = &e->q[k];
     job *j = calloc(1, sizeof(*j));
-    if (j == NULL)
-        return; /* the batch timer tries again */
+    if (j == NULL) {
+        /*
+         * The batch timer tries again, but not at once: the batch is due,
+         * so a zero timeout would run again within this loop pass.
+         */
+        s->retry_after_ms = now + ALLOC_RETRY_MS;
+        return;
+    }
     j->e = e;
     j->kind = k == Q_BWD ? JOB_BWD : JOB_FWD;
     pending **tail = &j->reqs;
@@ -588,7 +636,7 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
         if (hm_rpc_req_cancelled(q->head->req)) {
             pending *gone = queue_pop(q);
             hm_rpc_respond(gone->req, -ECANCELED, NULL, 0);
-            pending_free(gone);
+            pending_done(s, gone);
             continue;
         }
         if (j->samples > 0 && j->samples + q->head->batch > s->max_batch)
@@ -630,6 +678,12 @@ static void batch_rearm(hm_moe_server *s)
         s->batch_due_ms = 0;
         return;
     }
+    if (s->retry_after_ms != 0) {
+        if (now < s->retry_after_ms)
+            due = HM_MAX(due, s->retry_after_ms);
+        else
+            s->retry_after_ms = 0;
+    }
     if (s->batch_due_ms != 0 && s->batch_due_ms <= due && uv_is_active((uv_handle_t *)&s->batch_timer))
         return;
     s->batch_due_ms = due;
@@ -658,6 +712,7 @@ static void close_step(hm_moe_server *s);
 static void finish_batch(job *j)
 {
     expert *e = j->e;
+    hm_moe_server *s = e->s;
     uint64_t now = hm_now_ms();
     int backward = j->kind == JOB_BWD;
     pending *p = j->reqs;
@@ -683,7 +738,7 @@ static void finish_batch(job *j)
         } else {
             hm_rpc_respond(p->req, st, NULL, 0);
         }
-        pending_free(p);
+        pending_done(s, p);
         p = next;
     }
 }
@@ -763,7 +818,7 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const uint8_t *body, size_
         goto fail;
     }
     n = mr.batch * mr.dim;
-    if (s->queued_bytes + n * sizeof(float) * 2 > MAX_QUEUED_BYTES) {
+    if (s->queued_bytes + n * sizeof(float) * (backward ? 2 : 1) > s->max_queued_bytes) {
         r = -ENOBUFS;
         goto fail;
     }
@@ -1166,13 +1221,98 @@ static size_t ckpt_max_len(const hm_ffn_config *cfg)
     return np * sizeof(float) * 3 + CKPT_SLACK;
 }
 
+/* Why a checkpoint was unusable, in words: -EBADMSG here is corruption, not authentication. */
+static const char *ckpt_why(int r)
+{
+    return r == -EBADMSG ? "corrupt or malformed" : hm_strerror(r);
+}
+
+/*
+ * Loads e's checkpoint into e->ffn when there is a usable one. A file
+ * that does not verify, or verifies but holds malformed content (a state
+ * written before a bug was fixed, say), is treated alike: PATH.prev is
+ * tried, and failing that the expert starts afresh (e->ffn stays NULL),
+ * with the reason logged. Only a well-formed state of another dim, hidden
+ * size or optimizer refuses the expert (-EPROTO, with err set); -ENOMEM
+ * and -EINVAL (a config hm_ffn cannot take) are returned as they are.
+ */
+static int expert_resume(expert *e, const hm_ffn_config *c, size_t max_len, char *err,
+                         size_t errlen)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    char *prev = NULL;
+    int used_prev = 0, r;
+
+    r = hm_ckpt_read(e->path, max_len, &buf, &len, &used_prev);
+    if (r == -ENOENT)
+        return 0;
+    if (r == -EMSGSIZE) {
+        snprintf(err, errlen, "the checkpoint %s is larger than an expert of the requested size",
+                 e->path);
+        return -EPROTO;
+    }
+    if (r == -ENOMEM)
+        return r;
+    if (r < 0) {
+        hm_error(MOD, "%s: no good checkpoint at %s (%s); starting afresh", e->uid, e->path,
+                 ckpt_why(r));
+        return 0;
+    }
+    r = hm_ffn_load(buf, len, c, &e->ffn);
+    if (r == -EBADMSG && !used_prev) {
+        size_t pl = strlen(e->path) + sizeof(".prev");
+        hm_warn(MOD, "%s: %s verifies but holds a malformed state; trying %s.prev", e->uid,
+                e->path, e->path);
+        free(buf);
+        buf = NULL;
+        if ((prev = malloc(pl)) == NULL) {
+            r = -ENOMEM;
+            goto out;
+        }
+        snprintf(prev, pl, "%s.prev", e->path);
+        int rp = hm_ckpt_read_file(prev, max_len, &buf, &len);
+        if (rp == 0) {
+            used_prev = 1;
+            r = hm_ffn_load(buf, len, c, &e->ffn);
+        } else if (rp == -ENOMEM) {
+            r = rp;
+        }
+    }
+    if (r == -EPROTO) {
+        snprintf(err, errlen,
+                 "the checkpoint %s%s does not match the requested dim, hidden size or optimizer",
+                 e->path, used_prev ? ".prev" : "");
+        goto out;
+    }
+    if (r == -ENOMEM)
+        goto out;
+    if (r == -EINVAL) {
+        snprintf(err, errlen, "cannot create expert %s: invalid expert config", e->uid);
+        goto out;
+    }
+    if (r < 0) {
+        hm_error(MOD, "%s: checkpoint %s%s holds no usable state (%s); starting afresh", e->uid,
+                 e->path, used_prev ? " and its .prev" : "", ckpt_why(r));
+        e->ffn = NULL;
+        r = 0;
+        goto out;
+    }
+    if (used_prev)
+        hm_warn(MOD, "%s: %s was missing, corrupt or malformed; resumed from %s.prev", e->uid,
+                e->path, e->path);
+    e->resumed = 1;
+    e->steps = e->steps_at_ckpt = hm_ffn_steps(e->ffn);
+out:
+    free(prev);
+    free(buf);
+    return r;
+}
+
 static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
                       const hm_ffn_config *cfg, expert **out, char *err, size_t errlen)
 {
     hm_ffn_config c = *cfg;
-    uint8_t *buf = NULL;
-    size_t len = 0;
-    int used_prev = 0;
     expert *e;
     int result;
 
@@ -1199,37 +1339,8 @@ static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
         }
         /* The uid grammar admits no '/' nor "..", so the name stays inside experts/. */
         snprintf(e->path, pl, "%s/experts/%s.ckpt", s->state_dir, e->uid);
-        result = hm_ckpt_read(e->path, ckpt_max_len(cfg), &buf, &len, &used_prev);
-        if (result == 0) {
-            result = hm_ffn_load(buf, len, &c, &e->ffn);
-            if (result == -EPROTO) {
-                snprintf(err, errlen,
-                         "the checkpoint %s does not match the requested dim, hidden size or "
-                         "optimizer",
-                         e->path);
-                goto out;
-            }
-            if (result < 0) {
-                hm_error(MOD, "%s: checkpoint %s is unreadable (%s); starting afresh", e->uid,
-                         e->path, hm_strerror(result));
-                e->ffn = NULL;
-            } else {
-                if (used_prev)
-                    hm_warn(MOD, "%s: %s was missing or corrupt; resumed from %s.prev", e->uid,
-                            e->path, e->path);
-                e->resumed = 1;
-                e->steps = e->steps_at_ckpt = hm_ffn_steps(e->ffn);
-            }
-        } else if (result == -EMSGSIZE) {
-            snprintf(err, errlen,
-                     "the checkpoint %s is larger than an expert of the requested size",
-                     e->path);
-            result = -EPROTO;
+        if ((result = expert_resume(e, &c, ckpt_max_len(cfg), err, errlen)) < 0)
             goto out;
-        } else if (result != -ENOENT) {
-            hm_error(MOD, "%s: no good checkpoint at %s (%s); starting afresh", e->uid, e->path,
-                     hm_strerror(result));
-        }
     }
     if (e->ffn == NULL) {
         if ((result = hm_ffn_new(&c, &e->ffn)) < 0) {
@@ -1241,7 +1352,6 @@ static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
     e->hidden = hm_ffn_config_of(e->ffn)->hidden;
     result = 0;
 out:
-    free(buf);
     if (result < 0) {
         expert_free(e);
         e = NULL;
@@ -1259,10 +1369,25 @@ static int make_dirs(const char *state_dir, char *err, size_t errlen)
     if (p == NULL)
         return -ENOMEM;
     snprintf(p, pl, "%s/experts", state_dir);
-    if (mkdir(p, 0700) < 0 && errno != EEXIST) {
-        result = -errno;
-        snprintf(err, errlen, "cannot create %s: %s", p, strerror(errno));
+    if (mkdir(p, 0700) < 0) {
+        if (errno != EEXIST) {
+            result = -errno;
+            snprintf(err, errlen, "cannot create %s: %s", p, strerror(errno));
+        }
+        goto out;
     }
+    /*
+     * The new directory's entry lives in state_dir: without an fsync of it,
+     * a crash could lose experts/ and every checkpoint fsync'd inside it.
+     */
+    int fd = open(state_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 || fsync(fd) < 0) {
+        result = -errno;
+        snprintf(err, errlen, "cannot sync %s: %s", state_dir, strerror(errno));
+    }
+    if (fd >= 0)
+        close(fd);
+out:
     free(p);
     return result;
 }
@@ -1496,15 +1621,18 @@ static void close_step(hm_moe_server *s)
     uv_close((uv_handle_t *)&s->ckpt_timer, handle_closed);
 }
 
-void hm_moe_server_close(hm_moe_server *s, int withdraw, void (*cb)(void *ud), void *ud)
+int hm_moe_server_close(hm_moe_server *s, int withdraw, void (*cb)(void *ud), void *ud)
 {
     if (s == NULL) {
         if (cb != NULL)
             cb(ud);
-        return;
+        return 0;
     }
-    if (s->state != S_RUNNING)
-        return;
+    if (s->state != S_RUNNING) {
+        /* The first call's cb says when the server is gone; this one's never fires. */
+        hm_warn(MOD, "the expert server is already closing");
+        return -EALREADY;
+    }
     s->close_cb = cb;
     s->close_ud = ud;
     s->do_withdraw = withdraw;
@@ -1514,6 +1642,7 @@ void hm_moe_server_close(hm_moe_server *s, int withdraw, void (*cb)(void *ud), v
     for (size_t i = 0; i < s->nex; i++)
         queue_fail_all(s, s->ex[i], -ESHUTDOWN);
     close_step(s);
+    return 0;
 }
 
 int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_server **out)
@@ -1550,6 +1679,7 @@ int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_serv
     s->max_batch = o.max_batch_size ? o.max_batch_size : 1024;
     s->batch_wait_ms = o.batch_wait_ms ? o.batch_wait_ms : 2;
     s->max_queued = o.max_queued_samples ? o.max_queued_samples : 16384;
+    s->max_queued_bytes = o.max_queued_bytes ? o.max_queued_bytes : MAX_QUEUED_BYTES;
     s->ttl_s = o.declare_ttl_s > 0 ? o.declare_ttl_s : 60.0;
     s->ckpt_interval_ms = o.checkpoint_interval_ms ? o.checkpoint_interval_ms : 60000;
     hm_strlcpy(s->addr, at + 1, sizeof(s->addr));

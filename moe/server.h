@@ -12,9 +12,15 @@
  * forward and backward requests are batched separately, in arrival order.
  * A request whose caller has gone (cancel or deadline) is dropped before
  * it is computed. At most max_queued_samples samples wait per expert, and
- * at most 1 GiB of request tensors in all the server's queues together;
- * beyond that requests are answered -ENOBUFS. Non-finite inputs are
- * refused on arrival (-EDOM), so that they never fail a whole batch.
+ * at most max_queued_bytes (1 GiB) of request tensors are held by the
+ * whole server, counted from arrival until the reply (queued, in a job
+ * waiting for a worker, or computing); beyond that requests are answered
+ * -ENOBUFS. Non-finite inputs are refused on arrival (-EDOM), so that they
+ * never fail a whole batch. A backward whose step would overflow a
+ * parameter or optimizer moment (a finite but huge dL/dy) steps nothing
+ * and is answered -EDOM; when it came in a batch with others, each request
+ * of that batch is then run as its own step, so that only the offending
+ * one fails.
  *
  * Declarations. Every hosted expert and each of its grid prefixes is put
  * into the DHT as an owned record (proto.h) with declare_ttl_s, refreshed
@@ -24,9 +30,20 @@
  * Durability. With a state_dir, each expert is checkpointed
  * (checkpoint.h) to STATE_DIR/experts/UID.ckpt every checkpoint_interval_ms
  * when it has stepped since the last one, and on close. Hosting an expert
- * whose checkpoint exists resumes from it (the newest good one; a corrupt
- * file is logged and the previous used); a checkpoint whose dim, hidden or
- * optimizer differ from the requested config is refused (-EPROTO).
+ * whose checkpoint exists resumes from it (the newest good one: a file
+ * that is corrupt, or verifies but holds a malformed state, is logged and
+ * the previous one used; with neither usable the expert starts afresh); a
+ * well-formed checkpoint whose dim, hidden or optimizer differ from the
+ * requested config is refused (-EPROTO). Creating STATE_DIR/experts fsyncs
+ * STATE_DIR, so that the directory survives a crash with its files.
+ *
+ * Blocking. The periodic checkpoints run on the compute workers. Three
+ * things run on the loop thread and block it while they do file I/O:
+ * hm_moe_server_host reading (and verifying) each new expert's checkpoint,
+ * hm_moe_server_checkpoint, and the final checkpoint that
+ * hm_moe_server_close writes once running batches have finished. Each
+ * costs about one read or write of the experts' states (tens of MiB per
+ * expert at typical sizes), so they belong at startup and shutdown.
  *
  * Lifetime: create on a running node; close before the node.
  */
@@ -52,6 +69,7 @@ typedef struct hm_moe_server_opts {
     size_t max_queued_samples;       /* per expert; 0: 16384 */
     double declare_ttl_s;            /* 0: 60 */
     uint64_t checkpoint_interval_ms; /* 0: 60000 */
+    size_t max_queued_bytes;         /* request tensors held by the server; 0: 1 GiB */
 } hm_moe_server_opts;
 
 /* 0, -ENOMEM, -EEXIST (the node already has a server), -EINVAL. */
@@ -64,8 +82,9 @@ int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_serv
  * holds a sentence and nothing was added: -EINVAL (pattern or config),
  * -EMSGSIZE (over HM_MOE_SERVER_MAX_EXPERTS), -EPROTO (a checkpoint that
  * does not match cfg), -ENOMEM, -ESHUTDOWN (the server is closing).
- * A checkpoint file that exists but is unreadable (neither it nor its
- * .prev verifies) is logged and the expert starts afresh.
+ * A checkpoint file that exists but is unusable (neither it nor its
+ * .prev verifies and holds a well-formed state) is logged and the expert
+ * starts afresh. Runs on the loop thread and reads the checkpoints there.
  */
 int hm_moe_server_host(hm_moe_server *s, const char *pattern, const char *type,
                        const hm_ffn_config *cfg, size_t *n_added_out, char *err, size_t errlen);
@@ -92,10 +111,14 @@ int hm_moe_server_checkpoint(hm_moe_server *s);
 
 /*
  * Stops taking requests (answered -ESHUTDOWN), waits for running batches,
- * checkpoints, withdraws the declarations when withdraw is set (bounded by
- * a few seconds), unregisters the methods, joins the workers and frees the
- * server; cb (may be NULL) fires from the loop after that.
+ * checkpoints (on the loop thread, blocking it for the write), withdraws
+ * the declarations when withdraw is set (bounded by a few seconds),
+ * unregisters the methods, joins the workers and frees the server; cb (may
+ * be NULL) fires from the loop after that. Returns 0, or -EALREADY when a
+ * close is already under way: that call changes nothing and its cb never
+ * fires (the first call's cb says when the server is gone). s must not be
+ * used after the first call's cb.
  */
-void hm_moe_server_close(hm_moe_server *s, int withdraw, void (*cb)(void *ud), void *ud);
+int hm_moe_server_close(hm_moe_server *s, int withdraw, void (*cb)(void *ud), void *ud);
 
 #endif

@@ -521,6 +521,20 @@ Test(moe_client, forward_and_backward_match_experts)
                  -EINVAL);
     cr_assert_eq(hm_moe_backward(sw.client, ex, 4, x, NULL, B, DIM, gx, &o, on_call, &bad, NULL),
                  -EINVAL);
+    /*
+     * Over the protocol's caps: -EMSGSIZE up front (nothing is read from
+     * the buffers), never a send that fails and reports a timeout. 4096 x
+     * 4096 makes a backward frame of 128 MiB, over the transport's frame.
+     */
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 4, x, HM_MOE_MAX_BATCH + 1, DIM, y, &o, on_call,
+                                &bad, NULL),
+                 -EMSGSIZE);
+    cr_assert_eq(hm_moe_forward(sw.client, ex, 4, x, 1, HM_MOE_MAX_DIM + 1, y, &o, on_call, &bad,
+                                NULL),
+                 -EMSGSIZE);
+    cr_assert_eq(hm_moe_backward(sw.client, ex, 4, x, gy, 4096, 4096, gx, &o, on_call, &bad, NULL),
+                 -EMSGSIZE);
+    cr_assert_lt(2 * HM_MOE_MAX_ELEMS * sizeof(float), (size_t)80 << 20);
     run_for(&sw.loop, 50);
     cr_assert_eq(bad.calls, 0);
     swarm_stop(&sw);
@@ -795,5 +809,32 @@ Test(moe_client, free_with_calls_in_flight)
         cr_assert_eq(c[i].calls, 1);
     cr_assert_eq(fl.calls, 1);
     cr_assert_eq(fb.calls, 1);
+    swarm_stop(&sw);
+}
+
+/* A node that closes under calls in flight ends them with -ECANCELED, not a timeout. */
+Test(moe_client, node_close_cancels_calls)
+{
+    swarm sw;
+    swarm_start(&sw, 2);
+    const char *p1[] = {"ffn.0.0"};
+    host(&sw, 1, p1, 1);
+    hm_moe_expert ex = lookup_wait(&sw, "ffn.0.0");
+
+    set_stall(&sw, 1, 1);
+    enum { B = 2 };
+    float x[B * DIM], y[B * DIM];
+    fill(x, B * DIM, 9);
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = 10000, .timeout_after_k_min_ms = 0};
+    callres c = {.k = 1};
+    cr_assert_eq(hm_moe_forward(sw.client, &ex, 1, x, B, DIM, y, &o, on_call, &c, NULL), 0);
+    run_for(&sw.loop, 100);
+    cr_assert_eq(c.calls, 0);
+    close_node(&sw, 0);
+    cr_assert_eq(c.calls, 1);
+    cr_assert_eq(c.status, -ECANCELED, "status %s", hm_strerror(c.status));
+    hm_moe_client_free(sw.client);
+    sw.client = NULL;
+    set_stall(&sw, 1, 0);
     swarm_stop(&sw);
 }

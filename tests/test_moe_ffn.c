@@ -514,6 +514,95 @@ Test(ffn, non_finite_input_is_refused_and_nothing_steps)
     hm_ffn_free(f);
 }
 
+/*
+ * A finite but huge dL/dy passes the finiteness check on the inputs, yet
+ * would overflow Adam's second moment to +inf: the expert would then stop
+ * learning and its checkpoint could not be loaded. Such a step is refused
+ * whole, and honest steps afterwards still train and save.
+ */
+Test(ffn, overflowing_step_is_refused_and_nothing_steps)
+{
+    hm_ffn *f = make_ffn(16, 0, HM_FFN_ADAM, 1), *g = NULL;
+    size_t n = hm_ffn_nparams(f);
+    float *before = xmalloc(n * sizeof(float)), *gp = xmalloc(n * sizeof(float));
+    float x[16], gy[16], gx[16];
+    uint8_t *buf;
+    size_t len, changed = 0;
+
+    for (int i = 0; i < 16; i++) {
+        x[i] = (float)i / 8 - 1;
+        gy[i] = 1e25f;
+    }
+    memcpy(before, hm_ffn_params(f), n * sizeof(float));
+    cr_assert_eq(hm_ffn_backward(f, x, gy, 1, gx), -EDOM);
+    cr_assert_eq(hm_ffn_steps(f), 0);
+    cr_assert_eq(memcmp(before, hm_ffn_params(f), n * sizeof(float)), 0);
+    /* The moments were not touched either: the saved state still loads. */
+    cr_assert_eq(hm_ffn_save(f, &buf, &len), 0);
+    cr_assert_eq(hm_ffn_load(buf, len, NULL, &g), 0);
+    hm_ffn_free(g);
+    free(buf);
+    for (int i = 0; i < 16; i++)
+        gy[i] = 0.5f;
+    for (int s = 0; s < 20; s++)
+        cr_assert_eq(hm_ffn_backward(f, x, gy, 1, gx), 0);
+    for (size_t i = 0; i < n; i++)
+        changed += before[i] != hm_ffn_params(f)[i];
+    cr_assert_gt(changed, n / 2, "only %zu of %zu parameters learned", changed, n);
+    cr_assert_eq(hm_ffn_save(f, &buf, &len), 0);
+    cr_assert_eq(hm_ffn_load(buf, len, NULL, &g), 0);
+    cr_assert_eq(hm_ffn_steps(g), 20);
+    hm_ffn_free(g);
+    free(buf);
+    /* The same through hm_ffn_apply, with one huge entry among small ones. */
+    memset(gp, 0, n * sizeof(float));
+    gp[n - 1] = 3e30f;
+    memcpy(before, hm_ffn_params(f), n * sizeof(float));
+    cr_assert_eq(hm_ffn_apply(f, gp), -EDOM);
+    cr_assert_eq(memcmp(before, hm_ffn_params(f), n * sizeof(float)), 0);
+    cr_assert_eq(hm_ffn_steps(f), 20);
+    free(before);
+    free(gp);
+    hm_ffn_free(f);
+}
+
+/* SGD: a momentum buffer or a parameter that would overflow refuses the step too. */
+Test(ffn, sgd_overflow_is_refused)
+{
+    hm_ffn_config mc = {.dim = 4, .hidden = 8, .optimizer = HM_FFN_SGD, .momentum = 0.9, .seed = 3};
+    hm_ffn_config pc = {.dim = 4, .hidden = 8, .optimizer = HM_FFN_SGD, .lr = 100, .seed = 3};
+    hm_ffn *m = NULL, *p = NULL, *g = NULL;
+    uint8_t *buf;
+    size_t len;
+
+    cr_assert_eq(hm_ffn_new(&mc, &m), 0);
+    cr_assert_eq(hm_ffn_new(&pc, &p), 0);
+    size_t n = hm_ffn_nparams(m);
+    float *gp = xmalloc(n * sizeof(float)), *before = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        gp[i] = 0.01f;
+    gp[0] = 3e38f;
+    /* The first step fits (buffer = g), the second would push 0.9 * 3e38 + 3e38 past FLT_MAX. */
+    cr_assert_eq(hm_ffn_apply(m, gp), 0);
+    memcpy(before, hm_ffn_params(m), n * sizeof(float));
+    cr_assert_eq(hm_ffn_apply(m, gp), -EDOM);
+    cr_assert_eq(hm_ffn_steps(m), 1);
+    cr_assert_eq(memcmp(before, hm_ffn_params(m), n * sizeof(float)), 0);
+    cr_assert_eq(hm_ffn_save(m, &buf, &len), 0);
+    cr_assert_eq(hm_ffn_load(buf, len, NULL, &g), 0);
+    hm_ffn_free(g);
+    free(buf);
+    /* Without momentum: lr * g itself overflows the parameter. */
+    memcpy(before, hm_ffn_params(p), n * sizeof(float));
+    cr_assert_eq(hm_ffn_apply(p, gp), -EDOM);
+    cr_assert_eq(hm_ffn_steps(p), 0);
+    cr_assert_eq(memcmp(before, hm_ffn_params(p), n * sizeof(float)), 0);
+    free(gp);
+    free(before);
+    hm_ffn_free(m);
+    hm_ffn_free(p);
+}
+
 /* ---- saved state ---- */
 
 static void train_a_little(hm_ffn *f, uint64_t seed, int steps)
@@ -626,7 +715,7 @@ Test(ffn_state, truncation_at_every_offset_is_refused)
         uint8_t *t = xmalloc(cut);
         memcpy(t, s, cut);
         int rc = hm_ffn_load(t, cut, NULL, &g);
-        cr_assert(rc == -EINVAL || rc == -EPROTO, "cut %zu of %zu: %d", cut, len, rc);
+        cr_assert_eq(rc, -EBADMSG, "cut %zu of %zu: %d", cut, len, rc);
         cr_assert_null(g);
         free(t);
     }
@@ -634,7 +723,7 @@ Test(ffn_state, truncation_at_every_offset_is_refused)
     uint8_t *t = xmalloc(len + 1);
     memcpy(t, s, len);
     t[len] = 0xc0;
-    cr_assert_eq(hm_ffn_load(t, len + 1, NULL, &g), -EINVAL);
+    cr_assert_eq(hm_ffn_load(t, len + 1, NULL, &g), -EBADMSG);
     free(t);
     free(s);
     hm_ffn_free(f);
@@ -771,11 +860,18 @@ Test(ffn_state, lengths_and_fields_that_disagree_are_refused)
         s = build_state((enum variant)v, &len);
         g = NULL;
         int rc = hm_ffn_load(s, len, NULL, &g);
-        cr_assert(rc == -EPROTO || rc == -EINVAL, "variant %d: %d", v, rc);
+        /* Malformed content is -EBADMSG, never the shape mismatch's -EPROTO. */
+        cr_assert_eq(rc, -EBADMSG, "variant %d: %d", v, rc);
         cr_assert_null(g);
         free(s);
     }
-    cr_assert_eq(hm_ffn_load((const uint8_t *)"", 0, NULL, &g), -EINVAL);
+    cr_assert_eq(hm_ffn_load((const uint8_t *)"", 0, NULL, &g), -EBADMSG);
+    /* A malformed state is -EBADMSG even when an expected shape is given. */
+    s = build_state(V_NAN_PARAM, &len);
+    cr_assert_eq(hm_ffn_load(s, len, &(hm_ffn_config){.dim = 2, .hidden = 3, .optimizer = 1}, &g),
+                 -EBADMSG);
+    free(s);
+    cr_assert_eq(hm_ffn_load(NULL, 0, NULL, &g), -EINVAL);
 }
 
 /* ---- checkpoint files ---- */
@@ -902,6 +998,36 @@ Test(ckpt, broken_newest_does_not_displace_prev)
     tmpdir_remove(&t);
 }
 
+/* A PATH whose header and size are right but whose payload does not hash is not rotated either. */
+Test(ckpt, bad_hash_newest_does_not_displace_prev)
+{
+    struct tmpdir t;
+    char prev[160];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+
+    tmpdir_make(&t);
+    snprintf(prev, sizeof(prev), "%s.prev", t.path);
+    cr_assert_eq(hm_ckpt_write(t.path, "good A", 6), 0);
+    cr_assert_eq(hm_ckpt_write(t.path, "good B", 6), 0);
+    /* One payload byte of PATH flipped: header and size still agree. */
+    flip_byte(t.path, HM_CKPT_HEADER_BYTES + 2);
+    cr_assert_eq(hm_ckpt_read_file(t.path, 1 << 20, &buf, &len), -EBADMSG);
+    cr_assert_eq(hm_ckpt_write(t.path, "good C", 6), 0);
+    expect_read(t.path, "good C", 0);
+    expect_read(prev, "good A", 0);
+    /* hm_ckpt_read_file reads exactly one file, without falling back. */
+    cr_assert_eq(hm_ckpt_read_file(prev, 1 << 20, &buf, &len), 0);
+    cr_assert_eq(len, 6);
+    cr_assert_eq(memcmp(buf, "good A", 6), 0);
+    free(buf);
+    flip_byte(t.path, HM_CKPT_HEADER_BYTES);
+    cr_assert_eq(hm_ckpt_read_file(t.path, 1 << 20, &buf, &len), -EBADMSG);
+    cr_assert_null(buf);
+    cr_assert_eq(hm_ckpt_read_file(t.path, 1 << 20, NULL, &len), -EINVAL);
+    tmpdir_remove(&t);
+}
+
 Test(ckpt, missing_corrupt_and_oversized)
 {
     struct tmpdir t;
@@ -934,6 +1060,10 @@ Test(ckpt, missing_corrupt_and_oversized)
     cr_assert_eq(hm_ckpt_read(t.path, 9, &buf, &len, NULL), -EMSGSIZE);
     cr_assert_null(buf);
     expect_read(t.path, "0123456789", 0);
+    /* A length that disagrees with the file is corruption, not an oversized checkpoint. */
+    flip_byte(t.path, 8);
+    cr_assert_eq(hm_ckpt_read(t.path, 1 << 20, &buf, &len, NULL), -EBADMSG);
+    flip_byte(t.path, 8);
     /* A directory where the file should be is not a checkpoint. */
     cr_assert_eq(unlink(t.path), 0);
     cr_assert_eq(mkdir(t.path, 0700), 0);

@@ -927,3 +927,221 @@ Test(moe_server, periodic_checkpoints_save_stepped_experts)
     cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->last_checkpoint_unix_ms, 0);
     fx_stop(&f);
 }
+
+/* Points at params[0] inside a saved state (the bin after the key "params"). */
+static uint8_t *state_param0(uint8_t *buf, size_t len)
+{
+    for (size_t i = 0; i + 7 + 8 < len; i++) {
+        if (memcmp(buf + i, "\xa6params", 7) != 0)
+            continue;
+        uint8_t t = buf[i + 7];
+        size_t hdr = t == 0xc4 ? 2 : t == 0xc5 ? 3 : t == 0xc6 ? 5 : 0;
+        cr_assert_neq(hdr, 0, "params is not a bin");
+        return buf + i + 7 + hdr;
+    }
+    cr_assert_fail("no params in the state");
+    return NULL;
+}
+
+/*
+ * Puts at PATH a checkpoint that verifies (header and hash are right) but
+ * whose state is malformed: params[0] is +inf, as an expert whose Adam
+ * moment overflowed used to save. PATH.prev is left alone.
+ */
+static void plant_malformed(fx *f, const char *uid)
+{
+    char path[256], tmp[300];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_ffn *e = NULL;
+    const uint8_t inf_le[4] = {0x00, 0x00, 0x80, 0x7f};
+
+    ckpt_path(f, uid, path, sizeof(path));
+    cr_assert_eq(hm_ckpt_read_file(path, (size_t)1 << 26, &buf, &len), 0);
+    memcpy(state_param0(buf, len), inf_le, 4);
+    cr_assert_eq(hm_ffn_load(buf, len, NULL, &e), -EBADMSG);
+    snprintf(tmp, sizeof(tmp), "%s/planted", f->dir);
+    cr_assert_eq(hm_ckpt_write(tmp, buf, len), 0);
+    cr_assert_eq(rename(tmp, path), 0);
+    free(buf);
+}
+
+/*
+ * A checkpoint that verifies but holds a malformed state is treated like a
+ * corrupt file: PATH.prev is used, and with no usable file the expert
+ * starts afresh. Hosting is never refused for it (only a real shape
+ * mismatch is -EPROTO), so hivemindd still starts.
+ */
+Test(moe_server, malformed_checkpoint_falls_back_or_starts_afresh)
+{
+    fx f;
+    char path[256], prev[300];
+    fx_start(&f, 1);
+    server_start(&f, NULL);
+    do_backward(&f, "ffn.0.0");
+    cr_assert_eq(hm_moe_server_checkpoint(f.srv), 0);
+    do_backward(&f, "ffn.0.0");
+    server_close(&f, 0);
+    /* PATH holds step 2, PATH.prev step 1. */
+    plant_malformed(&f, "ffn.0.0");
+
+    server_start(&f, NULL);
+    hm_moe_hosted h[4];
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 4), 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->resumed, 1);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->steps, 1);
+    server_close(&f, 0);
+
+    /* Malformed PATH and no PATH.prev: a fresh expert. */
+    plant_malformed(&f, "ffn.0.0");
+    ckpt_path(&f, "ffn.0.0", path, sizeof(path));
+    snprintf(prev, sizeof(prev), "%s.prev", path);
+    unlink(prev);
+    server_start(&f, NULL);
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 4), 4);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->resumed, 0);
+    cr_assert_eq(find_hosted(h, 4, "ffn.0.0")->steps, 0);
+    do_backward(&f, "ffn.0.0");
+    fx_stop(&f);
+}
+
+/*
+ * A finite but huge dL/dy would overflow Adam's second moment: that request
+ * is answered -EDOM and steps nothing, while requests batched with it are
+ * answered and stepped, and the expert goes on learning.
+ */
+Test(moe_server, overflowing_backward_is_edom_alone)
+{
+    fx f;
+    hm_moe_server_opts o;
+    hm_ffn_config c = cfg16();
+    char err[256] = "";
+    size_t added = 0, len;
+    fx_start(&f, 0);
+    memset(&o, 0, sizeof(o));
+    o.batch_wait_ms = 200;
+    server_start(&f, &o);
+    c.optimizer = HM_FFN_ADAM;
+    c.lr = 0;
+    cr_assert_eq(hm_moe_server_host(f.srv, "adam.0", "ffn", &c, &added, err, sizeof(err)), 0,
+                 "%s", err);
+
+    enum { B = 2, N = 3 };
+    float x[B * DIM], gy[B * DIM], huge[B * DIM], gx[B * DIM];
+    fill(x, B * DIM);
+    fill(gy, B * DIM);
+    for (size_t i = 0; i < B * DIM; i++)
+        huge[i] = 1e25f;
+    call one;
+    uint8_t *b = enc_bwd("adam.0", x, huge, B, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_BWD, b, len, &one), -EDOM);
+    free(b);
+
+    /* The same among honest requests in one batch (the batch wait holds them together). */
+    static call cs[N];
+    uint8_t *bodies[N];
+    size_t lens[N];
+    for (int i = 0; i < N; i++)
+        bodies[i] = enc_bwd("adam.0", x, i == 1 ? huge : gy, B, DIM, &lens[i]);
+    for (int i = 0; i < N; i++)
+        call_start(&f, HM_MOE_METHOD_BWD, bodies[i], lens[i], &cs[i]);
+    for (int i = 0; i < N; i++) {
+        cr_assert(hm_test_run_until(&f.loop, call_done, &cs[i], 10000));
+        if (i == 1) {
+            cr_assert_eq(cs[i].status, -EDOM);
+        } else {
+            cr_assert_eq(cs[i].status, 0, "request %d: %s", i, hm_strerror(cs[i].status));
+            cr_assert_eq(hm_moe_decode_out(cs[i].body, cs[i].len, 1, B, DIM, gx), 0);
+        }
+        free(cs[i].body);
+        free(bodies[i]);
+    }
+    hm_moe_hosted h[5];
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 5), 5);
+    cr_assert_eq(find_hosted(h, 5, "adam.0")->steps, 2);
+    cr_assert_eq(find_hosted(h, 5, "adam.0")->bwd_requests, 2);
+    fx_stop(&f);
+}
+
+/*
+ * The server-wide byte bound counts a request from arrival until its
+ * reply: requests that became jobs waiting for the one worker still hold
+ * their bytes, so a burst over several experts is refused past the bound,
+ * and the bytes come back once the batches are answered.
+ */
+Test(moe_server, byte_bound_counts_jobs_until_answered)
+{
+    fx f;
+    hm_moe_server_opts o;
+    hm_ffn_config c;
+    char err[256] = "";
+    size_t added = 0, len;
+    enum { D = 256, B = 512, E = 3 };
+    fx_start(&f, 0);
+    memset(&o, 0, sizeof(o));
+    o.workers = 1;
+    o.max_batch_size = 1; /* every request is a batch of its own, due on arrival */
+    o.max_queued_bytes = (size_t)B * D * sizeof(float) * 3 / 2;
+    cr_assert_eq(hm_moe_server_new(f.a, &o, &f.srv), 0);
+    memset(&c, 0, sizeof(c));
+    c.dim = D;
+    c.hidden = 8192; /* a batch takes a while, so that the others wait for the worker */
+    c.seed = 1;
+    cr_assert_eq(hm_moe_server_host(f.srv, "big.[0:3]", "ffn", &c, &added, err, sizeof(err)), 0,
+                 "%s", err);
+
+    float *x = malloc((size_t)B * D * sizeof(float));
+    cr_assert_not_null(x);
+    fill(x, (size_t)B * D);
+    static call cs[E];
+    uint8_t *bodies[E];
+    for (int i = 0; i < E; i++) {
+        char uid[16];
+        snprintf(uid, sizeof(uid), "big.%d", i);
+        hm_wire_wr w;
+        hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+        hm_moe_encode_fwd(&w, uid, x, B, D);
+        cr_assert_eq(hm_wire_wr_error(&w), 0);
+        bodies[i] = hm_wire_wr_steal(&w, &len);
+    }
+    for (int i = 0; i < E; i++)
+        call_start(&f, HM_MOE_METHOD_FWD, bodies[i], len, &cs[i]);
+    int ok = 0, nobufs = 0;
+    for (int i = 0; i < E; i++) {
+        cr_assert(hm_test_run_until(&f.loop, call_done, &cs[i], 20000));
+        if (cs[i].status == 0)
+            ok++;
+        else if (cs[i].status == -ENOBUFS)
+            nobufs++;
+        else
+            cr_assert_fail("request %d: %s", i, hm_strerror(cs[i].status));
+        free(cs[i].body);
+    }
+    cr_assert_geq(ok, 1);
+    cr_assert_geq(nobufs, 1, "ok %d, -ENOBUFS %d: jobs waiting for the worker were not counted",
+                  ok, nobufs);
+    /* Answered batches give their bytes back: each expert is served now, one at a time. */
+    for (int i = 0; i < E; i++) {
+        call again;
+        cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, bodies[i], len, &again), 0);
+        free(again.body);
+        free(bodies[i]);
+    }
+    free(x);
+    fx_stop(&f);
+}
+
+/* A second close while the first is under way is -EALREADY; only the first cb fires. */
+Test(moe_server, second_close_is_ealready)
+{
+    fx f;
+    int first = 0, second = 0;
+    fx_start(&f, 0);
+    server_start(&f, NULL);
+    cr_assert_eq(hm_moe_server_close(f.srv, 1, set_flag, &first), 0);
+    cr_assert_eq(hm_moe_server_close(f.srv, 0, set_flag, &second), -EALREADY);
+    cr_assert(hm_test_run_until(&f.loop, flag_set, &first, 15000), "server close hung");
+    cr_assert_eq(second, 0);
+    f.srv = NULL;
+    fx_stop(&f);
+}

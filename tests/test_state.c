@@ -658,3 +658,158 @@ Test(state_wire, round_trips_and_rejects)
     cr_assert_lt(hm_state_decode_req(junk, sizeof(junk), 1, &q2), 0);
     cr_assert_lt(hm_state_decode_manifest(junk, sizeof(junk), &m), 0);
 }
+
+/* ---------------------------------------------------------------- donor-side bounds */
+
+static int tick_count_until_ready;
+static hm_state *tick_state;
+
+static void on_tick_count(uv_timer_t *t)
+{
+    hm_state_share_info info;
+    HM_UNUSED(t);
+    if (hm_state_share_info_get(tick_state, "big", &info) == 0 && !info.ready)
+        tick_count_until_ready++;
+}
+
+static int share_ready(void *ud)
+{
+    hm_state_share_info info;
+    return hm_state_share_info_get(ud, "big", &info) == 0 && info.ready;
+}
+
+/*
+ * Hashing a share goes a slice (16 MiB) per loop pass, and the loop runs
+ * its other timers (and I/O) between slices: a 64 MiB share takes four
+ * slices, between which a 1 ms timer fires.
+ */
+Test(state, hashing_slices_let_the_loop_run)
+{
+    swarm sw;
+    uv_timer_t tick;
+    size_t len = (size_t)64 << 20;
+    swarm_start(&sw, 1, 1);
+    uint8_t *blob = malloc(len);
+    cr_assert_not_null(blob);
+    memset(blob, 7, len);
+    tick_count_until_ready = 0;
+    tick_state = sw.st[0];
+    cr_assert_eq(hm_state_share(sw.st[0], "big", 1, blob, len, NULL), 0);
+    free(blob);
+    cr_assert_eq(uv_timer_init(&sw.loop, &tick), 0);
+    cr_assert_eq(uv_timer_start(&tick, on_tick_count, 1, 1), 0);
+    cr_assert(hm_test_run_until(&sw.loop, share_ready, sw.st[0], 20000), "never hashed");
+    uv_timer_stop(&tick);
+    uv_close((uv_handle_t *)&tick, NULL);
+    cr_assert_geq(tick_count_until_ready, 2,
+                  "another timer ran %d times while 4 slices were hashed", tick_count_until_ready);
+    swarm_stop(&sw);
+}
+
+typedef struct rawcall {
+    int done, status;
+} rawcall;
+
+static void on_rawcall(void *ud, int status, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    rawcall *c = ud;
+    c->done = 1;
+    c->status = status;
+}
+
+static int rawcall_done(void *ud) { return ((rawcall *)ud)->done; }
+
+static int node_pk_addr(hm_node *n, uint8_t pk[HM_PK_BYTES], struct sockaddr_storage *ss)
+{
+    char addr[256];
+    cr_assert_eq(hm_node_address(n, addr, sizeof(addr)), 0);
+    return hm_peer_addr_parse(addr, pk, ss);
+}
+
+/* Asks node `from` for the donor's manifest; returns the rpc status. */
+static int ask_manifest(swarm *sw, size_t from, size_t donor, const char *prefix,
+                        const uint8_t hash[HM_STATE_HASH_BYTES])
+{
+    uint8_t pk[HM_PK_BYTES], body[HM_STATE_SMALL_MAX];
+    struct sockaddr_storage ss;
+    hm_state_req q;
+    hm_wire_wr w;
+    rawcall c = {0};
+    memset(&q, 0, sizeof(q));
+    hm_strlcpy(q.prefix, prefix, sizeof(q.prefix));
+    memcpy(q.hash, hash, HM_STATE_HASH_BYTES);
+    hm_wire_wr_init_fixed(&w, body, sizeof(body));
+    hm_state_encode_req(&w, &q, 0);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    cr_assert_eq(node_pk_addr(sw->nodes[donor], pk, &ss), 0);
+    cr_assert_eq(hm_rpc_call(hm_node_rpc(sw->nodes[from]), pk, (const struct sockaddr *)&ss,
+                             "state.manifest", body, w.len, HM_RPC_STREAM, 10000, on_rawcall, &c,
+                             NULL),
+                 0);
+    cr_assert(hm_test_run_until(&sw->loop, rawcall_done, &c, 12000), "manifest call hung");
+    return c.status;
+}
+
+static int queued_over(void *ud)
+{
+    hm_transport_stats ts;
+    hm_transport_get_stats(hm_rpc_transport(hm_node_rpc(ud)), &ts);
+    return ts.queued_bytes > ((size_t)1 << 20);
+}
+
+static int queued_under(void *ud) { return !queued_over(ud); }
+
+/*
+ * Manifest requests are held to the serving caps like chunk requests:
+ * while the donor has more than max_queued_total bytes queued (here, to a
+ * peer that stopped reading), a manifest request is answered -ENOBUFS.
+ */
+Test(state, manifest_requests_respect_the_serving_caps)
+{
+    swarm sw;
+    hm_state_config cfg = {.max_queued_total = (size_t)1 << 20};
+    hm_state_share_info info;
+    swarm_start(&sw, 3, 0);
+    cr_assert_eq(hm_state_new(sw.nodes[0], &cfg, &sw.st[0]), 0);
+    uint8_t *blob = make_blob(100000, 3);
+    hm_state_share_opts so = {.chunk_size = 8192};
+    cr_assert_eq(hm_state_share(sw.st[0], "capped", 1, blob, 100000, &so), 0);
+    free(blob);
+    for (int i = 0; i < 200 && !(hm_state_share_info_get(sw.st[0], "capped", &info) == 0 &&
+                                 info.ready);
+         i++)
+        uv_run(&sw.loop, UV_RUN_ONCE);
+    cr_assert(info.ready);
+    cr_assert_eq(ask_manifest(&sw, 1, 0, "capped", info.hash), 0);
+
+    /* Node 2 stops reading; 16 MiB from the donor to it stay queued. */
+    hm_transport_faults stall = {.stall = 1}, none = {0};
+    hm_transport_set_faults(hm_rpc_transport(hm_node_rpc(sw.nodes[2])), &stall);
+    uint8_t pk[HM_PK_BYTES];
+    struct sockaddr_storage ss;
+    cr_assert_eq(node_pk_addr(sw.nodes[2], pk, &ss), 0);
+    size_t big_len = (size_t)16 << 20;
+    uint8_t *big = calloc(1, big_len);
+    cr_assert_not_null(big);
+    rawcall held = {0};
+    cr_assert_eq(hm_rpc_call(hm_node_rpc(sw.nodes[0]), pk, (const struct sockaddr *)&ss,
+                             "nothing.here", big, big_len, HM_RPC_STREAM, 20000, on_rawcall,
+                             &held, NULL),
+                 0);
+    free(big);
+    cr_assert(hm_test_run_until(&sw.loop, queued_over, sw.nodes[0], 5000),
+              "the donor has nothing queued");
+    cr_assert_eq(ask_manifest(&sw, 1, 0, "capped", info.hash), -ENOBUFS);
+    cr_assert_eq(hm_state_share_info_get(sw.st[0], "capped", &info), 0);
+    cr_assert_geq(info.refused_busy, 1);
+    cr_assert_eq(info.manifests_served, 1);
+
+    /* Once the queue drains, manifests are served again. */
+    hm_transport_set_faults(hm_rpc_transport(hm_node_rpc(sw.nodes[2])), &none);
+    cr_assert(hm_test_run_until(&sw.loop, queued_under, sw.nodes[0], 15000), "never drained");
+    cr_assert_eq(ask_manifest(&sw, 1, 0, "capped", info.hash), 0);
+    cr_assert(hm_test_run_until(&sw.loop, rawcall_done, &held, 15000));
+    swarm_stop(&sw);
+}

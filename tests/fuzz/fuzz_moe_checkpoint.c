@@ -43,7 +43,8 @@ static void check_state(const uint8_t *buf, size_t len, const hm_ffn_config *exp
     int rc;
 
     rc = hm_ffn_load(buf, len, expect, &f);
-    CHECK(rc == 0 || rc == -EINVAL || rc == -EPROTO || rc == -EMSGSIZE || rc == -ENOMEM);
+    CHECK(rc == 0 || rc == -EINVAL || rc == -EPROTO || rc == -EBADMSG || rc == -EMSGSIZE ||
+          rc == -ENOMEM);
     if (rc != 0) {
         CHECK(f == NULL);
         return;
