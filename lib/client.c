@@ -2,7 +2,7 @@
  * client: libhivemind, the trainer client library (see hivemind.h). It
  * owns the trainer's connections to the daemon's control socket, their
  * read buffers, and the mappings of the shared buffers the daemon
- * allocated for it. Every read and write waits in poll with a deadline;
+ * allocated for it. Every connect, read and write has a deadline;
  * every reply line is bounded (HMC_MAX_REPLY) and parsed strictly: an
  * object with a boolean "ok", the request's id echoed, and a "result"
  * object or an "error" object with string "code" and "message".
@@ -140,9 +140,23 @@ static int default_socket(char *buf, size_t len)
 
 /* ---- connections ---- */
 
-static int conn_open(struct conn *c, const char *path, char *err, size_t errlen)
+static int conn_wait(struct conn *c, short events, int64_t deadline);
+
+/*
+ * Connects to path within timeout_ms. The socket is non-blocking from the
+ * start: a blocking connect to a daemon that does not accept (stopped, or
+ * its backlog full) would wait without end. A Unix stream socket answers a
+ * full backlog with EAGAIN and leaves nothing in progress (poll would only
+ * report a hang-up), so connect is tried again, with short growing pauses,
+ * until the deadline; EINPROGRESS, where a system reports it, is waited for
+ * with poll and SO_ERROR.
+ */
+static int conn_open(struct conn *c, const char *path, int timeout_ms, char *err, size_t errlen)
 {
     struct sockaddr_un sa;
+    int result = 0, pause_ms = 2;
+    int64_t deadline = now_ms() + timeout_ms;
+
     memset(c, 0, sizeof(*c));
     c->fd = -1;
     c->next_id = 1;
@@ -154,31 +168,59 @@ static int conn_open(struct conn *c, const char *path, char *err, size_t errlen)
         return -ENAMETOOLONG;
     }
     memcpy(sa.sun_path, path, strlen(path) + 1);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-        int e = errno;
-        fmt(err, errlen, "socket: %s", strerror(e));
-        return -e;
+    c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (c->fd < 0) {
+        result = -errno;
+        fmt(err, errlen, "socket: %s", strerror(-result));
+        goto out;
     }
-    /* A local stream socket connects at once or fails at once. */
-    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+    for (;;) {
+        if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
+            break;
         int e = errno;
-        fmt(err, errlen, "cannot connect to hivemindd at %s: %s%s", path, strerror(e),
-            e == ENOENT || e == ECONNREFUSED
-                ? " (is the daemon running? pass its --control-socket path or set "
-                  "HIVEMINDD_CONTROL_SOCKET)"
-                : "");
-        close(fd);
-        return -e;
+        if (e == EINTR)
+            continue;
+        if (e == EINPROGRESS) {
+            int so = 0;
+            socklen_t sl = sizeof(so);
+            result = conn_wait(c, POLLOUT, deadline);
+            if (result == 0 && getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &so, &sl) != 0)
+                result = -errno;
+            else if (result == 0)
+                result = -so;
+            if (result == 0)
+                break;
+            e = -result;
+        } else if (e == EAGAIN) {
+            int64_t left = deadline - now_ms();
+            if (left > 0) {
+                /* The backlog is full: let the daemon take some, then retry. */
+                struct timespec ts = {0, (long)(left < pause_ms ? left : pause_ms) * 1000000L};
+                nanosleep(&ts, NULL);
+                if (pause_ms < 50)
+                    pause_ms *= 2;
+                continue;
+            }
+            e = ETIMEDOUT;
+        }
+        result = -e;
+        if (e == ETIMEDOUT)
+            fmt(err, errlen, "hivemindd at %s did not accept the connection within %d ms (is "
+                "the daemon stopped or overloaded?)", path, timeout_ms);
+        else
+            fmt(err, errlen, "cannot connect to hivemindd at %s: %s%s", path, strerror(e),
+                e == ENOENT || e == ECONNREFUSED
+                    ? " (is the daemon running? pass its --control-socket path or set "
+                      "HIVEMINDD_CONTROL_SOCKET)"
+                    : "");
+        goto out;
     }
-    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) != 0) {
-        int e = errno;
-        fmt(err, errlen, "fcntl: %s", strerror(e));
-        close(fd);
-        return -e;
+out:
+    if (result != 0 && c->fd >= 0) {
+        close(c->fd);
+        c->fd = -1;
     }
-    c->fd = fd;
-    return 0;
+    return result;
 }
 
 static void conn_close(struct conn *c)
@@ -441,9 +483,36 @@ static int read_reply(struct conn *c, int64_t id, int64_t deadline, json_t **res
     if (r != 0)
         return r;
     r = parse_reply(line, len, id, result_out, code, codelen, err, errlen);
-    if (r == -EPROTO || r == -ENOMEM)
+    if (r == -EPROTO) {
+        /* The daemon's notices that end a connection (idle_timeout,
+         * too_many_clients, line_too_long) answer no request and carry no
+         * id: report them as the connection's end, in the daemon's words. */
+        char msg[HMC_ERROR_MAX - 64];
+        if (parse_reply(line, len, -1, NULL, code, codelen, msg, sizeof(msg)) == -EREMOTEIO) {
+            fmt(err, errlen, "the daemon closed the connection: %s", msg);
+            r = -EPIPE;
+        }
+    }
+    if (r == -EPROTO || r == -ENOMEM || r == -EPIPE)
         c->broken = 1;
     return r;
+}
+
+/*
+ * After a send failed on a connection the daemon ended: the daemon may have
+ * said why first (idle_timeout, ...), in a line still waiting to be read.
+ * If so, code and err get its reason; otherwise they are left as they are.
+ */
+static void take_notice(struct conn *c, char *code, size_t codelen, char *err, size_t errlen)
+{
+    char *line, c2[CODE_MAX], e2[HMC_ERROR_MAX], msg[HMC_ERROR_MAX - 64];
+    size_t len;
+    if (conn_read_line(c, now_ms(), &line, &len, e2, sizeof(e2)) != 0)
+        return;
+    if (parse_reply(line, len, -1, NULL, c2, sizeof(c2), msg, sizeof(msg)) != -EREMOTEIO)
+        return;
+    copy_str(code, codelen, c2);
+    fmt(err, errlen, "the daemon closed the connection: %s", msg);
 }
 
 /* One request on the handle's connection; args is taken over. */
@@ -465,6 +534,8 @@ static int call(hmc *h, const char *cmd, json_t *args, int timeout_ms, json_t **
     }
     int64_t deadline = now_ms() + timeout_ms;
     int r = send_request(&h->c, cmd, args, deadline, &id, h->err, sizeof(h->err));
+    if (r == -EPIPE)
+        take_notice(&h->c, h->code, sizeof(h->code), h->err, sizeof(h->err));
     if (r != 0)
         return r;
     return read_reply(&h->c, id, deadline, result_out, h->code, sizeof(h->code), h->err,
@@ -488,9 +559,19 @@ static int give_json(hmc *h, json_t *res, char **out)
 
 int hmc_connect(const char *socket_path, hmc **out, char *err, size_t errlen)
 {
+    return hmc_connect_timeout(socket_path, HMC_DEFAULT_TIMEOUT_MS, out, err, errlen);
+}
+
+int hmc_connect_timeout(const char *socket_path, int timeout_ms, hmc **out, char *err,
+                        size_t errlen)
+{
     char path[PATH_LEN];
     int r;
     *out = NULL;
+    if (timeout_ms <= 0) {
+        fmt(err, errlen, "the timeout must be positive (milliseconds)");
+        return -EINVAL;
+    }
     if (socket_path == NULL) {
         r = default_socket(path, sizeof(path));
         if (r != 0) {
@@ -511,8 +592,8 @@ int hmc_connect(const char *socket_path, hmc **out, char *err, size_t errlen)
         return -ENOMEM;
     }
     memcpy(h->path, path, sizeof(path));
-    h->timeout_ms = HMC_DEFAULT_TIMEOUT_MS;
-    r = conn_open(&h->c, h->path, err, errlen);
+    h->timeout_ms = timeout_ms;
+    r = conn_open(&h->c, h->path, h->timeout_ms, err, errlen);
     if (r != 0) {
         free(h);
         return r;
@@ -711,6 +792,19 @@ void hmc_avg_opts_init(hmc_avg_opts *o)
     o->weight = 1.0;
 }
 
+/*
+ * A timeout the daemon will use for an "average" arg: its value in seconds,
+ * or the default when absent or not a positive number (the daemon then uses
+ * its default or refuses the request). Bounded, so the sum stays finite.
+ */
+static double arg_seconds(const json_t *v)
+{
+    double x = json_is_number(v) ? json_number_value(v) : 0;
+    if (!(x > 0) || !isfinite(x))
+        return DEFAULT_ROUND_S;
+    return x > 86400 ? 86400 : x;
+}
+
 /* The "average" args and how long to wait for its reply; NULL when bad (err set). */
 static json_t *avg_args(hmc *h, hmc_buf *b, size_t off, size_t n, const hmc_avg_opts *o,
                         int *wait_ms_out)
@@ -765,9 +859,12 @@ static json_t *avg_args(hmc *h, hmc_buf *b, size_t off, size_t n, const hmc_avg_
         }
         json_decref(extra);
     }
-    /* The daemon answers within its two timeouts; the slack covers a busy machine. */
-    double wait_s = (o->timeout_s > 0 ? o->timeout_s : DEFAULT_ROUND_S) +
-                    (o->round_timeout_s > 0 ? o->round_timeout_s : DEFAULT_ROUND_S);
+    /* The daemon answers within its two timeouts; the slack covers a busy
+     * machine. They are read from the args as sent, after extra_json, which
+     * may set them: a wait shorter than the daemon's would call a round done
+     * while the daemon still writes the buffer. */
+    double wait_s = arg_seconds(json_object_get(a, "timeout")) +
+                    arg_seconds(json_object_get(a, "round_timeout"));
     double ms = wait_s * 1000.0 + SLACK_MS;
     *wait_ms_out = ms > 2e9 ? 2000000000 : (int)ms;
     if (*wait_ms_out < h->timeout_ms)
@@ -806,7 +903,7 @@ int hmc_average_start(hmc *h, hmc_buf *b, size_t offset_elems, size_t n, const h
         fmt(h->err, sizeof(h->err), "out of memory");
         return -ENOMEM;
     }
-    r = conn_open(&rd->c, h->path, h->err, sizeof(h->err));
+    r = conn_open(&rd->c, h->path, h->timeout_ms, h->err, sizeof(h->err));
     if (r != 0) {
         json_decref(a);
         free(rd);
@@ -1038,10 +1135,12 @@ static int expert_sizes(hmc *h, size_t k, size_t batch, size_t dim, size_t k_min
                         size_t *bd_out, size_t *kbd_out)
 {
     h->code[0] = '\0';
-    if (k == 0 || batch == 0 || dim == 0 || k_min > k || !(timeout_s > 0) ||
+    /* k_min 0 is refused here as the daemon would: a call that needs no
+     * answer at all is surely a mistake, not "all of them". */
+    if (k == 0 || batch == 0 || dim == 0 || k_min == 0 || k_min > k || !(timeout_s > 0) ||
         !isfinite(timeout_s) || !mul_ok(batch, dim, bd_out) || !mul_ok(k, *bd_out, kbd_out)) {
-        fmt(h->err, sizeof(h->err), "an expert call needs k >= 1 experts, k_min <= k, a batch "
-            "and a dimension >= 1 and a positive timeout");
+        fmt(h->err, sizeof(h->err), "an expert call needs k >= 1 experts, 1 <= k_min <= k, a "
+            "batch and a dimension >= 1 and a positive timeout");
         return -EINVAL;
     }
     return 0;

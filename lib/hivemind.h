@@ -23,7 +23,10 @@
  * /dev/shm even if the trainer crashes. The segment belongs to the
  * connection: hmc_buf_free or hmc_close (or the trainer's exit) releases it
  * on the daemon's side; a buffer outlives hmc_close on the trainer's side
- * until hmc_buf_free unmaps it.
+ * until hmc_buf_free unmaps it. A connection that holds buffers is never
+ * closed for idleness (ControlIdleTimeout), so a trainer may leave it
+ * silent for as long as it trains; one without buffers is closed after
+ * that timeout, and its calls then fail with -EPIPE ("idle_timeout").
  *
  * Averaging with a delayed update (the usual way to keep training while the
  * swarm averages):
@@ -72,9 +75,18 @@ typedef struct hmc_round hmc_round;
  * Connects to the daemon's control socket at socket_path; NULL means
  * $HIVEMINDD_CONTROL_SOCKET, else the daemon's default path (as
  * hivemindctl finds it). On failure err (may be NULL) gets a sentence.
- * Returns 0, -ENOENT/-ECONNREFUSED (no daemon there), -ENAMETOOLONG, -ENOMEM.
+ * Returns 0, -ENOENT/-ECONNREFUSED (no daemon there), -ETIMEDOUT (a daemon
+ * is there but did not accept within HMC_DEFAULT_TIMEOUT_MS: stopped, or
+ * its backlog full), -ENAMETOOLONG, -ENOMEM.
  */
 int hmc_connect(const char *socket_path, hmc **out, char *err, size_t errlen);
+/*
+ * The same with timeout_ms (> 0, else -EINVAL) for the connect and as the
+ * handle's request timeout (hmc_set_timeout). Background rounds connect
+ * within the handle's timeout too.
+ */
+int hmc_connect_timeout(const char *socket_path, int timeout_ms, hmc **out, char *err,
+                        size_t errlen);
 /* Closes the connection: the daemon releases its buffers (see above). NULL is fine. */
 void hmc_close(hmc *h);
 /* The last failure's sentence ("" when none), valid until the next call on h. */
@@ -90,8 +102,9 @@ void hmc_free_string(char *s);
  * Any control command: args_json is a JSON object (NULL: {}); the result
  * object goes to *result_json_out. Returns 0, -EINVAL (args not an
  * object), -EREMOTEIO (the daemon answered an error), -ETIMEDOUT, -EPIPE
- * (the daemon went away: the handle is unusable after that) or -EPROTO
- * (the reply was not a valid reply line).
+ * (the daemon went away or ended the connection, hmc_last_error_code then
+ * saying why, e.g. "idle_timeout": the handle is unusable after that) or
+ * -EPROTO (the reply was not a valid reply line).
  */
 int hmc_request(hmc *h, const char *cmd, const char *args_json, char **result_json_out);
 /* The node's "info" (peer id, address, swarm, shared-memory use, ...). */
@@ -185,8 +198,9 @@ int hmc_experts_find(hmc *h, const char *prefix, const double *scores, const siz
 /*
  * Calls forward on k experts with the batch x (batch * dim floats of xb
  * from element x_off); expert i's output goes to y (k * batch * dim floats
- * of yb from y_off, expert i at i * batch * dim). Succeeds once k_min have
- * answered, waiting at most timeout_after_k_min_s more for the rest.
+ * of yb from y_off, expert i at i * batch * dim). Succeeds once k_min
+ * (1..k; anything else is -EINVAL) have answered, waiting at most
+ * timeout_after_k_min_s more for the rest.
  * answered_out (k ints, may be NULL) says which did; *n_answered_out their
  * number. Fewer than k_min answering is -EREMOTEIO.
  */
@@ -198,7 +212,7 @@ int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb
 /*
  * Backward on k experts: the input x (batch * dim), the gradients of their
  * outputs gy (k * batch * dim), and the gradients of the input per expert
- * into gx (k * batch * dim).
+ * into gx (k * batch * dim). k_min is 1..k as for forward.
  */
 int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
                          hmc_buf *gyb, size_t gy_off, hmc_buf *gxb, size_t gx_off, size_t batch,

@@ -79,6 +79,8 @@ struct hm_control {
     uint64_t next_conn_id;
     hm_control_conn_closed_cb conn_closed_cb;
     void *conn_closed_ud;
+    hm_control_busy_cb busy_cb;
+    void *busy_ud;
 };
 
 struct write_req {
@@ -370,6 +372,10 @@ static void on_idle(uv_timer_t *t)
     /* A client waiting for a slow command is not idle. */
     if (c->pending != NULL)
         return;
+    /* Nor is one whose connection holds the program's resources (a trainer's
+     * shared buffers while it trains): the repeating timer asks again. */
+    if (c->ctl->busy_cb != NULL && c->ctl->busy_cb(c->ctl->busy_ud, c->conn_id))
+        return;
     client_fail(c, "idle_timeout", "closing the connection after a period of inactivity");
 }
 
@@ -660,6 +666,12 @@ void hm_control_set_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void
 {
     ctl->conn_closed_cb = cb;
     ctl->conn_closed_ud = ud;
+}
+
+void hm_control_set_idle_check(hm_control *ctl, hm_control_busy_cb busy, void *ud)
+{
+    ctl->busy_cb = busy;
+    ctl->busy_ud = ud;
 }
 
 /* ---- server ---- */

@@ -17,7 +17,9 @@
  * error reply and the client is disconnected); at most max_clients clients
  * are served at once (one more gets an error line and is closed); a client
  * that sends nothing for idle_timeout_ms while no request of it is pending
- * is closed; one request per client is handled at a time, and a client's
+ * is closed, unless the program's idle check says that the connection holds
+ * something (a trainer's shared buffers) that closing it would release; one
+ * request per client is handled at a time, and a client's
  * next line is not read while its replies pile up unread (more than
  * HM_CONTROL_MAX_QUEUED bytes). Malformed JSON, a non-object, a missing or
  * unknown "cmd" each get an error reply and the connection stays usable.
@@ -97,6 +99,17 @@ uint64_t hm_control_req_client(const hm_control_req *req);
  */
 typedef void (*hm_control_conn_closed_cb)(void *ud, uint64_t conn_id);
 void hm_control_set_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void *ud);
+
+/*
+ * busy(ud, conn_id) is asked when a connection has been idle for the idle
+ * timeout; nonzero keeps it open for another period (it is asked again
+ * then). A connection that owns resources tied to it (shared-memory
+ * segments) must not be idle-closed, since closing releases them under a
+ * trainer that is merely busy training. It must not call back into the
+ * server. NULL unsets it: every idle client is closed.
+ */
+typedef int (*hm_control_busy_cb)(void *ud, uint64_t conn_id);
+void hm_control_set_idle_check(hm_control *ctl, hm_control_busy_cb busy, void *ud);
 
 const char *hm_control_path(const hm_control *ctl);
 size_t hm_control_clients(const hm_control *ctl);

@@ -226,6 +226,14 @@ void hm_shm_put(hm_shm *s, uint64_t id)
         destroy_at(s, i);
 }
 
+size_t hm_shm_owned(const hm_shm *s, uint64_t owner)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < s->n; i++)
+        n += s->segs[i]->owner == owner && !s->segs[i]->released;
+    return n;
+}
+
 void hm_shm_stats(const hm_shm *s, size_t *segments_out, size_t *bytes_out)
 {
     if (segments_out != NULL)

@@ -63,6 +63,13 @@ void hm_shm_release_owner(hm_shm *s, uint64_t owner);
 int hm_shm_get(hm_shm *s, uint64_t id, uint64_t offset, uint64_t bytes, void **ptr_out);
 void hm_shm_put(hm_shm *s, uint64_t id);
 
+/*
+ * Segments that owner holds (allocated and not released). The control
+ * server asks it before idle-closing a connection (hivemindd), since
+ * closing one releases its segments.
+ */
+size_t hm_shm_owned(const hm_shm *s, uint64_t owner);
+
 /* For status: segments and bytes mapped. */
 void hm_shm_stats(const hm_shm *s, size_t *segments_out, size_t *bytes_out);
 

@@ -2,8 +2,10 @@
  * test_client: the trainer client library (lib/hivemind.h) against real
  * hivemindd processes: connecting, shared buffers the daemon sees, rounds
  * averaged in shared memory (blocking and in the background), bad
- * shared-memory references, and segments released when a trainer goes.
- * The reply parser is checked on hand-made lines too.
+ * shared-memory references, segments released when a trainer goes, a
+ * trainer's connection kept through idleness while it holds buffers, and a
+ * connect to a stopped daemon that times out. The reply parser is checked
+ * on hand-made lines too.
  */
 #include "config.h"
 
@@ -11,6 +13,8 @@
 #include <jansson.h>
 #include <math.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include "hivemind.h"
 #include "proc.h"
@@ -134,6 +138,19 @@ Test(client, buffers_are_the_daemons_memory)
     o.prefix = NULL;
     cr_assert_eq(hmc_average(h, b, 0, 10, &o, NULL), -EINVAL);
 
+    /* An expert call that needs no answer at all is refused here, as the
+     * daemon would refuse it. */
+    hmc_expert ex;
+    memset(&ex, 0, sizeof(ex));
+    snprintf(ex.uid, sizeof(ex.uid), "ffn.0.0");
+    snprintf(ex.peer, sizeof(ex.peer), "%s", n.addr);
+    cr_assert_eq(hmc_experts_forward(h, &ex, 1, b, 0, b, 4, 1, 4, 0, 1.0, 0.0, NULL, NULL),
+                 -EINVAL);
+    cr_assert(strstr(hmc_last_error(h), "k_min") != NULL, "%s", hmc_last_error(h));
+    cr_assert_str_eq(hmc_last_error_code(h), "");
+    cr_assert_eq(hmc_experts_backward(h, &ex, 1, b, 0, b, 4, b, 8, 1, 4, 0, 1.0, NULL, NULL),
+                 -EINVAL);
+
     /* The generic request and strict args. */
     char *res;
     cr_assert_eq(hmc_request(h, "info", "[1]", &res), -EINVAL);
@@ -237,6 +254,101 @@ Test(client, a_trainer_that_leaves_has_its_segments_released)
     hmc_buf_free(b1);
     hmc_buf_free(b2);
     hmc_close(watcher);
+    stop_node(&n);
+}
+
+Test(client, a_trainer_with_buffers_is_never_idle_closed)
+{
+    struct node n;
+    start_node(&n, "idle", NULL, "--control-idle-timeout", "1", NULL);
+    hmc *h = attach(&n), *plain = attach(&n);
+    hmc_buf *b;
+    const size_t N = 256;
+    cr_assert_eq(hmc_buf_alloc(h, N * sizeof(float), &b), 0, "%s", hmc_last_error(h));
+    float *x = hmc_buf_data(b);
+    for (size_t i = 0; i < N; i++)
+        x[i] = (float)i;
+    char *res;
+    cr_assert_eq(hmc_info(plain, &res), 0, "%s", hmc_last_error(plain));
+    hmc_free_string(res);
+    /* "Training": both connections stay silent for four idle timeouts. */
+    sleep(4);
+    /* The one without buffers was closed, and says why... */
+    cr_assert_eq(hmc_info(plain, &res), -EPIPE, "%s", hmc_last_error(plain));
+    cr_assert_str_eq(hmc_last_error_code(plain), "idle_timeout");
+    cr_assert(strstr(hmc_last_error(plain), "inactivity") != NULL, "%s", hmc_last_error(plain));
+    hmc_close(plain);
+    /* ...the trainer's is open, its buffer still the daemon's, and a round
+     * on it (on a connection of its own) works. */
+    cr_assert_eq(shm_bytes(h), (long)(N * sizeof(float)), "%s", hmc_last_error(h));
+    hmc_avg_opts o;
+    hmc_avg_opts_init(&o);
+    o.prefix = "client.idle";
+    o.target_group_size = 1;
+    o.timeout_s = 5;
+    o.round_timeout_s = 5;
+    o.matchmaking_time_s = 0.5;
+    hmc_round *rd;
+    cr_assert_eq(hmc_average_start(h, b, 0, N, &o, &rd), 0, "%s", hmc_last_error(h));
+    cr_assert_eq(hmc_round_wait(rd, -1, NULL), 0, "%s: %s", hmc_round_error_code(rd),
+                 hmc_round_error(rd));
+    hmc_round_free(rd);
+    for (size_t i = 0; i < N; i++)
+        cr_assert_eq(x[i], (float)i, "a group of one keeps the values");
+    /* Without buffers it is an ordinary client again and idles out. */
+    hmc_buf_free(b);
+    sleep(3);
+    cr_assert_eq(hmc_info(h, &res), -EPIPE, "still open after giving its buffer back");
+    cr_assert_str_eq(hmc_last_error_code(h), "idle_timeout");
+    hmc_close(h);
+    stop_node(&n);
+}
+
+Test(client, connect_to_a_daemon_that_does_not_accept_times_out)
+{
+    struct node n;
+    char err[512];
+    int fillers[256];
+    size_t n_fill = 0;
+    start_node(&n, "stopped", NULL, NULL);
+    cr_assert_eq(kill(n.pid, SIGSTOP), 0);
+    /* Fill the stopped daemon's backlog until connect would have to wait. */
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    cr_assert_lt(strlen(n.sock), sizeof(sa.sun_path));
+    memcpy(sa.sun_path, n.sock, strlen(n.sock) + 1);
+    for (;;) {
+        cr_assert_lt(n_fill, sizeof(fillers) / sizeof(fillers[0]), "the backlog never filled");
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        cr_assert_geq(fd, 0);
+        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+            cr_assert_eq(errno, EAGAIN, "connect: %s", strerror(errno));
+            close(fd);
+            break;
+        }
+        fillers[n_fill++] = fd;
+    }
+    hmc *h = (hmc *)1;
+    long t0 = hm_test_now_ms();
+    int r = hmc_connect_timeout(n.sock, 500, &h, err, sizeof(err));
+    long took = hm_test_now_ms() - t0;
+    cr_assert_eq(r, -ETIMEDOUT, "%d: %s", r, err);
+    cr_assert_null(h);
+    cr_assert(took >= 400 && took < 5000, "gave up after %ld ms", took);
+    cr_assert(strstr(err, "did not accept") != NULL && strstr(err, n.sock) != NULL, "%s", err);
+    cr_assert_eq(hmc_connect_timeout(n.sock, 0, &h, err, sizeof(err)), -EINVAL);
+
+    /* Once the daemon runs again, the backlog drains and connecting works. */
+    cr_assert_eq(kill(n.pid, SIGCONT), 0);
+    for (size_t i = 0; i < n_fill; i++)
+        close(fillers[i]);
+    r = hmc_connect_timeout(n.sock, 10000, &h, err, sizeof(err));
+    cr_assert_eq(r, 0, "%s", err);
+    char *res;
+    cr_assert_eq(hmc_info(h, &res), 0, "%s", hmc_last_error(h));
+    hmc_free_string(res);
+    hmc_close(h);
     stop_node(&n);
 }
 

@@ -31,6 +31,7 @@ struct server {
     char path[128];
     int closed;        /* the close callback ran */
     int replies_gone;  /* hm_control_reply returned -EPIPE */
+    uint64_t held;     /* the connection "hold" keeps from idling out; loop thread */
 };
 
 struct delayed {
@@ -50,6 +51,21 @@ static void fail_handler(void *ud, hm_control_req *req, const json_t *args)
     (void)ud;
     (void)args;
     hm_control_reply_error(req, "bad_args", "this command always fails");
+}
+
+/* Marks the calling connection as holding resources ({"on": true}), as a
+ * trainer's shared buffers do in hivemindd, or clears the mark. */
+static void hold_handler(void *ud, hm_control_req *req, const json_t *args)
+{
+    struct server *s = ud;
+    s->held = json_is_true(json_object_get(args, "on")) ? hm_control_req_client(req) : 0;
+    hm_control_reply(req, NULL);
+}
+
+static int is_held(void *ud, uint64_t conn_id)
+{
+    struct server *s = ud;
+    return s->held != 0 && s->held == conn_id;
 }
 
 static void on_delayed_closed(uv_handle_t *h) { free(h->data); }
@@ -118,6 +134,8 @@ static void server_start(struct server *s, size_t max_clients, uint64_t idle_ms,
     cr_assert_eq(hm_control_register(s->ctl, "echo", echo_handler, s), 0);
     cr_assert_eq(hm_control_register(s->ctl, "fail", fail_handler, s), 0);
     cr_assert_eq(hm_control_register(s->ctl, "later", later_handler, s), 0);
+    cr_assert_eq(hm_control_register(s->ctl, "hold", hold_handler, s), 0);
+    hm_control_set_idle_check(s->ctl, is_held, s);
     cr_assert_eq(hm_control_register(s->ctl, "echo", echo_handler, s), -EEXIST);
     cr_assert_eq(hm_control_register(s->ctl, "Bad Name", echo_handler, s), -EINVAL);
     cr_assert_eq(uv_async_init(&s->loop, &s->stop, on_stop), 0);
@@ -355,6 +373,38 @@ Test(control, idle_clients_are_closed)
     cr_assert(json_is_true(json_object_get(j, "ok")), "slow reply lost to the idle timer");
     json_decref(j);
     close(fd);
+    server_stop(&s);
+}
+
+Test(control, a_connection_holding_resources_is_not_idle_closed)
+{
+    struct server s;
+    server_start(&s, 8, 300, NULL);
+    int held = connect_client(&s);
+    json_t *j = roundtrip(held, "{\"cmd\":\"hold\",\"args\":{\"on\":true}}\n");
+    cr_assert(json_is_true(json_object_get(j, "ok")));
+    json_decref(j);
+    /* Its neighbour without resources still idles out... */
+    int plain = connect_client(&s);
+    assert_echo_works(plain);
+    j = read_reply(plain);
+    assert_error(j, "idle_timeout");
+    json_decref(j);
+    cr_assert_eq(hm_test_wait_eof(plain, 3000), 0);
+    close(plain);
+    /* ...while the held one stays silent and open for several periods. */
+    struct pollfd p = {.fd = held, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 1500), 0, "the held connection got something (idle-closed?)");
+    assert_echo_works(held);
+    /* Once it holds nothing it is an ordinary idle client again. */
+    j = roundtrip(held, "{\"cmd\":\"hold\",\"args\":{\"on\":false}}\n");
+    cr_assert(json_is_true(json_object_get(j, "ok")));
+    json_decref(j);
+    j = read_reply(held);
+    assert_error(j, "idle_timeout");
+    json_decref(j);
+    cr_assert_eq(hm_test_wait_eof(held, 3000), 0);
+    close(held);
     server_stop(&s);
 }
 

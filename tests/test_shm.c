@@ -137,7 +137,10 @@ Test(shm, owner_rules)
     cr_assert_eq(hm_shm_alloc(s, 1, 64, &id, name), 0);
     cr_assert_eq(hm_shm_release(s, 2, id), -EPERM);
     cr_assert_eq(hm_shm_release(s, 1, id + 1), -ENOENT);
+    cr_assert_eq(hm_shm_owned(s, 1), 1);
+    cr_assert_eq(hm_shm_owned(s, 2), 0);
     cr_assert_eq(hm_shm_release(s, 1, id), 0);
+    cr_assert_eq(hm_shm_owned(s, 1), 0);
     cr_assert_eq(hm_shm_release(s, 1, id), -ENOENT, "released twice");
     hm_shm_free(s);
 }
@@ -184,7 +187,13 @@ Test(shm, release_owner_frees_only_that_owners_segments)
     cr_assert_eq(hm_shm_alloc(s, 10, 200, &a2, n2), 0);
     cr_assert_eq(hm_shm_alloc(s, 11, 300, &b1, n3), 0);
     cr_assert_eq(hm_shm_get(s, a2, 0, 200, &p), 0); /* another connection's round */
+    /* What each connection holds decides whether it may be idle-closed. */
+    cr_assert_eq(hm_shm_owned(s, 10), 2);
+    cr_assert_eq(hm_shm_owned(s, 11), 1);
+    cr_assert_eq(hm_shm_owned(s, 12), 0);
     hm_shm_release_owner(s, 10);
+    cr_assert_eq(hm_shm_owned(s, 10), 0, "a released but pinned segment is not held");
+    cr_assert_eq(hm_shm_owned(s, 11), 1);
     hm_shm_stats(s, &segs, &bytes);
     cr_assert_eq(segs, 2, "the pinned one stays until its put");
     cr_assert_eq(bytes, 500);
