@@ -72,6 +72,8 @@ typedef struct version {
     int corrupt;
 } version;
 
+#define KEEP_OLD_VERSIONS 2
+
 typedef struct share share;
 struct share {
     hm_state *st;
@@ -82,6 +84,13 @@ struct share {
     size_t key_len;
     version *cur;  /* served; NULL until the first version is hashed */
     version *next_v; /* being hashed */
+    /*
+     * The versions cur replaced, newest first, still served: a newcomer
+     * reads a declaration that may be a version or two old by the time it
+     * asks (a trainer can share every second or two, and DHT puts and gets
+     * take about as long under load).
+     */
+    version *old[KEEP_OLD_VERSIONS];
     int put_busy;
     unsigned declared;
     uint64_t chunks_served, manifests_served, refused_busy;
@@ -422,6 +431,8 @@ static void on_share_closed(uv_handle_t *h)
     hm_state *st = s->st;
     version_free(s->cur);
     version_free(s->next_v);
+    for (size_t i = 0; i < KEEP_OLD_VERSIONS; i++)
+        version_free(s->old[i]);
     free(s);
     handle_closed(st);
 }
@@ -524,7 +535,9 @@ static void on_share_timer(uv_timer_t *t)
             version_free(s->next_v);
             s->next_v = NULL;
         } else {
-            version_free(s->cur);
+            version_free(s->old[KEEP_OLD_VERSIONS - 1]);
+            memmove(&s->old[1], &s->old[0], (KEEP_OLD_VERSIONS - 1) * sizeof(s->old[0]));
+            s->old[0] = s->cur;
             s->cur = s->next_v;
             s->next_v = NULL;
             char hex[2 * HM_STATE_HASH_BYTES + 1];
@@ -668,15 +681,24 @@ int hm_state_share_info_get(const hm_state *st, const char *prefix, hm_state_sha
     return 0;
 }
 
-/* Finds the version a request names: 0, or the error to answer. */
-static int req_version(hm_state *st, const hm_state_req *q, share **s_out)
+/* Finds the version a request names (the current one or one it
+ * replaced): 0, or the error to answer. */
+static int req_version(hm_state *st, const hm_state_req *q, share **s_out, version **v_out)
 {
     share *s = share_by_prefix(st, q->prefix);
     if (s == NULL || s->cur == NULL)
         return -ENOENT;
-    if (sodium_memcmp(s->cur->hash, q->hash, HM_STATE_HASH_BYTES) != 0)
+    version *v = NULL;
+    if (sodium_memcmp(s->cur->hash, q->hash, HM_STATE_HASH_BYTES) == 0)
+        v = s->cur;
+    for (size_t i = 0; v == NULL && i < KEEP_OLD_VERSIONS; i++)
+        if (s->old[i] != NULL &&
+            sodium_memcmp(s->old[i]->hash, q->hash, HM_STATE_HASH_BYTES) == 0)
+            v = s->old[i];
+    if (v == NULL)
         return -ESTALE;
     *s_out = s;
+    *v_out = v;
     return 0;
 }
 
@@ -701,12 +723,13 @@ static void on_manifest_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
     hm_state *st = ud;
     hm_state_req q;
     share *s = NULL;
+    version *v = NULL;
     int r;
     if (hm_state_decode_req(body, len, 0, &q) < 0) {
         (void)hm_rpc_respond(req, -EINVAL, NULL, 0);
         return;
     }
-    if ((r = req_version(st, &q, &s)) < 0) {
+    if ((r = req_version(st, &q, &s, &v)) < 0) {
         (void)hm_rpc_respond(req, r, NULL, 0);
         return;
     }
@@ -717,7 +740,7 @@ static void on_manifest_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
         return;
     }
     s->manifests_served++;
-    (void)hm_rpc_respond(req, 0, s->cur->manifest, s->cur->manifest_len);
+    (void)hm_rpc_respond(req, 0, v->manifest, v->manifest_len);
 }
 
 static void on_chunk_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
@@ -727,16 +750,16 @@ static void on_chunk_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_
     hm_state *st = ud;
     hm_state_req q;
     share *s = NULL;
+    version *v = NULL;
     int r;
     if (hm_state_decode_req(body, len, 1, &q) < 0) {
         (void)hm_rpc_respond(req, -EINVAL, NULL, 0);
         return;
     }
-    if ((r = req_version(st, &q, &s)) < 0) {
+    if ((r = req_version(st, &q, &s, &v)) < 0) {
         (void)hm_rpc_respond(req, r, NULL, 0);
         return;
     }
-    version *v = s->cur;
     if (q.index >= v->n_chunks) {
         (void)hm_rpc_respond(req, -ERANGE, NULL, 0);
         return;

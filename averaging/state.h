@@ -25,8 +25,11 @@
  *   [HOST:PORT, step, total_len, chunk_size, state_hash bin(32)]
  * with a TTL of ttl_s, refreshed every ttl_s / 3 (with jitter). Sharing a
  * newer step (or the same step again) replaces the old version once the
- * new one is hashed; an older step is refused. Only the current version is
- * served: a download of a replaced version sees -ESTALE from that donor.
+ * new one is hashed; an older step is refused. The current version and
+ * the two it replaced last are served (a newcomer's view of the
+ * declarations may be a version or two old when a trainer shares every
+ * few seconds), so a share holds up to four copies of its blob while a
+ * new one is hashed; a download of an older version sees -ESTALE.
  * Requests (msgpack bodies):
  *   "state.manifest" [prefix str, state_hash bin(32)] -> the manifest bytes
  *   "state.chunk"    [prefix str, state_hash bin(32), index uint] -> the

@@ -813,3 +813,28 @@ Test(state, manifest_requests_respect_the_serving_caps)
     cr_assert(hm_test_run_until(&sw.loop, rawcall_done, &held, 15000));
     swarm_stop(&sw);
 }
+
+Test(state, replaced_versions_stay_served_for_two_more_shares)
+{
+    swarm sw;
+    hm_state_share_info info;
+    uint8_t first[HM_STATE_HASH_BYTES];
+    swarm_start(&sw, 2, 1);
+    uint8_t *blob = make_blob(50000, 11);
+    share_on(&sw, 0, 1, "moving", 1, blob, 50000, NULL);
+    cr_assert_eq(hm_state_share_info_get(sw.st[0], "moving", &info), 0);
+    memcpy(first, info.hash, sizeof(first));
+    /* A newcomer that read the declaration of step 1 may ask for it after
+     * the donor moved on: the two versions before the current one stay. */
+    for (uint64_t step = 2; step <= 3; step++) {
+        blob[0] = (uint8_t)step;
+        share_on(&sw, 0, 1, "moving", step, blob, 50000, NULL);
+        cr_assert_eq(ask_manifest(&sw, 1, 0, "moving", first), 0, "step %llu",
+                     (unsigned long long)step);
+    }
+    blob[0] = 4;
+    share_on(&sw, 0, 1, "moving", 4, blob, 50000, NULL);
+    cr_assert_eq(ask_manifest(&sw, 1, 0, "moving", first), -ESTALE);
+    free(blob);
+    swarm_stop(&sw);
+}

@@ -59,6 +59,7 @@ class Expert(ctypes.Structure):
 # name: (restype, argtypes)
 _PROTOTYPES = {
     "hmc_connect": (c_int, [c_char_p, P(c_void_p), c_char_p, c_size_t]),
+    "hmc_connect_timeout": (c_int, [c_char_p, c_int, P(c_void_p), c_char_p, c_size_t]),
     "hmc_close": (None, [c_void_p]),
     "hmc_last_error": (c_char_p, [c_void_p]),
     "hmc_last_error_code": (c_char_p, [c_void_p]),
