@@ -716,29 +716,41 @@ static int serving_busy(hm_state *st, const uint8_t peer_pk[HM_PK_BYTES])
            ts.queued_bytes > st->cfg.max_queued_total;
 }
 
+/*
+ * What both requests check before anything is served: the body, the
+ * version it names (and, for a chunk, the index), and the serving caps.
+ * 0 with *s_out and *v_out set, or -1 once req has been answered.
+ */
+static int serve_check(hm_state *st, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
+                       const uint8_t *body, size_t len, int with_index, hm_state_req *q,
+                       share **s_out, version **v_out)
+{
+    int r = hm_state_decode_req(body, len, with_index, q) < 0 ? -EINVAL : 0;
+    if (r == 0)
+        r = req_version(st, q, s_out, v_out);
+    if (r == 0 && with_index && q->index >= (*v_out)->n_chunks)
+        r = -ERANGE;
+    /* A manifest is up to 2 MiB: it is held to the same caps as a chunk. */
+    if (r == 0 && serving_busy(st, peer_pk)) {
+        (*s_out)->refused_busy++;
+        r = -ENOBUFS;
+    }
+    if (r != 0) {
+        (void)hm_rpc_respond(req, r, NULL, 0);
+        return -1;
+    }
+    return 0;
+}
+
 static void on_manifest_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                             const struct sockaddr *from, const uint8_t *body, size_t len)
 {
     HM_UNUSED(from);
-    hm_state *st = ud;
     hm_state_req q;
     share *s = NULL;
     version *v = NULL;
-    int r;
-    if (hm_state_decode_req(body, len, 0, &q) < 0) {
-        (void)hm_rpc_respond(req, -EINVAL, NULL, 0);
+    if (serve_check(ud, req, peer_pk, body, len, 0, &q, &s, &v) < 0)
         return;
-    }
-    if ((r = req_version(st, &q, &s, &v)) < 0) {
-        (void)hm_rpc_respond(req, r, NULL, 0);
-        return;
-    }
-    /* A manifest is up to 2 MiB: it is held to the same caps as a chunk. */
-    if (serving_busy(st, peer_pk)) {
-        s->refused_busy++;
-        (void)hm_rpc_respond(req, -ENOBUFS, NULL, 0);
-        return;
-    }
     s->manifests_served++;
     (void)hm_rpc_respond(req, 0, v->manifest, v->manifest_len);
 }
@@ -747,28 +759,11 @@ static void on_chunk_req(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_
                          const struct sockaddr *from, const uint8_t *body, size_t len)
 {
     HM_UNUSED(from);
-    hm_state *st = ud;
     hm_state_req q;
     share *s = NULL;
     version *v = NULL;
-    int r;
-    if (hm_state_decode_req(body, len, 1, &q) < 0) {
-        (void)hm_rpc_respond(req, -EINVAL, NULL, 0);
+    if (serve_check(ud, req, peer_pk, body, len, 1, &q, &s, &v) < 0)
         return;
-    }
-    if ((r = req_version(st, &q, &s, &v)) < 0) {
-        (void)hm_rpc_respond(req, r, NULL, 0);
-        return;
-    }
-    if (q.index >= v->n_chunks) {
-        (void)hm_rpc_respond(req, -ERANGE, NULL, 0);
-        return;
-    }
-    if (serving_busy(st, peer_pk)) {
-        s->refused_busy++;
-        (void)hm_rpc_respond(req, -ENOBUFS, NULL, 0);
-        return;
-    }
     size_t off = (size_t)q.index * v->chunk_size;
     size_t n = HM_MIN(v->chunk_size, v->len - off);
     s->chunks_served++;
