@@ -14,7 +14,7 @@
  */
 #include "config.h"
 
-#include "allreduce.h"
+#include "averaging/allreduce.h"
 
 #include <errno.h>
 #include <math.h>
@@ -22,8 +22,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "codec.h"
-#include "util.h"
+#include "averaging/codec.h"
+#include "src/base/util.h"
 
 #define MOD "allreduce"
 

@@ -151,9 +151,9 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "group.h"
-#include "rpc.h"
-#include "wire.h"
+#include "averaging/group.h"
+#include "src/net/rpc.h"
+#include "src/base/wire.h"
 
 typedef struct hm_ar_ctx hm_ar_ctx;
 typedef struct hm_ar_round hm_ar_round;

@@ -13,15 +13,15 @@
  */
 #include "config.h"
 
-#include "averager.h"
+#include "averaging/averager.h"
 
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "codec.h"
-#include "util.h"
+#include "averaging/codec.h"
+#include "src/base/util.h"
 
 #define MOD "averager"
 

@@ -52,10 +52,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "allreduce.h"
-#include "group.h"
-#include "matchmaking.h"
-#include "node.h"
+#include "averaging/allreduce.h"
+#include "averaging/group.h"
+#include "averaging/matchmaking.h"
+#include "src/node/node.h"
 
 typedef struct hm_averager hm_averager;
 

@@ -15,8 +15,8 @@
  */
 #include "config.h"
 
-#include "codec.h"
-#include "util.h"
+#include "averaging/codec.h"
+#include "src/base/util.h"
 
 #include <cblas.h>
 #include <errno.h>

@@ -21,7 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "wire.h" /* enum hm_dtype */
+#include "src/base/wire.h" /* enum hm_dtype */
 
 /* ---- dtype conversion ---- */
 

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "crypto.h"
+#include "src/base/crypto.h"
 
 #define HM_AVG_MAX_GROUP 64
 #define HM_AVG_GROUP_ID_BYTES 32

@@ -13,7 +13,7 @@
  */
 #include "config.h"
 
-#include "matchmaking.h"
+#include "averaging/matchmaking.h"
 
 #include <errno.h>
 #include <math.h>
@@ -21,8 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "record.h"
-#include "util.h"
+#include "dht/record.h"
+#include "src/base/util.h"
 
 #define MOD "mm"
 

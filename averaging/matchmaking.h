@@ -115,9 +115,9 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "group.h"
-#include "node.h"
-#include "wire.h"
+#include "averaging/group.h"
+#include "src/node/node.h"
+#include "src/base/wire.h"
 
 #define HM_MM_PREFIX_MAX 128
 #define HM_MM_BITS_MAX 32

@@ -12,7 +12,7 @@
  */
 #include "config.h"
 
-#include "state.h"
+#include "averaging/state.h"
 
 #include <errno.h>
 #include <math.h>
@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "record.h"
+#include "dht/record.h"
 
 #define MOD "state"
 

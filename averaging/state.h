@@ -90,9 +90,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "node.h"
-#include "util.h"
-#include "wire.h"
+#include "src/node/node.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 typedef struct hm_state hm_state;
 

@@ -51,13 +51,13 @@
 #include <sys/prctl.h>
 #endif
 
-#include "allreduce.h"
-#include "codec.h"
-#include "crypto.h"
-#include "group.h"
-#include "rpc.h"
-#include "transport.h"
-#include "util.h"
+#include "averaging/allreduce.h"
+#include "averaging/codec.h"
+#include "src/base/crypto.h"
+#include "averaging/group.h"
+#include "src/net/rpc.h"
+#include "src/net/transport.h"
+#include "src/base/util.h"
 
 #define MAX_PEERS 64
 #define MAX_RUNS 1000

@@ -52,12 +52,12 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "crypto.h"
-#include "dht.h"
-#include "node.h"
-#include "proto.h"
-#include "rpc.h"
-#include "util.h"
+#include "src/base/crypto.h"
+#include "dht/dht.h"
+#include "src/node/node.h"
+#include "dht/proto.h"
+#include "src/net/rpc.h"
+#include "src/base/util.h"
 
 /* Requests per second each load client sends at most: under the daemon's
  * per-address limit (200/s, burst 400), so that none is throttled. */

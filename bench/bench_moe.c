@@ -59,13 +59,13 @@
 #include <sys/prctl.h>
 #endif
 
-#include "client.h"
-#include "crypto.h"
-#include "ffn.h"
-#include "node.h"
-#include "proto.h"
-#include "server.h"
-#include "util.h"
+#include "moe/client.h"
+#include "src/base/crypto.h"
+#include "moe/ffn.h"
+#include "src/node/node.h"
+#include "moe/proto.h"
+#include "moe/server.h"
+#include "src/base/util.h"
 
 #define SWARM "bench-moe"
 #define MAX_BATCHES 8

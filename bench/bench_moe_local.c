@@ -14,8 +14,8 @@
  */
 #include "config.h"
 
-#include "ffn.h"
-#include "util.h"
+#include "moe/ffn.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <stdio.h>

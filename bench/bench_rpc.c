@@ -29,10 +29,10 @@
 #include <sys/prctl.h>
 #endif
 
-#include "crypto.h"
-#include "rpc.h"
-#include "transport.h"
-#include "util.h"
+#include "src/base/crypto.h"
+#include "src/net/rpc.h"
+#include "src/net/transport.h"
+#include "src/base/util.h"
 
 #define INFLIGHT_MSGS 4
 

@@ -9,7 +9,7 @@
  * this file aborts or prints, because the library is loaded into a daemon
  * that must keep running (and fall back to the CPU) when the GPU misbehaves.
  */
-#include "hm_cuda.h"
+#include "cuda/hm_cuda.h"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

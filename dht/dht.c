@@ -14,10 +14,10 @@
  */
 #include "config.h"
 
-#include "dht.h"
+#include "dht/dht.h"
 
-#include "proto.h"
-#include "util.h"
+#include "dht/proto.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <netinet/in.h>

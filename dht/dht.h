@@ -63,10 +63,10 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "crypto.h"
-#include "record.h"
-#include "routing.h"
-#include "store.h"
+#include "src/base/crypto.h"
+#include "dht/record.h"
+#include "dht/routing.h"
+#include "dht/store.h"
 
 typedef struct hm_dht hm_dht;
 

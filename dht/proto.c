@@ -4,10 +4,10 @@
  */
 #include "config.h"
 
-#include "proto.h"
+#include "dht/proto.h"
 
-#include "util.h"
-#include "wire.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

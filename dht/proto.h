@@ -59,9 +59,9 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "crypto.h"
-#include "record.h"
-#include "routing.h"
+#include "src/base/crypto.h"
+#include "dht/record.h"
+#include "dht/routing.h"
 
 enum hm_dht_msg_type {
     HM_DHT_MSG_PING = 0,

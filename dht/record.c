@@ -4,9 +4,9 @@
  */
 #include "config.h"
 
-#include "record.h"
+#include "dht/record.h"
 
-#include "util.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <math.h>

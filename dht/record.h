@@ -41,8 +41,8 @@
 #ifndef HM_DHT_RECORD_H
 #define HM_DHT_RECORD_H
 
-#include "crypto.h"
-#include "wire.h"
+#include "src/base/crypto.h"
+#include "src/base/wire.h"
 
 #include <stddef.h>
 #include <stdint.h>

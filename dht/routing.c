@@ -10,9 +10,9 @@
  */
 #include "config.h"
 
-#include "routing.h"
+#include "dht/routing.h"
 
-#include "util.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <stdlib.h>

@@ -59,7 +59,7 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "crypto.h"
+#include "src/base/crypto.h"
 
 #define HM_RT_ID_BYTES HM_NODE_ID_BYTES
 #define HM_RT_MAX_K 256

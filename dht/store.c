@@ -11,9 +11,9 @@
  */
 #include "config.h"
 
-#include "store.h"
+#include "dht/store.h"
 
-#include "util.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <math.h>

@@ -61,7 +61,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "record.h"
+#include "dht/record.h"
 
 /* Bytes charged per entry on top of its key, subkey and value. */
 #define HM_DHT_STORE_ENTRY_COST 128

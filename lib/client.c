@@ -16,14 +16,14 @@
  */
 #include "config.h"
 
-#include "hivemind.h"
+#include "lib/hivemind.h"
+#include "src/base/paths.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <poll.h>
-#include <pwd.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,34 +109,6 @@ static void copy_str(char *dst, size_t len, const char *src)
 }
 
 void hmc_free_string(char *s) { free(s); }
-
-/* The daemon's default control socket, by hivemindd's own rules (hm_config.h). */
-static int default_socket(char *buf, size_t len)
-{
-    int n;
-    const char *env = getenv("HIVEMINDD_CONTROL_SOCKET");
-    if (env != NULL && env[0] != '\0')
-        n = snprintf(buf, len, "%s", env);
-    else if (geteuid() == 0)
-        n = snprintf(buf, len, "/run/hivemindd/control.sock");
-    else if (getenv("XDG_RUNTIME_DIR") != NULL && getenv("XDG_RUNTIME_DIR")[0] == '/')
-        n = snprintf(buf, len, "%s/hivemindd/control.sock", getenv("XDG_RUNTIME_DIR"));
-    else if (getenv("XDG_STATE_HOME") != NULL && getenv("XDG_STATE_HOME")[0] == '/')
-        n = snprintf(buf, len, "%s/hivemindd/control.sock", getenv("XDG_STATE_HOME"));
-    else {
-        const char *home = getenv("HOME");
-        struct passwd pw, *res = NULL;
-        char tmp[4096];
-        if (home == NULL || home[0] != '/') {
-            if (getpwuid_r(geteuid(), &pw, tmp, sizeof(tmp), &res) != 0 || res == NULL ||
-                pw.pw_dir == NULL || pw.pw_dir[0] != '/')
-                return -ENOENT;
-            home = pw.pw_dir;
-        }
-        n = snprintf(buf, len, "%s/.local/state/hivemindd/control.sock", home);
-    }
-    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
-}
 
 /* ---- connections ---- */
 
@@ -573,7 +545,7 @@ int hmc_connect_timeout(const char *socket_path, int timeout_ms, hmc **out, char
         return -EINVAL;
     }
     if (socket_path == NULL) {
-        r = default_socket(path, sizeof(path));
+        r = hm_paths_client_control_socket(path, sizeof(path));
         if (r != 0) {
             fmt(err, errlen, "cannot tell the daemon's control socket (%s); pass its path or "
                 "set HIVEMINDD_CONTROL_SOCKET", strerror(-r));

@@ -7,8 +7,8 @@
  */
 #include "config.h"
 
-#include "checkpoint.h"
-#include "util.h"
+#include "moe/checkpoint.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <fcntl.h>

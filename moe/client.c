@@ -16,7 +16,7 @@
  */
 #include "config.h"
 
-#include "client.h"
+#include "moe/client.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -25,9 +25,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "record.h"
-#include "util.h"
-#include "wire.h"
+#include "dht/record.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #define MOD "moe.client"
 

@@ -32,8 +32,8 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "node.h"
-#include "proto.h"
+#include "src/node/node.h"
+#include "moe/proto.h"
 
 typedef struct hm_moe_client hm_moe_client;
 

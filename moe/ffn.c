@@ -9,9 +9,9 @@
  */
 #include "config.h"
 
-#include "ffn.h"
-#include "util.h"
-#include "wire.h"
+#include "moe/ffn.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #include <cblas.h>
 #include <errno.h>

@@ -7,7 +7,7 @@
  */
 #include "config.h"
 
-#include "proto.h"
+#include "moe/proto.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -15,8 +15,8 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "record.h"
-#include "util.h"
+#include "dht/record.h"
+#include "src/base/util.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "moe/proto.c sends float32 tensors as host bytes and needs a little-endian host"

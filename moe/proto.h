@@ -46,8 +46,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "crypto.h"
-#include "wire.h"
+#include "src/base/crypto.h"
+#include "src/base/wire.h"
 
 #define HM_MOE_UID_MAX 96
 #define HM_MOE_PREFIX_MAX 32

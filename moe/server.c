@@ -20,7 +20,7 @@
  */
 #include "config.h"
 
-#include "server.h"
+#include "moe/server.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -32,9 +32,9 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "checkpoint.h"
-#include "record.h"
-#include "util.h"
+#include "moe/checkpoint.h"
+#include "dht/record.h"
+#include "src/base/util.h"
 
 #define MOD "moe"
 

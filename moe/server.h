@@ -53,9 +53,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ffn.h"
-#include "node.h"
-#include "proto.h"
+#include "moe/ffn.h"
+#include "src/node/node.h"
+#include "moe/proto.h"
 
 typedef struct hm_moe_server hm_moe_server;
 

@@ -9,8 +9,8 @@
 #include <signal.h>
 #include <uv.h>
 
-#include "node.h"
-#include "util.h"
+#include "src/node/node.h"
+#include "src/base/util.h"
 
 typedef int (*hm_test_pred)(void *ud);
 

@@ -21,7 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "helpers.h"
+#include "tests/helpers.h"
 
 #define MAX_CHILDREN 24
 

@@ -23,12 +23,12 @@
 #include <string.h>
 #include <uv.h>
 
-#include "allreduce.h"
-#include "codec.h"
-#include "crypto.h"
-#include "rpc.h"
-#include "transport.h"
-#include "util.h"
+#include "averaging/allreduce.h"
+#include "averaging/codec.h"
+#include "src/base/crypto.h"
+#include "src/net/rpc.h"
+#include "src/net/transport.h"
+#include "src/base/util.h"
 
 #define MAXN 8
 

@@ -19,11 +19,11 @@
 #include <string.h>
 #include <uv.h>
 
-#include "averager.h"
-#include "codec.h"
-#include "node.h"
-#include "loop.h"
-#include "util.h"
+#include "averaging/averager.h"
+#include "averaging/codec.h"
+#include "src/node/node.h"
+#include "tests/loop.h"
+#include "src/base/util.h"
 
 #define MAX_PEERS 8
 

@@ -9,7 +9,7 @@
  */
 #include "config.h"
 
-#include "codec.h"
+#include "averaging/codec.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>

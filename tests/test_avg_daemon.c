@@ -29,7 +29,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-#include "proc.h"
+#include "tests/proc.h"
 
 #define N_DAEMONS 4
 #define N_ELEMS 40000

@@ -16,8 +16,8 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-#include "hivemind.h"
-#include "proc.h"
+#include "lib/hivemind.h"
+#include "tests/proc.h"
 
 static void setup(void) { hm_proc_setup("client"); }
 static void teardown(void) { hm_proc_teardown(); }

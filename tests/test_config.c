@@ -15,9 +15,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "helpers.h"
-#include "hm_config.h"
-#include "util.h"
+#include "tests/helpers.h"
+#include "src/base/paths.h"
+#include "src/daemon/hm_config.h"
+#include "src/base/util.h"
 
 /* A syntactically valid peer id: 52 base32 characters. */
 static void peer_addr(int seed, const char *hostport, char *out, size_t len)
@@ -105,7 +106,7 @@ Test(config, unprivileged_defaults_follow_xdg)
     cr_assert_str_eq(c.control_socket, "/srv/hm/control.sock");
 
     /* hivemindctl shares the rule. */
-    cr_assert_eq(hm_config_default_control_socket("/srv/hm", buf, sizeof(buf)), 0);
+    cr_assert_eq(hm_paths_default_control_socket("/srv/hm", buf, sizeof(buf)), 0);
     cr_assert_str_eq(buf, "/srv/hm/control.sock");
 }
 

@@ -18,9 +18,9 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "control.h"
-#include "helpers.h"
-#include "util.h"
+#include "src/daemon/control.h"
+#include "tests/helpers.h"
+#include "src/base/util.h"
 
 struct server {
     uv_loop_t loop;

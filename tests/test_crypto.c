@@ -5,8 +5,8 @@
  */
 #include "config.h"
 
-#include "crypto.h"
-#include "util.h"
+#include "src/base/crypto.h"
+#include "src/base/util.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>

@@ -25,7 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "proc.h"
+#include "tests/proc.h"
 
 static void setup(void) { hm_proc_setup("daemon"); }
 static void teardown(void) { hm_proc_teardown(); }

@@ -9,9 +9,9 @@
  */
 #include "config.h"
 
-#include "dht.h"
-#include "proto.h"
-#include "util.h"
+#include "dht/dht.h"
+#include "dht/proto.h"
+#include "src/base/util.h"
 
 #include <arpa/inet.h>
 #include <criterion/criterion.h>

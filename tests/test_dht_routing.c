@@ -7,8 +7,8 @@
  */
 #include "config.h"
 
-#include "routing.h"
-#include "util.h"
+#include "dht/routing.h"
+#include "src/base/util.h"
 
 #include <arpa/inet.h>
 #include <criterion/criterion.h>

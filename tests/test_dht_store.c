@@ -7,9 +7,9 @@
  */
 #include "config.h"
 
-#include "record.h"
-#include "store.h"
-#include "util.h"
+#include "dht/record.h"
+#include "dht/store.h"
+#include "src/base/util.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>

@@ -14,8 +14,8 @@
 #include <sodium.h>
 #include <string.h>
 
-#include "crypto.h"
-#include "proc.h"
+#include "src/base/crypto.h"
+#include "tests/proc.h"
 
 #define N_NODES 10
 

@@ -12,7 +12,7 @@
  */
 #include "config.h"
 
-#include "idx.h"
+#include "contrib/examples/idx.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>

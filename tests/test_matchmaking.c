@@ -17,10 +17,10 @@
 #include <string.h>
 #include <uv.h>
 
-#include "matchmaking.h"
-#include "node.h"
-#include "loop.h"
-#include "util.h"
+#include "averaging/matchmaking.h"
+#include "src/node/node.h"
+#include "tests/loop.h"
+#include "src/base/util.h"
 
 #define MAX_PEERS 16
 

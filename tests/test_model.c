@@ -11,9 +11,9 @@
  */
 #include "config.h"
 
-#include "ffn.h"
-#include "idx.h"
-#include "model.h"
+#include "moe/ffn.h"
+#include "contrib/examples/idx.h"
+#include "contrib/examples/model.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>

@@ -17,15 +17,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint.h"
-#include "client.h"
-#include "ffn.h"
-#include "helpers.h"
-#include "loop.h"
-#include "proto.h"
-#include "server.h"
-#include "util.h"
-#include "wire.h"
+#include "moe/checkpoint.h"
+#include "moe/client.h"
+#include "moe/ffn.h"
+#include "tests/helpers.h"
+#include "tests/loop.h"
+#include "moe/proto.h"
+#include "moe/server.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #define SWARM "moe-client-test"
 #define DIM 16

@@ -24,10 +24,10 @@
 #include <signal.h>
 #include <string.h>
 
-#include "checkpoint.h"
-#include "ffn.h"
-#include "hivemind.h"
-#include "proc.h"
+#include "moe/checkpoint.h"
+#include "moe/ffn.h"
+#include "lib/hivemind.h"
+#include "tests/proc.h"
 
 #define DIM 16
 #define BATCH 5

@@ -11,10 +11,10 @@
  */
 #include "config.h"
 
-#include "checkpoint.h"
-#include "ffn.h"
-#include "util.h"
-#include "wire.h"
+#include "moe/checkpoint.h"
+#include "moe/ffn.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>

@@ -8,7 +8,7 @@
 #include "config.h"
 
 /* moe's proto.h, not the DHT's (both folders are on the include path). */
-#include "../moe/proto.h"
+#include "moe/proto.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -17,9 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "crypto.h"
-#include "record.h"
-#include "util.h"
+#include "src/base/crypto.h"
+#include "dht/record.h"
+#include "src/base/util.h"
 
 static void setup(void) { cr_assert_eq(hm_crypto_init(), 0); }
 

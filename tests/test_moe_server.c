@@ -13,7 +13,7 @@
  */
 #include "config.h"
 
-#include "server.h"
+#include "moe/server.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -23,12 +23,12 @@
 #include <string.h>
 #include <uv.h>
 
-#include "checkpoint.h"
-#include "crypto.h"
-#include "helpers.h"
-#include "loop.h"
-#include "record.h"
-#include "util.h"
+#include "moe/checkpoint.h"
+#include "src/base/crypto.h"
+#include "tests/helpers.h"
+#include "tests/loop.h"
+#include "dht/record.h"
+#include "src/base/util.h"
 
 #define DIM 16
 #define PATTERN "ffn.[0:2].[0:2]"

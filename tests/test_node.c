@@ -11,9 +11,9 @@
 #include <string.h>
 #include <uv.h>
 
-#include "node.h"
-#include "loop.h"
-#include "util.h"
+#include "src/node/node.h"
+#include "tests/loop.h"
+#include "src/base/util.h"
 
 static int run_until(uv_loop_t *loop, hm_test_pred pred, void *ud, uint64_t timeout_ms)
 {

@@ -13,7 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "shm.h"
+#include "src/daemon/shm.h"
 
 static int name_exists(const char *name)
 {

@@ -18,11 +18,11 @@
 #include <string.h>
 #include <uv.h>
 
-#include "loop.h"
-#include "node.h"
-#include "record.h"
-#include "state.h"
-#include "util.h"
+#include "tests/loop.h"
+#include "src/node/node.h"
+#include "dht/record.h"
+#include "averaging/state.h"
+#include "src/base/util.h"
 
 #define MAX_NODES 6
 #define BLOB_BYTES (6u * 1024 * 1024 + 12345)

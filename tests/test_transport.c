@@ -16,10 +16,10 @@
 #include <string.h>
 #include <uv.h>
 
-#include "crypto.h"
-#include "rpc.h"
-#include "transport.h"
-#include "util.h"
+#include "src/base/crypto.h"
+#include "src/net/rpc.h"
+#include "src/net/transport.h"
+#include "src/base/util.h"
 
 static uv_loop_t loop;
 static uint8_t swarm[HM_SWARM_ID_BYTES];

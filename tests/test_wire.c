@@ -7,8 +7,8 @@
  */
 #include "config.h"
 
-#include "util.h"
-#include "wire.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>

@@ -8,7 +8,7 @@
  */
 #include "config.h"
 
-#include "idx.h"
+#include "contrib/examples/idx.h"
 
 #include <errno.h>
 #include <inttypes.h>

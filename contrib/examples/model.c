@@ -8,7 +8,7 @@
  */
 #include "config.h"
 
-#include "model.h"
+#include "contrib/examples/model.h"
 
 #include <cblas.h>
 #include <errno.h>

@@ -40,7 +40,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ffn.h"
+#include "moe/ffn.h"
 
 #define HM_MODEL_MAX_K 64          /* experts per step, as HM_MOE_MAX_K */
 #define HM_MODEL_MAX_GRID 256      /* coordinates per grid dimension */

@@ -4,7 +4,7 @@
  */
 #include "config.h"
 
-#include "train_common.h"
+#include "contrib/examples/train_common.h"
 
 #include <errno.h>
 #include <math.h>

@@ -19,8 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "idx.h"
-#include "model.h"
+#include "contrib/examples/idx.h"
+#include "contrib/examples/model.h"
 
 typedef struct hm_train_opts {
     size_t steps;        /* --steps N: 0 runs until --time-limit */

@@ -14,9 +14,9 @@
  */
 #include "config.h"
 
-#include "ffn.h"
-#include "model.h"
-#include "train_common.h"
+#include "moe/ffn.h"
+#include "contrib/examples/model.h"
+#include "contrib/examples/train_common.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -62,9 +62,9 @@
  */
 #include "config.h"
 
-#include "hivemind.h"
-#include "model.h"
-#include "train_common.h"
+#include "lib/hivemind.h"
+#include "contrib/examples/model.h"
+#include "contrib/examples/train_common.h"
 
 #include <errno.h>
 #include <jansson.h>

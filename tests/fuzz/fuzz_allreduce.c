@@ -11,8 +11,8 @@
  */
 #include "config.h"
 
-#include "allreduce.h"
-#include "codec.h"
+#include "averaging/allreduce.h"
+#include "averaging/codec.h"
 
 #include <math.h>
 #include <stdio.h>

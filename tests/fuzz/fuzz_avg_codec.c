@@ -13,7 +13,7 @@
  */
 #include "config.h"
 
-#include "codec.h"
+#include "averaging/codec.h"
 
 #include <errno.h>
 #include <math.h>

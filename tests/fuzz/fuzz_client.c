@@ -8,7 +8,7 @@
  */
 #include "config.h"
 
-#include "hivemind.h"
+#include "lib/hivemind.h"
 
 #include <errno.h>
 #include <jansson.h>

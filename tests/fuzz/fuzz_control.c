@@ -10,7 +10,7 @@
  */
 #include "config.h"
 
-#include "control.h"
+#include "src/daemon/control.h"
 
 #include <jansson.h>
 #include <stdint.h>

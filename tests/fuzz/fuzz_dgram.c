@@ -13,7 +13,7 @@
  */
 #include "config.h"
 
-#include "crypto.h"
+#include "src/base/crypto.h"
 
 #include <errno.h>
 #include <stdint.h>

@@ -15,8 +15,8 @@
  */
 #include "config.h"
 
-#include "dht.h"
-#include "proto.h"
+#include "dht/dht.h"
+#include "dht/proto.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

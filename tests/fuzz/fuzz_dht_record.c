@@ -7,8 +7,8 @@
  */
 #include "config.h"
 
-#include "record.h"
-#include "store.h"
+#include "dht/record.h"
+#include "dht/store.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -14,7 +14,7 @@
  */
 #include "config.h"
 
-#include "crypto.h"
+#include "src/base/crypto.h"
 
 #include <errno.h>
 #include <stdint.h>

@@ -9,7 +9,7 @@
  */
 #include "config.h"
 
-#include "idx.h"
+#include "contrib/examples/idx.h"
 
 #include <stdio.h>
 #include <stdlib.h>

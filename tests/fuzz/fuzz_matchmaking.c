@@ -9,8 +9,8 @@
  */
 #include "config.h"
 
-#include "matchmaking.h"
-#include "util.h"
+#include "averaging/matchmaking.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <math.h>

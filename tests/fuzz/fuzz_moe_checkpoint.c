@@ -13,8 +13,8 @@
  */
 #include "config.h"
 
-#include "checkpoint.h"
-#include "ffn.h"
+#include "moe/checkpoint.h"
+#include "moe/ffn.h"
 
 #include <errno.h>
 #include <stdio.h>

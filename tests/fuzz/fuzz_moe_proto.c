@@ -16,14 +16,14 @@
  */
 #include "config.h"
 
-#include "../../moe/proto.h"
+#include "moe/proto.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "util.h"
+#include "src/base/util.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

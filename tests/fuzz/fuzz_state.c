@@ -9,8 +9,8 @@
  */
 #include "config.h"
 
-#include "state.h"
-#include "util.h"
+#include "averaging/state.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <stdio.h>

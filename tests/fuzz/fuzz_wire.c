@@ -9,7 +9,7 @@
  */
 #include "config.h"
 
-#include "wire.h"
+#include "src/base/wire.h"
 
 #include <errno.h>
 #include <stdio.h>

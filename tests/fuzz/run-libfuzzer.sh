@@ -38,19 +38,19 @@ fi
 # The module sources each target links, as tests/fuzz/* lists them in Makefile.am.
 sources_for() {
     case $1 in
-        fuzz_wire) echo "src/util.c src/wire.c" ;;
-        fuzz_dgram | fuzz_handshake) echo "src/util.c src/crypto.c" ;;
-        fuzz_control) echo "src/util.c src/control.c" ;;
-        fuzz_dht_record) echo "src/util.c src/wire.c src/crypto.c dht/record.c dht/store.c" ;;
+        fuzz_wire) echo "src/base/util.c src/base/wire.c" ;;
+        fuzz_dgram | fuzz_handshake) echo "src/base/util.c src/base/crypto.c" ;;
+        fuzz_control) echo "src/base/util.c src/daemon/control.c" ;;
+        fuzz_dht_record) echo "src/base/util.c src/base/wire.c src/base/crypto.c dht/record.c dht/store.c" ;;
         fuzz_avg_codec) echo "averaging/codec.c" ;;
-        fuzz_matchmaking) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c src/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/matchmaking.c" ;;
-        fuzz_allreduce) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c averaging/codec.c averaging/allreduce.c" ;;
-        fuzz_moe_proto) echo "src/util.c src/wire.c src/crypto.c moe/proto.c" ;;
-        fuzz_moe_checkpoint) echo "src/util.c src/wire.c moe/ffn.c moe/checkpoint.c" ;;
-        fuzz_state) echo "src/util.c src/wire.c src/crypto.c src/transport.c src/rpc.c src/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/state.c" ;;
-        fuzz_client) echo "lib/client.c" ;;
+        fuzz_matchmaking) echo "src/base/util.c src/base/wire.c src/base/crypto.c src/net/transport.c src/net/rpc.c src/node/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/matchmaking.c" ;;
+        fuzz_allreduce) echo "src/base/util.c src/base/wire.c src/base/crypto.c src/net/transport.c src/net/rpc.c averaging/codec.c averaging/allreduce.c" ;;
+        fuzz_moe_proto) echo "src/base/util.c src/base/wire.c src/base/crypto.c moe/proto.c" ;;
+        fuzz_moe_checkpoint) echo "src/base/util.c src/base/wire.c moe/ffn.c moe/checkpoint.c" ;;
+        fuzz_state) echo "src/base/util.c src/base/wire.c src/base/crypto.c src/net/transport.c src/net/rpc.c src/node/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/state.c" ;;
+        fuzz_client) echo "lib/client.c src/base/paths.c" ;;
         fuzz_idx) echo "contrib/examples/idx.c" ;;
-        fuzz_dht_proto) echo "src/util.c src/wire.c src/crypto.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c" ;;
+        fuzz_dht_proto) echo "src/base/util.c src/base/wire.c src/base/crypto.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c" ;;
         *) return 1 ;;
     esac
 }
@@ -82,8 +82,7 @@ for t in $targets; do
     # shellcheck disable=SC2086 # the source and flag lists are meant to split
     if ! "$cc" -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
         -fno-sanitize-recover=undefined -fno-omit-frame-pointer \
-        -I "$builddir" -I "$srcdir/src" -I "$srcdir/dht" -I "$srcdir/averaging" -I "$srcdir/moe" \
-        -I "$srcdir/lib" -I "$srcdir/contrib/examples" $dep_cflags \
+        -I "$builddir" -I "$srcdir" $dep_cflags \
         -o "$bin" $srcs $dep_libs -lm; then
         echo "FAIL: $t: build failed"
         failed=$((failed + 1))

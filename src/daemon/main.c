@@ -17,17 +17,17 @@
  */
 #include "config.h"
 
-#include "averager.h"
-#include "codec.h"
-#include "control.h"
-#include "crypto.h"
-#include "daemon.h"
-#include "daemon_moe.h"
-#include "daemon_state.h"
-#include "hm_config.h"
-#include "node.h"
-#include "shm.h"
-#include "util.h"
+#include "averaging/averager.h"
+#include "averaging/codec.h"
+#include "src/daemon/control.h"
+#include "src/base/crypto.h"
+#include "src/daemon/daemon.h"
+#include "src/daemon/cmd_experts.h"
+#include "src/daemon/cmd_state.h"
+#include "src/daemon/hm_config.h"
+#include "src/node/node.h"
+#include "src/daemon/shm.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <fcntl.h>

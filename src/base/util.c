@@ -1,7 +1,7 @@
 /* util: see util.h. */
 #include "config.h"
 
-#include "util.h"
+#include "src/base/util.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

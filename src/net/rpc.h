@@ -30,8 +30,8 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "crypto.h"
-#include "transport.h"
+#include "src/base/crypto.h"
+#include "src/net/transport.h"
 
 typedef struct hm_rpc hm_rpc;
 typedef struct hm_rpc_req hm_rpc_req;

@@ -39,7 +39,7 @@
  */
 #include "config.h"
 
-#include "transport.h"
+#include "src/net/transport.h"
 
 #include <errno.h>
 #include <netinet/in.h>
@@ -48,7 +48,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "util.h"
+#include "src/base/util.h"
 
 #define MOD "transport"
 

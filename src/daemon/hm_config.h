@@ -24,10 +24,12 @@
  * root, else $XDG_STATE_HOME/hivemindd or ~/.local/state/hivemindd.
  * ControlSocket is /run/hivemindd/control.sock for root, else
  * $XDG_RUNTIME_DIR/hivemindd/control.sock, else STATEDIR/control.sock.
- * hivemindctl uses the same rules (hm_config_default_control_socket).
+ * hivemindctl uses the same rules (src/base/paths.h).
  */
 #ifndef HM_CONFIG_H
 #define HM_CONFIG_H
+
+#include "src/base/paths.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -38,17 +40,9 @@
 #define HM_CONFIG_MAX_PEERS 64      /* matches HM_NODE_MAX_INITIAL_PEERS */
 #define HM_CONFIG_PEER_LEN 128      /* PEERID@HOST:PORT, with room for IPv6 */
 #define HM_CONFIG_PATH_LEN 1024
-#define HM_CONFIG_SOCKET_PATH_LEN 108 /* sizeof(sun_path), including the NUL */
+#define HM_CONFIG_SOCKET_PATH_LEN HM_PATHS_SOCKET_LEN
 #define HM_CONFIG_SWARM_LEN 64
 #define HM_CONFIG_GROUP_LEN 64
-
-/* The documented exit codes of hivemindd and hivemindctl (sysexits.h). */
-enum {
-    HM_EXIT_OK = 0,
-    HM_EXIT_FAILURE = 1,
-    HM_EXIT_USAGE = 64,
-    HM_EXIT_CONFIG = 78,
-};
 
 typedef struct hm_config {
     char listen[HM_CONFIG_PEER_LEN];
@@ -156,10 +150,6 @@ size_t hm_config_diff(const hm_config *a, const hm_config *b, const char **keywo
  * host). Whether the id is a valid public key is left to the node.
  */
 int hm_config_check_peer(const char *s);
-
-/* Default state dir and control socket path for this user (see above). */
-int hm_config_default_state_dir(char *buf, size_t len);
-int hm_config_default_control_socket(const char *state_dir, char *buf, size_t len);
 
 /*
  * Creates dir (and missing parents) with the given mode; an existing

@@ -6,8 +6,9 @@
  */
 #include "config.h"
 
-#include "hm_config.h"
-#include "util.h"
+#include "src/daemon/hm_config.h"
+#include "src/base/paths.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -369,59 +370,12 @@ static const struct opt *find_keyword(const char *kw)
 
 /* ---- defaults ---- */
 
-static int home_dir(char *buf, size_t len)
-{
-    const char *home = getenv("HOME");
-    if (home != NULL && home[0] == '/')
-        return hm_strlcpy(buf, home, len);
-    struct passwd pw, *res = NULL;
-    char tmp[4096];
-    if (getpwuid_r(geteuid(), &pw, tmp, sizeof(tmp), &res) != 0 || res == NULL ||
-        pw.pw_dir == NULL || pw.pw_dir[0] != '/')
-        return -ENOENT;
-    return hm_strlcpy(buf, pw.pw_dir, len);
-}
-
-int hm_config_default_state_dir(char *buf, size_t len)
-{
-    int n;
-    if (geteuid() == 0)
-        return hm_strlcpy(buf, "/var/lib/hivemindd", len);
-    const char *xdg = getenv("XDG_STATE_HOME");
-    if (xdg != NULL && xdg[0] == '/') {
-        n = snprintf(buf, len, "%s/hivemindd", xdg);
-    } else {
-        char home[HM_CONFIG_PATH_LEN];
-        int r = home_dir(home, sizeof(home));
-        if (r != 0) {
-            if (len > 0)
-                buf[0] = '\0';
-            return r;
-        }
-        n = snprintf(buf, len, "%s/.local/state/hivemindd", home);
-    }
-    return (n < 0 || (size_t)n >= len) ? -ENAMETOOLONG : 0;
-}
-
-int hm_config_default_control_socket(const char *state_dir, char *buf, size_t len)
-{
-    int n;
-    if (geteuid() == 0)
-        return hm_strlcpy(buf, "/run/hivemindd/control.sock", len) ? -ENAMETOOLONG : 0;
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
-    if (xdg != NULL && xdg[0] == '/')
-        n = snprintf(buf, len, "%s/hivemindd/control.sock", xdg);
-    else
-        n = snprintf(buf, len, "%s/control.sock", state_dir);
-    return (n < 0 || (size_t)n >= len) ? -ENAMETOOLONG : 0;
-}
-
 void hm_config_defaults(hm_config *c)
 {
     memset(c, 0, sizeof(*c));
     hm_strlcpy(c->listen, "0.0.0.0:31400", sizeof(c->listen));
     /* An unknown home leaves StateDir empty; hm_config_finish reports it. */
-    if (hm_config_default_state_dir(c->state_dir, sizeof(c->state_dir)) != 0)
+    if (hm_paths_default_state_dir(c->state_dir, sizeof(c->state_dir)) != 0)
         c->state_dir[0] = '\0';
     c->control_max_clients = 32;
     c->control_idle_timeout_s = 300;
@@ -445,7 +399,7 @@ int hm_config_finish(hm_config *c, char *err, size_t errlen)
         return -ENOENT;
     }
     if (c->control_socket[0] == '\0' &&
-        hm_config_default_control_socket(c->state_dir, c->control_socket,
+        hm_paths_default_control_socket(c->state_dir, c->control_socket,
                                          sizeof(c->control_socket)) != 0) {
         c->control_socket[0] = '\0';
         set_err(err, errlen, "set ControlSocket (--control-socket): the default path under "

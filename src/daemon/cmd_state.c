@@ -7,11 +7,11 @@
  */
 #include "config.h"
 
-#include "daemon_state.h"
+#include "src/daemon/cmd_state.h"
 
-#include "daemon.h"
-#include "state.h"
-#include "util.h"
+#include "src/daemon/daemon.h"
+#include "averaging/state.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <jansson.h>

@@ -24,10 +24,10 @@
 #include <sys/socket.h>
 #include <uv.h>
 
-#include "crypto.h"
-#include "dht.h"
-#include "rpc.h"
-#include "transport.h"
+#include "src/base/crypto.h"
+#include "dht/dht.h"
+#include "src/net/rpc.h"
+#include "src/net/transport.h"
 
 typedef struct hm_node hm_node;
 

@@ -38,7 +38,7 @@
 #include <sys/socket.h>
 #include <uv.h>
 
-#include "crypto.h"
+#include "src/base/crypto.h"
 
 #define HM_TRANSPORT_CHUNK 16000
 

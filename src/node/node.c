@@ -5,7 +5,7 @@
  */
 #include "config.h"
 
-#include "node.h"
+#include "src/node/node.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "util.h"
-#include "wire.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #define MOD "node"
 #define PING_METHOD "node.ping"

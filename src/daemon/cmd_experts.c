@@ -7,15 +7,15 @@
  */
 #include "config.h"
 
-#include "daemon_moe.h"
+#include "src/daemon/cmd_experts.h"
 
-#include "client.h"
-#include "daemon.h"
-#include "ffn.h"
-#include "proto.h"
-#include "server.h"
-#include "util.h"
-#include "wire.h"
+#include "moe/client.h"
+#include "src/daemon/daemon.h"
+#include "moe/ffn.h"
+#include "moe/proto.h"
+#include "moe/server.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -12,8 +12,8 @@
  */
 #include "config.h"
 
-#include "hm_config.h"
-#include "util.h"
+#include "src/base/paths.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -710,7 +710,7 @@ int main(int argc, char **argv)
     int timeout_given = 0;
     avg_args avg = {0};
     ex_args ex = {0};
-    char path[HM_CONFIG_SOCKET_PATH_LEN];
+    char path[HM_PATHS_SOCKET_LEN];
     char *line = NULL;
     json_t *reply = NULL;
     int fd = -1, code = HM_EXIT_FAILURE;
@@ -881,18 +881,11 @@ int main(int argc, char **argv)
     const char *wire_cmd = json_string_value(json_object_get(request, "cmd"));
 
     if (sock == NULL) {
-        const char *env = getenv("HIVEMINDD_CONTROL_SOCKET");
-        if (env != NULL && env[0] != '\0') {
-            sock = env;
-        } else {
-            char state[HM_CONFIG_PATH_LEN];
-            if (hm_config_default_state_dir(state, sizeof(state)) != 0 ||
-                hm_config_default_control_socket(state, path, sizeof(path)) != 0) {
-                fprintf(stderr, "hivemindctl: cannot tell the default control socket; use -s\n");
-                return HM_EXIT_FAILURE;
-            }
-            sock = path;
+        if (hm_paths_client_control_socket(path, sizeof(path)) != 0) {
+            fprintf(stderr, "hivemindctl: cannot tell the default control socket; use -s\n");
+            return HM_EXIT_FAILURE;
         }
+        sock = path;
     }
 
     struct sockaddr_un sa;

@@ -16,14 +16,14 @@
  */
 #include "config.h"
 
-#include "rpc.h"
+#include "src/net/rpc.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "util.h"
-#include "wire.h"
+#include "src/base/util.h"
+#include "src/base/wire.h"
 
 #define MOD "rpc"
 

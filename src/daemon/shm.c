@@ -16,8 +16,8 @@
  */
 #include "config.h"
 
-#include "shm.h"
-#include "util.h"
+#include "src/daemon/shm.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -6,9 +6,9 @@
  */
 #include "config.h"
 
-#include "wire.h"
+#include "src/base/wire.h"
 
-#include "util.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <stdlib.h>

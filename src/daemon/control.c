@@ -7,8 +7,8 @@
  */
 #include "config.h"
 
-#include "control.h"
-#include "util.h"
+#include "src/daemon/control.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <fcntl.h>

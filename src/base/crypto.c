@@ -9,8 +9,8 @@
  */
 #include "config.h"
 
-#include "crypto.h"
-#include "util.h"
+#include "src/base/crypto.h"
+#include "src/base/util.h"
 
 #include <errno.h>
 #include <fcntl.h>

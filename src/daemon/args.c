@@ -7,8 +7,8 @@
  */
 #include "config.h"
 
-#include "daemon.h"
-#include "util.h"
+#include "src/daemon/daemon.h"
+#include "src/base/util.h"
 
 #include <limits.h>
 #include <stdio.h>

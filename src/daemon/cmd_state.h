@@ -24,8 +24,8 @@
 #ifndef HM_DAEMON_STATE_H
 #define HM_DAEMON_STATE_H
 
-#include "control.h"
-#include "node.h"
+#include "src/daemon/control.h"
+#include "src/node/node.h"
 
 #include <stddef.h>
 

@@ -20,8 +20,8 @@
 #ifndef HM_DAEMON_H
 #define HM_DAEMON_H
 
-#include "control.h"
-#include "shm.h"
+#include "src/daemon/control.h"
+#include "src/daemon/shm.h"
 
 #include <jansson.h>
 #include <stddef.h>

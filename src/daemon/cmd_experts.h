@@ -20,8 +20,8 @@
 #ifndef HM_DAEMON_MOE_H
 #define HM_DAEMON_MOE_H
 
-#include "control.h"
-#include "node.h"
+#include "src/daemon/control.h"
+#include "src/node/node.h"
 
 #include <stddef.h>
 
