@@ -148,10 +148,10 @@ static uint64_t ms_of(double s)
 
 /* Fills an expert config from type/optimizer/lr strings; err gets why not. */
 static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
-                            const char *optimizer, const char *lr, hm_ffn_config *out, char *err,
+                            const char *optimizer, const char *lr, hm_ffn_config *cfg_out, char *err,
                             size_t errlen)
 {
-    memset(out, 0, sizeof(*out));
+    memset(cfg_out, 0, sizeof(*cfg_out));
     if (strcmp(type, "ffn") != 0) {
         snprintf(err, errlen, "unknown expert type '%s' (known: ffn)", type);
         return -EINVAL;
@@ -165,9 +165,9 @@ static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
         return -EINVAL;
     }
     if (strcmp(optimizer, "adam") == 0) {
-        out->optimizer = HM_FFN_ADAM;
+        cfg_out->optimizer = HM_FFN_ADAM;
     } else if (strcmp(optimizer, "sgd") == 0) {
-        out->optimizer = HM_FFN_SGD;
+        cfg_out->optimizer = HM_FFN_SGD;
     } else {
         snprintf(err, errlen, "unknown optimizer '%s' (known: adam, sgd)", optimizer);
         return -EINVAL;
@@ -180,10 +180,10 @@ static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
             snprintf(err, errlen, "learning rate '%s' is not a number in (0, 10]", lr);
             return -EINVAL;
         }
-        out->lr = x;
+        cfg_out->lr = x;
     }
-    out->dim = dim;
-    out->hidden = hidden;
+    cfg_out->dim = dim;
+    cfg_out->hidden = hidden;
     return 0;
 }
 
@@ -1149,7 +1149,7 @@ static int check_config(const hm_cmd_experts_config *c, char *err, size_t errlen
 }
 
 static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
-                       const hm_cmd_experts_config *c, hm_cmd_experts **out, char *err,
+                       const hm_cmd_experts_config *c, hm_cmd_experts **m_out, char *err,
                        size_t errlen)
 {
     hm_cmd_experts *m = calloc(1, sizeof(*m));
@@ -1157,7 +1157,7 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
     size_t added = 0;
 
     if (m == NULL) {
-        snprintf(err, errlen, "out of memory");
+        snprintf(err, errlen, "m_out of memory");
         return -ENOMEM;
     }
     m->d = d;
@@ -1201,7 +1201,7 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
         snprintf(err, errlen, "cannot register the experts commands: %s", hm_strerror(r));
         goto fail;
     }
-    *out = m;
+    *m_out = m;
     return 0;
 fail:
     /* Nothing was hosted for long: close without withdrawing, synchronously
