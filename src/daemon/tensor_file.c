@@ -268,16 +268,24 @@ static int new_req(const char *path, void *ud, tf_req **q_out)
     return 0;
 }
 
+/* Queues q; on failure q is freed and its callback never fires. */
+static int submit(uv_loop_t *loop, tf_req *q, uv_work_cb work, uv_after_work_cb after)
+{
+    int result = uv_queue_work(loop, &q->work, work, after);
+    if (result != 0)
+        free(q);
+    return result;
+}
+
 int hm_tensor_file_read(uv_loop_t *loop, const char *path, const hm_tensor_file_read_opts *o,
                         hm_tensor_file_read_cb cb, void *ud)
 {
     tf_req *q = NULL;
-    int result;
     if (o == NULL || cb == NULL)
         return -EINVAL;
-    result = new_req(path, ud, &q);
+    int result = new_req(path, ud, &q);
     if (result != 0)
-        goto out;
+        return result;
     q->ro = *o;
     q->ro.expect = NULL;
     if (o->expect != NULL) {
@@ -285,29 +293,20 @@ int hm_tensor_file_read(uv_loop_t *loop, const char *path, const hm_tensor_file_
         q->ro.expect = q->expect;
     }
     q->read_cb = cb;
-    result = uv_queue_work(loop, &q->work, read_work, after_read);
-out:
-    if (result != 0)
-        free(q);
-    return result;
+    return submit(loop, q, read_work, after_read);
 }
 
 int hm_tensor_file_write(uv_loop_t *loop, const char *path, const float *data, size_t n,
                          hm_tensor_file_write_cb cb, void *ud)
 {
     tf_req *q = NULL;
-    int result;
     if (data == NULL || n == 0 || n > SIZE_MAX / sizeof(float) || cb == NULL)
         return -EINVAL;
-    result = new_req(path, ud, &q);
+    int result = new_req(path, ud, &q);
     if (result != 0)
-        goto out;
+        return result;
     q->data = (float *)data;
     q->n = n;
     q->write_cb = cb;
-    result = uv_queue_work(loop, &q->work, write_work, after_write);
-out:
-    if (result != 0)
-        free(q);
-    return result;
+    return submit(loop, q, write_work, after_write);
 }
