@@ -162,7 +162,7 @@ Test(tensor_file, a_call_that_fails_never_calls_back)
     char longpath[PATH_MAX + 8];
     float v[4] = {1, 2, 3, 4};
     result r = {0};
-    hm_tensor_file_read_opts o = {0};
+    hm_tensor_file_read_opts o = {.max_bytes = 64};
     memset(longpath, 'a', sizeof(longpath) - 1);
     longpath[0] = '/';
     longpath[sizeof(longpath) - 1] = '\0';
@@ -170,6 +170,9 @@ Test(tensor_file, a_call_that_fails_never_calls_back)
     cr_assert_eq(hm_tensor_file_read(&loop, longpath, &o, on_read, &r), -ENAMETOOLONG);
     cr_assert_eq(hm_tensor_file_write(&loop, longpath, v, 4, on_write, &r), -ENAMETOOLONG);
     cr_assert_eq(hm_tensor_file_write(&loop, "/tmp/x", v, 0, on_write, &r), -EINVAL);
+    /* A read without a bound on the size is refused. */
+    hm_tensor_file_read_opts unbounded = {0};
+    cr_assert_eq(hm_tensor_file_read(&loop, "/tmp/x", &unbounded, on_read, &r), -EINVAL);
     uv_run(&loop, UV_RUN_DEFAULT);
     cr_assert_eq(r.calls, 0);
     cr_assert_eq(uv_loop_close(&loop), 0);
@@ -218,7 +221,7 @@ Test(tensor_file, truncated_or_partial_rows_are_refused)
     float v[6] = {1, 2, 3, 4, 5, 6}, *data = NULL;
     size_t n = 0;
     path_of(path, "rows.f32");
-    hm_tensor_file_read_opts o = {.row = 3};
+    hm_tensor_file_read_opts o = {.row = 3, .max_bytes = 1024};
     /* A float cut in half. */
     put_bytes(path, v, 10);
     cr_assert_eq(hm_tensor_file_load(path, &o, &data, &n, msg, sizeof(msg)), -EINVAL);
@@ -245,7 +248,7 @@ Test(tensor_file, non_finite_values_are_refused_when_asked)
     size_t n = 0;
     path_of(path, "nan.f32");
     put_bytes(path, v, sizeof(v));
-    hm_tensor_file_read_opts o = {.finite = 1};
+    hm_tensor_file_read_opts o = {.finite = 1, .max_bytes = 1024};
     cr_assert_eq(hm_tensor_file_load(path, &o, &data, &n, msg, sizeof(msg)), -EDOM);
     cr_assert(strstr(msg, "element 2 is not a finite number") != NULL, "%s", msg);
     o.finite = 0;
@@ -261,7 +264,7 @@ Test(tensor_file, a_fifo_is_refused_without_hanging)
     size_t n = 0;
     path_of(path, "fifo");
     cr_assert_eq(mkfifo(path, 0600), 0);
-    hm_tensor_file_read_opts o = {0};
+    hm_tensor_file_read_opts o = {.max_bytes = 1024};
     cr_assert_eq(hm_tensor_file_load(path, &o, &data, &n, msg, sizeof(msg)), -EINVAL);
     cr_assert(strstr(msg, "is not a regular file") != NULL, "%s", msg);
 }
@@ -290,7 +293,7 @@ Test(tensor_file, a_failed_write_keeps_the_old_file_and_no_temporary)
     cr_assert(strstr(msg, "writing") != NULL && strstr(msg, path) != NULL, "%s", msg);
     cr_assert_eq(entries(names, sizeof(names)), 1, "left: %s", names);
 
-    hm_tensor_file_read_opts o = {0};
+    hm_tensor_file_read_opts o = {.max_bytes = 1024};
     cr_assert_eq(hm_tensor_file_load(path, &o, &data, &n, msg, sizeof(msg)), 0, "%s", msg);
     cr_assert_eq(n, 4);
     cr_assert_eq(memcmp(data, old, sizeof(old)), 0);

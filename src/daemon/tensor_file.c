@@ -63,6 +63,10 @@ int hm_tensor_file_load(const char *path, const hm_tensor_file_read_opts *o, flo
     float *data = NULL;
     size_t got = 0, row = o->row > 1 ? o->row : 1;
     int result = 0;
+    if (o->max_bytes == 0) {
+        snprintf(msg, msglen, "reading %s: no bound on its size was given", path);
+        return -EINVAL;
+    }
     /* O_NONBLOCK: opening a FIFO must not hang the worker; it is refused below. */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
     if (fd < 0) {
@@ -76,7 +80,7 @@ int hm_tensor_file_load(const char *path, const hm_tensor_file_read_opts *o, flo
         goto out;
     }
     uint64_t size = (uint64_t)st.st_size;
-    int over = (o->max_bytes > 0 && size > o->max_bytes) || size > SIZE_MAX / 2;
+    int over = size > o->max_bytes || size > SIZE_MAX / 2;
     if (st.st_size <= 0 || over || size % (row * sizeof(float)) != 0) {
         result = over ? -EFBIG : -EINVAL;
         if (o->expect != NULL)
@@ -281,7 +285,7 @@ int hm_tensor_file_read(uv_loop_t *loop, const char *path, const hm_tensor_file_
                         hm_tensor_file_read_cb cb, void *ud)
 {
     tf_req *q = NULL;
-    if (o == NULL || cb == NULL)
+    if (o == NULL || o->max_bytes == 0 || cb == NULL)
         return -EINVAL;
     int result = new_req(path, ud, &q);
     if (result != 0)

@@ -38,7 +38,8 @@
 typedef struct hm_tensor_file_read_opts {
     size_t row;          /* the file holds a positive whole number of rows of this many
                           * floats (0 or 1: any positive number of floats) */
-    size_t max_bytes;    /* the largest file accepted (0: no bound but memory) */
+    size_t max_bytes;    /* the largest file accepted; required (above 0), so
+                          * that no command reads a file of any size */
     int finite;          /* refuse NaN and infinity */
     const char *expect;  /* the size the command expects, in words, for the error
                           * "PATH holds N bytes: expected EXPECT" (NULL: generic) */
@@ -60,8 +61,8 @@ typedef void (*hm_tensor_file_write_cb)(void *ud, int status, const char *msg);
 
 /*
  * Reads path (absolute, less than PATH_MAX bytes) on the threadpool of
- * loop. 0, or -ENAMETOOLONG, -EINVAL (bad options), -ENOMEM, or libuv's
- * code; the callback then never fires.
+ * loop. 0, or -ENAMETOOLONG, -EINVAL (no callback, or max_bytes 0),
+ * -ENOMEM, or libuv's code; the callback then never fires.
  */
 int hm_tensor_file_read(uv_loop_t *loop, const char *path, const hm_tensor_file_read_opts *o,
                         hm_tensor_file_read_cb cb, void *ud);
