@@ -15,10 +15,15 @@
  *    forward timeout plus slack.
  *  - durability: a host SIGKILLed after a backward restarts from its
  *    periodic checkpoint and reappears in the DHT at its new address.
+ *  - files: `hivemindctl experts call` reads a float32 file and writes the
+ *    forward's output next to it atomically (the local result, nothing
+ *    else left in the directory); a file that is not rows of the expert's
+ *    dim is refused with the reason.
  */
 #include "config.h"
 
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <jansson.h>
 #include <math.h>
 #include <signal.h>
@@ -358,4 +363,78 @@ Test(moe_daemon, bad_arguments_are_answered_once_and_survived)
     }
     hmc_close(h);
     stop_node(&n);
+}
+
+/* How many entries a directory holds besides . and .. */
+static size_t count_entries(const char *dir)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    size_t n = 0;
+    cr_assert_not_null(d, "opendir %s", dir);
+    while ((e = readdir(d)) != NULL)
+        n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
+    closedir(d);
+    return n;
+}
+
+Test(moe_daemon, call_on_files_writes_the_output_atomically)
+{
+    struct node host, tr;
+    char files[128], in[192], outp[192], *out = NULL, *err = NULL;
+    float x[BATCH * DIM], want[BATCH * DIM], y[BATCH * DIM];
+    const char *fl[] = {"--host-experts", "ffn.0.[0:1]", "--expert-dim", "16"};
+
+    /* A first life writes the checkpoint the local computation loads. */
+    start_node(&host, "host", NULL, fl[0], fl[1], fl[2], fl[3], NULL);
+    stop_node(&host);
+    hm_ffn *p0 = load_expert(host.dir, "ffn.0.0");
+    start_node(&host, "host", NULL, fl[0], fl[1], fl[2], fl[3], NULL);
+    start_node(&tr, "trainer", NULL, "--initial-peers", host.addr, NULL);
+
+    snprintf(files, sizeof(files), "%s/files", tmpdir);
+    cr_assert_eq(mkdir(files, 0700), 0);
+    snprintf(in, sizeof(in), "%s/x.f32", files);
+    snprintf(outp, sizeof(outp), "%s/y.f32", files);
+    fill(x, BATCH * DIM, 5);
+    cr_assert_eq(hm_test_write_file(in, x, sizeof(x), 0600), 0);
+    char *argv[] = {bin_ctl, "-s", tr.sock, "experts", "call", "ffn.0.0", "--in", in,
+                    "--out", outp, "--timeout", "10", NULL};
+    /* The declaration takes a moment to reach the trainer's DHT. */
+    int r = -1;
+    long deadline = hm_test_now_ms() + 30000;
+    do {
+        free(out);
+        free(err);
+        r = run_prog(bin_ctl, argv, &out, &err);
+        if (r != 0)
+            usleep(300000);
+    } while (r != 0 && hm_test_now_ms() < deadline);
+    cr_assert_eq(r, 0, "experts call: %s", err);
+    free(out);
+    free(err);
+
+    FILE *f = fopen(outp, "rb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fread(y, 1, sizeof(y) + 1, f), sizeof(y));
+    fclose(f);
+    cr_assert_eq(hm_ffn_forward(p0, x, BATCH, want), 0);
+    double e = rel_err(y, want, BATCH * DIM);
+    cr_assert(e <= 1e-5, "the file's forward differs from local by %g", e);
+    cr_assert_eq(count_entries(files), 2, "a temporary file was left in %s", files);
+
+    /* Not whole rows of 16: refused, and the old output stays. */
+    cr_assert_eq(hm_test_write_file(in, x, 10 * sizeof(float), 0600), 0);
+    cr_assert_eq(run_prog(bin_ctl, argv, &out, &err), 1);
+    cr_assert(strstr(err, "rows of 16 float32") != NULL, "%s", err);
+    free(out);
+    free(err);
+    struct stat st;
+    cr_assert_eq(stat(outp, &st), 0);
+    cr_assert_eq(st.st_size, (off_t)sizeof(y));
+    cr_assert_eq(count_entries(files), 2);
+
+    hm_ffn_free(p0);
+    stop_node(&tr);
+    stop_node(&host);
 }

@@ -1,5 +1,5 @@
 /*
- * daemon_moe: the experts.* commands of hivemindd (daemon_moe.h). Every
+ * cmd_experts: the experts.* commands of hivemindd (cmd_experts.h). Every
  * command validates its arguments completely before it starts anything,
  * pins the shared-memory tensors it uses for as long as it uses them, and
  * answers exactly once: with the result, with the reason it failed, or
@@ -11,6 +11,7 @@
 
 #include "moe/client.h"
 #include "src/daemon/daemon.h"
+#include "src/daemon/tensor_file.h"
 #include "moe/ffn.h"
 #include "moe/proto.h"
 #include "moe/server.h"
@@ -25,7 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
+#include <sys/queue.h>
 #include <unistd.h>
 
 #define MOD "experts"
@@ -45,10 +46,23 @@
 #define MAX_CALL_BYTES ((uint64_t)1 << 30)
 #define MAX_HOSTED_BYTES ((uint64_t)8 << 30)
 
-struct file_job;
+/* The expert settings of the configuration, as this file takes them. */
+typedef struct hm_cmd_experts_config {
+    const char *state_dir;       /* checkpoints under STATE_DIR/experts */
+    const char *host_experts;    /* comma-separated patterns, "" for none */
+    const char *type;            /* "ffn" */
+    unsigned dim, hidden;        /* hidden 0: 4 dim */
+    const char *optimizer;       /* "adam" or "sgd" */
+    const char *lr;              /* "" for the optimizer's default */
+    unsigned workers, max_batch;
+    unsigned checkpoint_interval_s;
+} hm_cmd_experts_config;
 
-struct hm_dmoe {
-    struct daemon *d;
+struct file_job;
+TAILQ_HEAD(file_jobs, file_job);
+
+struct hm_cmd_experts {
+    hm_daemon *d;
     hm_node *node;
     hm_moe_server *srv;
     hm_moe_client *cli;
@@ -57,7 +71,7 @@ struct hm_dmoe {
     size_t jobs;                /* commands in progress */
     uint64_t call_bytes;        /* frames of experts.forward/backward in flight */
     uint64_t hosted_bytes;      /* parameters and optimizer state hosted */
-    struct file_job *files;     /* experts.call commands, to cancel at close */
+    struct file_jobs files;     /* experts.call commands, to cancel at close */
     int closing;
     int srv_open;
     void (*close_cb)(void *ud);
@@ -66,11 +80,9 @@ struct hm_dmoe {
 
 /* ---- lifetime ---- */
 
-static struct file_job *file_next(struct file_job *f);
-static int file_info_pending(const struct file_job *f);
-static uint64_t file_info_call(const struct file_job *f);
+static void file_cancel_info(hm_cmd_experts *m);
 
-static void maybe_free(hm_dmoe *m)
+static void maybe_free(hm_cmd_experts *m)
 {
     if (!m->closing || m->jobs > 0 || m->srv_open)
         return;
@@ -81,7 +93,7 @@ static void maybe_free(hm_dmoe *m)
         cb(ud);
 }
 
-static void job_done(hm_dmoe *m)
+static void job_done(hm_cmd_experts *m)
 {
     m->jobs--;
     maybe_free(m);
@@ -89,23 +101,19 @@ static void job_done(hm_dmoe *m)
 
 static void on_server_closed(void *ud)
 {
-    hm_dmoe *m = ud;
+    hm_cmd_experts *m = ud;
     m->srv_open = 0;
     maybe_free(m);
 }
 
-void hm_dmoe_close(hm_dmoe *m, void (*cb)(void *ud), void *ud)
+void hm_cmd_experts_close(hm_cmd_experts *m, void (*cb)(void *ud), void *ud)
 {
     m->closing = 1;
     m->close_cb = cb;
     m->close_ud = ud;
     /* experts.call jobs asking an expert for its shape hold an rpc call of
      * their own: end them now rather than at their timeout. */
-    for (struct file_job *f = m->files, *next; f != NULL; f = next) {
-        next = file_next(f);
-        if (file_info_pending(f))
-            hm_rpc_cancel(hm_node_rpc(m->node), file_info_call(f));
-    }
+    file_cancel_info(m);
     /* Calls in flight end now (-ECANCELED), which answers their commands. */
     if (m->cli != NULL) {
         hm_moe_client_free(m->cli);
@@ -122,36 +130,13 @@ void hm_dmoe_close(hm_dmoe *m, void (*cb)(void *ud), void *ud)
 
 /* ---- argument helpers ---- */
 
-static int refuse_if_closing(hm_dmoe *m, hm_control_req *req)
+static int refuse_if_closing(hm_cmd_experts *m, hm_control_req *req)
 {
     if (m->closing) {
-        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        hm_daemon_reply_stopping(req);
         return 1;
     }
     return 0;
-}
-
-/* args.name as a string of 1..max bytes without NULs; NULL when bad (replied)
- * or, when optional, absent (*absent_out = 1). */
-static const char *arg_str(hm_control_req *req, const json_t *args, const char *name, size_t max,
-                           int optional, int *absent_out)
-{
-    const json_t *v = json_object_get(args, name);
-    char msg[160];
-    if (absent_out != NULL)
-        *absent_out = 0;
-    if (v == NULL && optional) {
-        if (absent_out != NULL)
-            *absent_out = 1;
-        return NULL;
-    }
-    if (!json_is_string(v) || json_string_length(v) == 0 || json_string_length(v) > max ||
-        strlen(json_string_value(v)) != json_string_length(v)) {
-        snprintf(msg, sizeof(msg), "args.%s must be a string of 1 to %zu bytes", name, max);
-        hm_control_reply_error(req, "bad_args", msg);
-        return NULL;
-    }
-    return json_string_value(v);
 }
 
 /* Seconds to milliseconds, at least 1: a timeout above 0 never becomes "none". */
@@ -163,10 +148,10 @@ static uint64_t ms_of(double s)
 
 /* Fills an expert config from type/optimizer/lr strings; err gets why not. */
 static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
-                            const char *optimizer, const char *lr, hm_ffn_config *out, char *err,
+                            const char *optimizer, const char *lr, hm_ffn_config *cfg_out, char *err,
                             size_t errlen)
 {
-    memset(out, 0, sizeof(*out));
+    memset(cfg_out, 0, sizeof(*cfg_out));
     if (strcmp(type, "ffn") != 0) {
         snprintf(err, errlen, "unknown expert type '%s' (known: ffn)", type);
         return -EINVAL;
@@ -180,9 +165,9 @@ static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
         return -EINVAL;
     }
     if (strcmp(optimizer, "adam") == 0) {
-        out->optimizer = HM_FFN_ADAM;
+        cfg_out->optimizer = HM_FFN_ADAM;
     } else if (strcmp(optimizer, "sgd") == 0) {
-        out->optimizer = HM_FFN_SGD;
+        cfg_out->optimizer = HM_FFN_SGD;
     } else {
         snprintf(err, errlen, "unknown optimizer '%s' (known: adam, sgd)", optimizer);
         return -EINVAL;
@@ -195,16 +180,16 @@ static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
             snprintf(err, errlen, "learning rate '%s' is not a number in (0, 10]", lr);
             return -EINVAL;
         }
-        out->lr = x;
+        cfg_out->lr = x;
     }
-    out->dim = dim;
-    out->hidden = hidden;
+    cfg_out->dim = dim;
+    cfg_out->hidden = hidden;
     return 0;
 }
 
 /* Hosts each comma-separated pattern of list. */
-static int host_list(hm_dmoe *m, const char *list, const char *type, const hm_ffn_config *cfg,
-                     size_t *added_out, char *err, size_t errlen)
+static int host_list(hm_cmd_experts *m, const char *list, const char *type,
+                     const hm_ffn_config *cfg, size_t *added_out, char *err, size_t errlen)
 {
     char one[HM_MOE_UID_MAX * 4];
     const char *p = list;
@@ -256,32 +241,30 @@ static int host_list(hm_dmoe *m, const char *list, const char *type, const hm_ff
 
 static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
 {
-    hm_dmoe *m = ud;
+    hm_cmd_experts *m = ud;
     hm_ffn_config cfg;
     char err[512];
-    int absent;
     size_t added = 0;
 
     if (refuse_if_closing(m, req))
         return;
-    const char *pattern = arg_str(req, args, "pattern", HM_MOE_UID_MAX * 4, 0, NULL);
-    if (pattern == NULL)
+    const char *pattern;
+    if (hm_daemon_arg_string(req, args, "pattern", HM_MOE_UID_MAX * 4, 0, &pattern) != 0)
         return;
-    const char *type = arg_str(req, args, "type", HM_MOE_TYPE_MAX, 1, &absent);
-    if (type == NULL && !absent)
+    const char *type;
+    if (hm_daemon_arg_string(req, args, "type", HM_MOE_TYPE_MAX, 1, &type) != 0)
         return;
-    type = absent ? m->deftype : type;
-    const char *opt = arg_str(req, args, "optimizer", 16, 1, &absent);
-    if (opt == NULL && !absent)
+    type = type != NULL ? type : m->deftype;
+    const char *opt;
+    if (hm_daemon_arg_string(req, args, "optimizer", 16, 1, &opt) != 0)
         return;
-    opt = absent ? (m->defcfg.optimizer == HM_FFN_SGD ? "sgd" : "adam") : opt;
+    opt = opt != NULL ? opt : m->defcfg.optimizer == HM_FFN_SGD ? "sgd" : "adam";
     /* Each check answers the request when it fails: stop at the first. */
-    long long dim =
-        hm_daemon_arg_int(req, args, "dim", (long long)m->defcfg.dim, 1, HM_FFN_MAX_DIM);
-    if (dim < 0)
+    long long dim;
+    if (hm_daemon_arg_int(req, args, "dim", (long long)m->defcfg.dim, 1, HM_FFN_MAX_DIM, &dim) != 0)
         return;
-    long long hidden = hm_daemon_arg_int(req, args, "hidden", 0, 0, HM_FFN_MAX_HIDDEN);
-    if (hidden < 0)
+    long long hidden;
+    if (hm_daemon_arg_int(req, args, "hidden", 0, 0, HM_FFN_MAX_HIDDEN, &hidden) != 0)
         return;
     char lr[32] = "";
     const json_t *v = json_object_get(args, "lr");
@@ -314,7 +297,7 @@ static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
 /* ---- experts.list ---- */
 
 typedef struct list_job {
-    hm_dmoe *m;
+    hm_cmd_experts *m;
     hm_control_req *req;
     json_t *result;   /* {"hosted": [...], "swarm": [...]} */
     json_t *swarm;    /* borrowed from result */
@@ -329,7 +312,7 @@ typedef struct list_job {
 
 static void list_finish(list_job *j)
 {
-    hm_dmoe *m = j->m;
+    hm_cmd_experts *m = j->m;
     hm_control_reply(j->req, j->result);
     free(j->keys);
     free(j->next);
@@ -430,7 +413,7 @@ static void list_next_level(list_job *j)
         list_finish(j);
 }
 
-static json_t *hosted_json(hm_dmoe *m)
+static json_t *hosted_json(hm_cmd_experts *m)
 {
     size_t n = hm_moe_server_list(m->srv, NULL, 0);
     hm_moe_hosted *h = NULL;
@@ -467,19 +450,18 @@ static json_t *hosted_json(hm_dmoe *m)
 
 static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
 {
-    hm_dmoe *m = ud;
+    hm_cmd_experts *m = ud;
     list_job *j = NULL;
-    int absent;
     char grids[LIST_MAX_GRIDS][HM_MOE_PREFIX_MAX + 1];
     size_t n_grids = 0;
 
     if (refuse_if_closing(m, req))
         return;
-    const char *prefix = arg_str(req, args, "prefix", HM_MOE_PREFIX_MAX, 1, &absent);
-    if (prefix == NULL && !absent)
+    const char *prefix;
+    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 1, &prefix) != 0)
         return;
-    double timeout = hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S);
-    if (timeout < 0)
+    double timeout;
+    if (hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S, &timeout) != 0)
         return;
     if (prefix != NULL) {
         for (const char *p = prefix; *p; p++) {
@@ -567,7 +549,7 @@ nomem:
 /* ---- experts.find ---- */
 
 typedef struct find_job {
-    hm_dmoe *m;
+    hm_cmd_experts *m;
     hm_control_req *req;
 } find_job;
 
@@ -590,7 +572,7 @@ static json_t *experts_json(const hm_moe_expert *e, size_t n)
 static void on_found(void *ud, int status, const hm_moe_expert *experts, size_t n)
 {
     find_job *j = ud;
-    hm_dmoe *m = j->m;
+    hm_cmd_experts *m = j->m;
     if (status == -ECANCELED) {
         hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
     } else if (status != 0 && status != -ENOENT) {
@@ -607,7 +589,7 @@ static void on_found(void *ud, int status, const hm_moe_expert *experts, size_t 
 
 static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
 {
-    hm_dmoe *m = ud;
+    hm_cmd_experts *m = ud;
     double *scores[HM_MOE_MAX_GRID_DIMS] = {0};
     size_t sizes[HM_MOE_MAX_GRID_DIMS] = {0};
     const double *cscores[HM_MOE_MAX_GRID_DIMS];
@@ -616,17 +598,17 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
 
     if (refuse_if_closing(m, req))
         return;
-    const char *prefix = arg_str(req, args, "prefix", HM_MOE_PREFIX_MAX, 0, NULL);
-    if (prefix == NULL)
+    const char *prefix;
+    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 0, &prefix) != 0)
         return;
-    long long k_best = hm_daemon_arg_int(req, args, "k_best", -1, 1, HM_MOE_MAX_K);
-    if (k_best < 0)
+    long long k_best;
+    if (hm_daemon_arg_int(req, args, "k_best", -1, 1, HM_MOE_MAX_K, &k_best) != 0)
         return;
-    long long beam = hm_daemon_arg_int(req, args, "beam_size", 0, 0, 1024);
-    if (beam < 0)
+    long long beam;
+    if (hm_daemon_arg_int(req, args, "beam_size", 0, 0, 1024, &beam) != 0)
         return;
-    double timeout = hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S);
-    if (timeout < 0)
+    double timeout;
+    if (hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S, &timeout) != 0)
         return;
     const json_t *sv = json_object_get(args, "scores");
     if (!json_is_array(sv) || json_array_size(sv) < 1 ||
@@ -685,14 +667,14 @@ out:
 /* ---- experts.forward and experts.backward ---- */
 
 typedef struct call_job {
-    hm_dmoe *m;
+    hm_cmd_experts *m;
     hm_control_req *req;
     hm_shm *shm;
     uint64_t pins[4];
     size_t n_pins;
     int backward;
     size_t k, k_min;
-    uint64_t bytes;             /* counted in hm_dmoe.call_bytes */
+    uint64_t bytes;             /* counted in hm_cmd_experts.call_bytes */
     double timeout_s;
     hm_moe_expert experts[HM_MOE_MAX_K];
 } call_job;
@@ -707,7 +689,7 @@ static void call_release(call_job *j)
 static void on_called(void *ud, int status, const uint8_t *answered, size_t n_answered)
 {
     call_job *j = ud;
-    hm_dmoe *m = j->m;
+    hm_cmd_experts *m = j->m;
     char msg[256];
     call_release(j);
     m->call_bytes -= j->bytes;
@@ -766,7 +748,7 @@ static int parse_experts(hm_control_req *req, const json_t *args, call_job *j)
     return 0;
 }
 
-static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int backward)
+static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *args, int backward)
 {
     call_job *j = NULL;
     float *x = NULL, *gy = NULL, *out = NULL;
@@ -790,11 +772,11 @@ static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int
     j->backward = backward;
     if (parse_experts(req, args, j) != 0)
         goto fail;
-    long long batch = hm_daemon_arg_int(req, args, "batch", -1, 1, HM_MOE_MAX_BATCH);
-    if (batch < 0)
+    long long batch;
+    if (hm_daemon_arg_int(req, args, "batch", -1, 1, HM_MOE_MAX_BATCH, &batch) != 0)
         goto fail;
-    long long dim = hm_daemon_arg_int(req, args, "dim", -1, 1, HM_MOE_MAX_DIM);
-    if (dim < 0)
+    long long dim;
+    if (hm_daemon_arg_int(req, args, "dim", -1, 1, HM_MOE_MAX_DIM, &dim) != 0)
         goto fail;
     if ((size_t)batch * (size_t)dim > HM_MOE_MAX_ELEMS) {
         snprintf(msg, sizeof(msg), "batch * dim is over %zu values", (size_t)HM_MOE_MAX_ELEMS);
@@ -807,14 +789,14 @@ static void call_common(hm_dmoe *m, hm_control_req *req, const json_t *args, int
     const char *tname = backward && json_object_get(args, "backward_timeout") != NULL
                             ? "backward_timeout"
                             : "timeout";
-    long long k_min = hm_daemon_arg_int(req, args, kname, (long long)j->k, 1, (long long)j->k);
-    if (k_min < 0)
+    long long k_min;
+    if (hm_daemon_arg_int(req, args, kname, (long long)j->k, 1, (long long)j->k, &k_min) != 0)
         goto fail;
-    double timeout = hm_daemon_arg_seconds(req, args, tname, 10.0, MAX_TIMEOUT_S);
-    if (timeout < 0)
+    double timeout;
+    if (hm_daemon_arg_seconds(req, args, tname, 10.0, MAX_TIMEOUT_S, &timeout) != 0)
         goto fail;
-    double after = hm_daemon_arg_seconds(req, args, "timeout_after_k_min", 1.0, MAX_TIMEOUT_S);
-    if (after < 0)
+    double after;
+    if (hm_daemon_arg_seconds(req, args, "timeout_after_k_min", 1.0, MAX_TIMEOUT_S, &after) != 0)
         goto fail;
     size_t n = (size_t)batch * (size_t)dim, kn = j->k * n;
     /* Each expert gets a frame of its own: x (and gy) plus an envelope. */
@@ -878,9 +860,9 @@ static void cmd_backward(void *ud, hm_control_req *req, const json_t *args)
 /* ---- experts.call: one forward on a file, for hivemindctl ---- */
 
 typedef struct file_job {
-    struct file_job *next, *prev;
+    TAILQ_ENTRY(file_job) link;
     int info_pending;           /* info_call is in flight */
-    hm_dmoe *m;
+    hm_cmd_experts *m;
     hm_control_req *req;
     char uid[HM_MOE_UID_MAX + 1];
     char in[PATH_MAX], out[PATH_MAX];
@@ -894,13 +876,8 @@ typedef struct file_job {
 
 static void file_finish(file_job *j, const char *code, const char *msg)
 {
-    hm_dmoe *m = j->m;
-    if (j->prev != NULL)
-        j->prev->next = j->next;
-    else
-        m->files = j->next;
-    if (j->next != NULL)
-        j->next->prev = j->prev;
+    hm_cmd_experts *m = j->m;
+    TAILQ_REMOVE(&m->files, j, link);
     if (code != NULL)
         hm_control_reply_error(j->req, code, msg);
     free(j->x);
@@ -909,9 +886,17 @@ static void file_finish(file_job *j, const char *code, const char *msg)
     job_done(m);
 }
 
-static struct file_job *file_next(struct file_job *f) { return f->next; }
-static int file_info_pending(const struct file_job *f) { return f->info_pending; }
-static uint64_t file_info_call(const struct file_job *f) { return f->info_call; }
+/* Jobs asking an expert for its shape end now rather than at their
+ * timeout. The next job is taken first: a cancelled call's callback
+ * (-ECANCELED) may finish and free its job before hm_rpc_cancel returns. */
+static void file_cancel_info(hm_cmd_experts *m)
+{
+    for (file_job *f = TAILQ_FIRST(&m->files), *next; f != NULL; f = next) {
+        next = TAILQ_NEXT(f, link);
+        if (f->info_pending)
+            hm_rpc_cancel(hm_node_rpc(m->node), f->info_call);
+    }
+}
 
 static uint64_t remaining_ms(const file_job *j)
 {
@@ -919,89 +904,20 @@ static uint64_t remaining_ms(const file_job *j)
     return now < j->deadline_ms ? j->deadline_ms - now : 1;
 }
 
-/* Reads the whole input, a multiple of dim floats, at most the call's cap. */
-static int read_input(file_job *j, char *msg, size_t msglen)
+static void on_file_written(void *ud, int status, const char *msg)
 {
-    /* Non-blocking, so that a FIFO named as input cannot hang the loop
-     * in open(); it is then refused as not a regular file. */
-    int fd = open(j->in, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-    struct stat st;
-    int result = 0;
-    if (fd < 0) {
-        snprintf(msg, msglen, "cannot open %s: %s", j->in, strerror(errno));
-        return -errno;
+    file_job *j = ud;
+    if (status != 0) {
+        file_finish(j, "io", msg);
+        return;
     }
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        snprintf(msg, msglen, "%s is not a regular file", j->in);
-        result = -EINVAL;
-        goto out;
-    }
-    size_t row = j->dim * sizeof(float);
-    if (st.st_size <= 0 || (size_t)st.st_size % row != 0 ||
-        (size_t)st.st_size / row > HM_MOE_MAX_BATCH ||
-        (size_t)st.st_size / sizeof(float) > HM_MOE_MAX_ELEMS) {
-        snprintf(msg, msglen, "%s holds %lld bytes: expected 1 to %d rows of %zu float32 (the "
-                 "expert's dim)", j->in, (long long)st.st_size, HM_MOE_MAX_BATCH, j->dim);
-        result = -EINVAL;
-        goto out;
-    }
-    j->batch = (size_t)st.st_size / row;
-    j->x = malloc((size_t)st.st_size);
-    j->y = malloc((size_t)st.st_size);
-    if (j->x == NULL || j->y == NULL) {
-        snprintf(msg, msglen, "out of memory");
-        result = -ENOMEM;
-        goto out;
-    }
-    size_t got = 0;
-    while (got < (size_t)st.st_size) {
-        ssize_t r = read(fd, (char *)j->x + got, (size_t)st.st_size - got);
-        if (r <= 0) {
-            snprintf(msg, msglen, "cannot read %s: %s", j->in,
-                     r == 0 ? "it shrank while being read" : strerror(errno));
-            result = -EIO;
-            goto out;
-        }
-        got += (size_t)r;
-    }
-out:
-    close(fd);
-    return result;
-}
-
-/* Writes the output next to its final name and renames it into place. */
-static int write_output(file_job *j, char *msg, size_t msglen)
-{
-    char tmp[PATH_MAX + 16];
-    size_t len = j->batch * j->dim * sizeof(float), put = 0;
-    int result = 0;
-    snprintf(tmp, sizeof(tmp), "%s.tmp", j->out);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        snprintf(msg, msglen, "cannot create %s: %s", tmp, strerror(errno));
-        return -errno;
-    }
-    while (put < len) {
-        ssize_t r = write(fd, (const char *)j->y + put, len - put);
-        if (r <= 0) {
-            snprintf(msg, msglen, "cannot write %s: %s", tmp, strerror(errno));
-            result = -EIO;
-            break;
-        }
-        put += (size_t)r;
-    }
-    if (close(fd) != 0 && result == 0) {
-        snprintf(msg, msglen, "cannot write %s: %s", tmp, strerror(errno));
-        result = -EIO;
-    }
-    if (result == 0 && rename(tmp, j->out) != 0) {
-        snprintf(msg, msglen, "cannot move the output into place at %s: %s", j->out,
-                 strerror(errno));
-        result = -errno;
-    }
-    if (result != 0)
-        unlink(tmp);
-    return result;
+    char peer[HM_PEER_ID_LEN + 1], host[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2];
+    hm_peer_id_encode(j->ex.pk, peer);
+    snprintf(host, sizeof(host), "%s@%s", peer, j->ex.addr_str);
+    hm_daemon_reply(j->req, json_pack("{s:s, s:s, s:I, s:I, s:f}", "uid", j->uid, "peer", host,
+                                 "batch", (json_int_t)j->batch, "dim", (json_int_t)j->dim,
+                                 "duration", (double)(hm_now_ms() - j->started_ms) / 1000.0));
+    file_finish(j, NULL, NULL);
 }
 
 static void on_file_called(void *ud, int status, const uint8_t *answered, size_t n_answered)
@@ -1019,17 +935,64 @@ static void on_file_called(void *ud, int status, const uint8_t *answered, size_t
         file_finish(j, status == -ETIMEDOUT ? "timeout" : "failed", msg);
         return;
     }
-    if (write_output(j, msg, sizeof(msg)) != 0) {
+    /* The expert answered: the output is delivered even if the daemon
+     * begins to close meanwhile (the job keeps the group alive). */
+    int r = hm_tensor_file_write(j->m->d->loop, j->out, j->y, j->batch * j->dim,
+                                 on_file_written, j);
+    if (r != 0) {
+        snprintf(msg, sizeof(msg), "cannot write %s: %s", j->out, hm_strerror(r));
         file_finish(j, "io", msg);
+    }
+}
+
+static void on_file_read(void *ud, int status, float *data, size_t n, const char *msg)
+{
+    file_job *j = ud;
+    char why[256];
+    if (status != 0) {
+        file_finish(j, "bad_input", msg);
         return;
     }
-    char peer[HM_PEER_ID_LEN + 1], host[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2];
-    hm_peer_id_encode(j->ex.pk, peer);
-    snprintf(host, sizeof(host), "%s@%s", peer, j->ex.addr_str);
-    hm_daemon_reply(j->req, json_pack("{s:s, s:s, s:I, s:I, s:f}", "uid", j->uid, "peer", host,
-                                 "batch", (json_int_t)j->batch, "dim", (json_int_t)j->dim,
-                                 "duration", (double)(hm_now_ms() - j->started_ms) / 1000.0));
-    file_finish(j, NULL, NULL);
+    j->x = data;
+    j->batch = n / j->dim;
+    if (j->m->closing) {
+        file_finish(j, "stopping", "the daemon is shutting down");
+        return;
+    }
+    j->y = malloc(n * sizeof(float));
+    if (j->y == NULL) {
+        file_finish(j, "bad_input", "out of memory");
+        return;
+    }
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = remaining_ms(j), .timeout_after_k_min_ms = 0};
+    int r = hm_moe_forward(j->m->cli, &j->ex, 1, j->x, j->batch, j->dim, j->y, &o,
+                           on_file_called, j, NULL);
+    if (r != 0) {
+        snprintf(why, sizeof(why), "cannot call %s: %s", j->uid, hm_strerror(r));
+        file_finish(j, "failed", why);
+    }
+}
+
+/* Reads the input off the loop: a whole number of rows of the expert's
+ * dim, at most a call's cap; on_file_read goes on from there. */
+static void read_input(file_job *j)
+{
+    char expect[128];
+    snprintf(expect, sizeof(expect), "1 to %d rows of %zu float32 (the expert's dim)",
+             HM_MOE_MAX_BATCH, j->dim);
+    hm_tensor_file_read_opts ro = {
+        .row = j->dim,
+        .max_bytes = HM_MIN((size_t)HM_MOE_MAX_BATCH * j->dim, (size_t)HM_MOE_MAX_ELEMS) *
+                     sizeof(float),
+        .finite = 0,
+        .expect = expect,
+    };
+    int r = hm_tensor_file_read(j->m->d->loop, j->in, &ro, on_file_read, j);
+    if (r != 0) {
+        char msg[PATH_MAX + 64];
+        snprintf(msg, sizeof(msg), "cannot read %s: %s", j->in, hm_strerror(r));
+        file_finish(j, "internal", msg);
+    }
 }
 
 static void on_file_info(void *ud, int status, const uint8_t *body, size_t len)
@@ -1048,17 +1011,7 @@ static void on_file_info(void *ud, int status, const uint8_t *body, size_t len)
         file_finish(j, status == -ETIMEDOUT ? "timeout" : "failed", msg);
         return;
     }
-    if (read_input(j, msg, sizeof(msg)) != 0) {
-        file_finish(j, "bad_input", msg);
-        return;
-    }
-    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = remaining_ms(j), .timeout_after_k_min_ms = 0};
-    int r = hm_moe_forward(j->m->cli, &j->ex, 1, j->x, j->batch, j->dim, j->y, &o,
-                           on_file_called, j, NULL);
-    if (r != 0) {
-        snprintf(msg, sizeof(msg), "cannot call %s: %s", j->uid, hm_strerror(r));
-        file_finish(j, "failed", msg);
-    }
+    read_input(j);
 }
 
 static void on_file_lookup(void *ud, int status, const hm_moe_expert *experts, size_t n)
@@ -1095,21 +1048,21 @@ static void on_file_lookup(void *ud, int status, const hm_moe_expert *experts, s
 
 static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
 {
-    hm_dmoe *m = ud;
+    hm_cmd_experts *m = ud;
     file_job *j;
     hm_moe_uid u;
 
     if (refuse_if_closing(m, req))
         return;
-    const char *uid = arg_str(req, args, "uid", HM_MOE_UID_MAX, 0, NULL);
-    if (uid == NULL)
+    const char *uid;
+    if (hm_daemon_arg_string(req, args, "uid", HM_MOE_UID_MAX, 0, &uid) != 0)
         return;
     if (hm_moe_uid_parse(uid, strlen(uid), &u) != 0) {
         hm_control_reply_error(req, "bad_args", "args.uid is not an expert uid such as ffn.3.5");
         return;
     }
-    double timeout = hm_daemon_arg_seconds(req, args, "timeout", 30.0, MAX_TIMEOUT_S);
-    if (timeout < 0)
+    double timeout;
+    if (hm_daemon_arg_seconds(req, args, "timeout", 30.0, MAX_TIMEOUT_S, &timeout) != 0)
         return;
     j = calloc(1, sizeof(*j));
     if (j == NULL) {
@@ -1135,15 +1088,29 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
         return;
     }
     m->jobs++;
-    j->next = m->files;
-    if (m->files != NULL)
-        m->files->prev = j;
-    m->files = j;
+    TAILQ_INSERT_TAIL(&m->files, j, link);
 }
 
 /* ---- setup ---- */
 
-int hm_dmoe_check_config(const hm_dmoe_config *c, char *err, size_t errlen)
+/* The expert settings of the configuration. */
+static void config_of(const hm_config *c, hm_cmd_experts_config *out)
+{
+    *out = (hm_cmd_experts_config){
+        .state_dir = c->state_dir,
+        .host_experts = c->host_experts,
+        .type = c->expert_type,
+        .dim = c->expert_dim,
+        .hidden = c->expert_hidden,
+        .optimizer = c->expert_optimizer,
+        .lr = c->expert_lr,
+        .workers = c->expert_workers,
+        .max_batch = c->expert_max_batch,
+        .checkpoint_interval_s = c->checkpoint_interval_s,
+    };
+}
+
+static int check_config(const hm_cmd_experts_config *c, char *err, size_t errlen)
 {
     hm_ffn_config cfg;
     char one[HM_MOE_UID_MAX * 4], why[256];
@@ -1181,19 +1148,21 @@ int hm_dmoe_check_config(const hm_dmoe_config *c, char *err, size_t errlen)
     return r;
 }
 
-int hm_dmoe_new(struct daemon *d, hm_node *node, hm_control *ctl, const hm_dmoe_config *c,
-                hm_dmoe **out, char *err, size_t errlen)
+static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
+                       const hm_cmd_experts_config *c, hm_cmd_experts **m_out, char *err,
+                       size_t errlen)
 {
-    hm_dmoe *m = calloc(1, sizeof(*m));
+    hm_cmd_experts *m = calloc(1, sizeof(*m));
     int r;
     size_t added = 0;
 
     if (m == NULL) {
-        snprintf(err, errlen, "out of memory");
+        snprintf(err, errlen, "m_out of memory");
         return -ENOMEM;
     }
     m->d = d;
     m->node = node;
+    TAILQ_INIT(&m->files);
     r = build_ffn_config(c->type, c->dim, c->hidden, c->optimizer, c->lr, &m->defcfg, err,
                          errlen);
     if (r != 0)
@@ -1232,7 +1201,7 @@ int hm_dmoe_new(struct daemon *d, hm_node *node, hm_control *ctl, const hm_dmoe_
         snprintf(err, errlen, "cannot register the experts commands: %s", hm_strerror(r));
         goto fail;
     }
-    *out = m;
+    *m_out = m;
     return 0;
 fail:
     /* Nothing was hosted for long: close without withdrawing, synchronously
@@ -1243,4 +1212,18 @@ fail:
         hm_moe_server_close(m->srv, 0, NULL, NULL);
     free(m);
     return r;
+}
+
+int hm_cmd_experts_check_config(const hm_config *c, char *err, size_t errlen)
+{
+    hm_cmd_experts_config mc;
+    config_of(c, &mc);
+    return check_config(&mc, err, errlen);
+}
+
+int hm_cmd_experts_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen)
+{
+    hm_cmd_experts_config mc;
+    config_of(d->cfg, &mc);
+    return experts_new(d, d->node, ctl, &mc, &d->experts, err, errlen);
 }

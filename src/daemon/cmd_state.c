@@ -1,5 +1,5 @@
 /*
- * daemon_state: the state.* commands of hivemindd (daemon_state.h). Every
+ * cmd_state: the state.* commands of hivemindd (cmd_state.h). Every
  * command validates its arguments completely before it starts anything,
  * pins the shared-memory range it uses for as long as it uses it, and
  * answers exactly once: with the result, with the reason it failed, or
@@ -29,8 +29,8 @@
  * (the state module's default blob cap of 4 GiB). */
 #define MAX_ELEMS ((size_t)1 << 30)
 
-struct hm_dstate {
-    struct daemon *d;
+struct hm_cmd_state {
+    hm_daemon *d;
     hm_node *node;
     hm_state *st;
     size_t jobs; /* state.load commands in progress */
@@ -40,7 +40,7 @@ struct hm_dstate {
 };
 
 typedef struct load_job {
-    hm_dstate *s;
+    hm_cmd_state *s;
     hm_control_req *req;
     hm_shm *shm; /* pinned range's registry, valid until the loop ends */
     uint64_t shm_id;
@@ -48,10 +48,10 @@ typedef struct load_job {
 
 /* ---- argument helpers ---- */
 
-static int refuse_if_closing(hm_dstate *s, hm_control_req *req)
+static int refuse_if_closing(hm_cmd_state *s, hm_control_req *req)
 {
     if (s->closing) {
-        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        hm_daemon_reply_stopping(req);
         return 1;
     }
     return 0;
@@ -86,7 +86,7 @@ static json_t *hash_json(const uint8_t h[HM_STATE_HASH_BYTES])
 
 static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
 {
-    hm_dstate *s = ud;
+    hm_cmd_state *s = ud;
     hm_shm *shm = hm_daemon_shm(s->d);
     float *p;
     uint64_t id;
@@ -103,12 +103,12 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
         hm_control_reply_error(req, "bad_args", "args.step must be an integer, 0 or above");
         return;
     }
-    long long chunk = hm_daemon_arg_int(req, args, "chunk_size", HM_STATE_CHUNK_DEFAULT,
-                                        HM_STATE_CHUNK_MIN, HM_STATE_CHUNK_MAX);
-    if (chunk < 0)
+    long long chunk;
+    if (hm_daemon_arg_int(req, args, "chunk_size", HM_STATE_CHUNK_DEFAULT, HM_STATE_CHUNK_MIN,
+                          HM_STATE_CHUNK_MAX, &chunk) != 0)
         return;
-    double ttl = hm_daemon_arg_seconds(req, args, "ttl", 60.0, 86400.0);
-    if (ttl < 0)
+    double ttl;
+    if (hm_daemon_arg_seconds(req, args, "ttl", 60.0, 86400.0, &ttl) != 0)
         return;
     if (ttl < 1.0) {
         hm_control_reply_error(req, "bad_args", "args.ttl must be at least 1 second");
@@ -117,9 +117,9 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
     if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS, &p,
                               &id, &elems) < 0)
         return;
-    long long bytes = hm_daemon_arg_int(req, args, "bytes", (long long)(elems * sizeof(float)),
-                                        1, (long long)(elems * sizeof(float)));
-    if (bytes < 0) {
+    long long bytes;
+    long long max_bytes = (long long)(elems * sizeof(float));
+    if (hm_daemon_arg_int(req, args, "bytes", max_bytes, 1, max_bytes, &bytes) != 0) {
         hm_shm_put(shm, id);
         return;
     }
@@ -162,7 +162,7 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
 
 static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
 {
-    hm_dstate *s = ud;
+    hm_cmd_state *s = ud;
     hm_state_share_info info;
     if (refuse_if_closing(s, req))
         return;
@@ -218,13 +218,13 @@ static json_t *report_json(const hm_state_report *rep)
     return r;
 }
 
-static void free_if_done(hm_dstate *s);
+static void free_if_done(hm_cmd_state *s);
 
 static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_state_report *rep)
 {
     HM_UNUSED(blob);
     load_job *j = ud;
-    hm_dstate *s = j->s;
+    hm_cmd_state *s = j->s;
     char msg[256];
     size_t dropped = 0;
 
@@ -279,7 +279,7 @@ static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_
 
 static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
 {
-    hm_dstate *s = ud;
+    hm_cmd_state *s = ud;
     hm_shm *shm = hm_daemon_shm(s->d);
     float *p;
     uint64_t id;
@@ -290,12 +290,12 @@ static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
     const char *prefix = arg_prefix(req, args);
     if (prefix == NULL)
         return;
-    double timeout =
-        hm_daemon_arg_seconds(req, args, "timeout", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S);
-    if (timeout < 0)
+    double timeout;
+    if (hm_daemon_arg_seconds(req, args, "timeout", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S,
+                              &timeout) != 0)
         return;
-    long long min_agree = hm_daemon_arg_int(req, args, "min_agree", 2, 1, HM_STATE_MAX_DONORS);
-    if (min_agree < 0)
+    long long min_agree;
+    if (hm_daemon_arg_int(req, args, "min_agree", 2, 1, HM_STATE_MAX_DONORS, &min_agree) != 0)
         return;
     if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS, &p,
                               &id, &elems) < 0)
@@ -330,31 +330,37 @@ static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
 
 /* ---- lifetime ---- */
 
-int hm_dstate_new(struct daemon *d, hm_node *node, hm_control *ctl, hm_dstate **out, char *err,
-                  size_t errlen)
+static void on_state_closed(void *ud);
+
+int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen)
 {
     int r;
-    hm_dstate *s = calloc(1, sizeof(*s));
-    *out = NULL;
+    hm_cmd_state *s = calloc(1, sizeof(*s));
     if (s == NULL) {
         snprintf(err, errlen, "out of memory");
         return -ENOMEM;
     }
     s->d = d;
-    s->node = node;
-    if ((r = hm_state_new(node, NULL, &s->st)) < 0) {
+    s->node = d->node;
+    if ((r = hm_state_new(d->node, NULL, &s->st)) < 0) {
         snprintf(err, errlen, "cannot start state sharing: %s", hm_strerror(r));
         free(s);
         return r;
     }
-    hm_control_register(ctl, "state.share", cmd_share, s);
-    hm_control_register(ctl, "state.load", cmd_load, s);
-    hm_control_register(ctl, "state.info", cmd_info, s);
-    *out = s;
+    if ((r = hm_control_register(ctl, "state.share", cmd_share, s)) != 0 ||
+        (r = hm_control_register(ctl, "state.load", cmd_load, s)) != 0 ||
+        (r = hm_control_register(ctl, "state.info", cmd_info, s)) != 0) {
+        snprintf(err, errlen, "cannot register the state commands: %s", hm_strerror(r));
+        /* Nothing was shared yet; the module's close frees s from the loop. */
+        s->closing = 1;
+        hm_state_close(s->st, on_state_closed, s);
+        return r;
+    }
+    d->state = s;
     return 0;
 }
 
-static void free_if_done(hm_dstate *s)
+static void free_if_done(hm_cmd_state *s)
 {
     if (!s->closing || s->jobs > 0 || s->st != NULL)
         return;
@@ -367,12 +373,12 @@ static void free_if_done(hm_dstate *s)
 
 static void on_state_closed(void *ud)
 {
-    hm_dstate *s = ud;
+    hm_cmd_state *s = ud;
     s->st = NULL;
     free_if_done(s);
 }
 
-void hm_dstate_close(hm_dstate *s, void (*cb)(void *ud), void *ud)
+void hm_cmd_state_close(hm_cmd_state *s, void (*cb)(void *ud), void *ud)
 {
     s->closing = 1;
     s->close_cb = cb;

@@ -1,5 +1,5 @@
 /*
- * daemon_state: state sharing in hivemindd. It owns the node's state
+ * cmd_state: state sharing in hivemindd. It owns the node's state
  * module (averaging/state.h: the blobs this node shares and the downloads
  * in progress) and registers the state.* control commands
  * (docs/control-protocol.md):
@@ -17,31 +17,18 @@
  * Shared-memory references are daemon.h's {"shm": ID, "offset": BYTES,
  * "elems": N}; N counts float32 slots, so a range holds 4 N bytes.
  *
- * Shutdown: hm_dstate_close ends the downloads (their commands are answered
- * "stopping") and must run before the node closes, in the same loop turn
- * at the latest.
+ * hm_cmd_state_register (daemon.h) creates it and hangs it on the
+ * hm_daemon. Shutdown: hm_cmd_state_close ends the downloads (their
+ * commands are answered "stopping") and must run before the node closes,
+ * in the same loop turn at the latest.
  */
-#ifndef HM_DAEMON_STATE_H
-#define HM_DAEMON_STATE_H
+#ifndef HM_DAEMON_CMD_STATE_H
+#define HM_DAEMON_CMD_STATE_H
 
-#include "src/daemon/control.h"
-#include "src/node/node.h"
-
-#include <stddef.h>
-
-struct daemon;
-typedef struct hm_dstate hm_dstate;
-
-/*
- * Creates the state module on node and registers the commands on ctl. On
- * failure err holds a sentence for the operator and nothing is left
- * running.
- */
-int hm_dstate_new(struct daemon *d, hm_node *node, hm_control *ctl, hm_dstate **out, char *err,
-                  size_t errlen);
+#include "src/daemon/daemon.h"
 
 /* Ends the downloads, stops sharing and frees everything; cb fires from
  * the loop after that. */
-void hm_dstate_close(hm_dstate *s, void (*cb)(void *ud), void *ud);
+void hm_cmd_state_close(hm_cmd_state *s, void (*cb)(void *ud), void *ud);
 
 #endif

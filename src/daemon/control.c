@@ -15,6 +15,7 @@
 #include <grp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/queue.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -32,7 +33,7 @@ struct command {
 
 struct client {
     hm_control *ctl;
-    struct client *prev, *next;
+    LIST_ENTRY(client) link;
     uv_pipe_t pipe;
     uv_timer_t idle;
     char *buf;
@@ -69,7 +70,7 @@ struct hm_control {
     uint64_t idle_ms;
     struct command cmds[HM_CONTROL_MAX_COMMANDS];
     size_t n_cmds;
-    struct client *clients;
+    LIST_HEAD(, client) clients;
     size_t n_served, n_rejected;
     int closing;
     int listener_open, drain_open;
@@ -114,7 +115,7 @@ void hm_control_request_clear(hm_control_request *r)
     r->cmd[0] = '\0';
 }
 
-int hm_control_parse_request(const char *line, size_t len, hm_control_request *out,
+int hm_control_parse_request(const char *line, size_t len, hm_control_request *req_out,
                              const char **code_out, char *msg, size_t msglen)
 {
     json_error_t jerr;
@@ -123,17 +124,17 @@ int hm_control_parse_request(const char *line, size_t len, hm_control_request *o
     const char *key;
     json_t *val;
 
-    memset(out, 0, sizeof(*out));
+    memset(req_out, 0, sizeof(*req_out));
     *code_out = "invalid_request";
     root = json_loadb(line, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
     if (root == NULL) {
         *code_out = "parse_error";
         snprintf(msg, msglen, "invalid JSON at column %d: %s", jerr.column, jerr.text);
-        goto out;
+        goto req_out;
     }
     if (!json_is_object(root)) {
         snprintf(msg, msglen, "a request must be a JSON object");
-        goto out;
+        goto req_out;
     }
     /* Take the id first, so that the error replies below can echo it. */
     val = json_object_get(root, "id");
@@ -142,43 +143,43 @@ int hm_control_parse_request(const char *line, size_t len, hm_control_request *o
               (json_is_string(val) && json_string_length(val) <= HM_CONTROL_MAX_ID))) {
             snprintf(msg, msglen, "\"id\" must be an integer, null or a string of at most %d "
                      "bytes", HM_CONTROL_MAX_ID);
-            goto out;
+            goto req_out;
         }
-        out->id = json_incref(val);
+        req_out->id = json_incref(val);
     }
     json_object_foreach(root, key, val) {
         if (strcmp(key, "cmd") != 0 && strcmp(key, "args") != 0 && strcmp(key, "id") != 0) {
             snprintf(msg, msglen, "unknown field \"%.64s\" (expected cmd, args, id)", key);
-            goto out;
+            goto req_out;
         }
     }
     val = json_object_get(root, "cmd");
     if (val == NULL) {
         snprintf(msg, msglen, "missing \"cmd\"");
-        goto out;
+        goto req_out;
     }
     if (!json_is_string(val) || !valid_cmd_name(json_string_value(val), json_string_length(val))) {
         snprintf(msg, msglen, "\"cmd\" must be a command name (1-%d of a-z 0-9 _ - .)",
                  HM_CONTROL_MAX_CMD);
-        goto out;
+        goto req_out;
     }
-    memcpy(out->cmd, json_string_value(val), json_string_length(val) + 1);
+    memcpy(req_out->cmd, json_string_value(val), json_string_length(val) + 1);
     val = json_object_get(root, "args");
     if (val == NULL || json_is_null(val)) {
-        out->args = json_object();
-        if (out->args == NULL) {
+        req_out->args = json_object();
+        if (req_out->args == NULL) {
             *code_out = "internal";
-            snprintf(msg, msglen, "out of memory");
-            goto out;
+            snprintf(msg, msglen, "req_out of memory");
+            goto req_out;
         }
     } else if (json_is_object(val)) {
-        out->args = json_incref(val);
+        req_out->args = json_incref(val);
     } else {
         snprintf(msg, msglen, "\"args\" must be an object");
-        goto out;
+        goto req_out;
     }
     result = 0;
-out:
+req_out:
     json_decref(root);
     return result;
 }
@@ -257,12 +258,7 @@ static void client_close(struct client *c)
         c->pending->client = NULL;
         c->pending = NULL;
     }
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        ctl->clients = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    LIST_REMOVE(c, link);
     if (c->rejected)
         ctl->n_rejected--;
     else
@@ -581,10 +577,7 @@ static void on_connection(uv_stream_t *server, int status)
     c->pipe.data = c;
     c->idle.data = c;
     c->handles = 2;
-    c->next = ctl->clients;
-    if (c->next)
-        c->next->prev = c;
-    ctl->clients = c;
+    LIST_INSERT_HEAD(&ctl->clients, c, link);
     if (ctl->n_served >= ctl->max_clients) {
         c->rejected = 1;
         ctl->n_rejected++;
@@ -798,28 +791,28 @@ static void on_drain_closed(uv_handle_t *h)
 
 static void maybe_finish_close(hm_control *ctl)
 {
-    if (!ctl->closing || ctl->clients != NULL || ctl->listener_open || !ctl->drain_open)
+    if (!ctl->closing || !LIST_EMPTY(&ctl->clients) || ctl->listener_open || !ctl->drain_open)
         return;
     if (uv_is_closing((uv_handle_t *)&ctl->drain))
         return;
     uv_close((uv_handle_t *)&ctl->drain, on_drain_closed);
 }
 
-int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **out, char *err,
+int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **ctl_out, char *err,
                    size_t errlen)
 {
     hm_control *ctl = NULL;
     int result;
     struct stat st;
 
-    *out = NULL;
+    *ctl_out = NULL;
     if (cfg->path == NULL || cfg->path[0] == '\0') {
         snprintf(err, errlen, "no control socket path");
         return -EINVAL;
     }
     ctl = calloc(1, sizeof(*ctl));
     if (ctl == NULL) {
-        snprintf(err, errlen, "out of memory");
+        snprintf(err, errlen, "ctl_out of memory");
         return -ENOMEM;
     }
     if (hm_strlcpy(ctl->path, cfg->path, sizeof(ctl->path)) != 0) {
@@ -829,6 +822,7 @@ int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **o
         return -ENAMETOOLONG;
     }
     ctl->loop = loop;
+    LIST_INIT(&ctl->clients);
     ctl->max_clients = cfg->max_clients ? cfg->max_clients : 32;
     ctl->idle_ms = cfg->idle_timeout_ms ? cfg->idle_timeout_ms : 300000;
     ctl->max_line = cfg->max_line ? cfg->max_line : HM_CONTROL_MAX_LINE;
@@ -893,7 +887,7 @@ int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **o
                  uv_strerror(result));
         goto fail;
     }
-    *out = ctl;
+    *ctl_out = ctl;
     return 0;
 
 fail:
@@ -909,8 +903,8 @@ static void on_drain_timeout(uv_timer_t *t)
 {
     hm_control *ctl = t->data;
     /* Clients that did not take their last replies in time are cut off. */
-    while (ctl->clients != NULL)
-        client_close(ctl->clients);
+    while (!LIST_EMPTY(&ctl->clients))
+        client_close(LIST_FIRST(&ctl->clients));
 }
 
 void hm_control_close(hm_control *ctl, void (*cb)(void *ud), void *ud)
@@ -930,9 +924,10 @@ void hm_control_close(hm_control *ctl, void (*cb)(void *ud), void *ud)
     ctl->have_file = 0;
     uv_close((uv_handle_t *)&ctl->listener, on_listener_closed);
 
-    struct client *c = ctl->clients;
+    struct client *c = LIST_FIRST(&ctl->clients);
     while (c != NULL) {
-        struct client *next = c->next;
+        /* client_close unlinks c, so the next one is taken first. */
+        struct client *next = LIST_NEXT(c, link);
         if (c->pending != NULL) {
             c->pending->client = NULL;
             c->pending = NULL;

@@ -65,7 +65,7 @@ typedef struct hm_control_config {
 typedef void (*hm_control_handler)(void *ud, hm_control_req *req, const json_t *args);
 
 /* On failure err holds a sentence for the operator. */
-int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **out, char *err,
+int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **ctl_out, char *err,
                    size_t errlen);
 /*
  * Registers cmd (1..HM_CONTROL_MAX_CMD of [a-z0-9_.-]). 0, -EINVAL,
@@ -134,10 +134,10 @@ typedef struct hm_control_request {
  * Parses one request line (without its newline; need not be
  * NUL-terminated). Returns 0, or -EINVAL with *code_out set to
  * "parse_error" (not JSON) or "invalid_request" (not a request object) and
- * a sentence in msg. Even on failure out->id may be set (so the error reply
+ * a sentence in msg. Even on failure req_out->id may be set (so the error reply
  * can echo it): call hm_control_request_clear either way.
  */
-int hm_control_parse_request(const char *line, size_t len, hm_control_request *out,
+int hm_control_parse_request(const char *line, size_t len, hm_control_request *req_out,
                              const char **code_out, char *msg, size_t msglen);
 void hm_control_request_clear(hm_control_request *r);
 

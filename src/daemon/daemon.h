@@ -1,8 +1,22 @@
 /*
- * daemon: what hivemindd.c shares with the other source files of the
- * hivemindd program (such as daemon_moe.c, the experts.* commands). It
- * exposes the daemon's shared-memory registry (shm.h) and the one parser of
- * the shared-memory tensor references that commands take in their args.
+ * daemon: the internal header of the hivemindd program. It declares what
+ * main.c (the lifecycle: config, start, signals, reload, shutdown) shares
+ * with the command groups, one file each, that register the control
+ * commands:
+ *
+ *   cmd_node.c     info, peers, metrics, shutdown
+ *   cmd_dht.c      dht.get, dht.put, dht.info
+ *   cmd_average.c  average, averaging
+ *   cmd_shm.c      shm.alloc, shm.free, and the parser of shared-memory
+ *                  references the other groups take
+ *   cmd_experts.c  experts.* (cmd_experts.h)
+ *   cmd_state.c    state.* (cmd_state.h)
+ *
+ * and the argument checks they all use (args.c). Every group registers
+ * through the same function shape (hm_daemon_group_fn), and gets what it
+ * needs of the daemon through hm_daemon: main.c owns that struct and its
+ * parts, and sets a part to NULL once it begins to close, so that a command
+ * that finds NULL answers "stopping".
  *
  * A shared-memory tensor reference is a JSON object
  *
@@ -15,22 +29,71 @@
  * random 53-bit numbers (exact as JSON numbers everywhere), so a stale id
  * practically never names a newer segment.
  *
- * Loop thread only, like everything in the daemon.
+ * Loop thread only, like everything in the daemon; file work goes to
+ * libuv's threadpool through tensor_file.h.
  */
 #ifndef HM_DAEMON_H
 #define HM_DAEMON_H
 
+#include "averaging/averager.h"
 #include "src/daemon/control.h"
+#include "src/daemon/hm_config.h"
 #include "src/daemon/shm.h"
+#include "src/node/node.h"
 
 #include <jansson.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <uv.h>
 
-struct daemon;
+typedef struct hm_cmd_experts hm_cmd_experts;
+typedef struct hm_cmd_state hm_cmd_state;
+typedef struct hm_cmd_average hm_cmd_average;
+
+/*
+ * What the command groups see of the daemon. main.c fills it before the
+ * groups register and changes it only on the loop thread.
+ */
+typedef struct hm_daemon {
+    uv_loop_t *loop;
+    const hm_config *cfg;   /* the configuration in force */
+    hm_node *node;          /* NULL once shutting down */
+    hm_averager *av;        /* the node's averager; NULL once shutting down */
+    hm_shm *shm;            /* freed after the loop; use hm_daemon_shm */
+    int stopping;           /* the shutdown has begun */
+    /* The groups that own state of their own, for main.c to close; each
+     * is NULL until its group registered and again once it closes. */
+    hm_cmd_experts *experts;
+    hm_cmd_average *average;
+    hm_cmd_state *state;
+    /* Begins the shutdown (the "shutdown" command); why goes to the log. */
+    void (*stop)(struct hm_daemon *d, const char *why);
+} hm_daemon;
+
+/*
+ * The shape of every command group's registration: registers its commands
+ * on ctl (and creates the group's own state, hung on d). 0, or a negative
+ * code with a sentence for the operator in err, and nothing left running.
+ */
+typedef int (*hm_daemon_group_fn)(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+
+int hm_cmd_node_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+int hm_cmd_dht_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+int hm_cmd_average_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+int hm_cmd_shm_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+int hm_cmd_experts_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+
+/*
+ * Closes the average group once its commands in flight have answered
+ * (those whose file is being read answer "stopping"; a finished round
+ * still writes its output); cb fires after that. Call it after the
+ * averager's close has begun.
+ */
+void hm_cmd_average_close(hm_cmd_average *a, void (*cb)(void *ud), void *ud);
 
 /* The daemon's shared-memory registry; NULL once it is shutting down. */
-hm_shm *hm_daemon_shm(struct daemon *d);
+hm_shm *hm_daemon_shm(const hm_daemon *d);
 
 /*
  * Validates the reference ref (args.<what>; what names it in the error
@@ -55,20 +118,45 @@ int hm_daemon_shm_ref_any(hm_shm *shm, hm_control_req *req, const json_t *ref, c
                           size_t max_elems, float **ptr_out, uint64_t *id_out,
                           size_t *elems_out);
 
-/* ---- argument checks shared by the command files (daemon_args.c) ---- */
+/* ---- argument checks shared by the command files (args.c) ----
+ *
+ * Each returns 0 and fills *out, or answers req with a "bad_args" error
+ * that names the argument and what was expected and returns -EINVAL; a
+ * command stops at the first bad argument.
+ */
 
 /* Answers req with result, or with an "internal" error when it is NULL
  * (a failed json_pack). */
 void hm_daemon_reply(hm_control_req *req, json_t *result);
-/* args.name as seconds in (0, max], def when absent; -1 when bad (replied). */
-double hm_daemon_arg_seconds(hm_control_req *req, const json_t *args, const char *name,
-                             double def, double max);
+/* Answers req with a "stopping" error: the daemon is shutting down. */
+void hm_daemon_reply_stopping(hm_control_req *req);
+/* args.name as seconds in (0, max], def when absent. */
+int hm_daemon_arg_seconds(hm_control_req *req, const json_t *args, const char *name, double def,
+                          double max, double *out);
 /* args.name as an integer in [lo, hi], def when absent (def < 0: the
- * argument is required); -1 when bad (replied). */
-long long hm_daemon_arg_int(hm_control_req *req, const json_t *args, const char *name,
-                            long long def, long long lo, long long hi);
+ * argument is required). */
+int hm_daemon_arg_int(hm_control_req *req, const json_t *args, const char *name, long long def,
+                      long long lo, long long hi, long long *out);
+/* args.name as a finite number in [lo, hi] (above lo when lo_open), def
+ * when absent; the error says "args.NAME must be EXPECT". */
+int hm_daemon_arg_real(hm_control_req *req, const json_t *args, const char *name, double def,
+                       double lo, int lo_open, double hi, const char *expect, double *out);
+/* args.name as true or false, def when absent. */
+int hm_daemon_arg_bool(hm_control_req *req, const json_t *args, const char *name, int def,
+                       int *out);
+/* args.name as one of the n strings of names (its index), def when absent
+ * (def < 0: required). */
+int hm_daemon_arg_choice(hm_control_req *req, const json_t *args, const char *name,
+                         const char *const *names, int n, int def, int *out);
+/* args.name as a string of 1 to max bytes without NUL; when optional and
+ * absent, *out is NULL. The string lives as long as args. */
+int hm_daemon_arg_string(hm_control_req *req, const json_t *args, const char *name, size_t max,
+                         int optional, const char **out);
+/* args.name as up to max characters of 0 and 1 (group bits); NULL when absent. */
+int hm_daemon_arg_bits(hm_control_req *req, const json_t *args, const char *name, size_t max,
+                       const char **out);
 /* args.name as an absolute path of less than PATH_MAX bytes, copied into
- * out (PATH_MAX bytes); -1 when bad (replied). */
+ * out (PATH_MAX bytes). */
 int hm_daemon_arg_path(hm_control_req *req, const json_t *args, const char *name, char *out);
 
 #endif

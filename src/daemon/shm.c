@@ -51,7 +51,7 @@ struct hm_shm {
     seg *segs[HM_SHM_MAX_SEGMENTS];
 };
 
-int hm_shm_new(const hm_shm_config *cfg, hm_shm **out)
+int hm_shm_new(const hm_shm_config *cfg, hm_shm **shm_out)
 {
     hm_shm *s = calloc(1, sizeof(*s));
     if (s == NULL)
@@ -59,7 +59,7 @@ int hm_shm_new(const hm_shm_config *cfg, hm_shm **out)
     s->max_segment = cfg != NULL && cfg->max_segment_bytes ? cfg->max_segment_bytes
                                                            : DEFAULT_MAX_SEGMENT;
     s->max_total = cfg != NULL && cfg->max_total_bytes ? cfg->max_total_bytes : DEFAULT_MAX_TOTAL;
-    *out = s;
+    *shm_out = s;
     return 0;
 }
 

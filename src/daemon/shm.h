@@ -38,7 +38,7 @@ typedef struct hm_shm_config {
     size_t max_total_bytes;   /* 0: 16 GiB */
 } hm_shm_config;
 
-int hm_shm_new(const hm_shm_config *cfg, hm_shm **out);
+int hm_shm_new(const hm_shm_config *cfg, hm_shm **shm_out);
 /* Unmaps and unlinks every segment, pinned or not (daemon exit). */
 void hm_shm_free(hm_shm *s);
 

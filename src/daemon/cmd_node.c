@@ -1,0 +1,127 @@
+/*
+ * cmd_node: the node's own control commands (daemon.h): "info" (identity,
+ * address, version, uptime, shared memory in use), "peers" (the peer table
+ * with round-trip times), "metrics" (the Prometheus text) and "shutdown".
+ * It owns nothing; every command answers at once, on the loop thread.
+ */
+#include "config.h"
+
+#include "src/daemon/daemon.h"
+#include "src/base/crypto.h"
+#include "src/base/util.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_daemon *d = ud;
+    char addr[HM_PEER_ID_LEN + HM_ADDRSTRLEN + 2];
+    (void)args;
+    if (d->node == NULL) {
+        hm_daemon_reply_stopping(req);
+        return;
+    }
+    if (hm_node_address(d->node, addr, sizeof(addr)) != 0)
+        addr[0] = '\0';
+    size_t shm_segments = 0, shm_bytes = 0;
+    if (hm_daemon_shm(d) != NULL)
+        hm_shm_stats(hm_daemon_shm(d), &shm_segments, &shm_bytes);
+    hm_daemon_reply(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}}",
+                                 "peer_id", hm_node_identity(d->node)->peer_id, "address", addr,
+                                 "swarm", hm_node_swarm(d->node), "version", PACKAGE_VERSION,
+                                 "uptime_s", (json_int_t)(hm_node_uptime_ms(d->node) / 1000),
+                                 "client_mode", d->cfg->client_mode, "pid", (json_int_t)getpid(),
+                                 "control_socket", d->cfg->control_socket, "shm", "segments",
+                                 (json_int_t)shm_segments, "bytes", (json_int_t)shm_bytes));
+}
+
+static void cmd_peers(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_daemon *d = ud;
+    hm_peer_info *peers = NULL;
+    json_t *list = NULL;
+    (void)args;
+
+    if (d->node == NULL) {
+        hm_daemon_reply_stopping(req);
+        return;
+    }
+    size_t total = hm_node_peers(d->node, NULL, 0);
+    if (total > 0) {
+        peers = calloc(total, sizeof(*peers));
+        if (peers == NULL)
+            goto fail;
+        total = HM_MIN(total, hm_node_peers(d->node, peers, total));
+    }
+    list = json_array();
+    if (list == NULL)
+        goto fail;
+    uint64_t now = hm_now_ms();
+    for (size_t i = 0; i < total; i++) {
+        const hm_peer_info *p = &peers[i];
+        char a[HM_ADDRSTRLEN];
+        json_t *addr = json_null();
+        if ((p->addr.ss_family == AF_INET || p->addr.ss_family == AF_INET6) &&
+            hm_format_addr((const struct sockaddr *)&p->addr, a, sizeof(a)) == 0)
+            addr = json_string(a);
+        uint64_t ago = now > p->last_seen_ms ? now - p->last_seen_ms : 0;
+        json_t *e = json_pack("{s:s, s:o, s:f, s:o, s:b}", "peer_id", p->peer_id, "address",
+                              addr, "last_seen_s", (double)ago / 1000.0, "rtt_ms",
+                              p->rtt_ms < 0 ? json_null() : json_real(round(p->rtt_ms * 1000) / 1000),
+                              "connected",
+                              p->connected);
+        if (e == NULL || json_array_append_new(list, e) != 0)
+            goto fail;
+    }
+    free(peers);
+    hm_daemon_reply(req, json_pack("{s:o}", "peers", list));
+    return;
+fail:
+    free(peers);
+    json_decref(list);
+    hm_control_reply_error(req, "internal", "out of memory");
+}
+
+static void cmd_metrics(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_daemon *d = ud;
+    (void)args;
+    if (d->node == NULL) {
+        hm_daemon_reply_stopping(req);
+        return;
+    }
+    char *text = hm_node_metrics(d->node);
+    if (text == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        return;
+    }
+    hm_daemon_reply(req, json_pack("{s:s}", "text", text));
+    free(text);
+}
+
+static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_daemon *d = ud;
+    (void)args;
+    /* The reply is queued first; closing the server lets it be written. */
+    hm_daemon_reply(req, json_pack("{s:b}", "stopping", 1));
+    d->stop(d, "hivemindctl shutdown");
+}
+
+int hm_cmd_node_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen)
+{
+    int r;
+    if ((r = hm_control_register(ctl, "info", cmd_info, d)) != 0 ||
+        (r = hm_control_register(ctl, "peers", cmd_peers, d)) != 0 ||
+        (r = hm_control_register(ctl, "metrics", cmd_metrics, d)) != 0 ||
+        (r = hm_control_register(ctl, "shutdown", cmd_shutdown, d)) != 0)
+        snprintf(err, errlen, "cannot register the node commands: %s", hm_strerror(r));
+    return r;
+}
