@@ -1055,18 +1055,23 @@ static void send_leave(search *s, const peer *p)
         op_free(o);
 }
 
-/* Follows a suggested leader when it may lead us; 0 when a join went out. */
+/*
+ * Follows a suggested leader when it may lead us. 0 when a join went out,
+ * -ENOENT when there is no leader we may follow (none suggested, too many
+ * redirects, ourselves, refused, or one that may not lead us), or the error
+ * of sending the join.
+ */
 static int try_suggested(search *s, const hm_mm_reply *r, uint64_t now)
 {
     peer p;
     if (!r->has_leader || s->redirects >= MAX_REDIRECTS)
-        return -1;
+        return -ENOENT;
     memcpy(p.pk, r->leader_pk, HM_PK_BYTES);
     p.addr = r->leader_addr;
     p.deadline_ms = r->deadline_ms;
     if (memcmp(p.pk, s->mm->pk, HM_PK_BYTES) == 0 || is_refused(s, &p, now) ||
         (!key_less(p.deadline_ms, p.pk, self_deadline(s), s->mm->pk) && !stranded(s, now)))
-        return -1;
+        return -ENOENT;
     s->redirects++;
     return send_join(s, &p);
 }

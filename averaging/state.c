@@ -712,7 +712,8 @@ static int serving_busy(hm_state *st, const uint8_t peer_pk[HM_PK_BYTES])
 /*
  * What both requests check before anything is served: the body, the
  * version it names (and, for a chunk, the index), and the serving caps.
- * 0 with *s_out and *v_out set, or -1 once req has been answered.
+ * 0 with *s_out and *v_out set, or the negative errno req has been answered
+ * with.
  */
 static int serve_check(hm_state *st, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                        const uint8_t *body, size_t len, int with_index, hm_state_req *q,
@@ -730,7 +731,7 @@ static int serve_check(hm_state *st, hm_rpc_req *req, const uint8_t peer_pk[HM_P
     }
     if (r != 0) {
         (void)hm_rpc_respond(req, r, NULL, 0);
-        return -1;
+        return r;
     }
     return 0;
 }
