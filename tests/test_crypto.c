@@ -358,6 +358,28 @@ Test(crypto, swarm_id_depends_on_name_and_key)
     cr_assert_arr_neq(ka, a, 32);
 }
 
+Test(crypto, hex_codec)
+{
+    const uint8_t bytes[] = {0x00, 0x01, 0x7f, 0x80, 0xab, 0xcd, 0xef, 0xff};
+    char hex[2 * sizeof(bytes) + 1];
+    uint8_t back[sizeof(bytes)];
+
+    hm_hex_encode(bytes, sizeof(bytes), hex);
+    cr_assert_str_eq(hex, "00017f80abcdefff");
+    hm_hex_encode(bytes, 0, hex);
+    cr_assert_str_eq(hex, "");
+    cr_assert_eq(hm_hex_decode("00017f80ABCDEFff", 16, back, sizeof(back)), 0);
+    cr_assert_arr_eq(back, bytes, sizeof(bytes));
+    cr_assert_eq(hm_hex_decode("", 0, back, 0), 0);
+    /* Exactly 2 * out_len digits, nothing else. */
+    cr_assert_eq(hm_hex_decode("00017f80abcdefff", 15, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("00017f80abcdefff00", 18, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("00017f80abcdefgf", 16, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("00017f80abcd:fff", 16, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("00017f80abcd efff", 16, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("0001\0f80abcdefff", 16, back, sizeof(back)), -EINVAL);
+}
+
 Test(crypto, swarm_key_file)
 {
     char path[128];
