@@ -227,23 +227,20 @@ void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m)
 
 int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_part_msg *out)
 {
-    msgpack_zone zone;
-    msgpack_object obj;
+    hm_wire_msg m;
     const msgpack_object *it;
     hm_wire_limits lim;
-    uint64_t ver, sender, span, chunk, kind;
+    uint64_t sender, span, chunk, kind;
     const uint8_t *gid, *data;
     uint32_t glen, dlen;
     int result;
 
     memset(out, 0, sizeof(*out));
-    if (!msgpack_zone_init(&zone, 512))
-        return -ENOMEM;
-    if ((result = hm_wire_unpack(buf, len, msg_limits(max_elems, &lim), &zone, &obj)) < 0)
+    if ((result = hm_wire_decode_open_array(&m, buf, len, msg_limits(max_elems, &lim), 12, 12,
+                                            HM_AR_VERSION)) < 0)
         goto out;
-    if ((result = hm_wire_get_array(&obj, 12, 12, &it, NULL)) < 0 ||
-        (result = hm_wire_get_uint(&it[0], &ver)) < 0 ||
-        (result = hm_wire_get_bin(&it[1], &gid, &glen)) < 0 ||
+    it = m.items;
+    if ((result = hm_wire_get_bin(&it[1], &gid, &glen)) < 0 ||
         (result = hm_wire_get_uint(&it[2], &sender)) < 0 ||
         (result = hm_wire_get_uint(&it[3], &out->n_total)) < 0 ||
         (result = hm_wire_get_uint(&it[4], &span)) < 0 ||
@@ -255,9 +252,9 @@ int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_pa
         (result = get_mask(&it[10], &out->contrib_mask)) < 0 ||
         (result = hm_wire_get_bin(&it[11], &data, &dlen)) < 0)
         goto out;
-    if (ver != HM_AR_VERSION || glen != HM_AVG_GROUP_ID_BYTES || sender >= HM_AVG_MAX_GROUP ||
-        span >= HM_AVG_MAX_GROUP || chunk > UINT32_MAX || kind > HM_AR_RESULT ||
-        !isfinite(out->weight) || out->weight < 0 || (kind == HM_AR_RESULT && out->contrib_mask == 0)) {
+    if (glen != HM_AVG_GROUP_ID_BYTES || sender >= HM_AVG_MAX_GROUP || span >= HM_AVG_MAX_GROUP ||
+        chunk > UINT32_MAX || kind > HM_AR_RESULT || !isfinite(out->weight) || out->weight < 0 ||
+        (kind == HM_AR_RESULT && out->contrib_mask == 0)) {
         result = -EPROTO;
         goto out;
     }
@@ -271,7 +268,7 @@ int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_pa
     out->data = data;
     out->data_len = dlen;
 out:
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
     if (result < 0)
         memset(out, 0, sizeof(*out));
     return result;
@@ -292,28 +289,20 @@ void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m)
 
 int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_reply_msg *out)
 {
-    msgpack_zone zone;
-    msgpack_object obj;
+    hm_wire_msg m;
     const msgpack_object *it;
     hm_wire_limits lim;
-    uint64_t ver;
     int result;
 
     memset(out, 0, sizeof(*out));
-    if (!msgpack_zone_init(&zone, 256))
-        return -ENOMEM;
-    if ((result = hm_wire_unpack(buf, len, msg_limits(max_elems, &lim), &zone, &obj)) < 0)
+    if ((result = hm_wire_decode_open_array(&m, buf, len, msg_limits(max_elems, &lim), 5, 5,
+                                            HM_AR_VERSION)) < 0)
         goto out;
-    if ((result = hm_wire_get_array(&obj, 5, 5, &it, NULL)) < 0 ||
-        (result = hm_wire_get_uint(&it[0], &ver)) < 0 ||
-        (result = get_mask(&it[1], &out->dead_mask)) < 0 ||
+    it = m.items;
+    if ((result = get_mask(&it[1], &out->dead_mask)) < 0 ||
         (result = get_mask(&it[2], &out->bad_mask)) < 0 ||
         (result = get_mask(&it[3], &out->contrib_mask)) < 0)
         goto out;
-    if (ver != HM_AR_VERSION) {
-        result = -EPROTO;
-        goto out;
-    }
     if (it[4].type != MSGPACK_OBJECT_NIL) {
         const uint8_t *d;
         uint32_t dlen;
@@ -324,7 +313,7 @@ int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_r
         out->data_len = dlen;
     }
 out:
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
     if (result < 0)
         memset(out, 0, sizeof(*out));
     return result;
@@ -344,32 +333,28 @@ void hm_ar_dead_encode(hm_wire_wr *w, const hm_ar_dead_msg *m)
 
 int hm_ar_dead_decode(const uint8_t *buf, size_t len, hm_ar_dead_msg *out)
 {
-    msgpack_zone zone;
-    msgpack_object obj;
+    static const hm_wire_limits lim = {.max_size = 256, .max_depth = 1, .max_elements = 8};
+    hm_wire_msg m;
     const msgpack_object *it;
-    hm_wire_limits lim = {.max_size = 256, .max_depth = 1, .max_elements = 8};
-    uint64_t ver, sender, done = 0;
+    uint64_t sender, done = 0;
     const uint8_t *gid;
-    uint32_t glen, count = 0;
+    uint32_t glen, count;
     int result;
 
     memset(out, 0, sizeof(*out));
-    if (!msgpack_zone_init(&zone, 256))
-        return -ENOMEM;
-    if ((result = hm_wire_unpack(buf, len, &lim, &zone, &obj)) < 0)
-        goto out;
     /* The seventh element (done) is optional: a plain notice may omit it. */
-    if ((result = hm_wire_get_array(&obj, 6, 7, &it, &count)) < 0 ||
-        (result = hm_wire_get_uint(&it[0], &ver)) < 0 ||
-        (result = hm_wire_get_bin(&it[1], &gid, &glen)) < 0 ||
+    if ((result = hm_wire_decode_open_array(&m, buf, len, &lim, 6, 7, HM_AR_VERSION)) < 0)
+        goto out;
+    it = m.items;
+    count = m.n;
+    if ((result = hm_wire_get_bin(&it[1], &gid, &glen)) < 0 ||
         (result = hm_wire_get_uint(&it[2], &sender)) < 0 ||
         (result = hm_wire_get_uint(&it[3], &out->n_total)) < 0 ||
         (result = get_mask(&it[4], &out->dead_mask)) < 0 ||
         (result = get_mask(&it[5], &out->bad_mask)) < 0 ||
         (count == 7 && (result = hm_wire_get_uint(&it[6], &done)) < 0))
         goto out;
-    if (ver != HM_AR_VERSION || glen != HM_AVG_GROUP_ID_BYTES || sender >= HM_AVG_MAX_GROUP ||
-        done > 1) {
+    if (glen != HM_AVG_GROUP_ID_BYTES || sender >= HM_AVG_MAX_GROUP || done > 1) {
         result = -EPROTO;
         goto out;
     }
@@ -377,7 +362,7 @@ int hm_ar_dead_decode(const uint8_t *buf, size_t len, hm_ar_dead_msg *out)
     out->sender = (uint32_t)sender;
     out->done = (uint32_t)done;
 out:
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
     if (result < 0)
         memset(out, 0, sizeof(*out));
     return result;

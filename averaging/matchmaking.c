@@ -159,12 +159,6 @@ static int get_key(const msgpack_object *o, uint8_t *key, size_t *len)
     return 0;
 }
 
-static int get_version(const msgpack_object *o)
-{
-    uint64_t v;
-    return hm_wire_get_uint(o, &v) == 0 && v == WIRE_VERSION ? 0 : -EPROTO;
-}
-
 void hm_mm_encode_join(hm_wire_wr *w, const hm_mm_join *j)
 {
     hm_wire_wr_array(w, 6);
@@ -247,60 +241,46 @@ void hm_mm_encode_decl(hm_wire_wr *w, const hm_mm_decl *d)
     hm_wire_wr_bool(w, d->looking);
 }
 
-/* Unpacks buf as one message into z and checks it is an array of min..max. */
-static int unpack_array(const void *buf, size_t len, msgpack_zone *z, uint32_t min_n,
-                        uint32_t max_n, const msgpack_object **it, uint32_t *n)
-{
-    msgpack_object obj;
-    int r;
-    if (len > HM_MM_WIRE_MAX)
-        return -EMSGSIZE;
-    if ((r = hm_wire_unpack(buf, len, &mm_limits, z, &obj)) < 0)
-        return r;
-    return hm_wire_get_array(&obj, min_n, max_n, it, n) < 0 ? -EPROTO : 0;
-}
 
 int hm_mm_decode_join(const void *buf, size_t len, hm_mm_join *out)
 {
-    msgpack_zone z;
+    hm_wire_msg m;
     const msgpack_object *it;
-    uint32_t n;
     int result;
 
     memset(out, 0, sizeof(*out));
-    if (!msgpack_zone_init(&z, 512))
-        return -ENOMEM;
-    if ((result = unpack_array(buf, len, &z, 6, 6, &it, &n)) < 0)
+    if ((result = hm_wire_decode_open_array(&m, buf, len, &mm_limits, 6, 6, WIRE_VERSION)) < 0)
         goto out;
-    if (get_version(&it[0]) < 0 || get_key(&it[1], out->key, &out->key_len) < 0 ||
+    it = m.items;
+    if (get_key(&it[1], out->key, &out->key_len) < 0 ||
         hm_wire_get_addr(&it[2], &out->addr) < 0 || get_bandwidth(&it[3], &out->bandwidth) < 0 ||
         hm_wire_get_bool(&it[4], &out->client) < 0 ||
         hm_wire_get_uint(&it[5], &out->deadline_ms) < 0)
         result = -EPROTO;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
 int hm_mm_decode_wait(const void *buf, size_t len, hm_mm_wait *out)
 {
-    msgpack_zone z;
+    hm_wire_msg m;
     const msgpack_object *it;
     uint32_t n;
     int result;
 
     memset(out, 0, sizeof(*out));
-    if (!msgpack_zone_init(&z, 256))
-        return -ENOMEM;
-    if ((result = unpack_array(buf, len, &z, 2, 3, &it, &n)) < 0)
+    if ((result = hm_wire_decode_open_array(&m, buf, len, &mm_limits, 2, 3, WIRE_VERSION)) < 0)
         goto out;
-    if (get_version(&it[0]) < 0 || get_key(&it[1], out->key, &out->key_len) < 0 ||
+    it = m.items;
+    n = m.n;
+    if (get_key(&it[1], out->key, &out->key_len) < 0 ||
         (n == 3 && it[2].type != MSGPACK_OBJECT_BOOLEAN))
         result = -EPROTO;
     else if (n == 3)
         out->leave = it[2].via.boolean ? 1 : 0;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
@@ -326,7 +306,7 @@ static int decode_members(const msgpack_object *o, hm_avg_group *g)
 
 int hm_mm_decode_reply(const void *buf, size_t len, hm_mm_reply *out)
 {
-    msgpack_zone z;
+    hm_wire_msg m;
     const msgpack_object *it;
     const uint8_t *p;
     uint32_t n, bl;
@@ -334,10 +314,12 @@ int hm_mm_decode_reply(const void *buf, size_t len, hm_mm_reply *out)
     int result;
 
     memset(out, 0, sizeof(*out));
-    if (!msgpack_zone_init(&z, 2048))
-        return -ENOMEM;
-    if ((result = unpack_array(buf, len, &z, 1, 4, &it, &n)) < 0)
+    /* A reply carries no version: it opens with its code. */
+    if ((result = hm_wire_decode_open_array(&m, buf, len, &mm_limits, 1, 4,
+                                            HM_WIRE_ANY_VERSION)) < 0)
         goto out;
+    it = m.items;
+    n = m.n;
     result = -EPROTO;
     if (hm_wire_get_uint(&it[0], &code) < 0 || code > HM_MM_DISBANDED)
         goto out;
@@ -376,30 +358,28 @@ int hm_mm_decode_reply(const void *buf, size_t len, hm_mm_reply *out)
     }
     result = 0;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
 int hm_mm_decode_decl(const void *buf, size_t len, hm_mm_decl *out)
 {
-    msgpack_zone z;
+    hm_wire_msg m;
     const msgpack_object *it;
-    uint32_t n;
     int result;
 
     memset(out, 0, sizeof(*out));
-    if (!msgpack_zone_init(&z, 256))
-        return -ENOMEM;
-    if ((result = unpack_array(buf, len, &z, 6, 6, &it, &n)) < 0)
+    if ((result = hm_wire_decode_open_array(&m, buf, len, &mm_limits, 6, 6, WIRE_VERSION)) < 0)
         goto out;
-    if (get_version(&it[0]) < 0 || hm_wire_get_addr(&it[1], &out->addr) < 0 ||
+    it = m.items;
+    if (hm_wire_get_addr(&it[1], &out->addr) < 0 ||
         get_bandwidth(&it[2], &out->bandwidth) < 0 ||
         hm_wire_get_bool(&it[3], &out->client) < 0 ||
         hm_wire_get_uint(&it[4], &out->deadline_ms) < 0 ||
         hm_wire_get_bool(&it[5], &out->looking) < 0)
         result = -EPROTO;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
@@ -1075,18 +1055,23 @@ static void send_leave(search *s, const peer *p)
         op_free(o);
 }
 
-/* Follows a suggested leader when it may lead us; 0 when a join went out. */
+/*
+ * Follows a suggested leader when it may lead us. 0 when a join went out,
+ * -ENOENT when there is no leader we may follow (none suggested, too many
+ * redirects, ourselves, refused, or one that may not lead us), or the error
+ * of sending the join.
+ */
 static int try_suggested(search *s, const hm_mm_reply *r, uint64_t now)
 {
     peer p;
     if (!r->has_leader || s->redirects >= MAX_REDIRECTS)
-        return -1;
+        return -ENOENT;
     memcpy(p.pk, r->leader_pk, HM_PK_BYTES);
     p.addr = r->leader_addr;
     p.deadline_ms = r->deadline_ms;
     if (memcmp(p.pk, s->mm->pk, HM_PK_BYTES) == 0 || is_refused(s, &p, now) ||
         (!key_less(p.deadline_ms, p.pk, self_deadline(s), s->mm->pk) && !stranded(s, now)))
-        return -1;
+        return -ENOENT;
     s->redirects++;
     return send_join(s, &p);
 }

@@ -215,16 +215,14 @@ void hm_state_encode_decl(hm_wire_wr *w, const hm_state_decl *d)
 
 int hm_state_decode_decl(const uint8_t *buf, size_t len, hm_state_decl *out)
 {
-    msgpack_zone zone;
-    msgpack_object obj;
+    hm_wire_msg m;
     const msgpack_object *it;
     int r;
-    if (!msgpack_zone_init(&zone, 256))
-        return -ENOMEM;
-    if ((r = hm_wire_unpack(buf, len, &small_limits, &zone, &obj)) < 0)
+    if ((r = hm_wire_decode_open_array(&m, buf, len, &small_limits, 5, 5, HM_WIRE_ANY_VERSION)) < 0)
         goto out;
+    it = m.items;
     r = -EPROTO;
-    if (hm_wire_get_array(&obj, 5, 5, &it, NULL) < 0 || hm_wire_get_addr(&it[0], &out->addr) < 0 ||
+    if (hm_wire_get_addr(&it[0], &out->addr) < 0 ||
         hm_wire_get_uint(&it[1], &out->step) < 0 ||
         hm_wire_get_uint(&it[2], &out->total_len) < 0 ||
         hm_wire_get_uint(&it[3], &out->chunk_size) < 0 ||
@@ -234,7 +232,7 @@ int hm_state_decode_decl(const uint8_t *buf, size_t len, hm_state_decl *out)
         goto out;
     r = 0;
 out:
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
     return r;
 }
 
@@ -251,20 +249,16 @@ void hm_state_encode_manifest(hm_wire_wr *w, uint64_t step, uint64_t total_len,
 
 int hm_state_decode_manifest(const uint8_t *buf, size_t len, hm_state_manifest *out)
 {
-    msgpack_zone zone;
-    msgpack_object obj;
+    hm_wire_msg m;
     const msgpack_object *it;
-    uint64_t ver;
     const uint8_t *p;
     uint32_t n;
     int r;
-    if (!msgpack_zone_init(&zone, 256))
-        return -ENOMEM;
-    if ((r = hm_wire_unpack(buf, len, &manifest_limits, &zone, &obj)) < 0)
+    if ((r = hm_wire_decode_open_array(&m, buf, len, &manifest_limits, 5, 5, WIRE_VERSION)) < 0)
         goto out;
+    it = m.items;
     r = -EPROTO;
-    if (hm_wire_get_array(&obj, 5, 5, &it, NULL) < 0 || hm_wire_get_uint(&it[0], &ver) < 0 ||
-        ver != WIRE_VERSION || hm_wire_get_uint(&it[1], &out->step) < 0 ||
+    if (hm_wire_get_uint(&it[1], &out->step) < 0 ||
         hm_wire_get_uint(&it[2], &out->total_len) < 0 ||
         hm_wire_get_uint(&it[3], &out->chunk_size) < 0 || hm_wire_get_bin(&it[4], &p, &n) < 0)
         goto out;
@@ -274,7 +268,7 @@ int hm_state_decode_manifest(const uint8_t *buf, size_t len, hm_state_manifest *
     out->hashes = p;
     r = 0;
 out:
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
     return r;
 }
 
@@ -289,18 +283,17 @@ void hm_state_encode_req(hm_wire_wr *w, const hm_state_req *r, int with_index)
 
 int hm_state_decode_req(const uint8_t *buf, size_t len, int with_index, hm_state_req *out)
 {
-    msgpack_zone zone;
-    msgpack_object obj;
+    hm_wire_msg m;
     const msgpack_object *it;
     const char *p;
     uint32_t n, want = with_index ? 3 : 2;
     int r;
-    if (!msgpack_zone_init(&zone, 256))
-        return -ENOMEM;
-    if ((r = hm_wire_unpack(buf, len, &small_limits, &zone, &obj)) < 0)
+    if ((r = hm_wire_decode_open_array(&m, buf, len, &small_limits, want, want,
+                                       HM_WIRE_ANY_VERSION)) < 0)
         goto out;
+    it = m.items;
     r = -EPROTO;
-    if (hm_wire_get_array(&obj, want, want, &it, NULL) < 0 || hm_wire_get_str(&it[0], &p, &n) < 0 ||
+    if (hm_wire_get_str(&it[0], &p, &n) < 0 ||
         !prefix_ok(p, n) || hm_wire_get_bin_exact(&it[1], out->hash, HM_STATE_HASH_BYTES) < 0)
         goto out;
     memcpy(out->prefix, p, n);
@@ -310,7 +303,7 @@ int hm_state_decode_req(const uint8_t *buf, size_t len, int with_index, hm_state
         goto out;
     r = 0;
 out:
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
     return r;
 }
 
@@ -719,7 +712,8 @@ static int serving_busy(hm_state *st, const uint8_t peer_pk[HM_PK_BYTES])
 /*
  * What both requests check before anything is served: the body, the
  * version it names (and, for a chunk, the index), and the serving caps.
- * 0 with *s_out and *v_out set, or -1 once req has been answered.
+ * 0 with *s_out and *v_out set, or the negative errno req has been answered
+ * with.
  */
 static int serve_check(hm_state *st, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                        const uint8_t *body, size_t len, int with_index, hm_state_req *q,
@@ -737,7 +731,7 @@ static int serve_check(hm_state *st, hm_rpc_req *req, const uint8_t peer_pk[HM_P
     }
     if (r != 0) {
         (void)hm_rpc_respond(req, r, NULL, 0);
-        return -1;
+        return r;
     }
     return 0;
 }

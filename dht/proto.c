@@ -401,8 +401,7 @@ static int decode_obj(const msgpack_object *root, hm_dht_msg *out)
 
 int hm_dht_msg_decode(const uint8_t *buf, size_t len, hm_dht_msg *out)
 {
-    msgpack_zone zone;
-    msgpack_object root;
+    hm_wire_msg m;
     int result;
 
     /*
@@ -414,12 +413,10 @@ int hm_dht_msg_decode(const uint8_t *buf, size_t len, hm_dht_msg *out)
     out->n_contacts = 0;
     if (len > HM_DHT_PROTO_MAX_SIZE)
         return -EMSGSIZE;
-    if (!msgpack_zone_init(&zone, 2048))
-        return -ENOMEM;
-    if ((result = hm_wire_unpack(buf, len, &proto_limits, &zone, &root)) < 0)
+    if ((result = hm_wire_decode_open(&m, buf, len, &proto_limits)) < 0)
         goto out;
-    result = decode_obj(&root, out);
+    result = decode_obj(&m.root, out);
 out:
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
     return result;
 }

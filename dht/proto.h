@@ -45,7 +45,7 @@
  * closest contacts instead; one whose records leave room carries some too.
  * STORED's status is 0 or the store's negative error (store.h).
  *
- * Decoding validates the datagram with hm_wire_unpack under tight limits
+ * Decoding validates the datagram with hm_wire_decode_open under tight limits
  * (HM_DHT_PROTO_MAX_SIZE bytes, depth 3, HM_DHT_PROTO_MAX_ELEMENTS
  * elements) and then checks every field: type, counts, lengths and record
  * shapes (hm_dht_record_decode). Anything else is refused as a whole.

@@ -295,13 +295,16 @@ int hm_dht_record_decode(const msgpack_object *o, hm_dht_record *out)
     return 0;
 }
 
-int hm_dht_record_parse(const void *buf, size_t len, msgpack_zone *zone, hm_dht_record *out)
+int hm_dht_record_parse(const void *buf, size_t len, hm_dht_record *out)
 {
-    msgpack_object o;
+    hm_wire_msg m;
     int result;
 
     memset(out, 0, sizeof(*out));
-    if ((result = hm_wire_unpack(buf, len, &record_limits, zone, &o)) < 0)
-        return result;
-    return hm_dht_record_decode(&o, out);
+    if ((result = hm_wire_decode_open(&m, buf, len, &record_limits)) < 0)
+        goto out;
+    result = hm_dht_record_decode(&m.root, out);
+out:
+    hm_wire_decode_close(&m);
+    return result;
 }

@@ -139,9 +139,10 @@ int hm_dht_record_decode(const msgpack_object *o, hm_dht_record *out);
 
 /*
  * Validates and unpacks buf (exactly one record, at most
- * HM_DHT_RECORD_MAX_WIRE bytes) into zone, then decodes it. Returns 0 or
- * the errors of hm_wire_unpack and hm_dht_record_decode.
+ * HM_DHT_RECORD_MAX_WIRE bytes), then decodes it. The record's pointers
+ * refer into buf only, so the unpacked objects are freed before it returns.
+ * Returns 0 or the errors of hm_wire_decode_open and hm_dht_record_decode.
  */
-int hm_dht_record_parse(const void *buf, size_t len, msgpack_zone *zone, hm_dht_record *out);
+int hm_dht_record_parse(const void *buf, size_t len, hm_dht_record *out);
 
 #endif

@@ -755,11 +755,11 @@ int hm_ffn_load(const uint8_t *buf, size_t len, const hm_ffn_config *expect, hm_
 {
     /* Fifteen keys and their values; a state has no nesting below the map. */
     const hm_wire_limits lim = {.max_size = state_max_bytes(), .max_depth = 1, .max_elements = 64};
-    msgpack_zone zone;
-    msgpack_object root;
+    hm_wire_msg m;
+    const msgpack_object *root;
     hm_ffn_config c, want;
     hm_ffn *f = NULL;
-    uint64_t version, dim, hidden, opt, seed, steps;
+    uint64_t dim, hidden, opt, seed, steps;
     size_t np;
     int nmom, result;
 
@@ -770,27 +770,26 @@ int hm_ffn_load(const uint8_t *buf, size_t len, const hm_ffn_config *expect, hm_
         return -EINVAL;
     if (len > lim.max_size)
         return -EMSGSIZE;
-    if (!msgpack_zone_init(&zone, 1024))
-        return -ENOMEM;
-    /* Whatever the validator refuses (truncation, trailing bytes, depth) is malformed content. */
-    if ((result = hm_wire_unpack(buf, len, &lim, &zone, &root)) < 0) {
+    /*
+     * Whatever the validator refuses (truncation, trailing bytes, depth), a
+     * root that is not a map and a version that is not ours are all
+     * malformed content.
+     */
+    if ((result = hm_wire_decode_open_map(&m, buf, len, &lim, "version", STATE_VERSION)) < 0) {
         if (result != -ENOMEM)
             result = -EBADMSG;
         goto out;
     }
+    root = &m.root;
     result = -EBADMSG;
-    if (root.type != MSGPACK_OBJECT_MAP)
-        goto out;
-    if (get_uint_key(&root, "version", &version) < 0 || version != STATE_VERSION)
-        goto out;
     memset(&c, 0, sizeof(c));
-    if (get_uint_key(&root, "dim", &dim) < 0 || get_uint_key(&root, "hidden", &hidden) < 0 ||
-        get_uint_key(&root, "optimizer", &opt) < 0 || get_uint_key(&root, "seed", &seed) < 0 ||
-        get_uint_key(&root, "steps", &steps) < 0 || get_double_key(&root, "lr", &c.lr) < 0 ||
-        get_double_key(&root, "momentum", &c.momentum) < 0 ||
-        get_double_key(&root, "beta1", &c.beta1) < 0 ||
-        get_double_key(&root, "beta2", &c.beta2) < 0 || get_double_key(&root, "eps", &c.eps) < 0 ||
-        get_double_key(&root, "weight_decay", &c.weight_decay) < 0)
+    if (get_uint_key(root, "dim", &dim) < 0 || get_uint_key(root, "hidden", &hidden) < 0 ||
+        get_uint_key(root, "optimizer", &opt) < 0 || get_uint_key(root, "seed", &seed) < 0 ||
+        get_uint_key(root, "steps", &steps) < 0 || get_double_key(root, "lr", &c.lr) < 0 ||
+        get_double_key(root, "momentum", &c.momentum) < 0 ||
+        get_double_key(root, "beta1", &c.beta1) < 0 ||
+        get_double_key(root, "beta2", &c.beta2) < 0 || get_double_key(root, "eps", &c.eps) < 0 ||
+        get_double_key(root, "weight_decay", &c.weight_decay) < 0)
         goto out;
     /* Zero hidden or lr would be replaced by defaults: a saved state never holds them. */
     if (dim < 1 || dim > HM_FFN_MAX_DIM || hidden < 1 || hidden > HM_FFN_MAX_HIDDEN ||
@@ -816,23 +815,23 @@ int hm_ffn_load(const uint8_t *buf, size_t len, const hm_ffn_config *expect, hm_
     /* Every length is checked before anything is allocated, so the allocation is bounded by len. */
     np = nparams_of(&c);
     nmom = moments_of(&c);
-    if (get_vector(&root, "params", np, 0, NULL) < 0 ||
-        get_vector(&root, "m1", nmom >= 1 ? np : 0, 0, NULL) < 0 ||
-        get_vector(&root, "m2", nmom >= 2 ? np : 0, 1, NULL) < 0)
+    if (get_vector(root, "params", np, 0, NULL) < 0 ||
+        get_vector(root, "m1", nmom >= 1 ? np : 0, 0, NULL) < 0 ||
+        get_vector(root, "m2", nmom >= 2 ? np : 0, 1, NULL) < 0)
         goto out;
     if ((result = ffn_alloc(&c, &f)) < 0)
         goto out;
     result = -EBADMSG;
     f->steps = steps;
-    if (get_vector(&root, "params", np, 0, f->params) < 0 ||
-        (f->m1 != NULL && get_vector(&root, "m1", np, 0, f->m1) < 0) ||
-        (f->m2 != NULL && get_vector(&root, "m2", np, 1, f->m2) < 0))
+    if (get_vector(root, "params", np, 0, f->params) < 0 ||
+        (f->m1 != NULL && get_vector(root, "m1", np, 0, f->m1) < 0) ||
+        (f->m2 != NULL && get_vector(root, "m2", np, 1, f->m2) < 0))
         goto out;
     *out = f;
     f = NULL;
     result = 0;
 out:
     hm_ffn_free(f);
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
     return result;
 }

@@ -394,21 +394,20 @@ static int get_f32_2d(const msgpack_object *o, hm_wire_tensor *t)
     return 0;
 }
 
-static int unpack_map(const uint8_t *buf, size_t len, const hm_wire_limits *lim,
-                      msgpack_zone *z, msgpack_object *obj)
+/*
+ * Opens a request or reply, which is a map. The expert protocol has always
+ * reported a root that is not a map as -EINVAL, so the prologue's -EPROTO
+ * (which it returns for nothing else) becomes that.
+ */
+static int open_map(hm_wire_msg *m, const uint8_t *buf, size_t len, const hm_wire_limits *lim)
 {
-    int r;
-    if (buf == NULL)
-        return -EINVAL;
-    if ((r = hm_wire_unpack(buf, len, lim, z, obj)) < 0)
-        return r;
-    return obj->type == MSGPACK_OBJECT_MAP ? 0 : -EINVAL;
+    int r = hm_wire_decode_open_map(m, buf, len, lim, NULL, 0);
+    return r == -EPROTO ? -EINVAL : r;
 }
 
 int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *out)
 {
-    msgpack_zone z;
-    msgpack_object obj;
+    hm_wire_msg m;
     hm_wire_tensor x, gy;
     hm_moe_req req;
     int result;
@@ -416,19 +415,17 @@ int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *
     if (out == NULL)
         return -EINVAL;
     memset(&req, 0, sizeof(req));
-    if (!msgpack_zone_init(&z, 512))
-        return -ENOMEM;
-    if ((result = unpack_map(buf, len, &frame_limits, &z, &obj)) < 0)
+    if ((result = open_map(&m, buf, len, &frame_limits)) < 0)
         goto out;
-    if ((result = get_uid(&obj, req.uid)) < 0)
+    if ((result = get_uid(&m.root, req.uid)) < 0)
         goto out;
-    if ((result = get_f32_2d(hm_wire_map_get(&obj, "x"), &x)) < 0)
+    if ((result = get_f32_2d(hm_wire_map_get(&m.root, "x"), &x)) < 0)
         goto out;
     req.batch = (size_t)x.shape[0];
     req.dim = (size_t)x.shape[1];
     req.x = x.data;
     if (backward) {
-        if ((result = get_f32_2d(hm_wire_map_get(&obj, "gy"), &gy)) < 0)
+        if ((result = get_f32_2d(hm_wire_map_get(&m.root, "gy"), &gy)) < 0)
             goto out;
         if (gy.shape[0] != x.shape[0] || gy.shape[1] != x.shape[1]) {
             result = -EPROTO;
@@ -439,25 +436,22 @@ int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *
     *out = req;
     result = 0;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
 int hm_moe_decode_info_req(const uint8_t *buf, size_t len, char uid[HM_MOE_UID_MAX + 1])
 {
-    msgpack_zone z;
-    msgpack_object obj;
+    hm_wire_msg m;
     int result;
 
     if (uid == NULL)
         return -EINVAL;
-    if (!msgpack_zone_init(&z, 256))
-        return -ENOMEM;
-    if ((result = unpack_map(buf, len, &small_limits, &z, &obj)) < 0)
+    if ((result = open_map(&m, buf, len, &small_limits)) < 0)
         goto out;
-    result = get_uid(&obj, uid);
+    result = get_uid(&m.root, uid);
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
@@ -476,19 +470,16 @@ static int all_finite_bytes(const uint8_t *p, size_t n)
 int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch, size_t dim,
                       float *out)
 {
-    msgpack_zone z;
-    msgpack_object obj;
+    hm_wire_msg m;
     hm_wire_tensor t;
     int result;
 
     if (out == NULL || batch == 0 || dim == 0 || batch > HM_MOE_MAX_BATCH ||
         dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS)
         return -EINVAL;
-    if (!msgpack_zone_init(&z, 256))
-        return -ENOMEM;
-    if ((result = unpack_map(buf, len, &frame_limits, &z, &obj)) < 0)
+    if ((result = open_map(&m, buf, len, &frame_limits)) < 0)
         goto out;
-    if ((result = get_f32_2d(hm_wire_map_get(&obj, backward ? "gx" : "y"), &t)) < 0)
+    if ((result = get_f32_2d(hm_wire_map_get(&m.root, backward ? "gx" : "y"), &t)) < 0)
         goto out;
     if (t.shape[0] != batch || t.shape[1] != dim) {
         result = -EPROTO;
@@ -501,7 +492,7 @@ int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch
     memcpy(out, t.data, batch * dim * sizeof(float));
     result = 0;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
@@ -524,23 +515,20 @@ static int get_type(const msgpack_object *o, char type[HM_MOE_TYPE_MAX + 1])
 int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
                        size_t *dim_out, size_t *hidden_out)
 {
-    msgpack_zone z;
-    msgpack_object obj;
+    hm_wire_msg m;
     const msgpack_object *o;
     char ty[HM_MOE_TYPE_MAX + 1];
     uint64_t dim, hidden;
     int result;
 
-    if (!msgpack_zone_init(&z, 256))
-        return -ENOMEM;
-    if ((result = unpack_map(buf, len, &small_limits, &z, &obj)) < 0)
+    if ((result = open_map(&m, buf, len, &small_limits)) < 0)
         goto out;
     result = -EINVAL;
-    if (get_type(hm_wire_map_get(&obj, "type"), ty) < 0)
+    if (get_type(hm_wire_map_get(&m.root, "type"), ty) < 0)
         goto out;
-    if ((o = hm_wire_map_get(&obj, "dim")) == NULL || hm_wire_get_uint(o, &dim) < 0)
+    if ((o = hm_wire_map_get(&m.root, "dim")) == NULL || hm_wire_get_uint(o, &dim) < 0)
         goto out;
-    if ((o = hm_wire_map_get(&obj, "hidden")) == NULL || hm_wire_get_uint(o, &hidden) < 0)
+    if ((o = hm_wire_map_get(&m.root, "hidden")) == NULL || hm_wire_get_uint(o, &hidden) < 0)
         goto out;
     if (dim == 0 || dim > HM_MOE_MAX_DIM || hidden == 0 || hidden > INFO_MAX_HIDDEN) {
         result = -EMSGSIZE;
@@ -554,7 +542,7 @@ int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX
         *hidden_out = (size_t)hidden;
     result = 0;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
@@ -628,26 +616,22 @@ static int get_addr(const msgpack_object *o, char addr[HM_MOE_ADDR_MAX + 1])
     return 0;
 }
 
-static int unpack_value(const uint8_t *buf, size_t len, msgpack_zone *z, uint32_t n,
-                        const msgpack_object **items)
+/*
+ * Opens a DHT value: an array of exactly n elements, since a later version
+ * that adds fields changes the form on purpose. A value that is not this
+ * form, whatever is wrong with it, is -EINVAL; only a failed allocation
+ * stays -ENOMEM.
+ */
+static int open_value(hm_wire_msg *m, const uint8_t *buf, size_t len, uint32_t n)
 {
-    msgpack_object obj;
-    int r;
-
-    if (buf == NULL)
-        return -EINVAL;
-    if ((r = hm_wire_unpack(buf, len, &small_limits, z, &obj)) < 0)
-        return -EINVAL;
-    /* Exactly n elements: a later version that adds fields changes the form on purpose. */
-    if ((r = hm_wire_get_array(&obj, n, n, items, NULL)) < 0)
-        return -EINVAL;
-    return 0;
+    int r = hm_wire_decode_open_array(m, buf, len, &small_limits, n, n, HM_WIRE_ANY_VERSION);
+    return r < 0 && r != -ENOMEM ? -EINVAL : r;
 }
 
 int hm_moe_decode_expert_value(const uint8_t *buf, size_t len, char addr[HM_MOE_ADDR_MAX + 1],
                                char type[HM_MOE_TYPE_MAX + 1], size_t *dim_out)
 {
-    msgpack_zone z;
+    hm_wire_msg m;
     const msgpack_object *it;
     char a[HM_MOE_ADDR_MAX + 1], ty[HM_MOE_TYPE_MAX + 1];
     uint64_t dim;
@@ -655,10 +639,9 @@ int hm_moe_decode_expert_value(const uint8_t *buf, size_t len, char addr[HM_MOE_
 
     if (len == 0)
         return -ENOENT;
-    if (!msgpack_zone_init(&z, 256))
-        return -ENOMEM;
-    if ((result = unpack_value(buf, len, &z, 3, &it)) < 0)
+    if ((result = open_value(&m, buf, len, 3)) < 0)
         goto out;
+    it = m.items;
     result = -EINVAL;
     if (get_addr(&it[0], a) < 0 || get_type(&it[1], ty) < 0 || hm_wire_get_uint(&it[2], &dim) < 0 ||
         dim == 0 || dim > HM_MOE_MAX_DIM)
@@ -671,14 +654,14 @@ int hm_moe_decode_expert_value(const uint8_t *buf, size_t len, char addr[HM_MOE_
         *dim_out = (size_t)dim;
     result = 0;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 
 int hm_moe_decode_prefix_value(const uint8_t *buf, size_t len, char uid[HM_MOE_UID_MAX + 1],
                                char addr[HM_MOE_ADDR_MAX + 1])
 {
-    msgpack_zone z;
+    hm_wire_msg m;
     const msgpack_object *it;
     char a[HM_MOE_ADDR_MAX + 1], u[HM_MOE_UID_MAX + 1];
     const char *p;
@@ -687,10 +670,9 @@ int hm_moe_decode_prefix_value(const uint8_t *buf, size_t len, char uid[HM_MOE_U
 
     if (len == 0)
         return -ENOENT;
-    if (!msgpack_zone_init(&z, 256))
-        return -ENOMEM;
-    if ((result = unpack_value(buf, len, &z, 2, &it)) < 0)
+    if ((result = open_value(&m, buf, len, 2)) < 0)
         goto out;
+    it = m.items;
     result = -EINVAL;
     if (hm_wire_get_str(&it[0], &p, &n) < 0 || hm_moe_uid_parse(p, n, NULL) < 0 ||
         get_addr(&it[1], a) < 0)
@@ -703,7 +685,7 @@ int hm_moe_decode_prefix_value(const uint8_t *buf, size_t len, char uid[HM_MOE_U
         memcpy(addr, a, sizeof(a));
     result = 0;
 out:
-    msgpack_zone_destroy(&z);
+    hm_wire_decode_close(&m);
     return result;
 }
 

@@ -358,6 +358,28 @@ Test(crypto, swarm_id_depends_on_name_and_key)
     cr_assert_arr_neq(ka, a, 32);
 }
 
+Test(crypto, hex_codec)
+{
+    const uint8_t bytes[] = {0x00, 0x01, 0x7f, 0x80, 0xab, 0xcd, 0xef, 0xff};
+    char hex[2 * sizeof(bytes) + 1];
+    uint8_t back[sizeof(bytes)];
+
+    hm_hex_encode(bytes, sizeof(bytes), hex);
+    cr_assert_str_eq(hex, "00017f80abcdefff");
+    hm_hex_encode(bytes, 0, hex);
+    cr_assert_str_eq(hex, "");
+    cr_assert_eq(hm_hex_decode("00017f80ABCDEFff", 16, back, sizeof(back)), 0);
+    cr_assert_arr_eq(back, bytes, sizeof(bytes));
+    cr_assert_eq(hm_hex_decode("", 0, back, 0), 0);
+    /* Exactly 2 * out_len digits, nothing else. */
+    cr_assert_eq(hm_hex_decode("00017f80abcdefff", 15, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("00017f80abcdefff00", 18, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("00017f80abcdefgf", 16, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("00017f80abcd:fff", 16, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("00017f80abcd efff", 16, back, sizeof(back)), -EINVAL);
+    cr_assert_eq(hm_hex_decode("0001\0f80abcdefff", 16, back, sizeof(back)), -EINVAL);
+}
+
 Test(crypto, swarm_key_file)
 {
     char path[128];
@@ -407,7 +429,7 @@ struct node {
 static void node_init(struct node *n, uint8_t tag, const uint8_t *swarm, size_t max_peers)
 {
     seeded(tag, &n->id);
-    n->ctx = hm_dgram_ctx_new(&n->id, swarm, max_peers);
+    cr_assert_eq(hm_dgram_ctx_new(&n->id, swarm, max_peers, &n->ctx), 0);
     cr_assert_not_null(n->ctx);
 }
 
@@ -707,7 +729,9 @@ Test(crypto, dgram_replay_table_is_bounded)
     len = seal(&s[3], &b, later, "s3", d);
     cr_assert_eq(open_dg(&b, d, len, later, NULL, NULL, NULL), -ENOBUFS);
 
-    cr_assert_null(hm_dgram_ctx_new(&b.id, swarm_main(), 0));
+    hm_dgram_ctx *none = b.ctx;
+    cr_assert_eq(hm_dgram_ctx_new(&b.id, swarm_main(), 0, &none), -EINVAL);
+    cr_assert_null(none);
     node_free(&b);
     for (int i = 0; i < 4; i++)
         node_free(&s[i]);
@@ -726,7 +750,7 @@ Test(crypto, dgram_many_senders_in_a_large_table)
             seed[1] = (uint8_t)(i >> 8);
             seed[2] = 0x55;
             cr_assert_eq(hm_identity_from_seed(seed, &s.id), 0);
-            s.ctx = hm_dgram_ctx_new(&s.id, swarm_main(), 1);
+            cr_assert_eq(hm_dgram_ctx_new(&s.id, swarm_main(), 1, &s.ctx), 0);
             size_t len = seal(&s, &b, NOW + (uint64_t)round, "m", d);
             cr_assert_eq(open_dg(&b, d, len, NOW, sender, NULL, NULL), 0, "sender %d", i);
             cr_assert_arr_eq(sender, s.id.pk, 32);

@@ -526,7 +526,6 @@ Test(store, large_dictionary_pages_by_bytes)
 Test(record, round_trip_and_size)
 {
     hm_wire_wr w;
-    msgpack_zone z;
     hm_dht_record r, back;
     uint8_t buf[HM_DHT_RECORD_MAX_WIRE];
 
@@ -536,8 +535,7 @@ Test(record, round_trip_and_size)
     hm_dht_record_encode(&w, &r);
     cr_assert_eq(hm_wire_wr_error(&w), 0);
     cr_assert_eq(w.len, hm_dht_record_encoded_size(&r));
-    msgpack_zone_init(&z, 1024);
-    cr_assert_eq(hm_dht_record_parse(buf, w.len, &z, &back), 0);
+    cr_assert_eq(hm_dht_record_parse(buf, w.len, &back), 0);
     cr_assert_eq(back.key_len, r.key_len);
     cr_assert_eq(memcmp(back.key, r.key, r.key_len), 0);
     cr_assert(back.has_subkey && back.subkey_len == r.subkey_len);
@@ -546,35 +544,29 @@ Test(record, round_trip_and_size)
     cr_assert_eq(memcmp(back.sig, r.sig, HM_DHT_SIG_BYTES), 0);
     cr_assert_eq(hm_dht_record_verify(&back, swarm, NULL), 1);
     /* Truncated or trailing bytes are refused. */
-    cr_assert_lt(hm_dht_record_parse(buf, w.len - 1, &z, &back), 0);
-    msgpack_zone_destroy(&z);
+    cr_assert_lt(hm_dht_record_parse(buf, w.len - 1, &back), 0);
 
     /* An unowned record without subkey or signature. */
     r = rec("k", NULL, "", NOW);
     hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
     hm_dht_record_encode(&w, &r);
     cr_assert_eq(w.len, hm_dht_record_encoded_size(&r));
-    msgpack_zone_init(&z, 1024);
-    cr_assert_eq(hm_dht_record_parse(buf, w.len, &z, &back), 0);
+    cr_assert_eq(hm_dht_record_parse(buf, w.len, &back), 0);
     cr_assert(!back.has_subkey && back.sig == NULL && back.value_len == 0);
     cr_assert_eq(hm_dht_record_verify(&back, swarm, NULL), 0);
-    msgpack_zone_destroy(&z);
 }
 
 static int parse_packed(void (*build)(hm_wire_wr *w))
 {
     uint8_t buf[4096];
     hm_wire_wr w;
-    msgpack_zone z;
     hm_dht_record r;
     int rc;
 
     hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
     build(&w);
     cr_assert_eq(hm_wire_wr_error(&w), 0);
-    msgpack_zone_init(&z, 1024);
-    rc = hm_dht_record_parse(buf, w.len, &z, &r);
-    msgpack_zone_destroy(&z);
+    rc = hm_dht_record_parse(buf, w.len, &r);
     return rc;
 }
 

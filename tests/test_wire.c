@@ -1046,3 +1046,142 @@ Test(wire, tensor_wrong_types_are_rejected)
     }
     msgpack_zone_destroy(&z);
 }
+
+/* ---- the decoders' prologue ---- */
+
+/* [7, "ab", 3]: a version-7 message of three elements. */
+static const uint8_t msg_v7[] = {0x93, 0x07, 0xa2, 'a', 'b', 0x03};
+
+Test(wire, decode_open_array_opens_a_good_message)
+{
+    hm_wire_msg m;
+    const char *s;
+    uint32_t n;
+
+    cr_assert_eq(hm_wire_decode_open_array(&m, msg_v7, sizeof(msg_v7), NULL, 3, 3, 7), 0);
+    cr_assert_eq(m.n, 3);
+    cr_assert_eq(m.root.type, MSGPACK_OBJECT_ARRAY);
+    cr_assert_eq(hm_wire_get_str(&m.items[1], &s, &n), 0);
+    cr_assert(n == 2 && memcmp(s, "ab", 2) == 0);
+    /* str points into the frame, not into the zone. */
+    cr_assert_eq((const uint8_t *)s, msg_v7 + 3);
+    hm_wire_decode_close(&m);
+    /* A second close (as after a failed open) is harmless. */
+    hm_wire_decode_close(&m);
+
+    /* Any version, and a range of counts. */
+    cr_assert_eq(hm_wire_decode_open_array(&m, msg_v7, sizeof(msg_v7), NULL, 2, 4,
+                                           HM_WIRE_ANY_VERSION),
+                 0);
+    cr_assert_eq(m.n, 3);
+    hm_wire_decode_close(&m);
+}
+
+Test(wire, decode_open_refuses_a_truncated_frame)
+{
+    hm_wire_msg m;
+
+    for (size_t cut = 0; cut < sizeof(msg_v7); cut++) {
+        cr_assert_eq(hm_wire_decode_open_array(&m, msg_v7, cut, NULL, 3, 3, 7), -EINVAL,
+                     "cut at %zu", cut);
+        hm_wire_decode_close(&m);
+        cr_assert_eq(hm_wire_decode_open(&m, msg_v7, cut, NULL), -EINVAL, "cut at %zu", cut);
+        hm_wire_decode_close(&m);
+    }
+    /* Trailing bytes are malformed too, and so is no buffer at all. */
+    const uint8_t longer[] = {0x93, 0x07, 0xa2, 'a', 'b', 0x03, 0xc0};
+    cr_assert_eq(hm_wire_decode_open(&m, longer, sizeof(longer), NULL), -EINVAL);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open(&m, NULL, 4, NULL), -EINVAL);
+    hm_wire_decode_close(&m);
+}
+
+Test(wire, decode_open_refuses_a_wrong_version_or_shape)
+{
+    const uint8_t v8[] = {0x93, 0x08, 0xa2, 'a', 'b', 0x03};
+    const uint8_t str_version[] = {0x93, 0xa1, '7', 0xa2, 'a', 'b', 0x03};
+    const uint8_t neg_version[] = {0x93, 0xf9, 0xa2, 'a', 'b', 0x03};
+    const uint8_t empty[] = {0x90};
+    const uint8_t map_v7[] = {0x82, 0xa7, 'v', 'e', 'r', 's', 'i', 'o', 'n', 0x07,
+                              0xa1, 'x', 0x01};
+    hm_wire_msg m;
+
+    cr_assert_eq(hm_wire_decode_open_array(&m, v8, sizeof(v8), NULL, 3, 3, 7), -EPROTO);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_array(&m, str_version, sizeof(str_version), NULL, 3, 3, 7),
+                 -EPROTO);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_array(&m, neg_version, sizeof(neg_version), NULL, 3, 3, 7),
+                 -EPROTO);
+    hm_wire_decode_close(&m);
+    /* An empty array has no version to check. */
+    cr_assert_eq(hm_wire_decode_open_array(&m, empty, sizeof(empty), NULL, 0, 0, 7), -EPROTO);
+    hm_wire_decode_close(&m);
+    /* Too few and too many elements, and a map where an array belongs. */
+    cr_assert_eq(hm_wire_decode_open_array(&m, msg_v7, sizeof(msg_v7), NULL, 4, 4, 7), -EPROTO);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_array(&m, msg_v7, sizeof(msg_v7), NULL, 1, 2, 7), -EPROTO);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_array(&m, map_v7, sizeof(map_v7), NULL, 0, 0,
+                                           HM_WIRE_ANY_VERSION),
+                 -EPROTO);
+    hm_wire_decode_close(&m);
+
+    /* Maps: the version key must be there and hold the version. */
+    cr_assert_eq(hm_wire_decode_open_map(&m, map_v7, sizeof(map_v7), NULL, "version", 7), 0);
+    cr_assert_not_null(hm_wire_map_get(&m.root, "x"));
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_map(&m, map_v7, sizeof(map_v7), NULL, "version", 6),
+                 -EPROTO);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_map(&m, map_v7, sizeof(map_v7), NULL, "ver", 7), -EPROTO);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_map(&m, map_v7, sizeof(map_v7), NULL, NULL, 0), 0);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_map(&m, msg_v7, sizeof(msg_v7), NULL, NULL, 0), -EPROTO);
+    hm_wire_decode_close(&m);
+}
+
+Test(wire, decode_open_refuses_frames_over_the_limits)
+{
+    const hm_wire_limits tight = {.max_size = 64, .max_depth = 2, .max_elements = 8};
+    struct bytes deep = {0}, wide = {0}, big = {0};
+    hm_wire_msg m;
+
+    /* [7, [[[1]]]]: depth 4 against a cap of 2. */
+    put1(&deep, 0x92);
+    put1(&deep, 0x07);
+    put_fill(&deep, 0x91, 3);
+    put1(&deep, 0x01);
+    cr_assert_eq(hm_wire_decode_open_array(&m, deep.p, deep.len, &tight, 2, 2, 7), -EMSGSIZE);
+    hm_wire_decode_close(&m);
+    cr_assert_eq(hm_wire_decode_open_array(&m, deep.p, deep.len, NULL, 2, 2, 7), 0);
+    hm_wire_decode_close(&m);
+
+    /* [7, 0, 0, ...]: 12 elements against a cap of 8. */
+    put1(&wide, 0x9c);
+    put1(&wide, 0x07);
+    put_fill(&wide, 0x00, 11);
+    cr_assert_eq(hm_wire_decode_open_array(&m, wide.p, wide.len, &tight, 12, 12, 7), -EMSGSIZE);
+    hm_wire_decode_close(&m);
+
+    /* [7, bin of 100 bytes]: over the 64-byte frame cap. */
+    put1(&big, 0x92);
+    put1(&big, 0x07);
+    put1(&big, 0xc4);
+    put1(&big, 100);
+    put_fill(&big, 0xab, 100);
+    cr_assert_eq(hm_wire_decode_open_array(&m, big.p, big.len, &tight, 2, 2, 7), -EMSGSIZE);
+    hm_wire_decode_close(&m);
+    /* A header that declares more than the cap fails as over the cap even when truncated. */
+    cr_assert_eq(hm_wire_decode_open_array(&m, big.p, 8, &tight, 2, 2, 7), -EMSGSIZE);
+    hm_wire_decode_close(&m);
+    /* A declared count no bytes back up is never allocated for. */
+    const uint8_t liar[] = {0xdd, 0xff, 0xff, 0xff, 0xff, 0x07};
+    cr_assert_eq(hm_wire_decode_open_array(&m, liar, sizeof(liar), NULL, 0, 0, 7), -EMSGSIZE);
+    hm_wire_decode_close(&m);
+
+    free(deep.p);
+    free(wide.p);
+    free(big.p);
+}

@@ -442,15 +442,20 @@ struct hm_dgram_ctx {
     struct dgram_peer *peers;
 };
 
-hm_dgram_ctx *hm_dgram_ctx_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
-                               size_t max_peers)
+int hm_dgram_ctx_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
+                     size_t max_peers, hm_dgram_ctx **out)
 {
-    if (max_peers == 0 || max_peers > DGRAM_MAX_PEERS_LIMIT)
-        return NULL;
-    hm_dgram_ctx *ctx = calloc(1, sizeof(*ctx));
-    if (ctx == NULL)
-        return NULL;
+    hm_dgram_ctx *ctx = NULL;
     uint32_t nb = 1;
+    int result;
+
+    *out = NULL;
+    if (max_peers == 0 || max_peers > DGRAM_MAX_PEERS_LIMIT)
+        return -EINVAL;
+    if ((ctx = calloc(1, sizeof(*ctx))) == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
     while (nb < max_peers)
         nb <<= 1;
     ctx->max_peers = (uint32_t)max_peers;
@@ -458,8 +463,8 @@ hm_dgram_ctx *hm_dgram_ctx_new(const hm_identity *id, const uint8_t swarm_id[HM_
     ctx->buckets = malloc(nb * sizeof(*ctx->buckets));
     ctx->peers = calloc(max_peers, sizeof(*ctx->peers));
     if (ctx->buckets == NULL || ctx->peers == NULL) {
-        hm_dgram_ctx_free(ctx);
-        return NULL;
+        result = -ENOMEM;
+        goto out;
     }
     for (uint32_t i = 0; i < nb; i++)
         ctx->buckets[i] = NIL;
@@ -469,7 +474,12 @@ hm_dgram_ctx *hm_dgram_ctx_new(const hm_identity *id, const uint8_t swarm_id[HM_
     memcpy(ctx->swarm_id, swarm_id, HM_SWARM_ID_BYTES);
     /* A secret hash key keeps senders from choosing keys that share a bucket. */
     randombytes_buf(ctx->hash_key, sizeof(ctx->hash_key));
-    return ctx;
+    *out = ctx;
+    ctx = NULL;
+    result = 0;
+out:
+    hm_dgram_ctx_free(ctx);
+    return result;
 }
 
 void hm_dgram_ctx_free(hm_dgram_ctx *ctx)

@@ -96,6 +96,14 @@ void hm_identity_wipe(hm_identity *id);
 void hm_peer_id_encode(const uint8_t pk[HM_PK_BYTES], char out[HM_PEER_ID_LEN + 1]);
 /* Returns 0 or -EINVAL (wrong length, bad character, not a valid ed25519 key). */
 int hm_peer_id_decode(const char *s, size_t len, uint8_t pk_out[HM_PK_BYTES]);
+/*
+ * The DHT position of a key: BLAKE2b-256(pk), so that nobody chooses where
+ * they sit. It is a DHT notion, but it stays here in the base rather than in
+ * dht/: every identity carries its node_id, filled when the identity is made
+ * (hm_identity_from_seed, below the DHT's floor), so that the DHT, the node
+ * and the tests all read the same id from the identity they hold; dht/ uses
+ * this function to check the id a contact claims.
+ */
 void hm_node_id_from_pk(const uint8_t pk[HM_PK_BYTES], uint8_t out[HM_NODE_ID_BYTES]);
 
 /*
@@ -122,9 +130,12 @@ int hm_swarm_key_load(const char *path, uint8_t out[32], char *err, size_t errle
 
 typedef struct hm_dgram_ctx hm_dgram_ctx;
 
-/* max_peers bounds the pair-key cache and the replay table. */
-hm_dgram_ctx *hm_dgram_ctx_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
-                               size_t max_peers);
+/*
+ * max_peers bounds the pair-key cache and the replay table. Returns 0 with
+ * *out set, -EINVAL (max_peers 0 or over 4194304) or -ENOMEM.
+ */
+int hm_dgram_ctx_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
+                     size_t max_peers, hm_dgram_ctx **out);
 void hm_dgram_ctx_free(hm_dgram_ctx *ctx);
 
 /*

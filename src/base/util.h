@@ -84,9 +84,9 @@ int hm_base32_encode(const uint8_t *in, size_t len, char *out, size_t out_cap);
 /* Returns bytes written, -EINVAL on a bad character or length. */
 int hm_base32_decode(const char *in, size_t len, uint8_t *out, size_t out_cap);
 
-/* Lowercase hex; out must hold 2*len+1. */
+/* Lowercase hex, in constant time (libsodium); out must hold 2*len+1. */
 void hm_hex_encode(const uint8_t *in, size_t len, char *out);
-/* Returns 0 or -EINVAL; accepts exactly 2*out_len hex digits. */
+/* Returns 0 or -EINVAL; accepts exactly 2*out_len hex digits of either case, in constant time. */
 int hm_hex_decode(const char *in, size_t in_len, uint8_t *out, size_t out_len);
 
 /*

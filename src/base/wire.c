@@ -227,6 +227,82 @@ out:
     return result;
 }
 
+/* ---- the decoders' prologue ---- */
+
+/*
+ * The zone's first chunk. After validation the zone needs at most one
+ * msgpack_object per frame byte, but str and bin point into the frame, so
+ * most messages need far less: a chunk the size of the frame, between 256
+ * bytes and 2 KiB, holds a DHT datagram or a matchmaking reply in one
+ * malloc and lets the zone grow for the rare frame that needs more.
+ */
+static size_t zone_chunk(size_t len) { return HM_MAX(HM_MIN(len, (size_t)2048), (size_t)256); }
+
+int hm_wire_decode_open(hm_wire_msg *m, const void *buf, size_t len, const hm_wire_limits *lim)
+{
+    int result;
+
+    memset(m, 0, sizeof(*m));
+    if (buf == NULL)
+        return -EINVAL;
+    if (!msgpack_zone_init(&m->zone, zone_chunk(len)))
+        return -ENOMEM;
+    m->live = 1;
+    if ((result = hm_wire_unpack(buf, len, lim, &m->zone, &m->root)) < 0)
+        goto out;
+    result = 0;
+out:
+    if (result < 0)
+        hm_wire_decode_close(m);
+    return result;
+}
+
+/* Whether o is the unsigned integer version (a missing o is not). */
+static int is_version(const msgpack_object *o, uint64_t version)
+{
+    uint64_t v;
+    return hm_wire_get_uint(o, &v) == 0 && v == version;
+}
+
+/* A frame that is well formed but not the message asked for keeps nothing. */
+static int wrong_shape(hm_wire_msg *m)
+{
+    hm_wire_decode_close(m);
+    return -EPROTO;
+}
+
+int hm_wire_decode_open_array(hm_wire_msg *m, const void *buf, size_t len,
+                              const hm_wire_limits *lim, uint32_t min_n, uint32_t max_n,
+                              uint64_t version)
+{
+    int result = hm_wire_decode_open(m, buf, len, lim);
+
+    if (result == 0 && (hm_wire_get_array(&m->root, min_n, max_n, &m->items, &m->n) < 0 ||
+                        (version != HM_WIRE_ANY_VERSION &&
+                         (m->n == 0 || !is_version(&m->items[0], version)))))
+        result = wrong_shape(m);
+    return result;
+}
+
+int hm_wire_decode_open_map(hm_wire_msg *m, const void *buf, size_t len,
+                            const hm_wire_limits *lim, const char *version_key, uint64_t version)
+{
+    int result = hm_wire_decode_open(m, buf, len, lim);
+
+    if (result == 0 && (m->root.type != MSGPACK_OBJECT_MAP ||
+                        (version_key != NULL &&
+                         !is_version(hm_wire_map_get(&m->root, version_key), version))))
+        result = wrong_shape(m);
+    return result;
+}
+
+void hm_wire_decode_close(hm_wire_msg *m)
+{
+    if (m->live)
+        msgpack_zone_destroy(&m->zone);
+    memset(m, 0, sizeof(*m));
+}
+
 /* ---- typed access ---- */
 
 int hm_wire_get_uint(const msgpack_object *o, uint64_t *out)

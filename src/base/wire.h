@@ -64,6 +64,61 @@ int hm_wire_unpack(const void *buf, size_t len, const hm_wire_limits *lim, msgpa
                    msgpack_object *obj_out);
 
 /*
+ * The one prologue of every message decoder: a zone, the validated and
+ * unpacked root, and (for an array) its elements. A decoder opens it, reads
+ * its fields, and closes it on every path, so that no decoder can reach
+ * msgpack-c without the validator or forget the zone.
+ *
+ *     hm_wire_msg m;
+ *     if ((result = hm_wire_decode_open_array(&m, buf, len, &lim, 3, 3, VER)) < 0)
+ *         goto out;
+ *     ... read m.items[1], m.items[2] ...
+ *     out:
+ *     hm_wire_decode_close(&m);
+ *
+ * The objects live in the zone and their str/bin point into buf, so both
+ * must outlive what the decoder keeps; whatever it hands back must point
+ * into buf (or be copied) before the close.
+ */
+typedef struct hm_wire_msg {
+    msgpack_zone zone;
+    msgpack_object root;
+    const msgpack_object *items; /* the root array's elements (open_array only) */
+    uint32_t n;                  /* how many there are */
+    int live;                    /* the zone is initialised and close must destroy it */
+} hm_wire_msg;
+
+/* The version argument of hm_wire_decode_open_array/_map that checks none. */
+#define HM_WIRE_ANY_VERSION UINT64_MAX
+
+/*
+ * Validates buf under lim (NULL: the default limits) and unpacks it, which
+ * must be exactly one object, into m. Returns 0, -EINVAL (buf NULL, or as
+ * hm_wire_unpack), -EMSGSIZE or -ENOMEM. After a failed open m holds
+ * nothing, and hm_wire_decode_close on it is still safe.
+ */
+int hm_wire_decode_open(hm_wire_msg *m, const void *buf, size_t len, const hm_wire_limits *lim);
+/*
+ * As hm_wire_decode_open, then the root must be an array of min_n to max_n
+ * elements (as hm_wire_get_array) and, unless version is
+ * HM_WIRE_ANY_VERSION, its first element the unsigned integer version.
+ * Fills m->items and m->n. A wrong shape or version is -EPROTO (the frame is
+ * well formed but is not this message).
+ */
+int hm_wire_decode_open_array(hm_wire_msg *m, const void *buf, size_t len,
+                              const hm_wire_limits *lim, uint32_t min_n, uint32_t max_n,
+                              uint64_t version);
+/*
+ * As hm_wire_decode_open, then the root must be a map and, unless
+ * version_key is NULL, hold version_key with the unsigned integer version.
+ * Anything else is -EPROTO.
+ */
+int hm_wire_decode_open_map(hm_wire_msg *m, const void *buf, size_t len,
+                            const hm_wire_limits *lim, const char *version_key, uint64_t version);
+/* Frees what the open unpacked; every object of m is gone after it. */
+void hm_wire_decode_close(hm_wire_msg *m);
+
+/*
  * Typed access to unpacked objects; each returns 0 or -EPROTO on a type
  * mismatch (get_int also when the value is beyond INT64_MAX). Out pointers
  * may be NULL. An empty str or bin yields a valid, non-NULL pointer.

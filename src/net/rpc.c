@@ -676,10 +676,9 @@ static void handle_response(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], uint64_t
 static void rpc_input(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
                       const uint8_t *msg, size_t len, int via_stream)
 {
-    msgpack_zone zone;
-    msgpack_object obj;
+    hm_wire_msg m;
     const msgpack_object *it;
-    uint32_t n = 0;
+    uint32_t n;
     uint64_t type, id;
     hm_wire_limits lim = {
         .max_size = via_stream ? rpc->max_message : HM_DGRAM_MAX_PAYLOAD,
@@ -694,14 +693,13 @@ static void rpc_input(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct s
         if (rpc->closing)
             return;
     }
-    if (!msgpack_zone_init(&zone, 256))
-        return;
-    if (hm_wire_unpack(msg, len, &lim, &zone, &obj) < 0 ||
-        hm_wire_get_array(&obj, 2, 5, &it, &n) < 0 || hm_wire_get_uint(&it[0], &type) < 0 ||
-        hm_wire_get_uint(&it[1], &id) < 0) {
+    if (hm_wire_decode_open_array(&m, msg, len, &lim, 2, 5, HM_WIRE_ANY_VERSION) < 0 ||
+        hm_wire_get_uint(&m.items[0], &type) < 0 || hm_wire_get_uint(&m.items[1], &id) < 0) {
         hm_debug(MOD, "dropping a malformed envelope (%zu bytes)", len);
         goto out;
     }
+    it = m.items;
+    n = m.n;
     if (type == MSG_REQUEST && n == 5) {
         const char *name;
         uint32_t nlen, blen;
@@ -734,7 +732,7 @@ static void rpc_input(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct s
         hm_debug(MOD, "dropping an envelope of unknown type %llu", (unsigned long long)type);
     }
 out:
-    msgpack_zone_destroy(&zone);
+    hm_wire_decode_close(&m);
 }
 
 static void on_dgram(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,

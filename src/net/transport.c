@@ -1503,11 +1503,9 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     if (result < 0)
         goto out;
     t->cfg.listen = NULL; /* the caller's string need not outlive this call */
-    t->dctx = hm_dgram_ctx_new(&t->id, swarm_id, t->cfg.dgram_peers);
-    if (t->dctx == NULL) {
-        result = -ENOMEM;
+    result = hm_dgram_ctx_new(&t->id, swarm_id, t->cfg.dgram_peers, &t->dctx);
+    if (result < 0)
         goto out;
-    }
     result = bind_sockets((struct sockaddr *)&want, &tfd, &ufd, &t->local);
     if (result < 0)
         goto out;

@@ -71,9 +71,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int rc;
 
     fixture_init();
-    a = hm_dgram_ctx_new(&fx.a, fx.swarm, 4);
-    b = hm_dgram_ctx_new(&fx.b, fx.swarm, 4);
-    if (a == NULL || b == NULL)
+    if (hm_dgram_ctx_new(&fx.a, fx.swarm, 4, &a) < 0 ||
+        hm_dgram_ctx_new(&fx.b, fx.swarm, 4, &b) < 0)
         abort();
 
     /* 1. The input as a received datagram. */
@@ -87,8 +86,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     /* A fresh receiver, so that a seed accepted above is not a replay below. */
     hm_dgram_ctx_free(a);
-    a = hm_dgram_ctx_new(&fx.a, fx.swarm, 4);
-    if (a == NULL)
+    if (hm_dgram_ctx_new(&fx.a, fx.swarm, 4, &a) < 0)
         abort();
 
     /* 2. The input as a payload: it must arrive intact. */

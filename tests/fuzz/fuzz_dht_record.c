@@ -84,15 +84,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     uint8_t swarm[HM_SWARM_ID_BYTES];
     uint8_t buf[HM_DHT_RECORD_MAX_WIRE];
-    msgpack_zone z, z2;
     hm_dht_record r, again;
     hm_wire_wr w;
     int rc;
 
     hm_swarm_id("fuzz", NULL, 0, swarm);
-    msgpack_zone_init(&z, 2048);
-    msgpack_zone_init(&z2, 2048);
-    rc = hm_dht_record_parse(data, size, &z, &r);
+    rc = hm_dht_record_parse(data, size, &r);
     CHECK(rc == 0 || rc == -EINVAL || rc == -EMSGSIZE || rc == -EPROTO || rc == -ENOMEM);
     if (rc != 0)
         goto out;
@@ -108,14 +105,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     hm_dht_record_encode(&w, &r);
     CHECK(hm_wire_wr_error(&w) == 0);
     CHECK(w.len == hm_dht_record_encoded_size(&r));
-    CHECK(hm_dht_record_parse(buf, w.len, &z2, &again) == 0);
+    CHECK(hm_dht_record_parse(buf, w.len, &again) == 0);
     CHECK(same_record(&r, &again));
 
     rc = hm_dht_record_verify(&r, swarm, NULL);
     CHECK(rc == 0 || rc == 1 || rc == -EINVAL || rc == -EPERM || rc == -EBADMSG);
     exercise_store(&r, swarm);
 out:
-    msgpack_zone_destroy(&z2);
-    msgpack_zone_destroy(&z);
     return 0;
 }
