@@ -434,6 +434,24 @@ static int parse_num(const char *opt, const char *s, double lo, double hi, int i
 
 /* ---- building the requests ---- */
 
+/*
+ * Sets args[key] to the number the option opt gave (s; nothing when NULL),
+ * after checking it as parse_num does; *out (may be NULL) gets it too.
+ */
+static int set_num(json_t *args, const char *key, const char *opt, const char *s, double lo,
+                   double hi, int integer, double *out)
+{
+    double v;
+    if (s == NULL)
+        return 0;
+    if (parse_num(opt, s, lo, hi, integer, &v) < 0)
+        return -1;
+    json_object_set_new(args, key, integer ? json_integer((json_int_t)v) : json_real(v));
+    if (out != NULL)
+        *out = v;
+    return 0;
+}
+
 /* Commands with nothing to say but their name: info, peers, metrics, ... */
 static int build_plain(const cli *c, request *rq)
 {
@@ -478,7 +496,7 @@ static int build_dht_put(const cli *c, request *rq)
 static int build_average(const cli *c, request *rq)
 {
     const avg_flags *a = &c->avg;
-    double v, mm_timeout = c->timeout_given ? c->timeout_s : 30, round_timeout = 30;
+    double mm_timeout = c->timeout_given ? c->timeout_s : 30, round_timeout = 30;
     json_t *args;
     if (c->npos != 1 || a->in == NULL || a->out == NULL)
         return BUILD_SHAPE;
@@ -493,31 +511,15 @@ static int build_average(const cli *c, request *rq)
         return BUILD_BAD;
     }
     rq->args = args;
-    if (a->weight != NULL) {
-        if (parse_num("--weight", a->weight, 0, 1e300, 0, &v) < 0)
-            return BUILD_BAD;
-        json_object_set_new(args, "weight", json_real(v));
-    }
-    if (a->target != NULL) {
-        if (parse_num("--target-group-size", a->target, 1, 64, 1, &v) < 0)
-            return BUILD_BAD;
-        json_object_set_new(args, "target_group_size", json_integer((json_int_t)v));
-    }
-    if (a->min != NULL) {
-        if (parse_num("--min-group-size", a->min, 1, 64, 1, &v) < 0)
-            return BUILD_BAD;
-        json_object_set_new(args, "min_group_size", json_integer((json_int_t)v));
-    }
-    if (a->round_timeout != NULL) {
-        if (parse_num("--round-timeout", a->round_timeout, 0.001, 3600, 0, &round_timeout) < 0)
-            return BUILD_BAD;
-        json_object_set_new(args, "round_timeout", json_real(round_timeout));
-    }
-    if (a->mm_time != NULL) {
-        if (parse_num("--matchmaking-time", a->mm_time, 0.001, 3600, 0, &v) < 0)
-            return BUILD_BAD;
-        json_object_set_new(args, "matchmaking_time", json_real(v));
-    }
+    if (set_num(args, "weight", "--weight", a->weight, 0, 1e300, 0, NULL) < 0 ||
+        set_num(args, "target_group_size", "--target-group-size", a->target, 1, 64, 1, NULL) <
+            0 ||
+        set_num(args, "min_group_size", "--min-group-size", a->min, 1, 64, 1, NULL) < 0 ||
+        set_num(args, "round_timeout", "--round-timeout", a->round_timeout, 0.001, 3600, 0,
+                &round_timeout) < 0 ||
+        set_num(args, "matchmaking_time", "--matchmaking-time", a->mm_time, 0.001, 3600, 0,
+                NULL) < 0)
+        return BUILD_BAD;
     if (a->compression != NULL) {
         if (strcmp(a->compression, "none") != 0 && strcmp(a->compression, "fp16") != 0 &&
             strcmp(a->compression, "8bit") != 0) {
@@ -545,7 +547,6 @@ static int build_experts_list(const cli *c, request *rq)
 static int build_experts_host(const cli *c, request *rq)
 {
     const ex_flags *e = &c->ex;
-    double x;
     if (c->npos != 2 || c->avg.in != NULL || c->avg.out != NULL)
         return BUILD_SHAPE;
     json_t *args = rq->args = json_pack("{s:s}", "pattern", c->pos[1]);
@@ -555,21 +556,10 @@ static int build_experts_host(const cli *c, request *rq)
         json_object_set_new(args, "type", json_string(e->type));
     if (e->optimizer != NULL)
         json_object_set_new(args, "optimizer", json_string(e->optimizer));
-    if (e->dim != NULL) {
-        if (parse_num("--dim", e->dim, 1, 8192, 1, &x) != 0)
-            return BUILD_BAD;
-        json_object_set_new(args, "dim", json_integer((json_int_t)x));
-    }
-    if (e->hidden != NULL) {
-        if (parse_num("--hidden", e->hidden, 0, 32768, 1, &x) != 0)
-            return BUILD_BAD;
-        json_object_set_new(args, "hidden", json_integer((json_int_t)x));
-    }
-    if (e->lr != NULL) {
-        if (parse_num("--lr", e->lr, 1e-12, 10, 0, &x) != 0)
-            return BUILD_BAD;
-        json_object_set_new(args, "lr", json_real(x));
-    }
+    if (set_num(args, "dim", "--dim", e->dim, 1, 8192, 1, NULL) < 0 ||
+        set_num(args, "hidden", "--hidden", e->hidden, 0, 32768, 1, NULL) < 0 ||
+        set_num(args, "lr", "--lr", e->lr, 1e-12, 10, 0, NULL) < 0)
+        return BUILD_BAD;
     return BUILD_OK;
 }
 
