@@ -12,6 +12,9 @@
  * request; it is marked broken and every later call on it fails at once
  * with -EPIPE, so a stale reply is never taken for a fresh one.
  *
+ * hivemindctl is a client of this library too (hmc_call), so the tree has
+ * one control-socket client and one set of deadline and parsing rules.
+ *
  * Only libc and jansson: no libuv, no state shared between handles.
  */
 #include "config.h"

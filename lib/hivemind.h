@@ -4,6 +4,8 @@
  * (newline-delimited JSON, docs/control-protocol.md) and hands tensors over
  * through shared memory that the daemon allocates, never through the
  * socket. Plain C: libc and jansson only; every call blocks with a timeout.
+ * hivemindctl is built on it as well: any control command goes through
+ * hmc_call.
  *
  * Conventions. Functions return 0 or a negative errno code; after a failure
  * hmc_last_error(h) holds a sentence and, when the daemon refused the
