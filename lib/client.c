@@ -12,6 +12,9 @@
  * request; it is marked broken and every later call on it fails at once
  * with -EPIPE, so a stale reply is never taken for a fresh one.
  *
+ * hivemindctl is a client of this library too (hmc_call), so the tree has
+ * one control-socket client and one set of deadline and parsing rules.
+ *
  * Only libc and jansson: no libuv, no state shared between handles.
  */
 #include "config.h"
@@ -29,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/queue.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -59,12 +63,12 @@ struct hmc {
     int timeout_ms;
     char err[HMC_ERROR_MAX];
     char code[CODE_MAX];
-    hmc_buf *bufs; /* live buffers, detached on hmc_close */
+    LIST_HEAD(, hmc_buf) bufs; /* live buffers, detached on hmc_close */
 };
 
 struct hmc_buf {
     hmc *h; /* NULL once the connection is closed */
-    hmc_buf *prev, *next;
+    LIST_ENTRY(hmc_buf) link; /* in h->bufs while h is set */
     void *data;
     size_t size;
     uint64_t id;
@@ -443,12 +447,18 @@ out:
     return result;
 }
 
-/* Reads the reply to id on c until deadline; a timeout breaks the connection. */
+/*
+ * Reads the reply to id on c until deadline; a timeout breaks the
+ * connection. *line_out (if not NULL) gets a copy of the line when it was a
+ * reply or the daemon's closing notice, NULL otherwise.
+ */
 static int read_reply(struct conn *c, int64_t id, int64_t deadline, json_t **result_out,
-                      char *code, size_t codelen, char *err, size_t errlen)
+                      char **line_out, char *code, size_t codelen, char *err, size_t errlen)
 {
     char *line;
     size_t len;
+    if (line_out != NULL)
+        *line_out = NULL;
     int r = conn_read_line(c, deadline, &line, &len, err, errlen);
     if (r == -ETIMEDOUT)
         c->broken = 1;
@@ -463,6 +473,17 @@ static int read_reply(struct conn *c, int64_t id, int64_t deadline, json_t **res
         if (parse_reply(line, len, -1, NULL, code, codelen, msg, sizeof(msg)) == -EREMOTEIO) {
             fmt(err, errlen, "the daemon closed the connection: %s", msg);
             r = -EPIPE;
+        }
+    }
+    if ((r == 0 || r == -EREMOTEIO || r == -EPIPE) && line_out != NULL) {
+        *line_out = strndup(line, len);
+        if (*line_out == NULL) {
+            if (result_out != NULL) {
+                json_decref(*result_out);
+                *result_out = NULL;
+            }
+            fmt(err, errlen, "out of memory");
+            r = -ENOMEM;
         }
     }
     if (r == -EPROTO || r == -ENOMEM || r == -EPIPE)
@@ -487,13 +508,19 @@ static void take_notice(struct conn *c, char *code, size_t codelen, char *err, s
     fmt(err, errlen, "the daemon closed the connection: %s", msg);
 }
 
-/* One request on the handle's connection; args is taken over. */
-static int call(hmc *h, const char *cmd, json_t *args, int timeout_ms, json_t **result_out)
+/*
+ * One request on the handle's connection within timeout_ms; args is taken
+ * over. line_out (may be NULL) as read_reply.
+ */
+static int call(hmc *h, const char *cmd, json_t *args, int timeout_ms, json_t **result_out,
+                char **line_out)
 {
     int64_t id;
     h->code[0] = '\0';
     if (result_out != NULL)
         *result_out = NULL;
+    if (line_out != NULL)
+        *line_out = NULL;
     if (args == NULL) {
         fmt(h->err, sizeof(h->err), "out of memory");
         return -ENOMEM;
@@ -510,8 +537,8 @@ static int call(hmc *h, const char *cmd, json_t *args, int timeout_ms, json_t **
         take_notice(&h->c, h->code, sizeof(h->code), h->err, sizeof(h->err));
     if (r != 0)
         return r;
-    return read_reply(&h->c, id, deadline, result_out, h->code, sizeof(h->code), h->err,
-                      sizeof(h->err));
+    return read_reply(&h->c, id, deadline, result_out, line_out, h->code, sizeof(h->code),
+                      h->err, sizeof(h->err));
 }
 
 /* The result as text for a caller's *out (which may be NULL). */
@@ -525,6 +552,28 @@ static int give_json(hmc *h, json_t *res, char **out)
         return -ENOMEM;
     }
     return 0;
+}
+
+/*
+ * call for the public functions, whose results are text: every output is
+ * NULL unless the call succeeded (the reply line also after an error
+ * reply or a notice, as hmc_call promises).
+ */
+static int call_text(hmc *h, const char *cmd, json_t *args, int timeout_ms,
+                     char **result_json_out, char **line_out)
+{
+    json_t *res = NULL;
+    if (result_json_out != NULL)
+        *result_json_out = NULL;
+    int r = call(h, cmd, args, timeout_ms, &res, line_out);
+    if (r == 0)
+        r = give_json(h, res, result_json_out);
+    if (r == -ENOMEM && line_out != NULL) {
+        free(*line_out);
+        *line_out = NULL;
+    }
+    json_decref(res);
+    return r;
 }
 
 /* ---- connection API ---- */
@@ -565,6 +614,7 @@ int hmc_connect_timeout(const char *socket_path, int timeout_ms, hmc **out, char
     }
     memcpy(h->path, path, sizeof(path));
     h->timeout_ms = timeout_ms;
+    LIST_INIT(&h->bufs);
     r = conn_open(&h->c, h->path, h->timeout_ms, err, errlen);
     if (r != 0) {
         free(h);
@@ -578,7 +628,8 @@ void hmc_close(hmc *h)
 {
     if (h == NULL)
         return;
-    for (hmc_buf *b = h->bufs; b != NULL; b = b->next)
+    hmc_buf *b;
+    LIST_FOREACH(b, &h->bufs, link)
         b->h = NULL;
     conn_close(&h->c);
     free(h);
@@ -595,13 +646,26 @@ void hmc_set_timeout(hmc *h, int timeout_ms)
 
 int hmc_request(hmc *h, const char *cmd, const char *args_json, char **result_json_out)
 {
-    json_t *args, *res = NULL;
+    return hmc_call(h, cmd, args_json, 0, result_json_out, NULL);
+}
+
+int hmc_call(hmc *h, const char *cmd, const char *args_json, int timeout_ms,
+             char **result_json_out, char **reply_line_out)
+{
+    json_t *args;
     json_error_t jerr;
     if (result_json_out != NULL)
         *result_json_out = NULL;
+    if (reply_line_out != NULL)
+        *reply_line_out = NULL;
     h->code[0] = '\0';
     if (cmd == NULL || cmd[0] == '\0') {
         fmt(h->err, sizeof(h->err), "no command given");
+        return -EINVAL;
+    }
+    if (timeout_ms < 0) {
+        fmt(h->err, sizeof(h->err), "the timeout must be 0 (the handle's) or positive "
+            "(milliseconds)");
         return -EINVAL;
     }
     if (args_json != NULL) {
@@ -615,16 +679,28 @@ int hmc_request(hmc *h, const char *cmd, const char *args_json, char **result_js
     } else {
         args = json_object();
     }
-    int r = call(h, cmd, args, h->timeout_ms, &res);
-    if (r == 0)
-        r = give_json(h, res, result_json_out);
-    json_decref(res);
-    return r;
+    return call_text(h, cmd, args, timeout_ms > 0 ? timeout_ms : h->timeout_ms, result_json_out,
+                     reply_line_out);
 }
 
 int hmc_info(hmc *h, char **info_json_out) { return hmc_request(h, "info", NULL, info_json_out); }
 
 /* ---- shared buffers ---- */
+
+/*
+ * Releases segment id on the daemon's side, best effort: the caller's
+ * failure, if any, is what the trainer should hear about, so the handle's
+ * last error is left as it was.
+ */
+static void shm_release(hmc *h, uint64_t id)
+{
+    char keep[HMC_ERROR_MAX], keep_code[CODE_MAX];
+    memcpy(keep, h->err, sizeof(keep));
+    memcpy(keep_code, h->code, sizeof(keep_code));
+    call(h, "shm.free", json_pack("{s:I}", "shm", (json_int_t)id), h->timeout_ms, NULL, NULL);
+    memcpy(h->err, keep, sizeof(keep));
+    memcpy(h->code, keep_code, sizeof(keep_code));
+}
 
 int hmc_buf_alloc(hmc *h, size_t bytes, hmc_buf **out)
 {
@@ -638,7 +714,7 @@ int hmc_buf_alloc(hmc *h, size_t bytes, hmc_buf **out)
         return -EINVAL;
     }
     result = call(h, "shm.alloc", json_pack("{s:I}", "bytes", (json_int_t)bytes), h->timeout_ms,
-                  &res);
+                  &res, NULL);
     if (result != 0)
         return result;
     b = calloc(1, sizeof(*b));
@@ -687,24 +763,14 @@ int hmc_buf_alloc(hmc *h, size_t bytes, hmc_buf **out)
     close(fd);
     b->size = bytes;
     b->h = h;
-    b->next = h->bufs;
-    if (h->bufs != NULL)
-        h->bufs->prev = b;
-    h->bufs = b;
+    LIST_INSERT_HEAD(&h->bufs, b, link);
     json_decref(res);
     *out = b;
     return 0;
 free_seg:
     if (fd >= 0)
         close(fd);
-    {
-        /* Keep the first failure's text; the release is best effort. */
-        char keep[HMC_ERROR_MAX];
-        memcpy(keep, h->err, sizeof(keep));
-        call(h, "shm.free", json_pack("{s:I}", "shm", (json_int_t)b->id), h->timeout_ms, NULL);
-        memcpy(h->err, keep, sizeof(keep));
-        h->code[0] = '\0';
-    }
+    shm_release(h, b->id);
 fail:
     free(b);
     json_decref(res);
@@ -721,15 +787,9 @@ void hmc_buf_free(hmc_buf *b)
         return;
     hmc *h = b->h;
     if (h != NULL) {
-        if (b->prev != NULL)
-            b->prev->next = b->next;
-        else
-            h->bufs = b->next;
-        if (b->next != NULL)
-            b->next->prev = b->prev;
+        LIST_REMOVE(b, link);
         if (!h->c.broken)
-            call(h, "shm.free", json_pack("{s:I}", "shm", (json_int_t)b->id), h->timeout_ms,
-                 NULL);
+            shm_release(h, b->id);
     }
     munmap(b->data, b->size);
     free(b);
@@ -847,18 +907,13 @@ static json_t *avg_args(hmc *h, hmc_buf *b, size_t off, size_t n, const hmc_avg_
 int hmc_average(hmc *h, hmc_buf *b, size_t offset_elems, size_t n, const hmc_avg_opts *o,
                 char **report_json_out)
 {
-    json_t *res = NULL;
     int wait_ms;
     if (report_json_out != NULL)
         *report_json_out = NULL;
     json_t *a = avg_args(h, b, offset_elems, n, o, &wait_ms);
     if (a == NULL)
         return -EINVAL;
-    int r = call(h, "average", a, wait_ms, &res);
-    if (r == 0)
-        r = give_json(h, res, report_json_out);
-    json_decref(res);
-    return r;
+    return call_text(h, "average", a, wait_ms, report_json_out, NULL);
 }
 
 int hmc_average_start(hmc *h, hmc_buf *b, size_t offset_elems, size_t n, const hmc_avg_opts *o,
@@ -902,7 +957,7 @@ static void round_poll(hmc_round *r, int64_t deadline)
         return;
     if (deadline > r->deadline_ms)
         deadline = r->deadline_ms;
-    int st = read_reply(&r->c, r->id, deadline, &res, r->code, sizeof(r->code), r->err,
+    int st = read_reply(&r->c, r->id, deadline, &res, NULL, r->code, sizeof(r->code), r->err,
                         sizeof(r->err));
     if (st == -ETIMEDOUT && now_ms() < r->deadline_ms) {
         /* Not yet: read_reply gave up on the connection, but the round's own
@@ -1016,7 +1071,7 @@ int hmc_experts_find(hmc *h, const char *prefix, const double *scores, const siz
                                 : json_pack("{s:s, s:o, s:I, s:f}", "prefix", prefix, "scores",
                                             grid, "k_best", (json_int_t)k_best, "timeout",
                                             timeout_s);
-    result = call(h, "experts.find", args, wait_for(h, timeout_s), &res);
+    result = call(h, "experts.find", args, wait_for(h, timeout_s), &res, NULL);
     if (result != 0)
         goto out;
     const json_t *ex = json_object_get(res, "experts");
@@ -1146,7 +1201,8 @@ int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb
                              "y", y, "batch", (json_int_t)batch, "dim", (json_int_t)dim, "k_min",
                              (json_int_t)k_min, "timeout", timeout_s, "timeout_after_k_min",
                              timeout_after_k_min_s);
-    r = call(h, "experts.forward", args, wait_for(h, timeout_s + timeout_after_k_min_s), &res);
+    r = call(h, "experts.forward", args, wait_for(h, timeout_s + timeout_after_k_min_s), &res,
+             NULL);
     if (r == 0)
         r = take_answered(h, res, k, answered_out, n_answered_out);
     json_decref(res);
@@ -1178,7 +1234,7 @@ int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *x
     json_t *args = json_pack("{s:o, s:o, s:o, s:o, s:I, s:I, s:I, s:f}", "experts", ex, "x", x,
                              "gy", gy, "gx", gx, "batch", (json_int_t)batch, "dim",
                              (json_int_t)dim, "k_min", (json_int_t)k_min, "timeout", timeout_s);
-    r = call(h, "experts.backward", args, wait_for(h, timeout_s), &res);
+    r = call(h, "experts.backward", args, wait_for(h, timeout_s), &res, NULL);
     if (r == 0)
         r = take_answered(h, res, k, answered_out, n_answered_out);
     json_decref(res);

@@ -4,6 +4,8 @@
  * (newline-delimited JSON, docs/control-protocol.md) and hands tensors over
  * through shared memory that the daemon allocates, never through the
  * socket. Plain C: libc and jansson only; every call blocks with a timeout.
+ * hivemindctl is built on it as well: any control command goes through
+ * hmc_call.
  *
  * Conventions. Functions return 0 or a negative errno code; after a failure
  * hmc_last_error(h) holds a sentence and, when the daemon refused the
@@ -65,7 +67,7 @@ typedef struct hmc_buf hmc_buf;
 typedef struct hmc_round hmc_round;
 
 /* The longest reply line the library accepts, and the default timeout. */
-#define HMC_MAX_REPLY ((size_t)16 << 20)
+#define HMC_MAX_REPLY ((size_t)32 << 20)
 #define HMC_DEFAULT_TIMEOUT_MS 30000
 #define HMC_ERROR_MAX 512
 
@@ -107,6 +109,19 @@ void hmc_free_string(char *s);
  * -EPROTO (the reply was not a valid reply line).
  */
 int hmc_request(hmc *h, const char *cmd, const char *args_json, char **result_json_out);
+/*
+ * The same with a timeout of its own and the reply line as the daemon sent
+ * it, for tools that show the daemon's words (hivemindctl --json).
+ * timeout_ms bounds the whole request, sending and reply (0: the handle's
+ * timeout; < 0 is -EINVAL): a command that works for long ("average",
+ * "experts.call") needs its own timeouts plus a margin. *reply_line_out
+ * (may be NULL), without its newline, is set whenever a reply line came:
+ * an ok reply (0), an error reply (-EREMOTEIO) and the notice with which
+ * the daemon ends a connection (-EPIPE, hmc_last_error_code then set);
+ * otherwise it is NULL. Free both strings with hmc_free_string.
+ */
+int hmc_call(hmc *h, const char *cmd, const char *args_json, int timeout_ms,
+             char **result_json_out, char **reply_line_out);
 /* The node's "info" (peer id, address, swarm, shared-memory use, ...). */
 int hmc_info(hmc *h, char **info_json_out);
 

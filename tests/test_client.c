@@ -3,9 +3,10 @@
  * hivemindd processes: connecting, shared buffers the daemon sees, rounds
  * averaged in shared memory (blocking and in the background), bad
  * shared-memory references, segments released when a trainer goes, a
- * trainer's connection kept through idleness while it holds buffers, and a
- * connect to a stopped daemon that times out. The reply parser is checked
- * on hand-made lines too.
+ * trainer's connection kept through idleness while it holds buffers, a
+ * connect to a stopped daemon that times out, and the generic call
+ * (hmc_call: result and reply line, the daemon's errors passed through, its
+ * own timeout). The reply parser is checked on hand-made lines too.
  */
 #include "config.h"
 
@@ -347,6 +348,98 @@ Test(client, connect_to_a_daemon_that_does_not_accept_times_out)
     cr_assert_eq(r, 0, "%s", err);
     char *res;
     cr_assert_eq(hmc_info(h, &res), 0, "%s", hmc_last_error(h));
+    hmc_free_string(res);
+    hmc_close(h);
+    stop_node(&n);
+}
+
+Test(client, call_gives_the_result_and_the_reply_line)
+{
+    struct node n;
+    char *res, *line;
+    start_node(&n, "call", NULL, NULL);
+    hmc *h = attach(&n);
+    cr_assert_eq(hmc_call(h, "dht.info", "{}", 5000, &res, &line), 0, "%s", hmc_last_error(h));
+    json_t *r = json_loads(res, 0, NULL), *l = json_loads(line, 0, NULL);
+    cr_assert(json_is_object(json_object_get(r, "routing_table")), "%s", res);
+    /* The line is the whole reply as the daemon sent it, its result the same object. */
+    cr_assert(json_is_true(json_object_get(l, "ok")), "%s", line);
+    cr_assert(json_is_integer(json_object_get(l, "id")), "%s", line);
+    cr_assert(json_equal(json_object_get(l, "result"), r), "%s vs %s", line, res);
+    cr_assert_null(strchr(line, '\n'));
+    json_decref(r);
+    json_decref(l);
+    hmc_free_string(res);
+    hmc_free_string(line);
+    /* Either output may be left out; 0 is the handle's timeout. */
+    cr_assert_eq(hmc_call(h, "info", NULL, 0, NULL, NULL), 0, "%s", hmc_last_error(h));
+    res = line = (char *)1;
+    cr_assert_eq(hmc_call(h, "info", "[1]", 5000, &res, &line), -EINVAL);
+    cr_assert_null(res);
+    cr_assert_null(line);
+    cr_assert_eq(hmc_call(h, "info", NULL, -1, &res, &line), -EINVAL);
+    cr_assert_eq(hmc_call(h, "", NULL, 5000, &res, &line), -EINVAL);
+    /* Refused requests leave the connection as good as it was. */
+    cr_assert_eq(hmc_call(h, "info", NULL, 5000, &res, NULL), 0, "%s", hmc_last_error(h));
+    hmc_free_string(res);
+    hmc_close(h);
+    stop_node(&n);
+}
+
+Test(client, call_passes_the_daemons_error_through)
+{
+    struct node n;
+    char *res = (char *)1, *line;
+    start_node(&n, "callerr", NULL, NULL);
+    hmc *h = attach(&n);
+    cr_assert_eq(hmc_call(h, "no.such.command", "{\"x\":1}", 5000, &res, &line), -EREMOTEIO);
+    cr_assert_null(res);
+    cr_assert_str_eq(hmc_last_error_code(h), "unknown_command");
+    cr_assert(strstr(hmc_last_error(h), "no.such.command") != NULL, "%s", hmc_last_error(h));
+    /* The error reply's line comes too, in the daemon's words. */
+    cr_assert_not_null(line);
+    json_t *l = json_loads(line, 0, NULL);
+    cr_assert(json_is_false(json_object_get(l, "ok")), "%s", line);
+    const json_t *e = json_object_get(l, "error");
+    cr_assert_str_eq(json_string_value(json_object_get(e, "code")), "unknown_command");
+    cr_assert_str_eq(json_string_value(json_object_get(e, "message")), hmc_last_error(h));
+    json_decref(l);
+    hmc_free_string(line);
+    /* An error reply answers its request: the next one works. */
+    cr_assert_eq(hmc_call(h, "info", NULL, 5000, &res, &line), 0, "%s", hmc_last_error(h));
+    cr_assert_str_eq(hmc_last_error_code(h), "");
+    hmc_free_string(res);
+    hmc_free_string(line);
+    hmc_close(h);
+    stop_node(&n);
+}
+
+Test(client, call_times_out_and_the_handle_is_then_unusable)
+{
+    struct node n;
+    char *res = (char *)1, *line = (char *)1;
+    start_node(&n, "calltime", NULL, NULL);
+    hmc *h = attach(&n);
+    /* The daemon accepted the connection; stopped, it never answers. */
+    cr_assert_eq(hmc_call(h, "info", NULL, 5000, NULL, NULL), 0, "%s", hmc_last_error(h));
+    cr_assert_eq(kill(n.pid, SIGSTOP), 0);
+    long t0 = hm_test_now_ms();
+    int r = hmc_call(h, "info", NULL, 300, &res, &line);
+    long took = hm_test_now_ms() - t0;
+    cr_assert_eq(kill(n.pid, SIGCONT), 0);
+    cr_assert_eq(r, -ETIMEDOUT, "%d: %s", r, hmc_last_error(h));
+    cr_assert(took >= 250 && took < 3000, "gave up after %ld ms", took);
+    cr_assert_null(res);
+    cr_assert_null(line);
+    /* The late reply must not be taken for the next request's. */
+    r = hmc_call(h, "dht.info", NULL, 5000, &res, &line);
+    cr_assert_eq(r, -EPIPE, "%d: %s", r, hmc_last_error(h));
+    cr_assert_null(line);
+    hmc_close(h);
+    /* A fresh connection to the running daemon works, within the handle's own timeout. */
+    h = attach(&n);
+    hmc_set_timeout(h, 5000);
+    cr_assert_eq(hmc_call(h, "info", NULL, 0, &res, NULL), 0, "%s", hmc_last_error(h));
     hmc_free_string(res);
     hmc_close(h);
     stop_node(&n);

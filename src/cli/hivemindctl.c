@@ -1,10 +1,13 @@
 /*
- * hivemindctl: the command-line client of the control socket. It sends one
- * request to a running hivemindd, reads one reply line (capped at
- * MAX_REPLY bytes, within --timeout seconds) and prints it for people
- * (info as "key: value" lines, peers as a table, metrics as the Prometheus
- * text) or, with --json, prints the reply line as it came. Blocking I/O is
- * enough here: there is one socket and one request.
+ * hivemindctl: the command-line client of the control socket. It turns the
+ * command line into one request, sends it to a running hivemindd through
+ * libhivemind (hmc_call: the library's connection, deadlines and strict
+ * reply parsing, so the tree has one control-socket client), and prints
+ * the reply for people (info as "key: value" lines, peers as a table,
+ * metrics as the Prometheus text) or, with --json, the reply line as it
+ * came. Each command is one row of a table: its words, the daemon's
+ * command, how its arguments are built from the command line and how its
+ * result is printed.
  *
  * Exit status: 0 the command succeeded; 1 the daemon could not be reached,
  * did not answer in time, or answered with an error (printed on stderr);
@@ -12,6 +15,7 @@
  */
 #include "config.h"
 
+#include "lib/hivemind.h"
 #include "src/base/paths.h"
 #include "src/base/util.h"
 
@@ -19,20 +23,11 @@
 #include <getopt.h>
 #include <jansson.h>
 #include <math.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
-
-#define MAX_REPLY (32 * 1024 * 1024)
-
-static const char *const commands[] = {"info",    "peers",     "metrics", "shutdown", "dht",
-                                       "average", "averaging", "experts"};
 
 static void usage(FILE *f)
 {
@@ -84,97 +79,6 @@ static void usage(FILE *f)
             "  -h, --help           print this help and exit\n\n"
             "Exit status: 0 ok, 1 the daemon was not reached or reported an error,\n"
             "64 bad usage.\n");
-}
-
-static long now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-/* Waits for fd to become ready for events before the deadline. */
-static int wait_fd(int fd, short events, long deadline)
-{
-    for (;;) {
-        long left = deadline - now_ms();
-        if (left <= 0)
-            return -ETIMEDOUT;
-        struct pollfd p = {.fd = fd, .events = events};
-        int r = poll(&p, 1, (int)HM_MIN(left, 1000000L));
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0)
-            return -errno;
-        if (r > 0)
-            return 0;
-    }
-}
-
-static int send_all(int fd, const char *p, size_t len, long deadline)
-{
-    while (len > 0) {
-        int r = wait_fd(fd, POLLOUT, deadline);
-        if (r != 0)
-            return r;
-        ssize_t w = send(fd, p, len, MSG_NOSIGNAL);
-        if (w < 0) {
-            if (errno == EINTR || errno == EAGAIN)
-                continue;
-            return -errno;
-        }
-        p += w;
-        len -= (size_t)w;
-    }
-    return 0;
-}
-
-/* Reads up to the first newline; returns the line length or negative. */
-static int read_line(int fd, char **out, long deadline)
-{
-    size_t cap = 4096, len = 0;
-    char *buf = malloc(cap);
-    if (buf == NULL)
-        return -ENOMEM;
-    for (;;) {
-        char *nl = len ? memchr(buf, '\n', len) : NULL;
-        if (nl != NULL) {
-            *nl = '\0';
-            *out = buf;
-            return (int)(nl - buf);
-        }
-        if (len == cap) {
-            if (cap >= MAX_REPLY) {
-                free(buf);
-                return -EMSGSIZE;
-            }
-            char *nb = realloc(buf, cap * 2);
-            if (nb == NULL) {
-                free(buf);
-                return -ENOMEM;
-            }
-            buf = nb;
-            cap *= 2;
-        }
-        int r = wait_fd(fd, POLLIN, deadline);
-        if (r != 0) {
-            free(buf);
-            return r;
-        }
-        ssize_t n = recv(fd, buf + len, cap - len, 0);
-        if (n < 0) {
-            if (errno == EINTR || errno == EAGAIN)
-                continue;
-            int e = errno;
-            free(buf);
-            return -e;
-        }
-        if (n == 0) {
-            free(buf);
-            return -ECONNRESET;
-        }
-        len += (size_t)n;
-    }
 }
 
 static void print_info(const json_t *r)
@@ -296,166 +200,6 @@ static void print_dht_values(const json_t *r)
     }
 }
 
-/*
- * Turns the command line into the request object, or prints why it cannot
- * and returns NULL.
- */
-static json_t *build_request(const char *cmd, char **pos, int npos, const char *subkey,
-                             double ttl)
-{
-    if (strcmp(cmd, "dht") != 0) {
-        if (subkey != NULL || ttl > 0) {
-            fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
-            return NULL;
-        }
-        return json_pack("{s:s, s:{}, s:i}", "cmd", cmd, "args", "id", 1);
-    }
-    const char *sub = npos > 0 ? pos[0] : "";
-    if (strcmp(sub, "info") == 0 && npos == 1 && subkey == NULL && ttl == 0)
-        return json_pack("{s:s, s:{}, s:i}", "cmd", "dht.info", "args", "id", 1);
-    if (strcmp(sub, "get") == 0 && (npos == 2 || npos == 3) && subkey == NULL && ttl == 0) {
-        json_t *args = json_pack("{s:s}", "key", pos[1]);
-        if (args != NULL && npos == 3)
-            json_object_set_new(args, "subkey", json_string(pos[2]));
-        return json_pack("{s:s, s:o, s:i}", "cmd", "dht.get", "args", args, "id", 1);
-    }
-    if (strcmp(sub, "put") == 0 && npos == 3) {
-        json_t *args = json_pack("{s:s, s:s}", "key", pos[1], "value", pos[2]);
-        if (args != NULL && subkey != NULL)
-            json_object_set_new(args, "subkey", json_string(subkey));
-        if (args != NULL && ttl > 0)
-            json_object_set_new(args, "ttl", json_real(ttl));
-        return json_pack("{s:s, s:o, s:i}", "cmd", "dht.put", "args", args, "id", 1);
-    }
-    fprintf(stderr, "hivemindctl: expected 'dht get KEY [SUBKEY]', 'dht put KEY VALUE "
-            "[--subkey S] [--ttl SECONDS]' or 'dht info'\n");
-    return NULL;
-}
-
-/* ---- average and averaging ---- */
-
-enum {
-    OPT_IN = 256,
-    OPT_OUT,
-    OPT_WEIGHT,
-    OPT_TARGET,
-    OPT_MIN,
-    OPT_ROUND_TIMEOUT,
-    OPT_MM_TIME,
-    OPT_COMPRESSION,
-    OPT_GROUP_BITS,
-    OPT_TYPE,
-    OPT_DIM,
-    OPT_HIDDEN,
-    OPT_OPTIMIZER,
-    OPT_LR,
-};
-
-typedef struct avg_args {
-    const char *in, *out, *weight, *target, *min, *round_timeout, *mm_time, *compression,
-        *group_bits;
-    int any; /* some average option was given */
-} avg_args;
-
-/* path made absolute against the current directory (the daemon's differs). */
-static json_t *abs_path(const char *path)
-{
-    if (path[0] == '/')
-        return json_string(path);
-    char cwd[4096];
-    if (getcwd(cwd, sizeof(cwd)) == NULL)
-        return NULL;
-    size_t len = strlen(cwd) + 1 + strlen(path) + 1;
-    char *p = malloc(len);
-    if (p == NULL)
-        return NULL;
-    snprintf(p, len, "%s/%s", cwd, path);
-    json_t *j = json_string(p);
-    free(p);
-    return j;
-}
-
-static int parse_num(const char *opt, const char *s, double lo, double hi, int integer,
-                     double *out)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno != 0 || end == s || *end != '\0' || !(v >= lo) || v > hi ||
-        (integer && v != floor(v))) {
-        fprintf(stderr, "hivemindctl: bad %s '%s': expected %s from %g to %g\n", opt, s,
-                integer ? "an integer" : "a number", lo, hi);
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
-/*
- * The "average" request, or NULL after printing why. *wait_s gets how long
- * to wait for the reply: the round's own timeouts plus a margin.
- */
-static json_t *build_average(char **pos, int npos, const avg_args *a, double timeout_s,
-                             int timeout_given, double *wait_s)
-{
-    double v, mm_timeout = timeout_given ? timeout_s : 30, round_timeout = 30;
-    json_t *args = NULL;
-    if (npos != 1 || a->in == NULL || a->out == NULL) {
-        fprintf(stderr, "hivemindctl: expected 'average PREFIX --in FILE --out FILE ...'\n");
-        return NULL;
-    }
-    if (strlen(pos[0]) == 0 || strlen(pos[0]) > 128) {
-        fprintf(stderr, "hivemindctl: PREFIX must be 1 to 128 bytes\n");
-        return NULL;
-    }
-    args = json_pack("{s:s, s:o, s:o, s:f}", "prefix", pos[0], "in", abs_path(a->in), "out",
-                     abs_path(a->out), "timeout", mm_timeout);
-    if (args == NULL) {
-        fprintf(stderr, "hivemindctl: cannot make the paths absolute\n");
-        return NULL;
-    }
-    if (a->weight != NULL) {
-        if (parse_num("--weight", a->weight, 0, 1e300, 0, &v) < 0)
-            goto fail;
-        json_object_set_new(args, "weight", json_real(v));
-    }
-    if (a->target != NULL) {
-        if (parse_num("--target-group-size", a->target, 1, 64, 1, &v) < 0)
-            goto fail;
-        json_object_set_new(args, "target_group_size", json_integer((json_int_t)v));
-    }
-    if (a->min != NULL) {
-        if (parse_num("--min-group-size", a->min, 1, 64, 1, &v) < 0)
-            goto fail;
-        json_object_set_new(args, "min_group_size", json_integer((json_int_t)v));
-    }
-    if (a->round_timeout != NULL) {
-        if (parse_num("--round-timeout", a->round_timeout, 0.001, 3600, 0, &round_timeout) < 0)
-            goto fail;
-        json_object_set_new(args, "round_timeout", json_real(round_timeout));
-    }
-    if (a->mm_time != NULL) {
-        if (parse_num("--matchmaking-time", a->mm_time, 0.001, 3600, 0, &v) < 0)
-            goto fail;
-        json_object_set_new(args, "matchmaking_time", json_real(v));
-    }
-    if (a->compression != NULL) {
-        if (strcmp(a->compression, "none") != 0 && strcmp(a->compression, "fp16") != 0 &&
-            strcmp(a->compression, "8bit") != 0) {
-            fprintf(stderr, "hivemindctl: --compression must be none, fp16 or 8bit\n");
-            goto fail;
-        }
-        json_object_set_new(args, "compression", json_string(a->compression));
-    }
-    if (a->group_bits != NULL)
-        json_object_set_new(args, "group_bits", json_string(a->group_bits));
-    *wait_s = mm_timeout + round_timeout + 15;
-    return json_pack("{s:s, s:o, s:i}", "cmd", "average", "args", args, "id", 1);
-fail:
-    json_decref(args);
-    return NULL;
-}
-
 static void format_bytes(double b, char *buf, size_t len)
 {
     if (b < 1024)
@@ -573,87 +317,6 @@ static void print_averaging(const json_t *r)
     }
 }
 
-/* ---- experts ---- */
-
-typedef struct ex_args {
-    const char *type, *dim, *hidden, *optimizer, *lr;
-    int any;
-} ex_args;
-
-/*
- * The experts.* request, or NULL after printing why. For call, *wait_s
- * gets the call's timeout plus slack (the daemon answers within it).
- */
-static json_t *build_experts(char **pos, int npos, const ex_args *e, const char *in,
-                             const char *out, double timeout_s, int timeout_given,
-                             double *wait_s)
-{
-    const char *sub = npos > 0 ? pos[0] : "";
-    double x;
-    json_t *args = NULL;
-    if (strcmp(sub, "list") == 0 && npos <= 2 && !e->any && in == NULL && out == NULL) {
-        args = json_object();
-        if (args != NULL && npos == 2)
-            json_object_set_new(args, "prefix", json_string(pos[1]));
-        return json_pack("{s:s, s:o, s:i}", "cmd", "experts.list", "args", args, "id", 1);
-    }
-    if (strcmp(sub, "host") == 0 && npos == 2 && in == NULL && out == NULL) {
-        args = json_pack("{s:s}", "pattern", pos[1]);
-        if (args == NULL)
-            return NULL;
-        if (e->type != NULL)
-            json_object_set_new(args, "type", json_string(e->type));
-        if (e->optimizer != NULL)
-            json_object_set_new(args, "optimizer", json_string(e->optimizer));
-        if (e->dim != NULL) {
-            if (parse_num("--dim", e->dim, 1, 8192, 1, &x) != 0)
-                goto bad;
-            json_object_set_new(args, "dim", json_integer((json_int_t)x));
-        }
-        if (e->hidden != NULL) {
-            if (parse_num("--hidden", e->hidden, 0, 32768, 1, &x) != 0)
-                goto bad;
-            json_object_set_new(args, "hidden", json_integer((json_int_t)x));
-        }
-        if (e->lr != NULL) {
-            if (parse_num("--lr", e->lr, 1e-12, 10, 0, &x) != 0)
-                goto bad;
-            json_object_set_new(args, "lr", json_real(x));
-        }
-        return json_pack("{s:s, s:o, s:i}", "cmd", "experts.host", "args", args, "id", 1);
-    }
-    if (strcmp(sub, "call") == 0 && npos == 2 && !e->any) {
-        if (in == NULL || out == NULL) {
-            fprintf(stderr, "hivemindctl: experts call needs --in FILE and --out FILE\n");
-            return NULL;
-        }
-        json_t *ip = abs_path(in), *op = abs_path(out);
-        double t = timeout_given ? timeout_s : 30;
-        if (ip == NULL || op == NULL) {
-            json_decref(ip);
-            json_decref(op);
-            return NULL;
-        }
-        if (t > 600) {
-            fprintf(stderr, "hivemindctl: experts call: --timeout is at most 600\n");
-            json_decref(ip);
-            json_decref(op);
-            return NULL;
-        }
-        *wait_s = t + 5;
-        args = json_pack("{s:s, s:o, s:o, s:f}", "uid", pos[1], "in", ip, "out", op, "timeout",
-                         t);
-        return json_pack("{s:s, s:o, s:i}", "cmd", "experts.call", "args", args, "id", 1);
-    }
-    fprintf(stderr, "hivemindctl: expected 'experts list [PREFIX]', 'experts host PATTERN "
-            "[--type T] [--dim D] [--hidden H] [--optimizer O] [--lr R]' or 'experts call UID "
-            "--in FILE --out FILE [--timeout S]'\n");
-    return NULL;
-bad:
-    json_decref(args);
-    return NULL;
-}
-
 static void print_experts(const json_t *r)
 {
     const json_t *hosted = json_object_get(r, "hosted"), *swarm = json_object_get(r, "swarm");
@@ -679,6 +342,443 @@ static void print_experts(const json_t *r)
     }
 }
 
+/* ---- the command line ---- */
+
+enum {
+    OPT_IN = 256,
+    OPT_OUT,
+    OPT_WEIGHT,
+    OPT_TARGET,
+    OPT_MIN,
+    OPT_ROUND_TIMEOUT,
+    OPT_MM_TIME,
+    OPT_COMPRESSION,
+    OPT_GROUP_BITS,
+    OPT_TYPE,
+    OPT_DIM,
+    OPT_HIDDEN,
+    OPT_OPTIMIZER,
+    OPT_LR,
+};
+
+/* The averaging options; --in and --out also serve experts call. */
+typedef struct avg_flags {
+    const char *in, *out, *weight, *target, *min, *round_timeout, *mm_time, *compression,
+        *group_bits;
+    int any; /* some average option was given */
+} avg_flags;
+
+typedef struct ex_flags {
+    const char *type, *dim, *hidden, *optimizer, *lr;
+    int any;
+} ex_flags;
+
+/* What the command line says besides the command's name. */
+typedef struct cli {
+    char **pos; /* the words after the command's name */
+    int npos;
+    const char *subkey;
+    double ttl; /* 0: not given */
+    double timeout_s;
+    int timeout_given;
+    avg_flags avg;
+    ex_flags ex;
+} cli;
+
+/*
+ * What a command's builder returns: the request is ready, or the command
+ * line is wrong and the builder said why, or its words do not have the
+ * shape of the command (main then prints the command's expected shape).
+ */
+enum { BUILD_OK = 0, BUILD_BAD = -1, BUILD_SHAPE = -2 };
+
+/* A request on its way: args to send and how long to wait for the reply. */
+typedef struct request {
+    json_t *args;
+    double wait_s;
+} request;
+
+/* path made absolute against the current directory (the daemon's differs). */
+static json_t *abs_path(const char *path)
+{
+    if (path[0] == '/')
+        return json_string(path);
+    char cwd[4096];
+    if (getcwd(cwd, sizeof(cwd)) == NULL)
+        return NULL;
+    size_t len = strlen(cwd) + 1 + strlen(path) + 1;
+    char *p = malloc(len);
+    if (p == NULL)
+        return NULL;
+    snprintf(p, len, "%s/%s", cwd, path);
+    json_t *j = json_string(p);
+    free(p);
+    return j;
+}
+
+static int parse_num(const char *opt, const char *s, double lo, double hi, int integer,
+                     double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || end == s || *end != '\0' || !(v >= lo) || v > hi ||
+        (integer && v != floor(v))) {
+        fprintf(stderr, "hivemindctl: bad %s '%s': expected %s from %g to %g\n", opt, s,
+                integer ? "an integer" : "a number", lo, hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* ---- building the requests ---- */
+
+/*
+ * Sets args[key] to the number the option opt gave (s; nothing when NULL),
+ * after checking it as parse_num does; *out (may be NULL) gets it too.
+ */
+static int set_num(json_t *args, const char *key, const char *opt, const char *s, double lo,
+                   double hi, int integer, double *out)
+{
+    double v;
+    if (s == NULL)
+        return 0;
+    if (parse_num(opt, s, lo, hi, integer, &v) < 0)
+        return -1;
+    json_object_set_new(args, key, integer ? json_integer((json_int_t)v) : json_real(v));
+    if (out != NULL)
+        *out = v;
+    return 0;
+}
+
+/* Commands with nothing to say but their name: info, peers, metrics, ... */
+static int build_plain(const cli *c, request *rq)
+{
+    (void)c;
+    rq->args = json_object();
+    return BUILD_OK;
+}
+
+static int build_dht_info(const cli *c, request *rq)
+{
+    if (c->npos != 1 || c->subkey != NULL || c->ttl > 0)
+        return BUILD_SHAPE;
+    return build_plain(c, rq);
+}
+
+static int build_dht_get(const cli *c, request *rq)
+{
+    if ((c->npos != 2 && c->npos != 3) || c->subkey != NULL || c->ttl > 0)
+        return BUILD_SHAPE;
+    rq->args = json_pack("{s:s}", "key", c->pos[1]);
+    if (rq->args != NULL && c->npos == 3)
+        json_object_set_new(rq->args, "subkey", json_string(c->pos[2]));
+    return BUILD_OK;
+}
+
+static int build_dht_put(const cli *c, request *rq)
+{
+    if (c->npos != 3)
+        return BUILD_SHAPE;
+    rq->args = json_pack("{s:s, s:s}", "key", c->pos[1], "value", c->pos[2]);
+    if (rq->args != NULL && c->subkey != NULL)
+        json_object_set_new(rq->args, "subkey", json_string(c->subkey));
+    if (rq->args != NULL && c->ttl > 0)
+        json_object_set_new(rq->args, "ttl", json_real(c->ttl));
+    return BUILD_OK;
+}
+
+/*
+ * The "average" args. The wait is the round's own timeouts plus a margin:
+ * a round may take both in full before the daemon answers.
+ */
+static int build_average(const cli *c, request *rq)
+{
+    const avg_flags *a = &c->avg;
+    double mm_timeout = c->timeout_given ? c->timeout_s : 30, round_timeout = 30;
+    json_t *args;
+    if (c->npos != 1 || a->in == NULL || a->out == NULL)
+        return BUILD_SHAPE;
+    if (strlen(c->pos[0]) == 0 || strlen(c->pos[0]) > 128) {
+        fprintf(stderr, "hivemindctl: PREFIX must be 1 to 128 bytes\n");
+        return BUILD_BAD;
+    }
+    args = json_pack("{s:s, s:o, s:o, s:f}", "prefix", c->pos[0], "in", abs_path(a->in), "out",
+                     abs_path(a->out), "timeout", mm_timeout);
+    if (args == NULL) {
+        fprintf(stderr, "hivemindctl: cannot make the paths absolute\n");
+        return BUILD_BAD;
+    }
+    rq->args = args;
+    if (set_num(args, "weight", "--weight", a->weight, 0, 1e300, 0, NULL) < 0 ||
+        set_num(args, "target_group_size", "--target-group-size", a->target, 1, 64, 1, NULL) <
+            0 ||
+        set_num(args, "min_group_size", "--min-group-size", a->min, 1, 64, 1, NULL) < 0 ||
+        set_num(args, "round_timeout", "--round-timeout", a->round_timeout, 0.001, 3600, 0,
+                &round_timeout) < 0 ||
+        set_num(args, "matchmaking_time", "--matchmaking-time", a->mm_time, 0.001, 3600, 0,
+                NULL) < 0)
+        return BUILD_BAD;
+    if (a->compression != NULL) {
+        if (strcmp(a->compression, "none") != 0 && strcmp(a->compression, "fp16") != 0 &&
+            strcmp(a->compression, "8bit") != 0) {
+            fprintf(stderr, "hivemindctl: --compression must be none, fp16 or 8bit\n");
+            return BUILD_BAD;
+        }
+        json_object_set_new(args, "compression", json_string(a->compression));
+    }
+    if (a->group_bits != NULL)
+        json_object_set_new(args, "group_bits", json_string(a->group_bits));
+    rq->wait_s = mm_timeout + round_timeout + 15;
+    return BUILD_OK;
+}
+
+static int build_experts_list(const cli *c, request *rq)
+{
+    if (c->npos > 2 || c->ex.any || c->avg.in != NULL || c->avg.out != NULL)
+        return BUILD_SHAPE;
+    rq->args = json_object();
+    if (rq->args != NULL && c->npos == 2)
+        json_object_set_new(rq->args, "prefix", json_string(c->pos[1]));
+    return BUILD_OK;
+}
+
+static int build_experts_host(const cli *c, request *rq)
+{
+    const ex_flags *e = &c->ex;
+    if (c->npos != 2 || c->avg.in != NULL || c->avg.out != NULL)
+        return BUILD_SHAPE;
+    json_t *args = rq->args = json_pack("{s:s}", "pattern", c->pos[1]);
+    if (args == NULL)
+        return BUILD_BAD;
+    if (e->type != NULL)
+        json_object_set_new(args, "type", json_string(e->type));
+    if (e->optimizer != NULL)
+        json_object_set_new(args, "optimizer", json_string(e->optimizer));
+    if (set_num(args, "dim", "--dim", e->dim, 1, 8192, 1, NULL) < 0 ||
+        set_num(args, "hidden", "--hidden", e->hidden, 0, 32768, 1, NULL) < 0 ||
+        set_num(args, "lr", "--lr", e->lr, 1e-12, 10, 0, NULL) < 0)
+        return BUILD_BAD;
+    return BUILD_OK;
+}
+
+/* One forward pass; the daemon answers within the call's timeout, so the wait is that plus slack. */
+static int build_experts_call(const cli *c, request *rq)
+{
+    if (c->npos != 2 || c->ex.any)
+        return BUILD_SHAPE;
+    if (c->avg.in == NULL || c->avg.out == NULL) {
+        fprintf(stderr, "hivemindctl: experts call needs --in FILE and --out FILE\n");
+        return BUILD_BAD;
+    }
+    json_t *ip = abs_path(c->avg.in), *op = abs_path(c->avg.out);
+    double t = c->timeout_given ? c->timeout_s : 30;
+    if (ip == NULL || op == NULL || t > 600) {
+        if (ip != NULL && op != NULL)
+            fprintf(stderr, "hivemindctl: experts call: --timeout is at most 600\n");
+        json_decref(ip);
+        json_decref(op);
+        return BUILD_BAD;
+    }
+    rq->wait_s = t + 5;
+    rq->args = json_pack("{s:s, s:o, s:o, s:f}", "uid", c->pos[1], "in", ip, "out", op,
+                         "timeout", t);
+    return BUILD_OK;
+}
+
+
+static void print_metrics(const json_t *r)
+{
+    const char *text = json_string_value(json_object_get(r, "text"));
+    fputs(text ? text : "", stdout);
+}
+
+static void print_shutdown(const json_t *r)
+{
+    (void)r;
+    printf("hivemindd is shutting down\n");
+}
+
+static void print_dht_put(const json_t *r)
+{
+    printf("stored on %lld replicas\n", (long long)json_integer_value(json_object_get(r, "stored")));
+}
+
+static void print_experts_host(const json_t *r)
+{
+    printf("hosting %lld more experts, %lld in all\n",
+           (long long)json_integer_value(json_object_get(r, "added")),
+           (long long)json_integer_value(json_object_get(r, "hosted")));
+}
+
+static void print_experts_call(const json_t *r)
+{
+    printf("%s at %s: %lld x %lld in %.3f s\n", jstr(r, "uid"), jstr(r, "peer"),
+           (long long)json_integer_value(json_object_get(r, "batch")),
+           (long long)json_integer_value(json_object_get(r, "dim")), jnum(r, "duration"));
+}
+
+/* A get that found nothing is a failure for scripts, like grep. */
+static int dht_found(const cli *c, const json_t *r)
+{
+    if (json_is_true(json_object_get(r, "found")))
+        return HM_EXIT_OK;
+    fprintf(stderr, "hivemindctl: %s: not found\n", c->pos[1]);
+    return HM_EXIT_FAILURE;
+}
+
+/* ---- the commands ---- */
+
+typedef struct command {
+    const char *name; /* the first word */
+    const char *sub;  /* the second word, or NULL */
+    const char *wire; /* the daemon's command */
+    int (*build)(const cli *c, request *rq);
+    void (*print)(const json_t *result); /* the result for people (not with --json) */
+    /* The exit status of an ok reply, when its result can still be a failure. */
+    int (*verdict)(const cli *c, const json_t *result);
+} command;
+
+static const command commands[] = {
+    {"info", NULL, "info", build_plain, print_info, NULL},
+    {"peers", NULL, "peers", build_plain, print_peers, NULL},
+    {"metrics", NULL, "metrics", build_plain, print_metrics, NULL},
+    {"shutdown", NULL, "shutdown", build_plain, print_shutdown, NULL},
+    {"dht", "get", "dht.get", build_dht_get, print_dht_values, dht_found},
+    {"dht", "put", "dht.put", build_dht_put, print_dht_put, NULL},
+    {"dht", "info", "dht.info", build_dht_info, print_dht_info, NULL},
+    {"average", NULL, "average", build_average, print_report, NULL},
+    {"averaging", NULL, "averaging", build_plain, print_averaging, NULL},
+    {"experts", "list", "experts.list", build_experts_list, print_experts, NULL},
+    {"experts", "host", "experts.host", build_experts_host, print_experts_host, NULL},
+    {"experts", "call", "experts.call", build_experts_call, print_experts_call, NULL},
+};
+
+/*
+ * The commands that take words after their name, with the shape that
+ * usage errors repeat; the others stand alone ("one command at a time").
+ */
+static const struct {
+    const char *name, *shape;
+} worded[] = {
+    {"dht", "'dht get KEY [SUBKEY]', 'dht put KEY VALUE [--subkey S] [--ttl SECONDS]' or "
+            "'dht info'"},
+    {"average", "'average PREFIX --in FILE --out FILE ...'"},
+    {"experts", "'experts list [PREFIX]', 'experts host PATTERN [--type T] [--dim D] "
+                "[--hidden H] [--optimizer O] [--lr R]' or 'experts call UID --in FILE --out "
+                "FILE [--timeout S]'"},
+};
+
+static const char *shape_of(const char *name)
+{
+    for (size_t i = 0; i < HM_ARRAY_LEN(worded); i++)
+        if (strcmp(name, worded[i].name) == 0)
+            return worded[i].shape;
+    return NULL;
+}
+
+/* The row for name and its first word; *known_out says whether name is a command at all. */
+static const command *find_command(const char *name, const char *word, int *known_out)
+{
+    *known_out = 0;
+    for (size_t i = 0; i < HM_ARRAY_LEN(commands); i++) {
+        const command *c = &commands[i];
+        if (strcmp(c->name, name) != 0)
+            continue;
+        *known_out = 1;
+        if (c->sub == NULL || (word != NULL && strcmp(c->sub, word) == 0))
+            return c;
+    }
+    return NULL;
+}
+
+/*
+ * Prints why a request failed, from the daemon's reply when one came (an
+ * error reply, or the notice with which it ended the connection) and from
+ * the library's outcome otherwise.
+ */
+static void print_failure(const char *sock, const char *wire, const request *rq,
+                          const json_t *reply, int r, const hmc *h)
+{
+    if (reply != NULL) {
+        const json_t *e = json_object_get(reply, "error");
+        const char *msg = json_string_value(json_object_get(e, "message"));
+        const char *ecode = json_string_value(json_object_get(e, "code"));
+        fprintf(stderr, "hivemindctl: %s: %s%s%s%s\n", wire, msg ? msg : "error",
+                ecode ? " (" : "", ecode ? ecode : "", ecode ? ")" : "");
+    } else if (r == -ETIMEDOUT) {
+        fprintf(stderr, "hivemindctl: no reply from %s within %g s\n", sock, rq->wait_s);
+    } else if (r == -EPIPE) {
+        fprintf(stderr, "hivemindctl: %s closed the connection without a reply\n", sock);
+    } else if (r == -EPROTO) {
+        fprintf(stderr, "hivemindctl: malformed reply from %s\n", sock);
+    } else {
+        fprintf(stderr, "hivemindctl: %s: %s\n", wire, hmc_last_error(h));
+    }
+}
+
+/* Sends the request to the daemon at sock and prints its reply; the exit status. */
+static int run(const char *sock, const command *cmd, const cli *c, const request *rq,
+               int json_out)
+{
+    char path[HM_PATHS_SOCKET_LEN], err[HMC_ERROR_MAX];
+    char *args = NULL, *line = NULL;
+    json_t *reply = NULL;
+    hmc *h = NULL;
+    int result = HM_EXIT_FAILURE;
+
+    if (sock == NULL) {
+        if (hm_paths_client_control_socket(path, sizeof(path)) != 0) {
+            fprintf(stderr, "hivemindctl: cannot tell the default control socket; use -s\n");
+            goto out;
+        }
+        sock = path;
+    }
+    /* The wait bounds the connect as well as the reply: a daemon whose
+     * backlog is full, or that is stopped, must not hang a script. */
+    double ms = rq->wait_s * 1000;
+    int wait_ms = ms < 1 ? 1 : (int)ms;
+    int r = hmc_connect_timeout(sock, wait_ms, &h, err, sizeof(err));
+    if (r == -ENAMETOOLONG) {
+        fprintf(stderr, "hivemindctl: socket path too long: %s\n", sock);
+        result = HM_EXIT_USAGE;
+        goto out;
+    }
+    if (r != 0) {
+        fprintf(stderr, "hivemindctl: cannot connect to %s: %s (is hivemindd running?)\n", sock,
+                strerror(-r));
+        goto out;
+    }
+    args = json_dumps(rq->args, JSON_COMPACT);
+    if (args == NULL) {
+        fprintf(stderr, "hivemindctl: out of memory\n");
+        goto out;
+    }
+    r = hmc_call(h, cmd->wire, args, wait_ms, NULL, &line);
+    if (line != NULL) {
+        reply = json_loads(line, 0, NULL);
+        if (json_out)
+            printf("%s\n", line);
+    }
+    if (r != 0) {
+        print_failure(sock, cmd->wire, rq, reply, r, h);
+        goto out;
+    }
+    const json_t *res = json_object_get(reply, "result");
+    if (!json_out)
+        cmd->print(res);
+    result = cmd->verdict != NULL ? cmd->verdict(c, res) : HM_EXIT_OK;
+    if (result == HM_EXIT_OK && fflush(stdout) != 0)
+        result = HM_EXIT_FAILURE;
+out:
+    json_decref(reply);
+    hmc_free_string(line);
+    free(args);
+    hmc_close(h);
+    return result;
+}
+
 int main(int argc, char **argv)
 {
     static const struct option longopts[] = {
@@ -702,18 +802,11 @@ int main(int argc, char **argv)
         {"lr", required_argument, NULL, OPT_LR},
         {NULL, 0, NULL, 0},
     };
-    const char *subkey_opt = NULL;
-    double ttl_opt = 0;
+    cli c = {.timeout_s = 10};
+    avg_flags *avg = &c.avg;
+    ex_flags *ex = &c.ex;
     const char *sock = NULL;
     int json_out = 0;
-    double timeout_s = 10;
-    int timeout_given = 0;
-    avg_args avg = {0};
-    ex_args ex = {0};
-    char path[HM_PATHS_SOCKET_LEN];
-    char *line = NULL;
-    json_t *reply = NULL;
-    int fd = -1, code = HM_EXIT_FAILURE;
 
     /* SIGPIPE is left alone: sends use MSG_NOSIGNAL, and `hivemindctl metrics |
      * head` should end quietly the way other tools do. */
@@ -733,66 +826,66 @@ int main(int argc, char **argv)
         case 'T': {
             char *end;
             errno = 0;
-            timeout_s = strtod(optarg, &end);
-            if (errno != 0 || end == optarg || *end != '\0' || !(timeout_s > 0) ||
-                timeout_s > 86400) {
+            c.timeout_s = strtod(optarg, &end);
+            if (errno != 0 || end == optarg || *end != '\0' || !(c.timeout_s > 0) ||
+                c.timeout_s > 86400) {
                 fprintf(stderr, "hivemindctl: bad --timeout '%s': expected seconds, more than 0 "
                         "and at most 86400\n", optarg);
                 return HM_EXIT_USAGE;
             }
-            timeout_given = 1;
+            c.timeout_given = 1;
             break;
         }
         case OPT_IN:
-            avg.in = optarg, avg.any = 1;
+            avg->in = optarg, avg->any = 1;
             break;
         case OPT_OUT:
-            avg.out = optarg, avg.any = 1;
+            avg->out = optarg, avg->any = 1;
             break;
         case OPT_WEIGHT:
-            avg.weight = optarg, avg.any = 1;
+            avg->weight = optarg, avg->any = 1;
             break;
         case OPT_TARGET:
-            avg.target = optarg, avg.any = 1;
+            avg->target = optarg, avg->any = 1;
             break;
         case OPT_MIN:
-            avg.min = optarg, avg.any = 1;
+            avg->min = optarg, avg->any = 1;
             break;
         case OPT_ROUND_TIMEOUT:
-            avg.round_timeout = optarg, avg.any = 1;
+            avg->round_timeout = optarg, avg->any = 1;
             break;
         case OPT_MM_TIME:
-            avg.mm_time = optarg, avg.any = 1;
+            avg->mm_time = optarg, avg->any = 1;
             break;
         case OPT_COMPRESSION:
-            avg.compression = optarg, avg.any = 1;
+            avg->compression = optarg, avg->any = 1;
             break;
         case OPT_GROUP_BITS:
-            avg.group_bits = optarg, avg.any = 1;
+            avg->group_bits = optarg, avg->any = 1;
             break;
         case OPT_TYPE:
-            ex.type = optarg, ex.any = 1;
+            ex->type = optarg, ex->any = 1;
             break;
         case OPT_DIM:
-            ex.dim = optarg, ex.any = 1;
+            ex->dim = optarg, ex->any = 1;
             break;
         case OPT_HIDDEN:
-            ex.hidden = optarg, ex.any = 1;
+            ex->hidden = optarg, ex->any = 1;
             break;
         case OPT_OPTIMIZER:
-            ex.optimizer = optarg, ex.any = 1;
+            ex->optimizer = optarg, ex->any = 1;
             break;
         case OPT_LR:
-            ex.lr = optarg, ex.any = 1;
+            ex->lr = optarg, ex->any = 1;
             break;
         case 'K':
-            subkey_opt = optarg;
+            c.subkey = optarg;
             break;
         case 'L': {
             char *end;
             errno = 0;
-            ttl_opt = strtod(optarg, &end);
-            if (errno != 0 || end == optarg || *end != '\0' || !(ttl_opt > 0) || ttl_opt > 86400) {
+            c.ttl = strtod(optarg, &end);
+            if (errno != 0 || end == optarg || *end != '\0' || !(c.ttl > 0) || c.ttl > 86400) {
                 fprintf(stderr, "hivemindctl: bad --ttl '%s': expected seconds, more than 0 and "
                         "at most 86400\n", optarg);
                 return HM_EXIT_USAGE;
@@ -821,188 +914,56 @@ int main(int argc, char **argv)
         usage(stderr);
         return HM_EXIT_USAGE;
     }
-    const char *cmd = argv[optind];
-    char **pos = argv + optind + 1;
-    int npos = argc - optind - 1;
-    if (strcmp(cmd, "dht") != 0 && strcmp(cmd, "average") != 0 && strcmp(cmd, "experts") != 0 &&
-        npos > 0) {
+    const char *name = argv[optind];
+    c.pos = argv + optind + 1;
+    c.npos = argc - optind - 1;
+    const char *shape = shape_of(name);
+    if (shape == NULL && c.npos > 0) {
         fprintf(stderr, "hivemindctl: one command at a time\n");
         usage(stderr);
         return HM_EXIT_USAGE;
     }
-    int known = 0;
-    for (size_t i = 0; i < HM_ARRAY_LEN(commands); i++)
-        known |= strcmp(cmd, commands[i]) == 0;
+    int known;
+    const command *cmd = find_command(name, c.npos > 0 ? c.pos[0] : NULL, &known);
     if (!known) {
-        fprintf(stderr, "hivemindctl: unknown command '%s'\n", cmd);
+        fprintf(stderr, "hivemindctl: unknown command '%s'\n", name);
         usage(stderr);
         return HM_EXIT_USAGE;
     }
-    if (ex.any && strcmp(cmd, "experts") != 0) {
+    if (ex->any && strcmp(name, "experts") != 0) {
         fprintf(stderr, "hivemindctl: --type, --dim, --hidden, --optimizer and --lr go with "
                 "experts host\n");
         usage(stderr);
         return HM_EXIT_USAGE;
     }
-    int in_out_only = avg.in != NULL || avg.out != NULL;
-    if (avg.any && strcmp(cmd, "experts") == 0 && in_out_only &&
-        avg.weight == NULL && avg.target == NULL && avg.min == NULL && avg.round_timeout == NULL &&
-        avg.mm_time == NULL && avg.compression == NULL && avg.group_bits == NULL) {
+    int in_out_only = avg->in != NULL || avg->out != NULL;
+    if (avg->any && strcmp(name, "experts") == 0 && in_out_only && avg->weight == NULL &&
+        avg->target == NULL && avg->min == NULL && avg->round_timeout == NULL &&
+        avg->mm_time == NULL && avg->compression == NULL && avg->group_bits == NULL) {
         /* --in and --out also go with experts call. */
-    } else if (avg.any && strcmp(cmd, "average") != 0) {
+    } else if (avg->any && strcmp(name, "average") != 0) {
         fprintf(stderr, "hivemindctl: --in, --out, --weight and the other averaging options go "
                 "with average\n");
         usage(stderr);
         return HM_EXIT_USAGE;
     }
-    json_t *request;
-    if (strcmp(cmd, "average") == 0) {
-        if (subkey_opt != NULL || ttl_opt > 0) {
-            fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
-            request = NULL;
-        } else {
-            request = build_average(pos, npos, &avg, timeout_s, timeout_given, &timeout_s);
-        }
-    } else if (strcmp(cmd, "experts") == 0) {
-        if (subkey_opt != NULL || ttl_opt > 0) {
-            fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
-            request = NULL;
-        } else {
-            request = build_experts(pos, npos, &ex, avg.in, avg.out, timeout_s, timeout_given,
-                                    &timeout_s);
-        }
-    } else {
-        request = build_request(cmd, pos, npos, subkey_opt, ttl_opt);
-    }
-    if (request == NULL) {
+    if ((c.subkey != NULL || c.ttl > 0) && strcmp(name, "dht") != 0) {
+        fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
         usage(stderr);
         return HM_EXIT_USAGE;
     }
-    const char *wire_cmd = json_string_value(json_object_get(request, "cmd"));
-
-    if (sock == NULL) {
-        if (hm_paths_client_control_socket(path, sizeof(path)) != 0) {
-            fprintf(stderr, "hivemindctl: cannot tell the default control socket; use -s\n");
-            return HM_EXIT_FAILURE;
-        }
-        sock = path;
-    }
-
-    struct sockaddr_un sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sun_family = AF_UNIX;
-    if (strlen(sock) >= sizeof(sa.sun_path)) {
-        fprintf(stderr, "hivemindctl: socket path too long: %s\n", sock);
+    request rq = {.args = NULL, .wait_s = c.timeout_s};
+    int b = cmd != NULL ? cmd->build(&c, &rq) : BUILD_SHAPE;
+    if (b == BUILD_OK && rq.args == NULL)
+        b = BUILD_BAD; /* out of memory, or words that are not UTF-8 */
+    if (b == BUILD_SHAPE)
+        fprintf(stderr, "hivemindctl: expected %s\n", shape);
+    if (b != BUILD_OK) {
+        json_decref(rq.args);
+        usage(stderr);
         return HM_EXIT_USAGE;
     }
-    memcpy(sa.sun_path, sock, strlen(sock) + 1);
-    long deadline = now_ms() + (long)(timeout_s * 1000);
-
-    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-        fprintf(stderr, "hivemindctl: socket: %s\n", strerror(errno));
-        goto out;
-    }
-    /* A daemon whose accept backlog is full makes connect wait; Linux bounds
-     * that wait by the send timeout. */
-    struct timeval tv = {.tv_sec = (time_t)timeout_s,
-                         .tv_usec = (suseconds_t)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
-        fprintf(stderr, "hivemindctl: cannot connect to %s: %s (is hivemindd running?)\n", sock,
-                strerror(errno));
-        goto out;
-    }
-
-    char *req = json_dumps(request, JSON_COMPACT);
-    if (req == NULL) {
-        fprintf(stderr, "hivemindctl: out of memory\n");
-        goto out;
-    }
-    size_t req_len = strlen(req);
-    int r = send_all(fd, req, req_len, deadline);
-    if (r == 0)
-        r = send_all(fd, "\n", 1, deadline);
-    free(req);
-    if (r != 0) {
-        fprintf(stderr, "hivemindctl: cannot send to %s: %s\n", sock, hm_strerror(r));
-        goto out;
-    }
-    r = read_line(fd, &line, deadline);
-    if (r < 0) {
-        if (r == -ETIMEDOUT)
-            fprintf(stderr, "hivemindctl: no reply from %s within %g s\n", sock, timeout_s);
-        else if (r == -ECONNRESET)
-            fprintf(stderr, "hivemindctl: %s closed the connection without a reply\n", sock);
-        else if (r == -EMSGSIZE)
-            fprintf(stderr, "hivemindctl: reply from %s longer than %d bytes\n", sock, MAX_REPLY);
-        else
-            fprintf(stderr, "hivemindctl: reading from %s: %s\n", sock, hm_strerror(r));
-        goto out;
-    }
-    json_error_t jerr;
-    reply = json_loads(line, 0, &jerr);
-    if (!json_is_object(reply) || !json_is_boolean(json_object_get(reply, "ok"))) {
-        fprintf(stderr, "hivemindctl: malformed reply from %s\n", sock);
-        goto out;
-    }
-    if (json_out) {
-        printf("%s\n", line);
-    }
-    if (!json_is_true(json_object_get(reply, "ok"))) {
-        const json_t *e = json_object_get(reply, "error");
-        const char *msg = json_string_value(json_object_get(e, "message"));
-        const char *ecode = json_string_value(json_object_get(e, "code"));
-        fprintf(stderr, "hivemindctl: %s: %s%s%s%s\n", wire_cmd, msg ? msg : "error",
-                ecode ? " (" : "", ecode ? ecode : "", ecode ? ")" : "");
-        goto out;
-    }
-    const json_t *result = json_object_get(reply, "result");
-    if (!json_out) {
-        if (strcmp(cmd, "info") == 0) {
-            print_info(result);
-        } else if (strcmp(cmd, "peers") == 0) {
-            print_peers(result);
-        } else if (strcmp(cmd, "metrics") == 0) {
-            const char *text = json_string_value(json_object_get(result, "text"));
-            fputs(text ? text : "", stdout);
-        } else if (strcmp(cmd, "shutdown") == 0) {
-            printf("hivemindd is shutting down\n");
-        } else if (strcmp(wire_cmd, "dht.info") == 0) {
-            print_dht_info(result);
-        } else if (strcmp(wire_cmd, "dht.put") == 0) {
-            printf("stored on %lld replicas\n",
-                   (long long)json_integer_value(json_object_get(result, "stored")));
-        } else if (strcmp(wire_cmd, "dht.get") == 0) {
-            print_dht_values(result);
-        } else if (strcmp(cmd, "average") == 0) {
-            print_report(result);
-        } else if (strcmp(cmd, "averaging") == 0) {
-            print_averaging(result);
-        } else if (strcmp(wire_cmd, "experts.list") == 0) {
-            print_experts(result);
-        } else if (strcmp(wire_cmd, "experts.host") == 0) {
-            printf("hosting %lld more experts, %lld in all\n",
-                   (long long)json_integer_value(json_object_get(result, "added")),
-                   (long long)json_integer_value(json_object_get(result, "hosted")));
-        } else if (strcmp(wire_cmd, "experts.call") == 0) {
-            printf("%s at %s: %lld x %lld in %.3f s\n", jstr(result, "uid"), jstr(result, "peer"),
-                   (long long)json_integer_value(json_object_get(result, "batch")),
-                   (long long)json_integer_value(json_object_get(result, "dim")),
-                   jnum(result, "duration"));
-        }
-    }
-    /* A get that found nothing is a failure for scripts, like grep. */
-    if (strcmp(wire_cmd, "dht.get") == 0 && !json_is_true(json_object_get(result, "found"))) {
-        fprintf(stderr, "hivemindctl: %s: not found\n", pos[1]);
-        goto out;
-    }
-    code = fflush(stdout) == 0 ? HM_EXIT_OK : HM_EXIT_FAILURE;
-out:
-    json_decref(request);
-    json_decref(reply);
-    free(line);
-    if (fd >= 0)
-        close(fd);
+    int code = run(sock, cmd, &c, &rq, json_out);
+    json_decref(rq.args);
     return code;
 }
