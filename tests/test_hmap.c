@@ -43,18 +43,40 @@ static item *find(const hm_hmap *m, const uint8_t *key, size_t klen)
     return hm_hmap_entry(hm_hmap_find(m, key, klen), item, node);
 }
 
+static void insert_all(hm_hmap *m, item *v, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        hm_hmap_insert(m, &v[i].node, v[i].key, sizeof(v[i].key));
+    cr_assert_eq(hm_hmap_count(m), n);
+}
+
+/* A map set up with these bucket bounds, holding n fresh items. */
+static item *filled(hm_hmap *m, size_t initial, size_t max, size_t n)
+{
+    cr_assert_eq(hm_hmap_init(m, initial, max), 0);
+    item *v = items_new(n);
+    insert_all(m, v, n);
+    return v;
+}
+
+static void release(hm_hmap *m, item *v)
+{
+    hm_hmap_free(m);
+    free(v);
+}
+
+/* Every item is found under its key, as itself. */
+static void find_all(const hm_hmap *m, item *v, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(find(m, v[i].key, sizeof(v[i].key)), &v[i]);
+}
+
 Test(hmap, insert_find_delete)
 {
     hm_hmap m;
-    cr_assert_eq(hm_hmap_init(&m, 4, 64), 0);
-    item *v = items_new(3);
-    for (int i = 0; i < 3; i++)
-        hm_hmap_insert(&m, &v[i].node, v[i].key, sizeof(v[i].key));
-    cr_assert_eq(hm_hmap_count(&m), 3);
-    for (int i = 0; i < 3; i++) {
-        item *f = find(&m, v[i].key, sizeof(v[i].key));
-        cr_assert_eq(f, &v[i]);
-    }
+    item *v = filled(&m, 4, 64, 3);
+    find_all(&m, v, 3);
     uint8_t other[32];
     memset(other, 0x11, sizeof(other));
     cr_assert_null(find(&m, other, sizeof(other)));
@@ -66,8 +88,7 @@ Test(hmap, insert_find_delete)
     cr_assert_null(find(&m, v[1].key, sizeof(v[1].key)));
     cr_assert_eq(find(&m, v[0].key, sizeof(v[0].key)), &v[0]);
     cr_assert_eq(find(&m, v[2].key, sizeof(v[2].key)), &v[2]);
-    hm_hmap_free(&m);
-    free(v);
+    release(&m, v);
 }
 
 Test(hmap, duplicate_keys_are_walked)
@@ -86,29 +107,22 @@ Test(hmap, duplicate_keys_are_walked)
     }
     cr_assert_eq(n, 3);
     cr_assert_eq(mask, 7);
-    hm_hmap_free(&m);
-    free(v);
+    release(&m, v);
 }
 
 Test(hmap, grows_and_keeps_every_key)
 {
     enum { N = 20000 };
     hm_hmap m;
-    cr_assert_eq(hm_hmap_init(&m, 1, 0), 0);
-    item *v = items_new(N);
-    for (int i = 0; i < N; i++)
-        hm_hmap_insert(&m, &v[i].node, v[i].key, sizeof(v[i].key));
-    cr_assert_eq(hm_hmap_count(&m), N);
+    item *v = filled(&m, 1, 0, N);
     cr_assert_geq(hm_hmap_buckets(&m), N);
-    for (int i = 0; i < N; i++)
-        cr_assert_eq(find(&m, v[i].key, sizeof(v[i].key)), &v[i]);
+    find_all(&m, v, N);
     for (int i = 0; i < N; i += 2)
         hm_hmap_remove(&m, &v[i].node);
     cr_assert_eq(hm_hmap_count(&m), N / 2);
     for (int i = 0; i < N; i++)
         cr_assert_eq(find(&m, v[i].key, sizeof(v[i].key)), i % 2 ? &v[i] : NULL);
-    hm_hmap_free(&m);
-    free(v);
+    release(&m, v);
 }
 
 /*
@@ -141,18 +155,14 @@ Test(hmap, low_bit_collisions_spread)
     /* The hash itself is keyed: equal inputs agree, different ones differ. */
     cr_assert_eq(hm_hmap_hash(v[0].key, 32), hm_hmap_hash(v[0].key, 32));
     cr_assert_neq(hm_hmap_hash(v[0].key, 32), hm_hmap_hash(v[1].key, 32));
-    hm_hmap_free(&m);
-    free(v);
+    release(&m, v);
 }
 
 Test(hmap, delete_during_iteration)
 {
     enum { N = 1000 };
     hm_hmap m;
-    cr_assert_eq(hm_hmap_init(&m, 8, 0), 0);
-    item *v = items_new(N);
-    for (int i = 0; i < N; i++)
-        hm_hmap_insert(&m, &v[i].node, v[i].key, sizeof(v[i].key));
+    item *v = filled(&m, 8, 0, N);
     int visited = 0;
     hm_hmap_node *next;
     for (hm_hmap_node *e = hm_hmap_next(&m, NULL); e != NULL; e = next) {
@@ -172,24 +182,18 @@ Test(hmap, delete_during_iteration)
     }
     cr_assert_eq(left, (N + 2) / 3);
     cr_assert_eq(hm_hmap_count(&m), (size_t)left);
-    hm_hmap_free(&m);
-    free(v);
+    release(&m, v);
 }
 
 Test(hmap, bound_refuses_growth)
 {
     enum { N = 1000 };
     hm_hmap m;
-    cr_assert_eq(hm_hmap_init(&m, 4, 32), 0);
-    item *v = items_new(N);
-    for (int i = 0; i < N; i++)
-        hm_hmap_insert(&m, &v[i].node, v[i].key, sizeof(v[i].key));
+    item *v = filled(&m, 4, 32, N);
     /* The array stopped at its bound; the chains took the rest. */
     cr_assert_eq(hm_hmap_buckets(&m), 32);
     cr_assert_eq(hm_hmap_count(&m), N);
-    for (int i = 0; i < N; i++)
-        cr_assert_eq(find(&m, v[i].key, sizeof(v[i].key)), &v[i]);
-    hm_hmap_free(&m);
-    free(v);
+    find_all(&m, v, N);
+    release(&m, v);
     cr_assert_eq(hm_hmap_init(&m, 64, 32), -EINVAL);
 }
