@@ -75,7 +75,7 @@ typedef struct hspan {
 
 /* A call of ours on "avg.dead": a notice of deaths, or our "done". */
 typedef struct notice {
-    struct notice *next;
+    LIST_ENTRY(notice) link; /* in r->notices while the round runs */
     hm_ar_round *r;
     uint64_t call_id;
     int pending;
@@ -90,7 +90,7 @@ typedef struct callctx {
 } callctx;
 
 struct hm_ar_round {
-    hm_ar_round *next;
+    LIST_ENTRY(hm_ar_round) link; /* in ctx->rounds */
     hm_ar_ctx *ctx;
     hm_avg_group g;
     hm_ar_config cfg;
@@ -131,7 +131,7 @@ struct hm_ar_round {
     uint64_t done_retry_at[HM_AVG_MAX_GROUP];
     uint64_t done_first_ms[HM_AVG_MAX_GROUP]; /* first try under "not ready" answers */
 
-    notice *notices;
+    LIST_HEAD(, notice) notices;
     uint64_t start_ms, deadline_ms, start_us;
     uint64_t bytes_sent, bytes_recv;
     int status;    /* first failure, 0 while none */
@@ -150,7 +150,7 @@ struct hm_ar_ctx {
     uint8_t pk[HM_PK_BYTES];
     uv_timer_t timer;
     int timer_on;
-    hm_ar_round *rounds;
+    LIST_HEAD(, hm_ar_round) rounds;
     tombstone tomb[TOMBSTONES];
     size_t tomb_next;
     int closing;
@@ -771,11 +771,7 @@ static void notice_cb(void *ud, int status, const uint8_t *body, size_t len)
             free(nt);
         return;
     }
-    for (notice **pp = &r->notices; *pp != NULL; pp = &(*pp)->next)
-        if (*pp == nt) {
-            *pp = nt->next;
-            break;
-        }
+    LIST_REMOVE(nt, link);
     if (nt->done) {
         size_t j = nt->member;
         free(nt);
@@ -806,8 +802,7 @@ static int notice_send(hm_ar_round *r, size_t j, const uint8_t *buf, size_t len,
         return rc;
     }
     r->bytes_sent += len;
-    nt->next = r->notices;
-    r->notices = nt;
+    LIST_INSERT_HEAD(&r->notices, nt, link);
     return 0;
 }
 
@@ -1280,7 +1275,8 @@ static void progress(hm_ar_round *r)
 
 static hm_ar_round *round_find(hm_ar_ctx *ctx, const uint8_t *gid)
 {
-    for (hm_ar_round *r = ctx->rounds; r != NULL; r = r->next)
+    hm_ar_round *r;
+    LIST_FOREACH(r, &ctx->rounds, link)
         if (memcmp(r->g.group_id, gid, HM_AVG_GROUP_ID_BYTES) == 0)
             return r;
     return NULL;
@@ -1488,9 +1484,9 @@ static void finish(hm_ar_round *r)
             hm_rpc_cancel(ctx->rpc, t->call_id);
         }
     }
-    while (r->notices != NULL) {
-        notice *nt = r->notices;
-        r->notices = nt->next;
+    notice *nt;
+    while ((nt = LIST_FIRST(&r->notices)) != NULL) {
+        LIST_REMOVE(nt, link);
         if (nt->pending) {
             nt->r = NULL; /* its callback frees it */
             if (hm_rpc_cancel(ctx->rpc, nt->call_id) < 0)
@@ -1499,11 +1495,7 @@ static void finish(hm_ar_round *r)
             free(nt);
         }
     }
-    for (hm_ar_round **pp = &ctx->rounds; *pp != NULL; pp = &(*pp)->next)
-        if (*pp == r) {
-            *pp = r->next;
-            break;
-        }
+    LIST_REMOVE(r, link);
     tombstone *tb = &ctx->tomb[ctx->tomb_next++ % TOMBSTONES];
     memcpy(tb->gid, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
     tb->until_ms = hm_now_ms() + TOMBSTONE_MS;
@@ -1573,9 +1565,9 @@ static void tick(uv_timer_t *h)
 {
     hm_ar_ctx *ctx = h->data;
     uint64_t now = hm_now_ms();
-    hm_ar_round *r = ctx->rounds;
+    hm_ar_round *r = LIST_FIRST(&ctx->rounds);
     while (r != NULL) {
-        hm_ar_round *next = r->next;
+        hm_ar_round *next = LIST_NEXT(r, link);
         if (!r->finishing && now >= r->deadline_ms) {
             set_status(r, -ETIMEDOUT);
             r->finishing = 1;
@@ -1585,14 +1577,14 @@ static void tick(uv_timer_t *h)
         if (r->finishing) {
             finish(r);
             /* done_cb may have started or ended rounds: start over from the head. */
-            next = ctx->rounds;
+            next = LIST_FIRST(&ctx->rounds);
         }
         r = next;
     }
-    if (ctx->rounds == NULL && ctx->timer_on) {
+    if (LIST_EMPTY(&ctx->rounds) && ctx->timer_on) {
         uv_timer_stop(&ctx->timer);
         ctx->timer_on = 0;
-    } else if (ctx->rounds != NULL) {
+    } else if (!LIST_EMPTY(&ctx->rounds)) {
         schedule_tick(ctx, TICK_MS);
     }
 }
@@ -1653,6 +1645,7 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
     r = calloc(1, sizeof(*r));
     if (r == NULL)
         return -ENOMEM;
+    LIST_INIT(&r->notices);
     r->ctx = ctx;
     r->g = *group;
     r->cfg = cfg;
@@ -1697,8 +1690,7 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
     r->start_ms = hm_now_ms();
     r->start_us = hm_now_us();
     r->deadline_ms = r->start_ms + cfg.round_timeout_ms;
-    r->next = ctx->rounds;
-    ctx->rounds = r;
+    LIST_INSERT_HEAD(&ctx->rounds, r, link);
     if (round_out != NULL)
         *round_out = r;
     /* The first sends happen on the next tick, never inside this call. */
@@ -1729,6 +1721,7 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
     *out = NULL;
     if (ctx == NULL)
         return -ENOMEM;
+    LIST_INIT(&ctx->rounds);
     ctx->loop = loop;
     ctx->rpc = rpc;
     memcpy(ctx->pk, id->pk, HM_PK_BYTES);
@@ -1768,8 +1761,8 @@ void hm_ar_ctx_close(hm_ar_ctx *ctx, void (*cb)(void *ud), void *ud)
     ctx->closing = 1;
     ctx->close_cb = cb;
     ctx->close_ud = ud;
-    while (ctx->rounds != NULL) {
-        hm_ar_round *r = ctx->rounds;
+    hm_ar_round *r;
+    while ((r = LIST_FIRST(&ctx->rounds)) != NULL) {
         r->status = -ECANCELED;
         r->finishing = 1;
         finish(r);

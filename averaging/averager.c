@@ -41,7 +41,7 @@ struct hm_averager {
     hm_node *node;
     hm_mm *mm;
     hm_ar_ctx *ar;
-    avg_round *rounds; /* in progress, newest first */
+    LIST_HEAD(, avg_round) rounds; /* in progress, newest first */
     size_t n_rounds;
     uint64_t next_round;
     uint64_t use_clock;
@@ -56,7 +56,7 @@ struct hm_averager {
 
 struct avg_round {
     hm_averager *av;
-    avg_round *next;
+    LIST_ENTRY(avg_round) link; /* in av->rounds */
     hm_avg_opts opts;     /* prefix and group_bits point into rep */
     float *data;
     size_t n;
@@ -103,13 +103,8 @@ static void bits_store(hm_averager *av, const char *prefix, const char *bits)
 
 static void round_unlink(hm_averager *av, avg_round *r)
 {
-    for (avg_round **pp = &av->rounds; *pp != NULL; pp = &(*pp)->next) {
-        if (*pp == r) {
-            *pp = r->next;
-            av->n_rounds--;
-            return;
-        }
-    }
+    LIST_REMOVE(r, link);
+    av->n_rounds--;
 }
 
 static const char *stage_name(int stage)
@@ -282,8 +277,7 @@ int hm_averager_round(hm_averager *av, const hm_avg_opts *opts, float *data, siz
     if (result < 0)
         goto out;
     av->next_round++;
-    r->next = av->rounds;
-    av->rounds = r;
+    LIST_INSERT_HEAD(&av->rounds, r, link);
     av->n_rounds++;
     if (round_out != NULL)
         *round_out = rep->round;
@@ -297,7 +291,8 @@ out:
 
 int hm_averager_cancel(hm_averager *av, uint64_t round)
 {
-    for (avg_round *r = av->rounds; r != NULL; r = r->next) {
+    avg_round *r;
+    LIST_FOREACH(r, &av->rounds, link) {
         if (r->rep.round != round)
             continue;
         if (r->ar_round != NULL)
@@ -313,8 +308,9 @@ size_t hm_averager_active(const hm_averager *av, hm_avg_active *out, size_t max)
 {
     size_t total = av->n_rounds, i = 0;
     /* The list is newest first; the copy is oldest first. */
-    for (const avg_round *r = av->rounds; r != NULL; r = r->next, i++) {
-        size_t slot = total - 1 - i;
+    const avg_round *r;
+    LIST_FOREACH(r, &av->rounds, link) {
+        size_t slot = total - 1 - i++;
         if (slot >= max)
             continue;
         hm_avg_active *a = &out[slot];
@@ -350,6 +346,7 @@ int hm_averager_new(hm_node *node, hm_averager **out)
     *out = NULL;
     if (av == NULL)
         return -ENOMEM;
+    LIST_INIT(&av->rounds);
     av->node = node;
     av->history = calloc(HM_AVERAGER_HISTORY, sizeof(*av->history));
     if (av->history == NULL) {

@@ -46,7 +46,7 @@ enum { PH_DONE = 3 };
 typedef struct op op;
 struct op {
     hm_mm *mm; /* NULL once the module is freed */
-    op *prev, *next;
+    LIST_ENTRY(op) link; /* in mm->ops while mm is set */
     uint64_t search_id; /* 0: orphaned, the result is dropped */
     int kind;
     uint64_t call_id;
@@ -80,7 +80,7 @@ typedef struct refusal {
 typedef struct search search;
 struct search {
     hm_mm *mm;
-    search *next;
+    LIST_ENTRY(search) link; /* in mm->searches until it finishes */
     uint64_t id;
     hm_mm_cb cb;
     void *ud;
@@ -122,9 +122,9 @@ struct hm_mm {
     hm_rpc *rpc;
     uint8_t pk[HM_PK_BYTES];
     struct sockaddr_storage addr;
-    search *searches;
+    LIST_HEAD(, search) searches;
     size_t n_searches;
-    op *ops;
+    LIST_HEAD(, op) ops;
     uint64_t next_id;
 };
 
@@ -485,7 +485,8 @@ static search *search_by_id(hm_mm *mm, uint64_t id)
 {
     if (id == 0)
         return NULL;
-    for (search *s = mm->searches; s != NULL; s = s->next)
+    search *s;
+    LIST_FOREACH(s, &mm->searches, link)
         if (s->id == id)
             return s;
     return NULL;
@@ -493,7 +494,8 @@ static search *search_by_id(hm_mm *mm, uint64_t id)
 
 static search *search_by_key(hm_mm *mm, const uint8_t *key, size_t len)
 {
-    for (search *s = mm->searches; s != NULL; s = s->next)
+    search *s;
+    LIST_FOREACH(s, &mm->searches, link)
         if (s->key_len == len && memcmp(s->key, key, len) == 0)
             return s;
     return NULL;
@@ -507,24 +509,15 @@ static op *op_new(hm_mm *mm, search *s, int kind)
     o->mm = mm;
     o->search_id = s != NULL ? s->id : 0;
     o->kind = kind;
-    o->next = mm->ops;
-    if (mm->ops != NULL)
-        mm->ops->prev = o;
-    mm->ops = o;
+    LIST_INSERT_HEAD(&mm->ops, o, link);
     return o;
 }
 
 /* Unlinks and frees an op. */
 static void op_free(op *o)
 {
-    if (o->mm != NULL) {
-        if (o->prev != NULL)
-            o->prev->next = o->next;
-        else
-            o->mm->ops = o->next;
-        if (o->next != NULL)
-            o->next->prev = o->prev;
-    }
+    if (o->mm != NULL)
+        LIST_REMOVE(o, link);
     free(o);
 }
 
@@ -881,12 +874,8 @@ static void finish(search *s, int status, const hm_avg_group *g)
     if (s->declared && !s->client)
         (void)put_decl(mm, NULL, s->key, s->key_len, s->deadline_ms, s->bandwidth, 0,
                        (double)DECL_EXTRA_MS / 1000.0, 2 * s->req_ms);
-    for (search **pp = &mm->searches; *pp != NULL; pp = &(*pp)->next)
-        if (*pp == s) {
-            *pp = s->next;
-            mm->n_searches--;
-            break;
-        }
+    LIST_REMOVE(s, link);
+    mm->n_searches--;
     uv_timer_stop(&s->timer);
     uv_close((uv_handle_t *)&s->timer, on_search_closed);
     hm_mm_cb cb = s->cb;
@@ -1433,6 +1422,8 @@ int hm_mm_new(hm_node *node, hm_mm **out)
     *out = NULL;
     if (mm == NULL)
         return -ENOMEM;
+    LIST_INIT(&mm->searches);
+    LIST_INIT(&mm->ops);
     mm->node = node;
     mm->rpc = hm_node_rpc(node);
     mm->next_id = 1;
@@ -1456,14 +1447,12 @@ void hm_mm_free(hm_mm *mm)
 {
     if (mm == NULL)
         return;
-    while (mm->searches != NULL)
-        finish(mm->searches, -ECANCELED, NULL);
+    while (!LIST_EMPTY(&mm->searches))
+        finish(LIST_FIRST(&mm->searches), -ECANCELED, NULL);
     /* DHT operations still in flight end later and only free their op. */
-    for (op *o = mm->ops, *next; o != NULL; o = next) {
-        next = o->next;
+    op *o;
+    LIST_FOREACH(o, &mm->ops, link)
         o->mm = NULL;
-        o->prev = o->next = NULL;
-    }
     hm_rpc_unregister(mm->rpc, M_JOIN);
     hm_rpc_unregister(mm->rpc, M_WAIT);
     free(mm);
@@ -1515,8 +1504,7 @@ int hm_mm_find_group(hm_mm *mm, const hm_mm_config *cfg, uint64_t timeout_ms, hm
     s->timer.data = s;
     /* The first step runs from the loop, so cb never fires in here. */
     uv_timer_start(&s->timer, on_timer, 0, 0);
-    s->next = mm->searches;
-    mm->searches = s;
+    LIST_INSERT_HEAD(&mm->searches, s, link);
     mm->n_searches++;
     if (search_out != NULL)
         *search_out = s->id;

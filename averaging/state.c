@@ -51,7 +51,7 @@ enum { C_PENDING = 0, C_INFLIGHT = 1, C_DONE = 2 };
 typedef struct op op;
 struct op {
     hm_state *st; /* NULL once the module is freed */
-    op *prev, *next;
+    LIST_ENTRY(op) link; /* in st->ops while st is set */
     uint64_t owner; /* load or share id; 0: orphaned, the result is dropped */
     int kind;
     size_t donor, chunk;
@@ -77,7 +77,7 @@ typedef struct version {
 typedef struct share share;
 struct share {
     hm_state *st;
-    share *next;
+    LIST_ENTRY(share) link; /* in st->shares */
     uint64_t id;
     char prefix[HM_STATE_PREFIX_MAX + 1];
     char key[HM_STATE_PREFIX_MAX + sizeof(KEY_SUFFIX)];
@@ -110,7 +110,7 @@ typedef struct donor {
 typedef struct load load;
 struct load {
     hm_state *st;
-    load *next;
+    LIST_ENTRY(load) link; /* in st->loads until it finishes */
     uint64_t id;
     char prefix[HM_STATE_PREFIX_MAX + 1];
     char key[HM_STATE_PREFIX_MAX + sizeof(KEY_SUFFIX)];
@@ -149,11 +149,11 @@ struct hm_state {
     uint8_t pk[HM_PK_BYTES];
     struct sockaddr_storage addr;
     hm_state_config cfg;
-    share *shares;
+    LIST_HEAD(, share) shares;
     size_t n_shares;
-    load *loads;
+    LIST_HEAD(, load) loads;
     size_t n_loads;
-    op *ops;
+    LIST_HEAD(, op) ops;
     uint64_t next_id;
     int closing;
     /* uv handles not yet through their close callback, the anchor included:
@@ -333,29 +333,21 @@ static op *op_new(hm_state *st, uint64_t owner, int kind)
     o->st = st;
     o->owner = owner;
     o->kind = kind;
-    o->next = st->ops;
-    if (st->ops != NULL)
-        st->ops->prev = o;
-    st->ops = o;
+    LIST_INSERT_HEAD(&st->ops, o, link);
     return o;
 }
 
 static void op_free(op *o)
 {
-    if (o->st != NULL) {
-        if (o->prev != NULL)
-            o->prev->next = o->next;
-        else
-            o->st->ops = o->next;
-        if (o->next != NULL)
-            o->next->prev = o->prev;
-    }
+    if (o->st != NULL)
+        LIST_REMOVE(o, link);
     free(o);
 }
 
 static load *load_by_id(hm_state *st, uint64_t id)
 {
-    for (load *l = st->loads; l != NULL; l = l->next)
+    load *l;
+    LIST_FOREACH(l, &st->loads, link)
         if (l->id == id)
             return l;
     return NULL;
@@ -363,7 +355,8 @@ static load *load_by_id(hm_state *st, uint64_t id)
 
 static share *share_by_id(hm_state *st, uint64_t id)
 {
-    for (share *s = st->shares; s != NULL; s = s->next)
+    share *s;
+    LIST_FOREACH(s, &st->shares, link)
         if (s->id == id)
             return s;
     return NULL;
@@ -371,7 +364,8 @@ static share *share_by_id(hm_state *st, uint64_t id)
 
 static share *share_by_prefix(const hm_state *st, const char *prefix)
 {
-    for (share *s = st->shares; s != NULL; s = s->next)
+    share *s;
+    LIST_FOREACH(s, &st->shares, link)
         if (strcmp(s->prefix, prefix) == 0)
             return s;
     return NULL;
@@ -615,8 +609,7 @@ int hm_state_share(hm_state *st, const char *prefix, uint64_t step, const void *
         uv_timer_init(hm_node_loop(st->node), &s->timer);
         s->timer.data = s;
         st->handles++;
-        s->next = st->shares;
-        st->shares = s;
+        LIST_INSERT_HEAD(&st->shares, s, link);
         st->n_shares++;
     }
     /* A version still being hashed is superseded by this one. */
@@ -632,12 +625,8 @@ out:
 static void share_free(share *s)
 {
     hm_state *st = s->st;
-    for (share **pp = &st->shares; *pp != NULL; pp = &(*pp)->next)
-        if (*pp == s) {
-            *pp = s->next;
-            st->n_shares--;
-            break;
-        }
+    LIST_REMOVE(s, link);
+    st->n_shares--;
     uv_timer_stop(&s->timer);
     uv_close((uv_handle_t *)&s->timer, on_share_closed);
 }
@@ -798,16 +787,13 @@ static void load_finish(load *l, int status)
     if (l->phase == L_DONE)
         return;
     l->phase = L_DONE;
-    for (load **pp = &st->loads; *pp != NULL; pp = &(*pp)->next)
-        if (*pp == l) {
-            *pp = l->next;
-            st->n_loads--;
-            break;
-        }
+    LIST_REMOVE(l, link);
+    st->n_loads--;
     /* Calls in flight end now; their callbacks find the load gone. */
     for (int again = 1; again;) {
         again = 0;
-        for (op *o = st->ops; o != NULL; o = o->next) {
+        op *o;
+        LIST_FOREACH(o, &st->ops, link) {
             if (o->owner != l->id)
                 continue;
             o->owner = 0;
@@ -1427,8 +1413,7 @@ int hm_state_load(hm_state *st, const char *prefix, const hm_state_load_opts *op
         uv_close((uv_handle_t *)&l->timer, on_load_closed);
         return r;
     }
-    l->next = st->loads;
-    st->loads = l;
+    LIST_INSERT_HEAD(&st->loads, l, link);
     st->n_loads++;
     load_arm(l, l->deadline_ms);
     return 0;
@@ -1445,6 +1430,9 @@ int hm_state_new(hm_node *node, const hm_state_config *cfg, hm_state **out)
     *out = NULL;
     if (st == NULL)
         return -ENOMEM;
+    LIST_INIT(&st->shares);
+    LIST_INIT(&st->loads);
+    LIST_INIT(&st->ops);
     if (cfg != NULL)
         st->cfg = *cfg;
     if (st->cfg.max_blob_bytes == 0)
@@ -1482,17 +1470,15 @@ void hm_state_close(hm_state *st, void (*cb)(void *ud), void *ud)
     st->closing = 1;
     st->close_cb = cb;
     st->close_ud = ud;
-    while (st->loads != NULL)
-        load_finish(st->loads, -ECANCELED);
-    while (st->shares != NULL)
-        share_free(st->shares);
+    while (!LIST_EMPTY(&st->loads))
+        load_finish(LIST_FIRST(&st->loads), -ECANCELED);
+    while (!LIST_EMPTY(&st->shares))
+        share_free(LIST_FIRST(&st->shares));
     /* DHT operations still in flight end later and only free their op. */
-    for (op *o = st->ops, *next; o != NULL; o = next) {
-        next = o->next;
+    op *o;
+    LIST_FOREACH(o, &st->ops, link)
         o->st = NULL;
-        o->prev = o->next = NULL;
-    }
-    st->ops = NULL;
+    LIST_INIT(&st->ops);
     hm_rpc_unregister(st->rpc, M_MANIFEST);
     hm_rpc_unregister(st->rpc, M_CHUNK);
     /* The anchor's close callback comes from the loop, so cb never fires

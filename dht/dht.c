@@ -17,6 +17,7 @@
 #include "dht/dht.h"
 
 #include "dht/proto.h"
+#include "src/base/hmap.h"
 #include "src/base/util.h"
 
 #include <errno.h>
@@ -52,122 +53,51 @@
 /* ---- small keyed tables with LRU eviction ---- */
 
 /*
- * A hash table of fixed-size entries under byte keys (at most 32 bytes),
- * chained, with SipHash keyed by a random secret so nobody can aim keys at
- * one chain, a hard bound on entries and least-recently-used eviction past
- * it. Memory grows with use, so an idle node in a 10,000-node simulation
- * costs little.
+ * A table of fixed-size entries under byte keys (at most 32 bytes, chosen by
+ * peers: their keys and addresses), found through an hmap so nobody can aim
+ * keys at one chain, with a hard bound on entries and least-recently-used
+ * eviction past it. Memory grows with use, so an idle node in a 10,000-node
+ * simulation costs little.
  */
 struct lent {
-    struct lent *hnext, *lprev, *lnext;
+    hm_hmap_node node;
+    TAILQ_ENTRY(lent) lru; /* oldest first */
     uint8_t klen;
     uint8_t key[32];
     /* payload follows, aligned by the pointers above */
 };
 
 struct ltab {
-    struct lent **b;
-    size_t nb, n, max, psize;
-    struct lent *oldest, *newest;
-    uint8_t hkey[crypto_shorthash_KEYBYTES];
+    hm_hmap map;
+    TAILQ_HEAD(, lent) lru;
+    size_t max, psize;
 };
 
 static void *lent_payload(struct lent *e) { return (void *)(e + 1); }
 
-static size_t ltab_hash(const struct ltab *t, const uint8_t *key, size_t klen)
-{
-    uint8_t h[crypto_shorthash_BYTES];
-    uint64_t v;
-
-    crypto_shorthash(h, key, klen, t->hkey);
-    memcpy(&v, h, sizeof(v));
-    return (size_t)(v & (t->nb - 1));
-}
-
-static void ltab_lru_unlink(struct ltab *t, struct lent *e)
-{
-    if (e->lprev)
-        e->lprev->lnext = e->lnext;
-    else
-        t->oldest = e->lnext;
-    if (e->lnext)
-        e->lnext->lprev = e->lprev;
-    else
-        t->newest = e->lprev;
-    e->lprev = e->lnext = NULL;
-}
-
-static void ltab_lru_append(struct ltab *t, struct lent *e)
-{
-    e->lprev = t->newest;
-    e->lnext = NULL;
-    if (t->newest)
-        t->newest->lnext = e;
-    else
-        t->oldest = e;
-    t->newest = e;
-}
-
 static void ltab_remove(struct ltab *t, struct lent *e)
 {
-    struct lent **pp = &t->b[ltab_hash(t, e->key, e->klen)];
-
-    while (*pp && *pp != e)
-        pp = &(*pp)->hnext;
-    if (*pp)
-        *pp = e->hnext;
-    ltab_lru_unlink(t, e);
-    t->n--;
+    hm_hmap_remove(&t->map, &e->node);
+    TAILQ_REMOVE(&t->lru, e, lru);
     free(e);
 }
 
-static int ltab_init(struct ltab *t, size_t max, size_t psize, const uint8_t hkey[16])
+static int ltab_init(struct ltab *t, size_t max, size_t psize)
 {
     memset(t, 0, sizeof(*t));
-    t->nb = 16;
     t->max = max;
     t->psize = psize;
-    memcpy(t->hkey, hkey, sizeof(t->hkey));
-    t->b = calloc(t->nb, sizeof(*t->b));
-    return t->b ? 0 : -ENOMEM;
+    TAILQ_INIT(&t->lru);
+    return hm_hmap_init(&t->map, 16, max);
 }
 
 static void ltab_free(struct ltab *t)
 {
-    while (t->oldest)
-        ltab_remove(t, t->oldest);
-    free(t->b);
-    t->b = NULL;
-}
+    struct lent *e;
 
-/* Doubles the chain array while it is shorter than the entry count; failure is harmless. */
-static void ltab_maybe_grow(struct ltab *t)
-{
-    struct lent **nb;
-    size_t newn;
-
-    if (t->n < t->nb || t->nb >= t->max)
-        return;
-    newn = t->nb * 2;
-    nb = calloc(newn, sizeof(*nb));
-    if (nb == NULL)
-        return;
-    for (size_t i = 0; i < t->nb; i++) {
-        struct lent *e = t->b[i];
-        while (e) {
-            struct lent *next = e->hnext;
-            size_t h;
-            t->nb = newn; /* ltab_hash masks with nb */
-            h = ltab_hash(t, e->key, e->klen);
-            t->nb = newn / 2;
-            e->hnext = nb[h];
-            nb[h] = e;
-            e = next;
-        }
-    }
-    free(t->b);
-    t->b = nb;
-    t->nb = newn;
+    while ((e = TAILQ_FIRST(&t->lru)) != NULL)
+        ltab_remove(t, e);
+    hm_hmap_free(&t->map);
 }
 
 /*
@@ -177,30 +107,24 @@ static void ltab_maybe_grow(struct ltab *t)
  */
 static void *ltab_get(struct ltab *t, const uint8_t *key, size_t klen, int create)
 {
-    size_t h = ltab_hash(t, key, klen);
-    struct lent *e;
+    struct lent *e = hm_hmap_entry(hm_hmap_find(&t->map, key, klen), struct lent, node);
 
-    for (e = t->b[h]; e; e = e->hnext)
-        if (e->klen == klen && memcmp(e->key, key, klen) == 0) {
-            ltab_lru_unlink(t, e);
-            ltab_lru_append(t, e);
-            return lent_payload(e);
-        }
+    if (e != NULL) {
+        TAILQ_REMOVE(&t->lru, e, lru);
+        TAILQ_INSERT_TAIL(&t->lru, e, lru);
+        return lent_payload(e);
+    }
     if (!create)
         return NULL;
-    if (t->n >= t->max && t->oldest)
-        ltab_remove(t, t->oldest);
+    if (hm_hmap_count(&t->map) >= t->max && !TAILQ_EMPTY(&t->lru))
+        ltab_remove(t, TAILQ_FIRST(&t->lru));
     e = calloc(1, sizeof(*e) + t->psize);
     if (e == NULL)
         return NULL;
     e->klen = (uint8_t)klen;
     memcpy(e->key, key, klen);
-    t->n++;
-    ltab_maybe_grow(t);
-    h = ltab_hash(t, key, klen);
-    e->hnext = t->b[h];
-    t->b[h] = e;
-    ltab_lru_append(t, e);
+    hm_hmap_insert(&t->map, &e->node, e->key, e->klen);
+    TAILQ_INSERT_TAIL(&t->lru, e, lru);
     return lent_payload(e);
 }
 
@@ -256,7 +180,7 @@ enum op_kind { OP_FIND, OP_GET, OP_PUT };
 enum op_phase { PH_LOOKUP, PH_STORE, PH_DONE };
 
 struct op {
-    struct op *next, *prev;
+    TAILQ_ENTRY(op) link; /* in d->ops while active, then in d->done */
     uint64_t id;
     int kind;
     int phase;
@@ -314,8 +238,8 @@ struct hm_dht {
     struct req *reqs;
     size_t nreqs, reqs_cap;
 
-    struct op *ops;              /* active */
-    struct op *done, *done_tail; /* finished, callback not fired yet */
+    TAILQ_HEAD(op_list, op) ops; /* active, newest first */
+    struct op_list done;         /* finished, callback not fired yet, in order */
     size_t nops;
     uint64_t next_op_id;
     uint64_t last_seq;
@@ -325,7 +249,7 @@ struct hm_dht {
 
     hm_dht_stats st;
     uint64_t now_ms; /* the latest time the owner gave us */
-    struct many *many; /* get_many batches waiting for lookup slots */
+    LIST_HEAD(, many) many; /* get_many batches waiting for lookup slots */
     /* Scratch for encoding and decoding, kept off the stack. */
     hm_dht_msg msg_in, msg_out;
     /* Large enough for a full VALUE plus HM_DHT_PROTO_MAX_CONTACTS IPv6 contacts. */
@@ -618,7 +542,9 @@ static int send_ping(hm_dht *d, const hm_rt_contact *c, int purpose, uint64_t no
 
 static struct op *op_find_active(hm_dht *d, uint64_t id)
 {
-    for (struct op *o = d->ops; o; o = o->next)
+    struct op *o;
+
+    TAILQ_FOREACH(o, &d->ops, link)
         if (o->id == id)
             return o;
     return NULL;
@@ -687,19 +613,9 @@ static void op_finish(hm_dht *d, struct op *o, int status, uint64_t now_ms)
     o->phase = PH_DONE;
     o->status = status;
     o->info.duration_ms = now_ms >= o->start_ms ? now_ms - o->start_ms : 0;
-    if (o->prev)
-        o->prev->next = o->next;
-    else
-        d->ops = o->next;
-    if (o->next)
-        o->next->prev = o->prev;
-    o->next = o->prev = NULL;
+    TAILQ_REMOVE(&d->ops, o, link);
     d->nops--;
-    if (d->done_tail)
-        d->done_tail->next = o;
-    else
-        d->done = o;
-    d->done_tail = o;
+    TAILQ_INSERT_TAIL(&d->done, o, link);
     d->st.lookups_done++;
 }
 
@@ -771,10 +687,8 @@ static void flush_done(hm_dht *d, uint64_t now_ms)
 {
     struct op *o;
 
-    while ((o = d->done) != NULL) {
-        d->done = o->next;
-        if (d->done == NULL)
-            d->done_tail = NULL;
+    while ((o = TAILQ_FIRST(&d->done)) != NULL) {
+        TAILQ_REMOVE(&d->done, o, link);
         fire(d, o, o->status, now_ms);
         op_free(o);
     }
@@ -1090,10 +1004,7 @@ static void op_start(hm_dht *d, struct op *o, uint64_t now_ms)
     hm_rt_contact *cs = calloc(want, sizeof(*cs));
     size_t n = 0;
 
-    o->next = d->ops;
-    if (d->ops)
-        d->ops->prev = o;
-    d->ops = o;
+    TAILQ_INSERT_HEAD(&d->ops, o, link);
     d->nops++;
     if (cs != NULL) {
         n = hm_rt_closest(d->rt, o->target, want, cs, HM_RT_SKIP_FAILING);
@@ -1519,15 +1430,14 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
         i++;
     }
     /* Operation deadlines: a get returns what it found, a put what it stored. */
-    for (struct op *o = d->ops, *next_o; o; o = next_o) {
-        next_o = o->next;
+    struct op *o, *next_o;
+    TAILQ_FOREACH_SAFE(o, &d->ops, link, next_o) {
         if (o->deadline_ms <= now_ms) {
             int status = -ETIMEDOUT;
             if ((o->kind == OP_GET && o->nheld > 0) || (o->kind == OP_PUT && o->stored > 0) ||
                 o->kind == OP_FIND)
                 status = 0;
             op_finish(d, o, status, now_ms);
-            next_o = d->ops; /* op_finish relinked the list */
         }
     }
     if (now_ms >= d->rotate_at) {
@@ -1560,9 +1470,9 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
         next = HM_MIN(next, hm_rt_next_refresh_ms(d->rt));
     for (size_t i = 0; i < d->nreqs; i++)
         next = HM_MIN(next, d->reqs[i].deadline_ms);
-    for (struct op *o = d->ops; o; o = o->next)
+    TAILQ_FOREACH(o, &d->ops, link)
         next = HM_MIN(next, o->deadline_ms);
-    if (d->done != NULL || next < now_ms)
+    if (!TAILQ_EMPTY(&d->done) || next < now_ms)
         next = now_ms;
     return next;
 }
@@ -1626,7 +1536,6 @@ int hm_dht_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
 {
     hm_dht_config defcfg;
     hm_dht *d = NULL;
-    uint8_t hkey[16];
     int result;
 
     *out = NULL;
@@ -1638,6 +1547,9 @@ int hm_dht_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
     }
     if ((d = calloc(1, sizeof(*d))) == NULL)
         return -ENOMEM;
+    TAILQ_INIT(&d->ops);
+    TAILQ_INIT(&d->done);
+    LIST_INIT(&d->many);
     merge_cfg(&d->cfg, cfg);
     if (d->cfg.disjoint_paths > MAX_PATHS || d->cfg.k > HM_DHT_PROTO_MAX_CONTACTS ||
         d->cfg.max_datagram > HM_DHT_PROTO_MAX_SIZE || d->cfg.max_datagram < 256 ||
@@ -1649,8 +1561,6 @@ int hm_dht_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
     memcpy(d->swarm_id, swarm_id, HM_SWARM_ID_BYTES);
     d->io = *io;
     memcpy(d->cfg.store.swarm_id, swarm_id, HM_SWARM_ID_BYTES);
-    if (sodium_is_zero(d->cfg.store.hash_key, sizeof(d->cfg.store.hash_key)))
-        io->random(io->ud, d->cfg.store.hash_key, sizeof(d->cfg.store.hash_key));
     if ((result = hm_rt_new(id->node_id, &d->cfg.rt, now_ms, &d->rt)) < 0)
         goto out;
     if ((result = hm_dht_store_new(&d->cfg.store, &d->store)) < 0)
@@ -1659,10 +1569,9 @@ int hm_dht_new(const hm_identity *id, const uint8_t swarm_id[HM_SWARM_ID_BYTES],
     io->random(io->ud, d->prev_secret, sizeof(d->prev_secret));
     d->rotate_at = now_ms + SECRET_ROTATE_MS;
     d->sweep_at = now_ms + SWEEP_MS;
-    io->random(io->ud, hkey, sizeof(hkey));
-    if ((result = ltab_init(&d->rates, MAX_RATE_ENTRIES, sizeof(struct rate), hkey)) < 0)
+    if ((result = ltab_init(&d->rates, MAX_RATE_ENTRIES, sizeof(struct rate))) < 0)
         goto out;
-    if ((result = ltab_init(&d->tokens, MAX_PEER_TOKENS, sizeof(struct peer_token), hkey)) < 0)
+    if ((result = ltab_init(&d->tokens, MAX_PEER_TOKENS, sizeof(struct peer_token))) < 0)
         goto out;
     *out = d;
     d = NULL;
@@ -1682,7 +1591,7 @@ struct many_key {
 
 struct many {
     hm_dht *d;
-    struct many *next;  /* in d->many while keys wait for slots */
+    LIST_ENTRY(many) link; /* in d->many while keys wait for slots */
     int queued;
     size_t n, started, answered;
     uint64_t deadline_ms;
@@ -1715,14 +1624,10 @@ static void many_free(struct many *m)
     free(m);
 }
 
-static void many_unqueue(hm_dht *d, struct many *m)
+static void many_unqueue(struct many *m)
 {
-    for (struct many **pp = &d->many; *pp; pp = &(*pp)->next) {
-        if (*pp == m) {
-            *pp = m->next;
-            break;
-        }
-    }
+    if (m->queued)
+        LIST_REMOVE(m, link);
     m->queued = 0;
 }
 
@@ -1786,9 +1691,8 @@ static void many_on_get(void *ud, int status, const hm_dht_value *values, size_t
 /* Starts the keys of queued batches while lookup slots are free. */
 static void many_pump(hm_dht *d)
 {
-    struct many *m = d->many;
-    while (m != NULL) {
-        struct many *next = m->next;
+    struct many *m, *next;
+    LIST_FOREACH_SAFE(m, &d->many, link, next) {
         while (m->started < m->n && d->nops < d->cfg.max_lookups) {
             size_t i = m->started++;
             uint64_t left = m->deadline_ms > d->now_ms ? m->deadline_ms - d->now_ms : 0;
@@ -1801,12 +1705,11 @@ static void many_pump(hm_dht *d)
             }
         }
         if (m->started == m->n) {
-            many_unqueue(d, m);
+            many_unqueue(m);
             /* Every key failed to start: nothing else will finish the batch. */
             if (m->answered == m->n)
                 many_finish(m);
         }
-        m = next;
     }
 }
 
@@ -1851,9 +1754,8 @@ int hm_dht_get_many(hm_dht *d, const uint8_t *const *keys, const size_t *key_len
     }
     /* The lookups start from the next periodic call, so the callback can
      * never fire inside this one. */
-    m->next = d->many;
+    LIST_INSERT_HEAD(&d->many, m, link);
     m->queued = 1;
-    d->many = m;
     d->now_ms = now_ms;
     return 0;
 }
@@ -1865,9 +1767,9 @@ void hm_dht_free(hm_dht *d)
     /* Batches still waiting for slots: their unstarted keys are cancelled;
      * a batch whose started gets are all answered finishes here, the others
      * when their gets are cancelled below. */
-    while (d->many) {
-        struct many *m = d->many;
-        many_unqueue(d, m);
+    struct many *m;
+    while ((m = LIST_FIRST(&d->many)) != NULL) {
+        many_unqueue(m);
         while (m->started < m->n) {
             m->status[m->started++] = -ECANCELED;
             m->answered++;
@@ -1876,17 +1778,14 @@ void hm_dht_free(hm_dht *d)
             many_finish(m);
     }
     /* Pending callbacks see -ECANCELED, whether their result was queued or not. */
-    while (d->ops) {
-        struct op *o = d->ops;
+    struct op *o;
+    while ((o = TAILQ_FIRST(&d->ops)) != NULL)
         op_finish(d, o, -ECANCELED, o->start_ms);
-    }
-    while (d->done) {
-        struct op *o = d->done;
-        d->done = o->next;
+    while ((o = TAILQ_FIRST(&d->done)) != NULL) {
+        TAILQ_REMOVE(&d->done, o, link);
         fire(d, o, -ECANCELED, o->start_ms + o->info.duration_ms);
         op_free(o);
     }
-    d->done_tail = NULL;
     free(d->reqs);
     ltab_free(&d->rates);
     ltab_free(&d->tokens);
@@ -2020,23 +1919,18 @@ int hm_dht_put(hm_dht *d, const uint8_t *key, size_t key_len, const uint8_t *sub
 
 int hm_dht_cancel(hm_dht *d, uint64_t op)
 {
-    struct op *o = op_find_active(d, op), *prev = NULL;
+    struct op *o = op_find_active(d, op);
 
     if (o != NULL) {
         op_finish(d, o, -ECANCELED, o->start_ms + o->info.duration_ms);
         /* op_finish queued it last; take it back out and fire now. */
     }
-    for (o = d->done; o; prev = o, o = o->next)
+    TAILQ_FOREACH(o, &d->done, link)
         if (o->id == op)
             break;
     if (o == NULL || (o->get_cb == NULL && o->put_cb == NULL))
         return -ENOENT;
-    if (prev)
-        prev->next = o->next;
-    else
-        d->done = o->next;
-    if (d->done_tail == o)
-        d->done_tail = prev;
+    TAILQ_REMOVE(&d->done, o, link);
     fire(d, o, -ECANCELED, o->start_ms + o->info.duration_ms);
     op_free(o);
     return 0;

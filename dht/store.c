@@ -3,9 +3,8 @@
  * records, replay tombstones, quotas and paged gets (see store.h for the
  * contract). Owns every key, entry and accounting structure it allocates.
  *
- * Keys and storing peers live in two chained hash tables keyed with
- * SipHash under a caller-supplied key, so chosen key ids cannot pile into
- * one chain. A key's entries ("slots") are one array sorted by subkey, the
+ * Keys and storing peers live in two hmaps (SipHash under the process's
+ * secret key), so chosen key ids and storer ids cannot pile into one chain. A key's entries ("slots") are one array sorted by subkey, the
  * plain value (no subkey) first; gets page through it in that order, which
  * keeps a cursor meaningful while the dictionary changes.
  */
@@ -13,6 +12,7 @@
 
 #include "dht/store.h"
 
+#include "src/base/hmap.h"
 #include "src/base/util.h"
 
 #include <errno.h>
@@ -37,7 +37,7 @@ struct slot {
 };
 
 struct key {
-    struct key *next;
+    hm_hmap_node node; /* in keys, by id */
     uint8_t id[HM_DHT_KEY_ID_BYTES];
     uint8_t *bytes;
     size_t len;
@@ -46,17 +46,15 @@ struct key {
 };
 
 struct peer {
-    struct peer *next;
+    hm_hmap_node node; /* in peers, by id */
     uint8_t id[HM_NODE_ID_BYTES];
     size_t bytes;
 };
 
 struct hm_dht_store {
     hm_dht_store_config cfg;
-    struct key **keys;
-    size_t nkeys, key_buckets;
-    struct peer **peers;
-    size_t npeers, peer_buckets;
+    hm_hmap keys;  /* struct key */
+    hm_hmap peers; /* struct peer: storers with a charge */
     size_t entries;
     size_t bytes;
     size_t tombstones;
@@ -75,119 +73,51 @@ void hm_dht_store_config_default(hm_dht_store_config *cfg)
     cfg->max_tombstones = 16384;
 }
 
-/* ---- hash tables ---- */
-
-static size_t hash_id(const hm_dht_store *st, const uint8_t id[32], size_t nbuckets)
-{
-    uint8_t h[crypto_shorthash_BYTES];
-    uint64_t v = 0;
-
-    crypto_shorthash(h, id, 32, st->cfg.hash_key);
-    for (int i = 0; i < 8; i++)
-        v = (v << 8) | h[i];
-    return (size_t)(v % nbuckets);
-}
+/* ---- tables ---- */
 
 static struct key *key_find(const hm_dht_store *st, const uint8_t id[HM_DHT_KEY_ID_BYTES])
 {
-    struct key *k = st->keys[hash_id(st, id, st->key_buckets)];
-
-    while (k != NULL && memcmp(k->id, id, HM_DHT_KEY_ID_BYTES) != 0)
-        k = k->next;
-    return k;
+    return hm_hmap_entry(hm_hmap_find(&st->keys, id, HM_DHT_KEY_ID_BYTES), struct key, node);
 }
 
-/* Doubles a chained table when it averages more than one item per chain. */
-static void keys_grow(hm_dht_store *st)
+static struct peer *peer_find(const hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES])
 {
-    size_t nb = st->key_buckets * 2;
-    struct key **t;
-
-    if (st->nkeys <= st->key_buckets || (t = calloc(nb, sizeof(*t))) == NULL)
-        return; /* a failed growth only makes chains longer */
-    for (size_t i = 0; i < st->key_buckets; i++) {
-        struct key *k = st->keys[i], *next;
-        for (; k != NULL; k = next) {
-            size_t h = hash_id(st, k->id, nb);
-            next = k->next;
-            k->next = t[h];
-            t[h] = k;
-        }
-    }
-    free(st->keys);
-    st->keys = t;
-    st->key_buckets = nb;
-}
-
-static void peers_grow(hm_dht_store *st)
-{
-    size_t nb = st->peer_buckets * 2;
-    struct peer **t;
-
-    if (st->npeers <= st->peer_buckets || (t = calloc(nb, sizeof(*t))) == NULL)
-        return;
-    for (size_t i = 0; i < st->peer_buckets; i++) {
-        struct peer *p = st->peers[i], *next;
-        for (; p != NULL; p = next) {
-            size_t h = hash_id(st, p->id, nb);
-            next = p->next;
-            p->next = t[h];
-            t[h] = p;
-        }
-    }
-    free(st->peers);
-    st->peers = t;
-    st->peer_buckets = nb;
-}
-
-static struct peer **peer_link(const hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES])
-{
-    struct peer **pp = &st->peers[hash_id(st, id, st->peer_buckets)];
-
-    while (*pp != NULL && memcmp((*pp)->id, id, HM_NODE_ID_BYTES) != 0)
-        pp = &(*pp)->next;
-    return pp;
+    return hm_hmap_entry(hm_hmap_find(&st->peers, id, HM_NODE_ID_BYTES), struct peer, node);
 }
 
 size_t hm_dht_store_peer_bytes(const hm_dht_store *st, const uint8_t storer[HM_NODE_ID_BYTES])
 {
-    struct peer **pp = peer_link(st, storer);
-    return *pp != NULL ? (*pp)->bytes : 0;
+    const struct peer *p = peer_find(st, storer);
+    return p != NULL ? p->bytes : 0;
 }
 
 /* Adds a charge to a storer; the caller has checked the quota. */
 static int charge(hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES], size_t n)
 {
-    struct peer **pp = peer_link(st, id);
+    struct peer *p = peer_find(st, id);
 
-    if (*pp == NULL) {
-        struct peer *p = calloc(1, sizeof(*p));
-        if (p == NULL)
+    if (p == NULL) {
+        if ((p = calloc(1, sizeof(*p))) == NULL)
             return -ENOMEM;
         memcpy(p->id, id, HM_NODE_ID_BYTES);
-        *pp = p;
-        st->npeers++;
-        peers_grow(st);
-        pp = peer_link(st, id);
+        hm_hmap_insert(&st->peers, &p->node, p->id, HM_NODE_ID_BYTES);
     }
-    (*pp)->bytes += n;
+    p->bytes += n;
     st->bytes += n;
     return 0;
 }
 
 static void uncharge(hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES], size_t n)
 {
-    struct peer **pp = peer_link(st, id);
+    struct peer *p = peer_find(st, id);
 
     st->bytes -= n;
-    if (*pp == NULL)
+    if (p == NULL)
         return;
-    (*pp)->bytes -= n;
-    if ((*pp)->bytes == 0) {
-        struct peer *p = *pp;
-        *pp = p->next;
+    p->bytes -= n;
+    if (p->bytes == 0) {
+        hm_hmap_remove(&st->peers, &p->node);
         free(p);
-        st->npeers--;
     }
 }
 
@@ -301,17 +231,12 @@ static size_t key_expire(hm_dht_store *st, struct key *k, double now)
 
 static void key_unlink_free(hm_dht_store *st, struct key *k)
 {
-    struct key **kp = &st->keys[hash_id(st, k->id, st->key_buckets)];
-
-    while (*kp != k)
-        kp = &(*kp)->next;
-    *kp = k->next;
+    hm_hmap_remove(&st->keys, &k->node);
     for (size_t i = k->n; i-- > 0;)
         slot_delete(st, k, i);
     free(k->slots);
     free(k->bytes);
     free(k);
-    st->nkeys--;
 }
 
 /* ---- store ---- */
@@ -328,12 +253,10 @@ int hm_dht_store_new(const hm_dht_store_config *cfg, hm_dht_store **out)
     if ((st = calloc(1, sizeof(*st))) == NULL)
         return -ENOMEM;
     st->cfg = *cfg;
-    st->key_buckets = 64;
-    st->peer_buckets = 16;
-    st->keys = calloc(st->key_buckets, sizeof(*st->keys));
-    st->peers = calloc(st->peer_buckets, sizeof(*st->peers));
     st->last_quota_sweep = -INFINITY;
-    if (st->keys == NULL || st->peers == NULL) {
+    /* Every key and every charged storer holds at least one entry. */
+    if (hm_hmap_init(&st->keys, HM_MIN(cfg->max_entries, (size_t)64), cfg->max_entries) < 0 ||
+        hm_hmap_init(&st->peers, HM_MIN(cfg->max_entries, (size_t)16), cfg->max_entries) < 0) {
         hm_dht_store_free(st);
         return -ENOMEM;
     }
@@ -345,21 +268,19 @@ void hm_dht_store_free(hm_dht_store *st)
 {
     if (st == NULL)
         return;
-    if (st->keys != NULL)
-        for (size_t i = 0; i < st->key_buckets; i++)
-            while (st->keys[i] != NULL)
-                key_unlink_free(st, st->keys[i]);
-    if (st->peers != NULL) {
-        for (size_t i = 0; i < st->peer_buckets; i++) {
-            struct peer *p = st->peers[i], *next;
-            for (; p != NULL; p = next) {
-                next = p->next;
-                free(p);
-            }
+    hm_hmap_node *e, *next;
+    if (st->keys.b != NULL)
+        for (e = hm_hmap_next(&st->keys, NULL); e != NULL; e = next) {
+            next = hm_hmap_next(&st->keys, e);
+            key_unlink_free(st, hm_hmap_entry(e, struct key, node));
         }
-    }
-    free(st->keys);
-    free(st->peers);
+    if (st->peers.b != NULL)
+        for (e = hm_hmap_next(&st->peers, NULL); e != NULL; e = next) {
+            next = hm_hmap_next(&st->peers, e);
+            free(hm_hmap_entry(e, struct peer, node));
+        }
+    hm_hmap_free(&st->keys);
+    hm_hmap_free(&st->peers);
     free(st);
 }
 
@@ -367,14 +288,15 @@ size_t hm_dht_store_sweep(hm_dht_store *st, double now)
 {
     size_t ended = 0;
 
-    for (size_t i = 0; i < st->key_buckets; i++) {
-        struct key *k = st->keys[i], *next;
-        for (; k != NULL; k = next) {
-            next = k->next;
-            ended += key_expire(st, k, now);
-            if (k->n == 0)
-                key_unlink_free(st, k);
-        }
+    hm_hmap_node *e, *next;
+
+    /* Unlinking the key a walk stands on is safe once it has the next one. */
+    for (e = hm_hmap_next(&st->keys, NULL); e != NULL; e = next) {
+        struct key *k = hm_hmap_entry(e, struct key, node);
+        next = hm_hmap_next(&st->keys, e);
+        ended += key_expire(st, k, now);
+        if (k->n == 0)
+            key_unlink_free(st, k);
     }
     return ended;
 }
@@ -453,7 +375,6 @@ static struct key *key_create(hm_dht_store *st, const uint8_t id[HM_DHT_KEY_ID_B
                               const hm_dht_record *r)
 {
     struct key *k = calloc(1, sizeof(*k));
-    size_t h;
 
     if (k == NULL || (k->bytes = malloc(r->key_len)) == NULL) {
         free(k);
@@ -462,11 +383,7 @@ static struct key *key_create(hm_dht_store *st, const uint8_t id[HM_DHT_KEY_ID_B
     memcpy(k->id, id, HM_DHT_KEY_ID_BYTES);
     memcpy(k->bytes, r->key, r->key_len);
     k->len = r->key_len;
-    h = hash_id(st, id, st->key_buckets);
-    k->next = st->keys[h];
-    st->keys[h] = k;
-    st->nkeys++;
-    keys_grow(st);
+    hm_hmap_insert(&st->keys, &k->node, k->id, HM_DHT_KEY_ID_BYTES);
     return k;
 }
 
@@ -659,9 +576,9 @@ int hm_dht_store_get(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_
 
 void hm_dht_store_stats_get(const hm_dht_store *st, hm_dht_store_stats *out)
 {
-    out->keys = st->nkeys;
+    out->keys = hm_hmap_count(&st->keys);
     out->entries = st->entries;
     out->bytes = st->bytes;
     out->tombstones = st->tombstones;
-    out->peers = st->npeers;
+    out->peers = hm_hmap_count(&st->peers);
 }

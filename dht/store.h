@@ -77,14 +77,9 @@ typedef struct hm_dht_store_config {
     size_t max_peer_bytes; /* charge per storing peer, default 1 MiB */
     size_t max_tombstones; /* default 16384 */
     uint8_t swarm_id[HM_SWARM_ID_BYTES]; /* signatures are bound to it */
-    /*
-     * Key of the hash tables' SipHash, so nobody can choose key ids that
-     * collide in them; fill with random bytes (a fixed key in tests).
-     */
-    uint8_t hash_key[16];
 } hm_dht_store_config;
 
-/* Defaults, with swarm_id and hash_key zero: the caller sets both. */
+/* Defaults, with swarm_id zero: the caller sets it. */
 void hm_dht_store_config_default(hm_dht_store_config *cfg);
 
 /* Returns 0, -EINVAL (a value out of range) or -ENOMEM. */

@@ -41,8 +41,8 @@ struct hm_moe_client {
     hm_node *node;
     hm_rpc *rpc;
     uint64_t next_call_id;
-    find_op *finds; /* active find operations (doubly linked) */
-    call *calls;    /* active expert calls (doubly linked) */
+    LIST_HEAD(, find_op) finds; /* active find operations */
+    LIST_HEAD(, call) calls;    /* active expert calls */
 };
 
 /* ------------------------------------------------------------ find ops */
@@ -59,7 +59,7 @@ typedef struct beam_ent {
 
 struct find_op {
     hm_moe_client *c; /* NULL once detached by hm_moe_client_free */
-    find_op *prev, *next;
+    LIST_ENTRY(find_op) link; /* in c->finds while c is set */
     int kind;
     hm_moe_find_cb cb;
     void *ud;
@@ -82,24 +82,14 @@ struct find_op {
 static void find_link(hm_moe_client *c, find_op *f)
 {
     f->c = c;
-    f->prev = NULL;
-    f->next = c->finds;
-    if (c->finds != NULL)
-        c->finds->prev = f;
-    c->finds = f;
+    LIST_INSERT_HEAD(&c->finds, f, link);
 }
 
 static void find_unlink(find_op *f)
 {
     if (f->c == NULL)
         return;
-    if (f->prev != NULL)
-        f->prev->next = f->next;
-    else
-        f->c->finds = f->next;
-    if (f->next != NULL)
-        f->next->prev = f->prev;
-    f->prev = f->next = NULL;
+    LIST_REMOVE(f, link);
     f->c = NULL;
 }
 
@@ -460,8 +450,8 @@ typedef struct slot {
 } slot;
 
 struct call {
-    hm_moe_client *c;
-    call *prev, *next;
+    hm_moe_client *c; /* NULL once the call has left c->calls */
+    LIST_ENTRY(call) link;
     uint64_t id;
     int backward;
     int done;
@@ -483,13 +473,7 @@ static void call_unlink(call *k)
 {
     if (k->c == NULL)
         return;
-    if (k->prev != NULL)
-        k->prev->next = k->next;
-    else
-        k->c->calls = k->next;
-    if (k->next != NULL)
-        k->next->prev = k->prev;
-    k->prev = k->next = NULL;
+    LIST_REMOVE(k, link);
     k->c = NULL;
 }
 
@@ -657,11 +641,7 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     uv_timer_start(&k->timer, call_timeout_cb, k->n_pending == 0 ? 0 : o->timeout_ms, 0);
 
     k->id = ++c->next_call_id;
-    k->prev = NULL;
-    k->next = c->calls;
-    if (c->calls != NULL)
-        c->calls->prev = k;
-    c->calls = k;
+    LIST_INSERT_HEAD(&c->calls, k, link);
     if (call_out != NULL)
         *call_out = k->id;
     k = NULL;
@@ -697,7 +677,8 @@ int hm_moe_cancel(hm_moe_client *c, uint64_t id)
 {
     if (c == NULL)
         return -EINVAL;
-    for (call *k = c->calls; k != NULL; k = k->next) {
+    call *k;
+    LIST_FOREACH(k, &c->calls, link) {
         if (k->id == id) {
             call_finish(k, -ECANCELED);
             return 0;
@@ -762,6 +743,8 @@ int hm_moe_client_new(hm_node *node, hm_moe_client **out)
     hm_moe_client *c = calloc(1, sizeof(*c));
     if (c == NULL)
         return -ENOMEM;
+    LIST_INIT(&c->finds);
+    LIST_INIT(&c->calls);
     c->node = node;
     c->rpc = hm_node_rpc(node);
     *out = c;
@@ -772,12 +755,12 @@ void hm_moe_client_free(hm_moe_client *c)
 {
     if (c == NULL)
         return;
-    while (c->calls != NULL)
-        call_finish(c->calls, -ECANCELED);
+    while (!LIST_EMPTY(&c->calls))
+        call_finish(LIST_FIRST(&c->calls), -ECANCELED);
     /* A find waits on the DHT, which cannot be cancelled from here: detach
      * it (its DHT callback then only frees it) and report now. */
-    while (c->finds != NULL) {
-        find_op *f = c->finds;
+    find_op *f;
+    while ((f = LIST_FIRST(&c->finds)) != NULL) {
         find_unlink(f);
         f->cb(f->ud, -ECANCELED, NULL, 0);
     }

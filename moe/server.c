@@ -86,7 +86,7 @@ typedef struct pending pending;
 
 /* One request waiting in a queue or riding in a job; x and gy are its own copies. */
 struct pending {
-    pending *next;
+    STAILQ_ENTRY(pending) link; /* in a queue or a job */
     hm_rpc_req *req;
     size_t batch;
     size_t bytes; /* of the copies, for the server-wide bound */
@@ -98,17 +98,19 @@ struct pending {
     int status;
 };
 
+STAILQ_HEAD(pending_list, pending);
+
 typedef struct queue {
-    pending *head, *tail;
+    struct pending_list reqs; /* oldest first */
     size_t samples;
     size_t *srv_bytes; /* the server's total of queued copies */
 } queue;
 
 typedef struct job {
-    struct job *next;
+    STAILQ_ENTRY(job) link; /* in the server's job or done queue */
     expert *e;
     int kind;
-    pending *reqs;
+    struct pending_list reqs;
     size_t samples;
     int status;
     uint64_t steps;          /* the expert's step count after the job */
@@ -129,7 +131,7 @@ struct expert {
     int busy;          /* a job of this expert is out on a worker */
     int ckpt_wanted;   /* a periodic checkpoint waits for the current job */
     int waiting;       /* on the server's list of experts with queued requests */
-    expert *wprev, *wnext;
+    LIST_ENTRY(expert) wlink; /* in s->waiting while waiting is set */
 
     uint64_t steps, steps_at_ckpt;
     uint64_t fwd_requests, bwd_requests, batches, batch_samples;
@@ -151,7 +153,7 @@ typedef struct decl {
 typedef struct putop putop;
 struct putop {
     hm_moe_server *s; /* NULL once orphaned */
-    putop *prev, *next;
+    LIST_ENTRY(putop) link; /* in s->puts while s is set */
 };
 
 struct hm_moe_server {
@@ -175,7 +177,7 @@ struct hm_moe_server {
     size_t nex;
 
     /* Experts with queued requests, and the batch timer's due time. */
-    expert *whead;
+    LIST_HEAD(, expert) waiting;
     uv_timer_t batch_timer;
     uint64_t batch_due_ms; /* 0: not armed */
 
@@ -184,9 +186,9 @@ struct hm_moe_server {
     unsigned nthreads;
     uv_mutex_t jlock;
     uv_cond_t jcond;
-    job *jhead, *jtail;
+    STAILQ_HEAD(job_list, job) jobs; /* for the workers, guarded by jlock */
     int jstop;
-    job *dhead; /* finished, guarded by jlock */
+    struct job_list done; /* finished, in completion order, guarded by jlock */
     uv_async_t async;
     size_t jobs_out;
 
@@ -198,7 +200,7 @@ struct hm_moe_server {
     int decl_round;  /* a round is running */
     int decl_dirty;  /* the expert set changed since decls was built */
     int withdrawing;
-    putop *puts;
+    LIST_HEAD(, putop) puts;
     size_t puts_out;
     size_t round_stored;   /* puts of this round that some replica accepted */
     unsigned failed_rounds; /* rounds in a row in which none was stored */
@@ -347,8 +349,9 @@ static int write_checkpoint(expert *e, uint64_t *steps_out)
 static void backward_each(expert *e, job *j, float *out)
 {
     size_t off = 0;
+    pending *p;
 
-    for (pending *p = j->reqs; p != NULL; p = p->next) {
+    STAILQ_FOREACH(p, &j->reqs, link) {
         p->status = hm_ffn_backward(e->ffn, p->x, p->gy, p->batch, out + off * e->dim);
         off += p->batch;
     }
@@ -366,13 +369,14 @@ static void run_batch(job *j)
     float *x = malloc(j->samples * dim * sizeof(float));
     float *gy = backward ? malloc(j->samples * dim * sizeof(float)) : NULL;
     float *out = malloc(j->samples * dim * sizeof(float));
+    pending *p;
     int r;
 
     if (x == NULL || out == NULL || (backward && gy == NULL)) {
         j->status = -ENOMEM;
         goto out;
     }
-    for (pending *p = j->reqs; p != NULL; p = p->next) {
+    STAILQ_FOREACH(p, &j->reqs, link) {
         memcpy(x + off * dim, p->x, p->batch * dim * sizeof(float));
         if (backward)
             memcpy(gy + off * dim, p->gy, p->batch * dim * sizeof(float));
@@ -381,7 +385,7 @@ static void run_batch(job *j)
     uv_mutex_lock(&e->lock);
     if (backward) {
         r = hm_ffn_backward(e->ffn, x, gy, j->samples, out);
-        if (r == -EDOM && j->reqs->next != NULL) {
+        if (r == -EDOM && STAILQ_NEXT(STAILQ_FIRST(&j->reqs), link) != NULL) {
             backward_each(e, j, out);
             r = 0;
         }
@@ -394,7 +398,7 @@ static void run_batch(job *j)
         goto out;
     }
     off = 0;
-    for (pending *p = j->reqs; p != NULL; p = p->next) {
+    STAILQ_FOREACH(p, &j->reqs, link) {
         hm_wire_wr w;
         if (p->status != 0) {
             off += p->batch; /* refused alone by backward_each */
@@ -425,19 +429,16 @@ static void worker_main(void *arg)
     for (;;) {
         job *j;
         uv_mutex_lock(&s->jlock);
-        while (s->jhead == NULL && !s->jstop)
+        while (STAILQ_EMPTY(&s->jobs) && !s->jstop)
             uv_cond_wait(&s->jcond, &s->jlock);
-        if (s->jhead == NULL) {
+        if (STAILQ_EMPTY(&s->jobs)) {
             uv_mutex_unlock(&s->jlock);
             return;
         }
-        j = s->jhead;
-        s->jhead = j->next;
-        if (s->jhead == NULL)
-            s->jtail = NULL;
+        j = STAILQ_FIRST(&s->jobs);
+        STAILQ_REMOVE_HEAD(&s->jobs, link);
         uv_mutex_unlock(&s->jlock);
 
-        j->next = NULL;
         if (j->kind == JOB_CKPT) {
             j->status = write_checkpoint(j->e, &j->steps);
             j->ckpt_wall_ms = wall_ms();
@@ -446,8 +447,7 @@ static void worker_main(void *arg)
         }
 
         uv_mutex_lock(&s->jlock);
-        j->next = s->dhead;
-        s->dhead = j;
+        STAILQ_INSERT_TAIL(&s->done, j, link);
         uv_mutex_unlock(&s->jlock);
         uv_async_send(&s->async);
     }
@@ -458,12 +458,7 @@ static void submit(hm_moe_server *s, job *j)
     j->e->busy = 1;
     s->jobs_out++;
     uv_mutex_lock(&s->jlock);
-    j->next = NULL;
-    if (s->jtail != NULL)
-        s->jtail->next = j;
-    else
-        s->jhead = j;
-    s->jtail = j;
+    STAILQ_INSERT_TAIL(&s->jobs, j, link);
     uv_cond_signal(&s->jcond);
     uv_mutex_unlock(&s->jlock);
 }
@@ -475,24 +470,15 @@ static void waiting_add(hm_moe_server *s, expert *e)
     if (e->waiting)
         return;
     e->waiting = 1;
-    e->wprev = NULL;
-    e->wnext = s->whead;
-    if (s->whead != NULL)
-        s->whead->wprev = e;
-    s->whead = e;
+    LIST_INSERT_HEAD(&s->waiting, e, wlink);
 }
 
 static void waiting_remove(hm_moe_server *s, expert *e)
 {
     if (!e->waiting)
         return;
-    if (e->wprev != NULL)
-        e->wprev->wnext = e->wnext;
-    else
-        s->whead = e->wnext;
-    if (e->wnext != NULL)
-        e->wnext->wprev = e->wprev;
-    e->wprev = e->wnext = NULL;
+    HM_UNUSED(s);
+    LIST_REMOVE(e, wlink);
     e->waiting = 0;
 }
 
@@ -504,14 +490,11 @@ static void waiting_remove(hm_moe_server *s, expert *e)
  */
 static pending *queue_pop(queue *q)
 {
-    pending *p = q->head;
+    pending *p = STAILQ_FIRST(&q->reqs);
     if (p == NULL)
         return NULL;
-    q->head = p->next;
-    if (q->head == NULL)
-        q->tail = NULL;
+    STAILQ_REMOVE_HEAD(&q->reqs, link);
     q->samples -= p->batch;
-    p->next = NULL;
     return p;
 }
 
@@ -524,12 +507,7 @@ static void pending_done(hm_moe_server *s, pending *p)
 
 static void queue_push(queue *q, pending *p)
 {
-    p->next = NULL;
-    if (q->tail != NULL)
-        q->tail->next = p;
-    else
-        q->head = p;
-    q->tail = p;
+    STAILQ_INSERT_TAIL(&q->reqs, p, link);
     q->samples += p->batch;
     *q->srv_bytes += p->bytes;
 }
@@ -537,7 +515,7 @@ static void queue_push(queue *q, pending *p)
 /* Drops requests at the head of q whose callers have gone: they are not computed. */
 static void queue_drop_gone(hm_moe_server *s, queue *q)
 {
-    while (q->head != NULL && hm_rpc_req_cancelled(q->head->req)) {
+    while (STAILQ_FIRST(&q->reqs) != NULL && hm_rpc_req_cancelled(STAILQ_FIRST(&q->reqs)->req)) {
         pending *p = queue_pop(q);
         hm_rpc_respond(p->req, -ECANCELED, NULL, 0);
         pending_done(s, p);
@@ -563,10 +541,10 @@ static uint64_t expert_due(const hm_moe_server *s, const expert *e)
     uint64_t due = 0;
     for (int k = 0; k < 2; k++) {
         const queue *q = &e->q[k];
-        if (q->head == NULL)
+        if (STAILQ_FIRST(&q->reqs) == NULL)
             continue;
-        uint64_t d = q->samples >= s->max_batch ? q->head->arrived_ms
-                                                : q->head->arrived_ms + s->batch_wait_ms;
+        uint64_t d = q->samples >= s->max_batch ? STAILQ_FIRST(&q->reqs)->arrived_ms
+                                                : STAILQ_FIRST(&q->reqs)->arrived_ms + s->batch_wait_ms;
         if (due == 0 || d < due)
             due = d;
     }
@@ -578,6 +556,7 @@ static int dispatch_checkpoint(hm_moe_server *s, expert *e)
     job *j = calloc(1, sizeof(*j));
     if (j == NULL)
         return -ENOMEM;
+    STAILQ_INIT(&j->reqs);
     j->e = e;
     j->kind = JOB_CKPT;
     e->ckpt_wanted = 0;
@@ -602,7 +581,7 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
     }
     queue_drop_gone(s, &e->q[Q_FWD]);
     queue_drop_gone(s, &e->q[Q_BWD]);
-    if (e->q[Q_FWD].head == NULL && e->q[Q_BWD].head == NULL) {
+    if (STAILQ_FIRST(&e->q[Q_FWD].reqs) == NULL && STAILQ_FIRST(&e->q[Q_BWD].reqs) == NULL) {
         waiting_remove(s, e);
         return;
     }
@@ -610,11 +589,11 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
     int k = -1;
     for (int i = 0; i < 2; i++) {
         const queue *c = &e->q[i];
-        if (c->head == NULL)
+        if (STAILQ_FIRST(&c->reqs) == NULL)
             continue;
-        if (c->samples < s->max_batch && now < c->head->arrived_ms + s->batch_wait_ms)
+        if (c->samples < s->max_batch && now < STAILQ_FIRST(&c->reqs)->arrived_ms + s->batch_wait_ms)
             continue;
-        if (k < 0 || c->head->arrived_ms < e->q[k].head->arrived_ms)
+        if (k < 0 || STAILQ_FIRST(&c->reqs)->arrived_ms < STAILQ_FIRST(&e->q[k].reqs)->arrived_ms)
             k = i;
     }
     if (k < 0)
@@ -631,28 +610,27 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
     }
     j->e = e;
     j->kind = k == Q_BWD ? JOB_BWD : JOB_FWD;
-    pending **tail = &j->reqs;
-    while (q->head != NULL) {
-        if (hm_rpc_req_cancelled(q->head->req)) {
+    STAILQ_INIT(&j->reqs);
+    while (!STAILQ_EMPTY(&q->reqs)) {
+        if (hm_rpc_req_cancelled(STAILQ_FIRST(&q->reqs)->req)) {
             pending *gone = queue_pop(q);
             hm_rpc_respond(gone->req, -ECANCELED, NULL, 0);
             pending_done(s, gone);
             continue;
         }
-        if (j->samples > 0 && j->samples + q->head->batch > s->max_batch)
+        if (j->samples > 0 && j->samples + STAILQ_FIRST(&q->reqs)->batch > s->max_batch)
             break;
         pending *p = queue_pop(q);
         j->samples += p->batch;
-        *tail = p;
-        tail = &p->next;
+        STAILQ_INSERT_TAIL(&j->reqs, p, link);
     }
-    if (j->reqs == NULL) {
+    if (STAILQ_EMPTY(&j->reqs)) {
         free(j);
-        if (e->q[0].head == NULL && e->q[1].head == NULL)
+        if (STAILQ_FIRST(&e->q[0].reqs) == NULL && STAILQ_FIRST(&e->q[1].reqs) == NULL)
             waiting_remove(s, e);
         return;
     }
-    if (e->q[0].head == NULL && e->q[1].head == NULL)
+    if (STAILQ_FIRST(&e->q[0].reqs) == NULL && STAILQ_FIRST(&e->q[1].reqs) == NULL)
         waiting_remove(s, e);
     submit(s, j);
 }
@@ -666,7 +644,8 @@ static void batch_rearm(hm_moe_server *s)
 
     if (s->state != S_RUNNING)
         return;
-    for (expert *e = s->whead; e != NULL; e = e->wnext) {
+    expert *e;
+    LIST_FOREACH(e, &s->waiting, wlink) {
         if (e->busy)
             continue;
         uint64_t d = expert_due(s, e);
@@ -694,14 +673,12 @@ static void batch_timer_cb(uv_timer_t *t)
 {
     hm_moe_server *s = t->data;
     uint64_t now = hm_now_ms();
-    expert *e = s->whead;
+    expert *e, *next;
 
     s->batch_due_ms = 0;
-    while (e != NULL) {
-        expert *next = e->wnext; /* kick may take e off the list */
+    /* A kick may take e off the list. */
+    LIST_FOREACH_SAFE(e, &s->waiting, wlink, next)
         expert_kick(s, e, now);
-        e = next;
-    }
     batch_rearm(s);
 }
 
@@ -715,7 +692,7 @@ static void finish_batch(job *j)
     hm_moe_server *s = e->s;
     uint64_t now = hm_now_ms();
     int backward = j->kind == JOB_BWD;
-    pending *p = j->reqs;
+    pending *p, *next;
 
     e->steps = HM_MAX(e->steps, j->steps);
     if (j->status == 0) {
@@ -725,8 +702,7 @@ static void finish_batch(job *j)
         hm_warn(MOD, "%s: %s batch of %zu samples failed: %s", e->uid,
                 backward ? "backward" : "forward", j->samples, hm_strerror(j->status));
     }
-    while (p != NULL) {
-        pending *next = p->next;
+    STAILQ_FOREACH_SAFE(p, &j->reqs, link, next) {
         int st = j->status != 0 ? j->status : p->status;
         if (st == 0) {
             hm_rpc_respond(p->req, 0, p->reply, p->reply_len);
@@ -739,32 +715,22 @@ static void finish_batch(job *j)
             hm_rpc_respond(p->req, st, NULL, 0);
         }
         pending_done(s, p);
-        p = next;
     }
 }
 
 static void async_cb(uv_async_t *a)
 {
     hm_moe_server *s = a->data;
-    job *done, *j;
+    struct job_list done = STAILQ_HEAD_INITIALIZER(done);
+    job *j, *next;
     uint64_t now;
 
+    /* Answered in completion order, the order the workers queued them. */
     uv_mutex_lock(&s->jlock);
-    done = s->dhead;
-    s->dhead = NULL;
+    STAILQ_CONCAT(&done, &s->done);
     uv_mutex_unlock(&s->jlock);
-    /* The list is newest first; answer in completion order. */
-    job *rev = NULL;
-    while (done != NULL) {
-        j = done;
-        done = j->next;
-        j->next = rev;
-        rev = j;
-    }
     now = hm_now_ms();
-    while (rev != NULL) {
-        j = rev;
-        rev = j->next;
+    STAILQ_FOREACH_SAFE(j, &done, link, next) {
         expert *e = j->e;
         e->busy = 0;
         s->jobs_out--;
@@ -990,13 +956,7 @@ static void decl_continue(hm_moe_server *s);
 
 static void putop_unlink(hm_moe_server *s, putop *o)
 {
-    if (o->prev != NULL)
-        o->prev->next = o->next;
-    else
-        s->puts = o->next;
-    if (o->next != NULL)
-        o->next->prev = o->prev;
-    o->prev = o->next = NULL;
+    LIST_REMOVE(o, link);
     s->puts_out--;
 }
 
@@ -1023,14 +983,10 @@ static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_in
 /* Orphans the puts in flight: their callbacks free only themselves. */
 static void puts_orphan(hm_moe_server *s)
 {
-    putop *o = s->puts;
-    while (o != NULL) {
-        putop *next = o->next;
+    putop *o;
+    LIST_FOREACH(o, &s->puts, link)
         o->s = NULL;
-        o->prev = o->next = NULL;
-        o = next;
-    }
-    s->puts = NULL;
+    LIST_INIT(&s->puts);
     s->puts_out = 0;
 }
 
@@ -1080,10 +1036,7 @@ static void decl_continue(hm_moe_server *s)
             hm_debug(MOD, "%s: declaration not started: %s", d->key, hm_strerror(r));
             continue;
         }
-        o->next = s->puts;
-        if (s->puts != NULL)
-            s->puts->prev = o;
-        s->puts = o;
+        LIST_INSERT_HEAD(&s->puts, o, link);
         s->puts_out++;
     }
     if (s->decl_cursor < s->ndecls || s->puts_out > 0)
@@ -1325,6 +1278,8 @@ static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
     }
     e->s = s;
     e->u = *u;
+    STAILQ_INIT(&e->q[Q_FWD].reqs);
+    STAILQ_INIT(&e->q[Q_BWD].reqs);
     e->q[Q_FWD].srv_bytes = e->q[Q_BWD].srv_bytes = &s->queued_bytes;
     if ((result = hm_moe_uid_format(u, e->uid, sizeof(e->uid))) < 0)
         goto out;
@@ -1671,6 +1626,10 @@ int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_serv
     s = calloc(1, sizeof(*s));
     if (s == NULL)
         return -ENOMEM;
+    LIST_INIT(&s->waiting);
+    STAILQ_INIT(&s->jobs);
+    STAILQ_INIT(&s->done);
+    LIST_INIT(&s->puts);
     s->node = node;
     s->loop = hm_node_loop(node);
     s->rpc = hm_node_rpc(node);

@@ -50,7 +50,6 @@ static hm_dht_store *new_store(void (*tweak)(hm_dht_store_config *))
     hm_dht_store *st;
     hm_dht_store_config_default(&cfg);
     memcpy(cfg.swarm_id, swarm, sizeof(swarm));
-    memset(cfg.hash_key, 7, sizeof(cfg.hash_key));
     if (tweak != NULL)
         tweak(&cfg);
     cr_assert_eq(hm_dht_store_new(&cfg, &st), 0);

@@ -23,7 +23,34 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdarg.h>
+#include <sys/queue.h>
 #include <sys/socket.h>
+
+/*
+ * Lists are <sys/queue.h> (LIST, SLIST, STAILQ, TAILQ). glibc's copy lacks
+ * the _SAFE walks, which let the body unlink and free the element it stands
+ * on; they are defined here, once, as the BSDs define them.
+ */
+#ifndef LIST_FOREACH_SAFE
+#define LIST_FOREACH_SAFE(var, head, field, tvar)                              \
+    for ((var) = LIST_FIRST(head); (var) != NULL && ((tvar) = LIST_NEXT(var, field), 1); \
+         (var) = (tvar))
+#endif
+#ifndef SLIST_FOREACH_SAFE
+#define SLIST_FOREACH_SAFE(var, head, field, tvar)                             \
+    for ((var) = SLIST_FIRST(head); (var) != NULL && ((tvar) = SLIST_NEXT(var, field), 1); \
+         (var) = (tvar))
+#endif
+#ifndef STAILQ_FOREACH_SAFE
+#define STAILQ_FOREACH_SAFE(var, head, field, tvar)                            \
+    for ((var) = STAILQ_FIRST(head); (var) != NULL && ((tvar) = STAILQ_NEXT(var, field), 1); \
+         (var) = (tvar))
+#endif
+#ifndef TAILQ_FOREACH_SAFE
+#define TAILQ_FOREACH_SAFE(var, head, field, tvar)                             \
+    for ((var) = TAILQ_FIRST(head); (var) != NULL && ((tvar) = TAILQ_NEXT(var, field), 1); \
+         (var) = (tvar))
+#endif
 
 #define HM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define HM_MIN(a, b) ((a) < (b) ? (a) : (b))

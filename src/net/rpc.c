@@ -22,14 +22,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "src/base/hmap.h"
 #include "src/base/util.h"
 #include "src/base/wire.h"
 
 #define MOD "rpc"
 
+/* Initial and largest bucket counts of the tables. */
 #define CALL_BUCKETS 1024u
 #define REQ_BUCKETS 1024u
 #define PEER_BUCKETS 256u
+#define TABLE_BUCKETS_MAX 65536u
 #define METHODS_MAX 256u
 #define SERVING_TOTAL_MAX 65536u
 /* Envelope bytes around the body: array, type, id, method, timeout, bin header. */
@@ -52,17 +55,17 @@ typedef struct method {
 typedef struct call call;
 
 typedef struct rpeer {
-    struct rpeer *next;
+    hm_hmap_node by_pk;
     uint8_t pk[HM_PK_BYTES];
     size_t inflight;
     size_t serving;
-    call *calls;
+    LIST_HEAD(, call) calls; /* our calls to this peer, newest first */
 } rpeer;
 
 struct call {
     uint64_t id;
-    call *hnext;
-    call *pnext, *pprev;
+    hm_hmap_node by_id;
+    LIST_ENTRY(call) plink; /* in peer->calls */
     rpeer *peer;
     unsigned flags;
     hm_rpc_cb cb;
@@ -77,10 +80,11 @@ struct call {
 struct hm_rpc_req {
     hm_rpc *rpc; /* NULL once orphaned by hm_rpc_close */
     uint64_t id;
-    hm_rpc_req *hnext;
-    hm_rpc_req *anext, *aprev;
+    hm_hmap_node by_key;
+    LIST_ENTRY(hm_rpc_req) alink; /* in rpc->all_reqs */
     rpeer *peer;
     uint8_t pk[HM_PK_BYTES];
+    uint8_t key[HM_PK_BYTES + 8]; /* pk, then id: both chosen by the caller */
     struct sockaddr_storage from;
     int via_stream;
     int cancelled;
@@ -95,15 +99,18 @@ struct hm_rpc {
     size_t max_message;
     uv_timer_t timer;
 
-    call *calls[CALL_BUCKETS];
+    hm_hmap calls; /* call.by_id */
     call **heap;
     size_t heap_len, heap_cap;
     uint64_t next_id;
 
-    rpeer *peers[PEER_BUCKETS];
-
-    hm_rpc_req *reqs[REQ_BUCKETS];
-    hm_rpc_req *all_reqs;
+    /*
+     * Peers and their requests are keyed by bytes the peers chose (their keys
+     * and request ids), so these tables are hmaps under a secret hash key.
+     */
+    hm_hmap peers; /* rpeer.by_pk */
+    hm_hmap reqs;  /* hm_rpc_req.by_key */
+    LIST_HEAD(, hm_rpc_req) all_reqs;
     size_t n_serving;
 
     method *methods;
@@ -181,17 +188,9 @@ static method *method_get(hm_rpc *rpc, const char *name, size_t len)
     return m;
 }
 
-static unsigned peer_bucket(const uint8_t pk[HM_PK_BYTES])
-{
-    return (unsigned)(pk[1] ^ pk[11] ^ pk[23]) % PEER_BUCKETS;
-}
-
 static rpeer *peer_find(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES])
 {
-    for (rpeer *p = rpc->peers[peer_bucket(pk)]; p != NULL; p = p->next)
-        if (memcmp(p->pk, pk, HM_PK_BYTES) == 0)
-            return p;
-    return NULL;
+    return hm_hmap_entry(hm_hmap_find(&rpc->peers, pk, HM_PK_BYTES), rpeer, by_pk);
 }
 
 static rpeer *peer_get(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES])
@@ -203,21 +202,16 @@ static rpeer *peer_get(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES])
     if (p == NULL)
         return NULL;
     memcpy(p->pk, pk, HM_PK_BYTES);
-    unsigned b = peer_bucket(pk);
-    p->next = rpc->peers[b];
-    rpc->peers[b] = p;
+    LIST_INIT(&p->calls);
+    hm_hmap_insert(&rpc->peers, &p->by_pk, p->pk, HM_PK_BYTES);
     return p;
 }
 
 static void peer_release(hm_rpc *rpc, rpeer *p)
 {
-    if (p->inflight > 0 || p->serving > 0 || p->calls != NULL)
+    if (p->inflight > 0 || p->serving > 0 || !LIST_EMPTY(&p->calls))
         return;
-    rpeer **pp = &rpc->peers[peer_bucket(p->pk)];
-    while (*pp != NULL && *pp != p)
-        pp = &(*pp)->next;
-    if (*pp == p)
-        *pp = p->next;
+    hm_hmap_remove(&rpc->peers, &p->by_pk);
     free(p);
 }
 
@@ -305,26 +299,14 @@ static void arm_timer(hm_rpc *rpc)
 
 static call *call_find(hm_rpc *rpc, uint64_t id)
 {
-    for (call *c = rpc->calls[id % CALL_BUCKETS]; c != NULL; c = c->hnext)
-        if (c->id == id)
-            return c;
-    return NULL;
+    return hm_hmap_entry(hm_hmap_find(&rpc->calls, &id, sizeof(id)), call, by_id);
 }
 
 static void call_unlink(hm_rpc *rpc, call *c)
 {
-    call **pp = &rpc->calls[c->id % CALL_BUCKETS];
-    while (*pp != NULL && *pp != c)
-        pp = &(*pp)->hnext;
-    if (*pp == c)
-        *pp = c->hnext;
+    hm_hmap_remove(&rpc->calls, &c->by_id);
     heap_remove(rpc, c);
-    if (c->pprev != NULL)
-        c->pprev->pnext = c->pnext;
-    else
-        c->peer->calls = c->pnext;
-    if (c->pnext != NULL)
-        c->pnext->pprev = c->pprev;
+    LIST_REMOVE(c, plink);
     c->peer->inflight--;
     peer_release(rpc, c->peer);
 }
@@ -470,12 +452,8 @@ int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct so
     }
 
     /* Registered only once sent, so a failed call leaves no trace. */
-    c->hnext = rpc->calls[id % CALL_BUCKETS];
-    rpc->calls[id % CALL_BUCKETS] = c;
-    c->pnext = p->calls;
-    if (p->calls != NULL)
-        p->calls->pprev = c;
-    p->calls = c;
+    hm_hmap_insert(&rpc->calls, &c->by_id, &c->id, sizeof(c->id));
+    LIST_INSERT_HEAD(&p->calls, c, plink);
     p->inflight++;
     c->m = method_get(rpc, method_name, mlen);
     c = NULL;
@@ -502,34 +480,23 @@ int hm_rpc_cancel(hm_rpc *rpc, uint64_t call_id)
 
 /* -------------------------------------------------------- inbound requests */
 
-static unsigned req_bucket(const uint8_t pk[HM_PK_BYTES], uint64_t id)
+static void req_key(const uint8_t pk[HM_PK_BYTES], uint64_t id, uint8_t key[HM_PK_BYTES + 8])
 {
-    uint64_t k;
-    memcpy(&k, pk, sizeof(k));
-    return (unsigned)((k ^ id) % REQ_BUCKETS);
+    memcpy(key, pk, HM_PK_BYTES);
+    memcpy(key + HM_PK_BYTES, &id, sizeof(id));
 }
 
 static hm_rpc_req *req_find(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], uint64_t id)
 {
-    for (hm_rpc_req *r = rpc->reqs[req_bucket(pk, id)]; r != NULL; r = r->hnext)
-        if (r->id == id && memcmp(r->pk, pk, HM_PK_BYTES) == 0)
-            return r;
-    return NULL;
+    uint8_t key[HM_PK_BYTES + 8];
+    req_key(pk, id, key);
+    return hm_hmap_entry(hm_hmap_find(&rpc->reqs, key, sizeof(key)), hm_rpc_req, by_key);
 }
 
 static void req_unlink(hm_rpc *rpc, hm_rpc_req *r)
 {
-    hm_rpc_req **pp = &rpc->reqs[req_bucket(r->pk, r->id)];
-    while (*pp != NULL && *pp != r)
-        pp = &(*pp)->hnext;
-    if (*pp == r)
-        *pp = r->hnext;
-    if (r->aprev != NULL)
-        r->aprev->anext = r->anext;
-    else
-        rpc->all_reqs = r->anext;
-    if (r->anext != NULL)
-        r->anext->aprev = r->aprev;
+    hm_hmap_remove(&rpc->reqs, &r->by_key);
+    LIST_REMOVE(r, alink);
     r->peer->serving--;
     rpc->n_serving--;
     peer_release(rpc, r->peer);
@@ -647,13 +614,9 @@ static void handle_request(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const str
     r->via_stream = via_stream;
     r->deadline_ms = hm_now_ms() + timeout_ms;
     r->m = m;
-    unsigned b = req_bucket(pk, id);
-    r->hnext = rpc->reqs[b];
-    rpc->reqs[b] = r;
-    r->anext = rpc->all_reqs;
-    if (rpc->all_reqs != NULL)
-        rpc->all_reqs->aprev = r;
-    rpc->all_reqs = r;
+    req_key(pk, id, r->key);
+    hm_hmap_insert(&rpc->reqs, &r->by_key, r->key, sizeof(r->key));
+    LIST_INSERT_HEAD(&rpc->all_reqs, r, alink);
     p->serving++;
     rpc->n_serving++;
     m->h(m->ud, r, pk, from, body, blen);
@@ -757,7 +720,8 @@ static void on_conn(void *ud, const uint8_t pk[HM_PK_BYTES], int up)
     hm_rpc *rpc = ud;
     if (up || rpc->closing)
         return;
-    for (hm_rpc_req *r = rpc->all_reqs; r != NULL; r = r->anext)
+    hm_rpc_req *r;
+    LIST_FOREACH(r, &rpc->all_reqs, alink)
         if (r->via_stream && memcmp(r->pk, pk, HM_PK_BYTES) == 0)
             r->cancelled = 1;
     /* Calls made from the callbacks below went out on a new connection: spare them. */
@@ -768,9 +732,10 @@ static void on_conn(void *ud, const uint8_t pk[HM_PK_BYTES], int up)
         rpeer *p = peer_find(rpc, pk);
         if (p == NULL)
             return;
-        call *c = p->calls;
-        while (c != NULL && (c->flags != HM_RPC_STREAM || c->id >= watermark))
-            c = c->pnext;
+        call *c;
+        LIST_FOREACH(c, &p->calls, plink)
+            if (c->flags == HM_RPC_STREAM && c->id < watermark)
+                break;
         if (c == NULL)
             return;
         call_finish(rpc, c, -ECONNRESET, NULL, 0);
@@ -795,11 +760,16 @@ int hm_rpc_new(uv_loop_t *loop, const hm_identity *id, const uint8_t swarm_id[HM
     rpc = calloc(1, sizeof(*rpc));
     if (rpc == NULL)
         return -ENOMEM;
+    LIST_INIT(&rpc->all_reqs);
     rpc->methods = calloc(METHODS_MAX, sizeof(*rpc->methods));
     if (rpc->methods == NULL) {
         result = -ENOMEM;
         goto out;
     }
+    if ((result = hm_hmap_init(&rpc->calls, CALL_BUCKETS, TABLE_BUCKETS_MAX)) < 0 ||
+        (result = hm_hmap_init(&rpc->peers, PEER_BUCKETS, TABLE_BUCKETS_MAX)) < 0 ||
+        (result = hm_hmap_init(&rpc->reqs, REQ_BUCKETS, TABLE_BUCKETS_MAX)) < 0)
+        goto out;
     rpc->loop = loop;
     if (rcfg != NULL)
         rpc->cfg = *rcfg;
@@ -827,6 +797,9 @@ int hm_rpc_new(uv_loop_t *loop, const hm_identity *id, const uint8_t swarm_id[HM
 out:
     if (rpc != NULL) {
         free(rpc->methods);
+        hm_hmap_free(&rpc->calls);
+        hm_hmap_free(&rpc->peers);
+        hm_hmap_free(&rpc->reqs);
         free(rpc);
     }
     return result;
@@ -915,6 +888,9 @@ static void finish_close(hm_rpc *rpc)
     void *ud = rpc->close_ud;
     free(rpc->heap);
     free(rpc->methods);
+    hm_hmap_free(&rpc->calls);
+    hm_hmap_free(&rpc->peers);
+    hm_hmap_free(&rpc->reqs);
     free(rpc);
     if (cb != NULL)
         cb(ud);
@@ -933,8 +909,8 @@ void hm_rpc_close(hm_rpc *rpc, void (*cb)(void *ud), void *ud)
     while (rpc->heap_len > 0)
         call_finish(rpc, rpc->heap[0], -ECANCELED, NULL, 0);
     /* Handlers still hold their requests; respond on an orphan only frees it. */
-    while (rpc->all_reqs != NULL) {
-        hm_rpc_req *r = rpc->all_reqs;
+    hm_rpc_req *r;
+    while ((r = LIST_FIRST(&rpc->all_reqs)) != NULL) {
         req_unlink(rpc, r);
         r->rpc = NULL;
         r->m = NULL;

@@ -23,7 +23,12 @@
  * sender.
  *
  * Connection states: HANDSHAKE -> OPEN -> CLOSING, changed only by
- * conn_set_state. A connection's memory is released in its close callback,
+ * conn_set_state. Every connection dies the same way: conn_close moves it to
+ * CLOSING (conn_set_state logs that once), drops its key, queue, slots and
+ * crypto state and closes the handle; conn_closed_cb unlinks and frees it. A
+ * connection joins the list only once its TCP handle exists, so there is no
+ * other teardown. Connections with a known key are found through an hmap
+ * keyed by the public key. A connection's memory is released in its close callback,
  * never inside one of its own handlers, and every callback into the layer
  * above is followed by a check that the connection (or the transport) was
  * not closed by it. Callbacks are never invoked from inside an API call, so
@@ -48,6 +53,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "src/base/hmap.h"
 #include "src/base/util.h"
 
 #define MOD "transport"
@@ -66,6 +72,7 @@
 /* All connections together may reassemble this many per-connection budgets. */
 #define RASM_TOTAL_FACTOR 4u
 #define CONN_BUCKETS 256u
+#define CONN_BUCKETS_MAX 65536u
 #define UDP_PENDING_MAX 1024u
 #define UDP_RBUF_SIZE 2048u
 #define BIND_ATTEMPTS 16
@@ -83,7 +90,7 @@ static const char *const conn_state_names[] = {"handshake", "open", "closing"};
 
 /* One queued outbound message; the bytes follow the header. */
 typedef struct omsg {
-    struct omsg *next;
+    STAILQ_ENTRY(omsg) link;
     size_t cap; /* bytes allocated for the whole struct, for the buffer pool */
     uint32_t id;
     uint32_t len;
@@ -95,7 +102,7 @@ typedef struct omsg {
 typedef struct wreq {
     uv_write_t req;
     struct conn *c;
-    struct wreq *next; /* in the connection's cache of free buffers */
+    SLIST_ENTRY(wreq) link; /* in the connection's cache of free buffers */
     size_t len;
     size_t cap;
     uint8_t buf[];
@@ -110,12 +117,14 @@ typedef struct rasm {
     uint8_t *buf;
 } rasm;
 
+STAILQ_HEAD(omsg_queue, omsg);
+
 typedef struct conn {
     uv_tcp_t tcp;
     uv_connect_t connect_req;
     struct hm_transport *t;
-    struct conn *next, *prev; /* every connection, closing ones included */
-    struct conn *hnext;       /* bucket chain of live connections with a known key */
+    LIST_ENTRY(conn) link; /* every connection, closing ones included */
+    hm_hmap_node by_pk;    /* live connections with a known key, by key */
     int in_hash;
     int state;
     int outbound;
@@ -136,21 +145,21 @@ typedef struct conn {
     rasm *slots;
     size_t n_slots;
     size_t rasm_bytes;
-    omsg *act_head[2], *act_tail[2];
-    omsg *pend_head[2], *pend_tail[2];
+    struct omsg_queue act[2];  /* per priority: messages being cut into chunks */
+    struct omsg_queue pend[2]; /* multi-chunk messages waiting for an active slot */
     unsigned act_multi[2];
     size_t unsent;   /* message bytes not yet sealed */
     size_t inflight; /* sealed bytes handed to uv_write, not yet completed */
     uint32_t next_id;
     uint64_t created_ms, last_activity_ms, last_progress_ms;
-    wreq *cache;
+    SLIST_HEAD(, wreq) cache;
     unsigned n_cache;
 } conn;
 
 enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
 
 typedef struct delayed {
-    struct delayed *next;
+    TAILQ_ENTRY(delayed) link;
     uint64_t due_ms;
     int kind;
     int prio;
@@ -196,12 +205,12 @@ struct hm_transport {
     uv_timer_t self_timer;  /* delivers messages sent to our own key */
     int open_handles;
     /* Stream messages to ourselves, in order, awaiting self_timer. */
-    struct selfmsg *self_head, *self_tail;
+    STAILQ_HEAD(, selfmsg) self_q;
     size_t self_bytes;
     struct sockaddr_storage local;
 
-    conn *conns;
-    conn *buckets[CONN_BUCKETS];
+    LIST_HEAD(, conn) conns;
+    hm_hmap by_pk; /* conn.by_pk */
     size_t n_conns; /* allocated, closing ones included */
     uint64_t conn_seq;
     uint64_t open_counter;
@@ -210,7 +219,7 @@ struct hm_transport {
     uint8_t (*partitioned)[HM_PK_BYTES];
     uint64_t rng;
 
-    delayed *delayed_head;
+    TAILQ_HEAD(delayed_queue, delayed) delayed_q; /* by due time */
     size_t delayed_bytes;
     int kick; /* the delay timer should also resume stalled input and output */
 
@@ -246,7 +255,7 @@ static void delay_timer_cb(uv_timer_t *h);
  * connection to oneself would need a handshake with oneself.
  */
 typedef struct selfmsg {
-    struct selfmsg *next;
+    STAILQ_ENTRY(selfmsg) link;
     size_t len;
     uint8_t data[];
 } selfmsg;
@@ -265,12 +274,6 @@ static void put_be32(uint8_t *p, uint32_t v)
 static uint32_t get_be32(const uint8_t *p)
 {
     return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
-
-static unsigned pk_bucket(const uint8_t pk[HM_PK_BYTES])
-{
-    /* Public keys are uniformly distributed, so any byte makes a fine hash. */
-    return (unsigned)(pk[0] ^ pk[7] ^ pk[19]) % CONN_BUCKETS;
 }
 
 static void pk_short(const uint8_t pk[HM_PK_BYTES], char out[9])
@@ -384,12 +387,14 @@ static void conn_set_state(conn *c, int state, const char *why)
     c->state = state;
 }
 
+/*
+ * Keys are chosen by peers (identities are free), so connections are found
+ * through the keyed map rather than by bytes of the key itself, which a peer
+ * could grind to pile every connection into one bucket.
+ */
 static void hash_insert(conn *c)
 {
-    hm_transport *t = c->t;
-    unsigned b = pk_bucket(c->pk);
-    c->hnext = t->buckets[b];
-    t->buckets[b] = c;
+    hm_hmap_insert(&c->t->by_pk, &c->by_pk, c->pk, HM_PK_BYTES);
     c->in_hash = 1;
 }
 
@@ -397,14 +402,14 @@ static void hash_remove(conn *c)
 {
     if (!c->in_hash)
         return;
-    conn **pp = &c->t->buckets[pk_bucket(c->pk)];
-    while (*pp != NULL && *pp != c)
-        pp = &(*pp)->hnext;
-    if (*pp == c)
-        *pp = c->hnext;
-    c->hnext = NULL;
+    hm_hmap_remove(&c->t->by_pk, &c->by_pk);
     c->in_hash = 0;
 }
+
+/* Walks the live connections with key pk. */
+#define FOREACH_PK_CONN(c, t, pk)                                                                  \
+    for (conn *c = hm_hmap_entry(hm_hmap_find(&(t)->by_pk, (pk), HM_PK_BYTES), conn, by_pk);       \
+         c != NULL; c = hm_hmap_entry(hm_hmap_find_next(&(t)->by_pk, &c->by_pk), conn, by_pk))
 
 /*
  * The connection to send on: the open one that came up last, else one still
@@ -416,9 +421,7 @@ static void hash_remove(conn *c)
 static conn *conn_find(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
 {
     conn *best = NULL;
-    for (conn *c = t->buckets[pk_bucket(pk)]; c != NULL; c = c->hnext) {
-        if (memcmp(c->pk, pk, HM_PK_BYTES) != 0)
-            continue;
+    FOREACH_PK_CONN(c, t, pk) {
         if (best == NULL)
             best = c;
         else if (c->state == CONN_OPEN && best->state != CONN_OPEN)
@@ -435,52 +438,68 @@ static conn *conn_find(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
 static size_t live_conns(const hm_transport *t)
 {
     size_t n = 0;
-    for (const conn *c = t->conns; c != NULL; c = c->next)
+    const conn *c;
+    LIST_FOREACH(c, &t->conns, link)
         if (c->state != CONN_CLOSING)
             n++;
     return n;
 }
 
-static conn *conn_new(hm_transport *t)
+/*
+ * A new connection with its TCP handle initialised. It joins the list only
+ * once it is a handle, so that from then on every connection dies the same
+ * way, through conn_close and its close callback.
+ */
+static int conn_new(hm_transport *t, conn **out)
 {
+    int result = 0;
     conn *c = calloc(1, sizeof(*c));
+
+    *out = NULL;
     if (c == NULL)
-        return NULL;
+        return -ENOMEM;
     c->rbuf = malloc(RBUF_SIZE);
     c->hs = malloc(sizeof(*c->hs));
     if (c->rbuf == NULL || c->hs == NULL) {
-        free(c->rbuf);
-        free(c->hs);
-        free(c);
-        return NULL;
+        result = -ENOMEM;
+        goto out;
     }
+    result = uv_tcp_init(t->loop, &c->tcp);
+    if (result < 0)
+        goto out;
     c->t = t;
     c->seq = ++t->conn_seq;
     c->state = CONN_HANDSHAKE;
     c->created_ms = c->last_activity_ms = c->last_progress_ms = hm_now_ms();
     c->tcp.data = c;
-    c->next = t->conns;
-    if (t->conns != NULL)
-        t->conns->prev = c;
-    t->conns = c;
+    for (int p = 0; p < 2; p++) {
+        STAILQ_INIT(&c->act[p]);
+        STAILQ_INIT(&c->pend[p]);
+    }
+    SLIST_INIT(&c->cache);
+    LIST_INSERT_HEAD(&t->conns, c, link);
     t->n_conns++;
-    return c;
+    *out = c;
+    c = NULL;
+out:
+    if (c != NULL) {
+        free(c->rbuf);
+        free(c->hs);
+        free(c);
+    }
+    return result;
 }
 
 static void free_queue(conn *c)
 {
     for (int p = 0; p < 2; p++) {
-        omsg *lists[2] = {c->act_head[p], c->pend_head[p]};
+        struct omsg_queue *lists[2] = {&c->act[p], &c->pend[p]};
         for (int l = 0; l < 2; l++) {
-            omsg *m = lists[l];
-            while (m != NULL) {
-                omsg *n = m->next;
+            omsg *m, *n;
+            STAILQ_FOREACH_SAFE(m, lists[l], link, n)
                 pool_put(c->t, m, m->cap);
-                m = n;
-            }
+            STAILQ_INIT(lists[l]);
         }
-        c->act_head[p] = c->act_tail[p] = NULL;
-        c->pend_head[p] = c->pend_tail[p] = NULL;
         c->act_multi[p] = 0;
     }
     c->unsent = 0;
@@ -499,10 +518,7 @@ static void free_slots(conn *c)
 
 static int live_conn_for(const hm_transport *t, const uint8_t pk[HM_PK_BYTES])
 {
-    for (const conn *c = t->buckets[pk_bucket(pk)]; c != NULL; c = c->hnext)
-        if (memcmp(c->pk, pk, HM_PK_BYTES) == 0)
-            return 1;
-    return 0;
+    return hm_hmap_find(&t->by_pk, pk, HM_PK_BYTES) != NULL;
 }
 
 static void conn_closed_cb(uv_handle_t *h)
@@ -510,19 +526,12 @@ static void conn_closed_cb(uv_handle_t *h)
     conn *c = h->data;
     hm_transport *t = c->t;
 
-    if (c->prev != NULL)
-        c->prev->next = c->next;
-    else
-        t->conns = c->next;
-    if (c->next != NULL)
-        c->next->prev = c->prev;
+    LIST_REMOVE(c, link);
     t->n_conns--;
 
-    while (c->cache != NULL) {
-        wreq *w = c->cache;
-        c->cache = w->next;
+    wreq *w, *wn;
+    SLIST_FOREACH_SAFE(w, &c->cache, link, wn)
         free(w);
-    }
     free(c->rbuf);
     /*
      * The layer above learns here, after the fact and outside any API call,
@@ -566,9 +575,9 @@ static void conn_close(conn *c, const char *why)
 
 static wreq *wreq_get(conn *c, size_t cap)
 {
-    if (cap == WR_BUF_SIZE && c->cache != NULL) {
-        wreq *w = c->cache;
-        c->cache = w->next;
+    if (cap == WR_BUF_SIZE && !SLIST_EMPTY(&c->cache)) {
+        wreq *w = SLIST_FIRST(&c->cache);
+        SLIST_REMOVE_HEAD(&c->cache, link);
         c->n_cache--;
         return w;
     }
@@ -578,15 +587,13 @@ static wreq *wreq_get(conn *c, size_t cap)
     w->c = c;
     w->cap = cap;
     w->len = 0;
-    w->next = NULL;
     return w;
 }
 
 static void wreq_put(conn *c, wreq *w)
 {
     if (w->cap == WR_BUF_SIZE && c->state != CONN_CLOSING && c->n_cache < WR_CACHE_MAX) {
-        w->next = c->cache;
-        c->cache = w;
+        SLIST_INSERT_HEAD(&c->cache, w, link);
         c->n_cache++;
         return;
     }
@@ -629,21 +636,14 @@ static int conn_write_raw(conn *c, const uint8_t *p, size_t len)
     return 0;
 }
 
-static int has_chunks(const conn *c) { return c->act_head[0] != NULL || c->act_head[1] != NULL; }
+static int has_chunks(const conn *c) { return !STAILQ_EMPTY(&c->act[0]) || !STAILQ_EMPTY(&c->act[1]); }
 
 static void promote_pending(conn *c, int p)
 {
-    while (c->pend_head[p] != NULL && c->act_multi[p] < WR_ACTIVE_MULTI) {
-        omsg *m = c->pend_head[p];
-        c->pend_head[p] = m->next;
-        if (c->pend_head[p] == NULL)
-            c->pend_tail[p] = NULL;
-        m->next = NULL;
-        if (c->act_tail[p] != NULL)
-            c->act_tail[p]->next = m;
-        else
-            c->act_head[p] = m;
-        c->act_tail[p] = m;
+    while (!STAILQ_EMPTY(&c->pend[p]) && c->act_multi[p] < WR_ACTIVE_MULTI) {
+        omsg *m = STAILQ_FIRST(&c->pend[p]);
+        STAILQ_REMOVE_HEAD(&c->pend[p], link);
+        STAILQ_INSERT_TAIL(&c->act[p], m, link);
         c->act_multi[p]++;
     }
 }
@@ -655,16 +655,13 @@ static void promote_pending(conn *c, int p)
 static size_t next_chunk(conn *c)
 {
     hm_transport *t = c->t;
-    int p = c->act_head[0] != NULL ? 0 : 1;
-    omsg *m = c->act_head[p];
+    int p = !STAILQ_EMPTY(&c->act[0]) ? 0 : 1;
+    omsg *m = STAILQ_FIRST(&c->act[p]);
     uint8_t *o = t->chunk_buf;
     size_t hdr;
     uint8_t flags = 0;
 
-    c->act_head[p] = m->next;
-    if (c->act_head[p] == NULL)
-        c->act_tail[p] = NULL;
-    m->next = NULL;
+    STAILQ_REMOVE_HEAD(&c->act[p], link);
 
     put_be32(o, m->id);
     if (m->off == 0) {
@@ -690,11 +687,7 @@ static size_t next_chunk(conn *c)
         pool_put(t, m, m->cap);
         t->stats.messages_out++;
     } else {
-        if (c->act_tail[p] != NULL)
-            c->act_tail[p]->next = m;
-        else
-            c->act_head[p] = m;
-        c->act_tail[p] = m;
+        STAILQ_INSERT_TAIL(&c->act[p], m, link);
     }
     return hdr + n;
 }
@@ -760,7 +753,6 @@ static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t le
     if (m == NULL)
         return -ENOMEM;
     m->cap = cap;
-    m->next = NULL;
     m->id = c->next_id++;
     m->len = (uint32_t)len;
     m->off = 0;
@@ -772,19 +764,11 @@ static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t le
 
     int multi = len > HM_TRANSPORT_CHUNK;
     if (multi && c->act_multi[prio] >= WR_ACTIVE_MULTI) {
-        if (c->pend_tail[prio] != NULL)
-            c->pend_tail[prio]->next = m;
-        else
-            c->pend_head[prio] = m;
-        c->pend_tail[prio] = m;
+        STAILQ_INSERT_TAIL(&c->pend[prio], m, link);
     } else {
         if (multi)
             c->act_multi[prio]++;
-        if (c->act_tail[prio] != NULL)
-            c->act_tail[prio]->next = m;
-        else
-            c->act_head[prio] = m;
-        c->act_tail[prio] = m;
+        STAILQ_INSERT_TAIL(&c->act[prio], m, link);
     }
     conn_pump(c);
     return 0;
@@ -931,8 +915,8 @@ static void hs_complete(conn *c)
     t->stats.handshakes_ok++;
     c->open_seq = ++t->open_counter;
     int was_up = 0;
-    for (conn *o = t->buckets[pk_bucket(c->pk)]; o != NULL; o = o->hnext)
-        if (o != c && o->state == CONN_OPEN && memcmp(o->pk, c->pk, HM_PK_BYTES) == 0)
+    FOREACH_PK_CONN(o, t, c->pk)
+        if (o != c && o->state == CONN_OPEN)
             was_up = 1;
     conn_set_state(c, CONN_OPEN, "handshake complete");
     c->last_progress_ms = hm_now_ms();
@@ -1053,7 +1037,6 @@ static void connect_cb(uv_connect_t *req, int status)
     if (c->state == CONN_CLOSING)
         return;
     if (status < 0) {
-        hm_debug(MOD, "dial failed: %s", uv_strerror(status));
         conn_close(c, uv_strerror(status));
         return;
     }
@@ -1078,21 +1061,10 @@ static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struc
         return -EINVAL;
     if (live_conns(t) >= t->cfg.max_connections)
         return -ENOBUFS;
-    conn *c = conn_new(t);
-    if (c == NULL)
-        return -ENOMEM;
-    int r = uv_tcp_init(t->loop, &c->tcp);
-    if (r < 0) {
-        /* Not a handle yet: unlink and free right here. */
-        t->conns = c->next;
-        if (c->next != NULL)
-            c->next->prev = NULL;
-        t->n_conns--;
-        free(c->hs);
-        free(c->rbuf);
-        free(c);
+    conn *c;
+    int r = conn_new(t, &c);
+    if (r < 0)
         return r;
-    }
     c->outbound = 1;
     c->pk_known = 1;
     memcpy(c->pk, pk, HM_PK_BYTES);
@@ -1117,25 +1089,14 @@ static void on_connection(uv_stream_t *server, int status)
         hm_warn(MOD, "accept: %s", uv_strerror(status));
         return;
     }
-    conn *c = conn_new(t);
-    if (c == NULL) {
-        /*
-         * Without memory there is nothing to accept into; libuv pauses the
-         * listener until the next successful accept.
-         */
-        hm_warn(MOD, "accept: out of memory");
-        return;
-    }
-    int r = uv_tcp_init(t->loop, &c->tcp);
+    conn *c;
+    int r = conn_new(t, &c);
     if (r < 0) {
-        t->conns = c->next;
-        if (c->next != NULL)
-            c->next->prev = NULL;
-        t->n_conns--;
-        free(c->hs);
-        free(c->rbuf);
-        free(c);
-        hm_warn(MOD, "accept: %s", uv_strerror(r));
+        /*
+         * Without a connection there is nothing to accept into; libuv pauses
+         * the listener until the next successful accept.
+         */
+        hm_warn(MOD, "accept: %s", hm_strerror(r));
         return;
     }
     c->connected = 1;
@@ -1269,10 +1230,10 @@ static void arm_delay_timer(hm_transport *t)
         uv_timer_start(&t->delay_timer, delay_timer_cb, 0, 0);
         return;
     }
-    if (t->delayed_head == NULL)
+    if (TAILQ_EMPTY(&t->delayed_q))
         return;
     uint64_t now = hm_now_ms();
-    uint64_t due = t->delayed_head->due_ms;
+    uint64_t due = TAILQ_FIRST(&t->delayed_q)->due_ms;
     uv_timer_start(&t->delay_timer, delay_timer_cb, due > now ? due - now : 0, 0);
 }
 
@@ -1281,7 +1242,8 @@ static void delay_timer_cb(uv_timer_t *h)
     hm_transport *t = h->data;
     if (t->kick) {
         t->kick = 0;
-        for (conn *c = t->conns; c != NULL; c = c->next) {
+        conn *c;
+        LIST_FOREACH(c, &t->conns, link) {
             if (c->state == CONN_CLOSING)
                 continue;
             conn_start_reading(c);
@@ -1293,9 +1255,9 @@ static void delay_timer_cb(uv_timer_t *h)
         }
     }
     uint64_t now = hm_now_ms();
-    while (t->delayed_head != NULL && t->delayed_head->due_ms <= now && !t->closing) {
-        delayed *d = t->delayed_head;
-        t->delayed_head = d->next;
+    delayed *d;
+    while ((d = TAILQ_FIRST(&t->delayed_q)) != NULL && d->due_ms <= now && !t->closing) {
+        TAILQ_REMOVE(&t->delayed_q, d, link);
         t->delayed_bytes -= d->len;
         const struct sockaddr *to = d->has_to ? (const struct sockaddr *)&d->to : NULL;
         int r;
@@ -1333,11 +1295,13 @@ static int delay_push(hm_transport *t, int kind, const uint8_t pk[HM_PK_BYTES],
     d->len = len;
     bufs_copy(d->data, bufs, nbufs);
     /* Keep the list sorted by due time; equal times keep their send order. */
-    delayed **pp = &t->delayed_head;
-    while (*pp != NULL && (*pp)->due_ms <= d->due_ms)
-        pp = &(*pp)->next;
-    d->next = *pp;
-    *pp = d;
+    delayed *after = TAILQ_LAST(&t->delayed_q, delayed_queue);
+    while (after != NULL && after->due_ms > d->due_ms)
+        after = TAILQ_PREV(after, delayed_queue, link);
+    if (after != NULL)
+        TAILQ_INSERT_AFTER(&t->delayed_q, after, d, link);
+    else
+        TAILQ_INSERT_HEAD(&t->delayed_q, d, link);
     t->delayed_bytes += len;
     arm_delay_timer(t);
     return 0;
@@ -1354,9 +1318,8 @@ static void hk_timer_cb(uv_timer_t *h)
     uint64_t now = hm_now_ms();
     if (now > POOL_IDLE_MS)
         pool_trim(t, now - POOL_IDLE_MS);
-    conn *c = t->conns;
-    while (c != NULL) {
-        conn *next = c->next;
+    conn *c, *next;
+    LIST_FOREACH_SAFE(c, &t->conns, link, next) {
         if (c->state == CONN_HANDSHAKE && now - c->created_ms >= t->cfg.handshake_timeout_ms) {
             conn_close(c, "handshake timeout");
         } else if (c->state == CONN_OPEN && c->unsent + c->inflight > 0 &&
@@ -1403,11 +1366,12 @@ static void handle_closed_cb(uv_handle_t *h)
 
 static void maybe_finish_close(hm_transport *t)
 {
-    if (!t->closing || t->open_handles > 0 || t->conns != NULL)
+    if (!t->closing || t->open_handles > 0 || !LIST_EMPTY(&t->conns))
         return;
     void (*cb)(void *) = t->close_cb;
     void *ud = t->close_ud;
     hm_dgram_ctx_free(t->dctx);
+    hm_hmap_free(&t->by_pk);
     free(t->partitioned);
     pool_trim(t, UINT64_MAX);
     hm_identity_wipe(&t->id);
@@ -1483,6 +1447,9 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     if (t == NULL)
         return -ENOMEM;
     t->loop = loop;
+    LIST_INIT(&t->conns);
+    TAILQ_INIT(&t->delayed_q);
+    STAILQ_INIT(&t->self_q);
     t->id = *id;
     memcpy(t->swarm_id, swarm_id, HM_SWARM_ID_BYTES);
     if (cfg != NULL)
@@ -1504,6 +1471,9 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
         goto out;
     t->cfg.listen = NULL; /* the caller's string need not outlive this call */
     result = hm_dgram_ctx_new(&t->id, swarm_id, t->cfg.dgram_peers, &t->dctx);
+    if (result < 0)
+        goto out;
+    result = hm_hmap_init(&t->by_pk, CONN_BUCKETS, CONN_BUCKETS_MAX);
     if (result < 0)
         goto out;
     result = bind_sockets((struct sockaddr *)&want, &tfd, &ufd, &t->local);
@@ -1569,6 +1539,7 @@ out:
         close(ufd);
     if (t != NULL) {
         hm_dgram_ctx_free(t->dctx);
+        hm_hmap_free(&t->by_pk);
         hm_identity_wipe(&t->id);
         free(t);
     }
@@ -1606,10 +1577,10 @@ static void self_timer_cb(uv_timer_t *h)
     hm_transport *t = h->data;
     /* Only what was queued before this turn: a reply sent from a handler
      * goes out on the next one. */
-    selfmsg *m = t->self_head;
-    t->self_head = t->self_tail = NULL;
-    while (m != NULL) {
-        selfmsg *next = m->next;
+    STAILQ_HEAD(, selfmsg) batch = STAILQ_HEAD_INITIALIZER(batch);
+    STAILQ_CONCAT(&batch, &t->self_q);
+    selfmsg *m, *next;
+    STAILQ_FOREACH_SAFE(m, &batch, link, next) {
         /* A close from a handler has already zeroed the count. */
         if (!t->closing)
             t->self_bytes -= m->len;
@@ -1617,7 +1588,6 @@ static void self_timer_cb(uv_timer_t *h)
             t->cbs.on_message(t->ud, t->id.pk, (const struct sockaddr *)&t->local, m->data,
                               m->len);
         free(m);
-        m = next;
     }
 }
 
@@ -1628,7 +1598,6 @@ static int self_send(hm_transport *t, const uv_buf_t *bufs, unsigned n, size_t l
     selfmsg *m = malloc(sizeof(*m) + len);
     if (m == NULL)
         return -ENOMEM;
-    m->next = NULL;
     m->len = len;
     size_t off = 0;
     for (unsigned i = 0; i < n; i++) {
@@ -1636,11 +1605,7 @@ static int self_send(hm_transport *t, const uv_buf_t *bufs, unsigned n, size_t l
             memcpy(m->data + off, bufs[i].base, bufs[i].len);
         off += bufs[i].len;
     }
-    if (t->self_tail != NULL)
-        t->self_tail->next = m;
-    else
-        t->self_head = m;
-    t->self_tail = m;
+    STAILQ_INSERT_TAIL(&t->self_q, m, link);
     t->self_bytes += len;
     if (!uv_is_active((uv_handle_t *)&t->self_timer))
         uv_timer_start(&t->self_timer, self_timer_cb, 0, 0);
@@ -1681,16 +1646,15 @@ int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const stru
 size_t hm_transport_queued(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
 {
     size_t n = 0;
-    for (conn *c = t->buckets[pk_bucket(pk)]; c != NULL; c = c->hnext)
-        if (memcmp(c->pk, pk, HM_PK_BYTES) == 0)
-            n += c->unsent + c->inflight;
+    FOREACH_PK_CONN(c, t, pk)
+        n += c->unsent + c->inflight;
     return n;
 }
 
 int hm_transport_connected(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
 {
-    for (conn *c = t->buckets[pk_bucket(pk)]; c != NULL; c = c->hnext)
-        if (c->state == CONN_OPEN && memcmp(c->pk, pk, HM_PK_BYTES) == 0)
+    FOREACH_PK_CONN(c, t, pk)
+        if (c->state == CONN_OPEN)
             return 1;
     return 0;
 }
@@ -1729,13 +1693,14 @@ void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f)
     if (t->faults.drop_rate > 1)
         t->faults.drop_rate = 1;
 
+    conn *c;
     if (t->faults.stall && !was_stalled) {
-        for (conn *c = t->conns; c != NULL; c = c->next)
+        LIST_FOREACH(c, &t->conns, link)
             conn_stop_reading(c);
         uv_udp_recv_stop(&t->udp);
     } else if (!t->faults.stall && was_stalled) {
         uint64_t now = hm_now_ms();
-        for (conn *c = t->conns; c != NULL; c = c->next) {
+        LIST_FOREACH(c, &t->conns, link) {
             /* Time spent stalled is not the peer's fault. */
             c->last_progress_ms = c->last_activity_ms = now;
             if (c->state == CONN_HANDSHAKE)
@@ -1753,7 +1718,8 @@ void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out)
     *out = t->stats;
     out->connections = 0;
     out->queued_bytes = 0;
-    for (conn *c = t->conns; c != NULL; c = c->next) {
+    const conn *c;
+    LIST_FOREACH(c, &t->conns, link) {
         if (c->state == CONN_CLOSING)
             continue;
         out->connections++;
@@ -1768,20 +1734,18 @@ void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)
     t->closing = 1;
     t->close_cb = cb;
     t->close_ud = ud;
-    for (conn *c = t->conns; c != NULL; c = c->next)
+    conn *c;
+    LIST_FOREACH(c, &t->conns, link)
         conn_close(c, "transport closing");
-    while (t->delayed_head != NULL) {
-        delayed *d = t->delayed_head;
-        t->delayed_head = d->next;
+    delayed *d, *dn;
+    TAILQ_FOREACH_SAFE(d, &t->delayed_q, link, dn)
         free(d);
-    }
+    TAILQ_INIT(&t->delayed_q);
     t->delayed_bytes = 0;
-    while (t->self_head != NULL) {
-        selfmsg *m = t->self_head;
-        t->self_head = m->next;
+    selfmsg *m, *mn;
+    STAILQ_FOREACH_SAFE(m, &t->self_q, link, mn)
         free(m);
-    }
-    t->self_tail = NULL;
+    STAILQ_INIT(&t->self_q);
     t->self_bytes = 0;
     uv_close((uv_handle_t *)&t->listener, handle_closed_cb);
     uv_close((uv_handle_t *)&t->udp, handle_closed_cb);

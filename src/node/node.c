@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "src/base/hmap.h"
 #include "src/base/util.h"
 #include "src/base/wire.h"
 
@@ -28,6 +29,7 @@ typedef struct bootstrap {
 } bootstrap;
 
 typedef struct peer {
+    hm_hmap_node by_pk; /* in hm_node.by_pk, keyed by info.pk */
     hm_peer_info info;
     int addr_known;          /* a datagram told us its listen address */
     int ping_dgram_pending;  /* a datagram ping is in flight */
@@ -46,8 +48,15 @@ struct hm_node {
     uint64_t ping_timeout_ms;
     unsigned max_ping_failures;
 
+    /*
+     * The peer table: a dense array (removal moves the last entry into the
+     * hole) and a keyed map over it, so that the lookup every authenticated
+     * message makes costs the same with 4,096 peers as with four, and keys
+     * ground to collide do not make it longer.
+     */
     peer *peers;
     size_t n_peers, max_peers;
+    hm_hmap by_pk;
 
     hm_dht *dht;
     uv_timer_t dht_timer;
@@ -73,17 +82,20 @@ typedef struct ping_ctx {
 
 static peer *peer_find(hm_node *n, const uint8_t pk[HM_PK_BYTES])
 {
-    for (size_t i = 0; i < n->n_peers; i++)
-        if (memcmp(n->peers[i].info.pk, pk, HM_PK_BYTES) == 0)
-            return &n->peers[i];
-    return NULL;
+    return hm_hmap_entry(hm_hmap_find(&n->by_pk, pk, HM_PK_BYTES), peer, by_pk);
 }
 
 static void peer_remove(hm_node *n, peer *p)
 {
-    size_t i = (size_t)(p - n->peers);
+    peer *last = &n->peers[n->n_peers - 1];
     hm_info(MOD, "peer %s dropped after %u missed pings", p->info.peer_id, p->info.failures);
-    n->peers[i] = n->peers[n->n_peers - 1];
+    hm_hmap_remove(&n->by_pk, &p->by_pk);
+    if (p != last) {
+        /* The map points into the entry, so the moved one is filed again. */
+        hm_hmap_remove(&n->by_pk, &last->by_pk);
+        *p = *last;
+        hm_hmap_insert(&n->by_pk, &p->by_pk, p->info.pk, HM_PK_BYTES);
+    }
     n->n_peers--;
 }
 
@@ -105,6 +117,7 @@ static peer *peer_touch(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct 
         memcpy(p->info.pk, pk, HM_PK_BYTES);
         hm_peer_id_encode(pk, p->info.peer_id);
         p->info.rtt_ms = -1.0;
+        hm_hmap_insert(&n->by_pk, &p->by_pk, p->info.pk, HM_PK_BYTES);
         char a[HM_ADDRSTRLEN];
         hm_format_addr(from, a, sizeof(a));
         hm_info(MOD, "new peer %s from %s%s", p->info.peer_id, a, via_stream ? " (stream)" : "");
@@ -463,7 +476,7 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
     n->max_ping_failures = opts->max_ping_failures ? opts->max_ping_failures : 4;
     n->max_peers = opts->max_peers ? opts->max_peers : 4096;
     n->peers = calloc(n->max_peers, sizeof(*n->peers));
-    if (n->peers == NULL) {
+    if (n->peers == NULL || hm_hmap_init(&n->by_pk, n->max_peers, n->max_peers) < 0) {
         snprintf(err, errlen, "out of memory");
         r = -ENOMEM;
         goto fail;
@@ -562,6 +575,7 @@ fail_rpc:
     hm_rpc_close(n->rpc, NULL, NULL);
 fail:
     hm_identity_wipe(&n->id);
+    hm_hmap_free(&n->by_pk);
     free(n->peers);
     free(n);
     return r;
@@ -757,6 +771,7 @@ static void maybe_finish_close(hm_node *n)
     void (*cb)(void *) = n->close_cb;
     void *ud = n->close_ud;
     hm_identity_wipe(&n->id);
+    hm_hmap_free(&n->by_pk);
     free(n->peers);
     free(n);
     if (cb != NULL)
