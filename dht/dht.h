@@ -3,7 +3,7 @@
  * jech/dht: it never touches a socket or a clock. The owner feeds it
  * received datagrams and the time (hm_dht_input), calls hm_dht_periodic by
  * the deadline it returns, and gives it a send function at creation. The
- * node (src/node.c) drives it over the transport's one-way datagram channel;
+ * node (src/node/node.c) drives it over the transport's one-way datagram channel;
  * the simulator (tests/sim/dht_sim.c) drives thousands of them over a
  * virtual network in virtual time, deterministically from a seed.
  *

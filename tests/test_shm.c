@@ -1,5 +1,5 @@
 /*
- * test_shm: the daemon's shared-memory registry (src/shm.h). Segments are
+ * test_shm: the daemon's shared-memory registry (src/daemon/shm.h). Segments are
  * real POSIX shared memory: a client's view (shm_open on the name) sees
  * the daemon's bytes; bounds, pins, owners and totals behave as promised.
  */
