@@ -28,27 +28,6 @@
 /* Verifying a file before it is rotated reads it through a buffer of this size. */
 #define VERIFY_CHUNK ((size_t)1 << 20)
 
-static void put_be32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)(v >> 24);
-    p[1] = (uint8_t)(v >> 16);
-    p[2] = (uint8_t)(v >> 8);
-    p[3] = (uint8_t)v;
-}
-
-static uint32_t get_be32(const uint8_t *p)
-{
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
-
-static void put_be64(uint8_t *p, uint64_t v)
-{
-    put_be32(p, (uint32_t)(v >> 32));
-    put_be32(p + 4, (uint32_t)v);
-}
-
-static uint64_t get_be64(const uint8_t *p) { return (uint64_t)get_be32(p) << 32 | get_be32(p + 4); }
-
 static void hash_payload(uint8_t out[CKPT_HASH_BYTES], const void *payload, size_t len)
 {
     /* BLAKE2b needs no key and no sodium_init: the portable code path is always there. */
@@ -58,8 +37,8 @@ static void hash_payload(uint8_t out[CKPT_HASH_BYTES], const void *payload, size
 static void make_header(uint8_t hdr[HM_CKPT_HEADER_BYTES], const void *payload, size_t len)
 {
     memcpy(hdr, CKPT_MAGIC, 4);
-    put_be32(hdr + 4, CKPT_VERSION);
-    put_be64(hdr + 8, (uint64_t)len);
+    hm_put_be32(hdr + 4, CKPT_VERSION);
+    hm_put_be64(hdr + 8, (uint64_t)len);
     hash_payload(hdr + 16, payload, len);
 }
 
@@ -74,9 +53,9 @@ static int check_header(const uint8_t *hdr, uint64_t file_len, size_t max_len, s
 
     if (file_len < HM_CKPT_HEADER_BYTES)
         return -EBADMSG;
-    if (memcmp(hdr, CKPT_MAGIC, 4) != 0 || get_be32(hdr + 4) != CKPT_VERSION)
+    if (memcmp(hdr, CKPT_MAGIC, 4) != 0 || hm_get_be32(hdr + 4) != CKPT_VERSION)
         return -EBADMSG;
-    plen = get_be64(hdr + 8);
+    plen = hm_get_be64(hdr + 8);
     /*
      * A length that disagrees with the file is corruption, whatever its
      * value; only a consistent file that is too large is -EMSGSIZE (a

@@ -36,35 +36,6 @@ static const char hs_server_label[] = "hivemindd/hs/server/v1";
 static const char hs_client_label[] = "hivemindd/hs/client/v1";
 #define HS_LABEL_LEN (sizeof(hs_server_label) - 1)
 
-static void put_be64(uint8_t *p, uint64_t v)
-{
-    for (int i = 7; i >= 0; i--) {
-        p[i] = (uint8_t)v;
-        v >>= 8;
-    }
-}
-
-static uint64_t get_be64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v = v << 8 | p[i];
-    return v;
-}
-
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err == NULL || errlen == 0)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 int hm_crypto_init(void)
 {
     /* sodium_init returns 1 when already initialised, which is fine. */
@@ -180,17 +151,17 @@ static int open_secret_file(const char *path, const char *what, struct stat *st,
         return -errno;
     if (fstat(fd, st) != 0) {
         int e = -errno;
-        seterr(err, errlen, "cannot stat %s %s: %s", what, path, strerror(-e));
+        hm_errf(err, errlen, "cannot stat %s %s: %s", what, path, strerror(-e));
         close(fd);
         return e;
     }
     if (!S_ISREG(st->st_mode)) {
-        seterr(err, errlen, "%s %s is not a regular file", what, path);
+        hm_errf(err, errlen, "%s %s is not a regular file", what, path);
         close(fd);
         return -EINVAL;
     }
     if (st->st_mode & 077) {
-        seterr(err, errlen,
+        hm_errf(err, errlen,
                "%s %s is accessible by group or others (mode %04o); "
                "run 'chmod 600 %s' if it has not leaked, or replace it",
                what, path, (unsigned)(st->st_mode & 07777), path);
@@ -210,11 +181,11 @@ static int identity_load(const char *path, hm_identity *out, char *err, size_t e
 
     if (fd < 0) {
         if (fd != -ENOENT && err != NULL && errlen > 0 && err[0] == '\0')
-            seterr(err, errlen, "cannot open identity file %s: %s", path, strerror(-fd));
+            hm_errf(err, errlen, "cannot open identity file %s: %s", path, strerror(-fd));
         return fd;
     }
     if (st.st_size != HM_SK_BYTES) {
-        seterr(err, errlen, "identity file %s has %lld bytes, expected %d (truncated or not a key)",
+        hm_errf(err, errlen, "identity file %s has %lld bytes, expected %d (truncated or not a key)",
                path, (long long)st.st_size, HM_SK_BYTES);
         result = -EINVAL;
         goto out;
@@ -222,18 +193,18 @@ static int identity_load(const char *path, hm_identity *out, char *err, size_t e
     /* Reading one byte more than expected catches a file that grew since fstat. */
     result = read_full(fd, sk, sizeof(sk), &got);
     if (result < 0) {
-        seterr(err, errlen, "cannot read identity file %s: %s", path, strerror(-result));
+        hm_errf(err, errlen, "cannot read identity file %s: %s", path, strerror(-result));
         goto out;
     }
     if (got != HM_SK_BYTES) {
-        seterr(err, errlen, "identity file %s changed size while being read", path);
+        hm_errf(err, errlen, "identity file %s changed size while being read", path);
         result = -EINVAL;
         goto out;
     }
     /* The secret key is seed || public key; the public half must match the seed. */
     result = hm_identity_from_seed(sk, out);
     if (result < 0 || sodium_memcmp(out->pk, sk + 32, HM_PK_BYTES) != 0) {
-        seterr(err, errlen, "identity file %s is corrupt: its public half does not match", path);
+        hm_errf(err, errlen, "identity file %s is corrupt: its public half does not match", path);
         hm_identity_wipe(out);
         result = -EINVAL;
         goto out;
@@ -252,28 +223,28 @@ static int identity_create(const char *path, hm_identity *out, char *err, size_t
     if (fd < 0) {
         result = -errno;
         if (result == -ENOENT)
-            seterr(err, errlen, "cannot create identity file %s: its directory does not exist",
+            hm_errf(err, errlen, "cannot create identity file %s: its directory does not exist",
                    path);
         else if (result != -EEXIST)
-            seterr(err, errlen, "cannot create identity file %s: %s", path, strerror(-result));
+            hm_errf(err, errlen, "cannot create identity file %s: %s", path, strerror(-result));
         return result;
     }
     /* The umask can only narrow 0600; make the mode exact anyway. */
     if (fchmod(fd, 0600) != 0) {
         result = -errno;
-        seterr(err, errlen, "cannot set mode of identity file %s: %s", path, strerror(-result));
+        hm_errf(err, errlen, "cannot set mode of identity file %s: %s", path, strerror(-result));
         goto out;
     }
     result = hm_identity_generate(out);
     if (result < 0) {
-        seterr(err, errlen, "cannot generate a key for %s", path);
+        hm_errf(err, errlen, "cannot generate a key for %s", path);
         goto out;
     }
     result = write_full(fd, out->sk, HM_SK_BYTES);
     if (result == 0 && fsync(fd) != 0)
         result = -errno;
     if (result < 0) {
-        seterr(err, errlen, "cannot write identity file %s: %s", path, strerror(-result));
+        hm_errf(err, errlen, "cannot write identity file %s: %s", path, strerror(-result));
         hm_identity_wipe(out);
         goto out;
     }
@@ -306,7 +277,7 @@ int hm_identity_load_or_create(const char *path, hm_identity *out, char *err, si
             break;
     }
     if (result == -EEXIST)
-        seterr(err, errlen, "identity file %s keeps appearing and disappearing", path);
+        hm_errf(err, errlen, "identity file %s keeps appearing and disappearing", path);
     return result;
 }
 
@@ -395,18 +366,18 @@ int hm_swarm_key_load(const char *path, uint8_t out[32], char *err, size_t errle
     int fd = open_secret_file(path, "swarm key file", &st, err, errlen);
     if (fd < 0) {
         if (err != NULL && errlen > 0 && err[0] == '\0')
-            seterr(err, errlen, "cannot open swarm key file %s: %s", path, strerror(-fd));
+            hm_errf(err, errlen, "cannot open swarm key file %s: %s", path, strerror(-fd));
         return fd;
     }
     result = read_full(fd, (uint8_t *)buf, sizeof(buf), &got);
     if (result < 0) {
-        seterr(err, errlen, "cannot read swarm key file %s: %s", path, strerror(-result));
+        hm_errf(err, errlen, "cannot read swarm key file %s: %s", path, strerror(-result));
         goto out;
     }
     if (got == 65 && buf[64] == '\n')
         got = 64;
     if (got != 64 || hm_hex_decode(buf, 64, out, 32) < 0) {
-        seterr(err, errlen, "swarm key file %s must hold exactly 64 hex digits", path);
+        hm_errf(err, errlen, "swarm key file %s must hold exactly 64 hex digits", path);
         result = -EINVAL;
         goto out;
     }
@@ -683,7 +654,7 @@ int hm_dgram_seal(hm_dgram_ctx *ctx, const uint8_t peer_pk[HM_PK_BYTES], uint64_
     out[0] = DGRAM_VERSION;
     memcpy(out + 1, ctx->pk, HM_PK_BYTES);
     memcpy(out + 33, peer_pk, 8);
-    put_be64(out + 41, ts);
+    hm_put_be64(out + 41, ts);
     randombytes_buf(out + 49, 16);
     unsigned long long clen = 0;
     /* The nonce is timestamp || random, i.e. the last 24 header bytes. */
@@ -713,7 +684,7 @@ int hm_dgram_open(hm_dgram_ctx *ctx, const uint8_t *in, size_t len, uint64_t now
     size_t pt_len = len - HM_DGRAM_OVERHEAD;
     if (pt_cap < pt_len)
         return -EMSGSIZE;
-    uint64_t ts = get_be64(in + 41);
+    uint64_t ts = hm_get_be64(in + 41);
     if ((ts < now_us && now_us - ts > HM_DGRAM_WINDOW_US) ||
         (ts > now_us && ts - now_us > HM_DGRAM_WINDOW_US))
         return -ESTALE;

@@ -280,6 +280,16 @@ int hm_hex_decode(const char *in, size_t in_len, uint8_t *out, size_t out_len)
     return 0;
 }
 
+void hm_errf(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err == NULL || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
 int hm_strlcpy(char *dst, const char *src, size_t cap)
 {
     if (cap == 0)

@@ -132,4 +132,35 @@ char *hm_strbuf_finish(hm_strbuf *b);
 /* Bounded string copy that always terminates; returns -EMSGSIZE if cut. */
 int hm_strlcpy(char *dst, const char *src, size_t cap);
 
+/*
+ * Formats a sentence into err (errlen bytes, truncated; nothing when err is
+ * NULL or errlen 0): the one way modules fill an "err, errlen" pair.
+ */
+void hm_errf(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Big-endian integers in byte buffers (wire and file headers). */
+static inline void hm_put_be32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)(v >> 24);
+    p[1] = (uint8_t)(v >> 16);
+    p[2] = (uint8_t)(v >> 8);
+    p[3] = (uint8_t)v;
+}
+
+static inline uint32_t hm_get_be32(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static inline void hm_put_be64(uint8_t *p, uint64_t v)
+{
+    hm_put_be32(p, (uint32_t)(v >> 32));
+    hm_put_be32(p + 4, (uint32_t)v);
+}
+
+static inline uint64_t hm_get_be64(const uint8_t *p)
+{
+    return (uint64_t)hm_get_be32(p) << 32 | hm_get_be32(p + 4);
+}
+
 #endif

@@ -102,18 +102,6 @@ static const struct opt opts[] = {
 
 #define N_OPTS HM_ARRAY_LEN(opts)
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err == NULL || errlen == 0)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 static char *field_str(hm_config *c, const struct opt *o) { return (char *)c + o->off; }
 static const char *field_cstr(const hm_config *c, const struct opt *o)
 {
@@ -147,21 +135,21 @@ static int check_text(const char *v, char *why, size_t whylen)
 {
     size_t n = strlen(v);
     if (n == 0) {
-        set_err(why, whylen, "empty value");
+        hm_errf(why, whylen, "empty value");
         return -EINVAL;
     }
     if (is_blank(v[0]) || is_blank(v[n - 1])) {
-        set_err(why, whylen, "value begins or ends with a blank");
+        hm_errf(why, whylen, "value begins or ends with a blank");
         return -EINVAL;
     }
     for (size_t i = 0; i < n; i++) {
         unsigned char ch = (unsigned char)v[i];
         if ((ch < 0x20 && ch != '\t') || ch == 0x7f) {
-            set_err(why, whylen, "value contains a control character");
+            hm_errf(why, whylen, "value contains a control character");
             return -EINVAL;
         }
         if (ch == '#' && i > 0 && is_blank(v[i - 1])) {
-            set_err(why, whylen, "value contains '#' after a blank, which starts a comment");
+            hm_errf(why, whylen, "value contains '#' after a blank, which starts a comment");
             return -EINVAL;
         }
     }
@@ -231,22 +219,22 @@ static int add_peers(hm_config *c, const char *v, char *why, size_t whylen)
         while (n > 0 && is_blank(p[n - 1]))
             n--;
         if (n == 0) {
-            set_err(why, whylen, "empty peer address in the list");
+            hm_errf(why, whylen, "empty peer address in the list");
             return -EINVAL;
         }
         if (n >= sizeof(one)) {
-            set_err(why, whylen, "peer address too long");
+            hm_errf(why, whylen, "peer address too long");
             return -EINVAL;
         }
         memcpy(one, p, n);
         one[n] = '\0';
         if (hm_config_check_peer(one) != 0) {
-            set_err(why, whylen, "bad peer address '%s': expected PEERID@HOST:PORT (52-character "
+            hm_errf(why, whylen, "bad peer address '%s': expected PEERID@HOST:PORT (52-character "
                     "peer id, numeric host)", one);
             return -EINVAL;
         }
         if (c->n_initial_peers >= HM_CONFIG_MAX_PEERS) {
-            set_err(why, whylen, "more than %d initial peers", HM_CONFIG_MAX_PEERS);
+            hm_errf(why, whylen, "more than %d initial peers", HM_CONFIG_MAX_PEERS);
             return -EINVAL;
         }
         memcpy(c->initial_peers[c->n_initial_peers++], one, n + 1);
@@ -267,7 +255,7 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
     case T_HOSTPORT: {
         struct sockaddr_storage ss;
         if (strlen(v) >= o->size || hm_parse_hostport(v, &ss) != 0) {
-            set_err(why, whylen, "expected HOST:PORT or [V6HOST]:PORT with a numeric host");
+            hm_errf(why, whylen, "expected HOST:PORT or [V6HOST]:PORT with a numeric host");
             return -EINVAL;
         }
         hm_strlcpy(field_str(c, o), v, o->size);
@@ -278,7 +266,7 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
     case T_PATH:
     case T_SOCKET:
         if (strlen(v) >= o->size) {
-            set_err(why, whylen, "path longer than %zu bytes%s", o->size - 1,
+            hm_errf(why, whylen, "path longer than %zu bytes%s", o->size - 1,
                     o->type == T_SOCKET ? " (the limit of a Unix socket path)" : "");
             return -EINVAL;
         }
@@ -286,13 +274,13 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
         return 0;
     case T_GROUP:
         if (strlen(v) >= o->size) {
-            set_err(why, whylen, "group name too long");
+            hm_errf(why, whylen, "group name too long");
             return -EINVAL;
         }
         for (const char *p = v; *p; p++) {
             if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
                   (*p >= '0' && *p <= '9') || *p == '_' || *p == '-' || *p == '.')) {
-                set_err(why, whylen, "expected a group name or number");
+                hm_errf(why, whylen, "expected a group name or number");
                 return -EINVAL;
             }
         }
@@ -300,20 +288,20 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
         return 0;
     case T_UINT:
         if (parse_uint(v, o->min, o->max, field_uint(c, o)) != 0) {
-            set_err(why, whylen, "expected a whole number from %u to %u", o->min, o->max);
+            hm_errf(why, whylen, "expected a whole number from %u to %u", o->min, o->max);
             return -EINVAL;
         }
         return 0;
     case T_SWARM: {
         size_t n = strlen(v);
         if (n < 1 || n > HM_CONFIG_SWARM_LEN) {
-            set_err(why, whylen, "swarm name must be 1 to %d characters", HM_CONFIG_SWARM_LEN);
+            hm_errf(why, whylen, "swarm name must be 1 to %d characters", HM_CONFIG_SWARM_LEN);
             return -EINVAL;
         }
         for (const char *p = v; *p; p++) {
             if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
                   (*p >= '0' && *p <= '9') || *p == '_' || *p == '-' || *p == '.')) {
-                set_err(why, whylen, "swarm name may only hold A-Z a-z 0-9 . _ -");
+                hm_errf(why, whylen, "swarm name may only hold A-Z a-z 0-9 . _ -");
                 return -EINVAL;
             }
         }
@@ -322,19 +310,19 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
     }
     case T_BOOL:
         if (parse_bool(v, field_int(c, o)) != 0) {
-            set_err(why, whylen, "expected yes or no");
+            hm_errf(why, whylen, "expected yes or no");
             return -EINVAL;
         }
         return 0;
     case T_WORD:
         if (strlen(v) >= o->size) {
-            set_err(why, whylen, "value longer than %zu bytes", o->size - 1);
+            hm_errf(why, whylen, "value longer than %zu bytes", o->size - 1);
             return -EINVAL;
         }
         for (const char *p = v; *p; p++) {
             if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
                   (*p >= '0' && *p <= '9') || strchr("._:,[]-", *p) != NULL)) {
-                set_err(why, whylen, "unexpected character '%c'", *p);
+                hm_errf(why, whylen, "unexpected character '%c'", *p);
                 return -EINVAL;
             }
         }
@@ -350,7 +338,7 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
         low[n] = '\0';
         int level = strlen(v) < sizeof(low) ? hm_log_parse_level(low) : -EINVAL;
         if (level < 0) {
-            set_err(why, whylen, "expected error, warn, info or debug");
+            hm_errf(why, whylen, "expected error, warn, info or debug");
             return -EINVAL;
         }
         *field_int(c, o) = level;
@@ -395,14 +383,14 @@ void hm_config_defaults(hm_config *c)
 int hm_config_finish(hm_config *c, char *err, size_t errlen)
 {
     if (c->state_dir[0] == '\0') {
-        set_err(err, errlen, "cannot tell the home directory; set StateDir (--state-dir)");
+        hm_errf(err, errlen, "cannot tell the home directory; set StateDir (--state-dir)");
         return -ENOENT;
     }
     if (c->control_socket[0] == '\0' &&
         hm_paths_default_control_socket(c->state_dir, c->control_socket,
                                          sizeof(c->control_socket)) != 0) {
         c->control_socket[0] = '\0';
-        set_err(err, errlen, "set ControlSocket (--control-socket): the default path under "
+        hm_errf(err, errlen, "set ControlSocket (--control-socket): the default path under "
                 "StateDir is too long for a Unix socket (StateDir is '%s')", c->state_dir);
         return -ENAMETOOLONG;
     }
@@ -428,12 +416,12 @@ int hm_config_load_buffer(hm_config *c, const char *name, const char *buf, size_
         if (n > 0 && start[n - 1] == '\r')
             n--;
         if (n > HM_CONFIG_MAX_LINE) {
-            set_err(err, errlen, "%s:%u: line too long (more than %d bytes)", name, lineno,
+            hm_errf(err, errlen, "%s:%u: line too long (more than %d bytes)", name, lineno,
                     HM_CONFIG_MAX_LINE);
             return -EINVAL;
         }
         if (memchr(start, '\0', n) != NULL) {
-            set_err(err, errlen, "%s:%u: NUL byte in the line", name, lineno);
+            hm_errf(err, errlen, "%s:%u: NUL byte in the line", name, lineno);
             return -EINVAL;
         }
         memcpy(line, start, n);
@@ -466,15 +454,15 @@ int hm_config_load_buffer(hm_config *c, const char *name, const char *buf, size_
 
         const struct opt *o = find_keyword(kw);
         if (o == NULL) {
-            set_err(err, errlen, "%s:%u: unknown keyword '%s'", name, lineno, kw);
+            hm_errf(err, errlen, "%s:%u: unknown keyword '%s'", name, lineno, kw);
             return -EINVAL;
         }
         if (*p == '\0') {
-            set_err(err, errlen, "%s:%u: missing value for %s", name, lineno, o->keyword);
+            hm_errf(err, errlen, "%s:%u: missing value for %s", name, lineno, o->keyword);
             return -EINVAL;
         }
         if (set_value(o, c, p, why, sizeof(why)) != 0) {
-            set_err(err, errlen, "%s:%u: bad value '%s' for %s: %s", name, lineno, p, o->keyword,
+            hm_errf(err, errlen, "%s:%u: bad value '%s' for %s: %s", name, lineno, p, o->keyword,
                     why);
             return -EINVAL;
         }
@@ -492,24 +480,24 @@ int hm_config_load_file(hm_config *c, const char *path, char *err, size_t errlen
 
     if (fd < 0) {
         result = -errno;
-        set_err(err, errlen, "%s: cannot open: %s", path, strerror(-result));
+        hm_errf(err, errlen, "%s: cannot open: %s", path, strerror(-result));
         goto out;
     }
     if (fstat(fd, &st) != 0) {
         result = -errno;
-        set_err(err, errlen, "%s: cannot stat: %s", path, strerror(-result));
+        hm_errf(err, errlen, "%s: cannot stat: %s", path, strerror(-result));
         goto out;
     }
     if (S_ISDIR(st.st_mode)) {
         result = -EISDIR;
-        set_err(err, errlen, "%s: is a directory", path);
+        hm_errf(err, errlen, "%s: is a directory", path);
         goto out;
     }
     /* Read at most one byte past the cap, whatever st_size claims. */
     buf = malloc(HM_CONFIG_MAX_FILE + 1);
     if (buf == NULL) {
         result = -ENOMEM;
-        set_err(err, errlen, "%s: out of memory", path);
+        hm_errf(err, errlen, "%s: out of memory", path);
         goto out;
     }
     while (len <= HM_CONFIG_MAX_FILE) {
@@ -518,7 +506,7 @@ int hm_config_load_file(hm_config *c, const char *path, char *err, size_t errlen
             if (errno == EINTR)
                 continue;
             result = -errno;
-            set_err(err, errlen, "%s: read error: %s", path, strerror(-result));
+            hm_errf(err, errlen, "%s: read error: %s", path, strerror(-result));
             goto out;
         }
         if (r == 0)
@@ -527,7 +515,7 @@ int hm_config_load_file(hm_config *c, const char *path, char *err, size_t errlen
     }
     if (len > HM_CONFIG_MAX_FILE) {
         result = -EFBIG;
-        set_err(err, errlen, "%s: file larger than %d bytes", path, HM_CONFIG_MAX_FILE);
+        hm_errf(err, errlen, "%s: file larger than %d bytes", path, HM_CONFIG_MAX_FILE);
         goto out;
     }
     result = hm_config_load_buffer(c, path, buf, len, err, errlen);
@@ -568,7 +556,7 @@ int hm_config_parse_args(int argc, char **argv, hm_config_args *out, char *err, 
      * reported as a usage error before any file is read. */
     scratch = calloc(1, sizeof(*scratch));
     if (scratch == NULL) {
-        set_err(err, errlen, "out of memory");
+        hm_errf(err, errlen, "out of memory");
         return -ENOMEM;
     }
     optind = 0; /* glibc: start over, so that the parser can run again */
@@ -592,31 +580,31 @@ int hm_config_parse_args(int argc, char **argv, hm_config_args *out, char *err, 
             out->help = 1;
             break;
         case ':':
-            set_err(err, errlen, "option '%s' needs a value",
+            hm_errf(err, errlen, "option '%s' needs a value",
                     prev < argc ? argv[prev] : argv[argc - 1]);
             result = -EINVAL;
             goto out;
         case '?': {
             const char *arg = prev < argc ? argv[prev] : "?";
             if (strncmp(arg, "--", 2) == 0 && optopt != 0)
-                set_err(err, errlen, "option '%s' takes no value", arg);
+                hm_errf(err, errlen, "option '%s' takes no value", arg);
             else if (strncmp(arg, "--", 2) == 0 || optopt == 0)
-                set_err(err, errlen, "unknown option '%s'", arg);
+                hm_errf(err, errlen, "unknown option '%s'", arg);
             else
-                set_err(err, errlen, "unknown option '-%c'", optopt);
+                hm_errf(err, errlen, "unknown option '-%c'", optopt);
             result = -EINVAL;
             goto out;
         }
         default: {
             const struct opt *o = &opts[ch - FLAG_BASE];
             if (out->n_flags >= HM_CONFIG_MAX_FLAGS) {
-                set_err(err, errlen, "too many options");
+                hm_errf(err, errlen, "too many options");
                 result = -EINVAL;
                 goto out;
             }
             if (o->type != T_BOOL || optarg != NULL) {
                 if (set_value(o, scratch, optarg, why, sizeof(why)) != 0) {
-                    set_err(err, errlen, "bad value '%s' for --%s: %s", optarg, o->flag, why);
+                    hm_errf(err, errlen, "bad value '%s' for --%s: %s", optarg, o->flag, why);
                     result = -EINVAL;
                     goto out;
                 }
@@ -629,7 +617,7 @@ int hm_config_parse_args(int argc, char **argv, hm_config_args *out, char *err, 
         }
     }
     if (optind < argc) {
-        set_err(err, errlen, "unexpected argument '%s'", argv[optind]);
+        hm_errf(err, errlen, "unexpected argument '%s'", argv[optind]);
         result = -EINVAL;
         goto out;
     }
@@ -657,7 +645,7 @@ int hm_config_apply_args(hm_config *c, const hm_config_args *a, char *err, size_
             continue;
         }
         if (set_value(o, c, v, why, sizeof(why)) != 0) {
-            set_err(err, errlen, "bad value '%s' for --%s: %s", v, o->flag, why);
+            hm_errf(err, errlen, "bad value '%s' for --%s: %s", v, o->flag, why);
             return -EINVAL;
         }
     }
@@ -798,7 +786,7 @@ int hm_config_make_dir(const char *dir, unsigned mode, char *err, size_t errlen)
     struct stat st;
 
     if (hm_strlcpy(path, dir, sizeof(path)) != 0 || path[0] == '\0') {
-        set_err(err, errlen, "bad directory path '%s'", dir);
+        hm_errf(err, errlen, "bad directory path '%s'", dir);
         return -ENAMETOOLONG;
     }
     /* Create each missing component; existing ones are left alone. */
@@ -809,7 +797,7 @@ int hm_config_make_dir(const char *dir, unsigned mode, char *err, size_t errlen)
         *p = '\0';
         if (mkdir(path, (mode_t)mode) != 0 && errno != EEXIST) {
             int e = errno;
-            set_err(err, errlen, "cannot create directory '%s': %s", path, strerror(e));
+            hm_errf(err, errlen, "cannot create directory '%s': %s", path, strerror(e));
             return -e;
         }
         *p = saved;
@@ -818,11 +806,11 @@ int hm_config_make_dir(const char *dir, unsigned mode, char *err, size_t errlen)
     }
     if (stat(dir, &st) != 0) {
         int e = errno;
-        set_err(err, errlen, "cannot use directory '%s': %s", dir, strerror(e));
+        hm_errf(err, errlen, "cannot use directory '%s': %s", dir, strerror(e));
         return -e;
     }
     if (!S_ISDIR(st.st_mode)) {
-        set_err(err, errlen, "'%s' exists and is not a directory", dir);
+        hm_errf(err, errlen, "'%s' exists and is not a directory", dir);
         return -ENOTDIR;
     }
     return 0;

@@ -263,19 +263,6 @@ static void maybe_finish_close(hm_transport *t);
 
 /* ---------------------------------------------------------------- helpers */
 
-static void put_be32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)(v >> 24);
-    p[1] = (uint8_t)(v >> 16);
-    p[2] = (uint8_t)(v >> 8);
-    p[3] = (uint8_t)v;
-}
-
-static uint32_t get_be32(const uint8_t *p)
-{
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
-
 static void pk_short(const uint8_t pk[HM_PK_BYTES], char out[9])
 {
     char full[HM_PEER_ID_LEN + 1];
@@ -663,10 +650,10 @@ static size_t next_chunk(conn *c)
 
     STAILQ_REMOVE_HEAD(&c->act[p], link);
 
-    put_be32(o, m->id);
+    hm_put_be32(o, m->id);
     if (m->off == 0) {
         flags |= FLAG_FIRST;
-        put_be32(o + 5, m->len);
+        hm_put_be32(o + 5, m->len);
         hdr = CHUNK_HDR_FIRST;
     } else {
         hdr = CHUNK_HDR_NEXT;
@@ -831,7 +818,7 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
     hm_transport *t = c->t;
     if (n < CHUNK_HDR_NEXT)
         return -EPROTO;
-    uint32_t id = get_be32(p);
+    uint32_t id = hm_get_be32(p);
     uint8_t flags = p[4];
     if (flags & ~(FLAG_FIRST | FLAG_LAST))
         return -EPROTO;
@@ -841,7 +828,7 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
     if (flags & FLAG_FIRST) {
         if (n < 4)
             return -EPROTO;
-        uint32_t total = get_be32(p);
+        uint32_t total = hm_get_be32(p);
         p += 4;
         n -= 4;
         if (total > t->cfg.max_message)
