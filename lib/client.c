@@ -496,7 +496,8 @@ static int read_reply(struct conn *c, int64_t id, int64_t deadline, json_t **res
  * said why first (idle_timeout, ...), in a line still waiting to be read.
  * If so, code and err get its reason; otherwise they are left as they are.
  */
-static void take_notice(struct conn *c, char *code, size_t codelen, char *err, size_t errlen)
+static void take_notice(struct conn *c, char *code, size_t codelen, char *err, size_t errlen,
+                        char **line_out)
 {
     char *line, c2[CODE_MAX], e2[HMC_ERROR_MAX], msg[HMC_ERROR_MAX - 64];
     size_t len;
@@ -506,6 +507,9 @@ static void take_notice(struct conn *c, char *code, size_t codelen, char *err, s
         return;
     copy_str(code, codelen, c2);
     fmt(err, errlen, "the daemon closed the connection: %s", msg);
+    /* The notice is the daemon's reply to this request, as hmc_call says. */
+    if (line_out != NULL)
+        *line_out = strndup(line, len);
 }
 
 /*
@@ -534,7 +538,7 @@ static int call(hmc *h, const char *cmd, json_t *args, int timeout_ms, json_t **
     int64_t deadline = now_ms() + timeout_ms;
     int r = send_request(&h->c, cmd, args, deadline, &id, h->err, sizeof(h->err));
     if (r == -EPIPE)
-        take_notice(&h->c, h->code, sizeof(h->code), h->err, sizeof(h->err));
+        take_notice(&h->c, h->code, sizeof(h->code), h->err, sizeof(h->err), line_out);
     if (r != 0)
         return r;
     return read_reply(&h->c, id, deadline, result_out, line_out, h->code, sizeof(h->code),

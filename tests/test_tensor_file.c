@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -323,4 +324,40 @@ Test(tensor_file, a_missing_directory_is_a_clear_error)
     path_of(path, "nodir/out.f32");
     cr_assert_eq(hm_tensor_file_store(path, v, 1, msg, sizeof(msg)), -ENOENT);
     cr_assert(strstr(msg, "cannot create a file next to") != NULL, "%s", msg);
+}
+
+/*
+ * A directory the daemon may write but not read (mode 0733) cannot be
+ * opened to fsync it after the rename. The file is in place by then, so the
+ * write must count as done: an error would tell the caller the old file is
+ * still there. Run in a child as an unprivileged user, since root reads any
+ * directory; skipped when no such user can be taken.
+ */
+Test(tensor_file, an_unreadable_directory_still_counts_the_written_file)
+{
+    char p[PATH_MAX];
+    path_of(p, "out.bin");
+    cr_assert_eq(chmod(dir, 0733), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0))
+            _exit(77);
+        if (geteuid() == 0)
+            _exit(77);
+        float v[3] = {1, 2, 3};
+        char msg[HM_TENSOR_FILE_MSG_MAX];
+        int r = hm_tensor_file_store(p, v, 3, msg, sizeof(msg));
+        _exit(r == 0 ? 0 : 1);
+    }
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    chmod(dir, 0700);
+    cr_assert(WIFEXITED(st));
+    if (WEXITSTATUS(st) == 77)
+        cr_skip_test("cannot run as an unprivileged user here");
+    cr_assert_eq(WEXITSTATUS(st), 0, "the store reported an error for a file it wrote");
+    struct stat sb;
+    cr_assert_eq(stat(p, &sb), 0);
+    cr_assert_eq(sb.st_size, 12);
 }

@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -738,7 +739,9 @@ static int run(const char *sock, const command *cmd, const cli *c, const request
     /* The wait bounds the connect as well as the reply: a daemon whose
      * backlog is full, or that is stopped, must not hang a script. */
     double ms = rq->wait_s * 1000;
-    int wait_ms = ms < 1 ? 1 : (int)ms;
+    int wait_ms = ms < 1 ? 1 : ms > INT_MAX ? INT_MAX : (int)ms;
+    struct timespec start;
+    clock_gettime(CLOCK_MONOTONIC, &start);
     int r = hmc_connect_timeout(sock, wait_ms, &h, err, sizeof(err));
     if (r == -ENAMETOOLONG) {
         fprintf(stderr, "hivemindctl: socket path too long: %s\n", sock);
@@ -755,7 +758,13 @@ static int run(const char *sock, const command *cmd, const cli *c, const request
         fprintf(stderr, "hivemindctl: out of memory\n");
         goto out;
     }
-    r = hmc_call(h, cmd->wire, args, wait_ms, NULL, &line);
+    /* One deadline for both: the call gets what the connect left of it. */
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double spent = (double)(now.tv_sec - start.tv_sec) * 1000 +
+                   (double)(now.tv_nsec - start.tv_nsec) / 1e6;
+    int left_ms = spent >= wait_ms - 1 ? 1 : wait_ms - (int)spent;
+    r = hmc_call(h, cmd->wire, args, left_ms, NULL, &line);
     if (line != NULL) {
         reply = json_loads(line, 0, NULL);
         if (json_out)

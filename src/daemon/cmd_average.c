@@ -379,15 +379,14 @@ static int average_args(avg_job *j, hm_control_req *req, const json_t *args, int
                              (int)HM_ARRAY_LEN(aggregate_names), 0, &agg) != 0)
         return -EINVAL;
     if (agg == 1) {
-        if (json_object_get(args, "clip_tau") == NULL) {
+        /* Missing or bad, one message: the radius is what the mode needs. */
+        const json_t *tv = json_object_get(args, "clip_tau");
+        tau = json_is_number(tv) ? json_number_value(tv) : NAN;
+        if (!(tau > 0) || !isfinite(tau)) {
             hm_control_reply_error(req, "bad_args", "aggregate centered_clip needs "
                                    "args.clip_tau, a finite radius above 0");
             return -EINVAL;
         }
-        if (hm_daemon_arg_real(req, args, "clip_tau", 0, 0, 1, HUGE_VAL,
-                               "a finite radius above 0 (aggregate centered_clip needs it)",
-                               &tau) != 0)
-            return -EINVAL;
     }
     j->opts.compression = comp;
     if (bits != NULL) {

@@ -1157,7 +1157,7 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
     size_t added = 0;
 
     if (m == NULL) {
-        snprintf(err, errlen, "m_out of memory");
+        snprintf(err, errlen, "out of memory");
         return -ENOMEM;
     }
     m->d = d;

@@ -31,8 +31,10 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
     if (hm_node_address(d->node, addr, sizeof(addr)) != 0)
         addr[0] = '\0';
     size_t shm_segments = 0, shm_bytes = 0;
-    if (hm_daemon_shm(d) != NULL)
-        hm_shm_stats(hm_daemon_shm(d), &shm_segments, &shm_bytes);
+    /* The registry itself, not hm_daemon_shm: it lives until the loop is
+     * over, so info tells the truth during a shutdown too. */
+    if (d->shm != NULL)
+        hm_shm_stats(d->shm, &shm_segments, &shm_bytes);
     hm_daemon_reply(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}}",
                                  "peer_id", hm_node_identity(d->node)->peer_id, "address", addr,
                                  "swarm", hm_node_swarm(d->node), "version", PACKAGE_VERSION,

@@ -130,11 +130,11 @@ int hm_control_parse_request(const char *line, size_t len, hm_control_request *r
     if (root == NULL) {
         *code_out = "parse_error";
         snprintf(msg, msglen, "invalid JSON at column %d: %s", jerr.column, jerr.text);
-        goto req_out;
+        goto out;
     }
     if (!json_is_object(root)) {
         snprintf(msg, msglen, "a request must be a JSON object");
-        goto req_out;
+        goto out;
     }
     /* Take the id first, so that the error replies below can echo it. */
     val = json_object_get(root, "id");
@@ -143,25 +143,25 @@ int hm_control_parse_request(const char *line, size_t len, hm_control_request *r
               (json_is_string(val) && json_string_length(val) <= HM_CONTROL_MAX_ID))) {
             snprintf(msg, msglen, "\"id\" must be an integer, null or a string of at most %d "
                      "bytes", HM_CONTROL_MAX_ID);
-            goto req_out;
+            goto out;
         }
         req_out->id = json_incref(val);
     }
     json_object_foreach(root, key, val) {
         if (strcmp(key, "cmd") != 0 && strcmp(key, "args") != 0 && strcmp(key, "id") != 0) {
             snprintf(msg, msglen, "unknown field \"%.64s\" (expected cmd, args, id)", key);
-            goto req_out;
+            goto out;
         }
     }
     val = json_object_get(root, "cmd");
     if (val == NULL) {
         snprintf(msg, msglen, "missing \"cmd\"");
-        goto req_out;
+        goto out;
     }
     if (!json_is_string(val) || !valid_cmd_name(json_string_value(val), json_string_length(val))) {
         snprintf(msg, msglen, "\"cmd\" must be a command name (1-%d of a-z 0-9 _ - .)",
                  HM_CONTROL_MAX_CMD);
-        goto req_out;
+        goto out;
     }
     memcpy(req_out->cmd, json_string_value(val), json_string_length(val) + 1);
     val = json_object_get(root, "args");
@@ -169,17 +169,17 @@ int hm_control_parse_request(const char *line, size_t len, hm_control_request *r
         req_out->args = json_object();
         if (req_out->args == NULL) {
             *code_out = "internal";
-            snprintf(msg, msglen, "req_out of memory");
-            goto req_out;
+            snprintf(msg, msglen, "out of memory");
+            goto out;
         }
     } else if (json_is_object(val)) {
         req_out->args = json_incref(val);
     } else {
         snprintf(msg, msglen, "\"args\" must be an object");
-        goto req_out;
+        goto out;
     }
     result = 0;
-req_out:
+out:
     json_decref(root);
     return result;
 }
@@ -812,7 +812,7 @@ int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **c
     }
     ctl = calloc(1, sizeof(*ctl));
     if (ctl == NULL) {
-        snprintf(err, errlen, "ctl_out of memory");
+        snprintf(err, errlen, "out of memory");
         return -ENOMEM;
     }
     if (hm_strlcpy(ctl->path, cfg->path, sizeof(ctl->path)) != 0) {

@@ -19,6 +19,7 @@
 
 /* Big-endian hosts swap through a bounce buffer of this many floats, so
  * that a write never changes the caller's data. */
+#define MOD "tensor_file"
 #define SWAP_CHUNK 16384
 
 typedef struct tf_req {
@@ -232,11 +233,15 @@ int hm_tensor_file_store(const char *path, const float *data, size_t n, char *ms
         snprintf(msg, msglen, "writing %s: %s", path, strerror(-result));
         return result;
     }
+    /* The file is in place: from here on the write has happened, so the
+     * directory's fsync (which makes the rename itself survive a crash) is
+     * best effort. A directory the daemon may write but not read cannot be
+     * opened for it, and reporting an error for a file that was written
+     * would have the caller think the old one is still there. */
     result = sync_parent(path);
     if (result != 0)
-        snprintf(msg, msglen, "writing %s: cannot sync its directory: %s", path,
-                 strerror(-result));
-    return result;
+        hm_warn(MOD, "wrote %s, but cannot sync its directory: %s", path, strerror(-result));
+    return 0;
 }
 
 static void write_work(uv_work_t *w)

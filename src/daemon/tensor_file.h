@@ -12,9 +12,11 @@
  * number of rows, and, when asked, NaN and infinity. A write is atomic: the
  * data goes to a temporary file with a unique name (mkostemp) in the target
  * directory, which is fsynced and renamed over the target, and then the
- * directory is fsynced so that the rename survives a crash too; on any
- * failure the temporary file is removed and an old file at the target stays
- * as it was. The file gets mode 0644 (readable by the trainer that asked for
+ * directory is fsynced so that the rename survives a crash too (best effort:
+ * once the rename is done the write has happened, and a directory that cannot
+ * be synced, say one the daemon may write but not read, is logged, not an
+ * error); on any failure before the rename the temporary file is removed and
+ * an old file at the target stays as it was. The file gets mode 0644 (readable by the trainer that asked for
  * it even when the daemon runs as another user of its group).
  *
  * Callbacks run on the loop thread. If hm_tensor_file_read or _write
