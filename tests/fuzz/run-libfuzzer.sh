@@ -28,31 +28,25 @@ case $seconds in
 esac
 srcdir=$(cd "$(dirname "$0")/../.." && pwd)
 cc=${CC:-clang}
-targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce fuzz_matchmaking fuzz_moe_proto fuzz_moe_checkpoint fuzz_state fuzz_client fuzz_idx"}
 
 if [ ! -f "$builddir/config.h" ]; then
     echo "$0: $builddir has no config.h; run configure there first" >&2
     exit 64
 fi
 
-# The module sources each target links, as tests/fuzz/* lists them in Makefile.am.
+# The targets and the modules each links, as Makefile.am lists them.
+all_targets=$(make -s --no-print-directory -C "$builddir" fuzz-targets | sed 's|tests/fuzz/||g') || exit 1
+targets=${HM_FUZZ_TARGETS:-$all_targets}
+
 sources_for() {
-    case $1 in
-        fuzz_wire) echo "src/base/util.c src/base/wire.c" ;;
-        fuzz_dgram | fuzz_handshake) echo "src/base/util.c src/base/crypto.c" ;;
-        fuzz_control) echo "src/base/util.c src/daemon/control.c" ;;
-        fuzz_dht_record) echo "src/base/util.c src/base/wire.c src/base/crypto.c dht/record.c dht/store.c" ;;
-        fuzz_avg_codec) echo "averaging/codec.c" ;;
-        fuzz_matchmaking) echo "src/base/util.c src/base/wire.c src/base/crypto.c src/net/transport.c src/net/rpc.c src/node/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/matchmaking.c" ;;
-        fuzz_allreduce) echo "src/base/util.c src/base/wire.c src/base/crypto.c src/net/transport.c src/net/rpc.c averaging/codec.c averaging/allreduce.c" ;;
-        fuzz_moe_proto) echo "src/base/util.c src/base/wire.c src/base/crypto.c moe/proto.c" ;;
-        fuzz_moe_checkpoint) echo "src/base/util.c src/base/wire.c moe/ffn.c moe/checkpoint.c" ;;
-        fuzz_state) echo "src/base/util.c src/base/wire.c src/base/crypto.c src/net/transport.c src/net/rpc.c src/node/node.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c averaging/state.c" ;;
-        fuzz_client) echo "lib/client.c src/base/paths.c" ;;
-        fuzz_idx) echo "contrib/examples/idx.c" ;;
-        fuzz_dht_proto) echo "src/base/util.c src/base/wire.c src/base/crypto.c dht/record.c dht/store.c dht/routing.c dht/proto.c dht/dht.c" ;;
+    case " $all_targets " in
+        *" $1 "*) ;;
         *) return 1 ;;
     esac
+    # Every .c the target links but its own file and the standalone driver
+    # (libFuzzer brings its own main).
+    make -s --no-print-directory -C "$builddir" fuzz-sources FUZZ_TARGET="$1" | tr ' ' '\n' |
+        grep '\.c$' | grep -v '^tests/fuzz/'
 }
 
 pkgs="libuv libsodium msgpack jansson openblas zlib"
