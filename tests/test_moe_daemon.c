@@ -361,6 +361,14 @@ Test(moe_daemon, bad_arguments_are_answered_once_and_survived)
         cr_assert_eq(hmc_info(h, &info), 0, "after %s: %s", bad[i][0], hmc_last_error(h));
         hmc_free_string(info);
     }
+    /* A beam wider than the search can hold is refused by its name, not
+     * as a failed search. */
+    int r = hmc_request(h, "experts.find",
+                        "{\"prefix\":\"ffn\",\"k_best\":1,\"scores\":[[1]],\"beam_size\":300}",
+                        NULL);
+    cr_assert_eq(r, -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "bad_args");
+    cr_assert_not_null(strstr(hmc_last_error(h), "beam_size"), "%s", hmc_last_error(h));
     hmc_close(h);
     stop_node(&n);
 }

@@ -9,6 +9,7 @@
 
 #include "src/daemon/cmd_experts.h"
 
+#include "dht/dht.h"
 #include "moe/client.h"
 #include "src/daemon/daemon.h"
 #include "src/daemon/tensor_file.h"
@@ -605,7 +606,7 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
     if (hm_daemon_arg_int(req, args, "k_best", -1, 1, HM_MOE_MAX_K, &k_best) != 0)
         return;
     long long beam;
-    if (hm_daemon_arg_int(req, args, "beam_size", 0, 0, 1024, &beam) != 0)
+    if (hm_daemon_arg_int(req, args, "beam_size", 0, 0, HM_DHT_MANY_MAX, &beam) != 0)
         return;
     double timeout;
     if (hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S, &timeout) != 0)
