@@ -35,15 +35,12 @@
 #include "config.h"
 
 #include <errno.h>
-#include <limits.h>
 #include <math.h>
 #include <poll.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <uv.h>
@@ -58,10 +55,10 @@
 #include "src/net/rpc.h"
 #include "src/net/transport.h"
 #include "src/base/util.h"
+#include "bench/bench_common.h"
 
 #define MAX_PEERS 64
 #define MAX_RUNS 1000
-#define LINE_MAX_LEN 512
 
 typedef struct options {
     int peers;
@@ -73,30 +70,6 @@ typedef struct options {
     size_t window;
 } options;
 
-static void die(const char *what, int err)
-{
-    fprintf(stderr, "bench_allreduce: %s: %s\n", what, hm_strerror(err));
-    exit(1);
-}
-
-/* Reads a "VmHWM:" or "VmRSS:" line of /proc/self/status, in KiB; 0 if absent. */
-static long proc_status_kb(const char *field)
-{
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    long kb = 0;
-    size_t fl = strlen(field);
-    if (f == NULL)
-        return 0;
-    while (fgets(line, sizeof(line), f) != NULL)
-        if (strncmp(line, field, fl) == 0) {
-            kb = strtol(line + fl, NULL, 10);
-            break;
-        }
-    fclose(f);
-    return kb;
-}
-
 /* A fixed pattern in [-1, 1), multiples of 1/512: exact in float32. */
 static inline float base_value(size_t k)
 {
@@ -104,51 +77,15 @@ static inline float base_value(size_t k)
     return (float)((h >> 16) & 1023u) / 512.0f - 1.0f;
 }
 
-/* Writes one short line to a pipe; lines under PIPE_BUF are atomic. */
-static void put_line(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put_line(int fd, const char *fmt, ...)
+/* The next complete line in lb, 1, or 0 if none is complete yet; a line
+ * longer than out or the buffer ends the program, as nothing in this
+ * benchmark sends one. */
+static int pop_line(hm_bench_linebuf *lb, char *out, size_t cap)
 {
-    char line[LINE_MAX_LEN];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(line, sizeof(line), fmt, ap);
-    va_end(ap);
-    if (n <= 0 || n >= (int)sizeof(line))
-        die("line too long", -EMSGSIZE);
-    ssize_t off = 0;
-    while (off < n) {
-        ssize_t w = write(fd, line + off, (size_t)(n - off));
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            die("pipe write", -errno);
-        off += w;
-    }
-}
-
-/* Splits a byte stream into lines; a line longer than the buffer is an error. */
-typedef struct linebuf {
-    char buf[8192];
-    size_t len;
-} linebuf;
-
-/* Pops one complete line (without the newline) into out; 1 if there was one. */
-static int lb_pop(linebuf *lb, char *out, size_t cap)
-{
-    char *nl = memchr(lb->buf, '\n', lb->len);
-    if (nl == NULL) {
-        if (lb->len == sizeof(lb->buf))
-            die("line too long", -EMSGSIZE);
-        return 0;
-    }
-    size_t l = (size_t)(nl - lb->buf);
-    if (l >= cap)
-        die("line too long", -EMSGSIZE);
-    memcpy(out, lb->buf, l);
-    out[l] = '\0';
-    lb->len -= l + 1;
-    memmove(lb->buf, nl + 1, lb->len);
-    return 1;
+    int r = hm_bench_lb_pop(lb, out, cap);
+    if (r < 0)
+        hm_bench_die("line too long", r);
+    return r;
 }
 
 /* ------------------------------------------------------------ one peer */
@@ -162,7 +99,7 @@ typedef struct peer {
     hm_rpc *rpc;
     hm_ar_ctx *ctx;
     uv_pipe_t down;
-    linebuf lb;
+    hm_bench_linebuf lb;
     hm_avg_group group;
     float *data;
     size_t n;
@@ -217,28 +154,18 @@ static size_t peer_verify(const peer *p, double *max_err)
     return bad;
 }
 
-/* CPU time this process used so far, user and system, in microseconds. */
-static uint64_t cpu_us(void)
-{
-    struct rusage ru;
-    if (getrusage(RUSAGE_SELF, &ru) < 0)
-        return 0;
-    return (uint64_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000u +
-           (uint64_t)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
-}
-
 static void peer_done(void *ud, const hm_ar_report *rep)
 {
     peer *p = ud;
-    uint64_t us = hm_now_us() - p->t0_us, cpu = cpu_us() - p->cpu0_us;
+    uint64_t us = hm_now_us() - p->t0_us, cpu = hm_bench_cpu_us() - p->cpu0_us;
     p->rep = *rep;
     int left_out = 0;
     for (size_t i = 0; i < rep->group_size; i++)
         if (rep->reason[i] != HM_AR_IN)
             left_out++;
-    put_line(p->up_fd, "D %d %d %llu %llu %d %d %llu %llu\n", p->idx, p->round,
-             (unsigned long long)us, (unsigned long long)cpu, rep->status, left_out,
-             (unsigned long long)rep->bytes_sent, (unsigned long long)rep->bytes_received);
+    hm_bench_put_line(p->up_fd, "D %d %d %llu %llu %d %d %llu %llu\n", p->idx, p->round,
+                      (unsigned long long)us, (unsigned long long)cpu, rep->status, left_out,
+                      (unsigned long long)rep->bytes_sent, (unsigned long long)rep->bytes_received);
 }
 
 static void peer_start_round(peer *p, int round)
@@ -253,10 +180,10 @@ static void peer_start_round(peer *p, int round)
     memcpy(p->group.group_id, &round, sizeof(round));
     p->round = round;
     p->t0_us = hm_now_us();
-    p->cpu0_us = cpu_us();
+    p->cpu0_us = hm_bench_cpu_us();
     int r = hm_ar_start(p->ctx, &p->group, p->data, p->n, 1.0, &cfg, peer_done, p, NULL);
     if (r < 0)
-        die("hm_ar_start", r);
+        hm_bench_die("hm_ar_start", r);
 }
 
 static void peer_closed(void *ud) { ((peer *)ud)->closed++; }
@@ -272,8 +199,8 @@ static void peer_command(peer *p, const char *line)
         double worst = 0;
         size_t bad = peer_verify(p, &worst);
         peer_fill(p);
-        put_line(p->up_fd, "R %d %d %zu %.3g %ld %ld\n", p->idx, round, bad, worst,
-                 proc_status_kb("VmHWM:"), p->base_kb);
+        hm_bench_put_line(p->up_fd, "R %d %d %zu %.3g %ld %ld\n", p->idx, round, bad, worst,
+                          hm_bench_proc_status_kb("VmHWM:"), p->base_kb);
     } else if (strcmp(line, "Q") == 0 && !p->quitting) {
         p->quitting = 1;
         uv_read_stop((uv_stream_t *)&p->down);
@@ -297,21 +224,21 @@ static void peer_alloc(uv_handle_t *h, size_t sz, uv_buf_t *buf)
 static void peer_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     peer *p = s->data;
-    char line[LINE_MAX_LEN];
+    char line[HM_BENCH_LINE_MAX];
     HM_UNUSED(buf);
     if (nread < 0) {
         /* The parent is gone: nothing more to measure. */
         exit(1);
     }
     p->lb.len += (size_t)nread;
-    while (!p->quitting && lb_pop(&p->lb, line, sizeof(line)))
+    while (!p->quitting && pop_line(&p->lb, line, sizeof(line)))
         peer_command(p, line);
 }
 
 /* Blocking read of one line from the parent, before the loop runs. */
 static void peer_read_line(peer *p, char *line, size_t cap)
 {
-    while (!lb_pop(&p->lb, line, cap)) {
+    while (!pop_line(&p->lb, line, cap)) {
         ssize_t r = read(p->down_fd, p->lb.buf + p->lb.len, sizeof(p->lb.buf) - p->lb.len);
         if (r < 0 && errno == EINTR)
             continue;
@@ -326,30 +253,31 @@ static void run_peer(const options *o, int idx, int up_fd, int down_fd,
 {
     peer *p = calloc(1, sizeof(*p));
     struct sockaddr_storage addr;
-    char line[LINE_MAX_LEN], hex[2 * HM_PK_BYTES + 1];
+    char line[HM_BENCH_LINE_MAX], hex[2 * HM_PK_BYTES + 1];
     int r;
 
 #ifdef __linux__
     prctl(PR_SET_PDEATHSIG, SIGKILL);
 #endif
     if (p == NULL)
-        die("peer", -ENOMEM);
+        hm_bench_die("peer", -ENOMEM);
     p->o = *o;
     p->idx = idx;
     p->up_fd = up_fd;
     p->down_fd = down_fd;
     uv_loop_init(&p->loop);
     if ((r = hm_identity_generate(&p->id)) < 0)
-        die("identity", r);
+        hm_bench_die("identity", r);
     hm_transport_config tc = {.listen = "127.0.0.1:0"};
     if ((r = hm_rpc_new(&p->loop, &p->id, swarm, &tc, NULL, &p->rpc)) < 0)
-        die("rpc", r);
+        hm_bench_die("rpc", r);
     if ((r = hm_ar_ctx_new(&p->loop, p->rpc, &p->id, &p->ctx)) < 0)
-        die("all-reduce context", r);
+        hm_bench_die("all-reduce context", r);
     if ((r = hm_transport_local_addr(hm_rpc_transport(p->rpc), &addr)) < 0)
-        die("local address", r);
+        hm_bench_die("local address", r);
     hm_hex_encode(p->id.pk, HM_PK_BYTES, hex);
-    put_line(up_fd, "A %d %s %u\n", idx, hex, ntohs(((struct sockaddr_in *)&addr)->sin_port));
+    hm_bench_put_line(up_fd, "A %d %s %u\n", idx, hex,
+                      ntohs(((struct sockaddr_in *)&addr)->sin_port));
 
     /* The member list, in group order, the same for every peer. */
     p->group.n = (size_t)o->peers;
@@ -361,31 +289,32 @@ static void run_peer(const options *o, int idx, int up_fd, int down_fd,
         peer_read_line(p, line, sizeof(line));
         if (sscanf(line, "P %64s %u", hex, &port) != 2 || port == 0 || port > 65535 ||
             hm_hex_decode(hex, strlen(hex), m->pk, HM_PK_BYTES) < 0)
-            die("member list", -EPROTO);
+            hm_bench_die("member list", -EPROTO);
         snprintf(addr_s, sizeof(addr_s), "127.0.0.1:%u", port);
         if (hm_parse_hostport(addr_s, &m->addr) < 0)
-            die("member address", -EINVAL);
+            hm_bench_die("member address", -EINVAL);
         m->bandwidth = 1.0;
     }
 
     /* What the process holds before the tensor exists: libraries, loop, rpc. */
-    p->base_kb = proc_status_kb("VmRSS:");
+    p->base_kb = hm_bench_proc_status_kb("VmRSS:");
     p->n = (size_t)o->mb * (1024u * 1024u / sizeof(float));
     p->data = malloc(p->n * sizeof(float));
     if (p->data == NULL)
-        die("tensor", -ENOMEM);
+        hm_bench_die("tensor", -ENOMEM);
     peer_fill(p);
-    put_line(up_fd, "R %d -1 0 0 %ld %ld\n", idx, proc_status_kb("VmHWM:"), p->base_kb);
+    hm_bench_put_line(up_fd, "R %d -1 0 0 %ld %ld\n", idx, hm_bench_proc_status_kb("VmHWM:"),
+                      p->base_kb);
 
     uv_pipe_init(&p->loop, &p->down, 0);
     p->down.data = p;
     if ((r = uv_pipe_open(&p->down, down_fd)) < 0)
-        die("control pipe", r);
+        hm_bench_die("control pipe", r);
     /* Commands that arrived with the member list. */
-    while (!p->quitting && lb_pop(&p->lb, line, sizeof(line)))
+    while (!p->quitting && pop_line(&p->lb, line, sizeof(line)))
         peer_command(p, line);
     if ((r = uv_read_start((uv_stream_t *)&p->down, peer_alloc, peer_read)) < 0)
-        die("control pipe", r);
+        hm_bench_die("control pipe", r);
     while (p->closed < 3)
         uv_run(&p->loop, UV_RUN_ONCE);
     uv_run(&p->loop, UV_RUN_NOWAIT);
@@ -403,7 +332,7 @@ typedef struct parent {
     pid_t pids[MAX_PEERS];
     int down[MAX_PEERS];
     int up;
-    linebuf lb;
+    hm_bench_linebuf lb;
 } parent;
 
 static void kill_all(parent *pa)
@@ -426,7 +355,7 @@ static void fail(parent *pa, const char *what)
 /* Next line from any peer, waiting at most until deadline_ms. */
 static void parent_line(parent *pa, char *line, size_t cap, uint64_t deadline_ms)
 {
-    while (!lb_pop(&pa->lb, line, cap)) {
+    while (!pop_line(&pa->lb, line, cap)) {
         uint64_t now = hm_now_ms();
         if (now >= deadline_ms)
             fail(pa, "timed out waiting for the peers");
@@ -450,22 +379,6 @@ static void parent_line(parent *pa, char *line, size_t cap, uint64_t deadline_ms
             fail(pa, "the peers' pipe closed");
         pa->lb.len += (size_t)got;
     }
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(const double *v, int n)
-{
-    double *c = malloc((size_t)n * sizeof(*c));
-    memcpy(c, v, (size_t)n * sizeof(*c));
-    qsort(c, (size_t)n, sizeof(*c), cmp_double);
-    double m = n % 2 ? c[n / 2] : (c[n / 2 - 1] + c[n / 2]) / 2;
-    free(c);
-    return m;
 }
 
 typedef struct round_stats {
@@ -505,6 +418,7 @@ static void usage(void)
 int main(int argc, char **argv)
 {
     options o = {.runs = 5, .timeout_ms = 60000};
+    hm_bench_set_name("bench_allreduce");
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--peers") == 0 && i + 1 < argc)
             o.peers = atoi(argv[++i]);
@@ -529,18 +443,18 @@ int main(int argc, char **argv)
         usage();
     hm_log_set_level(HM_LOG_WARN);
     if (hm_crypto_init() < 0)
-        die("crypto init", -EIO);
+        hm_bench_die("crypto init", -EIO);
     uint8_t swarm[HM_SWARM_ID_BYTES];
     hm_swarm_id("bench-allreduce", NULL, 0, swarm);
     signal(SIGPIPE, SIG_IGN);
 
     parent *pa = calloc(1, sizeof(*pa));
     if (pa == NULL)
-        die("parent", -ENOMEM);
+        hm_bench_die("parent", -ENOMEM);
     pa->o = o;
     int upp[2];
     if (pipe(upp) < 0)
-        die("pipe", -errno);
+        hm_bench_die("pipe", -errno);
     pa->up = upp[0];
     fflush(stdout);
     for (int i = 0; i < o.peers; i++) {
@@ -564,7 +478,7 @@ int main(int argc, char **argv)
     close(upp[1]);
 
     /* Gather every peer's key and port, then send the member list to all. */
-    char line[LINE_MAX_LEN];
+    char line[HM_BENCH_LINE_MAX];
     char (*hexes)[2 * HM_PK_BYTES + 1] = calloc((size_t)o.peers, sizeof(*hexes));
     unsigned *ports = calloc((size_t)o.peers, sizeof(*ports));
     uint64_t deadline = hm_now_ms() + 10000;
@@ -582,7 +496,7 @@ int main(int argc, char **argv)
     }
     for (int i = 0; i < o.peers; i++)
         for (int j = 0; j < o.peers; j++)
-            put_line(pa->down[i], "P %s %u\n", hexes[j], ports[j]);
+            hm_bench_put_line(pa->down[i], "P %s %u\n", hexes[j], ports[j]);
     free(hexes);
     free(ports);
 
@@ -617,7 +531,7 @@ int main(int argc, char **argv)
             break;
         int next = round + 1;
         for (int i = 0; i < o.peers; i++)
-            put_line(pa->down[i], "G %d\n", next);
+            hm_bench_put_line(pa->down[i], "G %d\n", next);
         round_stats *s = &rs[next];
         s->min_s = INFINITY;
         dl = hm_now_ms() + o.timeout_ms + 10000;
@@ -642,10 +556,10 @@ int main(int argc, char **argv)
             s->recv_max = HM_MAX(s->recv_max, (uint64_t)recv);
         }
         for (int i = 0; i < o.peers; i++)
-            put_line(pa->down[i], "V %d\n", next);
+            hm_bench_put_line(pa->down[i], "V %d\n", next);
     }
     for (int i = 0; i < o.peers; i++)
-        put_line(pa->down[i], "Q\n");
+        hm_bench_put_line(pa->down[i], "Q\n");
     for (int i = 0; i < o.peers; i++) {
         int st = 0;
         if (waitpid(pa->pids[i], &st, 0) == pa->pids[i] && (!WIFEXITED(st) || WEXITSTATUS(st)))
@@ -685,10 +599,10 @@ int main(int argc, char **argv)
         if (rs[r].failed)
             failed_rounds++;
     }
-    double med = median(times, o.runs), mx = 0;
+    double med = hm_bench_median(times, o.runs), mx = 0;
     for (int r = 0; r < o.runs; r++)
         mx = HM_MAX(mx, times[r]);
-    double med_cpu = median(cpus, o.runs);
+    double med_cpu = hm_bench_median(cpus, o.runs);
     long peak_kb = 0, base_max_kb = 0, extra_kb = 0;
     for (int i = 0; i < o.peers; i++) {
         peak_kb = HM_MAX(peak_kb, hwm_kb[i]);

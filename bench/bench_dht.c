@@ -35,7 +35,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <jansson.h>
 #include <math.h>
 #include <sched.h>
@@ -58,6 +57,7 @@
 #include "dht/proto.h"
 #include "src/net/rpc.h"
 #include "src/base/util.h"
+#include "bench/bench_common.h"
 
 /* Requests per second each load client sends at most: under the daemon's
  * per-address limit (200/s, burst 400), so that none is throttled. */
@@ -66,7 +66,6 @@
 /* A request unanswered for this long counts as lost and frees its slot. */
 #define LOST_AFTER_US 1000000u
 #define MAX_WORKERS 16
-#define MAX_CHILDREN 160
 #define SWARM_NAME "bench-dht"
 
 typedef struct options {
@@ -83,129 +82,11 @@ typedef struct options {
     int skip_serve, skip_latency;
 } options;
 
-/*
- * The processes and the directory this run created. Cleanup must be
- * reachable from atexit and from a signal handler, which take no
- * argument, so this one registry is file-scope; owner_pid keeps forked
- * workers (which inherit it) from cleaning up the parent's children.
- */
-static struct {
-    pid_t owner_pid;
-    pid_t pids[MAX_CHILDREN];
-    size_t n;
-    char tmpdir[64];
-} reg;
-
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    HM_UNUSED(st);
-    HM_UNUSED(flag);
-    HM_UNUSED(ftw);
-    remove(path);
-    return 0;
-}
-
-static void kill_children(void)
-{
-    if (reg.owner_pid != getpid())
-        return;
-    for (size_t i = 0; i < reg.n; i++)
-        if (reg.pids[i] > 0)
-            kill(reg.pids[i], SIGKILL);
-    for (size_t i = 0; i < reg.n; i++)
-        if (reg.pids[i] > 0)
-            waitpid(reg.pids[i], NULL, 0);
-    reg.n = 0;
-    if (reg.tmpdir[0] != '\0')
-        nftw(reg.tmpdir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-    reg.tmpdir[0] = '\0';
-}
-
-static void on_fatal_signal(int sig)
-{
-    /* Best effort: the children die with PR_SET_PDEATHSIG anyway; this also
-     * removes the temp directory. */
-    kill_children();
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-static void die(const char *what, int err)
-{
-    fprintf(stderr, "bench_dht: %s: %s\n", what, hm_strerror(err));
-    exit(1);
-}
-
-static void dief(const char *what)
-{
-    fprintf(stderr, "bench_dht: %s\n", what);
-    exit(1);
-}
-
-static void reg_add(pid_t pid)
-{
-    if (reg.n >= MAX_CHILDREN)
-        dief("too many child processes");
-    reg.pids[reg.n++] = pid;
-}
-
-static void reg_forget(pid_t pid)
-{
-    for (size_t i = 0; i < reg.n; i++)
-        if (reg.pids[i] == pid)
-            reg.pids[i] = 0;
-}
-
-/* ------------------------------------------------------------ small tools */
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-/* Nearest-rank percentile of a sorted array. */
-static double pct(const double *sorted, size_t n, double p)
-{
-    if (n == 0)
-        return NAN;
-    size_t rank = (size_t)ceil(p * (double)n);
-    return sorted[rank == 0 ? 0 : rank - 1];
-}
-
 static void sleep_ms(long ms)
 {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
     while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
         ;
-}
-
-/* utime + stime of a process in seconds, or -1. */
-static double proc_cpu_s(pid_t pid)
-{
-    char path[64], buf[1024];
-    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (f == NULL)
-        return -1;
-    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    /* The command name may hold spaces and parentheses: fields count from
-     * the last ')'. utime and stime are fields 14 and 15. */
-    char *p = strrchr(buf, ')');
-    if (p == NULL)
-        return -1;
-    unsigned long ut, st;
-    if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
-        return -1;
-    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
 }
 
 /* Busy and total jiffies of one CPU from /proc/stat; 0 or -1. */
@@ -305,12 +186,12 @@ static void daemon_start(daemon_proc *d, const options *o, const char *name, int
     int argc = 0;
 
     memset(d, 0, sizeof(*d));
-    snprintf(d->dir, sizeof(d->dir), "%s/%s", reg.tmpdir, name);
+    snprintf(d->dir, sizeof(d->dir), "%s/%s", hm_bench_tmpdir(), name);
     snprintf(d->sock, sizeof(d->sock), "%s/ctl.sock", d->dir);
     snprintf(d->out, sizeof(d->out), "%s/out", d->dir);
     snprintf(err_path, sizeof(err_path), "%s/err", d->dir);
     if (mkdir(d->dir, 0700) < 0)
-        die("mkdir", -errno);
+        hm_bench_die("mkdir", -errno);
     argv[argc++] = (char *)o->daemon;
     argv[argc++] = "--listen";
     argv[argc++] = "127.0.0.1:0";
@@ -329,7 +210,7 @@ static void daemon_start(daemon_proc *d, const options *o, const char *name, int
     pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0)
-        die("fork", -errno);
+        hm_bench_die("fork", -errno);
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != parent)
@@ -351,7 +232,7 @@ static void daemon_start(daemon_proc *d, const options *o, const char *name, int
         _exit(127);
     }
     d->pid = pid;
-    reg_add(pid);
+    hm_bench_child_add(pid);
 
     /* The first line on stdout is PEERID@HOST:PORT. */
     uint64_t deadline = hm_now_ms() + 15000;
@@ -369,14 +250,14 @@ static void daemon_start(daemon_proc *d, const options *o, const char *name, int
         }
         int st;
         if (waitpid(pid, &st, WNOHANG) == pid) {
-            reg_forget(pid);
+            hm_bench_child_forget(pid);
             fprintf(stderr, "bench_dht: %s exited before printing its address; see %s\n",
                     o->daemon, err_path);
-            dief("daemon did not start");
+            hm_bench_dief("daemon did not start");
         }
         sleep_ms(20);
     }
-    dief("a daemon did not print its address within 15 s");
+    hm_bench_dief("a daemon did not print its address within 15 s");
 }
 
 static void daemon_stop(daemon_proc *d)
@@ -394,7 +275,7 @@ static void daemon_stop(daemon_proc *d)
         }
         sleep_ms(10);
     }
-    reg_forget(d->pid);
+    hm_bench_child_forget(d->pid);
     d->pid = 0;
 }
 
@@ -423,7 +304,7 @@ static json_t *dht_info(const options *o, const daemon_proc *d)
         execv(o->ctl, argv);
         _exit(127);
     }
-    reg_add(pid);
+    hm_bench_child_add(pid);
     close(pfd[1]);
     char buf[8192];
     size_t got = 0;
@@ -440,7 +321,7 @@ static json_t *dht_info(const options *o, const daemon_proc *d)
     buf[got] = '\0';
     close(pfd[0]);
     waitpid(pid, NULL, 0);
-    reg_forget(pid);
+    hm_bench_child_forget(pid);
     json_t *j = json_loads(buf, 0, NULL);
     if (j == NULL)
         return NULL;
@@ -800,12 +681,8 @@ static void worker_start(worker_proc *wp, const options *o, int n_clients, int c
 {
     int cmd[2], res[2];
     if (pipe(cmd) < 0 || pipe(res) < 0)
-        die("pipe", -errno);
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid < 0)
-        die("fork", -errno);
+        hm_bench_die("pipe", -errno);
+    pid_t pid = hm_bench_fork();
     if (pid == 0) {
         close(cmd[1]);
         close(res[0]);
@@ -813,27 +690,27 @@ static void worker_start(worker_proc *wp, const options *o, int n_clients, int c
     }
     close(cmd[0]);
     close(res[1]);
-    reg_add(pid);
+    hm_bench_child_add(pid);
     wp->pid = pid;
     wp->cmd_fd = cmd[1];
     wp->res_fd = res[0];
     wp->res = fdopen(res[0], "r");
     if (wp->res == NULL)
-        die("fdopen", -errno);
+        hm_bench_die("fdopen", -errno);
 }
 
 /* Reads one line of a worker's report; dies if the worker died. */
 static void worker_line(worker_proc *wp, char *line, size_t len)
 {
     if (fgets(line, (int)len, wp->res) == NULL)
-        dief("a load worker exited early");
+        hm_bench_dief("a load worker exited early");
 }
 
 static void worker_cmd(worker_proc *wp, const char *cmd)
 {
     size_t n = strlen(cmd);
     if (write(wp->cmd_fd, cmd, n) != (ssize_t)n)
-        die("worker command", -errno);
+        hm_bench_die("worker command", -errno);
 }
 
 /* ------------------------------------------------------------ 1. serving */
@@ -868,7 +745,7 @@ static void bench_serve(const options *o)
     const char *extra[] = {"--ping-interval", "3600", NULL};
     daemon_start(&d, o, "serve", pinned ? 0 : -1, extra);
     if (hm_peer_addr_parse(d.addr, server_pk, &server) < 0)
-        dief("cannot parse the daemon's address");
+        hm_bench_dief("cannot parse the daemon's address");
 
     /* Helpers: full DHT nodes that join the daemon, so its routing table
      * holds real contacts and its GET replies carry k of them. */
@@ -922,10 +799,10 @@ static void bench_serve(const options *o)
     char cmd[64];
     snprintf(cmd, sizeof(cmd), "run %.3f\n", o->seconds);
     for (int run = 0; run < o->runs; run++) {
-        double d0 = proc_cpu_s(d.pid), w0 = 0, w1 = 0, b0 = 0, t0j = 0, b1 = 0, t1j = 0;
+        double d0 = hm_bench_proc_cpu_s(d.pid), w0 = 0, w1 = 0, b0 = 0, t0j = 0, b1 = 0, t1j = 0;
         int have_cpu0 = cpu_jiffies(0, &b0, &t0j) == 0;
         for (int i = 0; i < nw; i++)
-            w0 += proc_cpu_s(wp[i].pid);
+            w0 += hm_bench_proc_cpu_s(wp[i].pid);
         uint64_t t0 = hm_now_us();
         for (int i = 0; i < nw; i++)
             worker_cmd(&wp[i], cmd);
@@ -938,7 +815,7 @@ static void bench_serve(const options *o)
             worker_line(&wp[i], line, sizeof(line));
             if (sscanf(line, "%llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
                        &v[4], &v[5], &v[6]) != 7)
-                dief("bad worker report");
+                hm_bench_dief("bad worker report");
             replies += v[0];
             sent += v[1];
             lost += v[2];
@@ -948,11 +825,11 @@ static void bench_serve(const options *o)
             bytes += v[6];
         }
         double el = (double)(hm_now_us() - t0) / 1e6;
-        double d1 = proc_cpu_s(d.pid);
+        double d1 = hm_bench_proc_cpu_s(d.pid);
         have_cpu0 = have_cpu0 && cpu_jiffies(0, &b1, &t1j) == 0 && t1j > t0j;
         cpu0[run] = have_cpu0 ? 100.0 * (b1 - b0) / (t1j - t0j) : -1;
         for (int i = 0; i < nw; i++)
-            w1 += proc_cpu_s(wp[i].pid);
+            w1 += hm_bench_proc_cpu_s(wp[i].pid);
         rate[run] = (double)replies / o->seconds;
         dcpu[run] = 100.0 * (d1 - d0) / el;
         per_cpu_s[run] = d1 > d0 ? (double)replies / (d1 - d0) : 0;
@@ -970,8 +847,8 @@ static void bench_serve(const options *o)
     long limited = info != NULL ? info_int(info, "rate_limited", NULL) : -1;
     json_decref(info);
 
-    double mrate = median(rate, o->runs), mdcpu = median(dcpu, o->runs),
-           mwcpu = median(wcpu, o->runs), mcpu0 = median(cpu0, o->runs);
+    double mrate = hm_bench_median(rate, o->runs), mdcpu = hm_bench_median(dcpu, o->runs),
+           mwcpu = hm_bench_median(wcpu, o->runs), mcpu0 = hm_bench_median(cpu0, o->runs);
     printf("DHT GET replies served: %.0f /s (median of %d runs of %.1f s)\n", mrate, o->runs,
            o->seconds);
     printf("daemon CPU during runs: %.0f%% of one core (median); CPU 0 busy: %.0f%%; load "
@@ -980,7 +857,7 @@ static void bench_serve(const options *o)
     if (pinned && mcpu0 > mdcpu + 15.0)
         printf("warning: other work used CPU 0 during the runs (busy %.0f%%, daemon %.0f%%)\n",
                mcpu0, mdcpu);
-    double per_core = median(per_cpu_s, o->runs);
+    double per_core = hm_bench_median(per_cpu_s, o->runs);
     printf("DHT GET replies per second of daemon CPU time: %.0f (median; what one fully used "
            "core would serve at this per-request cost)\n",
            per_core);
@@ -1012,7 +889,7 @@ static void bench_serve(const options *o)
         fclose(wp[i].res);
         close(wp[i].cmd_fd);
         waitpid(wp[i].pid, NULL, 0);
-        reg_forget(wp[i].pid);
+        hm_bench_child_forget(wp[i].pid);
     }
     int open_nodes = o->helpers;
     for (int i = 0; i < o->helpers; i++)
@@ -1071,9 +948,10 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
 
 static void print_lat(const char *what, double *v, size_t n)
 {
-    qsort(v, n, sizeof(*v), cmp_double);
+    qsort(v, n, sizeof(*v), hm_bench_cmp_double);
     printf("%s latency: p50 %7.2f ms   p95 %7.2f ms   (max %.2f ms, %zu ops)\n", what,
-           pct(v, n, 0.50), pct(v, n, 0.95), n > 0 ? v[n - 1] : NAN, n);
+           hm_bench_percentile(v, n, 0.50), hm_bench_percentile(v, n, 0.95),
+           n > 0 ? v[n - 1] : NAN, n);
 }
 
 static void bench_latency(const options *o)
@@ -1166,10 +1044,10 @@ static void bench_latency(const options *o)
         int r = hm_node_dht_put(cn, (const uint8_t *)keys[i], strlen(keys[i]), NULL, 0, 0,
                                 vals[i], sizeof(vals[i]), 600, 10000, on_put, &s);
         if (r < 0)
-            die("put", r);
+            hm_bench_die("put", r);
         run_loop(&loop, 20000, &s.done);
         if (!s.done)
-            dief("a put's callback never fired");
+            hm_bench_dief("a put's callback never fired");
         put_ms[np++] = (double)(s.end_us - start) / 1000.0;
         put_to += s.info.timeouts > 0;
         if (s.status == 0 && s.stored > 0) {
@@ -1185,10 +1063,10 @@ static void bench_latency(const options *o)
         int r = hm_node_dht_get(cn, (const uint8_t *)keys[i], strlen(keys[i]), 10000, on_get,
                                 &s);
         if (r < 0)
-            die("get", r);
+            hm_bench_die("get", r);
         run_loop(&loop, 20000, &s.done);
         if (!s.done)
-            dief("a get's callback never fired");
+            hm_bench_dief("a get's callback never fired");
         get_ms[ng++] = (double)(s.end_us - start) / 1000.0;
         get_to += s.info.timeouts > 0;
         if (s.match) {
@@ -1244,6 +1122,7 @@ int main(int argc, char **argv)
                  .window = 8, .helpers = 64, .daemon = "./src/hivemindd",
                  .ctl = "./src/hivemindctl"};
     const char *only = NULL;
+    hm_bench_set_name("bench_dht");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1300,17 +1179,11 @@ int main(int argc, char **argv)
     }
     hm_log_set_level(HM_LOG_WARN);
     if (hm_crypto_init() < 0)
-        dief("crypto init failed");
+        hm_bench_dief("crypto init failed");
     signal(SIGPIPE, SIG_IGN);
-    reg.owner_pid = getpid();
-    snprintf(reg.tmpdir, sizeof(reg.tmpdir), "/tmp/bench_dht-XXXXXX");
-    if (mkdtemp(reg.tmpdir) == NULL) {
-        reg.tmpdir[0] = '\0';
-        die("mkdtemp", -errno);
-    }
-    atexit(kill_children);
-    signal(SIGINT, on_fatal_signal);
-    signal(SIGTERM, on_fatal_signal);
+    if (hm_bench_tmpdir_make("/tmp/bench_dht-XXXXXX") == NULL)
+        hm_bench_die("mkdtemp", -errno);
+    hm_bench_children_guard();
 
     printf("bench_dht: DHT serving rate and swarm latency over real hivemindd processes\n");
     print_machine();

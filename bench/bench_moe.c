@@ -48,7 +48,6 @@
 #include <math.h>
 #include <poll.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +65,7 @@
 #include "moe/proto.h"
 #include "moe/server.h"
 #include "src/base/util.h"
+#include "bench/bench_common.h"
 
 #define SWARM "bench-moe"
 #define MAX_BATCHES 8
@@ -73,7 +73,6 @@
 #define MAX_CALLS 10000
 #define N_STRAG 4           /* servers in part 2 */
 #define MAX_CHILDREN (1 + N_STRAG)
-#define LINE_MAX_LEN 512
 #define PAUSE_MS 150        /* before each timed run: OpenBLAS threads go to sleep */
 #define START_TIMEOUT_MS 120000
 #define CALL_TIMEOUT_MS 600000 /* part 1: a call must never time out, only measure */
@@ -94,67 +93,11 @@ typedef struct options {
     int verbose;
 } options;
 
-/*
- * The child processes. Cleanup must be reachable from atexit and from a
- * signal handler, which take no argument, so this one registry is
- * file-scope; owner_pid keeps the children (which inherit it) from
- * killing their siblings.
- */
-static struct {
-    pid_t owner_pid;
-    pid_t pids[MAX_CHILDREN];
-} reg;
-
-static void kill_children(void)
-{
-    if (reg.owner_pid != getpid())
-        return;
-    for (size_t i = 0; i < MAX_CHILDREN; i++)
-        if (reg.pids[i] > 0)
-            kill(reg.pids[i], SIGKILL);
-    for (size_t i = 0; i < MAX_CHILDREN; i++)
-        if (reg.pids[i] > 0) {
-            waitpid(reg.pids[i], NULL, 0);
-            reg.pids[i] = 0;
-        }
-}
-
-static void on_fatal_signal(int sig)
-{
-    kill_children();
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-static void die(const char *what, int err)
-{
-    fprintf(stderr, "bench_moe: %s: %s\n", what, hm_strerror(err));
-    exit(1);
-}
-
-static void dief(const char *what)
-{
-    fprintf(stderr, "bench_moe: %s\n", what);
-    exit(1);
-}
-
 static void usage(void)
 {
     fprintf(stderr, "usage: bench_moe [--dim D] [--batches B,B,...] [--reps N] [--calls N]\n"
                     "                 [--only throughput|straggler] [--quick] [-v]\n");
     exit(64);
-}
-
-static size_t parse_size(const char *s, size_t lo, size_t hi)
-{
-    char *end;
-    unsigned long long v;
-
-    errno = 0;
-    v = strtoull(s, &end, 10);
-    if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi)
-        usage();
-    return (size_t)v;
 }
 
 static void parse_batches(options *o, const char *s)
@@ -167,24 +110,10 @@ static void parse_batches(options *o, const char *s)
     for (char *t = strtok_r(buf, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
         if (o->nbatches == MAX_BATCHES)
             usage();
-        o->batches[o->nbatches++] = parse_size(t, 1, HM_MOE_MAX_BATCH);
+        o->batches[o->nbatches++] = hm_bench_parse_size(t, 1, HM_MOE_MAX_BATCH, usage);
     }
     if (o->nbatches == 0)
         usage();
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(const double *v, size_t n)
-{
-    double s[MAX_CALLS];
-    memcpy(s, v, n * sizeof(double));
-    qsort(s, n, sizeof(double), cmp_double);
-    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
 }
 
 static double minimum(const double *v, size_t n)
@@ -193,47 +122,6 @@ static double minimum(const double *v, size_t n)
     for (size_t i = 1; i < n; i++)
         m = HM_MIN(m, v[i]);
     return m;
-}
-
-/* Nearest-rank percentile q in (0, 1]. */
-static double percentile(const double *v, size_t n, double q)
-{
-    double s[MAX_CALLS];
-    memcpy(s, v, n * sizeof(double));
-    qsort(s, n, sizeof(double), cmp_double);
-    size_t r = (size_t)ceil(q * (double)n);
-    return s[r == 0 ? 0 : r - 1];
-}
-
-/* Writes one short line to a pipe, whole. */
-static void put_line(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put_line(int fd, const char *fmt, ...)
-{
-    char line[LINE_MAX_LEN];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(line, sizeof(line), fmt, ap);
-    va_end(ap);
-    if (n <= 0 || n >= (int)sizeof(line))
-        die("line too long", -EMSGSIZE);
-    ssize_t off = 0;
-    while (off < n) {
-        ssize_t w = write(fd, line + off, (size_t)(n - off));
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            die("pipe write", -errno);
-        off += w;
-    }
-}
-
-/* A deterministic fill in [-1, 1). */
-static void fill(float *v, size_t n, uint64_t s)
-{
-    for (size_t k = 0; k < n; k++) {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        v[k] = (float)((double)(s >> 40) / (double)(1 << 24) * 2.0 - 1.0);
-    }
 }
 
 /*
@@ -263,8 +151,7 @@ typedef struct child {
     hm_moe_server *server;
     uv_pipe_t down;
     int up_fd;
-    char lb[LINE_MAX_LEN];
-    size_t lb_len;
+    hm_bench_linebuf lb;
     int closing;
 } child;
 
@@ -297,44 +184,40 @@ static void child_command(child *c, const char *line)
     hm_moe_hosted h[MAX_BATCHES + 1];
 
     if (strcmp(line, "S") != 0)
-        dief("child: unknown command");
+        hm_bench_dief("child: unknown command");
     size_t n = hm_moe_server_list(c->server, h, MAX_BATCHES + 1);
     for (size_t i = 0; i < n && i < MAX_BATCHES + 1; i++)
-        put_line(c->up_fd, "H %s %llu %llu %llu %.2f %.2f %.2f\n", h[i].uid,
-                 (unsigned long long)h[i].fwd_requests, (unsigned long long)h[i].bwd_requests,
-                 (unsigned long long)h[i].batches, h[i].mean_batch_size, h[i].latency_p50_ms,
-                 h[i].latency_p99_ms);
-    put_line(c->up_fd, "E\n");
+        hm_bench_put_line(c->up_fd, "H %s %llu %llu %llu %.2f %.2f %.2f\n", h[i].uid,
+                          (unsigned long long)h[i].fwd_requests,
+                          (unsigned long long)h[i].bwd_requests, (unsigned long long)h[i].batches,
+                          h[i].mean_batch_size, h[i].latency_p50_ms, h[i].latency_p99_ms);
+    hm_bench_put_line(c->up_fd, "E\n");
 }
 
 static void child_alloc(uv_handle_t *h, size_t hint, uv_buf_t *buf)
 {
     child *c = h->data;
     HM_UNUSED(hint);
-    buf->base = c->lb + c->lb_len;
-    buf->len = sizeof(c->lb) - c->lb_len;
+    buf->base = c->lb.buf + c->lb.len;
+    buf->len = sizeof(c->lb.buf) - c->lb.len;
 }
 
 static void child_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     child *c = s->data;
-    char *nl;
+    char line[HM_BENCH_LINE_MAX];
+    int r;
 
     HM_UNUSED(buf);
     if (nread < 0) {
         child_shutdown(c);
         return;
     }
-    c->lb_len += (size_t)nread;
-    while ((nl = memchr(c->lb, '\n', c->lb_len)) != NULL) {
-        *nl = '\0';
-        child_command(c, c->lb);
-        size_t used = (size_t)(nl - c->lb) + 1;
-        memmove(c->lb, nl + 1, c->lb_len - used);
-        c->lb_len -= used;
-    }
-    if (c->lb_len == sizeof(c->lb))
-        dief("child: command too long");
+    c->lb.len += (size_t)nread;
+    while ((r = hm_bench_lb_pop(&c->lb, line, sizeof(line))) > 0)
+        child_command(c, line);
+    if (r < 0)
+        hm_bench_dief("child: command too long");
 }
 
 /*
@@ -355,15 +238,15 @@ static void child_main(const char *pattern, size_t dim, int up_fd, int down_fd)
 #ifdef __linux__
     prctl(PR_SET_PDEATHSIG, SIGKILL);
 #endif
-    if (getppid() != reg.owner_pid)
+    if (getppid() != hm_bench_owner_pid())
         _exit(1); /* the parent died before PR_SET_PDEATHSIG took hold */
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
     if (c == NULL)
-        die("child", -ENOMEM);
+        hm_bench_die("child", -ENOMEM);
     c->up_fd = up_fd;
     if ((r = uv_loop_init(&c->loop)) < 0)
-        die("child: loop", r);
+        hm_bench_die("child: loop", r);
     no.listen = "127.0.0.1:0";
     no.swarm = SWARM;
     if ((r = hm_node_new(&c->loop, &no, &c->node, err, sizeof(err))) < 0) {
@@ -372,7 +255,7 @@ static void child_main(const char *pattern, size_t dim, int up_fd, int down_fd)
     }
     /* The server's defaults: what a daemon hosting experts runs with. */
     if ((r = hm_moe_server_new(c->node, &so, &c->server)) < 0)
-        die("child: expert server", r);
+        hm_bench_die("child: expert server", r);
     cfg.dim = dim;
     cfg.optimizer = HM_FFN_ADAM;
     cfg.seed = EXPERT_SEED;
@@ -382,14 +265,14 @@ static void child_main(const char *pattern, size_t dim, int up_fd, int down_fd)
         exit(1);
     }
     if ((r = hm_node_address(c->node, addr, sizeof(addr))) < 0)
-        die("child: address", r);
-    put_line(up_fd, "A %s %d\n", addr, openblas_get_num_threads());
+        hm_bench_die("child: address", r);
+    hm_bench_put_line(up_fd, "A %s %d\n", addr, openblas_get_num_threads());
 
     uv_pipe_init(&c->loop, &c->down, 0);
     c->down.data = c;
     if ((r = uv_pipe_open(&c->down, down_fd)) < 0 ||
         (r = uv_read_start((uv_stream_t *)&c->down, child_alloc, child_read)) < 0)
-        die("child: control pipe", r);
+        hm_bench_die("child: control pipe", r);
     uv_run(&c->loop, UV_RUN_DEFAULT);
     r = uv_loop_close(&c->loop);
     close(up_fd);
@@ -400,11 +283,10 @@ static void child_main(const char *pattern, size_t dim, int up_fd, int down_fd)
 /* ------------------------------------------------------------ the parent's view of a child */
 
 typedef struct proc {
-    int slot;          /* index in reg.pids */
-    pid_t pid;
+    int slot;          /* index in the caller's array */
+    pid_t pid;         /* 0 once reaped */
     int up_fd, down_fd;
-    char lb[8192];
-    size_t lb_len;
+    hm_bench_linebuf lb;
     hm_moe_expert ex;  /* uid filled in by the caller */
     int blas_threads;
     int stopped;
@@ -417,12 +299,8 @@ static void spawn(proc *ps, int slot, const char *pattern, size_t dim)
     int up[2], down[2];
 
     if (pipe(up) < 0 || pipe(down) < 0)
-        die("pipe", -errno);
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid < 0)
-        die("fork", -errno);
+        hm_bench_die("pipe", -errno);
+    pid_t pid = hm_bench_fork();
     if (pid == 0) {
         close(up[0]);
         close(down[1]);
@@ -442,59 +320,50 @@ static void spawn(proc *ps, int slot, const char *pattern, size_t dim)
     p->pid = pid;
     p->up_fd = up[0];
     p->down_fd = down[1];
-    reg.pids[slot] = pid;
+    hm_bench_child_add(pid);
 }
 
 /* Next line from p, waiting at most until deadline_ms; dies when p dies. */
 static void proc_line(proc *p, char *line, size_t cap, uint64_t deadline_ms)
 {
-    for (;;) {
-        char *nl = memchr(p->lb, '\n', p->lb_len);
-        if (nl != NULL) {
-            size_t l = (size_t)(nl - p->lb);
-            if (l >= cap)
-                dief("line too long from a server");
-            memcpy(line, p->lb, l);
-            line[l] = '\0';
-            p->lb_len -= l + 1;
-            memmove(p->lb, nl + 1, p->lb_len);
-            return;
-        }
-        if (p->lb_len == sizeof(p->lb))
-            dief("line too long from a server");
+    int got_line;
+
+    while ((got_line = hm_bench_lb_pop(&p->lb, line, cap)) == 0) {
         uint64_t now = hm_now_ms();
         if (now >= deadline_ms)
-            dief("timed out waiting for an expert server");
+            hm_bench_dief("timed out waiting for an expert server");
         struct pollfd pfd = {.fd = p->up_fd, .events = POLLIN};
         int r = poll(&pfd, 1, (int)HM_MIN(deadline_ms - now, 1000u));
         if (r < 0 && errno != EINTR)
-            die("poll", -errno);
+            hm_bench_die("poll", -errno);
         if (r <= 0)
             continue;
-        ssize_t got = read(p->up_fd, p->lb + p->lb_len, sizeof(p->lb) - p->lb_len);
+        ssize_t got = read(p->up_fd, p->lb.buf + p->lb.len, sizeof(p->lb.buf) - p->lb.len);
         if (got < 0 && errno == EINTR)
             continue;
         if (got <= 0)
-            dief("an expert server exited (see its messages above)");
-        p->lb_len += (size_t)got;
+            hm_bench_dief("an expert server exited (see its messages above)");
+        p->lb.len += (size_t)got;
     }
+    if (got_line < 0)
+        hm_bench_dief("line too long from a server");
 }
 
 /* Waits for p's "A" line and fills in its address. */
 static void proc_ready(proc *p, const char *uid)
 {
-    char line[LINE_MAX_LEN], addr[300];
+    char line[HM_BENCH_LINE_MAX], addr[300];
     int threads;
 
     proc_line(p, line, sizeof(line), hm_now_ms() + START_TIMEOUT_MS);
     if (sscanf(line, "A %299s %d", addr, &threads) != 2)
-        dief("bad ready line from an expert server");
+        hm_bench_dief("bad ready line from an expert server");
     if (hm_peer_addr_parse(addr, p->ex.pk, &p->ex.addr) < 0)
-        dief("bad address from an expert server");
+        hm_bench_dief("bad address from an expert server");
     const char *at = strchr(addr, '@');
     if (at == NULL || hm_strlcpy(p->ex.addr_str, at + 1, sizeof(p->ex.addr_str)) < 0 ||
         hm_strlcpy(p->ex.uid, uid, sizeof(p->ex.uid)) < 0)
-        dief("bad address from an expert server");
+        hm_bench_dief("bad address from an expert server");
     p->blas_threads = threads;
 }
 
@@ -506,25 +375,25 @@ typedef struct hosted_stats {
 /* Asks p for its experts' statistics; fills the one named uid. */
 static void proc_stats(proc *p, const char *uid, hosted_stats *out)
 {
-    char line[LINE_MAX_LEN], name[HM_MOE_UID_MAX + 1];
+    char line[HM_BENCH_LINE_MAX], name[HM_MOE_UID_MAX + 1];
     hosted_stats h = {0};
     int found = 0;
 
-    put_line(p->down_fd, "S\n");
+    hm_bench_put_line(p->down_fd, "S\n");
     for (;;) {
         proc_line(p, line, sizeof(line), hm_now_ms() + 30000);
         if (strcmp(line, "E") == 0)
             break;
         if (sscanf(line, "H %96s %llu %llu %llu %lf %lf %lf", name, &h.fwd, &h.bwd, &h.batches,
                    &h.mean, &h.p50, &h.p99) != 7)
-            dief("bad statistics line from an expert server");
+            hm_bench_dief("bad statistics line from an expert server");
         if (strcmp(name, uid) == 0) {
             *out = h;
             found = 1;
         }
     }
     if (!found)
-        dief("the expert server does not list the expert");
+        hm_bench_dief("the expert server does not list the expert");
 }
 
 /*
@@ -543,12 +412,13 @@ static void stop_all(proc *ps, size_t n)
     for (;;) {
         size_t left = 0;
         for (size_t i = 0; i < n; i++) {
-            pid_t pid = reg.pids[ps[i].slot];
+            pid_t pid = ps[i].pid;
             if (pid <= 0)
                 continue;
             int st;
             if (waitpid(pid, &st, WNOHANG) == pid) {
-                reg.pids[ps[i].slot] = 0;
+                hm_bench_child_forget(pid);
+                ps[i].pid = 0;
                 if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
                     fprintf(stderr, "bench_moe: expert server %d ended with status %d\n",
                             ps[i].slot, st);
@@ -561,13 +431,14 @@ static void stop_all(proc *ps, size_t n)
         usleep(20000);
     }
     for (size_t i = 0; i < n; i++) {
-        pid_t pid = reg.pids[ps[i].slot];
+        pid_t pid = ps[i].pid;
         if (pid > 0) {
             fprintf(stderr, "bench_moe: expert server %d did not exit; killing it\n",
                     ps[i].slot);
             kill(pid, SIGKILL);
             waitpid(pid, NULL, 0);
-            reg.pids[ps[i].slot] = 0;
+            hm_bench_child_forget(pid);
+            ps[i].pid = 0;
         }
         close(ps[i].up_fd);
     }
@@ -625,10 +496,10 @@ static double remote_fwd(parent *pa, const hm_moe_expert *ex, const float *x, si
     uint64_t t0 = hm_now_us();
     int r = hm_moe_forward(pa->client, ex, 1, x, batch, pa->o.dim, y, &co, on_call, &w, NULL);
     if (r < 0)
-        die("hm_moe_forward", r);
+        hm_bench_die("hm_moe_forward", r);
     wait_call(&pa->loop, &w);
     if (w.status < 0 || w.n_answered != 1)
-        die("remote forward", w.status < 0 ? w.status : -EPROTO);
+        hm_bench_die("remote forward", w.status < 0 ? w.status : -EPROTO);
     return (double)(hm_now_us() - t0) / 1e6;
 }
 
@@ -642,10 +513,10 @@ static double remote_bwd(parent *pa, const hm_moe_expert *ex, const float *x, co
     int r = hm_moe_backward(pa->client, ex, 1, x, gy, batch, pa->o.dim, gx, &co, on_call, &w,
                             NULL);
     if (r < 0)
-        die("hm_moe_backward", r);
+        hm_bench_die("hm_moe_backward", r);
     wait_call(&pa->loop, &w);
     if (w.status < 0 || w.n_answered != 1)
-        die("remote backward", w.status < 0 ? w.status : -EPROTO);
+        hm_bench_die("remote backward", w.status < 0 ? w.status : -EPROTO);
     return (double)(hm_now_us() - t0) / 1e6;
 }
 
@@ -692,17 +563,17 @@ static void throughput_batch(parent *pa, proc *srv, size_t bi)
     int r;
 
     if (x == NULL || yr == NULL || yl == NULL || gy == NULL || gx == NULL)
-        die("buffers", -ENOMEM);
+        hm_bench_die("buffers", -ENOMEM);
     snprintf(ex.uid, sizeof(ex.uid), "bench.%zu", bi);
     cfg.seed = server_expert_seed(EXPERT_SEED, ex.uid);
     if ((r = hm_ffn_new(&cfg, &f)) < 0)
-        die("local expert", r);
-    fill(x, n, 0x1234 + bi);
+        hm_bench_die("local expert", r);
+    hm_bench_fill(x, n, 0x1234 + bi);
 
     /* Warm-up: opens the connection, touches every buffer, starts BLAS threads. */
     remote_fwd(pa, &ex, x, batch, yr);
     if ((r = hm_ffn_forward(f, x, batch, yl)) < 0)
-        die("local forward", r);
+        hm_bench_die("local forward", r);
     double maxdiff = 0;
     for (size_t k = 0; k < n; k++)
         maxdiff = HM_MAX(maxdiff, fabs((double)yr[k] - (double)yl[k]));
@@ -710,7 +581,7 @@ static void throughput_batch(parent *pa, proc *srv, size_t bi)
     remote_bwd(pa, &ex, x, gy, batch, gx);
     make_gy(yl, gy, n, batch);
     if ((r = hm_ffn_backward(f, x, gy, batch, gx)) < 0)
-        die("local backward", r);
+        hm_bench_die("local backward", r);
 
     for (int i = 0; i < reps; i++) {
         pause_ms(pa, PAUSE_MS);
@@ -722,12 +593,12 @@ static void throughput_batch(parent *pa, proc *srv, size_t bi)
         pause_ms(pa, PAUSE_MS);
         uint64_t t0 = hm_now_us();
         if ((r = hm_ffn_forward(f, x, batch, yl)) < 0)
-            die("local forward", r);
+            hm_bench_die("local forward", r);
         uint64_t t1 = hm_now_us();
         make_gy(yl, gy, n, batch);
         uint64_t t2 = hm_now_us();
         if ((r = hm_ffn_backward(f, x, gy, batch, gx)) < 0)
-            die("local backward", r);
+            hm_bench_die("local backward", r);
         uint64_t t3 = hm_now_us();
         lf[i] = (double)(t1 - t0) / 1e6;
         lb[i] = (double)(t3 - t2) / 1e6;
@@ -735,11 +606,11 @@ static void throughput_batch(parent *pa, proc *srv, size_t bi)
     }
     proc_stats(srv, ex.uid, &hs);
 
-    double mr = median(rt, (size_t)reps), ml = median(lt, (size_t)reps);
+    double mr = hm_bench_median(rt, (size_t)reps), ml = hm_bench_median(lt, (size_t)reps);
     printf("%5zu  %10.1f  %10.1f  %6.2f   %8.1f %8.1f   %8.1f %8.1f   %7.1e\n", batch,
-           (double)batch / mr, (double)batch / ml, ml / mr, median(rf, (size_t)reps) * 1e3,
-           median(rb, (size_t)reps) * 1e3, median(lf, (size_t)reps) * 1e3,
-           median(lb, (size_t)reps) * 1e3, maxdiff);
+           (double)batch / mr, (double)batch / ml, ml / mr, hm_bench_median(rf, (size_t)reps) * 1e3,
+           hm_bench_median(rb, (size_t)reps) * 1e3, hm_bench_median(lf, (size_t)reps) * 1e3,
+           hm_bench_median(lb, (size_t)reps) * 1e3, maxdiff);
     printf("       server: %llu fwd + %llu bwd requests in %llu batches (mean %.0f samples), "
            "arrival to reply p50 %.0f ms, p99 %.0f ms; remote min %.1f ms, local min %.1f ms\n",
            hs.fwd, hs.bwd, hs.batches, hs.mean, hs.p50, hs.p99,
@@ -785,10 +656,10 @@ static void straggler_phase(parent *pa, proc *srv, const char *label)
                            .timeout_after_k_min_ms = STRAG_AFTER_K_MIN_MS};
 
     if (x == NULL || y == NULL)
-        die("buffers", -ENOMEM);
+        hm_bench_die("buffers", -ENOMEM);
     for (int e = 0; e < N_STRAG; e++)
         ex[e] = srv[e].ex;
-    fill(x, n, 0x5678);
+    hm_bench_fill(x, n, 0x5678);
     for (int i = 0; i < calls; i++) {
         waiter w = {0};
         fresh_clock(&pa->loop);
@@ -796,7 +667,7 @@ static void straggler_phase(parent *pa, proc *srv, const char *label)
         int r = hm_moe_forward(pa->client, ex, N_STRAG, x, STRAG_BATCH, STRAG_DIM, y, &co,
                                on_call, &w, NULL);
         if (r < 0)
-            die("hm_moe_forward", r);
+            hm_bench_die("hm_moe_forward", r);
         wait_call(&pa->loop, &w);
         lat[i] = (double)(hm_now_us() - t0) / 1e6;
         if (w.status < 0) {
@@ -807,8 +678,9 @@ static void straggler_phase(parent *pa, proc *srv, const char *label)
         answered[HM_MIN(w.n_answered, (size_t)N_STRAG)]++;
     }
     printf("%-34s p50 %7.1f ms  p99 %7.1f ms  max %7.1f ms  answered:", label,
-           percentile(lat, (size_t)calls, 0.5) * 1e3, percentile(lat, (size_t)calls, 0.99) * 1e3,
-           percentile(lat, (size_t)calls, 1.0) * 1e3);
+           hm_bench_percentile(lat, (size_t)calls, 0.5) * 1e3,
+           hm_bench_percentile(lat, (size_t)calls, 0.99) * 1e3,
+           hm_bench_percentile(lat, (size_t)calls, 1.0) * 1e3);
     for (int k = N_STRAG; k >= 0; k--)
         if (answered[k] > 0)
             printf(" %zu calls %d/%d", answered[k], k, N_STRAG);
@@ -831,7 +703,7 @@ static void straggler(parent *pa, proc *srv)
     pa->o.calls = saved;
     straggler_phase(pa, srv, "all 4 healthy:");
     if (kill(srv[N_STRAG - 1].pid, SIGSTOP) < 0)
-        die("SIGSTOP", -errno);
+        hm_bench_die("SIGSTOP", -errno);
     srv[N_STRAG - 1].stopped = 1;
     straggler_phase(pa, srv, "one server SIGSTOPped:");
 }
@@ -849,8 +721,10 @@ int main(int argc, char **argv)
     char err[256] = "", pattern[64];
     int r, quick = 0, custom_dim = 0, custom_batches = 0, custom_reps = 0, custom_calls = 0;
 
+    hm_bench_set_name("bench_moe");
+
     if (pa == NULL)
-        die("parent", -ENOMEM);
+        hm_bench_die("parent", -ENOMEM);
     options *o = &pa->o;
     o->dim = 1024;
     o->batches[0] = 256;
@@ -861,16 +735,16 @@ int main(int argc, char **argv)
     o->calls = 50;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--dim") == 0 && i + 1 < argc) {
-            o->dim = parse_size(argv[++i], 1, HM_FFN_MAX_DIM);
+            o->dim = hm_bench_parse_size(argv[++i], 1, HM_FFN_MAX_DIM, usage);
             custom_dim = 1;
         } else if (strcmp(argv[i], "--batches") == 0 && i + 1 < argc) {
             parse_batches(o, argv[++i]);
             custom_batches = 1;
         } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
-            o->reps = (int)parse_size(argv[++i], 1, MAX_REPS);
+            o->reps = (int)hm_bench_parse_size(argv[++i], 1, MAX_REPS, usage);
             custom_reps = 1;
         } else if (strcmp(argv[i], "--calls") == 0 && i + 1 < argc) {
-            o->calls = (int)parse_size(argv[++i], 1, MAX_CALLS);
+            o->calls = (int)hm_bench_parse_size(argv[++i], 1, MAX_CALLS, usage);
             custom_calls = 1;
         } else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
             i++;
@@ -904,16 +778,13 @@ int main(int argc, char **argv)
     }
     for (size_t i = 0; i < o->nbatches; i++)
         if (o->batches[i] * o->dim > HM_MOE_MAX_ELEMS)
-            dief("batch * dim is over the expert protocol's cap");
+            hm_bench_dief("batch * dim is over the expert protocol's cap");
 
     hm_log_set_level(o->verbose ? HM_LOG_DEBUG : HM_LOG_ERROR);
     if ((r = hm_crypto_init()) < 0)
-        die("crypto", r);
+        hm_bench_die("crypto", r);
     signal(SIGPIPE, SIG_IGN);
-    reg.owner_pid = getpid();
-    atexit(kill_children);
-    signal(SIGINT, on_fatal_signal);
-    signal(SIGTERM, on_fatal_signal);
+    hm_bench_children_guard();
 
     /* Every server is forked before this process starts a loop or a node. */
     if (!o->skip_throughput) {
@@ -950,7 +821,7 @@ int main(int argc, char **argv)
     fflush(stdout);
 
     if ((r = uv_loop_init(&pa->loop)) < 0)
-        die("loop", r);
+        hm_bench_die("loop", r);
     hm_node_options no = {0};
     no.listen = "127.0.0.1:0";
     no.swarm = SWARM;
@@ -959,7 +830,7 @@ int main(int argc, char **argv)
         return 1;
     }
     if ((r = hm_moe_client_new(pa->node, &pa->client)) < 0)
-        die("client", r);
+        hm_bench_die("client", r);
 
     if (!o->skip_throughput)
         throughput(pa, &procs[tp]);

@@ -14,6 +14,7 @@
  */
 #include "config.h"
 
+#include "bench/bench_common.h"
 #include "moe/ffn.h"
 #include "src/base/util.h"
 
@@ -25,29 +26,11 @@
 #define MAX_RUNS 100
 #define MAX_BATCHES 16
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static void usage(void)
 {
     fprintf(stderr,
             "usage: bench_moe_local [--dim D] [--hidden H] [--runs N] [--adam|--sgd] [BATCH ...]\n");
     exit(64);
-}
-
-static size_t parse_size(const char *s, size_t lo, size_t hi)
-{
-    char *end;
-    unsigned long long v;
-
-    errno = 0;
-    v = strtoull(s, &end, 10);
-    if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi)
-        usage();
-    return (size_t)v;
 }
 
 /* One batch size: returns 0, or the first error of the expert. */
@@ -57,15 +40,11 @@ static int bench_batch(hm_ffn *f, size_t batch, int runs)
     float *x = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
     float *gx = malloc(n * sizeof(float));
     double t[MAX_RUNS], med;
-    uint64_t s = 0x1234;
     int result = -ENOMEM, i;
 
     if (x == NULL || y == NULL || gx == NULL)
         goto out;
-    for (size_t k = 0; k < n; k++) {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        x[k] = (float)((double)(s >> 40) / (double)(1 << 24) * 2.0 - 1.0);
-    }
+    hm_bench_fill(x, n, 0x1234);
     /* Run zero is the warm-up: first-touch page faults and OpenBLAS thread start. */
     for (i = 0; i <= runs; i++) {
         uint64_t t0 = hm_now_us();
@@ -79,7 +58,7 @@ static int bench_batch(hm_ffn *f, size_t batch, int runs)
         if (i > 0)
             t[i - 1] = (double)(hm_now_us() - t0) / 1e6;
     }
-    qsort(t, (size_t)runs, sizeof(double), cmp_double);
+    qsort(t, (size_t)runs, sizeof(double), hm_bench_cmp_double);
     med = t[runs / 2];
     printf("batch %5zu  median %8.2f ms  best %8.2f ms  %10.1f samples/s\n", batch, med * 1e3,
            t[0] * 1e3, (double)batch / med);
@@ -101,11 +80,11 @@ int main(int argc, char **argv)
 
     for (i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--dim") == 0 && i + 1 < argc)
-            cfg.dim = parse_size(argv[++i], 1, HM_FFN_MAX_DIM);
+            cfg.dim = hm_bench_parse_size(argv[++i], 1, HM_FFN_MAX_DIM, usage);
         else if (strcmp(argv[i], "--hidden") == 0 && i + 1 < argc)
-            cfg.hidden = parse_size(argv[++i], 1, HM_FFN_MAX_HIDDEN);
+            cfg.hidden = hm_bench_parse_size(argv[++i], 1, HM_FFN_MAX_HIDDEN, usage);
         else if (strcmp(argv[i], "--runs") == 0 && i + 1 < argc)
-            runs = (int)parse_size(argv[++i], 1, MAX_RUNS);
+            runs = (int)hm_bench_parse_size(argv[++i], 1, MAX_RUNS, usage);
         else if (strcmp(argv[i], "--adam") == 0)
             cfg.optimizer = HM_FFN_ADAM;
         else if (strcmp(argv[i], "--sgd") == 0)
@@ -119,7 +98,7 @@ int main(int argc, char **argv)
             }
             if (nbatches == MAX_BATCHES)
                 usage();
-            batches[nbatches++] = parse_size(argv[i], 1, 1 << 20);
+            batches[nbatches++] = hm_bench_parse_size(argv[i], 1, 1 << 20, usage);
         }
     }
     if ((rc = hm_ffn_new(&cfg, &f)) < 0) {

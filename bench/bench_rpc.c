@@ -33,6 +33,7 @@
 #include "src/net/rpc.h"
 #include "src/net/transport.h"
 #include "src/base/util.h"
+#include "bench/bench_common.h"
 
 #define INFLIGHT_MSGS 4
 
@@ -43,12 +44,6 @@ typedef struct options {
     int runs;
     const char *only; /* NULL, "latency", "encrypted" or "raw" */
 } options;
-
-static void die(const char *what, int err)
-{
-    fprintf(stderr, "bench_rpc: %s: %s\n", what, hm_strerror(err));
-    exit(1);
-}
 
 /* ------------------------------------------------------------ the server */
 
@@ -175,10 +170,10 @@ static void run_server(int fd, const uint8_t swarm[HM_SWARM_ID_BYTES])
 #endif
     uv_loop_init(&loop);
     if ((r = hm_identity_generate(&id)) < 0)
-        die("identity", r);
+        hm_bench_die("identity", r);
     hm_transport_config tc = {.listen = "127.0.0.1:0"};
     if ((r = hm_rpc_new(&loop, &id, swarm, &tc, NULL, &rpc)) < 0)
-        die("server rpc", r);
+        hm_bench_die("server rpc", r);
     hm_rpc_register(rpc, "echo", s_echo, NULL);
     hm_rpc_register(rpc, "sink", s_sink, NULL);
     hm_transport_local_addr(hm_rpc_transport(rpc), &addr);
@@ -187,7 +182,7 @@ static void run_server(int fd, const uint8_t swarm[HM_SWARM_ID_BYTES])
     uv_tcp_init(&loop, &raw);
     if ((r = uv_tcp_bind(&raw, (struct sockaddr *)&any, 0)) < 0 ||
         (r = uv_listen((uv_stream_t *)&raw, 16, raw_accept)) < 0)
-        die("raw listener", r);
+        hm_bench_die("raw listener", r);
     int alen = sizeof(raw_addr);
     uv_tcp_getsockname(&raw, (struct sockaddr *)&raw_addr, &alen);
 
@@ -255,25 +250,13 @@ static void lat_issue(lat_state *s)
     int r = hm_rpc_call(s->rpc, s->pk, s->to, "echo", body, sizeof(body), s->flags, 5000, lat_cb,
                         s, NULL);
     if (r < 0)
-        die("latency call", r);
+        hm_bench_die("latency call", r);
 }
 
 static int cmp_u64(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 static void measure_latency(hm_rpc *rpc, const uint8_t *pk, const struct sockaddr *to,
@@ -327,7 +310,7 @@ static void tput_issue(tput_state *s)
         int r = hm_rpc_call(s->rpc, s->pk, s->to, "sink", s->body, s->size, HM_RPC_STREAM, 30000,
                             tput_cb, s, NULL);
         if (r < 0)
-            die("throughput call", r);
+            hm_bench_die("throughput call", r);
         s->inflight++;
     }
 }
@@ -402,7 +385,7 @@ static void raw_issue(raw_client *c)
         uv_buf_t b[2] = {uv_buf_init((char *)c->hdr, 4),
                          uv_buf_init((char *)c->body, (unsigned)c->size)};
         if (uv_write(w, (uv_stream_t *)&c->tcp, b, 2, raw_write_cb) < 0)
-            die("raw write", -EIO);
+            hm_bench_die("raw write", -EIO);
         c->inflight++;
     }
 }
@@ -411,7 +394,7 @@ static void raw_connected(uv_connect_t *req, int status)
 {
     raw_client *c = req->data;
     if (status < 0)
-        die("raw connect", status);
+        hm_bench_die("raw connect", status);
     c->connected = 1;
 }
 
@@ -431,7 +414,7 @@ static double measure_raw_tput(const struct sockaddr *to, const uint8_t *body, s
     c->tcp.data = c;
     c->creq.data = c;
     if (uv_tcp_connect(&c->creq, &c->tcp, to, raw_connected) < 0)
-        die("raw connect", -EIO);
+        hm_bench_die("raw connect", -EIO);
     while (!c->connected)
         uv_run(&loop, UV_RUN_ONCE);
     uv_tcp_nodelay(&c->tcp, 1);
@@ -473,6 +456,7 @@ static void on_closed(void *ud) { *(int *)ud = 0; }
 int main(int argc, char **argv)
 {
     options o = {.seconds = 3.0, .size = 4u << 20, .calls = 20000, .runs = 5};
+    hm_bench_set_name("bench_rpc");
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--seconds") == 0 && i + 1 < argc)
             o.seconds = atof(argv[++i]);
@@ -497,16 +481,16 @@ int main(int argc, char **argv)
     int do_raw = o.only == NULL || strcmp(o.only, "raw") == 0;
     hm_log_set_level(HM_LOG_WARN);
     if (hm_crypto_init() < 0)
-        die("crypto init", -EIO);
+        hm_bench_die("crypto init", -EIO);
     uint8_t swarm[HM_SWARM_ID_BYTES];
     hm_swarm_id("bench", NULL, 0, swarm);
 
     int pfd[2];
     if (pipe(pfd) < 0)
-        die("pipe", -errno);
+        hm_bench_die("pipe", -errno);
     pid_t pid = fork();
     if (pid < 0)
-        die("fork", -errno);
+        hm_bench_die("fork", -errno);
     if (pid == 0) {
         close(pfd[0]);
         run_server(pfd[1], swarm);
@@ -529,7 +513,7 @@ int main(int argc, char **argv)
     uint8_t server_pk[HM_PK_BYTES];
     if (sscanf(line, "%64s %u %u", hex, &port, &raw_port) != 3 ||
         hm_hex_decode(hex, strlen(hex), server_pk, HM_PK_BYTES) < 0)
-        die("server did not start", -EIO);
+        hm_bench_die("server did not start", -EIO);
     char addr_s[64];
     struct sockaddr_storage to, raw_to;
     snprintf(addr_s, sizeof(addr_s), "127.0.0.1:%u", port);
@@ -544,7 +528,7 @@ int main(int argc, char **argv)
     hm_transport_config tc = {.listen = "127.0.0.1:0"};
     int r = hm_rpc_new(&loop, &id, swarm, &tc, NULL, &rpc);
     if (r < 0)
-        die("client rpc", r);
+        hm_bench_die("client rpc", r);
 
     printf("bench_rpc: %d runs, medians; %d sequential calls for latency, %zu-byte messages "
            "(%d in flight) for %.1f s for throughput\n",
@@ -559,7 +543,7 @@ int main(int argc, char **argv)
             measure_latency(rpc, server_pk, (struct sockaddr *)&to, carriers[k], o.calls, &a50[i],
                             &a99[i]);
         printf("rpc latency over %-8s: p50 %7.1f us   p99 %7.1f us\n", names[k],
-               median(a50, o.runs), median(a99, o.runs));
+               hm_bench_median(a50, o.runs), hm_bench_median(a99, o.runs));
         fflush(stdout);
     }
 
@@ -578,7 +562,7 @@ int main(int argc, char **argv)
         else
             fprintf(stderr, "  run %d: %.0f MB/s\n", i + 1, do_enc ? enc[i] : raw[i]);
     }
-    double me = median(enc, o.runs), mr = median(raw, o.runs);
+    double me = hm_bench_median(enc, o.runs), mr = hm_bench_median(raw, o.runs);
     if (do_enc)
         printf("encrypted stream throughput: %8.1f MB/s\n", me);
     if (do_raw)
