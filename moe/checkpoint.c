@@ -103,21 +103,6 @@ static char *with_suffix(const char *path, const char *suffix)
     return s;
 }
 
-static int write_all(int fd, const uint8_t *p, size_t len)
-{
-    while (len > 0) {
-        ssize_t n = write(fd, p, HM_MIN(len, IO_CHUNK));
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return -errno;
-        }
-        p += n;
-        len -= (size_t)n;
-    }
-    return 0;
-}
-
 /* Reads exactly len bytes; a file that ends early is corrupt (it shrank under us). */
 static int read_all(int fd, uint8_t *p, size_t len)
 {
@@ -134,39 +119,6 @@ static int read_all(int fd, uint8_t *p, size_t len)
         len -= (size_t)n;
     }
     return 0;
-}
-
-/* fsync of the directory holding path, so that the renames themselves are durable. */
-static int sync_dir_of(const char *path)
-{
-    const char *slash = strrchr(path, '/');
-    char *dir;
-    int fd, result = 0;
-
-    if (slash == NULL)
-        dir = with_suffix(".", "");
-    else if (slash == path)
-        dir = with_suffix("/", "");
-    else {
-        dir = malloc((size_t)(slash - path) + 1);
-        if (dir != NULL) {
-            memcpy(dir, path, (size_t)(slash - path));
-            dir[slash - path] = '\0';
-        }
-    }
-    if (dir == NULL)
-        return -ENOMEM;
-    fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) {
-        result = -errno;
-        goto out;
-    }
-    if (fsync(fd) < 0)
-        result = -errno;
-    close(fd);
-out:
-    free(dir);
-    return result;
 }
 
 /*
@@ -234,8 +186,8 @@ int hm_ckpt_write(const char *path, const void *payload, size_t len)
         goto out;
     }
     tmp_made = 1;
-    if ((result = write_all(fd, hdr, sizeof(hdr))) < 0 ||
-        (result = write_all(fd, payload, len)) < 0)
+    if ((result = hm_write_all(fd, hdr, sizeof(hdr))) < 0 ||
+        (result = hm_write_all(fd, payload, len)) < 0)
         goto out;
     if (fsync(fd) < 0) {
         result = -errno;
@@ -259,7 +211,7 @@ int hm_ckpt_write(const char *path, const void *payload, size_t len)
         goto out;
     }
     tmp_made = 0;
-    result = sync_dir_of(path);
+    result = hm_fsync_parent(path);
 out:
     if (fd >= 0)
         close(fd);

@@ -1335,13 +1335,9 @@ static int make_dirs(const char *state_dir, char *err, size_t errlen)
      * The new directory's entry lives in state_dir: without an fsync of it,
      * a crash could lose experts/ and every checkpoint fsync'd inside it.
      */
-    int fd = open(state_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0 || fsync(fd) < 0) {
-        result = -errno;
-        snprintf(err, errlen, "cannot sync %s: %s", state_dir, strerror(errno));
-    }
-    if (fd >= 0)
-        close(fd);
+    result = hm_fsync_dir(state_dir);
+    if (result != 0)
+        snprintf(err, errlen, "cannot sync %s: %s", state_dir, strerror(-result));
 out:
     free(p);
     return result;

@@ -105,40 +105,6 @@ static int read_full(int fd, uint8_t *buf, size_t len, size_t *got_out)
     return 0;
 }
 
-static int write_full(int fd, const uint8_t *buf, size_t len)
-{
-    size_t done = 0;
-    while (done < len) {
-        ssize_t n = write(fd, buf + done, len - done);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0)
-            return -errno;
-        done += (size_t)n;
-    }
-    return 0;
-}
-
-/* Makes the new directory entry durable; failure here is not fatal. */
-static void fsync_parent(const char *path)
-{
-    char dir[PATH_MAX];
-    if (hm_strlcpy(dir, path, sizeof(dir)) < 0)
-        return;
-    char *slash = strrchr(dir, '/');
-    if (slash == NULL)
-        strcpy(dir, ".");
-    else if (slash == dir)
-        dir[1] = '\0';
-    else
-        *slash = '\0';
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd >= 0) {
-        (void)fsync(fd);
-        close(fd);
-    }
-}
-
 /*
  * Opens a secret file for reading and checks that it is a regular file
  * that nobody but its owner can read or write. Returns the fd or negative.
@@ -240,7 +206,7 @@ static int identity_create(const char *path, hm_identity *out, char *err, size_t
         hm_errf(err, errlen, "cannot generate a key for %s", path);
         goto out;
     }
-    result = write_full(fd, out->sk, HM_SK_BYTES);
+    result = hm_write_all(fd, out->sk, HM_SK_BYTES);
     if (result == 0 && fsync(fd) != 0)
         result = -errno;
     if (result < 0) {
@@ -253,7 +219,7 @@ out:
     if (result < 0)
         unlink(path); /* A half-written key would only block the next start. */
     else
-        fsync_parent(path);
+        (void)hm_fsync_parent(path); /* the key is synced; the entry is best effort */
     return result;
 }
 

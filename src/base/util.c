@@ -5,6 +5,8 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <sodium.h>
 #include <stdio.h>
@@ -278,6 +280,46 @@ int hm_hex_decode(const char *in, size_t in_len, uint8_t *out, size_t out_len)
     if (sodium_hex2bin(out, out_len, in, in_len, NULL, &got, NULL) != 0 || got != out_len)
         return -EINVAL;
     return 0;
+}
+
+int hm_write_all(int fd, const void *buf, size_t len)
+{
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+int hm_fsync_dir(const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    int result = fsync(fd) != 0 && errno != EINVAL ? -errno : 0;
+    close(fd);
+    return result;
+}
+
+int hm_fsync_parent(const char *path)
+{
+    char dir[PATH_MAX];
+    if (hm_strlcpy(dir, path, sizeof(dir)) < 0)
+        return -ENAMETOOLONG;
+    char *slash = strrchr(dir, '/');
+    if (slash == NULL)
+        hm_strlcpy(dir, ".", sizeof(dir));
+    else if (slash == dir)
+        dir[1] = '\0';
+    else
+        *slash = '\0';
+    return hm_fsync_dir(dir);
 }
 
 void hm_errf(char *err, size_t errlen, const char *fmt, ...)

@@ -138,6 +138,18 @@ int hm_strlcpy(char *dst, const char *src, size_t cap);
  */
 void hm_errf(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
+/* Writes all len bytes to fd, retrying short writes and EINTR; 0 or -errno. */
+int hm_write_all(int fd, const void *buf, size_t len);
+
+/*
+ * fsync of a directory, which makes the creation or rename of an entry in it
+ * durable: 0 or -errno. A filesystem that cannot sync a directory (EINVAL)
+ * counts as done, since there is nothing more to ask of it.
+ */
+int hm_fsync_dir(const char *dir);
+/* The same for the directory that holds path. */
+int hm_fsync_parent(const char *path);
+
 /* Big-endian integers in byte buffers (wire and file headers). */
 static inline void hm_put_be32(uint8_t *p, uint32_t v)
 {

@@ -17,9 +17,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#define MOD "tensor_file"
 /* Big-endian hosts swap through a bounce buffer of this many floats, so
  * that a write never changes the caller's data. */
-#define MOD "tensor_file"
 #define SWAP_CHUNK 16384
 
 typedef struct tf_req {
@@ -154,54 +154,19 @@ static void after_read(uv_work_t *w, int status)
 
 /* ---- writing ---- */
 
-static int write_all(int fd, const void *p, size_t len)
-{
-    size_t done = 0;
-    while (done < len) {
-        ssize_t r = write(fd, (const char *)p + done, len - done);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0)
-            return -errno;
-        done += (size_t)r;
-    }
-    return 0;
-}
-
 static int write_floats(int fd, const float *data, size_t n)
 {
     if (!is_big_endian())
-        return write_all(fd, data, n * sizeof(float));
+        return hm_write_all(fd, data, n * sizeof(float));
     float *bounce = malloc(SWAP_CHUNK * sizeof(float));
     int result = bounce == NULL ? -ENOMEM : 0;
     for (size_t i = 0; result == 0 && i < n; i += SWAP_CHUNK) {
         size_t k = HM_MIN((size_t)SWAP_CHUNK, n - i);
         memcpy(bounce, data + i, k * sizeof(float));
         swap32(bounce, k);
-        result = write_all(fd, bounce, k * sizeof(float));
+        result = hm_write_all(fd, bounce, k * sizeof(float));
     }
     free(bounce);
-    return result;
-}
-
-/* Makes the rename durable. Filesystems that cannot sync a directory say
- * EINVAL; the data itself is synced by then, so that is no failure. */
-static int sync_parent(const char *path)
-{
-    char dir[PATH_MAX];
-    hm_strlcpy(dir, path, sizeof(dir));
-    char *slash = strrchr(dir, '/');
-    if (slash == NULL)
-        hm_strlcpy(dir, ".", sizeof(dir));
-    else if (slash == dir)
-        dir[1] = '\0';
-    else
-        *slash = '\0';
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0)
-        return -errno;
-    int result = fsync(fd) != 0 && errno != EINVAL ? -errno : 0;
-    close(fd);
     return result;
 }
 
@@ -238,7 +203,7 @@ int hm_tensor_file_store(const char *path, const float *data, size_t n, char *ms
      * best effort. A directory the daemon may write but not read cannot be
      * opened for it, and reporting an error for a file that was written
      * would have the caller think the old one is still there. */
-    result = sync_parent(path);
+    result = hm_fsync_parent(path);
     if (result != 0)
         hm_warn(MOD, "wrote %s, but cannot sync its directory: %s", path, strerror(-result));
     return 0;
