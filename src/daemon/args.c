@@ -1,6 +1,7 @@
 /*
- * args: the checks of control-command arguments that every command file
- * of hivemindd shares (daemon.h). Each one either fills its *out and
+ * args: what every command file of hivemindd shares (daemon.h): replies,
+ * the lifetime of a group with work in flight, and the checks of
+ * control-command arguments. Each one either fills its *out and
  * returns 0, or answers the request with a "bad_args" error that names the
  * argument and says what was expected and returns -EINVAL, so that a
  * command stops at the first bad argument and the client learns exactly
@@ -16,6 +17,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 void hm_daemon_reply(hm_control_req *req, json_t *result)
@@ -29,6 +31,33 @@ void hm_daemon_reply(hm_control_req *req, json_t *result)
 void hm_daemon_reply_stopping(hm_control_req *req)
 {
     hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+}
+
+void hm_daemon_life_close(hm_daemon_life *l, void (*cb)(void *ud), void *ud)
+{
+    l->closing = 1;
+    l->close_cb = cb;
+    l->close_ud = ud;
+}
+
+int hm_daemon_life_refuse(const hm_daemon_life *l, hm_control_req *req)
+{
+    if (!l->closing)
+        return 0;
+    hm_daemon_reply_stopping(req);
+    return 1;
+}
+
+int hm_daemon_life_settle(hm_daemon_life *l, void *group)
+{
+    if (!l->closing || l->jobs > 0 || l->parts > 0)
+        return 0;
+    void (*cb)(void *) = l->close_cb;
+    void *ud = l->close_ud;
+    free(group);
+    if (cb != NULL)
+        cb(ud);
+    return 1;
 }
 
 /* Answers req "bad_args" with the formatted sentence; always -EINVAL. */

@@ -51,11 +51,8 @@
 
 struct hm_cmd_average {
     hm_daemon *d;
-    size_t jobs;        /* "average" commands in progress */
-    size_t bytes;       /* bytes of tensors they hold */
-    int closing;
-    void (*close_cb)(void *ud);
-    void *close_ud;
+    hm_daemon_life life; /* jobs: "average" commands in progress */
+    size_t bytes;        /* bytes of tensors they hold */
 };
 
 typedef struct avg_job {
@@ -80,29 +77,16 @@ static const char *reason_name(int r)
     return r >= 0 && (size_t)r < HM_ARRAY_LEN(reason_names) ? reason_names[r] : "?";
 }
 
-static void maybe_free(hm_cmd_average *a)
-{
-    if (!a->closing || a->jobs > 0)
-        return;
-    void (*cb)(void *) = a->close_cb;
-    void *ud = a->close_ud;
-    free(a);
-    if (cb != NULL)
-        cb(ud);
-}
-
 void hm_cmd_average_close(hm_cmd_average *a, void (*cb)(void *ud), void *ud)
 {
-    a->closing = 1;
-    a->close_cb = cb;
-    a->close_ud = ud;
-    maybe_free(a);
+    hm_daemon_life_close(&a->life, cb, ud);
+    hm_daemon_life_settle(&a->life, a);
 }
 
 static void avg_job_free(avg_job *j)
 {
     hm_cmd_average *a = j->a;
-    a->jobs--;
+    a->life.jobs--;
     a->bytes -= j->held;
     /* The registry itself, not hm_daemon_shm: the pin goes also while the
      * daemon stops, and the registry outlives the loop. */
@@ -112,7 +96,7 @@ static void avg_job_free(avg_job *j)
         free(j->data);
     free(j->rep);
     free(j);
-    maybe_free(a);
+    hm_daemon_life_settle(&a->life, a);
 }
 
 /* Charges the job's tensors to the bound on what all rounds hold; 0, or
@@ -410,7 +394,7 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
         hm_daemon_reply_stopping(req);
         return;
     }
-    if (a->jobs >= AVERAGE_MAX_JOBS) {
+    if (a->life.jobs >= AVERAGE_MAX_JOBS) {
         hm_control_reply_error(req, "busy", "too many average commands are running");
         return;
     }
@@ -422,7 +406,7 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
     }
     j->a = a;
     j->req = req;
-    a->jobs++;
+    a->life.jobs++;
     if (average_args(j, req, args, data_ref != NULL) != 0)
         goto fail;
     if (data_ref != NULL) {

@@ -69,49 +69,32 @@ struct hm_cmd_experts {
     hm_moe_client *cli;
     hm_ffn_config defcfg;       /* the configured experts' layer */
     char deftype[HM_MOE_TYPE_MAX + 1];
-    size_t jobs;                /* commands in progress */
+    hm_daemon_life life;        /* jobs: commands in progress; parts: the server */
     uint64_t call_bytes;        /* frames of experts.forward/backward in flight */
     uint64_t hosted_bytes;      /* parameters and optimizer state hosted */
     struct file_jobs files;     /* experts.call commands, to cancel at close */
-    int closing;
-    int srv_open;
-    void (*close_cb)(void *ud);
-    void *close_ud;
 };
 
 /* ---- lifetime ---- */
 
 static void file_cancel_info(hm_cmd_experts *m);
 
-static void maybe_free(hm_cmd_experts *m)
-{
-    if (!m->closing || m->jobs > 0 || m->srv_open)
-        return;
-    void (*cb)(void *) = m->close_cb;
-    void *ud = m->close_ud;
-    free(m);
-    if (cb != NULL)
-        cb(ud);
-}
-
 static void job_done(hm_cmd_experts *m)
 {
-    m->jobs--;
-    maybe_free(m);
+    m->life.jobs--;
+    hm_daemon_life_settle(&m->life, m);
 }
 
 static void on_server_closed(void *ud)
 {
     hm_cmd_experts *m = ud;
-    m->srv_open = 0;
-    maybe_free(m);
+    m->life.parts--;
+    hm_daemon_life_settle(&m->life, m);
 }
 
 void hm_cmd_experts_close(hm_cmd_experts *m, void (*cb)(void *ud), void *ud)
 {
-    m->closing = 1;
-    m->close_cb = cb;
-    m->close_ud = ud;
+    hm_daemon_life_close(&m->life, cb, ud);
     /* experts.call jobs asking an expert for its shape hold an rpc call of
      * their own: end them now rather than at their timeout. */
     file_cancel_info(m);
@@ -126,19 +109,10 @@ void hm_cmd_experts_close(hm_cmd_experts *m, void (*cb)(void *ud), void *ud)
         hm_moe_server_close(s, 1, on_server_closed, m);
         return;
     }
-    maybe_free(m);
+    hm_daemon_life_settle(&m->life, m);
 }
 
 /* ---- argument helpers ---- */
-
-static int refuse_if_closing(hm_cmd_experts *m, hm_control_req *req)
-{
-    if (m->closing) {
-        hm_daemon_reply_stopping(req);
-        return 1;
-    }
-    return 0;
-}
 
 /* Seconds to milliseconds, at least 1: a timeout above 0 never becomes "none". */
 static uint64_t ms_of(double s)
@@ -247,7 +221,7 @@ static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
     char err[512];
     size_t added = 0;
 
-    if (refuse_if_closing(m, req))
+    if (hm_daemon_life_refuse(&m->life, req))
         return;
     const char *pattern;
     if (hm_daemon_arg_string(req, args, "pattern", HM_MOE_UID_MAX * 4, 0, &pattern) != 0)
@@ -399,7 +373,7 @@ static void list_next_level(list_job *j)
     const uint8_t *keys[HM_DHT_MANY_MAX];
     size_t lens[HM_DHT_MANY_MAX];
     uint64_t now = hm_now_ms();
-    if (j->n_keys == 0 || j->m->closing || now >= j->deadline_ms) {
+    if (j->n_keys == 0 || j->m->life.closing || now >= j->deadline_ms) {
         list_finish(j);
         return;
     }
@@ -456,7 +430,7 @@ static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
     char grids[LIST_MAX_GRIDS][HM_MOE_PREFIX_MAX + 1];
     size_t n_grids = 0;
 
-    if (refuse_if_closing(m, req))
+    if (hm_daemon_life_refuse(&m->life, req))
         return;
     const char *prefix;
     if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 1, &prefix) != 0)
@@ -534,7 +508,7 @@ static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
     j->m = m;
     j->req = req;
     j->deadline_ms = hm_now_ms() + ms_of(timeout);
-    m->jobs++;
+    m->life.jobs++;
     list_next_level(j);
     return;
 nomem:
@@ -597,7 +571,7 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
     size_t ndims = 0;
     find_job *j = NULL;
 
-    if (refuse_if_closing(m, req))
+    if (hm_daemon_life_refuse(&m->life, req))
         return;
     const char *prefix;
     if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 0, &prefix) != 0)
@@ -659,7 +633,7 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
         free(j);
         goto out;
     }
-    m->jobs++;
+    m->life.jobs++;
 out:
     for (size_t d = 0; d < ndims; d++)
         free(scores[d]);
@@ -755,7 +729,7 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     float *x = NULL, *gy = NULL, *out = NULL;
     char msg[200];
 
-    if (refuse_if_closing(m, req))
+    if (hm_daemon_life_refuse(&m->life, req))
         return;
     hm_shm *shm = hm_daemon_shm(m->d);
     if (shm == NULL) {
@@ -841,7 +815,7 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
         goto fail;
     }
     m->call_bytes += j->bytes;
-    m->jobs++;
+    m->life.jobs++;
     return;
 fail:
     call_release(j);
@@ -956,7 +930,7 @@ static void on_file_read(void *ud, int status, float *data, size_t n, const char
     }
     j->x = data;
     j->batch = n / j->dim;
-    if (j->m->closing) {
+    if (j->m->life.closing) {
         file_finish(j, "stopping", "the daemon is shutting down");
         return;
     }
@@ -1002,7 +976,7 @@ static void on_file_info(void *ud, int status, const uint8_t *body, size_t len)
     char type[HM_MOE_TYPE_MAX + 1], msg[PATH_MAX + 200];
     size_t hidden;
     j->info_pending = 0;
-    if (status == -ECANCELED || j->m->closing) {
+    if (status == -ECANCELED || j->m->life.closing) {
         file_finish(j, "stopping", "the daemon is shutting down");
         return;
     }
@@ -1021,7 +995,7 @@ static void on_file_lookup(void *ud, int status, const hm_moe_expert *experts, s
     char msg[256];
     uint8_t buf[256];
     hm_wire_wr w;
-    if (status == -ECANCELED || j->m->closing) {
+    if (status == -ECANCELED || j->m->life.closing) {
         file_finish(j, "stopping", "the daemon is shutting down");
         return;
     }
@@ -1053,7 +1027,7 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
     file_job *j;
     hm_moe_uid u;
 
-    if (refuse_if_closing(m, req))
+    if (hm_daemon_life_refuse(&m->life, req))
         return;
     const char *uid;
     if (hm_daemon_arg_string(req, args, "uid", HM_MOE_UID_MAX, 0, &uid) != 0)
@@ -1088,7 +1062,7 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
         free(j);
         return;
     }
-    m->jobs++;
+    m->life.jobs++;
     TAILQ_INSERT_TAIL(&m->files, j, link);
 }
 
@@ -1180,7 +1154,7 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
         snprintf(err, errlen, "cannot start the expert server: %s", hm_strerror(r));
         goto fail;
     }
-    m->srv_open = 1;
+    m->life.parts = 1;
     r = hm_moe_client_new(node, &m->cli);
     if (r != 0) {
         snprintf(err, errlen, "cannot start the expert client: %s", hm_strerror(r));

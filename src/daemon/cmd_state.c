@@ -33,10 +33,7 @@ struct hm_cmd_state {
     hm_daemon *d;
     hm_node *node;
     hm_state *st;
-    size_t jobs; /* state.load commands in progress */
-    int closing;
-    void (*close_cb)(void *ud);
-    void *close_ud;
+    hm_daemon_life life; /* jobs: state.load commands in progress; parts: the module */
 };
 
 typedef struct load_job {
@@ -47,15 +44,6 @@ typedef struct load_job {
 } load_job;
 
 /* ---- argument helpers ---- */
-
-static int refuse_if_closing(hm_cmd_state *s, hm_control_req *req)
-{
-    if (s->closing) {
-        hm_daemon_reply_stopping(req);
-        return 1;
-    }
-    return 0;
-}
 
 /* args.prefix, checked as the state module wants it; NULL when bad (replied). */
 static const char *arg_prefix(hm_control_req *req, const json_t *args)
@@ -93,7 +81,7 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
     size_t elems;
     char msg[256];
 
-    if (refuse_if_closing(s, req))
+    if (hm_daemon_life_refuse(&s->life, req))
         return;
     const char *prefix = arg_prefix(req, args);
     if (prefix == NULL)
@@ -164,7 +152,7 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
 {
     hm_cmd_state *s = ud;
     hm_state_share_info info;
-    if (refuse_if_closing(s, req))
+    if (hm_daemon_life_refuse(&s->life, req))
         return;
     const char *prefix = arg_prefix(req, args);
     if (prefix == NULL)
@@ -218,7 +206,6 @@ static json_t *report_json(const hm_state_report *rep)
     return r;
 }
 
-static void free_if_done(hm_cmd_state *s);
 
 static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_state_report *rep)
 {
@@ -273,8 +260,8 @@ static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_
         break;
     }
     free(j);
-    s->jobs--;
-    free_if_done(s);
+    s->life.jobs--;
+    hm_daemon_life_settle(&s->life, s);
 }
 
 static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
@@ -285,7 +272,7 @@ static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
     uint64_t id;
     size_t elems;
 
-    if (refuse_if_closing(s, req))
+    if (hm_daemon_life_refuse(&s->life, req))
         return;
     const char *prefix = arg_prefix(req, args);
     if (prefix == NULL)
@@ -325,7 +312,7 @@ static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
                                              : hm_strerror(r));
         return;
     }
-    s->jobs++;
+    s->life.jobs++;
 }
 
 /* ---- lifetime ---- */
@@ -347,12 +334,13 @@ int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errle
         free(s);
         return r;
     }
+    s->life.parts = 1;
     if ((r = hm_control_register(ctl, "state.share", cmd_share, s)) != 0 ||
         (r = hm_control_register(ctl, "state.load", cmd_load, s)) != 0 ||
         (r = hm_control_register(ctl, "state.info", cmd_info, s)) != 0) {
         snprintf(err, errlen, "cannot register the state commands: %s", hm_strerror(r));
         /* Nothing was shared yet; the module's close frees s from the loop. */
-        s->closing = 1;
+        hm_daemon_life_close(&s->life, NULL, NULL);
         hm_state_close(s->st, on_state_closed, s);
         return r;
     }
@@ -360,29 +348,17 @@ int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errle
     return 0;
 }
 
-static void free_if_done(hm_cmd_state *s)
-{
-    if (!s->closing || s->jobs > 0 || s->st != NULL)
-        return;
-    void (*cb)(void *) = s->close_cb;
-    void *ud = s->close_ud;
-    free(s);
-    if (cb != NULL)
-        cb(ud);
-}
-
 static void on_state_closed(void *ud)
 {
     hm_cmd_state *s = ud;
     s->st = NULL;
-    free_if_done(s);
+    s->life.parts--;
+    hm_daemon_life_settle(&s->life, s);
 }
 
 void hm_cmd_state_close(hm_cmd_state *s, void (*cb)(void *ud), void *ud)
 {
-    s->closing = 1;
-    s->close_cb = cb;
-    s->close_ud = ud;
+    hm_daemon_life_close(&s->life, cb, ud);
     /* Downloads end now (-ECANCELED), which answers their commands; the
      * module's own callback comes from the loop and frees us. */
     hm_state_close(s->st, on_state_closed, s);

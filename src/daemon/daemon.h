@@ -130,6 +130,33 @@ int hm_daemon_shm_ref_any(hm_shm *shm, hm_control_req *req, const json_t *ref, c
 void hm_daemon_reply(hm_control_req *req, json_t *result);
 /* Answers req with a "stopping" error: the daemon is shutting down. */
 void hm_daemon_reply_stopping(hm_control_req *req);
+
+/*
+ * The lifetime of a command group that owns work in flight (cmd_average,
+ * cmd_experts, cmd_state), one path for all of them. The group embeds it;
+ * its close marks it closing, its commands refuse new work from then on
+ * ("stopping"), and the group is freed, and its close callback fired, once
+ * no command is in progress (jobs) and no module it owns is still closing
+ * (parts).
+ */
+typedef struct hm_daemon_life {
+    size_t jobs;    /* commands in progress */
+    unsigned parts; /* owned modules still open or closing (server, state) */
+    int closing;
+    void (*close_cb)(void *ud);
+    void *close_ud;
+} hm_daemon_life;
+
+/* Marks the group closing; cb (may be NULL) fires when it is freed. */
+void hm_daemon_life_close(hm_daemon_life *l, void (*cb)(void *ud), void *ud);
+/* 1 after answering req "stopping" when the group is closing, else 0. */
+int hm_daemon_life_refuse(const hm_daemon_life *l, hm_control_req *req);
+/*
+ * Called whenever a job or part ends and at close: when the group is
+ * closing with nothing left, frees group (free(); l lives inside it), fires
+ * the close callback and returns 1; otherwise returns 0.
+ */
+int hm_daemon_life_settle(hm_daemon_life *l, void *group);
 /* args.name as seconds in (0, max], def when absent. */
 int hm_daemon_arg_seconds(hm_control_req *req, const json_t *args, const char *name, double def,
                           double max, double *out);
