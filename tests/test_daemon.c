@@ -83,6 +83,8 @@ Test(daemon, two_daemons_join_and_hivemindctl_shows_them)
 
     cr_assert_eq(ctl(a.sock, "metrics", 0, &out, &err), 0, "%s", err);
     cr_assert(strstr(out, "hivemindd_peers ") != NULL, "%s", out);
+    cr_assert(strstr(out, "hivemindd_limit_refused_total{limit=\"MaxConnections\"} 0") != NULL,
+              "every limit counts what it refused: %s", out);
     free(out);
     free(err);
 

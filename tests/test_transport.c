@@ -31,6 +31,7 @@ typedef struct tnode {
     struct sockaddr_storage addr;
     int served;     /* requests seen by any handler */
     uint8_t last_peer[HM_PK_BYTES];
+    struct sockaddr_storage last_from;
     hm_rpc_req *held[16];
     int n_held;
 } tnode;
@@ -87,9 +88,9 @@ static void h_echo(void *ud, hm_rpc_req *req, const uint8_t peer[HM_PK_BYTES],
                    const struct sockaddr *from, const uint8_t *body, size_t len)
 {
     tnode *n = ud;
-    HM_UNUSED(from);
     n->served++;
     memcpy(n->last_peer, peer, HM_PK_BYTES);
+    memcpy(&n->last_from, from, hm_addr_len(from));
     hm_rpc_respond(req, 0, body, len);
 }
 
@@ -139,7 +140,8 @@ static void node_start_cfg(tnode *n, const uint8_t *swarm_id, const hm_identity 
     hm_transport_config cfg = {0};
     if (tc != NULL)
         cfg = *tc;
-    cfg.listen = "127.0.0.1:0";
+    if (cfg.listen == NULL)
+        cfg.listen = "127.0.0.1:0";
     cr_assert_eq(hm_rpc_new(&loop, &n->id, swarm_id, &cfg, rc, &n->rpc), 0);
     cr_assert_eq(hm_transport_local_addr(hm_rpc_transport(n->rpc), &n->addr), 0);
     cr_assert_eq(hm_rpc_register(n->rpc, "echo", h_echo, n), 0);
@@ -264,6 +266,26 @@ static void probe_stats(void *ud, const hm_rpc_method_stats *s)
         for (int i = 0; i <= HM_RPC_LAT_BUCKETS; i++)
             p->lat_total += s->lat_buckets[i];
     }
+}
+
+/* A node on 127.0.0.2 dials from 127.0.0.2, so its peers charge its
+ * connections to its own origin (docs/security.md). */
+Test(transport, dial_leaves_from_the_listen_address)
+{
+    tnode a, b;
+    hm_transport_config tc = {.listen = "127.0.0.2:0"};
+    node_start_cfg(&a, swarm, NULL, &tc, NULL);
+    node_start(&b);
+    result r = {0};
+    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &r), 0);
+    cr_assert(run_until(&r.count, 1, 3000));
+    cr_assert_eq(r.status, 0);
+    cr_assert_eq(b.last_from.ss_family, AF_INET);
+    const struct sockaddr_in *f = (const struct sockaddr_in *)&b.last_from;
+    cr_assert_eq(ntohl(f->sin_addr.s_addr), 0x7f000002u, "the stream came from 127.0.0.2");
+    result_free(&r);
+    node_stop(&a);
+    node_stop(&b);
 }
 
 Test(transport, method_stats_count_calls)

@@ -99,13 +99,37 @@ static void cmd_metrics(void *ud, hm_control_req *req, const json_t *args)
         hm_daemon_reply_stopping(req);
         return;
     }
-    char *text = hm_node_metrics(d->node);
+    char *node_text = hm_node_metrics(d->node);
+    if (node_text == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        return;
+    }
+    hm_strbuf b = {0};
+    hm_strbuf_printf(&b, "%s", node_text);
+    free(node_text);
+    hm_daemon_limit_metrics(d, &b);
+    char *text = hm_strbuf_finish(&b);
     if (text == NULL) {
         hm_control_reply_error(req, "internal", "out of memory");
         return;
     }
     hm_daemon_reply(req, json_pack("{s:s}", "text", text));
     free(text);
+}
+
+static void limit_line(void *ud, const char *keyword, uint64_t refused)
+{
+    hm_strbuf_printf(ud, "hivemindd_limit_refused_total{limit=\"%s\"} %llu\n", keyword,
+                     (unsigned long long)refused);
+}
+
+void hm_daemon_limit_metrics(hm_daemon *d, hm_strbuf *b)
+{
+    hm_strbuf_printf(b, "# HELP hivemindd_limit_refused_total What each limit refused, by its "
+                        "config keyword (docs/security.md).\n"
+                        "# TYPE hivemindd_limit_refused_total counter\n");
+    if (d->node != NULL)
+        hm_node_limits(d->node, limit_line, b);
 }
 
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)

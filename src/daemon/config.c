@@ -98,6 +98,12 @@ static const struct opt opts[] = {
     {"CheckpointInterval", "checkpoint-interval", T_UINT, FIELD(checkpoint_interval_s), 1, 86400,
      0, "SECONDS", "how often hosted experts that changed are checkpointed under "
      "STATEDIR/experts (default 60; also on shutdown)"},
+    /* ---- limits against hostile members (docs/security.md), by floor ---- */
+    /* transport: connections, handshakes */
+    /* transport: reassembly, write queues */
+    /* dht: storage, peer table */
+    /* experts */
+    /* averaging and state */
 };
 
 #define N_OPTS HM_ARRAY_LEN(opts)

@@ -39,6 +39,7 @@
 #include "src/daemon/control.h"
 #include "src/daemon/hm_config.h"
 #include "src/daemon/shm.h"
+#include "src/base/util.h"
 #include "src/node/node.h"
 
 #include <jansson.h>
@@ -91,6 +92,13 @@ int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errle
  * averager's close has begun.
  */
 void hm_cmd_average_close(hm_cmd_average *a, void (*cb)(void *ud), void *ud);
+
+/*
+ * Appends hivemindd_limit_refused_total, one line per limit of the node,
+ * the expert server and the averager, each labelled with its config
+ * keyword (cmd_node.c).
+ */
+void hm_daemon_limit_metrics(hm_daemon *d, hm_strbuf *b);
 
 /* The daemon's shared-memory registry; NULL once it is shutting down. */
 hm_shm *hm_daemon_shm(const hm_daemon *d);

@@ -68,6 +68,12 @@ typedef struct hm_config {
     char expert_lr[32];              /* empty: the optimizer's default */
     unsigned expert_workers, expert_max_batch;
     unsigned checkpoint_interval_s;
+    /* ---- limits against hostile members (docs/security.md), by floor ---- */
+    /* transport: connections, handshakes */
+    /* transport: reassembly, write queues */
+    /* dht: storage, peer table */
+    /* experts */
+    /* averaging and state */
 } hm_config;
 
 /*

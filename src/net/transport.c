@@ -1039,6 +1039,31 @@ static void connect_cb(uv_connect_t *req, int status)
     conn_start_reading(c);
 }
 
+/*
+ * A dial leaves from the address we listen on when that is one address
+ * (not 0.0.0.0 or ::), so a peer sees our connections come from where our
+ * datagrams come from: the origin (origin.h) it charges them to is ours,
+ * and a node on 127.0.0.2 is 127.0.0.2 to everyone, not 127.0.0.1.
+ */
+static int bind_source(hm_transport *t, conn *c, const struct sockaddr *to)
+{
+    struct sockaddr_storage src = t->local;
+    if (src.ss_family != to->sa_family)
+        return 0;
+    if (src.ss_family == AF_INET) {
+        struct sockaddr_in *a = (struct sockaddr_in *)&src;
+        if (a->sin_addr.s_addr == htonl(INADDR_ANY))
+            return 0;
+        a->sin_port = 0;
+    } else {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&src;
+        if (IN6_IS_ADDR_UNSPECIFIED(&a->sin6_addr))
+            return 0;
+        a->sin6_port = 0;
+    }
+    return uv_tcp_bind(&c->tcp, (const struct sockaddr *)&src, 0);
+}
+
 static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                      conn **out)
 {
@@ -1046,8 +1071,10 @@ static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struc
         return -EAFNOSUPPORT;
     if (memcmp(pk, t->id.pk, HM_PK_BYTES) == 0)
         return -EINVAL;
-    if (live_conns(t) >= t->cfg.max_connections)
+    if (live_conns(t) >= t->cfg.max_connections) {
+        t->stats.refused_max_connections++;
         return -ENOBUFS;
+    }
     conn *c;
     int r = conn_new(t, &c);
     if (r < 0)
@@ -1058,7 +1085,9 @@ static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struc
     memcpy(&c->addr, to, hm_addr_len(to));
     hm_hs_init_client(c->hs, &t->id, t->swarm_id, pk);
     c->connect_req.data = c;
-    r = uv_tcp_connect(&c->connect_req, &c->tcp, to, connect_cb);
+    r = bind_source(t, c, to);
+    if (r == 0)
+        r = uv_tcp_connect(&c->connect_req, &c->tcp, to, connect_cb);
     if (r < 0) {
         c->quiet = 1;
         conn_close(c, uv_strerror(r));
@@ -1096,6 +1125,7 @@ static void on_connection(uv_stream_t *server, int status)
     uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&c->addr, &alen);
     if (live_conns(t) > t->cfg.max_connections) {
         hm_debug(MOD, "refusing a connection: %zu connections", t->cfg.max_connections);
+        t->stats.refused_max_connections++;
         conn_close(c, "too many connections");
         return;
     }
@@ -1712,6 +1742,11 @@ void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out)
         out->connections++;
         out->queued_bytes += c->unsent + c->inflight;
     }
+}
+
+void hm_transport_limits(hm_transport *t, hm_limit_emit_fn emit, void *ud)
+{
+    emit(ud, "MaxConnections", t->stats.refused_max_connections);
 }
 
 void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)

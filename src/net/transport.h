@@ -39,6 +39,7 @@
 #include <uv.h>
 
 #include "src/base/crypto.h"
+#include "src/base/origin.h"
 
 #define HM_TRANSPORT_CHUNK 16000
 
@@ -86,6 +87,7 @@ typedef struct hm_transport_stats {
     uint64_t handshakes_ok, handshakes_failed;
     size_t connections;
     size_t queued_bytes; /* total, all peers */
+    uint64_t refused_max_connections; /* connections refused or not dialled: MaxConnections */
 } hm_transport_stats;
 
 int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
@@ -124,6 +126,8 @@ void hm_transport_disconnect(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);
 /* Copies the faults (and the partition list). */
 void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f);
 void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out);
+/* Calls emit once per limit the transport enforces (origin.h). */
+void hm_transport_limits(hm_transport *t, hm_limit_emit_fn emit, void *ud);
 
 /*
  * Closes every handle. cb fires once everything is closed; only then may

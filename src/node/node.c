@@ -760,6 +760,16 @@ char *hm_node_metrics(hm_node *n)
     return hm_strbuf_finish(&b);
 }
 
+void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud)
+{
+    hm_transport_limits(hm_rpc_transport(n->rpc), emit, ud);
+    if (n->dht != NULL) {
+        hm_dht_stats ds;
+        hm_dht_get_stats(n->dht, &ds);
+        emit(ud, "DhtRequestRate", ds.rate_limited);
+    }
+}
+
 /* ---- shutdown ---- */
 
 static void maybe_finish_close(hm_node *n)

@@ -98,6 +98,8 @@ size_t hm_node_peers(const hm_node *n, hm_peer_info *out, size_t max);
  * the RPC latency histogram. Returns NULL on allocation failure.
  */
 char *hm_node_metrics(hm_node *n);
+/* Calls emit once per limit the node, its transport and its DHT enforce. */
+void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud);
 
 /* Stops timers, closes rpc and transport; cb fires after everything is
  * freed. */
