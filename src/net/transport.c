@@ -162,6 +162,7 @@ typedef struct conn {
     hm_origin origin; /* of addr, for inbound connections */
     int counted_inb;  /* charged to its origin as an inbound connection */
     int counted_hs;   /* ... and as one still in its handshake */
+    int reset;        /* refused: close with a reset */
 } conn;
 
 enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
@@ -453,7 +454,16 @@ static size_t live_conns(const hm_transport *t)
  * once it is a handle, so that from then on every connection dies the same
  * way, through conn_close and its close callback.
  */
-static int conn_new(hm_transport *t, conn **out)
+static int conn_bufs(conn *c)
+{
+    c->rbuf = malloc(RBUF_SIZE);
+    c->hs = malloc(sizeof(*c->hs));
+    return c->rbuf == NULL || c->hs == NULL ? -ENOMEM : 0;
+}
+
+/* bufs: allocate the read buffer and handshake now; an inbound connection
+ * gets them (conn_bufs) only once admitted, so refusing one costs little. */
+static int conn_new(hm_transport *t, int bufs, conn **out)
 {
     int result = 0;
     conn *c = calloc(1, sizeof(*c));
@@ -461,12 +471,8 @@ static int conn_new(hm_transport *t, conn **out)
     *out = NULL;
     if (c == NULL)
         return -ENOMEM;
-    c->rbuf = malloc(RBUF_SIZE);
-    c->hs = malloc(sizeof(*c->hs));
-    if (c->rbuf == NULL || c->hs == NULL) {
-        result = -ENOMEM;
+    if (bufs && (result = conn_bufs(c)) < 0)
         goto out;
-    }
     result = uv_tcp_init(t->loop, &c->tcp);
     if (result < 0)
         goto out;
@@ -572,6 +578,8 @@ static void conn_close(conn *c, const char *why)
         c->have_sess = 0;
     }
     c->pending_input = 0;
+    if (c->reset && uv_tcp_close_reset(&c->tcp, conn_closed_cb) == 0)
+        return;
     uv_close((uv_handle_t *)&c->tcp, conn_closed_cb);
 }
 
@@ -1311,7 +1319,7 @@ static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struc
         conn_evict(v, "evicted for our own dial");
     }
     conn *c;
-    int r = conn_new(t, &c);
+    int r = conn_new(t, 1, &c);
     if (r < 0)
         return r;
     c->outbound = 1;
@@ -1341,7 +1349,7 @@ static void on_connection(uv_stream_t *server, int status)
         return;
     }
     conn *c;
-    int r = conn_new(t, &c);
+    int r = conn_new(t, 0, &c);
     if (r < 0) {
         /*
          * Without a connection there is nothing to accept into; libuv pauses
@@ -1365,7 +1373,13 @@ static void on_connection(uv_stream_t *server, int status)
     if (!admit_inbound(t, c)) {
         char o[HM_ORIGIN_STR];
         hm_debug(MOD, "refusing a connection from %s", hm_origin_str(&c->origin, o));
+        /* A reset, not a FIN: nothing lingers for a peer that comes back at once. */
+        c->reset = 1;
         conn_close(c, "refused by the admission limits");
+        return;
+    }
+    if (conn_bufs(c) < 0) {
+        conn_close(c, "out of memory");
         return;
     }
     hm_hs_init_server(c->hs, &t->id, t->swarm_id);
@@ -1794,7 +1808,9 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     if (result == 0)
         ufd = -1;
     if (result == 0)
-        result = uv_listen((uv_stream_t *)&t->listener, 128, on_connection);
+        /* A deep accept queue: under a connection flood the kernel drops an
+         * honest SYN only once it is full, and a dropped SYN costs a second. */
+        result = uv_listen((uv_stream_t *)&t->listener, SOMAXCONN, on_connection);
     if (result == 0)
         result = uv_udp_recv_start(&t->udp, udp_alloc_cb, udp_recv_cb);
     if (result == 0) {
