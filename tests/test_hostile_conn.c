@@ -99,7 +99,9 @@ static void atk_closed_cb(uv_handle_t *h)
 
 static void atk_close(atk_conn *c)
 {
-    if (c->open && !uv_is_closing((uv_handle_t *)&c->tcp))
+    /* With a reset, so that no port of ours lingers in TIME_WAIT. */
+    if (c->open && !uv_is_closing((uv_handle_t *)&c->tcp) &&
+        uv_tcp_close_reset(&c->tcp, atk_closed_cb) != 0)
         uv_close((uv_handle_t *)&c->tcp, atk_closed_cb);
 }
 
@@ -458,10 +460,14 @@ Test(hostile_conn, handshake_flood_from_one_origin)
                 "honest handshake %.0f ms at worst",
                 (double)(a.attempts - att0) / wall, (double)(a.msg2_seen - m0) / wall,
                 100.0 * share, worst);
-    cr_assert_gt(a.attempts - att0, (uint64_t)(FLOOD_RATE / 2 * wall),
-                 "the flood is real: over 4,000 first messages a second");
+    /* The expensive replies one origin gets: its rate (64/s) and a burst of 256, not thousands. */
+    cr_assert_lt((double)(a.msg2_seen - m0) / wall, 200.0,
+                 "the victim paid for %.0f handshakes a second from one origin",
+                 (double)(a.msg2_seen - m0) / wall);
     cr_assert_lt(share, 0.5, "the victim used %.0f%% of a core under the flood", 100.0 * share);
     cr_assert_lt(worst, 1000.0, "an honest handshake took %.0f ms during the flood", worst);
+    cr_assert_gt(a.attempts - att0, (uint64_t)(2000 * wall),
+                 "the flood is real: over 2,000 first messages a second");
     atk_stop(&a);
     stop_node(&v);
 }
