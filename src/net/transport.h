@@ -19,7 +19,10 @@
  * connection (at most 256 messages in progress, whose declared sizes add up
  * to at most max_message + max_queued_bytes) and over all connections (four
  * times that); a peer past a cap is disconnected; connections are capped in
- * total; handshakes must finish within handshake_timeout_ms.
+ * total, inbound ones also per origin and per identity, and admitted (or
+ * refused with a reset) before any cryptography (see the admission fields
+ * of hm_transport_config); handshakes must finish within
+ * handshake_timeout_ms.
  *
  * A stream message to our own key is delivered to our own on_message from
  * the loop (never from inside the send), in order, without a connection;
