@@ -272,11 +272,12 @@ static void probe_cb(void *ud, int status, const uint8_t *body, size_t len)
 static void count_closed(void *ud) { (*(int *)ud)++; }
 
 /*
- * An honest newcomer on 127.0.0.1 with a fresh identity: a stream call to
- * the victim, which needs a new connection and a full handshake. Returns
- * the milliseconds it took, or -1 when it failed (within 3 s).
+ * An honest newcomer on 127.0.0.1 with a fresh identity: a call to the
+ * victim, over a stream (a new connection and a full handshake) or a
+ * datagram (a key the victim has never seen). Returns the milliseconds it
+ * took, or -1 when it failed (within 3 s).
  */
-static double honest_handshake_ms(const char *victim)
+static double honest_call_ms(const char *victim, unsigned flags)
 {
     uint8_t pk[HM_PK_BYTES];
     struct sockaddr_storage to;
@@ -286,7 +287,7 @@ static double honest_handshake_ms(const char *victim)
     static const uint8_t empty_map = 0x80;
     uint64_t t0 = hm_now_us();
     cr_assert_eq(hm_rpc_call(r, pk, (const struct sockaddr *)&to, "node.ping", &empty_map, 1,
-                             HM_RPC_STREAM, 3000, probe_cb, &p, NULL),
+                             flags, 3000, probe_cb, &p, NULL),
                  0);
     uint64_t end = hm_now_ms() + 3500;
     while (!p.done && hm_now_ms() < end)
@@ -299,6 +300,8 @@ static double honest_handshake_ms(const char *victim)
         hm_hostile_run_for(&loop, 5);
     return p.done && p.status == 0 ? ms : -1;
 }
+
+static double honest_handshake_ms(const char *victim) { return honest_call_ms(victim, HM_RPC_STREAM); }
 
 /*
  * An honest node on 127.0.0.1 that joins through the victim by datagram and
@@ -469,5 +472,93 @@ Test(hostile_conn, handshake_flood_from_one_origin)
     cr_assert_gt(a.attempts - att0, (uint64_t)(2000 * wall),
                  "the flood is real: over 2,000 first messages a second");
     atk_stop(&a);
+    stop_node(&v);
+}
+
+/*
+ * Case 7 over UDP: datagrams under keys the victim has never seen, each
+ * with a made-up ciphertext, so that each would cost an X25519 before its
+ * tag fails (and nothing is cached, so the same ones can be sent again),
+ * DGRAM_FLOOD_RATE a second from one origin. The victim must use less than
+ * half a core, and an honest newcomer's datagram call still gets through.
+ */
+#define DGRAM_FLOOD_RATE 20000u
+#define DGRAM_FLOOD_KEYS 256u
+#define DGRAM_FLOOD_LEN 120u
+
+typedef struct dflood {
+    uv_udp_t udp;
+    uv_timer_t timer;
+    struct sockaddr_storage to;
+    uint8_t dg[DGRAM_FLOOD_KEYS][DGRAM_FLOOD_LEN];
+    uint64_t start_us, sent;
+} dflood;
+
+static void dflood_tick(uv_timer_t *t)
+{
+    dflood *f = t->data;
+    uint64_t due = (hm_now_us() - f->start_us) * DGRAM_FLOOD_RATE / 1000000u;
+    while (f->sent < due) {
+        uv_buf_t b = uv_buf_init((char *)f->dg[f->sent % DGRAM_FLOOD_KEYS], DGRAM_FLOOD_LEN);
+        if (uv_udp_try_send(&f->udp, &b, 1, (const struct sockaddr *)&f->to) < 0)
+            break;
+        f->sent++;
+    }
+}
+
+Test(hostile_conn, datagram_flood_under_unknown_keys)
+{
+    struct node v;
+    start_node(&v, "victim", NULL, NULL);
+    hm_hostile_run_for(&loop, 500);
+    static dflood f;
+    memset(&f, 0, sizeof(f));
+    uint8_t vpk[HM_PK_BYTES];
+    hm_hostile_parse_peer(v.addr, vpk, &f.to);
+    for (unsigned i = 0; i < DGRAM_FLOOD_KEYS; i++) {
+        hm_identity id;
+        cr_assert_eq(hm_identity_generate(&id), 0);
+        uint8_t *d = f.dg[i];
+        d[0] = 1; /* version */
+        memcpy(d + 1, id.pk, HM_PK_BYTES);
+        memcpy(d + 33, vpk, 8);
+        /* A fresh timestamp: the flood lasts seconds, well inside the window. */
+        hm_put_be64(d + 41, hm_wall_us() + i);
+        randombytes_buf(d + 49, DGRAM_FLOOD_LEN - 49);
+    }
+    struct sockaddr_in src;
+    uv_ip4_addr("127.0.0.2", 0, &src);
+    uv_udp_init(&loop, &f.udp);
+    cr_assert_eq(uv_udp_bind(&f.udp, (const struct sockaddr *)&src, 0), 0);
+    uv_timer_init(&loop, &f.timer);
+    f.timer.data = &f;
+    f.start_us = hm_now_us();
+    uv_timer_start(&f.timer, dflood_tick, 1, 1);
+    hm_hostile_run_for(&loop, 1000);
+    double cpu0 = hm_hostile_cpu_s(v.pid);
+    uint64_t t0 = hm_now_ms(), sent0 = f.sent;
+    hm_hostile_run_for(&loop, 3000);
+    double worst = 0;
+    for (int i = 0; i < 3; i++) {
+        double ms = honest_call_ms(v.addr, HM_RPC_DGRAM);
+        cr_assert(ms >= 0, "an honest newcomer's datagram call failed during the flood");
+        worst = ms > worst ? ms : worst;
+        hm_hostile_run_for(&loop, 250);
+    }
+    double cpu1 = hm_hostile_cpu_s(v.pid);
+    double wall = (double)(hm_now_ms() - t0) / 1000.0;
+    double share = (cpu1 - cpu0) / wall;
+    cr_log_info("datagram flood: %.0f/s under %u unknown keys; victim used %.0f%% of a core; "
+                "honest datagram call %.0f ms at worst",
+                (double)(f.sent - sent0) / wall, DGRAM_FLOOD_KEYS, 100.0 * share, worst);
+    cr_assert_lt(share, 0.5, "the victim used %.0f%% of a core under the datagram flood",
+                 100.0 * share);
+    cr_assert_lt(worst, 1000.0, "an honest datagram call took %.0f ms during the flood", worst);
+    cr_assert_gt(f.sent - sent0, (uint64_t)(DGRAM_FLOOD_RATE / 2 * wall),
+                 "the flood is real: over %u datagrams a second", DGRAM_FLOOD_RATE / 2);
+    uv_timer_stop(&f.timer);
+    uv_close((uv_handle_t *)&f.timer, NULL);
+    uv_close((uv_handle_t *)&f.udp, NULL);
+    hm_hostile_run_for(&loop, 50);
     stop_node(&v);
 }
