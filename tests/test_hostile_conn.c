@@ -68,7 +68,7 @@ typedef struct atk {
     enum atk_mode mode;
     struct sockaddr_storage to;
     uint8_t pk[HM_PK_BYTES];
-    unsigned n_src; /* 127.0.0.2 .. 127.0.0.(1 + n_src) */
+    unsigned src_base, n_src; /* from 127.0.0.src_base .. 127.0.0.(src_base + n_src - 1) */
     size_t n;
     atk_conn *c;
     int stopping;
@@ -199,7 +199,7 @@ static void atk_open(atk_conn *c)
     c->tcp.data = c;
     c->open = 1;
     char ip[32];
-    snprintf(ip, sizeof(ip), "127.0.0.%u", 2 + c->src);
+    snprintf(ip, sizeof(ip), "127.0.0.%u", a->src_base + c->src);
     struct sockaddr_in src;
     uv_ip4_addr(ip, 0, &src);
     c->creq.data = c;
@@ -211,10 +211,11 @@ static void atk_open(atk_conn *c)
         atk_close(c);
 }
 
-static void atk_start(atk *a, enum atk_mode mode, const char *victim, size_t n, unsigned n_src,
-                      uint64_t reopen_ms, double rate)
+static void atk_start(atk *a, enum atk_mode mode, const char *victim, size_t n,
+                      unsigned src_base, unsigned n_src, uint64_t reopen_ms, double rate)
 {
     memset(a, 0, sizeof(*a));
+    a->src_base = src_base;
     a->rate = rate;
     a->start_us = hm_now_us();
     a->mode = mode;
@@ -381,7 +382,10 @@ static void assert_honest_service(const char *victim, hm_node *target, const cha
 /* ------------------------------------------------------------------ tests */
 
 /*
- * Case 1, authenticated: eight attacker origins (127.0.0.2..9) open 640
+ * Each attack comes from addresses of its own, so that one test's sockets
+ * lingering in the kernel never hold the ports another one needs.
+ *
+ * Case 1, authenticated: eight attacker origins (127.0.0.10..17) open 640
  * streams, each under its own fresh identity, and reopen whatever is
  * dropped. Without per-origin limits they take all 512 connections; with
  * them each origin holds its share, our dials keep their reserve, and an
@@ -393,7 +397,7 @@ Test(hostile_conn, authenticated_streams_from_many_identities)
     start_node(&v, "victim", NULL, NULL);
     hm_node *target = dial_target_ready(v.addr);
     atk a;
-    atk_start(&a, ATK_AUTH, v.addr, 640, 8, 50, 0);
+    atk_start(&a, ATK_AUTH, v.addr, 640, 10, 8, 50, 0);
     hm_hostile_run_for(&loop, 4000);
     cr_log_info("attacker: %llu attempts, %llu streams authenticated now",
                 (unsigned long long)a.attempts, (unsigned long long)a.authed_now);
@@ -406,7 +410,7 @@ Test(hostile_conn, authenticated_streams_from_many_identities)
 }
 
 /*
- * Case 1, unauthenticated: one attacker origin opens 600 TCP connections
+ * Case 1, unauthenticated: one attacker origin (127.0.0.3) opens 600 TCP connections
  * that never send a byte, and reopens each 100 ms after it is dropped (the
  * handshake deadline is 5 s; a refused one is dropped at once). Without limits they fill the table for good.
  */
@@ -416,7 +420,7 @@ Test(hostile_conn, silent_sockets_reopened_when_dropped)
     start_node(&v, "victim", NULL, NULL);
     hm_node *target = dial_target_ready(v.addr);
     atk a;
-    atk_start(&a, ATK_RAW, v.addr, 600, 1, 100, 0);
+    atk_start(&a, ATK_RAW, v.addr, 600, 3, 1, 100, 0);
     hm_hostile_run_for(&loop, 2000);
     assert_honest_service(v.addr, target, "silent sockets");
     /* Past the victim's handshake deadline, while they are reopened. */
@@ -443,7 +447,7 @@ Test(hostile_conn, handshake_flood_from_one_origin)
     start_node(&v, "victim", NULL, NULL);
     hm_hostile_run_for(&loop, 500);
     atk a;
-    atk_start(&a, ATK_FLOOD, v.addr, 128, 1, 0, FLOOD_RATE);
+    atk_start(&a, ATK_FLOOD, v.addr, 128, 4, 1, 0, FLOOD_RATE);
     hm_hostile_run_for(&loop, 1000);
     double cpu0 = hm_hostile_cpu_s(v.pid);
     uint64_t t0 = hm_now_ms();
@@ -527,7 +531,7 @@ Test(hostile_conn, datagram_flood_under_unknown_keys)
         randombytes_buf(d + 49, DGRAM_FLOOD_LEN - 49);
     }
     struct sockaddr_in src;
-    uv_ip4_addr("127.0.0.2", 0, &src);
+    uv_ip4_addr("127.0.0.5", 0, &src);
     uv_udp_init(&loop, &f.udp);
     cr_assert_eq(uv_udp_bind(&f.udp, (const struct sockaddr *)&src, 0), 0);
     uv_timer_init(&loop, &f.timer);
