@@ -543,9 +543,10 @@ Test(hostile_conn, datagram_flood_under_unknown_keys)
     uint64_t t0 = hm_now_ms(), sent0 = f.sent;
     hm_hostile_run_for(&loop, 3000);
     double worst = 0;
+    int failed = 0;
     for (int i = 0; i < 3; i++) {
         double ms = honest_call_ms(v.addr, HM_RPC_DGRAM);
-        cr_assert(ms >= 0, "an honest newcomer's datagram call failed during the flood");
+        failed += ms < 0;
         worst = ms > worst ? ms : worst;
         hm_hostile_run_for(&loop, 250);
     }
@@ -555,6 +556,8 @@ Test(hostile_conn, datagram_flood_under_unknown_keys)
     cr_log_info("datagram flood: %.0f/s under %u unknown keys; victim used %.0f%% of a core; "
                 "honest datagram call %.0f ms at worst",
                 (double)(f.sent - sent0) / wall, DGRAM_FLOOD_KEYS, 100.0 * share, worst);
+    cr_assert_eq(failed, 0, "%d of 3 honest newcomers' datagram calls failed during the flood",
+                 failed);
     cr_assert_lt(share, 0.5, "the victim used %.0f%% of a core under the datagram flood",
                  100.0 * share);
     cr_assert_lt(worst, 1000.0, "an honest datagram call took %.0f ms during the flood", worst);
