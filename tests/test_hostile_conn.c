@@ -379,6 +379,23 @@ static void assert_honest_service(const char *victim, hm_node *target, const cha
     cr_assert(d >= 0, "%s: the victim could not dial out to an honest node", what);
 }
 
+/* What the victim says a limit refused (hivemindctl metrics), or -1. */
+static long long limit_refused(struct node *v, const char *keyword)
+{
+    char *out = NULL, *err = NULL;
+    long long n = -1;
+    if (ctl(v->sock, "metrics", 0, &out, &err) == 0) {
+        char pat[128];
+        snprintf(pat, sizeof(pat), "hivemindd_limit_refused_total{limit=\"%s\"} ", keyword);
+        const char *p = strstr(out, pat);
+        if (p != NULL)
+            n = strtoll(p + strlen(pat), NULL, 10);
+    }
+    free(out);
+    free(err);
+    return n;
+}
+
 /* ------------------------------------------------------------------ tests */
 
 /*
@@ -404,6 +421,7 @@ Test(hostile_conn, authenticated_streams_from_many_identities)
     cr_assert_geq(a.authed_now, 256, "the attack is real: it holds hundreds of streams (%llu)",
                   (unsigned long long)a.authed_now);
     assert_honest_service(v.addr, target, "authenticated streams");
+    cr_assert_gt(limit_refused(&v, "ReservedOutbound"), 0, "the refusals are counted");
     atk_stop(&a);
     node_stop_wait(target);
     stop_node(&v);
@@ -426,6 +444,7 @@ Test(hostile_conn, silent_sockets_reopened_when_dropped)
     /* Past the victim's handshake deadline, while they are reopened. */
     hm_hostile_run_for(&loop, 4000);
     assert_honest_service(v.addr, target, "silent sockets, reopened");
+    cr_assert_gt(limit_refused(&v, "MaxHandshakesPerOrigin"), 0, "the refusals are counted");
     cr_log_info("attacker: %llu connection attempts", (unsigned long long)a.attempts);
     atk_stop(&a);
     node_stop_wait(target);
@@ -475,6 +494,7 @@ Test(hostile_conn, handshake_flood_from_one_origin)
     cr_assert_lt(worst, 1000.0, "an honest handshake took %.0f ms during the flood", worst);
     cr_assert_gt(a.attempts - att0, (uint64_t)(2000 * wall),
                  "the flood is real: over 2,000 first messages a second");
+    cr_assert_gt(limit_refused(&v, "HandshakeRatePerOrigin"), 0, "the refusals are counted");
     atk_stop(&a);
     stop_node(&v);
 }
@@ -563,6 +583,7 @@ Test(hostile_conn, datagram_flood_under_unknown_keys)
     cr_assert_lt(worst, 1000.0, "an honest datagram call took %.0f ms during the flood", worst);
     cr_assert_gt(f.sent - sent0, (uint64_t)(DGRAM_FLOOD_RATE / 2 * wall),
                  "the flood is real: over %u datagrams a second", DGRAM_FLOOD_RATE / 2);
+    cr_assert_gt(limit_refused(&v, "DgramNewKeyRatePerOrigin"), 0, "the refusals are counted");
     uv_timer_stop(&f.timer);
     uv_close((uv_handle_t *)&f.timer, NULL);
     uv_close((uv_handle_t *)&f.udp, NULL);
