@@ -1352,3 +1352,36 @@ Test(transport, datagrams_from_new_keys_are_rated_per_origin)
     node_stop(&o);
     node_stop(&b);
 }
+
+Test(transport, a_dial_into_a_full_table_evicts_an_inbound_connection)
+{
+    /* No reserve at this size (4 / 8 = 0): inbound may fill the table. */
+    hm_transport_config tc = {.max_connections = 4};
+    tnode b;
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    hm_transport_config at = {.listen = "127.0.0.2:0"};
+    tnode atk[4];
+    for (int i = 0; i < 4; i++) {
+        node_start_cfg(&atk[i], swarm, NULL, &at, NULL);
+        result r = {0};
+        cr_assert_eq(call(&atk[i], &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &r), 0);
+        cr_assert(run_until(&r.count, 1, 2000));
+        cr_assert_eq(r.status, 0);
+        result_free(&r);
+    }
+    cr_assert_eq(stats_of(&b).connections, 4, "the table is full");
+    tnode d;
+    node_start(&d);
+    result rd = {0};
+    cr_assert_eq(call(&b, &d, "echo", "d", 1, HM_RPC_STREAM, 2000, &rd), 0);
+    cr_assert(run_until(&rd.count, 1, 2000));
+    cr_assert_eq(rd.status, 0, "the dial made room: %s", hm_strerror(rd.status));
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(st.evicted, 1);
+    cr_assert_eq(st.inbound, 3);
+    result_free(&rd);
+    for (int i = 0; i < 4; i++)
+        node_stop(&atk[i]);
+    node_stop(&d);
+    node_stop(&b);
+}
