@@ -1172,3 +1172,216 @@ Test(transport, stream_call_to_own_key_is_served_locally)
     result_free(&r2);
     node_stop(&a);
 }
+
+/* ---- admission by origin (docs/security.md, "Connections and handshakes") ---- */
+
+/* n plain TCP clients from ip that never speak (closed by the caller). */
+static void raw_clients(uv_tcp_t *cl, uv_connect_t *cr, int n, const char *ip, const tnode *to)
+{
+    struct sockaddr_in src;
+    uv_ip4_addr(ip, 0, &src);
+    for (int i = 0; i < n; i++) {
+        uv_tcp_init(&loop, &cl[i]);
+        cr_assert_eq(uv_tcp_bind(&cl[i], (const struct sockaddr *)&src, 0), 0);
+        cr_assert_eq(uv_tcp_connect(&cr[i], &cl[i], sa(to), on_connect_noop), 0);
+    }
+}
+
+static void raw_close(uv_tcp_t *cl, int n)
+{
+    for (int i = 0; i < n; i++)
+        uv_close((uv_handle_t *)&cl[i], NULL);
+    run_for(20);
+}
+
+Test(transport, handshakes_are_capped_per_origin_not_for_everyone)
+{
+    hm_transport_config tc = {.max_handshakes_per_origin = 2};
+    tnode b;
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    uv_tcp_t cl[5];
+    uv_connect_t cr[5];
+    raw_clients(cl, cr, 4, "127.0.0.2", &b);
+    run_for(150);
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(st.inbound_handshaking, 2, "one origin holds two handshakes");
+    cr_assert_eq(st.refused_handshakes_per_origin, 2);
+    /* Another origin still gets in, and so does an honest handshake. */
+    raw_clients(cl + 4, cr + 4, 1, "127.0.0.3", &b);
+    tnode a;
+    node_start(&a);
+    result r = {0};
+    cr_assert_eq(call(&a, &b, "echo", "hi", 2, HM_RPC_STREAM, 2000, &r), 0);
+    cr_assert(run_until(&r.count, 1, 2000));
+    cr_assert_eq(r.status, 0);
+    st = stats_of(&b);
+    cr_assert_eq(st.inbound_handshaking, 3);
+    cr_assert_eq(st.inbound, 4);
+    result_free(&r);
+    raw_close(cl, 5);
+    node_stop(&a);
+    node_stop(&b);
+}
+
+Test(transport, handshake_rate_per_origin)
+{
+    /* One a second, so bursts of four. */
+    hm_transport_config tc = {.handshake_rate_per_origin = 1, .max_handshakes_per_origin = 64};
+    tnode b;
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    uv_tcp_t cl[9];
+    uv_connect_t cr[9];
+    raw_clients(cl, cr, 8, "127.0.0.2", &b);
+    run_for(150);
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(st.inbound_handshaking, 4, "a burst of four from one origin");
+    cr_assert_eq(st.refused_handshake_rate, 4);
+    raw_clients(cl + 8, cr + 8, 1, "127.0.0.3", &b);
+    run_for(100);
+    cr_assert_eq(stats_of(&b).inbound_handshaking, 5, "another origin has its own budget");
+    raw_close(cl, 9);
+    node_stop(&b);
+}
+
+Test(transport, full_table_evicts_from_the_heaviest_origin_and_keeps_room_for_dials)
+{
+    /* Inbound may take 4 of 6; one origin at most 4. */
+    hm_transport_config tc = {.max_connections = 6, .reserved_outbound = 2,
+                              .max_conns_per_origin = 4};
+    tnode b;
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    hm_transport_config at = {.listen = "127.0.0.2:0"};
+    tnode atk[5];
+    result r[5] = {{0}};
+    for (int i = 0; i < 5; i++) {
+        node_start_cfg(&atk[i], swarm, NULL, &at, NULL);
+        cr_assert_eq(call(&atk[i], &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &r[i]), 0);
+        cr_assert(run_until(&r[i].count, 1, 2000));
+    }
+    int ok = 0;
+    for (int i = 0; i < 5; i++)
+        ok += r[i].status == 0;
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(ok, 4, "four of one origin's identities got in");
+    cr_assert_eq(st.inbound, 4);
+    cr_assert_geq(st.refused_per_origin + st.refused_reserved, 1);
+    /* An honest newcomer from a lighter origin evicts one of the heaviest. */
+    tnode h;
+    node_start(&h);
+    result rh = {0};
+    cr_assert_eq(call(&h, &b, "echo", "h", 1, HM_RPC_STREAM, 2000, &rh), 0);
+    cr_assert(run_until(&rh.count, 1, 2000));
+    cr_assert_eq(rh.status, 0, "the honest newcomer got in: %s", hm_strerror(rh.status));
+    st = stats_of(&b);
+    cr_assert_eq(st.evicted, 1);
+    cr_assert_eq(st.inbound, 4);
+    /* Our own dial has its reserved room. */
+    tnode d;
+    hm_transport_config dt = {.listen = "127.0.0.4:0"};
+    node_start_cfg(&d, swarm, NULL, &dt, NULL);
+    result rd = {0};
+    cr_assert_eq(call(&b, &d, "echo", "d", 1, HM_RPC_STREAM, 2000, &rd), 0);
+    cr_assert(run_until(&rd.count, 1, 2000));
+    cr_assert_eq(rd.status, 0, "the victim dialled out: %s", hm_strerror(rd.status));
+    result_free(&rh);
+    result_free(&rd);
+    for (int i = 0; i < 5; i++) {
+        result_free(&r[i]);
+        node_stop(&atk[i]);
+    }
+    node_stop(&d);
+    node_stop(&h);
+    node_stop(&b);
+}
+
+Test(transport, one_identity_keeps_a_bounded_number_of_connections)
+{
+    hm_transport_config tc = {.max_conns_per_peer = 2};
+    tnode b;
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    hm_identity id;
+    cr_assert_eq(hm_identity_generate(&id), 0);
+    tnode same[4];
+    for (int i = 0; i < 4; i++) {
+        node_start_cfg(&same[i], swarm, &id, NULL, NULL);
+        result r = {0};
+        cr_assert_eq(call(&same[i], &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &r), 0);
+        cr_assert(run_until(&r.count, 1, 2000));
+        cr_assert_eq(r.status, 0, "the newest connection of the identity works");
+        result_free(&r);
+    }
+    run_for(50);
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(st.connections, 2, "two connections for the one identity");
+    cr_assert_eq(st.refused_per_peer, 2, "the oldest ones were replaced");
+    for (int i = 0; i < 4; i++)
+        node_stop(&same[i]);
+    node_stop(&b);
+}
+
+Test(transport, datagrams_from_new_keys_are_rated_per_origin)
+{
+    hm_transport_config tc = {.dgram_new_key_rate_per_origin = 1};
+    tnode b;
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    hm_transport_config at = {.listen = "127.0.0.2:0"};
+    tnode s[8];
+    for (int i = 0; i < 8; i++) {
+        node_start_cfg(&s[i], swarm, NULL, &at, NULL);
+        cr_assert_eq(hm_transport_send_dgram(hm_rpc_transport(s[i].rpc), b.id.pk, sa(&b), "x", 1),
+                     0);
+    }
+    run_for(100);
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(st.dgrams_in, 4, "a burst of four new keys from one origin");
+    cr_assert_eq(st.refused_dgram_new_key_origin, 4);
+    /* A key already seen costs no X25519 and is not rated. */
+    for (int k = 0; k < 3; k++)
+        cr_assert_eq(hm_transport_send_dgram(hm_rpc_transport(s[0].rpc), b.id.pk, sa(&b), "y", 1),
+                     0);
+    /* Another origin has its own budget. */
+    tnode o;
+    hm_transport_config ot = {.listen = "127.0.0.3:0"};
+    node_start_cfg(&o, swarm, NULL, &ot, NULL);
+    cr_assert_eq(hm_transport_send_dgram(hm_rpc_transport(o.rpc), b.id.pk, sa(&b), "z", 1), 0);
+    run_for(100);
+    st = stats_of(&b);
+    cr_assert_eq(st.dgrams_in, 8);
+    for (int i = 0; i < 8; i++)
+        node_stop(&s[i]);
+    node_stop(&o);
+    node_stop(&b);
+}
+
+Test(transport, a_dial_into_a_full_table_evicts_an_inbound_connection)
+{
+    /* No reserve at this size (4 / 8 = 0): inbound may fill the table. */
+    hm_transport_config tc = {.max_connections = 4};
+    tnode b;
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    hm_transport_config at = {.listen = "127.0.0.2:0"};
+    tnode atk[4];
+    for (int i = 0; i < 4; i++) {
+        node_start_cfg(&atk[i], swarm, NULL, &at, NULL);
+        result r = {0};
+        cr_assert_eq(call(&atk[i], &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &r), 0);
+        cr_assert(run_until(&r.count, 1, 2000));
+        cr_assert_eq(r.status, 0);
+        result_free(&r);
+    }
+    cr_assert_eq(stats_of(&b).connections, 4, "the table is full");
+    tnode d;
+    node_start(&d);
+    result rd = {0};
+    cr_assert_eq(call(&b, &d, "echo", "d", 1, HM_RPC_STREAM, 2000, &rd), 0);
+    cr_assert(run_until(&rd.count, 1, 2000));
+    cr_assert_eq(rd.status, 0, "the dial made room: %s", hm_strerror(rd.status));
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(st.evicted, 1);
+    cr_assert_eq(st.inbound, 3);
+    result_free(&rd);
+    for (int i = 0; i < 4; i++)
+        node_stop(&atk[i]);
+    node_stop(&d);
+    node_stop(&b);
+}

@@ -687,6 +687,13 @@ out:
     return result;
 }
 
+int hm_dgram_sender_cached(hm_dgram_ctx *ctx, const uint8_t *in, size_t len)
+{
+    if (len < HM_DGRAM_HEADER || in[0] != DGRAM_VERSION)
+        return 0;
+    return peer_find(ctx, in + 1) != NULL;
+}
+
 /* ---- stream handshake ---- */
 
 enum hs_state {

@@ -153,6 +153,14 @@ int hm_dgram_open(hm_dgram_ctx *ctx, const uint8_t *in, size_t len, uint64_t now
                   uint8_t sender_pk_out[HM_PK_BYTES], uint8_t *pt_out, size_t pt_cap,
                   size_t *pt_len_out);
 
+/*
+ * Whether opening the datagram in would find its sender's pair key cached
+ * (1) or would first compute an X25519 (0; also 0 for bytes too short to
+ * name a sender). It reads only the header, so the transport can rate the
+ * expensive opens per origin before paying for them (docs/security.md).
+ */
+int hm_dgram_sender_cached(hm_dgram_ctx *ctx, const uint8_t *in, size_t len);
+
 /* ---- stream handshake ---- */
 
 #define HM_HS_MSG1_LEN 97

@@ -100,6 +100,31 @@ static const struct opt opts[] = {
      "STATEDIR/experts (default 60; also on shutdown)"},
     /* ---- limits against hostile members (docs/security.md), by floor ---- */
     /* transport: connections, handshakes */
+    {"MaxConnectionsPerOrigin", "max-connections-per-origin", T_UINT, FIELD(max_conns_per_origin),
+     0, 65536, 0, "N", "inbound TCP connections from one origin (an address, a public /24 or "
+     "/48), 0 for MaxConnections / 8, at least 8 (default 0)"},
+    {"MaxHandshakes", "max-handshakes", T_UINT, FIELD(max_handshakes), 0, 65536, 0, "N",
+     "inbound connections still in their handshake, 0 for MaxConnections / 4, at least 16 "
+     "(default 0)"},
+    {"MaxHandshakesPerOrigin", "max-handshakes-per-origin", T_UINT,
+     FIELD(max_handshakes_per_origin), 0, 65536, 0, "N",
+     "inbound connections in their handshake from one origin, 0 for MaxHandshakes / 4, at "
+     "least 4 (default 0)"},
+    {"MaxConnectionsPerPeer", "max-connections-per-peer", T_UINT, FIELD(max_conns_per_peer), 1,
+     64, 0, "N", "connections to one identity; a newer one replaces its oldest (default 4)"},
+    {"ReservedOutbound", "reserved-outbound", T_UINT, FIELD(reserved_outbound), 0, 65535, 0, "N",
+     "connections inbound ones never take, kept for our own dials, 0 for MaxConnections / 8 "
+     "(default 0)"},
+    {"HandshakeRatePerOrigin", "handshake-rate-per-origin", T_UINT,
+     FIELD(handshake_rate_per_origin), 1, 100000, 0, "N",
+     "inbound handshakes per second from one origin, bursts of 4 s worth (default 64)"},
+    {"DgramNewKeyRatePerOrigin", "dgram-new-key-rate-per-origin", T_UINT,
+     FIELD(dgram_new_key_rate_per_origin), 1, 1000000, 0, "N",
+     "datagrams per second from one origin whose sender key is not cached yet (each costs an "
+     "X25519), bursts of 4 s worth (default 64)"},
+    {"DgramNewKeyRate", "dgram-new-key-rate", T_UINT, FIELD(dgram_new_key_rate), 1, 1000000, 0,
+     "N", "datagrams per second, all origins, whose sender key is not cached yet, bursts of "
+     "4 s worth (default 2048)"},
     /* transport: reassembly, write queues */
     /* dht: storage, peer table */
     /* experts */
@@ -378,6 +403,10 @@ void hm_config_defaults(hm_config *c)
     c->log_level = HM_LOG_INFO;
     c->ping_interval_s = 15;
     c->max_connections = 512;
+    c->max_conns_per_peer = 4;
+    c->handshake_rate_per_origin = 64;
+    c->dgram_new_key_rate_per_origin = 64;
+    c->dgram_new_key_rate = 2048;
     hm_strlcpy(c->expert_type, "ffn", sizeof(c->expert_type));
     c->expert_dim = 512;
     hm_strlcpy(c->expert_optimizer, "adam", sizeof(c->expert_optimizer));

@@ -69,7 +69,11 @@ typedef struct hm_config {
     unsigned expert_workers, expert_max_batch;
     unsigned checkpoint_interval_s;
     /* ---- limits against hostile members (docs/security.md), by floor ---- */
-    /* transport: connections, handshakes */
+    /* transport: connections, handshakes; 0 where the default scales with
+     * max_connections (hm_transport_config_defaults) */
+    unsigned max_conns_per_origin, max_handshakes, max_handshakes_per_origin;
+    unsigned max_conns_per_peer, reserved_outbound;
+    unsigned handshake_rate_per_origin, dgram_new_key_rate_per_origin, dgram_new_key_rate;
     /* transport: reassembly, write queues */
     /* dht: storage, peer table */
     /* experts */

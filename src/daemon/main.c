@@ -327,6 +327,14 @@ static int start(daemon_t *d, char *err, size_t errlen)
     no.client_mode = d->cfg.client_mode;
     no.ping_interval_ms = (uint64_t)d->cfg.ping_interval_s * 1000u;
     no.transport.max_connections = d->cfg.max_connections;
+    no.transport.max_conns_per_origin = d->cfg.max_conns_per_origin;
+    no.transport.max_handshakes = d->cfg.max_handshakes;
+    no.transport.max_handshakes_per_origin = d->cfg.max_handshakes_per_origin;
+    no.transport.max_conns_per_peer = d->cfg.max_conns_per_peer;
+    no.transport.reserved_outbound = d->cfg.reserved_outbound;
+    no.transport.handshake_rate_per_origin = d->cfg.handshake_rate_per_origin;
+    no.transport.dgram_new_key_rate_per_origin = d->cfg.dgram_new_key_rate_per_origin;
+    no.transport.dgram_new_key_rate = d->cfg.dgram_new_key_rate;
     r = hm_node_new(&d->loop, &no, &d->pub.node, err, errlen);
     if (r != 0)
         return r;

@@ -80,6 +80,10 @@
 #define POOL_MIN (64u * 1024u)
 #define POOL_MAX_BYTES (64u * 1024u * 1024u)
 #define POOL_IDLE_MS 2000u
+/* Rated work may come in bursts of this many seconds' worth. */
+#define RATE_BURST_S 4u
+/* Origins tracked for datagram rates (sources are spoofable, so bounded). */
+#define DGRAM_ORIGINS_MAX 16384u
 
 #if HM_TRANSPORT_CHUNK + CHUNK_HDR_FIRST > HM_REC_MAX_PLAIN
 #error "a chunk and its header must fit in one record"
@@ -154,6 +158,11 @@ typedef struct conn {
     uint64_t created_ms, last_activity_ms, last_progress_ms;
     SLIST_HEAD(, wreq) cache;
     unsigned n_cache;
+    /* ---- connection admission (docs/security.md) ---- */
+    hm_origin origin; /* of addr, for inbound connections */
+    int counted_inb;  /* charged to its origin as an inbound connection */
+    int counted_hs;   /* ... and as one still in its handshake */
+    int reset;        /* refused: close with a reset */
 } conn;
 
 enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
@@ -236,6 +245,13 @@ struct hm_transport {
     void (*close_cb)(void *ud);
     void *close_ud;
 
+    /* ---- connection admission and handshake work (docs/security.md) ---- */
+    hm_origin_tab origins;       /* inbound: v[OV_CONNS], v[OV_HS], v[OV_TAT] */
+    hm_origin_tab dgram_origins; /* v[OV_TAT]: new-key datagrams */
+    size_t n_inb, n_inb_hs;      /* inbound connections charged to origins, handshaking ones */
+    uint64_t dgram_tat_us;       /* new-key datagrams, all origins */
+    int origins_init, dgram_origins_init;
+
     uint8_t udp_rbuf[UDP_RBUF_SIZE];
     uint8_t dgram_pt[HM_DGRAM_MAX];
     uint8_t rec_pt[HM_REC_MAX_PLAIN];
@@ -243,6 +259,7 @@ struct hm_transport {
 };
 
 static void conn_close(conn *c, const char *why);
+static void conn_uncount(conn *c);
 static void conn_pump(conn *c);
 static void conn_process(conn *c);
 static void delay_timer_cb(uv_timer_t *h);
@@ -437,7 +454,16 @@ static size_t live_conns(const hm_transport *t)
  * once it is a handle, so that from then on every connection dies the same
  * way, through conn_close and its close callback.
  */
-static int conn_new(hm_transport *t, conn **out)
+static int conn_bufs(conn *c)
+{
+    c->rbuf = malloc(RBUF_SIZE);
+    c->hs = malloc(sizeof(*c->hs));
+    return c->rbuf == NULL || c->hs == NULL ? -ENOMEM : 0;
+}
+
+/* bufs: allocate the read buffer and handshake now; an inbound connection
+ * gets them (conn_bufs) only once admitted, so refusing one costs little. */
+static int conn_new(hm_transport *t, int bufs, conn **out)
 {
     int result = 0;
     conn *c = calloc(1, sizeof(*c));
@@ -445,12 +471,8 @@ static int conn_new(hm_transport *t, conn **out)
     *out = NULL;
     if (c == NULL)
         return -ENOMEM;
-    c->rbuf = malloc(RBUF_SIZE);
-    c->hs = malloc(sizeof(*c->hs));
-    if (c->rbuf == NULL || c->hs == NULL) {
-        result = -ENOMEM;
+    if (bufs && (result = conn_bufs(c)) < 0)
         goto out;
-    }
     result = uv_tcp_init(t->loop, &c->tcp);
     if (result < 0)
         goto out;
@@ -542,6 +564,7 @@ static void conn_close(conn *c, const char *why)
     if (c->state == CONN_HANDSHAKE)
         c->t->stats.handshakes_failed++;
     conn_set_state(c, CONN_CLOSING, why);
+    conn_uncount(c);
     hash_remove(c);
     free_queue(c);
     free_slots(c);
@@ -555,7 +578,220 @@ static void conn_close(conn *c, const char *why)
         c->have_sess = 0;
     }
     c->pending_input = 0;
+    if (c->reset && uv_tcp_close_reset(&c->tcp, conn_closed_cb) == 0)
+        return;
     uv_close((uv_handle_t *)&c->tcp, conn_closed_cb);
+}
+
+/* -------------------------------------------------------------- admission */
+
+/*
+ * Identities are free, addresses are not (docs/security.md): inbound
+ * connections are charged to their origin, and the values of its entry in
+ * t->origins are these. OV_TAT is also the only value of t->dgram_origins.
+ */
+enum { OV_CONNS = 0, OV_HS = 1, OV_TAT = 2 };
+
+/*
+ * A rate of `rate` events per second with bursts of RATE_BURST_S seconds'
+ * worth, kept as one number, the theoretical arrival time of the next event
+ * (GCRA): it lies at most the burst ahead of now, and an entry whose time
+ * has passed holds no state worth keeping. Returns 1 when the event may go.
+ */
+static int rate_take(uint64_t *tat_us, uint64_t now_us, unsigned rate)
+{
+    uint64_t step = HM_MAX((uint64_t)1000000u / HM_MAX(rate, 1u), (uint64_t)1);
+    uint64_t burst = step * (uint64_t)HM_MAX(rate, 1u) * RATE_BURST_S;
+    uint64_t start = *tat_us > now_us ? *tat_us : now_us;
+    if (start + step - now_us > burst)
+        return 0;
+    *tat_us = start + step;
+    return 1;
+}
+
+/* Frees an origin's entry once nothing is charged to it and its rate is idle. */
+static void origin_release(hm_origin_tab *tab, hm_origin_ent *e, uint64_t now_us)
+{
+    if (e->v[OV_CONNS] != 0 || e->v[OV_HS] != 0 || e->v[OV_TAT] > now_us)
+        return;
+    e->v[OV_TAT] = 0;
+    hm_origin_tab_release(tab, e);
+}
+
+static void origin_sweep(hm_origin_tab *tab, uint64_t now_us)
+{
+    hm_origin_ent *e = hm_origin_tab_next(tab, NULL);
+    while (e != NULL) {
+        hm_origin_ent *next = hm_origin_tab_next(tab, e);
+        origin_release(tab, e, now_us);
+        e = next;
+    }
+}
+
+/* The connection no longer counts for its origin's handshakes. */
+static void conn_uncount_hs(conn *c, hm_origin_ent *e)
+{
+    if (!c->counted_hs)
+        return;
+    c->t->n_inb_hs--;
+    if (e != NULL)
+        e->v[OV_HS]--;
+    c->counted_hs = 0;
+}
+
+static void conn_uncount(conn *c)
+{
+    hm_transport *t = c->t;
+    if (!c->counted_inb)
+        return;
+    hm_origin_ent *e = hm_origin_tab_get(&t->origins, &c->origin, 0);
+    conn_uncount_hs(c, e);
+    t->n_inb--;
+    c->counted_inb = 0;
+    if (e != NULL) {
+        e->v[OV_CONNS]--;
+        origin_release(&t->origins, e, hm_now_us());
+    }
+}
+
+/*
+ * The connection to evict for a newcomer whose origin holds `have` of what
+ * v[idx] counts: one of the origin that holds the most, and only if that is
+ * at least two more than the newcomer's, so that eviction moves the table
+ * towards equal shares and never takes from an origin as light as the
+ * newcomer's. Among the heaviest origin's connections: one still in its
+ * handshake (the oldest, the likeliest never to finish), else the youngest
+ * open one, so its long-lived verified peers are the last to go. NULL when
+ * there is no such connection.
+ */
+static conn *evict_pick(hm_transport *t, unsigned idx, uint64_t have)
+{
+    hm_origin_ent *h = hm_origin_tab_heaviest(&t->origins, idx);
+    if (h == NULL || h->v[idx] < have + 2)
+        return NULL;
+    conn *best = NULL, *c;
+    LIST_FOREACH(c, &t->conns, link) {
+        if (c->state == CONN_CLOSING || !c->counted_inb || !hm_origin_eq(&c->origin, &h->o))
+            continue;
+        if (idx == OV_HS && !c->counted_hs)
+            continue;
+        if (best == NULL || (c->counted_hs && !best->counted_hs))
+            best = c;
+        else if (c->counted_hs == best->counted_hs &&
+                 (c->counted_hs ? c->seq < best->seq : c->seq > best->seq))
+            best = c;
+    }
+    return best;
+}
+
+static void conn_evict(conn *v, const char *why)
+{
+    v->t->stats.evicted++;
+    hm_debug(MOD, "evicting conn #%llu: %s", (unsigned long long)v->seq, why);
+    conn_close(v, why);
+}
+
+/*
+ * Decides whether the inbound connection c (its address known, not yet
+ * reading) may stay, evicting another if that is what makes room, and
+ * charges it to its origin. Returns 0 when it must be closed.
+ */
+static int admit_inbound(hm_transport *t, conn *c)
+{
+    const hm_transport_config *cf = &t->cfg;
+    uint64_t now = hm_now_us();
+    hm_origin_of((const struct sockaddr *)&c->addr, &c->origin);
+    hm_origin_ent *e = hm_origin_tab_get(&t->origins, &c->origin, 1);
+    if (e == NULL) {
+        /* Every tracked origin is in use: the conservative answer. */
+        t->stats.refused_per_origin++;
+        return 0;
+    }
+    /* The handshake's X25519 and signature are what an origin may not take all of. */
+    if (!rate_take(&e->v[OV_TAT], now, cf->handshake_rate_per_origin)) {
+        t->stats.refused_handshake_rate++;
+        goto refuse;
+    }
+    if (e->v[OV_CONNS] >= cf->max_conns_per_origin) {
+        t->stats.refused_per_origin++;
+        goto refuse;
+    }
+    if (e->v[OV_HS] >= cf->max_handshakes_per_origin) {
+        t->stats.refused_handshakes_per_origin++;
+        goto refuse;
+    }
+    if (t->n_inb_hs >= cf->max_handshakes) {
+        conn *v = evict_pick(t, OV_HS, e->v[OV_HS]);
+        t->stats.refused_handshakes++;
+        if (v == NULL)
+            goto refuse;
+        conn_evict(v, "evicted: handshakes full");
+    }
+    /* live_conns counts c itself. */
+    size_t inb_share = cf->max_connections - cf->reserved_outbound;
+    if (t->n_inb >= inb_share || live_conns(t) > cf->max_connections) {
+        int total_full = live_conns(t) > cf->max_connections;
+        if (total_full)
+            t->stats.refused_max_connections++;
+        else
+            t->stats.refused_reserved++;
+        conn *v = evict_pick(t, OV_CONNS, e->v[OV_CONNS]);
+        if (v == NULL)
+            goto refuse;
+        conn_evict(v, "evicted for a lighter origin");
+        if (t->n_inb >= inb_share || live_conns(t) > cf->max_connections)
+            goto refuse;
+    }
+    e->v[OV_CONNS]++;
+    e->v[OV_HS]++;
+    t->n_inb++;
+    t->n_inb_hs++;
+    c->counted_inb = c->counted_hs = 1;
+    return 1;
+refuse:
+    origin_release(&t->origins, e, now);
+    return 0;
+}
+
+/*
+ * One identity keeps at most max_conns_per_peer connections. A peer that
+ * opens another (it reconnected, or an attacker reusing one key) replaces
+ * its oldest open one rather than adding to its share.
+ */
+static void limit_per_peer(conn *c)
+{
+    hm_transport *t = c->t;
+    size_t n = 1;
+    conn *oldest = NULL;
+    FOREACH_PK_CONN(o, t, c->pk) {
+        if (o == c)
+            continue;
+        n++;
+        if (o->state == CONN_OPEN && (oldest == NULL || o->open_seq < oldest->open_seq))
+            oldest = o;
+    }
+    if (n <= t->cfg.max_conns_per_peer || oldest == NULL)
+        return;
+    t->stats.refused_per_peer++;
+    conn_close(oldest, "replaced by a newer connection of the same peer");
+}
+
+/* Whether a datagram whose sender key is not cached yet may cost its X25519. */
+static int dgram_new_key_admit(hm_transport *t, const struct sockaddr *from)
+{
+    uint64_t now = hm_now_us();
+    hm_origin o;
+    hm_origin_of(from, &o);
+    hm_origin_ent *e = hm_origin_tab_get(&t->dgram_origins, &o, 1);
+    if (e == NULL || !rate_take(&e->v[OV_TAT], now, t->cfg.dgram_new_key_rate_per_origin)) {
+        t->stats.refused_dgram_new_key_origin++;
+        return 0;
+    }
+    if (!rate_take(&t->dgram_tat_us, now, t->cfg.dgram_new_key_rate)) {
+        t->stats.refused_dgram_new_key++;
+        return 0;
+    }
+    return 1;
 }
 
 /* ------------------------------------------------------------- write path */
@@ -899,8 +1135,11 @@ static void hs_complete(conn *c)
         c->pk_known = 1;
         hash_insert(c);
     }
+    if (c->counted_hs)
+        conn_uncount_hs(c, hm_origin_tab_get(&t->origins, &c->origin, 0));
     t->stats.handshakes_ok++;
     c->open_seq = ++t->open_counter;
+    limit_per_peer(c);
     int was_up = 0;
     FOREACH_PK_CONN(o, t, c->pk)
         if (o != c && o->state == CONN_OPEN)
@@ -1072,11 +1311,15 @@ static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struc
     if (memcmp(pk, t->id.pk, HM_PK_BYTES) == 0)
         return -EINVAL;
     if (live_conns(t) >= t->cfg.max_connections) {
+        /* Our own dials come first: an inbound one of the heaviest origin makes room. */
+        conn *v = evict_pick(t, OV_CONNS, 0);
         t->stats.refused_max_connections++;
-        return -ENOBUFS;
+        if (v == NULL)
+            return -ENOBUFS;
+        conn_evict(v, "evicted for our own dial");
     }
     conn *c;
-    int r = conn_new(t, &c);
+    int r = conn_new(t, 1, &c);
     if (r < 0)
         return r;
     c->outbound = 1;
@@ -1106,7 +1349,7 @@ static void on_connection(uv_stream_t *server, int status)
         return;
     }
     conn *c;
-    int r = conn_new(t, &c);
+    int r = conn_new(t, 0, &c);
     if (r < 0) {
         /*
          * Without a connection there is nothing to accept into; libuv pauses
@@ -1122,11 +1365,21 @@ static void on_connection(uv_stream_t *server, int status)
         return;
     }
     int alen = sizeof(c->addr);
-    uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&c->addr, &alen);
-    if (live_conns(t) > t->cfg.max_connections) {
-        hm_debug(MOD, "refusing a connection: %zu connections", t->cfg.max_connections);
-        t->stats.refused_max_connections++;
-        conn_close(c, "too many connections");
+    if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&c->addr, &alen) < 0) {
+        conn_close(c, "no peer address");
+        return;
+    }
+    /* Before any cryptography: admission by origin, rate and share. */
+    if (!admit_inbound(t, c)) {
+        char o[HM_ORIGIN_STR];
+        hm_debug(MOD, "refusing a connection from %s", hm_origin_str(&c->origin, o));
+        /* A reset, not a FIN: nothing lingers for a peer that comes back at once. */
+        c->reset = 1;
+        conn_close(c, "refused by the admission limits");
+        return;
+    }
+    if (conn_bufs(c) < 0) {
+        conn_close(c, "out of memory");
         return;
     }
     hm_hs_init_server(c->hs, &t->id, t->swarm_id);
@@ -1204,6 +1457,12 @@ static void udp_recv_cb(uv_udp_t *h, ssize_t nread, const uv_buf_t *buf, const s
     /* Cap and filter before any cryptography. */
     if ((flags & UV_UDP_PARTIAL) || (size_t)nread > HM_DGRAM_MAX ||
         (size_t)nread < HM_DGRAM_OVERHEAD) {
+        t->stats.dgrams_rejected++;
+        return;
+    }
+    /* A sender whose key is not cached costs an X25519: rated by origin and in total. */
+    if (!hm_dgram_sender_cached(t->dctx, t->udp_rbuf, (size_t)nread) &&
+        !dgram_new_key_admit(t, from)) {
         t->stats.dgrams_rejected++;
         return;
     }
@@ -1335,6 +1594,8 @@ static void hk_timer_cb(uv_timer_t *h)
     uint64_t now = hm_now_ms();
     if (now > POOL_IDLE_MS)
         pool_trim(t, now - POOL_IDLE_MS);
+    origin_sweep(&t->origins, hm_now_us());
+    origin_sweep(&t->dgram_origins, hm_now_us());
     conn *c, *next;
     LIST_FOREACH_SAFE(c, &t->conns, link, next) {
         if (c->state == CONN_HANDSHAKE && now - c->created_ms >= t->cfg.handshake_timeout_ms) {
@@ -1372,6 +1633,26 @@ void hm_transport_config_defaults(hm_transport_config *cfg)
         cfg->write_stall_ms = 30000;
     if (cfg->dgram_peers == 0)
         cfg->dgram_peers = 65536;
+    size_t max = cfg->max_connections;
+    if (cfg->max_conns_per_origin == 0)
+        cfg->max_conns_per_origin = HM_MIN(max, HM_MAX((size_t)8, max / 8));
+    if (cfg->max_handshakes == 0)
+        cfg->max_handshakes = HM_MIN(max, HM_MAX((size_t)16, max / 4));
+    if (cfg->max_handshakes_per_origin == 0)
+        cfg->max_handshakes_per_origin =
+            HM_MIN(cfg->max_handshakes, HM_MAX((size_t)4, cfg->max_handshakes / 4));
+    if (cfg->max_conns_per_peer == 0)
+        cfg->max_conns_per_peer = 4;
+    if (cfg->reserved_outbound == 0)
+        cfg->reserved_outbound = max / 8;
+    if (cfg->reserved_outbound >= max)
+        cfg->reserved_outbound = max - 1;
+    if (cfg->handshake_rate_per_origin == 0)
+        cfg->handshake_rate_per_origin = 64;
+    if (cfg->dgram_new_key_rate_per_origin == 0)
+        cfg->dgram_new_key_rate_per_origin = 64;
+    if (cfg->dgram_new_key_rate == 0)
+        cfg->dgram_new_key_rate = 2048;
 }
 
 static void handle_closed_cb(uv_handle_t *h)
@@ -1389,6 +1670,8 @@ static void maybe_finish_close(hm_transport *t)
     void *ud = t->close_ud;
     hm_dgram_ctx_free(t->dctx);
     hm_hmap_free(&t->by_pk);
+    hm_origin_tab_free(&t->origins);
+    hm_origin_tab_free(&t->dgram_origins);
     free(t->partitioned);
     pool_trim(t, UINT64_MAX);
     hm_identity_wipe(&t->id);
@@ -1493,6 +1776,14 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     result = hm_hmap_init(&t->by_pk, CONN_BUCKETS, CONN_BUCKETS_MAX);
     if (result < 0)
         goto out;
+    result = hm_origin_tab_init(&t->origins, 0);
+    if (result < 0)
+        goto out;
+    t->origins_init = 1;
+    result = hm_origin_tab_init(&t->dgram_origins, DGRAM_ORIGINS_MAX);
+    if (result < 0)
+        goto out;
+    t->dgram_origins_init = 1;
     result = bind_sockets((struct sockaddr *)&want, &tfd, &ufd, &t->local);
     if (result < 0)
         goto out;
@@ -1517,7 +1808,9 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     if (result == 0)
         ufd = -1;
     if (result == 0)
-        result = uv_listen((uv_stream_t *)&t->listener, 128, on_connection);
+        /* A deep accept queue: under a connection flood the kernel drops an
+         * honest SYN only once it is full, and a dropped SYN costs a second. */
+        result = uv_listen((uv_stream_t *)&t->listener, SOMAXCONN, on_connection);
     if (result == 0)
         result = uv_udp_recv_start(&t->udp, udp_alloc_cb, udp_recv_cb);
     if (result == 0) {
@@ -1557,6 +1850,10 @@ out:
     if (t != NULL) {
         hm_dgram_ctx_free(t->dctx);
         hm_hmap_free(&t->by_pk);
+        if (t->origins_init)
+            hm_origin_tab_free(&t->origins);
+        if (t->dgram_origins_init)
+            hm_origin_tab_free(&t->dgram_origins);
         hm_identity_wipe(&t->id);
         free(t);
     }
@@ -1735,6 +2032,8 @@ void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out)
     *out = t->stats;
     out->connections = 0;
     out->queued_bytes = 0;
+    out->inbound = t->n_inb;
+    out->inbound_handshaking = t->n_inb_hs;
     const conn *c;
     LIST_FOREACH(c, &t->conns, link) {
         if (c->state == CONN_CLOSING)
@@ -1747,6 +2046,14 @@ void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out)
 void hm_transport_limits(hm_transport *t, hm_limit_emit_fn emit, void *ud)
 {
     emit(ud, "MaxConnections", t->stats.refused_max_connections);
+    emit(ud, "MaxConnectionsPerOrigin", t->stats.refused_per_origin);
+    emit(ud, "ReservedOutbound", t->stats.refused_reserved);
+    emit(ud, "MaxHandshakes", t->stats.refused_handshakes);
+    emit(ud, "MaxHandshakesPerOrigin", t->stats.refused_handshakes_per_origin);
+    emit(ud, "MaxConnectionsPerPeer", t->stats.refused_per_peer);
+    emit(ud, "HandshakeRatePerOrigin", t->stats.refused_handshake_rate);
+    emit(ud, "DgramNewKeyRate", t->stats.refused_dgram_new_key);
+    emit(ud, "DgramNewKeyRatePerOrigin", t->stats.refused_dgram_new_key_origin);
 }
 
 void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)

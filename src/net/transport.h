@@ -19,7 +19,10 @@
  * connection (at most 256 messages in progress, whose declared sizes add up
  * to at most max_message + max_queued_bytes) and over all connections (four
  * times that); a peer past a cap is disconnected; connections are capped in
- * total; handshakes must finish within handshake_timeout_ms.
+ * total, inbound ones also per origin and per identity, and admitted (or
+ * refused with a reset) before any cryptography (see the admission fields
+ * of hm_transport_config); handshakes must finish within
+ * handshake_timeout_ms.
  *
  * A stream message to our own key is delivered to our own on_message from
  * the loop (never from inside the send), in order, without a connection;
@@ -54,6 +57,31 @@ typedef struct hm_transport_config {
     uint64_t handshake_timeout_ms; /* default 5000 */
     uint64_t write_stall_ms;     /* default 30000 */
     size_t dgram_peers;          /* replay/key cache size, default 65536 */
+    /* ---- connection admission and handshake work (docs/security.md) ---- */
+    /*
+     * Inbound connections are charged to their origin (origin.h). Inbound
+     * ones may take at most max_connections - reserved_outbound slots, so
+     * our own dials always find room; one origin holds at most
+     * max_conns_per_origin of them, and at most max_handshakes_per_origin
+     * still in their handshake (all origins: max_handshakes). When the
+     * inbound share is full, a newcomer from an origin holding fewer
+     * connections than the heaviest one evicts one of the heaviest origin's
+     * (handshaking first, then the youngest), so long-lived peers of light
+     * origins are never the ones to go. One identity keeps at most
+     * max_conns_per_peer connections: a newer one replaces its oldest.
+     * Inbound handshakes cost an X25519 and a signature each and are rated
+     * per origin (handshake_rate_per_origin per second, bursts of four
+     * seconds' worth); datagrams from senders whose key is not cached yet
+     * cost an X25519 each and are rated per origin and in total.
+     */
+    size_t max_conns_per_origin;      /* inbound, default max_connections / 8 (at least 8) */
+    size_t max_handshakes;            /* inbound handshaking, default max_connections / 4 (>= 16) */
+    size_t max_handshakes_per_origin; /* default max_handshakes / 4 (at least 4) */
+    size_t max_conns_per_peer;        /* per identity, in and out, default 4 */
+    size_t reserved_outbound;         /* slots inbound never takes, default max_connections / 8 */
+    unsigned handshake_rate_per_origin;      /* inbound handshakes/s per origin, default 64 */
+    unsigned dgram_new_key_rate_per_origin;  /* new-key datagrams/s per origin, default 64 */
+    unsigned dgram_new_key_rate;             /* new-key datagrams/s in total, default 2048 */
 } hm_transport_config;
 
 /* Fills defaults for every zero field. */
@@ -88,6 +116,19 @@ typedef struct hm_transport_stats {
     size_t connections;
     size_t queued_bytes; /* total, all peers */
     uint64_t refused_max_connections; /* connections refused or not dialled: MaxConnections */
+    /* ---- connection admission and handshake work (docs/security.md) ---- */
+    /* Each counts what its limit refused; an eviction counts as a refusal
+     * of the limit that made it. */
+    uint64_t refused_per_origin;             /* MaxConnectionsPerOrigin */
+    uint64_t refused_reserved;               /* ReservedOutbound: the inbound share was full */
+    uint64_t refused_handshakes;             /* MaxHandshakes */
+    uint64_t refused_handshakes_per_origin;  /* MaxHandshakesPerOrigin */
+    uint64_t refused_per_peer;               /* MaxConnectionsPerPeer: older ones replaced */
+    uint64_t refused_handshake_rate;         /* HandshakeRatePerOrigin */
+    uint64_t refused_dgram_new_key;          /* DgramNewKeyRate */
+    uint64_t refused_dgram_new_key_origin;   /* DgramNewKeyRatePerOrigin */
+    uint64_t evicted;                        /* inbound connections closed for a lighter origin */
+    size_t inbound, inbound_handshaking;     /* now, charged to origins */
 } hm_transport_stats;
 
 int hm_transport_new(uv_loop_t *loop, const hm_identity *id,

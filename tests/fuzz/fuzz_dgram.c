@@ -7,7 +7,8 @@
  *   2. sealed by node B as a payload for A, which must open it unchanged;
  *   3. XORed into a valid datagram from B, which A must reject unless the
  *      XOR changed nothing.
- * Cases 2 and 3 are oracles: a violation aborts, which the driver and
+ * Case 1 also checks hm_dgram_sender_cached, the header-only look-up the
+ * transport rates new keys with. Cases 2 and 3 are oracles: a violation aborts, which the driver and
  * libFuzzer report as a crash. The seed corpus holds datagrams from B to A
  * at FUZZ_DGRAM_NOW, so that mutations reach the decryption and replay code.
  */
@@ -75,9 +76,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         hm_dgram_ctx_new(&fx.b, fx.swarm, 4, &b) < 0)
         abort();
 
-    /* 1. The input as a received datagram. */
+    /* 1. The input as a received datagram. A fresh receiver has no key
+     * cached, and only an authentic datagram caches its sender's. */
+    if (hm_dgram_sender_cached(a, data, size) != 0)
+        abort();
     rc = hm_dgram_open(a, data, size, FUZZ_DGRAM_NOW, sender, pt, sizeof(pt), &pt_len);
     if (rc == 0 && (pt_len + HM_DGRAM_OVERHEAD != size || memcmp(sender, fx.b.pk, 32) != 0))
+        abort();
+    if (hm_dgram_sender_cached(a, data, size) != (rc == 0))
         abort();
     /* Whatever it was, it is not accepted twice. */
     if (rc == 0 && hm_dgram_open(a, data, size, FUZZ_DGRAM_NOW, sender, pt, sizeof(pt),
