@@ -162,6 +162,8 @@ struct hm_state {
     uv_timer_t anchor;
     void (*close_cb)(void *ud);
     void *close_ud;
+    uint8_t (*trusted)[HM_PK_BYTES]; /* the config's copy; n in cfg.n_trusted */
+    uint64_t refused_origin, refused_untrusted; /* hm_state_limits */
 };
 
 static void pump(load *l);
@@ -395,6 +397,7 @@ static void handle_closed(hm_state *st)
         return;
     void (*cb)(void *) = st->close_cb;
     void *ud = st->close_ud;
+    free(st->trusted);
     free(st);
     if (cb != NULL)
         cb(ud);
@@ -912,7 +915,41 @@ static int decl_same(const hm_state_decl *a, const hm_state_decl *b)
 typedef struct decl_entry {
     uint8_t pk[HM_PK_BYTES];
     hm_state_decl d;
+    hm_origin origin; /* where the node saw it, else where it says it is */
 } decl_entry;
+
+static int is_trusted(const hm_state *st, const uint8_t pk[HM_PK_BYTES])
+{
+    for (size_t i = 0; i < st->cfg.n_trusted; i++)
+        if (memcmp(st->trusted[i], pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}
+
+/*
+ * The votes of the donors declaring e[i]'s state: per origin at most
+ * per_origin donors (state.h, "Who is believed"). *extra gets the donors
+ * that did not count.
+ */
+static size_t votes(const decl_entry *e, size_t n, size_t i, unsigned per_origin, size_t *extra)
+{
+    size_t count = 0;
+    *extra = 0;
+    for (size_t j = 0; j < n; j++) {
+        if (!decl_same(&e[i].d, &e[j].d))
+            continue;
+        /* j counts unless per_origin donors of its origin before it already did. */
+        unsigned before = 0;
+        for (size_t k = 0; k < j; k++)
+            if (decl_same(&e[i].d, &e[k].d) && hm_origin_eq(&e[k].origin, &e[j].origin))
+                before++;
+        if (before < per_origin)
+            count++;
+        else
+            (*extra)++;
+    }
+    return count;
+}
 
 /*
  * A declared address with an unspecified host (a donor listening on all
@@ -957,12 +994,19 @@ static void start_manifest(load *l);
 static int agree(load *l, const decl_entry *e, size_t n)
 {
     size_t best = SIZE_MAX, best_count = 0;
+    /* Trusted donors stand for themselves: one suffices, wherever it runs. */
+    int trusting = l->st->cfg.n_trusted > 0;
+    unsigned per_origin = trusting ? HM_STATE_MAX_DONORS : l->st->cfg.donors_per_origin;
+    size_t need = trusting ? 1 : l->min_agree;
     for (size_t i = 0; i < n; i++) {
-        size_t count = 0;
-        for (size_t j = 0; j < n; j++)
+        size_t extra = 0, first = 1;
+        size_t count = votes(e, n, i, per_origin, &extra);
+        for (size_t j = 0; j < i && first; j++)
             if (decl_same(&e[i].d, &e[j].d))
-                count++;
-        if (count < l->min_agree)
+                first = 0;
+        if (first) /* each state's set-aside donors once per read */
+            l->st->refused_origin += extra;
+        if (count < need)
             continue;
         if (best == SIZE_MAX || e[i].d.step > e[best].d.step ||
             (e[i].d.step == e[best].d.step &&
@@ -1008,10 +1052,17 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
     size_t ne = 0;
     if (status == 0 && n > 0) {
         e = calloc(HM_MIN(n, (size_t)MAX_DECLS), sizeof(*e));
-        if (e == NULL) {
+        /* Where the node saw each peer: a donor's origin, whatever it declares. */
+        size_t n_peers = hm_node_peers(st->node, NULL, 0);
+        hm_peer_info *peers = n_peers > 0 ? calloc(n_peers, sizeof(*peers)) : NULL;
+        if (e == NULL || (n_peers > 0 && peers == NULL)) {
+            free(e);
+            free(peers);
             load_finish(l, -ENOMEM);
             return;
         }
+        if (peers != NULL)
+            n_peers = HM_MIN(n_peers, hm_node_peers(st->node, peers, n_peers));
         for (size_t i = 0; i < n && ne < MAX_DECLS; i++) {
             const hm_dht_record *rec = &values[i].rec;
             decl_entry *x = &e[ne];
@@ -1020,12 +1071,23 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
                 continue;
             if (memcmp(x->pk, st->pk, HM_PK_BYTES) == 0)
                 continue;
+            if (st->cfg.n_trusted > 0 && !is_trusted(st, x->pk)) {
+                st->refused_untrusted++;
+                continue;
+            }
             if (hm_state_decode_decl(rec->value, rec->value_len, &x->d) < 0)
                 continue;
             if (complete_addr(st, x->pk, &x->d.addr) < 0)
                 continue;
+            hm_origin_of((const struct sockaddr *)&x->d.addr, &x->origin);
+            for (size_t p = 0; p < n_peers; p++)
+                if (memcmp(peers[p].pk, x->pk, HM_PK_BYTES) == 0) {
+                    hm_origin_of((const struct sockaddr *)&peers[p].addr, &x->origin);
+                    break;
+                }
             ne++;
         }
+        free(peers);
         l->n_declared = ne;
         r = agree(l, e, ne);
         free(e);
@@ -1435,6 +1497,21 @@ int hm_state_new(hm_node *node, const hm_state_config *cfg, hm_state **out)
     LIST_INIT(&st->ops);
     if (cfg != NULL)
         st->cfg = *cfg;
+    if (st->cfg.donors_per_origin == 0)
+        st->cfg.donors_per_origin = 1;
+    if (st->cfg.n_trusted > HM_STATE_MAX_DONORS || (st->cfg.n_trusted > 0 && cfg->trusted == NULL)) {
+        free(st);
+        return -EINVAL;
+    }
+    st->cfg.trusted = NULL;
+    if (st->cfg.n_trusted > 0) {
+        st->trusted = malloc(st->cfg.n_trusted * HM_PK_BYTES);
+        if (st->trusted == NULL) {
+            free(st);
+            return -ENOMEM;
+        }
+        memcpy(st->trusted, cfg->trusted, st->cfg.n_trusted * HM_PK_BYTES);
+    }
     if (st->cfg.max_blob_bytes == 0)
         st->cfg.max_blob_bytes = 4ull << 30;
     if (st->cfg.max_queued_per_peer == 0)
@@ -1458,9 +1535,17 @@ int hm_state_new(hm_node *node, const hm_state_config *cfg, hm_state **out)
     st->handles = 1;
     *out = st;
 out:
-    if (result < 0)
+    if (result < 0) {
+        free(st->trusted);
         free(st);
+    }
     return result;
+}
+
+void hm_state_limits(const hm_state *st, hm_limit_emit_fn emit, void *ud)
+{
+    emit(ud, "StateDonorsPerOrigin", st->refused_origin);
+    emit(ud, "StateTrustedDonors", st->refused_untrusted);
 }
 
 void hm_state_close(hm_state *st, void (*cb)(void *ud), void *ud)

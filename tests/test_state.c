@@ -55,6 +55,13 @@ static int dht_ready(void *ud)
     return 1;
 }
 
+/*
+ * Every node here listens on 127.0.0.1, a single origin, and agreement
+ * counts one donor per origin by default: these swarms count each donor,
+ * as separate hosts would (the origin rule has tests of its own below).
+ */
+static const hm_state_config one_host = {.donors_per_origin = HM_STATE_MAX_DONORS};
+
 /* n nodes bootstrapped from the first; nodes in [0, with_state) get a state module. */
 static void swarm_start(swarm *sw, size_t n, size_t with_state)
 {
@@ -68,7 +75,7 @@ static void swarm_start(swarm *sw, size_t n, size_t with_state)
         if (i == 0)
             cr_assert_eq(hm_node_address(sw->nodes[0], addr, sizeof(addr)), 0);
         if (i < with_state)
-            cr_assert_eq(hm_state_new(sw->nodes[i], NULL, &sw->st[i]), 0);
+            cr_assert_eq(hm_state_new(sw->nodes[i], &one_host, &sw->st[i]), 0);
     }
     cr_assert(hm_test_run_until(&sw->loop, dht_ready, sw, 10000), "the DHT did not come up");
 }
@@ -594,7 +601,7 @@ Test(state, close_cancels_loads_and_unshare)
     hm_test_run_until(&sw.loop, flag_set, &closed, 5000);
     cr_assert_eq(closed, 1);
     /* The methods are free again for a new module on the node. */
-    cr_assert_eq(hm_state_new(sw.nodes[2], NULL, &sw.st[2]), 0);
+    cr_assert_eq(hm_state_new(sw.nodes[2], &one_host, &sw.st[2]), 0);
     free(blob);
     swarm_stop(&sw);
 }
