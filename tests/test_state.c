@@ -511,6 +511,93 @@ Test(state, disagreeing_donors_give_eproto)
     swarm_stop(&sw);
 }
 
+/* ------------------------------------------------------- who is believed */
+
+static uint64_t seen_origin, seen_untrusted;
+static void limit_emit(void *ud, const char *kw, uint64_t v)
+{
+    HM_UNUSED(ud);
+    if (strcmp(kw, "StateDonorsPerOrigin") == 0)
+        seen_origin = v;
+    else if (strcmp(kw, "StateTrustedDonors") == 0)
+        seen_untrusted = v;
+}
+
+/*
+ * Two donors on one address (127.0.0.1, one origin) agree on a newer step:
+ * with the default of one donor per origin that is one vote, and a
+ * newcomer asking for two finds no agreement instead of taking it.
+ */
+Test(state, one_origin_is_one_vote)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 3);
+    cr_assert_eq(hm_state_new(sw.nodes[3], NULL, &sw.st[3]), 0); /* the default: 1 per origin */
+    uint8_t *b = make_blob(40 * 1024, 21);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 2, "orig", 999999, b, 40 * 1024, &so);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000, .dht_attempts = 1};
+    load(&sw, 3, "orig", &o, &r, 15000);
+    cr_assert_eq(r.status, -EPROTO, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.n_declared, 2u);
+    seen_origin = 0;
+    hm_state_limits(sw.st[3], limit_emit, NULL);
+    cr_assert_gt(seen_origin, 0, "the second donor of the origin was set aside");
+    /* One vote is enough when one is asked for. */
+    o.min_agree = 1;
+    load(&sw, 3, "orig", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 999999u);
+    cr_assert_eq(memcmp(r.blob, b, r.len), 0);
+    free(r.blob);
+    free(b);
+    swarm_stop(&sw);
+}
+
+static int closed_flag(void *ud) { return *(int *)ud != 0; }
+static void set_flag(void *ud) { *(int *)ud = 1; }
+
+/* With trusted donors, only they are read, and one suffices. */
+Test(state, trusted_donors_alone_are_used)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 3);
+    const uint8_t(*none)[HM_PK_BYTES] = NULL;
+    hm_state_config bad = {.n_trusted = 1, .trusted = none};
+    cr_assert_eq(hm_state_new(sw.nodes[3], &bad, &sw.st[3]), -EINVAL);
+    uint8_t trusted[1][HM_PK_BYTES];
+    memcpy(trusted[0], hm_node_identity(sw.nodes[0])->pk, HM_PK_BYTES);
+    hm_state_config cfg = {.n_trusted = 1, .trusted = (const uint8_t(*)[HM_PK_BYTES])trusted};
+    cr_assert_eq(hm_state_new(sw.nodes[3], &cfg, &sw.st[3]), 0);
+    memset(trusted, 0, sizeof(trusted)); /* copied */
+    uint8_t *a = make_blob(30 * 1024, 22), *b = make_blob(50 * 1024, 23);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 1, "trust", 7, a, 30 * 1024, &so);
+    share_on(&sw, 1, 3, "trust", 9, b, 50 * 1024, &so);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000}; /* min_agree 2, which the list replaces */
+    load(&sw, 3, "trust", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 7u);
+    cr_assert_eq(r.rep.n_donors, 1u);
+    cr_assert_not_null(donor_of(&r, sw.nodes[0]));
+    cr_assert_eq(r.len, 30u * 1024);
+    cr_assert_eq(memcmp(r.blob, a, r.len), 0);
+    free(r.blob);
+    seen_untrusted = 0;
+    hm_state_limits(sw.st[3], limit_emit, NULL);
+    cr_assert_geq(seen_untrusted, 2, "the two untrusted declarations were set aside");
+    /* The state module closes cleanly with its list. */
+    int closed = 0;
+    hm_state_close(sw.st[3], set_flag, &closed);
+    sw.st[3] = NULL;
+    cr_assert(hm_test_run_until(&sw.loop, closed_flag, &closed, 5000));
+    free(a);
+    free(b);
+    swarm_stop(&sw);
+}
+
 /* ---------------------------------------------------------------- failures */
 
 Test(state, no_donors_enoent_within_timeout)
