@@ -163,7 +163,7 @@ struct hm_state {
     void (*close_cb)(void *ud);
     void *close_ud;
     uint8_t (*trusted)[HM_PK_BYTES]; /* the config's copy; n in cfg.n_trusted */
-    uint64_t refused_origin, refused_untrusted; /* hm_state_limits */
+    uint64_t refused_origin, refused_untrusted, refused_lead; /* hm_state_limits */
 };
 
 static void pump(load *l);
@@ -927,31 +927,6 @@ static int is_trusted(const hm_state *st, const uint8_t pk[HM_PK_BYTES])
 }
 
 /*
- * The votes of the donors declaring e[i]'s state: per origin at most
- * per_origin donors (state.h, "Who is believed"). *extra gets the donors
- * that did not count.
- */
-static size_t votes(const decl_entry *e, size_t n, size_t i, unsigned per_origin, size_t *extra)
-{
-    size_t count = 0;
-    *extra = 0;
-    for (size_t j = 0; j < n; j++) {
-        if (!decl_same(&e[i].d, &e[j].d))
-            continue;
-        /* j counts unless per_origin donors of its origin before it already did. */
-        unsigned before = 0;
-        for (size_t k = 0; k < j; k++)
-            if (decl_same(&e[i].d, &e[k].d) && hm_origin_eq(&e[k].origin, &e[j].origin))
-                before++;
-        if (before < per_origin)
-            count++;
-        else
-            (*extra)++;
-    }
-    return count;
-}
-
-/*
  * A declared address with an unspecified host (a donor listening on all
  * interfaces) is completed from the peer table, where the node keeps the
  * address each peer was last seen at. 0, or -ENOENT when it cannot be.
@@ -990,33 +965,65 @@ static int complete_addr(hm_state *st, const uint8_t pk[HM_PK_BYTES],
 
 static void start_manifest(load *l);
 
-/* Picks the newest step with min_agree agreeing donors; 0, -ENOENT or -EPROTO. */
+/*
+ * Picks the newest state enough origins vouch for (state.h, "Who is
+ * believed"); 0, -ENOENT, -EPROTO or -ENOMEM. O(n^2) in the declarations
+ * read (at most MAX_DECLS), so that many declarations cost the loop little.
+ */
 static int agree(load *l, const decl_entry *e, size_t n)
 {
-    size_t best = SIZE_MAX, best_count = 0;
+    hm_state *st = l->st;
     /* Trusted donors stand for themselves: one suffices, wherever it runs. */
-    int trusting = l->st->cfg.n_trusted > 0;
-    unsigned per_origin = trusting ? HM_STATE_MAX_DONORS : l->st->cfg.donors_per_origin;
+    int trusting = st->cfg.n_trusted > 0;
+    unsigned per_origin = trusting ? HM_STATE_MAX_DONORS : st->cfg.donors_per_origin;
     size_t need = trusting ? 1 : l->min_agree;
-    for (size_t i = 0; i < n; i++) {
-        size_t extra = 0, first = 1;
-        size_t count = votes(e, n, i, per_origin, &extra);
-        for (size_t j = 0; j < i && first; j++)
-            if (decl_same(&e[i].d, &e[j].d))
-                first = 0;
-        if (first) /* each state's set-aside donors once per read */
-            l->st->refused_origin += extra;
-        if (count < need)
-            continue;
-        if (best == SIZE_MAX || e[i].d.step > e[best].d.step ||
-            (e[i].d.step == e[best].d.step &&
-             (count > best_count ||
-              (count == best_count &&
-               memcmp(e[i].d.hash, e[best].d.hash, HM_STATE_HASH_BYTES) < 0)))) {
-            best = i;
-            best_count = count;
-        }
+    size_t *cls = calloc(n ? n : 1, sizeof(*cls));
+    size_t *vote = calloc(n ? n : 1, sizeof(*vote));
+    size_t best = SIZE_MAX, major = SIZE_MAX;
+    if (cls == NULL || vote == NULL) {
+        free(cls);
+        free(vote);
+        return -ENOMEM;
     }
+    /* cls[i]: the first declaration of e[i]'s state; vote[c]: its counted donors. */
+    for (size_t i = 0; i < n; i++) {
+        unsigned before = 0;
+        cls[i] = i;
+        for (size_t j = 0; j < i; j++)
+            if (decl_same(&e[i].d, &e[j].d)) {
+                cls[i] = cls[j];
+                break;
+            }
+        for (size_t j = cls[i]; j < i; j++)
+            if (cls[j] == cls[i] && hm_origin_eq(&e[j].origin, &e[i].origin))
+                before++;
+        if (before < per_origin)
+            vote[cls[i]]++;
+        else
+            st->refused_origin++; /* its origin voted for this state already */
+    }
+    /* The state most origins vouch for (ties: the newer), for the lead bound. */
+    for (size_t c = 0; c < n; c++)
+        if (cls[c] == c && (major == SIZE_MAX || vote[c] > vote[major] ||
+                            (vote[c] == vote[major] && e[c].d.step > e[major].d.step)))
+            major = c;
+    for (size_t c = 0; c < n; c++) {
+        if (cls[c] != c || vote[c] < need)
+            continue;
+        if (!trusting && st->cfg.max_step_lead > 0 && e[c].d.step > e[major].d.step &&
+            e[c].d.step - e[major].d.step > st->cfg.max_step_lead) {
+            st->refused_lead += vote[c];
+            continue;
+        }
+        if (best == SIZE_MAX || e[c].d.step > e[best].d.step ||
+            (e[c].d.step == e[best].d.step &&
+             (vote[c] > vote[best] ||
+              (vote[c] == vote[best] &&
+               memcmp(e[c].d.hash, e[best].d.hash, HM_STATE_HASH_BYTES) < 0))))
+            best = c;
+    }
+    free(cls);
+    free(vote);
     if (best == SIZE_MAX)
         return n == 0 ? -ENOENT : -EPROTO;
     l->agreed = e[best].d;
@@ -1091,6 +1098,10 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
         l->n_declared = ne;
         r = agree(l, e, ne);
         free(e);
+        if (r == -ENOMEM) {
+            load_finish(l, -ENOMEM);
+            return;
+        }
     } else if (status < 0) {
         hm_debug(MOD, "%s: DHT read failed: %s", l->key, hm_strerror(status));
     }
@@ -1546,6 +1557,7 @@ void hm_state_limits(const hm_state *st, hm_limit_emit_fn emit, void *ud)
 {
     emit(ud, "StateDonorsPerOrigin", st->refused_origin);
     emit(ud, "StateTrustedDonors", st->refused_untrusted);
+    emit(ud, "StateMaxStepLead", st->refused_lead);
 }
 
 void hm_state_close(hm_state *st, void (*cb)(void *ud), void *ud)

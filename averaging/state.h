@@ -64,8 +64,10 @@
  * identities on one host agreeing on step 999999 are one vote, and the
  * newest step wins only among steps that enough origins vouch for. With a
  * list of trusted donors (hm_state_config) only their declarations count,
- * and one suffices. hm_state_limits reports how many declarations each of
- * the two rules set aside.
+ * and one suffices. With max_step_lead set, a step further ahead than that
+ * of the state most origins vouch for is not taken, so a few origins
+ * agreeing on step 999999 cannot overtake a majority at step 100.
+ * hm_state_limits reports how many declarations each rule set aside.
  *
  * Outcome: 0, or -ENOENT (nobody declares a state under the prefix),
  * -EPROTO (declarations exist but no step has min_agree agreeing donors,
@@ -143,6 +145,11 @@ typedef struct hm_state_config {
      */
     const uint8_t (*trusted)[HM_PK_BYTES];
     size_t n_trusted;
+    /*
+     * A state more than this many steps ahead of the one most origins
+     * vouch for is not taken, however many agree on it; 0: no bound.
+     */
+    uint64_t max_step_lead;
 } hm_state_config;
 
 /* Creates the module and registers its rpc methods. 0, -ENOMEM, -EEXIST
@@ -160,7 +167,8 @@ void hm_state_close(hm_state *st, void (*cb)(void *ud), void *ud);
  * Reports, by config keyword, the declarations set aside by the rules of
  * "Who is believed": StateDonorsPerOrigin (a donor beyond its origin's
  * count, at each read of the declarations) and StateTrustedDonors (a donor
- * not on the list).
+ * not on the list) and StateMaxStepLead (the counted donors of a state
+ * too far ahead).
  */
 void hm_state_limits(const hm_state *st, hm_limit_emit_fn emit, void *ud);
 

@@ -556,6 +556,11 @@ Test(state, one_origin_is_one_vote)
 }
 
 static int closed_flag(void *ud) { return *(int *)ud != 0; }
+static void lead_emit(void *ud, const char *kw, uint64_t v)
+{
+    if (strcmp(kw, "StateMaxStepLead") == 0)
+        *(uint64_t *)ud = v;
+}
 static void set_flag(void *ud) { *(int *)ud = 1; }
 
 /* With trusted donors, only they are read, and one suffices. */
@@ -593,6 +598,47 @@ Test(state, trusted_donors_alone_are_used)
     hm_state_close(sw.st[3], set_flag, &closed);
     sw.st[3] = NULL;
     cr_assert(hm_test_run_until(&sw.loop, closed_flag, &closed, 5000));
+    free(a);
+    free(b);
+    swarm_stop(&sw);
+}
+
+/*
+ * Three donors at step 100 and two at step 999999: the newest agreed step
+ * wins, unless max_step_lead bounds how far ahead of the state most donors
+ * vouch for it may be.
+ */
+Test(state, a_step_far_ahead_of_the_majority_is_not_taken)
+{
+    swarm sw;
+    swarm_start(&sw, 6, 6);
+    uint8_t *a = make_blob(30 * 1024, 31), *b = make_blob(30 * 1024, 32);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 3, "lead", 100, a, 30 * 1024, &so);
+    share_on(&sw, 3, 5, "lead", 999999, b, 30 * 1024, &so);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000};
+    load(&sw, 5, "lead", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 999999u, "without the bound the newest agreed step wins");
+    free(r.blob);
+    int closed = 0;
+    hm_state_close(sw.st[5], set_flag, &closed);
+    sw.st[5] = NULL;
+    cr_assert(hm_test_run_until(&sw.loop, closed_flag, &closed, 5000));
+    hm_state_config cfg = one_host;
+    cfg.max_step_lead = 1000;
+    cr_assert_eq(hm_state_new(sw.nodes[5], &cfg, &sw.st[5]), 0);
+    load(&sw, 5, "lead", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 100u);
+    cr_assert_eq(r.rep.n_donors, 3u);
+    cr_assert_eq(memcmp(r.blob, a, r.len), 0);
+    free(r.blob);
+    static uint64_t lead;
+    lead = 0;
+    hm_state_limits(sw.st[5], lead_emit, &lead);
+    cr_assert_eq(lead, 2, "the two donors of the step far ahead were set aside");
     free(a);
     free(b);
     swarm_stop(&sw);

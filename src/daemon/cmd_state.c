@@ -360,6 +360,7 @@ int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errle
     uint8_t trusted[HM_STATE_MAX_DONORS][HM_PK_BYTES];
     memset(&sc, 0, sizeof(sc));
     sc.donors_per_origin = d->cfg->state_donors_per_origin;
+    sc.max_step_lead = d->cfg->state_max_step_lead;
     if ((r = parse_trusted(d->cfg->state_trusted_donors, trusted, &sc.n_trusted)) < 0) {
         snprintf(err, errlen, "StateTrustedDonors: expected up to %d comma-separated peer ids",
                  HM_STATE_MAX_DONORS);

@@ -121,6 +121,9 @@ static const struct opt opts[] = {
     {"StateTrustedDonors", "state-trusted-donors", T_WORD, FIELD(state_trusted_donors), 0, 0, 0,
      "PEERID[,PEERID...]", "when set, state downloads use only these donors, and one of them "
      "suffices (default none: any donors, agreeing by origin)"},
+    {"StateMaxStepLead", "state-max-step-lead", T_UINT, FIELD(state_max_step_lead), 0,
+     4294967295u, 0, "STEPS", "a state download takes no step more than STEPS ahead of the "
+     "state most origins vouch for (default 0: no bound)"},
 };
 
 #define N_OPTS HM_ARRAY_LEN(opts)

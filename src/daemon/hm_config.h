@@ -81,6 +81,7 @@ typedef struct hm_config {
     unsigned average_bandwidth_factor;   /* bandwidth <= this x the group's median */
     unsigned state_donors_per_origin;    /* donors of one origin counted toward min_agree */
     char state_trusted_donors[HM_CONFIG_TRUSTED_LEN]; /* comma-separated peer ids; empty: none */
+    unsigned state_max_step_lead;        /* steps ahead of the most-vouched state; 0: none */
 } hm_config;
 
 /*
