@@ -31,10 +31,14 @@
 #define KEY_SUFFIX ".state"
 /* Declarations read per load; the rest are ignored. */
 #define MAX_DECLS 256
+/* Unseen donors one load asks to prove their address. */
+#define MAX_PROBES 64
 /* A DHT read of the declarations. */
 #define DHT_TIMEOUT_MS 5000
 /* Between two reads of the declarations when no agreement was found. */
 #define DHT_RETRY_MS 1000
+/* A probe of an unseen donor (see probe()): shorter than a read's retry period. */
+#define PROBE_TIMEOUT_MS 900
 /* A donor that answered -ENOBUFS (busy) is asked again after this. */
 #define BUSY_BACKOFF_MS 200
 /* After a failed request, a donor waits this times its failures in a row. */
@@ -44,7 +48,7 @@
 /* The absolute ceiling of a state's size: the chunk count times the chunk size. */
 #define ABS_MAX_BLOB ((uint64_t)HM_STATE_MAX_CHUNKS * HM_STATE_CHUNK_MAX)
 
-enum { OP_GET, OP_PUT, OP_MANIFEST, OP_CHUNK };
+enum { OP_GET, OP_PUT, OP_MANIFEST, OP_CHUNK, OP_PROBE };
 enum { L_DHT, L_MANIFEST, L_CHUNKS, L_DONE };
 enum { C_PENDING = 0, C_INFLIGHT = 1, C_DONE = 2 };
 
@@ -56,6 +60,7 @@ struct op {
     int kind;
     size_t donor, chunk;
     uint64_t call_id;
+    uint8_t pk[HM_PK_BYTES], hash[HM_STATE_HASH_BYTES]; /* OP_PROBE: whom, for which state */
 };
 
 /* One hashed (or being hashed) copy of a shared blob. */
@@ -141,6 +146,16 @@ struct load {
     uint8_t *blob;
     uint64_t refetched;
     uv_timer_t timer;
+    /*
+     * Donors the node has not seen (not in its peer table) are asked for
+     * their manifest before their vote counts (state.h, "Who is
+     * believed"): those that answered under their key at the address they
+     * declare, and those asked so far.
+     */
+    uint8_t verified[MAX_PROBES][HM_PK_BYTES];
+    size_t n_verified;
+    uint8_t probed[MAX_PROBES][HM_PK_BYTES];
+    size_t n_probed;
 };
 
 struct hm_state {
@@ -800,7 +815,7 @@ static void load_finish(load *l, int status)
             if (o->owner != l->id)
                 continue;
             o->owner = 0;
-            if (o->kind == OP_MANIFEST || o->kind == OP_CHUNK) {
+            if (o->kind == OP_MANIFEST || o->kind == OP_CHUNK || o->kind == OP_PROBE) {
                 (void)hm_rpc_cancel(st->rpc, o->call_id);
                 again = 1;
                 break;
@@ -916,7 +931,16 @@ typedef struct decl_entry {
     uint8_t pk[HM_PK_BYTES];
     hm_state_decl d;
     hm_origin origin; /* where the node saw it, else where it says it is */
+    int verified;     /* seen by the node, proven at its address, or trusted: it votes */
 } decl_entry;
+
+static int pk_in(uint8_t (*list)[HM_PK_BYTES], size_t n, const uint8_t pk[HM_PK_BYTES])
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(list[i], pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}
 
 static int is_trusted(const hm_state *st, const uint8_t pk[HM_PK_BYTES])
 {
@@ -994,8 +1018,10 @@ static int agree(load *l, const decl_entry *e, size_t n)
                 cls[i] = cls[j];
                 break;
             }
+        if (!e[i].verified)
+            continue; /* its address is not proven yet: no vote */
         for (size_t j = cls[i]; j < i; j++)
-            if (cls[j] == cls[i] && hm_origin_eq(&e[j].origin, &e[i].origin))
+            if (cls[j] == cls[i] && e[j].verified && hm_origin_eq(&e[j].origin, &e[i].origin))
                 before++;
         if (before < per_origin)
             vote[cls[i]]++;
@@ -1029,7 +1055,7 @@ static int agree(load *l, const decl_entry *e, size_t n)
     l->agreed = e[best].d;
     l->n_donors = 0;
     for (size_t j = 0; j < n && l->n_donors < HM_STATE_MAX_DONORS; j++) {
-        if (!decl_same(&e[j].d, &l->agreed))
+        if (!e[j].verified || !decl_same(&e[j].d, &l->agreed))
             continue;
         donor *d = &l->donors[l->n_donors++];
         memset(d, 0, sizeof(*d));
@@ -1037,6 +1063,60 @@ static int agree(load *l, const decl_entry *e, size_t n)
         d->addr = e[j].d.addr;
     }
     return 0;
+}
+
+static void on_probe(void *ud, int status, const uint8_t *body, size_t len)
+{
+    op *o = ud;
+    hm_state *st = o->st;
+    uint64_t id = o->owner;
+    uint8_t pk[HM_PK_BYTES], want[HM_STATE_HASH_BYTES], h[HM_STATE_HASH_BYTES];
+    memcpy(pk, o->pk, HM_PK_BYTES);
+    memcpy(want, o->hash, HM_STATE_HASH_BYTES);
+    op_free(o);
+    load *l = st != NULL && id != 0 ? load_by_id(st, id) : NULL;
+    if (l == NULL || status != 0 || len > HM_STATE_MANIFEST_MAX)
+        return;
+    /* The key answered at the address it declares, with the state it declares. */
+    hash_bytes(body, len, h);
+    if (sodium_memcmp(h, want, HM_STATE_HASH_BYTES) == 0 && l->n_verified < MAX_PROBES &&
+        !pk_in(l->verified, l->n_verified, pk)) {
+        memcpy(l->verified[l->n_verified++], pk, HM_PK_BYTES);
+        hm_debug(MOD, "%s: an unseen donor proved its address", l->key);
+    }
+}
+
+/*
+ * Asks a donor the node has not seen for the manifest it declares, once
+ * per load: an answer under its key proves the address it declares, and
+ * so its origin; the next read of the declarations counts its vote.
+ */
+static void probe(load *l, const decl_entry *x)
+{
+    hm_state *st = l->st;
+    uint8_t buf[HM_STATE_SMALL_MAX];
+    hm_wire_wr w;
+    hm_state_req q;
+    if (l->n_probed >= MAX_PROBES || pk_in(l->probed, l->n_probed, x->pk))
+        return;
+    memcpy(l->probed[l->n_probed++], x->pk, HM_PK_BYTES);
+    hm_debug(MOD, "%s: asking an unseen donor to prove its address", l->key);
+    memset(&q, 0, sizeof(q));
+    memcpy(q.prefix, l->prefix, sizeof(q.prefix));
+    memcpy(q.hash, x->d.hash, HM_STATE_HASH_BYTES);
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_state_encode_req(&w, &q, 0);
+    if (hm_wire_wr_error(&w) < 0)
+        return;
+    op *o = op_new(st, l->id, OP_PROBE);
+    if (o == NULL)
+        return;
+    memcpy(o->pk, x->pk, HM_PK_BYTES);
+    memcpy(o->hash, x->d.hash, HM_STATE_HASH_BYTES);
+    if (hm_rpc_call(st->rpc, x->pk, (const struct sockaddr *)&x->d.addr, M_MANIFEST, buf, w.len,
+                    HM_RPC_STREAM, HM_MIN(l->req_ms, (uint64_t)PROBE_TIMEOUT_MS), on_probe, o,
+                    &o->call_id) < 0)
+        op_free(o);
 }
 
 static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
@@ -1087,11 +1167,16 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
             if (complete_addr(st, x->pk, &x->d.addr) < 0)
                 continue;
             hm_origin_of((const struct sockaddr *)&x->d.addr, &x->origin);
+            /* Trusted donors vote as who they are; the origin rule does not apply. */
+            x->verified = st->cfg.n_trusted > 0 || pk_in(l->verified, l->n_verified, x->pk);
             for (size_t p = 0; p < n_peers; p++)
                 if (memcmp(peers[p].pk, x->pk, HM_PK_BYTES) == 0) {
                     hm_origin_of((const struct sockaddr *)&peers[p].addr, &x->origin);
+                    x->verified = 1;
                     break;
                 }
+            if (!x->verified)
+                probe(l, x);
             ne++;
         }
         free(peers);

@@ -58,9 +58,15 @@
  * origins (src/base/origin.h: a public /24 or /48, a local address whole),
  * not keys: the donors that declare one state count, per origin, at most
  * donors_per_origin (default 1) toward min_agree. A donor's origin is that
- * of the address the node last saw it at (its peer table), or else of the
- * address it declares; a donor that declares someone else's address gains
- * nothing, since the download then cannot reach it under its key. So two
+ * of the address the node last saw it at (its peer table). A donor the
+ * node has not seen has no vote until it proves the address it declares:
+ * the load asks it for the manifest it declares (once, at most MAX_PROBES
+ * donors per load, with a timeout shorter than the pause between two
+ * reads), and from the next read on a donor that answered under its key
+ * votes with the origin of that address. Keys that declare a state and
+ * are never reachable at their address (another origin's address, or
+ * gone) thus never vote, and only donors with a vote are downloaded from.
+ * So two
  * identities on one host agreeing on step 999999 are one vote, and the
  * newest step wins only among steps that enough origins vouch for. With a
  * list of trusted donors (hm_state_config) only their declarations count,

@@ -644,6 +644,44 @@ Test(state, a_step_far_ahead_of_the_majority_is_not_taken)
     swarm_stop(&sw);
 }
 
+/*
+ * A donor the newcomer has never seen votes only once it answers under its
+ * key at the address it declares: here one that declared step 999999 and
+ * then went away, next to a live one, does not make the two agree; the two
+ * honest donors at step 7 win.
+ */
+Test(state, an_unseen_donor_votes_only_once_it_answers)
+{
+    swarm sw;
+    char addr[256];
+    swarm_start(&sw, 5, 4);
+    uint8_t *a = make_blob(30 * 1024, 41), *b = make_blob(30 * 1024, 42);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 1, "unseen", 7, a, 30 * 1024, &so);
+    share_on(&sw, 2, 3, "unseen", 7, a, 30 * 1024, &so);
+    share_on(&sw, 1, 2, "unseen", 999999, b, 30 * 1024, &so);
+    share_on(&sw, 3, 4, "unseen", 999999, b, 30 * 1024, &so);
+    /* Donor 3 leaves; its declaration stays in the DHT. */
+    kill_node(&sw, 3);
+    /* The newcomer joins afterwards: donor 3 is in no table of its. */
+    cr_assert_eq(hm_node_address(sw.nodes[0], addr, sizeof(addr)), 0);
+    sw.nodes[5] = hm_test_make_node(&sw.loop, "state-test", addr);
+    sw.n = 6;
+    cr_assert_eq(hm_state_new(sw.nodes[5], &one_host, &sw.st[5]), 0);
+    cr_assert(hm_test_run_until(&sw.loop, dht_ready, &sw, 10000));
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000};
+    load(&sw, 5, "unseen", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 7u, "the departed donor's vote was counted");
+    cr_assert_eq(r.rep.n_donors, 2u);
+    cr_assert_eq(memcmp(r.blob, a, r.len), 0);
+    free(r.blob);
+    free(a);
+    free(b);
+    swarm_stop(&sw);
+}
+
 /* ---------------------------------------------------------------- failures */
 
 Test(state, no_donors_enoent_within_timeout)
