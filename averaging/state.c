@@ -31,8 +31,12 @@
 #define KEY_SUFFIX ".state"
 /* Declarations read per load; the rest are ignored. */
 #define MAX_DECLS 256
-/* Unseen donors one load asks to prove their address. */
-#define MAX_PROBES 64
+/*
+ * Unseen donors one load asks to prove their address; each answer is a
+ * manifest (at most HM_STATE_MANIFEST_MAX, 2 MiB), so a load spends at most
+ * 32 MiB on proofs.
+ */
+#define MAX_PROBES 16
 /* A DHT read of the declarations. */
 #define DHT_TIMEOUT_MS 5000
 /* Between two reads of the declarations when no agreement was found. */

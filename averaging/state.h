@@ -60,7 +60,7 @@
  * donors_per_origin (default 1) toward min_agree. A donor's origin is that
  * of the address the node last saw it at (its peer table). A donor the
  * node has not seen has no vote until it proves the address it declares:
- * the load asks it for the manifest it declares (once, at most MAX_PROBES
+ * the load asks it for the manifest it declares (once, at most 16
  * donors per load, with a timeout shorter than the pause between two
  * reads), and from the next read on a donor that answered under its key
  * votes with the origin of that address. Keys that declare a state and
