@@ -134,6 +134,7 @@ struct hm_ar_round {
     LIST_HEAD(, notice) notices;
     uint64_t start_ms, deadline_ms, start_us;
     uint64_t bytes_sent, bytes_recv;
+    hm_ar_limit_cfg lim; /* the context's bounds when the round started */
     int status;    /* first failure, 0 while none */
     int finishing; /* finish scheduled for the next tick */
     int finished;  /* inside finish: callbacks only clean up */
@@ -156,6 +157,9 @@ struct hm_ar_ctx {
     int closing;
     void (*close_cb)(void *ud);
     void *close_ud;
+    hm_ar_limit_cfg lim;
+    /* What the bounds changed (hm_ar_limits). */
+    uint64_t weights_clamped, clip_weights_clamped, bandwidths_clamped;
 };
 
 /* Inputs at least this large get their rollback copy in huge pages where the kernel allows. */
@@ -370,26 +374,81 @@ out:
 
 /* ================================================================== layout */
 
-static int shares(const hm_avg_group *g, uint64_t *share)
+static int factor_ok(double f) { return isfinite(f) && f >= 1.0; }
+
+/* The lower median of the positive values of v[0..n), n <= HM_AVG_MAX_GROUP; 0 if none. */
+static double lower_median_positive(const double *v, size_t n)
 {
+    double s[HM_AVG_MAX_GROUP];
+    size_t k = 0;
+    for (size_t i = 0; i < n && i < HM_AVG_MAX_GROUP; i++) {
+        double x = v[i];
+        if (!(x > 0) || !isfinite(x))
+            continue;
+        size_t j = k++;
+        while (j > 0 && s[j - 1] > x) { /* insertion sort: at most 64 values */
+            s[j] = s[j - 1];
+            j--;
+        }
+        s[j] = x;
+    }
+    return k == 0 ? 0.0 : s[(k - 1) / 2];
+}
+
+double hm_ar_weight_cap(const double *w, size_t n, double factor)
+{
+    double med = lower_median_positive(w, n);
+    if (!factor_ok(factor))
+        factor = HM_AR_WEIGHT_FACTOR_DEFAULT;
+    /* The product may overflow to infinity (a median near DBL_MAX): then nothing is above it. */
+    return med * factor;
+}
+
+/*
+ * Integer shares from the bandwidths, each positive one first clamped to
+ * factor x the group's lower median (allreduce.h, "Bounds"). Every step is
+ * exactly rounded IEEE arithmetic on the same inputs, so every member gets
+ * the same shares. *clamped (may be NULL) gets how many were clamped.
+ */
+static int shares(const hm_avg_group *g, double factor, uint64_t *share, size_t *clamped)
+{
+    double bw[HM_AVG_MAX_GROUP];
     double max_b = 0;
+    if (!factor_ok(factor))
+        factor = HM_AR_BANDWIDTH_FACTOR_DEFAULT;
+    if (clamped != NULL)
+        *clamped = 0;
     for (size_t i = 0; i < g->n; i++) {
         double b = g->members[i].bandwidth;
-        if (isfinite(b) && b > max_b)
-            max_b = b;
+        bw[i] = (isfinite(b) && b > 0) ? b : 0;
+    }
+    double cap = lower_median_positive(bw, g->n) * factor;
+    for (size_t i = 0; i < g->n; i++) {
+        if (bw[i] > cap) {
+            bw[i] = cap;
+            if (clamped != NULL)
+                (*clamped)++;
+        }
+        if (bw[i] > max_b)
+            max_b = bw[i];
     }
     if (max_b <= 0)
         return -EHOSTUNREACH;
     for (size_t i = 0; i < g->n; i++) {
-        double b = g->members[i].bandwidth;
+        double b = bw[i];
         /* b / max_b is correctly rounded and the scaling is exact: the same everywhere. */
-        share[i] = (isfinite(b) && b > 0) ? (uint64_t)floor(b / max_b * (double)(1u << SHARE_BITS))
-                                          : 0;
+        share[i] = b > 0 ? (uint64_t)floor(b / max_b * (double)(1u << SHARE_BITS)) : 0;
     }
     return 0;
 }
 
 int hm_ar_layout(const hm_avg_group *g, size_t n, size_t *offsets, size_t *counts)
+{
+    return hm_ar_layout_bounded(g, n, HM_AR_BANDWIDTH_FACTOR_DEFAULT, offsets, counts);
+}
+
+int hm_ar_layout_bounded(const hm_avg_group *g, size_t n, double bandwidth_factor,
+                         size_t *offsets, size_t *counts)
 {
     uint64_t share[HM_AVG_MAX_GROUP];
     uint64_t total = 0, acc = 0;
@@ -397,7 +456,7 @@ int hm_ar_layout(const hm_avg_group *g, size_t n, size_t *offsets, size_t *count
 
     if (g == NULL || g->n == 0 || g->n > HM_AVG_MAX_GROUP)
         return -EINVAL;
-    if ((rc = shares(g, share)) < 0)
+    if ((rc = shares(g, bandwidth_factor, share, NULL)) < 0)
         return rc;
     for (size_t i = 0; i < g->n; i++)
         total += share[i];
@@ -560,8 +619,31 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
                 continue;
             xs[m] = o->part[j] != NULL ? o->part[j] : r->data + off;
             w[m] = o->w[j];
-            total += w[m];
             m++;
+        }
+        /*
+         * Weights are the senders' word: each is clamped to a factor of the
+         * chunk's median, then all are divided by the largest, so that
+         * neither one member's share nor the accumulator can run away
+         * (allreduce.h, "Bounds").
+         */
+        int clip = r->cfg.aggregate == HM_AR_CENTERED_CLIP;
+        double cap = hm_ar_weight_cap(w, m, clip ? r->lim.clip_weight_factor
+                                                 : r->lim.weight_factor);
+        double wmax = 0;
+        for (size_t j = 0; j < m; j++) {
+            if (w[j] > cap) {
+                w[j] = cap;
+                if (clip)
+                    r->ctx->clip_weights_clamped++;
+                else
+                    r->ctx->weights_clamped++;
+            }
+            wmax = HM_MAX(wmax, w[j]);
+        }
+        for (size_t j = 0; j < m && wmax > 0; j++) {
+            w[j] /= wmax;
+            total += w[j];
         }
         if (total <= 0) /* every weight 0: the plain mean */
             for (size_t j = 0; j < m; j++)
@@ -1656,10 +1738,13 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
     r->ud = ud;
     r->self_bit = bit(group->self);
     r->all_mask = group->n == 64 ? ~(uint64_t)0 : bit(group->n) - 1;
-    if ((result = hm_ar_layout(group, n, r->off, r->cnt)) < 0)
+    r->lim = ctx->lim;
+    if ((result = hm_ar_layout_bounded(group, n, r->lim.bandwidth_factor, r->off, r->cnt)) < 0)
         goto out;
-    if ((result = shares(group, r->share)) < 0)
+    size_t bw_clamped = 0;
+    if ((result = shares(group, r->lim.bandwidth_factor, r->share, &bw_clamped)) < 0)
         goto out;
+    ctx->bandwidths_clamped += bw_clamped;
     size_t max_ch = 0;
     for (size_t s = 0; s < group->n; s++) {
         r->nch[s] = (r->cnt[s] + cfg.chunk_elems - 1) / cfg.chunk_elems;
@@ -1722,6 +1807,7 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
     if (ctx == NULL)
         return -ENOMEM;
     LIST_INIT(&ctx->rounds);
+    hm_ar_limit_defaults(&ctx->lim);
     ctx->loop = loop;
     ctx->rpc = rpc;
     memcpy(ctx->pk, id->pk, HM_PK_BYTES);
@@ -1742,6 +1828,29 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
     ctx->timer.data = ctx;
     *out = ctx;
     return 0;
+}
+
+void hm_ar_limit_defaults(hm_ar_limit_cfg *lim)
+{
+    lim->weight_factor = HM_AR_WEIGHT_FACTOR_DEFAULT;
+    lim->clip_weight_factor = HM_AR_CLIP_WEIGHT_FACTOR_DEFAULT;
+    lim->bandwidth_factor = HM_AR_BANDWIDTH_FACTOR_DEFAULT;
+}
+
+int hm_ar_set_limits(hm_ar_ctx *ctx, const hm_ar_limit_cfg *lim)
+{
+    if (ctx == NULL || lim == NULL || !factor_ok(lim->weight_factor) ||
+        !factor_ok(lim->clip_weight_factor) || !factor_ok(lim->bandwidth_factor))
+        return -EINVAL;
+    ctx->lim = *lim;
+    return 0;
+}
+
+void hm_ar_limits(const hm_ar_ctx *ctx, hm_limit_emit_fn emit, void *ud)
+{
+    emit(ud, "AverageWeightFactor", ctx->weights_clamped);
+    emit(ud, "AverageClipWeightFactor", ctx->clip_weights_clamped);
+    emit(ud, "AverageBandwidthFactor", ctx->bandwidths_clamped);
 }
 
 static void ctx_timer_closed(uv_handle_t *h)

@@ -142,7 +142,33 @@
  * Trust. Members are trusted to report deaths honestly: a member that lies
  * in its masks can leave others out of a round. Data is checked (sizes,
  * finiteness), and CenteredClip bounds what a minority of bad values can do
- * to an average.
+ * to an average. A reducer is trusted with its own span's answer, which is
+ * why the shares below are bounded.
+ *
+ * Bounds on what a member declares (hm_ar_limit_cfg; docs/security.md,
+ * "Averaging and state download"). Weights and bandwidths are the
+ * members' own word, so a hostile one could declare 1e30 and own every
+ * average, or 1e12 bytes per second and reduce nearly the whole vector.
+ *   - Weights: a reducer clamps every part's weight, per chunk, to
+ *     weight_factor (mean) or clip_weight_factor (centered_clip) times
+ *     the median positive weight among that chunk's parts (the lower
+ *     median: element floor((k-1)/2) of the k sorted positive weights).
+ *     A member alone thus holds at most F / (F + others) of the total when
+ *     the others declare the median weight; with factor 1 under
+ *     CenteredClip one member among h honest of equal weight holds 1/(h+1)
+ *     of the weight, below half for h >= 2, which is the condition of
+ *     CenteredClip's bound. The clamped weights are then divided by their
+ *     largest and the average is accumulated in double, so no weight (up
+ *     to DBL_MAX) can overflow it: every float32 part times a weight in
+ *     [0, 1], summed over at most 64 members, stays finite.
+ *   - Bandwidths: the layout clamps every positive declared bandwidth to
+ *     bandwidth_factor times the group's median positive bandwidth (the
+ *     lower median), before the shares are computed. Every member computes
+ *     the layout from the same group, so every member of a swarm must use
+ *     the same bandwidth_factor (a member with another one computes
+ *     another layout, and its parts are refused as malformed).
+ * Both default to values that leave honest swarms exact (weights within a
+ * factor of 4 of the median average exactly as declared).
  */
 #ifndef HM_AVG_ALLREDUCE_H
 #define HM_AVG_ALLREDUCE_H
@@ -153,6 +179,7 @@
 
 #include "averaging/group.h"
 #include "src/net/rpc.h"
+#include "src/base/origin.h"
 #include "src/base/wire.h"
 
 typedef struct hm_ar_ctx hm_ar_ctx;
@@ -223,6 +250,29 @@ typedef void (*hm_ar_done_cb)(void *ud, const hm_ar_report *rep);
 
 void hm_ar_config_defaults(hm_ar_config *cfg);
 
+/* The bounds above; defaults HM_AR_*_FACTOR_DEFAULT. Each factor is at least 1. */
+#define HM_AR_WEIGHT_FACTOR_DEFAULT 4.0
+#define HM_AR_CLIP_WEIGHT_FACTOR_DEFAULT 1.0
+#define HM_AR_BANDWIDTH_FACTOR_DEFAULT 2.0
+typedef struct hm_ar_limit_cfg {
+    double weight_factor;      /* mean: weight <= this x the chunk's median weight */
+    double clip_weight_factor; /* centered_clip: the same */
+    double bandwidth_factor;   /* bandwidth <= this x the group's median bandwidth */
+} hm_ar_limit_cfg;
+
+void hm_ar_limit_defaults(hm_ar_limit_cfg *lim);
+/*
+ * Sets the bounds for rounds started from now on. 0, or -EINVAL when a
+ * factor is under 1 or not finite.
+ */
+int hm_ar_set_limits(hm_ar_ctx *ctx, const hm_ar_limit_cfg *lim);
+/*
+ * Reports what the bounds changed, by config keyword: AverageWeightFactor
+ * and AverageClipWeightFactor (parts whose weight a reducer here clamped),
+ * AverageBandwidthFactor (members whose bandwidth a layout here clamped).
+ */
+void hm_ar_limits(const hm_ar_ctx *ctx, hm_limit_emit_fn emit, void *ud);
+
 /*
  * Creates the context on a node's rpc layer and registers the methods
  * ("avg.part", "avg.dead"); one per rpc. -EEXIST when already registered.
@@ -250,8 +300,18 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
 /* Ends the round early: done_cb fires from the loop with -ECANCELED. */
 void hm_ar_cancel(hm_ar_round *round);
 
-/* The span layout: offsets/counts for every member (n_members entries). */
+/* The span layout: offsets/counts for every member (n_members entries), with
+ * bandwidths bounded by HM_AR_BANDWIDTH_FACTOR_DEFAULT; hm_ar_layout_bounded
+ * takes the factor (>= 1; a smaller or non-finite one means the default). */
 int hm_ar_layout(const hm_avg_group *group, size_t n, size_t *offsets, size_t *counts);
+int hm_ar_layout_bounded(const hm_avg_group *group, size_t n, double bandwidth_factor,
+                         size_t *offsets, size_t *counts);
+/*
+ * The bound of a set of weights: factor x the lower median of the positive
+ * ones (0 when none is positive, then nothing is clamped). Public for the
+ * tests; the reducer applies it per chunk.
+ */
+double hm_ar_weight_cap(const double *w, size_t n, double factor);
 
 /* ---- messages (public for the fuzz target and tests) ---- */
 

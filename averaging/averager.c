@@ -338,6 +338,17 @@ hm_node *hm_averager_node(hm_averager *av) { return av->node; }
 
 /* ---- lifetime ---- */
 
+int hm_averager_set_limits(hm_averager *av, const hm_ar_limit_cfg *lim)
+{
+    return av != NULL && av->ar != NULL ? hm_ar_set_limits(av->ar, lim) : -EINVAL;
+}
+
+void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud)
+{
+    if (av != NULL && av->ar != NULL)
+        hm_ar_limits(av->ar, emit, ud);
+}
+
 int hm_averager_new(hm_node *node, hm_averager **out)
 {
     int result;

@@ -117,6 +117,14 @@ typedef void (*hm_avg_done_cb)(void *ud, int status, const hm_avg_report *rep);
 int hm_averager_new(hm_node *node, hm_averager **out);
 
 /*
+ * The all-reduce's bounds on declared weights and bandwidths
+ * (allreduce.h, "Bounds"), for rounds started from now on: 0 or -EINVAL.
+ * hm_averager_limits reports what they changed (hm_ar_limits).
+ */
+int hm_averager_set_limits(hm_averager *av, const hm_ar_limit_cfg *lim);
+void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud);
+
+/*
  * Ends every round (callbacks fire with -ECANCELED before this returns),
  * unregisters the methods and frees the averager; cb (may be NULL) fires
  * from the loop once everything is released.

@@ -31,10 +31,18 @@
 #define KEY_SUFFIX ".state"
 /* Declarations read per load; the rest are ignored. */
 #define MAX_DECLS 256
+/*
+ * Unseen donors one load asks to prove their address; each answer is a
+ * manifest (at most HM_STATE_MANIFEST_MAX, 2 MiB), so a load spends at most
+ * 32 MiB on proofs.
+ */
+#define MAX_PROBES 16
 /* A DHT read of the declarations. */
 #define DHT_TIMEOUT_MS 5000
 /* Between two reads of the declarations when no agreement was found. */
 #define DHT_RETRY_MS 1000
+/* A probe of an unseen donor (see probe()): shorter than a read's retry period. */
+#define PROBE_TIMEOUT_MS 900
 /* A donor that answered -ENOBUFS (busy) is asked again after this. */
 #define BUSY_BACKOFF_MS 200
 /* After a failed request, a donor waits this times its failures in a row. */
@@ -44,7 +52,7 @@
 /* The absolute ceiling of a state's size: the chunk count times the chunk size. */
 #define ABS_MAX_BLOB ((uint64_t)HM_STATE_MAX_CHUNKS * HM_STATE_CHUNK_MAX)
 
-enum { OP_GET, OP_PUT, OP_MANIFEST, OP_CHUNK };
+enum { OP_GET, OP_PUT, OP_MANIFEST, OP_CHUNK, OP_PROBE };
 enum { L_DHT, L_MANIFEST, L_CHUNKS, L_DONE };
 enum { C_PENDING = 0, C_INFLIGHT = 1, C_DONE = 2 };
 
@@ -56,6 +64,7 @@ struct op {
     int kind;
     size_t donor, chunk;
     uint64_t call_id;
+    uint8_t pk[HM_PK_BYTES], hash[HM_STATE_HASH_BYTES]; /* OP_PROBE: whom, for which state */
 };
 
 /* One hashed (or being hashed) copy of a shared blob. */
@@ -141,6 +150,16 @@ struct load {
     uint8_t *blob;
     uint64_t refetched;
     uv_timer_t timer;
+    /*
+     * Donors the node has not seen (not in its peer table) are asked for
+     * their manifest before their vote counts (state.h, "Who is
+     * believed"): those that answered under their key at the address they
+     * declare, and those asked so far.
+     */
+    uint8_t verified[MAX_PROBES][HM_PK_BYTES];
+    size_t n_verified;
+    uint8_t probed[MAX_PROBES][HM_PK_BYTES];
+    size_t n_probed;
 };
 
 struct hm_state {
@@ -162,6 +181,8 @@ struct hm_state {
     uv_timer_t anchor;
     void (*close_cb)(void *ud);
     void *close_ud;
+    uint8_t (*trusted)[HM_PK_BYTES]; /* the config's copy; n in cfg.n_trusted */
+    uint64_t refused_origin, refused_untrusted, refused_lead; /* hm_state_limits */
 };
 
 static void pump(load *l);
@@ -395,6 +416,7 @@ static void handle_closed(hm_state *st)
         return;
     void (*cb)(void *) = st->close_cb;
     void *ud = st->close_ud;
+    free(st->trusted);
     free(st);
     if (cb != NULL)
         cb(ud);
@@ -797,7 +819,7 @@ static void load_finish(load *l, int status)
             if (o->owner != l->id)
                 continue;
             o->owner = 0;
-            if (o->kind == OP_MANIFEST || o->kind == OP_CHUNK) {
+            if (o->kind == OP_MANIFEST || o->kind == OP_CHUNK || o->kind == OP_PROBE) {
                 (void)hm_rpc_cancel(st->rpc, o->call_id);
                 again = 1;
                 break;
@@ -912,7 +934,25 @@ static int decl_same(const hm_state_decl *a, const hm_state_decl *b)
 typedef struct decl_entry {
     uint8_t pk[HM_PK_BYTES];
     hm_state_decl d;
+    hm_origin origin; /* where the node saw it, else where it says it is */
+    int verified;     /* seen by the node, proven at its address, or trusted: it votes */
 } decl_entry;
+
+static int pk_in(uint8_t (*list)[HM_PK_BYTES], size_t n, const uint8_t pk[HM_PK_BYTES])
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(list[i], pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}
+
+static int is_trusted(const hm_state *st, const uint8_t pk[HM_PK_BYTES])
+{
+    for (size_t i = 0; i < st->cfg.n_trusted; i++)
+        if (memcmp(st->trusted[i], pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}
 
 /*
  * A declared address with an unspecified host (a donor listening on all
@@ -953,32 +993,73 @@ static int complete_addr(hm_state *st, const uint8_t pk[HM_PK_BYTES],
 
 static void start_manifest(load *l);
 
-/* Picks the newest step with min_agree agreeing donors; 0, -ENOENT or -EPROTO. */
+/*
+ * Picks the newest state enough origins vouch for (state.h, "Who is
+ * believed"); 0, -ENOENT, -EPROTO or -ENOMEM. O(n^2) in the declarations
+ * read (at most MAX_DECLS), so that many declarations cost the loop little.
+ */
 static int agree(load *l, const decl_entry *e, size_t n)
 {
-    size_t best = SIZE_MAX, best_count = 0;
-    for (size_t i = 0; i < n; i++) {
-        size_t count = 0;
-        for (size_t j = 0; j < n; j++)
-            if (decl_same(&e[i].d, &e[j].d))
-                count++;
-        if (count < l->min_agree)
-            continue;
-        if (best == SIZE_MAX || e[i].d.step > e[best].d.step ||
-            (e[i].d.step == e[best].d.step &&
-             (count > best_count ||
-              (count == best_count &&
-               memcmp(e[i].d.hash, e[best].d.hash, HM_STATE_HASH_BYTES) < 0)))) {
-            best = i;
-            best_count = count;
-        }
+    hm_state *st = l->st;
+    /* Trusted donors stand for themselves: one suffices, wherever it runs. */
+    int trusting = st->cfg.n_trusted > 0;
+    unsigned per_origin = trusting ? HM_STATE_MAX_DONORS : st->cfg.donors_per_origin;
+    size_t need = trusting ? 1 : l->min_agree;
+    size_t *cls = calloc(n ? n : 1, sizeof(*cls));
+    size_t *vote = calloc(n ? n : 1, sizeof(*vote));
+    size_t best = SIZE_MAX, major = SIZE_MAX;
+    if (cls == NULL || vote == NULL) {
+        free(cls);
+        free(vote);
+        return -ENOMEM;
     }
+    /* cls[i]: the first declaration of e[i]'s state; vote[c]: its counted donors. */
+    for (size_t i = 0; i < n; i++) {
+        unsigned before = 0;
+        cls[i] = i;
+        for (size_t j = 0; j < i; j++)
+            if (decl_same(&e[i].d, &e[j].d)) {
+                cls[i] = cls[j];
+                break;
+            }
+        if (!e[i].verified)
+            continue; /* its address is not proven yet: no vote */
+        for (size_t j = cls[i]; j < i; j++)
+            if (cls[j] == cls[i] && e[j].verified && hm_origin_eq(&e[j].origin, &e[i].origin))
+                before++;
+        if (before < per_origin)
+            vote[cls[i]]++;
+        else
+            st->refused_origin++; /* its origin voted for this state already */
+    }
+    /* The state most origins vouch for (ties: the newer), for the lead bound. */
+    for (size_t c = 0; c < n; c++)
+        if (cls[c] == c && (major == SIZE_MAX || vote[c] > vote[major] ||
+                            (vote[c] == vote[major] && e[c].d.step > e[major].d.step)))
+            major = c;
+    for (size_t c = 0; c < n; c++) {
+        if (cls[c] != c || vote[c] < need)
+            continue;
+        if (!trusting && st->cfg.max_step_lead > 0 && e[c].d.step > e[major].d.step &&
+            e[c].d.step - e[major].d.step > st->cfg.max_step_lead) {
+            st->refused_lead += vote[c];
+            continue;
+        }
+        if (best == SIZE_MAX || e[c].d.step > e[best].d.step ||
+            (e[c].d.step == e[best].d.step &&
+             (vote[c] > vote[best] ||
+              (vote[c] == vote[best] &&
+               memcmp(e[c].d.hash, e[best].d.hash, HM_STATE_HASH_BYTES) < 0))))
+            best = c;
+    }
+    free(cls);
+    free(vote);
     if (best == SIZE_MAX)
         return n == 0 ? -ENOENT : -EPROTO;
     l->agreed = e[best].d;
     l->n_donors = 0;
     for (size_t j = 0; j < n && l->n_donors < HM_STATE_MAX_DONORS; j++) {
-        if (!decl_same(&e[j].d, &l->agreed))
+        if (!e[j].verified || !decl_same(&e[j].d, &l->agreed))
             continue;
         donor *d = &l->donors[l->n_donors++];
         memset(d, 0, sizeof(*d));
@@ -986,6 +1067,60 @@ static int agree(load *l, const decl_entry *e, size_t n)
         d->addr = e[j].d.addr;
     }
     return 0;
+}
+
+static void on_probe(void *ud, int status, const uint8_t *body, size_t len)
+{
+    op *o = ud;
+    hm_state *st = o->st;
+    uint64_t id = o->owner;
+    uint8_t pk[HM_PK_BYTES], want[HM_STATE_HASH_BYTES], h[HM_STATE_HASH_BYTES];
+    memcpy(pk, o->pk, HM_PK_BYTES);
+    memcpy(want, o->hash, HM_STATE_HASH_BYTES);
+    op_free(o);
+    load *l = st != NULL && id != 0 ? load_by_id(st, id) : NULL;
+    if (l == NULL || status != 0 || len > HM_STATE_MANIFEST_MAX)
+        return;
+    /* The key answered at the address it declares, with the state it declares. */
+    hash_bytes(body, len, h);
+    if (sodium_memcmp(h, want, HM_STATE_HASH_BYTES) == 0 && l->n_verified < MAX_PROBES &&
+        !pk_in(l->verified, l->n_verified, pk)) {
+        memcpy(l->verified[l->n_verified++], pk, HM_PK_BYTES);
+        hm_debug(MOD, "%s: an unseen donor proved its address", l->key);
+    }
+}
+
+/*
+ * Asks a donor the node has not seen for the manifest it declares, once
+ * per load: an answer under its key proves the address it declares, and
+ * so its origin; the next read of the declarations counts its vote.
+ */
+static void probe(load *l, const decl_entry *x)
+{
+    hm_state *st = l->st;
+    uint8_t buf[HM_STATE_SMALL_MAX];
+    hm_wire_wr w;
+    hm_state_req q;
+    if (l->n_probed >= MAX_PROBES || pk_in(l->probed, l->n_probed, x->pk))
+        return;
+    memcpy(l->probed[l->n_probed++], x->pk, HM_PK_BYTES);
+    hm_debug(MOD, "%s: asking an unseen donor to prove its address", l->key);
+    memset(&q, 0, sizeof(q));
+    memcpy(q.prefix, l->prefix, sizeof(q.prefix));
+    memcpy(q.hash, x->d.hash, HM_STATE_HASH_BYTES);
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_state_encode_req(&w, &q, 0);
+    if (hm_wire_wr_error(&w) < 0)
+        return;
+    op *o = op_new(st, l->id, OP_PROBE);
+    if (o == NULL)
+        return;
+    memcpy(o->pk, x->pk, HM_PK_BYTES);
+    memcpy(o->hash, x->d.hash, HM_STATE_HASH_BYTES);
+    if (hm_rpc_call(st->rpc, x->pk, (const struct sockaddr *)&x->d.addr, M_MANIFEST, buf, w.len,
+                    HM_RPC_STREAM, HM_MIN(l->req_ms, (uint64_t)PROBE_TIMEOUT_MS), on_probe, o,
+                    &o->call_id) < 0)
+        op_free(o);
 }
 
 static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
@@ -1008,10 +1143,17 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
     size_t ne = 0;
     if (status == 0 && n > 0) {
         e = calloc(HM_MIN(n, (size_t)MAX_DECLS), sizeof(*e));
-        if (e == NULL) {
+        /* Where the node saw each peer: a donor's origin, whatever it declares. */
+        size_t n_peers = hm_node_peers(st->node, NULL, 0);
+        hm_peer_info *peers = n_peers > 0 ? calloc(n_peers, sizeof(*peers)) : NULL;
+        if (e == NULL || (n_peers > 0 && peers == NULL)) {
+            free(e);
+            free(peers);
             load_finish(l, -ENOMEM);
             return;
         }
+        if (peers != NULL)
+            n_peers = HM_MIN(n_peers, hm_node_peers(st->node, peers, n_peers));
         for (size_t i = 0; i < n && ne < MAX_DECLS; i++) {
             const hm_dht_record *rec = &values[i].rec;
             decl_entry *x = &e[ne];
@@ -1020,15 +1162,35 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
                 continue;
             if (memcmp(x->pk, st->pk, HM_PK_BYTES) == 0)
                 continue;
+            if (st->cfg.n_trusted > 0 && !is_trusted(st, x->pk)) {
+                st->refused_untrusted++;
+                continue;
+            }
             if (hm_state_decode_decl(rec->value, rec->value_len, &x->d) < 0)
                 continue;
             if (complete_addr(st, x->pk, &x->d.addr) < 0)
                 continue;
+            hm_origin_of((const struct sockaddr *)&x->d.addr, &x->origin);
+            /* Trusted donors vote as who they are; the origin rule does not apply. */
+            x->verified = st->cfg.n_trusted > 0 || pk_in(l->verified, l->n_verified, x->pk);
+            for (size_t p = 0; p < n_peers; p++)
+                if (memcmp(peers[p].pk, x->pk, HM_PK_BYTES) == 0) {
+                    hm_origin_of((const struct sockaddr *)&peers[p].addr, &x->origin);
+                    x->verified = 1;
+                    break;
+                }
+            if (!x->verified)
+                probe(l, x);
             ne++;
         }
+        free(peers);
         l->n_declared = ne;
         r = agree(l, e, ne);
         free(e);
+        if (r == -ENOMEM) {
+            load_finish(l, -ENOMEM);
+            return;
+        }
     } else if (status < 0) {
         hm_debug(MOD, "%s: DHT read failed: %s", l->key, hm_strerror(status));
     }
@@ -1435,6 +1597,21 @@ int hm_state_new(hm_node *node, const hm_state_config *cfg, hm_state **out)
     LIST_INIT(&st->ops);
     if (cfg != NULL)
         st->cfg = *cfg;
+    if (st->cfg.donors_per_origin == 0)
+        st->cfg.donors_per_origin = 1;
+    if (st->cfg.n_trusted > HM_STATE_MAX_DONORS || (st->cfg.n_trusted > 0 && cfg->trusted == NULL)) {
+        free(st);
+        return -EINVAL;
+    }
+    st->cfg.trusted = NULL;
+    if (st->cfg.n_trusted > 0) {
+        st->trusted = malloc(st->cfg.n_trusted * HM_PK_BYTES);
+        if (st->trusted == NULL) {
+            free(st);
+            return -ENOMEM;
+        }
+        memcpy(st->trusted, cfg->trusted, st->cfg.n_trusted * HM_PK_BYTES);
+    }
     if (st->cfg.max_blob_bytes == 0)
         st->cfg.max_blob_bytes = 4ull << 30;
     if (st->cfg.max_queued_per_peer == 0)
@@ -1458,9 +1635,18 @@ int hm_state_new(hm_node *node, const hm_state_config *cfg, hm_state **out)
     st->handles = 1;
     *out = st;
 out:
-    if (result < 0)
+    if (result < 0) {
+        free(st->trusted);
         free(st);
+    }
     return result;
+}
+
+void hm_state_limits(const hm_state *st, hm_limit_emit_fn emit, void *ud)
+{
+    emit(ud, "StateDonorsPerOrigin", st->refused_origin);
+    emit(ud, "StateTrustedDonors", st->refused_untrusted);
+    emit(ud, "StateMaxStepLead", st->refused_lead);
 }
 
 void hm_state_close(hm_state *st, void (*cb)(void *ud), void *ud)

@@ -54,6 +54,27 @@
  * callback gets the blob and a report: the step and hash, the bytes, and
  * per donor the chunks it served and, if dropped, why.
  *
+ * Who is believed. Identities are free, so min_agree counts network
+ * origins (src/base/origin.h: a public /24 or /48, a local address whole),
+ * not keys: the donors that declare one state count, per origin, at most
+ * donors_per_origin (default 1) toward min_agree. A donor's origin is that
+ * of the address the node last saw it at (its peer table). A donor the
+ * node has not seen has no vote until it proves the address it declares:
+ * the load asks it for the manifest it declares (once, at most 16
+ * donors per load, with a timeout shorter than the pause between two
+ * reads), and from the next read on a donor that answered under its key
+ * votes with the origin of that address. Keys that declare a state and
+ * are never reachable at their address (another origin's address, or
+ * gone) thus never vote, and only donors with a vote are downloaded from.
+ * So two
+ * identities on one host agreeing on step 999999 are one vote, and the
+ * newest step wins only among steps that enough origins vouch for. With a
+ * list of trusted donors (hm_state_config) only their declarations count,
+ * and one suffices. With max_step_lead set, a step further ahead than that
+ * of the state most origins vouch for is not taken, so a few origins
+ * agreeing on step 999999 cannot overtake a majority at step 100.
+ * hm_state_limits reports how many declarations each rule set aside.
+ *
  * Outcome: 0, or -ENOENT (nobody declares a state under the prefix),
  * -EPROTO (declarations exist but no step has min_agree agreeing donors,
  * or every agreeing donor served a bad manifest), -EHOSTUNREACH (every
@@ -91,6 +112,7 @@
 #include <stdint.h>
 
 #include "src/node/node.h"
+#include "src/base/origin.h"
 #include "src/base/util.h"
 #include "src/base/wire.h"
 
@@ -116,6 +138,24 @@ typedef struct hm_state_config {
     /* Manifest and chunk requests over a cap are answered -ENOBUFS. */
     size_t max_queued_per_peer;     /* serving cap per peer, bytes queued; 0: 8 MiB */
     size_t max_queued_total;        /* serving cap over all peers; 0: 64 MiB */
+    /*
+     * Agreement ("Who is believed" above): donors of one network origin
+     * (hm_origin) that count toward min_agree; 0: 1. Tests that run
+     * several honest donors on one loopback address raise it.
+     */
+    unsigned donors_per_origin;
+    /*
+     * Trusted donors: when n_trusted > 0, only declarations signed by
+     * these keys are read, and one of them suffices (min_agree and
+     * donors_per_origin do not apply). Copied; at most HM_STATE_MAX_DONORS.
+     */
+    const uint8_t (*trusted)[HM_PK_BYTES];
+    size_t n_trusted;
+    /*
+     * A state more than this many steps ahead of the one most origins
+     * vouch for is not taken, however many agree on it; 0: no bound.
+     */
+    uint64_t max_step_lead;
 } hm_state_config;
 
 /* Creates the module and registers its rpc methods. 0, -ENOMEM, -EEXIST
@@ -128,6 +168,15 @@ int hm_state_new(hm_node *node, const hm_state_config *cfg, hm_state **out);
  * loop once everything is released.
  */
 void hm_state_close(hm_state *st, void (*cb)(void *ud), void *ud);
+
+/*
+ * Reports, by config keyword, the declarations set aside by the rules of
+ * "Who is believed": StateDonorsPerOrigin (a donor beyond its origin's
+ * count, at each read of the declarations) and StateTrustedDonors (a donor
+ * not on the list) and StateMaxStepLead (the counted donors of a state
+ * too far ahead).
+ */
+void hm_state_limits(const hm_state *st, hm_limit_emit_fn emit, void *ud);
 
 /* ---- donor side ---- */
 

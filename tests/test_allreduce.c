@@ -237,7 +237,11 @@ Test(allreduce, layout_is_proportional_and_covers_everything)
     }
     cr_assert_eq(pos, 1000003);
     cr_assert_eq(cnt[1], 0, "a client reduces nothing");
-    cr_assert(cnt[2] > 2 * cnt[0] && cnt[2] < 4 * cnt[0]);
+    /* 300 is clamped to twice the median bandwidth (100): twice member 0's span. */
+    cr_assert(cnt[2] + 2 >= 2 * cnt[0] && cnt[2] <= 2 * cnt[0] + 2, "%zu vs %zu", cnt[2], cnt[0]);
+    /* Without the bound (a factor that never bites) the layout is proportional. */
+    cr_assert_eq(hm_ar_layout_bounded(&g, 1000003, 1e9, off, cnt), 0);
+    cr_assert(cnt[2] + 3 >= 3 * cnt[0] && cnt[2] <= 3 * cnt[0] + 3);
     for (int i = 0; i < 4; i++)
         g.members[i].bandwidth = 0;
     cr_assert_eq(hm_ar_layout(&g, 10, off, cnt), -EHOSTUNREACH);
@@ -620,6 +624,94 @@ Test(allreduce, early_parts_wait_for_a_late_starter)
         cr_assert_eq(nodes[i].rep.status, 0);
         check_exact(i, 0x7);
     }
+    nodes_stop();
+}
+
+/* ---- bounds on what members declare (allreduce.h, "Bounds") ---- */
+
+Test(allreduce, weight_cap_is_a_factor_of_the_lower_median)
+{
+    double a[4] = {1, 1, 1, 1e30};
+    cr_assert_eq(hm_ar_weight_cap(a, 4, 4.0), 4.0);
+    double b[3] = {0, 0, 2.5}; /* zero weights are not in the median */
+    cr_assert_eq(hm_ar_weight_cap(b, 3, 4.0), 10.0);
+    double c[2] = {3, 1}; /* two members: the smaller, so neither outweighs the other by more */
+    cr_assert_eq(hm_ar_weight_cap(c, 2, 1.0), 1.0);
+    double d[3] = {0, 0, 0};
+    cr_assert_eq(hm_ar_weight_cap(d, 3, 4.0), 0.0);
+    double e[3] = {1.7e308, 1.7e308, 1}; /* a majority of huge weights: no cap, no trap */
+    cr_assert(isinf(hm_ar_weight_cap(e, 3, 4.0)));
+    hm_ar_limit_cfg lim;
+    hm_ar_limit_defaults(&lim);
+    cr_assert_eq(lim.weight_factor, 4.0);
+    cr_assert_eq(lim.clip_weight_factor, 1.0);
+    cr_assert_eq(lim.bandwidth_factor, 2.0);
+}
+
+Test(allreduce, layout_bounds_a_huge_bandwidth)
+{
+    hm_avg_group g;
+    size_t off[MAXN], cnt[MAXN];
+    memset(&g, 0, sizeof(g));
+    g.n = 4;
+    double bw[4] = {1e8, 1e12, 1e8, 1e8};
+    for (int i = 0; i < 4; i++)
+        g.members[i].bandwidth = bw[i];
+    size_t n = 1000000;
+    cr_assert_eq(hm_ar_layout(&g, n, off, cnt), 0);
+    /* Clamped to 2 x 1e8: 2 / 5 of the vector, not 99.99%. */
+    cr_assert(cnt[1] <= n * 2 / 5 + 1 && cnt[1] + 1 >= n * 2 / 5, "%zu", cnt[1]);
+    cr_assert_eq(hm_ar_layout_bounded(&g, n, 1e9, off, cnt), 0);
+    cr_assert_gt(cnt[1], n * 999 / 1000, "unbounded, it takes nearly everything");
+}
+
+static uint64_t limit_seen[3];
+static void limit_emit(void *ud, const char *kw, uint64_t v)
+{
+    HM_UNUSED(ud);
+    if (strcmp(kw, "AverageWeightFactor") == 0)
+        limit_seen[0] = v;
+    else if (strcmp(kw, "AverageClipWeightFactor") == 0)
+        limit_seen[1] = v;
+    else if (strcmp(kw, "AverageBandwidthFactor") == 0)
+        limit_seen[2] = v;
+}
+
+/*
+ * A member declaring weight 1.7e308 (finite, so it passes the decoder) and
+ * a bandwidth of 1e12: the round ends for everyone, every result is the
+ * average with that weight clamped to 4 x the median (1), and nothing is
+ * NaN or infinite.
+ */
+Test(allreduce, huge_weight_and_bandwidth_are_clamped_not_fatal)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 20000, .chunk_elems = 1000};
+    size_t len = 20011;
+    nodes_start(4);
+    double bw[4] = {100, 100, 100, 1e12};
+    for (int i = 0; i < 4; i++)
+        fill(i, len, i == 3 ? 1.7e308 : 1.0);
+    make_group(&g, 4, bw, 0x7e);
+    hm_ar_limit_cfg bad = {.weight_factor = 0.5, .clip_weight_factor = 1, .bandwidth_factor = 2};
+    cr_assert_eq(hm_ar_set_limits(nodes[0].ctx, &bad), -EINVAL);
+    bad.weight_factor = NAN;
+    cr_assert_eq(hm_ar_set_limits(nodes[0].ctx, &bad), -EINVAL);
+    for (int i = 0; i < 4; i++)
+        start(i, &g, len, &cfg);
+    cr_assert(run_until_done(4, 20000), "every member finishes");
+    nodes[3].weight = 4.0; /* what the reducers count */
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d status %d", i, nodes[i].rep.status);
+        cr_assert(hm_avg_all_finite(nodes[i].data, len));
+        check_exact(i, 0xf);
+        cr_assert_leq(nodes[i].rep.spans[3].count, len * 2 / 5 + 1);
+    }
+    memset(limit_seen, 0, sizeof(limit_seen));
+    hm_ar_limits(nodes[0].ctx, limit_emit, NULL);
+    cr_assert_gt(limit_seen[0], 0, "node 0 clamped the weight of its chunks");
+    cr_assert_eq(limit_seen[1], 0);
+    cr_assert_eq(limit_seen[2], 1, "one bandwidth clamped in one round");
     nodes_stop();
 }
 

@@ -525,3 +525,34 @@ Test(config, usage_lists_every_flag)
         cr_assert(strstr(text, flags[i]) != NULL, "%s missing", flags[i]);
     free(text);
 }
+
+/* The averaging and state limits (docs/security.md): defaults, ranges and the donor list. */
+Test(config, averaging_and_state_limits)
+{
+    hm_config c;
+    char err[256];
+    hm_config_defaults(&c);
+    cr_assert_eq(c.average_weight_factor, 4);
+    cr_assert_eq(c.average_clip_weight_factor, 1);
+    cr_assert_eq(c.average_bandwidth_factor, 2);
+    cr_assert_eq(c.state_donors_per_origin, 1);
+    cr_assert_eq(c.state_max_step_lead, 0);
+    cr_assert_str_empty(c.state_trusted_donors);
+    cr_assert_eq(load(&c, "AverageWeightFactor 8\nAverageClipWeightFactor 2\n"
+                               "AverageBandwidthFactor 3\nStateDonorsPerOrigin 2\n"
+                               "StateMaxStepLead 5000\nStateTrustedDonors "
+                               "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\n",
+                           err, sizeof(err)),
+                 0, "%s", err);
+    cr_assert_eq(c.average_weight_factor, 8);
+    cr_assert_eq(c.average_clip_weight_factor, 2);
+    cr_assert_eq(c.average_bandwidth_factor, 3);
+    cr_assert_eq(c.state_donors_per_origin, 2);
+    cr_assert_eq(c.state_max_step_lead, 5000);
+    cr_assert_str_eq(c.state_trusted_donors,
+                     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
+    /* A factor under 1 would let a reducer scale honest weights to nothing. */
+    cr_assert_neq(load(&c, "AverageWeightFactor 0\n", err, sizeof(err)), 0);
+    cr_assert_neq(load(&c, "StateDonorsPerOrigin 0\n", err, sizeof(err)), 0);
+    cr_assert_neq(load(&c, "StateTrustedDonors a b\n", err, sizeof(err)), 0);
+}

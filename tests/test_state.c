@@ -55,6 +55,13 @@ static int dht_ready(void *ud)
     return 1;
 }
 
+/*
+ * Every node here listens on 127.0.0.1, a single origin, and agreement
+ * counts one donor per origin by default: these swarms count each donor,
+ * as separate hosts would (the origin rule has tests of its own below).
+ */
+static const hm_state_config one_host = {.donors_per_origin = HM_STATE_MAX_DONORS};
+
 /* n nodes bootstrapped from the first; nodes in [0, with_state) get a state module. */
 static void swarm_start(swarm *sw, size_t n, size_t with_state)
 {
@@ -68,7 +75,7 @@ static void swarm_start(swarm *sw, size_t n, size_t with_state)
         if (i == 0)
             cr_assert_eq(hm_node_address(sw->nodes[0], addr, sizeof(addr)), 0);
         if (i < with_state)
-            cr_assert_eq(hm_state_new(sw->nodes[i], NULL, &sw->st[i]), 0);
+            cr_assert_eq(hm_state_new(sw->nodes[i], &one_host, &sw->st[i]), 0);
     }
     cr_assert(hm_test_run_until(&sw->loop, dht_ready, sw, 10000), "the DHT did not come up");
 }
@@ -504,6 +511,177 @@ Test(state, disagreeing_donors_give_eproto)
     swarm_stop(&sw);
 }
 
+/* ------------------------------------------------------- who is believed */
+
+static uint64_t seen_origin, seen_untrusted;
+static void limit_emit(void *ud, const char *kw, uint64_t v)
+{
+    HM_UNUSED(ud);
+    if (strcmp(kw, "StateDonorsPerOrigin") == 0)
+        seen_origin = v;
+    else if (strcmp(kw, "StateTrustedDonors") == 0)
+        seen_untrusted = v;
+}
+
+/*
+ * Two donors on one address (127.0.0.1, one origin) agree on a newer step:
+ * with the default of one donor per origin that is one vote, and a
+ * newcomer asking for two finds no agreement instead of taking it.
+ */
+Test(state, one_origin_is_one_vote)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 3);
+    cr_assert_eq(hm_state_new(sw.nodes[3], NULL, &sw.st[3]), 0); /* the default: 1 per origin */
+    uint8_t *b = make_blob(40 * 1024, 21);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 2, "orig", 999999, b, 40 * 1024, &so);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000, .dht_attempts = 1};
+    load(&sw, 3, "orig", &o, &r, 15000);
+    cr_assert_eq(r.status, -EPROTO, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.n_declared, 2u);
+    seen_origin = 0;
+    hm_state_limits(sw.st[3], limit_emit, NULL);
+    cr_assert_gt(seen_origin, 0, "the second donor of the origin was set aside");
+    /* One vote is enough when one is asked for. */
+    o.min_agree = 1;
+    load(&sw, 3, "orig", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 999999u);
+    cr_assert_eq(memcmp(r.blob, b, r.len), 0);
+    free(r.blob);
+    free(b);
+    swarm_stop(&sw);
+}
+
+static int closed_flag(void *ud) { return *(int *)ud != 0; }
+static void lead_emit(void *ud, const char *kw, uint64_t v)
+{
+    if (strcmp(kw, "StateMaxStepLead") == 0)
+        *(uint64_t *)ud = v;
+}
+static void set_flag(void *ud) { *(int *)ud = 1; }
+
+/* With trusted donors, only they are read, and one suffices. */
+Test(state, trusted_donors_alone_are_used)
+{
+    swarm sw;
+    swarm_start(&sw, 4, 3);
+    const uint8_t(*none)[HM_PK_BYTES] = NULL;
+    hm_state_config bad = {.n_trusted = 1, .trusted = none};
+    cr_assert_eq(hm_state_new(sw.nodes[3], &bad, &sw.st[3]), -EINVAL);
+    uint8_t trusted[1][HM_PK_BYTES];
+    memcpy(trusted[0], hm_node_identity(sw.nodes[0])->pk, HM_PK_BYTES);
+    hm_state_config cfg = {.n_trusted = 1, .trusted = (const uint8_t(*)[HM_PK_BYTES])trusted};
+    cr_assert_eq(hm_state_new(sw.nodes[3], &cfg, &sw.st[3]), 0);
+    memset(trusted, 0, sizeof(trusted)); /* copied */
+    uint8_t *a = make_blob(30 * 1024, 22), *b = make_blob(50 * 1024, 23);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 1, "trust", 7, a, 30 * 1024, &so);
+    share_on(&sw, 1, 3, "trust", 9, b, 50 * 1024, &so);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000}; /* min_agree 2, which the list replaces */
+    load(&sw, 3, "trust", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 7u);
+    cr_assert_eq(r.rep.n_donors, 1u);
+    cr_assert_not_null(donor_of(&r, sw.nodes[0]));
+    cr_assert_eq(r.len, 30u * 1024);
+    cr_assert_eq(memcmp(r.blob, a, r.len), 0);
+    free(r.blob);
+    seen_untrusted = 0;
+    hm_state_limits(sw.st[3], limit_emit, NULL);
+    cr_assert_geq(seen_untrusted, 2, "the two untrusted declarations were set aside");
+    /* The state module closes cleanly with its list. */
+    int closed = 0;
+    hm_state_close(sw.st[3], set_flag, &closed);
+    sw.st[3] = NULL;
+    cr_assert(hm_test_run_until(&sw.loop, closed_flag, &closed, 5000));
+    free(a);
+    free(b);
+    swarm_stop(&sw);
+}
+
+/*
+ * Three donors at step 100 and two at step 999999: the newest agreed step
+ * wins, unless max_step_lead bounds how far ahead of the state most donors
+ * vouch for it may be.
+ */
+Test(state, a_step_far_ahead_of_the_majority_is_not_taken)
+{
+    swarm sw;
+    swarm_start(&sw, 6, 6);
+    uint8_t *a = make_blob(30 * 1024, 31), *b = make_blob(30 * 1024, 32);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 3, "lead", 100, a, 30 * 1024, &so);
+    share_on(&sw, 3, 5, "lead", 999999, b, 30 * 1024, &so);
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000};
+    load(&sw, 5, "lead", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 999999u, "without the bound the newest agreed step wins");
+    free(r.blob);
+    int closed = 0;
+    hm_state_close(sw.st[5], set_flag, &closed);
+    sw.st[5] = NULL;
+    cr_assert(hm_test_run_until(&sw.loop, closed_flag, &closed, 5000));
+    hm_state_config cfg = one_host;
+    cfg.max_step_lead = 1000;
+    cr_assert_eq(hm_state_new(sw.nodes[5], &cfg, &sw.st[5]), 0);
+    load(&sw, 5, "lead", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 100u);
+    cr_assert_eq(r.rep.n_donors, 3u);
+    cr_assert_eq(memcmp(r.blob, a, r.len), 0);
+    free(r.blob);
+    static uint64_t lead;
+    lead = 0;
+    hm_state_limits(sw.st[5], lead_emit, &lead);
+    cr_assert_eq(lead, 2, "the two donors of the step far ahead were set aside");
+    free(a);
+    free(b);
+    swarm_stop(&sw);
+}
+
+/*
+ * A donor the newcomer has never seen votes only once it answers under its
+ * key at the address it declares: here one that declared step 999999 and
+ * then went away, next to a live one, does not make the two agree; the two
+ * honest donors at step 7 win.
+ */
+Test(state, an_unseen_donor_votes_only_once_it_answers)
+{
+    swarm sw;
+    char addr[256];
+    swarm_start(&sw, 5, 4);
+    uint8_t *a = make_blob(30 * 1024, 41), *b = make_blob(30 * 1024, 42);
+    hm_state_share_opts so = {.chunk_size = 16 * 1024};
+    share_on(&sw, 0, 1, "unseen", 7, a, 30 * 1024, &so);
+    share_on(&sw, 2, 3, "unseen", 7, a, 30 * 1024, &so);
+    share_on(&sw, 1, 2, "unseen", 999999, b, 30 * 1024, &so);
+    share_on(&sw, 3, 4, "unseen", 999999, b, 30 * 1024, &so);
+    /* Donor 3 leaves; its declaration stays in the DHT. */
+    kill_node(&sw, 3);
+    /* The newcomer joins afterwards: donor 3 is in no table of its. */
+    cr_assert_eq(hm_node_address(sw.nodes[0], addr, sizeof(addr)), 0);
+    sw.nodes[5] = hm_test_make_node(&sw.loop, "state-test", addr);
+    sw.n = 6;
+    cr_assert_eq(hm_state_new(sw.nodes[5], &one_host, &sw.st[5]), 0);
+    cr_assert(hm_test_run_until(&sw.loop, dht_ready, &sw, 10000));
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000};
+    load(&sw, 5, "unseen", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 7u, "the departed donor's vote was counted");
+    cr_assert_eq(r.rep.n_donors, 2u);
+    cr_assert_eq(memcmp(r.blob, a, r.len), 0);
+    free(r.blob);
+    free(a);
+    free(b);
+    swarm_stop(&sw);
+}
+
 /* ---------------------------------------------------------------- failures */
 
 Test(state, no_donors_enoent_within_timeout)
@@ -594,7 +772,7 @@ Test(state, close_cancels_loads_and_unshare)
     hm_test_run_until(&sw.loop, flag_set, &closed, 5000);
     cr_assert_eq(closed, 1);
     /* The methods are free again for a new module on the node. */
-    cr_assert_eq(hm_state_new(sw.nodes[2], NULL, &sw.st[2]), 0);
+    cr_assert_eq(hm_state_new(sw.nodes[2], &one_host, &sw.st[2]), 0);
     free(blob);
     swarm_stop(&sw);
 }

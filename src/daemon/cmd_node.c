@@ -130,6 +130,10 @@ void hm_daemon_limit_metrics(hm_daemon *d, hm_strbuf *b)
                         "# TYPE hivemindd_limit_refused_total counter\n");
     if (d->node != NULL)
         hm_node_limits(d->node, limit_line, b);
+    if (d->av != NULL)
+        hm_averager_limits(d->av, limit_line, b);
+    if (d->state != NULL)
+        hm_cmd_state_limits(d->state, limit_line, b);
 }
 
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)

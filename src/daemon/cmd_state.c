@@ -11,6 +11,7 @@
 
 #include "src/daemon/daemon.h"
 #include "averaging/state.h"
+#include "src/base/crypto.h"
 #include "src/base/util.h"
 
 #include <errno.h>
@@ -319,6 +320,32 @@ static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
 
 static void on_state_closed(void *ud);
 
+/* The StateTrustedDonors list (peer ids, comma-separated) as keys; 0 or -EINVAL. */
+static int parse_trusted(const char *list, uint8_t out[][HM_PK_BYTES], size_t *n_out)
+{
+    size_t n = 0;
+    const char *p = list;
+    *n_out = 0;
+    while (*p != '\0') {
+        const char *end = strchr(p, ',');
+        size_t len = end != NULL ? (size_t)(end - p) : strlen(p);
+        if (n >= HM_STATE_MAX_DONORS || hm_peer_id_decode(p, len, out[n]) != 0)
+            return -EINVAL;
+        n++;
+        p += len;
+        if (*p == ',' && *++p == '\0')
+            return -EINVAL; /* a trailing comma */
+    }
+    *n_out = n;
+    return 0;
+}
+
+void hm_cmd_state_limits(const hm_cmd_state *s, hm_limit_emit_fn emit, void *ud)
+{
+    if (s->st != NULL)
+        hm_state_limits(s->st, emit, ud);
+}
+
 int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen)
 {
     int r;
@@ -329,7 +356,19 @@ int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errle
     }
     s->d = d;
     s->node = d->node;
-    if ((r = hm_state_new(d->node, NULL, &s->st)) < 0) {
+    hm_state_config sc;
+    uint8_t trusted[HM_STATE_MAX_DONORS][HM_PK_BYTES];
+    memset(&sc, 0, sizeof(sc));
+    sc.donors_per_origin = d->cfg->state_donors_per_origin;
+    sc.max_step_lead = d->cfg->state_max_step_lead;
+    if ((r = parse_trusted(d->cfg->state_trusted_donors, trusted, &sc.n_trusted)) < 0) {
+        snprintf(err, errlen, "StateTrustedDonors: expected up to %d comma-separated peer ids",
+                 HM_STATE_MAX_DONORS);
+        free(s);
+        return r;
+    }
+    sc.trusted = (const uint8_t(*)[HM_PK_BYTES])trusted;
+    if ((r = hm_state_new(d->node, &sc, &s->st)) < 0) {
         snprintf(err, errlen, "cannot start state sharing: %s", hm_strerror(r));
         free(s);
         return r;

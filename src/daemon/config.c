@@ -129,6 +129,26 @@ static const struct opt opts[] = {
     /* dht: storage, peer table */
     /* experts */
     /* averaging and state */
+    {"AverageWeightFactor", "average-weight-factor", T_UINT, FIELD(average_weight_factor), 1,
+     1000000, 0, "F", "a reducer clamps each member's weight to F times the median weight of "
+     "the chunk's parts (default 4)"},
+    {"AverageClipWeightFactor", "average-clip-weight-factor", T_UINT,
+     FIELD(average_clip_weight_factor), 1, 1000000, 0, "F",
+     "the same under centered_clip, where one member must hold under half the weight "
+     "(default 1)"},
+    {"AverageBandwidthFactor", "average-bandwidth-factor", T_UINT,
+     FIELD(average_bandwidth_factor), 1, 1000000, 0, "F",
+     "each member's declared bandwidth counts at most F times the group's median when the "
+     "vector is split among reducers; every member of a swarm must use the same (default 2)"},
+    {"StateDonorsPerOrigin", "state-donors-per-origin", T_UINT, FIELD(state_donors_per_origin),
+     1, 32, 0, "N", "donors of one network origin that count toward a state download's "
+     "min_agree (default 1)"},
+    {"StateTrustedDonors", "state-trusted-donors", T_WORD, FIELD(state_trusted_donors), 0, 0, 0,
+     "PEERID[,PEERID...]", "when set, state downloads use only these donors, and one of them "
+     "suffices (default none: any donors, agreeing by origin)"},
+    {"StateMaxStepLead", "state-max-step-lead", T_UINT, FIELD(state_max_step_lead), 0,
+     4294967295u, 0, "STEPS", "a state download takes no step more than STEPS ahead of the "
+     "state most origins vouch for (default 0: no bound)"},
 };
 
 #define N_OPTS HM_ARRAY_LEN(opts)
@@ -413,6 +433,10 @@ void hm_config_defaults(hm_config *c)
     c->expert_workers = 2;
     c->expert_max_batch = 1024;
     c->checkpoint_interval_s = 60;
+    c->average_weight_factor = 4;
+    c->average_clip_weight_factor = 1;
+    c->average_bandwidth_factor = 2;
+    c->state_donors_per_origin = 1;
 }
 
 int hm_config_finish(hm_config *c, char *err, size_t errlen)

@@ -99,6 +99,8 @@ void hm_cmd_average_close(hm_cmd_average *a, void (*cb)(void *ud), void *ud);
  * keyword (cmd_node.c).
  */
 void hm_daemon_limit_metrics(hm_daemon *d, hm_strbuf *b);
+/* The state downloads' limits (hm_state_limits), for hm_daemon_limit_metrics. */
+void hm_cmd_state_limits(const hm_cmd_state *s, hm_limit_emit_fn emit, void *ud);
 
 /* The daemon's shared-memory registry; NULL once it is shutting down. */
 hm_shm *hm_daemon_shm(const hm_daemon *d);

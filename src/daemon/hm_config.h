@@ -43,6 +43,8 @@
 #define HM_CONFIG_SOCKET_PATH_LEN HM_PATHS_SOCKET_LEN
 #define HM_CONFIG_SWARM_LEN 64
 #define HM_CONFIG_GROUP_LEN 64
+/* StateTrustedDonors: up to 32 peer ids (52 characters) and their commas. */
+#define HM_CONFIG_TRUSTED_LEN (32 * 53)
 
 typedef struct hm_config {
     char listen[HM_CONFIG_PEER_LEN];
@@ -78,6 +80,12 @@ typedef struct hm_config {
     /* dht: storage, peer table */
     /* experts */
     /* averaging and state */
+    unsigned average_weight_factor;      /* a part's weight <= this x the chunk's median */
+    unsigned average_clip_weight_factor; /* the same under centered_clip */
+    unsigned average_bandwidth_factor;   /* bandwidth <= this x the group's median */
+    unsigned state_donors_per_origin;    /* donors of one origin counted toward min_agree */
+    char state_trusted_donors[HM_CONFIG_TRUSTED_LEN]; /* comma-separated peer ids; empty: none */
+    unsigned state_max_step_lead;        /* steps ahead of the most-vouched state; 0: none */
 } hm_config;
 
 /*

@@ -1,0 +1,394 @@
+/*
+ * test_hostile_avg: attack cases 8 and 9 of docs/security.md against real
+ * hivemindd processes. The honest daemons run on 127.0.0.1; the attacker
+ * is a hivemindd of its own on 127.0.0.2 (and 127.0.0.4), asked over its
+ * own control socket to declare what a hostile member would: it controls
+ * its daemon, so that is exactly what it could send.
+ *
+ * Averaging (case 8): three honest members average a vector of 1.0 with
+ * weight 1, the attacker a vector of 3.0, in one group of four.
+ *   - weight 1e30, plain mean: every honest result is the bounded mean
+ *     (3 + 4 x 3) / 7 = 15/7 (the attacker's weight clamped to
+ *     AverageWeightFactor 4 times the median), not 3.0;
+ *   - weight 1.7e308: the same finite result (without the bound the
+ *     accumulator overflows and the round yields NaN or fails);
+ *   - centered_clip with tau 1 and weight 1e30: every honest result within
+ *     1.0 +- 0.5;
+ *   - bandwidth 1e12 (weight 1): the attacker's span is at most
+ *     AverageBandwidthFactor 2 / (2 + 3) of the vector, and the honest
+ *     result is the exact mean 1.5.
+ * State (case 9): honest donors on 127.0.0.1 and 127.0.0.3 share step 100;
+ * two attacker identities on 127.0.0.2 share step 999999; a newcomer with
+ * min_agree 2 loads step 100. Then attackers on two origins (127.0.0.2 and
+ * 127.0.0.4) share step 999999, and a newcomer with StateTrustedDonors
+ * naming the honest donors loads step 100 from them alone.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <math.h>
+#include <signal.h>
+#include <string.h>
+
+#include "lib/hivemind.h"
+#include "tests/proc.h"
+
+#define N_HONEST 3
+#define N_ELEMS 20000
+
+static void setup(void) { hm_proc_setup("hostavg"); }
+static void teardown(void) { hm_proc_teardown(); }
+
+TestSuite(hostile_avg, .init = setup, .fini = teardown, .timeout = 120);
+
+static hmc *connect_to(struct node *n)
+{
+    hmc *h = NULL;
+    char err[256] = "";
+    cr_assert_eq(hmc_connect_timeout(n->sock, 30000, &h, err, sizeof(err)), 0, "connect: %s",
+                 err);
+    return h;
+}
+
+static long rt_size(struct node *n)
+{
+    hmc *h = connect_to(n);
+    char *out = NULL;
+    long size = -1;
+    if (hmc_request(h, "dht.info", NULL, &out) == 0) {
+        json_t *j = json_loads(out, 0, NULL);
+        size = (long)json_integer_value(json_object_get(json_object_get(j, "routing_table"),
+                                                        "size"));
+        json_decref(j);
+    }
+    hmc_free_string(out);
+    hmc_close(h);
+    return size;
+}
+
+static void wait_known(struct node *nodes, size_t n)
+{
+    long deadline = hm_test_now_ms() + 20000;
+    size_t ready = 0;
+    while (ready < n && hm_test_now_ms() < deadline) {
+        ready = 0;
+        for (size_t i = 0; i < n; i++)
+            ready += rt_size(&nodes[i]) >= (long)(n - 1);
+        if (ready < n)
+            usleep(200000);
+    }
+    cr_assert_eq(ready, n, "only %zu of %zu daemons know the others", ready, n);
+}
+
+/* nodes[0..N_HONEST) honest on 127.0.0.1, nodes[N_HONEST] the attacker on 127.0.0.2. */
+static void start_group(struct node *nodes)
+{
+    start_node(&nodes[0], "h0", NULL, NULL);
+    start_node(&nodes[1], "h1", NULL, "--initial-peers", nodes[0].addr, NULL);
+    start_node(&nodes[2], "h2", NULL, "--initial-peers", nodes[0].addr, NULL);
+    start_node(&nodes[3], "att", NULL, "--listen", "127.0.0.2:0", "--initial-peers",
+               nodes[0].addr, NULL);
+    wait_known(nodes, N_HONEST + 1);
+}
+
+typedef struct member {
+    hmc *h;
+    hmc_buf *b;
+    hmc_round *round;
+    char *report;
+} member;
+
+/*
+ * One round of the four: the honest ones with 1.0 and weight 1, the
+ * attacker with 3.0 and the given weight and extra arguments (aggregate
+ * etc. go to everyone). Fills m[] with the finished rounds.
+ */
+static void run_round(struct node *nodes, member *m, const char *prefix, double att_weight,
+                      const char *all_extra, const char *att_extra)
+{
+    for (int i = 0; i <= N_HONEST; i++) {
+        m[i].h = connect_to(&nodes[i]);
+        cr_assert_eq(hmc_buf_alloc(m[i].h, N_ELEMS * sizeof(float), &m[i].b), 0);
+        float *x = hmc_buf_data(m[i].b);
+        for (size_t k = 0; k < N_ELEMS; k++)
+            x[k] = i < N_HONEST ? 1.0f : 3.0f;
+    }
+    for (int i = 0; i <= N_HONEST; i++) {
+        hmc_avg_opts o;
+        hmc_avg_opts_init(&o);
+        o.prefix = prefix;
+        o.weight = i < N_HONEST ? 1.0 : att_weight;
+        o.target_group_size = 4;
+        o.min_group_size = 4;
+        o.timeout_s = 20;
+        o.round_timeout_s = 10;
+        o.matchmaking_time_s = 3;
+        o.extra_json = i < N_HONEST ? all_extra : att_extra;
+        cr_assert_eq(hmc_average_start(m[i].h, m[i].b, 0, N_ELEMS, &o, &m[i].round), 0,
+                     "start %d: %s", i, hmc_last_error(m[i].h));
+    }
+    for (int i = 0; i <= N_HONEST; i++) {
+        int rc = hmc_round_wait(m[i].round, 40000, &m[i].report);
+        if (i < N_HONEST)
+            cr_assert_eq(rc, 0, "honest member %d: %d %s", i, rc, hmc_round_error(m[i].round));
+    }
+}
+
+static void free_round(member *m)
+{
+    for (int i = 0; i <= N_HONEST; i++) {
+        hmc_round_free(m[i].round);
+        hmc_free_string(m[i].report);
+        hmc_buf_free(m[i].b);
+        hmc_close(m[i].h);
+    }
+}
+
+/* Every honest element within tol of want; returns the worst deviation. */
+static double check_honest(member *m, double want, double tol)
+{
+    double worst = 0;
+    for (int i = 0; i < N_HONEST; i++) {
+        const float *x = hmc_buf_data(m[i].b);
+        for (size_t k = 0; k < N_ELEMS; k++) {
+            double d = fabs((double)x[k] - want);
+            if (!(d <= worst))
+                worst = isnan(d) ? INFINITY : d;
+        }
+    }
+    cr_log_info("honest results: worst deviation from %.6f is %g", want, worst);
+    cr_assert(worst <= tol, "an honest result is %g away from %.6f (bound %g)", worst, want, tol);
+    return worst;
+}
+
+/* hivemindd_limit_refused_total{limit="kw"} of a daemon. */
+static long long limit_count(struct node *n, const char *kw)
+{
+    hmc *h = connect_to(n);
+    char *out = NULL;
+    long long v = -1;
+    cr_assert_eq(hmc_request(h, "metrics", NULL, &out), 0);
+    json_t *j = json_loads(out, 0, NULL);
+    const char *text = json_string_value(json_object_get(j, "text"));
+    char pat[128];
+    snprintf(pat, sizeof(pat), "hivemindd_limit_refused_total{limit=\"%s\"} ", kw);
+    const char *p = text != NULL ? strstr(text, pat) : NULL;
+    if (p != NULL)
+        v = atoll(p + strlen(pat));
+    json_decref(j);
+    hmc_free_string(out);
+    hmc_close(h);
+    return v;
+}
+
+Test(hostile_avg, weight_1e30_is_clamped_in_the_mean)
+{
+    struct node nodes[N_HONEST + 1];
+    member m[N_HONEST + 1];
+    start_group(nodes);
+    run_round(nodes, m, "hw30", 1e30, NULL, NULL);
+    /* The attacker's weight counts 4 x the median (1): (3 x 1.0 + 4 x 3.0) / 7. */
+    check_honest(m, 15.0 / 7.0, 1e-5);
+    cr_assert_gt(limit_count(&nodes[0], "AverageWeightFactor"), 0);
+    free_round(m);
+}
+
+Test(hostile_avg, weight_1_7e308_does_not_overflow_the_round)
+{
+    struct node nodes[N_HONEST + 1];
+    member m[N_HONEST + 1];
+    start_group(nodes);
+    run_round(nodes, m, "hw308", 1.7e308, NULL, NULL);
+    check_honest(m, 15.0 / 7.0, 1e-5);
+    free_round(m);
+}
+
+Test(hostile_avg, centered_clip_holds_its_bound_against_weight_1e30)
+{
+    struct node nodes[N_HONEST + 1];
+    member m[N_HONEST + 1];
+    static const char *clip = "{\"aggregate\": \"centered_clip\", \"clip_tau\": 1}";
+    start_group(nodes);
+    run_round(nodes, m, "hclip", 1e30, clip, clip);
+    check_honest(m, 1.0, 0.5);
+    cr_assert_gt(limit_count(&nodes[1], "AverageClipWeightFactor"), 0);
+    free_round(m);
+}
+
+Test(hostile_avg, bandwidth_1e12_reduces_a_bounded_share)
+{
+    struct node nodes[N_HONEST + 1];
+    member m[N_HONEST + 1];
+    start_group(nodes);
+    run_round(nodes, m, "hbw", 1.0, NULL, "{\"bandwidth\": 1e12}");
+    /* Honest weights and the attacker's alike: the exact mean of 1, 1, 1 and 3. */
+    check_honest(m, 1.5, 1e-6);
+    for (int i = 0; i < N_HONEST; i++) {
+        json_t *rep = json_loads(m[i].report, 0, NULL);
+        cr_assert_not_null(rep);
+        const json_t *members = json_object_get(rep, "members");
+        const json_t *spans = json_object_get(rep, "spans");
+        size_t j;
+        const json_t *mem;
+        int att = -1;
+        json_array_foreach(members, j, mem) {
+            const char *id = json_string_value(json_object_get(mem, "peer_id"));
+            if (id != NULL && strcmp(id, nodes[N_HONEST].id) == 0)
+                att = (int)j;
+        }
+        cr_assert_geq(att, 0, "the attacker is in the group");
+        long long cnt = json_integer_value(
+            json_object_get(json_array_get(spans, (size_t)att), "count"));
+        /* Clamped to 2 x the median bandwidth: 2 / (1 + 1 + 1 + 2) of the vector. */
+        cr_log_info("the attacker reduces %lld of %d elements", cnt, N_ELEMS);
+        cr_assert_leq(cnt, (long long)N_ELEMS * 2 / 5 + 1, "the attacker reduces %lld of %d",
+                      cnt, N_ELEMS);
+        json_decref(rep);
+    }
+    cr_assert_gt(limit_count(&nodes[0], "AverageBandwidthFactor"), 0);
+    free_round(m);
+}
+
+/* ---------------------------------------------------------------- state */
+
+#define STATE_ELEMS 8192
+
+/* Shares a state of STATE_ELEMS floats, all `fill`, at step under "run". */
+static void share_state(struct node *n, uint64_t step, float fill)
+{
+    hmc *h = connect_to(n);
+    hmc_buf *b;
+    cr_assert_eq(hmc_buf_alloc(h, STATE_ELEMS * sizeof(float), &b), 0);
+    float *x = hmc_buf_data(b);
+    for (size_t k = 0; k < STATE_ELEMS; k++)
+        x[k] = fill;
+    char args[256];
+    snprintf(args, sizeof(args),
+             "{\"prefix\": \"run\", \"step\": %llu, \"data\": {\"shm\": %llu, \"elems\": %d}}",
+             (unsigned long long)step, (unsigned long long)hmc_buf_id(b), STATE_ELEMS);
+    char *out = NULL;
+    cr_assert_eq(hmc_request(h, "state.share", args, &out), 0, "state.share: %s",
+                 hmc_last_error(h));
+    hmc_free_string(out);
+    hmc_buf_free(b); /* the daemon copied the bytes */
+    hmc_close(h);
+}
+
+/* Waits until the state is served and declared. */
+static void wait_declared(struct node *n)
+{
+    hmc *h = connect_to(n);
+    long deadline = hm_test_now_ms() + 15000;
+    int ok = 0;
+    while (!ok && hm_test_now_ms() < deadline) {
+        char *out = NULL;
+        if (hmc_request(h, "state.info", "{\"prefix\": \"run\"}", &out) == 0) {
+            json_t *j = json_loads(out, 0, NULL);
+            ok = json_is_true(json_object_get(j, "ready")) &&
+                 json_integer_value(json_object_get(j, "declared")) > 0;
+            json_decref(j);
+        }
+        hmc_free_string(out);
+        if (!ok)
+            usleep(100000);
+    }
+    hmc_close(h);
+    cr_assert(ok, "the state was not declared");
+}
+
+/* state.load on n with min_agree 2; returns the report (the caller frees) and checks the bytes. */
+static json_t *load_state(struct node *n, float want)
+{
+    hmc *h = connect_to(n);
+    hmc_buf *b;
+    cr_assert_eq(hmc_buf_alloc(h, STATE_ELEMS * sizeof(float), &b), 0);
+    char args[256];
+    snprintf(args, sizeof(args),
+             "{\"prefix\": \"run\", \"min_agree\": 2, \"timeout\": 20, "
+             "\"data\": {\"shm\": %llu, \"elems\": %d}}",
+             (unsigned long long)hmc_buf_id(b), STATE_ELEMS);
+    char *out = NULL;
+    int rc = hmc_call(h, "state.load", args, 30000, &out, NULL);
+    cr_assert_eq(rc, 0, "state.load: %d %s", rc, hmc_last_error(h));
+    json_t *rep = json_loads(out, 0, NULL);
+    hmc_free_string(out);
+    const float *x = hmc_buf_data(b);
+    for (size_t k = 0; k < STATE_ELEMS; k++)
+        cr_assert_eq(x[k], want, "element %zu is %g, not the honest %g", k, x[k], want);
+    hmc_buf_free(b);
+    hmc_close(h);
+    return rep;
+}
+
+static int donors_only(const json_t *rep, struct node *a, struct node *b)
+{
+    size_t i;
+    const json_t *d;
+    json_array_foreach(json_object_get(rep, "donors"), i, d) {
+        const char *id = json_string_value(json_object_get(d, "peer"));
+        if (id == NULL || (strcmp(id, a->id) != 0 && strcmp(id, b->id) != 0))
+            return 0;
+    }
+    return json_array_size(json_object_get(rep, "donors")) > 0;
+}
+
+Test(hostile_avg, state_capture_by_identities_on_one_origin)
+{
+    struct node hon[2], att[2], newcomer;
+    start_node(&hon[0], "d0", NULL, NULL);
+    start_node(&hon[1], "d1", NULL, "--listen", "127.0.0.3:0", "--initial-peers", hon[0].addr,
+               NULL);
+    start_node(&att[0], "a0", NULL, "--listen", "127.0.0.2:0", "--initial-peers", hon[0].addr,
+               NULL);
+    start_node(&att[1], "a1", NULL, "--listen", "127.0.0.2:0", "--initial-peers", hon[0].addr,
+               NULL);
+    start_node(&newcomer, "new", NULL, "--initial-peers", hon[0].addr, NULL);
+    struct node all[5] = {hon[0], hon[1], att[0], att[1], newcomer};
+    wait_known(all, 5);
+    share_state(&hon[0], 100, 1.0f);
+    share_state(&hon[1], 100, 1.0f);
+    share_state(&att[0], 999999, 3.0f);
+    share_state(&att[1], 999999, 3.0f);
+    for (int i = 0; i < 2; i++) {
+        wait_declared(&hon[i]);
+        wait_declared(&att[i]);
+    }
+    json_t *rep = load_state(&newcomer, 1.0f);
+    cr_assert_eq(json_integer_value(json_object_get(rep, "step")), 100);
+    cr_assert(donors_only(rep, &hon[0], &hon[1]), "a donor outside the honest two was used");
+    json_decref(rep);
+    cr_assert_gt(limit_count(&newcomer, "StateDonorsPerOrigin"), 0);
+}
+
+Test(hostile_avg, state_trusted_donors_alone_are_used)
+{
+    struct node hon[2], att[2], newcomer;
+    start_node(&hon[0], "d0", NULL, NULL);
+    start_node(&hon[1], "d1", NULL, "--listen", "127.0.0.3:0", "--initial-peers", hon[0].addr,
+               NULL);
+    /* Attackers on two origins: a vote by origins alone would go their way. */
+    start_node(&att[0], "a0", NULL, "--listen", "127.0.0.2:0", "--initial-peers", hon[0].addr,
+               NULL);
+    start_node(&att[1], "a1", NULL, "--listen", "127.0.0.4:0", "--initial-peers", hon[0].addr,
+               NULL);
+    char trusted[160];
+    snprintf(trusted, sizeof(trusted), "%s,%s", hon[0].id, hon[1].id);
+    start_node(&newcomer, "new", NULL, "--initial-peers", hon[0].addr, "--state-trusted-donors",
+               trusted, NULL);
+    struct node all[5] = {hon[0], hon[1], att[0], att[1], newcomer};
+    wait_known(all, 5);
+    share_state(&hon[0], 100, 1.0f);
+    share_state(&hon[1], 100, 1.0f);
+    share_state(&att[0], 999999, 3.0f);
+    share_state(&att[1], 999999, 3.0f);
+    for (int i = 0; i < 2; i++) {
+        wait_declared(&hon[i]);
+        wait_declared(&att[i]);
+    }
+    json_t *rep = load_state(&newcomer, 1.0f);
+    cr_assert_eq(json_integer_value(json_object_get(rep, "step")), 100);
+    cr_assert(donors_only(rep, &hon[0], &hon[1]), "an untrusted donor was used");
+    json_decref(rep);
+    cr_assert_gt(limit_count(&newcomer, "StateTrustedDonors"), 0);
+}
