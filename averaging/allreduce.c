@@ -376,23 +376,9 @@ out:
 
 static int factor_ok(double f) { return isfinite(f) && f >= 1.0; }
 
-/* The lower median of the positive values of v[0..n), n <= HM_AVG_MAX_GROUP; 0 if none. */
 static double lower_median_positive(const double *v, size_t n)
 {
-    double s[HM_AVG_MAX_GROUP];
-    size_t k = 0;
-    for (size_t i = 0; i < n && i < HM_AVG_MAX_GROUP; i++) {
-        double x = v[i];
-        if (!(x > 0) || !isfinite(x))
-            continue;
-        size_t j = k++;
-        while (j > 0 && s[j - 1] > x) { /* insertion sort: at most 64 values */
-            s[j] = s[j - 1];
-            j--;
-        }
-        s[j] = x;
-    }
-    return k == 0 ? 0.0 : s[(k - 1) / 2];
+    return hm_avg_lower_median_positive(v, n);
 }
 
 double hm_ar_weight_cap(const double *w, size_t n, double factor)
@@ -422,7 +408,7 @@ static int shares(const hm_avg_group *g, double factor, uint64_t *share, size_t 
         double b = g->members[i].bandwidth;
         bw[i] = (isfinite(b) && b > 0) ? b : 0;
     }
-    double cap = lower_median_positive(bw, g->n) * factor;
+    double cap = hm_avg_bandwidth_cap(g, factor);
     for (size_t i = 0; i < g->n; i++) {
         if (bw[i] > cap) {
             bw[i] = cap;
@@ -441,6 +427,9 @@ static int shares(const hm_avg_group *g, double factor, uint64_t *share, size_t 
     }
     return 0;
 }
+
+double hm_ar_bandwidth_factor(const hm_ar_ctx *ctx) { return ctx->lim.bandwidth_factor; }
+uint64_t hm_ar_bandwidths_clamped(const hm_ar_ctx *ctx) { return ctx->bandwidths_clamped; }
 
 int hm_ar_layout(const hm_avg_group *g, size_t n, size_t *offsets, size_t *counts)
 {
@@ -1850,7 +1839,6 @@ void hm_ar_limits(const hm_ar_ctx *ctx, hm_limit_emit_fn emit, void *ud)
 {
     emit(ud, "AverageWeightFactor", ctx->weights_clamped);
     emit(ud, "AverageClipWeightFactor", ctx->clip_weights_clamped);
-    emit(ud, "AverageBandwidthFactor", ctx->bandwidths_clamped);
 }
 
 static void ctx_timer_closed(uv_handle_t *h)

@@ -161,12 +161,13 @@
  *     largest and the average is accumulated in double, so no weight (up
  *     to DBL_MAX) can overflow it: every float32 part times a weight in
  *     [0, 1], summed over at most 64 members, stays finite.
- *   - Bandwidths: the layout clamps every positive declared bandwidth to
- *     bandwidth_factor times the group's median positive bandwidth (the
- *     lower median), before the shares are computed. Every member computes
- *     the layout from the same group, so every member of a swarm must use
- *     the same bandwidth_factor (a member with another one computes
- *     another layout, and its parts are refused as malformed).
+ *   - Bandwidths: the leader clamps the group's declared bandwidths to
+ *     bandwidth_factor times their lower median positive value before it
+ *     announces the group, and every follower refuses a group past its own
+ *     factor (group.h, hm_avg_bandwidth_cap), so all members split the
+ *     vector from the same bounded numbers whatever factor each one runs
+ *     with. The layout clamps again with this node's factor, which changes
+ *     nothing in a group that passed matchmaking.
  * Both default to values that leave honest swarms exact (weights within a
  * factor of 4 of the median average exactly as declared).
  */
@@ -267,11 +268,17 @@ void hm_ar_limit_defaults(hm_ar_limit_cfg *lim);
  */
 int hm_ar_set_limits(hm_ar_ctx *ctx, const hm_ar_limit_cfg *lim);
 /*
- * Reports what the bounds changed, by config keyword: AverageWeightFactor
- * and AverageClipWeightFactor (parts whose weight a reducer here clamped),
- * AverageBandwidthFactor (members whose bandwidth a layout here clamped).
+ * Reports what the weight bounds changed, by config keyword:
+ * AverageWeightFactor and AverageClipWeightFactor (parts whose weight a
+ * reducer here clamped). The bandwidth bound is reported by the averager,
+ * which adds matchmaking's count to hm_ar_bandwidths_clamped.
  */
 void hm_ar_limits(const hm_ar_ctx *ctx, hm_limit_emit_fn emit, void *ud);
+double hm_ar_bandwidth_factor(const hm_ar_ctx *ctx);
+/* Members whose bandwidth a layout here clamped (0 in groups whose leader
+ * bounded them already, as matchmaking does). */
+uint64_t hm_ar_bandwidths_clamped(const hm_ar_ctx *ctx);
+
 
 /*
  * Creates the context on a node's rpc layer and registers the methods

@@ -272,6 +272,7 @@ int hm_averager_round(hm_averager *av, const hm_avg_opts *opts, float *data, siz
     mc.request_timeout_ms = opts->request_timeout_ms;
     mc.bandwidth = r->opts.bandwidth;
     mc.client_mode = opts->client_mode;
+    mc.bandwidth_factor = hm_ar_bandwidth_factor(av->ar);
     result = hm_mm_find_group(av->mm, &mc, r->opts.matchmaking_timeout_ms, on_group, r,
                               &r->search);
     if (result < 0)
@@ -345,8 +346,11 @@ int hm_averager_set_limits(hm_averager *av, const hm_ar_limit_cfg *lim)
 
 void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud)
 {
-    if (av != NULL && av->ar != NULL)
+    if (av != NULL && av->ar != NULL) {
         hm_ar_limits(av->ar, emit, ud);
+        emit(ud, "AverageBandwidthFactor",
+             hm_ar_bandwidths_clamped(av->ar) + (av->mm != NULL ? hm_mm_bandwidth_refused(av->mm) : 0));
+    }
 }
 
 int hm_averager_new(hm_node *node, hm_averager **out)

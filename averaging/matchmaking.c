@@ -92,6 +92,7 @@ struct search {
     unsigned target, min;
     uint64_t min_mm_ms, req_ms, period_ms;
     double bandwidth;
+    double bandwidth_factor;
     int client;
 
     int phase;
@@ -126,7 +127,10 @@ struct hm_mm {
     size_t n_searches;
     LIST_HEAD(, op) ops;
     uint64_t next_id;
+    uint64_t bandwidth_refused;
 };
+
+uint64_t hm_mm_bandwidth_refused(const hm_mm *mm) { return mm->bandwidth_refused; }
 
 static void step(search *s);
 static void finish(search *s, int status, const hm_avg_group *g);
@@ -924,6 +928,7 @@ static void assemble(search *s)
         m->addr = f->addr;
         m->bandwidth = f->bandwidth;
     }
+    s->mm->bandwidth_refused += hm_avg_clamp_bandwidths(&g, s->bandwidth_factor);
     /* A random order, as Hivemind's leaders choose, spreads the span layout. */
     for (size_t i = g.n; i > 1; i--) {
         size_t j = randombytes_uniform((uint32_t)i);
@@ -1145,6 +1150,12 @@ static int valid_begin(const search *s, const hm_mm_reply *r)
             has_leader = 1;
         if (memcmp(r->group.members[i].pk, s->mm->pk, HM_PK_BYTES) == 0)
             has_self = 1;
+    }
+    if (has_leader && has_self && !hm_avg_bandwidths_bounded(&r->group, s->bandwidth_factor)) {
+        /* A leader that lets a member (itself, say) claim more than the
+         * bound would hand it the reduction of most of the vector. */
+        s->mm->bandwidth_refused++;
+        return 0;
     }
     return has_leader && has_self;
 }
@@ -1496,6 +1507,7 @@ int hm_mm_find_group(hm_mm *mm, const hm_mm_config *cfg, uint64_t timeout_ms, hm
     s->period_ms = HM_MAX(HM_MIN(s->min_mm_ms / 4, (uint64_t)2000), (uint64_t)100);
     s->client = cfg->client_mode != 0;
     s->bandwidth = s->client ? 0.0 : cfg->bandwidth;
+    s->bandwidth_factor = cfg->bandwidth_factor != 0 ? cfg->bandwidth_factor : 2.0;
     s->phase = HM_MM_SEARCHING;
     uint64_t now = now_ms(mm);
     s->end_ms = now + timeout_ms;

@@ -138,10 +138,17 @@ typedef struct hm_mm_config {
     uint64_t request_timeout_ms; /* per join call, and grace; 0: 3000 */
     double bandwidth;            /* bytes per second, finite, >= 0 */
     int client_mode;             /* never leads; bandwidth 0 in the group */
+    /* The bandwidth bound (group.h, hm_avg_bandwidth_cap): as leader we clamp
+     * the group to it, as follower we refuse a group past it. 0: 2. */
+    double bandwidth_factor;
 } hm_mm_config;
 
 /* group is valid only during the callback (NULL unless status is 0). */
 typedef void (*hm_mm_cb)(void *ud, int status, const hm_avg_group *group);
+
+/* Bandwidths this node clamped as leader plus groups it refused as
+ * follower for the bandwidth bound (AverageBandwidthFactor). */
+uint64_t hm_mm_bandwidth_refused(const hm_mm *mm);
 
 /* Registers the handlers on the node's rpc. 0, -ENOMEM or -EEXIST. */
 int hm_mm_new(hm_node *node, hm_mm **out);

@@ -711,7 +711,7 @@ Test(allreduce, huge_weight_and_bandwidth_are_clamped_not_fatal)
     hm_ar_limits(nodes[0].ctx, limit_emit, NULL);
     cr_assert_gt(limit_seen[0], 0, "node 0 clamped the weight of its chunks");
     cr_assert_eq(limit_seen[1], 0);
-    cr_assert_eq(limit_seen[2], 1, "one bandwidth clamped in one round");
+    cr_assert_eq(hm_ar_bandwidths_clamped(nodes[0].ctx), 1, "one bandwidth clamped in one round");
     nodes_stop();
 }
 
@@ -769,4 +769,34 @@ Test(allreduce, view_message_done_flag_round_trips)
     buf[0] = 0x97;
     buf[w.len - 1] = 0x02;
     cr_assert_eq(hm_ar_dead_decode(buf, w.len, &m2), -EPROTO);
+}
+
+/*
+ * The bandwidth bound a leader applies before announcing a group and every
+ * follower checks (group.h): after clamping, the group passes under the
+ * leader's factor and under any looser one; a stricter follower refuses it
+ * instead of splitting the vector differently; an unclamped claim of 1e12
+ * is refused by everyone.
+ */
+Test(allreduce, group_bandwidth_bound_is_clamped_by_the_leader_and_checked_by_followers)
+{
+    hm_avg_group g;
+    memset(&g, 0, sizeof(g));
+    g.n = 4;
+    g.members[0].bandwidth = 100;
+    g.members[1].bandwidth = 100;
+    g.members[2].bandwidth = 120;
+    g.members[3].bandwidth = 1e12;
+    cr_assert_not(hm_avg_bandwidths_bounded(&g, 2.0), "an unclamped 1e12 is refused");
+    hm_avg_group strict = g;
+    cr_assert_eq(hm_avg_clamp_bandwidths(&g, 2.0), 1);
+    cr_assert_float_eq(g.members[3].bandwidth, 200.0, 1e-9, "2 x the lower median, 100");
+    cr_assert(hm_avg_bandwidths_bounded(&g, 2.0), "a clamped group passes its own factor");
+    cr_assert(hm_avg_bandwidths_bounded(&g, 3.0), "and any looser one");
+    cr_assert_not(hm_avg_bandwidths_bounded(&g, 1.5), "a stricter follower refuses it");
+    cr_assert_eq(hm_avg_clamp_bandwidths(&g, 2.0), 0, "clamping twice changes nothing");
+    strict.members[2].bandwidth = -1;
+    cr_assert_not(hm_avg_bandwidths_bounded(&strict, 2.0), "a negative bandwidth is refused");
+    hm_avg_clamp_bandwidths(&strict, 2.0);
+    cr_assert_float_eq(strict.members[2].bandwidth, 0.0, 0, "and clamped to 0");
 }
