@@ -182,8 +182,13 @@ typedef struct hm_dht_stats {
     uint64_t requests_sent, requests_received, replies_received, timeouts;
     uint64_t rate_limited, bad_messages;
     uint64_t lookups_done, gets_ok, gets_failed, puts_ok, puts_failed;
+    uint64_t store_evicted;  /* stored entries ended to make room (store.h) */
 } hm_dht_stats;
 void hm_dht_get_stats(const hm_dht *d, hm_dht_stats *out);
 const hm_rt *hm_dht_routing(const hm_dht *d);
+/* Emits DhtRequestRate (requests dropped by the rate limit), DhtStorePeerBytes,
+ * DhtStoreOriginShare and DhtStoreMaxEntries (STOREs refused by the store's
+ * per-identity quota, per-origin share, and when full; docs/security.md). */
+void hm_dht_limits(const hm_dht *d, hm_limit_emit_fn emit, void *ud);
 
 #endif

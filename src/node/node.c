@@ -733,6 +733,9 @@ char *hm_node_metrics(hm_node *n)
                    "DHT requests that got no reply in time.", ds.timeouts);
         metric_u64(&b, "hivemindd_dht_rate_limited_total", "counter",
                    "DHT requests dropped by the per-address rate limit.", ds.rate_limited);
+        metric_u64(&b, "hivemindd_dht_store_evicted_total", "counter",
+                   "Stored DHT entries of the heaviest origin ended to make room.",
+                   ds.store_evicted);
         metric_u64(&b, "hivemindd_dht_bad_messages_total", "counter",
                    "DHT messages that failed to decode or were unexpected.", ds.bad_messages);
         metric_head(&b, "hivemindd_dht_operations_total", "counter",
@@ -763,11 +766,8 @@ char *hm_node_metrics(hm_node *n)
 void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud)
 {
     hm_transport_limits(hm_rpc_transport(n->rpc), emit, ud);
-    if (n->dht != NULL) {
-        hm_dht_stats ds;
-        hm_dht_get_stats(n->dht, &ds);
-        emit(ud, "DhtRequestRate", ds.rate_limited);
-    }
+    if (n->dht != NULL)
+        hm_dht_limits(n->dht, emit, ud);
 }
 
 /* ---- shutdown ---- */
