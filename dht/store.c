@@ -94,7 +94,7 @@ void hm_dht_store_config_default(hm_dht_store_config *cfg)
     cfg->max_bytes = 64u << 20;
     cfg->max_entries = 65536;
     cfg->max_peer_bytes = 1u << 20;
-    cfg->max_origin_share = 0.125;
+    cfg->max_origin_share = 0.12;
     cfg->max_tombstones = 16384;
 }
 

@@ -47,7 +47,7 @@
  * /48, a local address whole) and to the totals. Identities are free, so
  * the origin is what bounds a flood:
  *   - a record that would take its storer past max_peer_bytes, or its
- *     origin past max_origin_share of max_bytes or of max_entries, is
+ *     origin past max_origin_share (12%) of max_bytes or of max_entries, is
  *     refused with -EDQUOT;
  *   - a record that would take the store past max_bytes or max_entries
  *     evicts instead: the oldest stored entry of the heaviest origin (by
@@ -90,7 +90,7 @@ typedef struct hm_dht_store_config {
     size_t max_entries;    /* live entries, default 65536 */
     size_t max_peer_bytes; /* charge per storing peer, default 1 MiB */
     double max_origin_share; /* charge and entries per origin, as a fraction of
-                                max_bytes and max_entries, in (0, 1], default 1/8 */
+                                max_bytes and max_entries, in (0, 1], default 0.12 */
     size_t max_tombstones; /* default 16384 */
     uint8_t swarm_id[HM_SWARM_ID_BYTES]; /* signatures are bound to it */
 } hm_dht_store_config;
