@@ -368,13 +368,14 @@ static void dht_rejoin_if_lonely(hm_node *n)
     dht_rearm(n, now);
 }
 
-/* qsort has no user pointer; the loop thread is the only caller. */
-static const hm_node *sort_node;
+typedef struct ping_rank {
+    uint64_t first_seen_ms;
+    size_t idx;
+} ping_rank;
 
 static int cmp_first_seen(const void *a, const void *b)
 {
-    const peer *pa = &sort_node->peers[*(const size_t *)a];
-    const peer *pb = &sort_node->peers[*(const size_t *)b];
+    const ping_rank *pa = a, *pb = b;
     return (pa->first_seen_ms > pb->first_seen_ms) - (pa->first_seen_ms < pb->first_seen_ms);
 }
 
@@ -402,7 +403,7 @@ static void ping_round(hm_node *n)
      * longest, so that a table full of fresh identities cannot make us
      * dial every one of them and spend our connections.
      */
-    size_t *order = malloc(sizeof(*order) * (n->n_peers ? n->n_peers : 1));
+    ping_rank *order = malloc(sizeof(*order) * (n->n_peers ? n->n_peers : 1));
     size_t n_order = 0;
     for (size_t i = 0; i < n->n_peers; i++) {
         peer *p = &n->peers[i];
@@ -412,14 +413,13 @@ static void ping_round(hm_node *n)
         if (!p->ping_dgram_pending && send_ping(n, p->info.pk, to, 0, -1) == 0)
             p->ping_dgram_pending = 1;
         if (p->verified && order != NULL)
-            order[n_order++] = i;
+            order[n_order++] = (ping_rank){p->first_seen_ms, i};
     }
     if (order == NULL)
         return;
-    sort_node = n;
     qsort(order, n_order, sizeof(*order), cmp_first_seen);
     for (size_t j = 0; j < n_order && j < n->max_stream_pings; j++) {
-        peer *p = &n->peers[order[j]];
+        peer *p = &n->peers[order[j].idx];
         if (!p->ping_stream_pending &&
             send_ping(n, p->info.pk, (const struct sockaddr *)&p->info.addr, 1, -1) == 0)
             p->ping_stream_pending = 1;
