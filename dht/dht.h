@@ -45,7 +45,8 @@
  *
  * Defences: per-address request rate limit (token bucket) with a temporary
  * ban for addresses that keep exceeding it; a bound on concurrent lookups;
- * the routing table's subnet limits and blacklist; the store's quotas;
+ * the routing table's subnet limits and blacklist; the store's quotas per
+ * identity and per network origin, with eviction from the heaviest origin;
  * replies from a peer we did not ask, or with an unknown id, are dropped.
  *
  * Client mode: the node queries and stores but answers no DHT requests and
