@@ -1963,9 +1963,10 @@ void hm_dht_limits(const hm_dht *d, hm_limit_emit_fn emit, void *ud)
 
     hm_dht_store_stats_get(d->store, &ss);
     emit(ud, "DhtRequestRate", d->st.rate_limited);
-    emit(ud, "DhtStorePeerBytes", ss.refused_peer);
+    emit(ud, "DhtStorePeerKiB", ss.refused_peer);
     emit(ud, "DhtStoreOriginShare", ss.refused_origin);
-    emit(ud, "DhtStoreMaxEntries", ss.refused_full);
+    emit(ud, "DhtStoreEntries", ss.refused_full);
+    emit(ud, "DhtStoreMiB", ss.refused_full_bytes);
 }
 
 const hm_rt *hm_dht_routing(const hm_dht *d) { return d->rt; }

@@ -187,9 +187,10 @@ typedef struct hm_dht_stats {
 } hm_dht_stats;
 void hm_dht_get_stats(const hm_dht *d, hm_dht_stats *out);
 const hm_rt *hm_dht_routing(const hm_dht *d);
-/* Emits DhtRequestRate (requests dropped by the rate limit), DhtStorePeerBytes,
- * DhtStoreOriginShare and DhtStoreMaxEntries (STOREs refused by the store's
- * per-identity quota, per-origin share, and when full; docs/security.md). */
+/* Emits DhtRequestRate (requests dropped by the rate limit), DhtStorePeerKiB,
+ * DhtStoreOriginShare, DhtStoreEntries and DhtStoreMiB (STOREs refused by the
+ * store's per-identity quota, per-origin share, and when out of entries or
+ * bytes with the storer's origin among the heaviest; docs/security.md). */
 void hm_dht_limits(const hm_dht *d, hm_limit_emit_fn emit, void *ud);
 
 #endif

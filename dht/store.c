@@ -78,7 +78,7 @@ struct hm_dht_store {
     hm_hmap keys;  /* struct key */
     hm_hmap peers; /* struct peer: storers with a charge */
     hm_hmap origins; /* struct origin_acct: origins with a charge */
-    uint64_t refused_peer, refused_origin, refused_full, evicted;
+    uint64_t refused_peer, refused_origin, refused_full, refused_full_bytes, evicted;
     size_t entries;
     size_t bytes;
     size_t tombstones;
@@ -605,8 +605,10 @@ again:
             st->refused_peer++;
         else if (result == -EUSERS)
             st->refused_origin++;
-        else
+        else if (st->entries - p.freed_entries + 1 > st->cfg.max_entries)
             st->refused_full++;
+        else
+            st->refused_full_bytes++;
         if (result == -EUSERS)
             result = -EDQUOT;
         goto out;
@@ -770,5 +772,6 @@ void hm_dht_store_stats_get(const hm_dht_store *st, hm_dht_store_stats *out)
     out->refused_peer = st->refused_peer;
     out->refused_origin = st->refused_origin;
     out->refused_full = st->refused_full;
+    out->refused_full_bytes = st->refused_full_bytes;
     out->evicted = st->evicted;
 }

@@ -155,7 +155,8 @@ typedef struct hm_dht_store_stats {
     size_t origins;    /* origins with a charge */
     uint64_t refused_peer;   /* puts refused for the storer's quota (max_peer_bytes) */
     uint64_t refused_origin; /* puts refused for the origin's share */
-    uint64_t refused_full;   /* puts refused when full, the origin among the heaviest */
+    uint64_t refused_full;   /* puts refused when out of entries, the origin among the heaviest */
+    uint64_t refused_full_bytes; /* the same when out of bytes */
     uint64_t evicted;        /* entries ended to make room */
 } hm_dht_store_stats;
 

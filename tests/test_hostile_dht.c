@@ -322,7 +322,7 @@ Test(hostile_dht, storage_flood_from_two_origins_leaves_room_for_honest_puts)
     /* The attack was still running, and was refused and evicted rather than admitted. */
     for (int i = 0; i < 3; i++) {
         cr_assert_leq(dht_info(&v[i], "records"), 1000);
-        cr_assert_gt(metric(&v[i], "hivemindd_limit_refused_total{limit=\"DhtStoreMaxEntries\"}") +
+        cr_assert_gt(metric(&v[i], "hivemindd_limit_refused_total{limit=\"DhtStoreEntries\"}") +
                          metric(&v[i],
                                 "hivemindd_limit_refused_total{limit=\"DhtStoreOriginShare\"}"),
                      100);

@@ -67,6 +67,7 @@ struct hm_node {
     size_t max_peers_per_origin;
     unsigned max_stream_pings;
     uint64_t refused_origin, refused_full, evicted;
+    uint64_t stream_pings_skipped; /* verified peers past max_stream_pings, per round */
 
     hm_dht *dht;
     uv_timer_t dht_timer;
@@ -418,6 +419,8 @@ static void ping_round(hm_node *n)
     if (order == NULL)
         return;
     qsort(order, n_order, sizeof(*order), cmp_first_seen);
+    if (n_order > n->max_stream_pings)
+        n->stream_pings_skipped += n_order - n->max_stream_pings;
     for (size_t j = 0; j < n_order && j < n->max_stream_pings; j++) {
         peer *p = &n->peers[order[j].idx];
         if (!p->ping_stream_pending &&
@@ -895,6 +898,7 @@ void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud)
         hm_dht_limits(n->dht, emit, ud);
     emit(ud, "PeerTableOriginCap", n->refused_origin);
     emit(ud, "PeerTableSize", n->refused_full);
+    emit(ud, "PingStreamPeers", n->stream_pings_skipped);
 }
 
 /* ---- shutdown ---- */
