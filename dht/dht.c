@@ -1320,6 +1320,7 @@ static void serve(hm_dht *d, const uint8_t pk[HM_PK_BYTES], const struct sockadd
     /* Anti-amplification: an unverified address gets no more bytes than it sent. */
     size_t budget = verified ? d->cfg.max_datagram : HM_MIN(req_len, d->cfg.max_datagram);
     uint8_t nid[HM_NODE_ID_BYTES];
+    hm_origin org;
 
     token_make(d->secret, pk, from, tok);
     memset(m, 0, offsetof(hm_dht_msg, records));
@@ -1358,7 +1359,10 @@ static void serve(hm_dht *d, const uint8_t pk[HM_PK_BYTES], const struct sockadd
             break;
         }
         hm_node_id_from_pk(pk, nid);
-        m->status = hm_dht_store_put(d->store, &q->record, nid, secs(now_ms));
+        /* The store charges the request's origin as well as its identity:
+         * identities are free, addresses are not (store.h). */
+        hm_origin_of(from, &org);
+        m->status = hm_dht_store_put_from(d->store, &q->record, nid, &org, secs(now_ms));
         if (m->status < -4095 || m->status > 0)
             m->status = -EINVAL;
         break;
@@ -1526,6 +1530,7 @@ static void merge_cfg(hm_dht_config *c, const hm_dht_config *in)
     SDEF(max_bytes);
     SDEF(max_entries);
     SDEF(max_peer_bytes);
+    SDEF(max_origin_share);
     SDEF(max_tombstones);
     SDEF(clock_skew);
 #undef SDEF
@@ -1948,7 +1953,20 @@ void hm_dht_get_stats(const hm_dht *d, hm_dht_stats *out)
     hm_dht_store_stats_get(d->store, &ss);
     out->records = ss.entries;
     out->record_bytes = ss.bytes;
+    out->store_evicted = ss.evicted;
     out->lookups_active = d->nops;
+}
+
+void hm_dht_limits(const hm_dht *d, hm_limit_emit_fn emit, void *ud)
+{
+    hm_dht_store_stats ss;
+
+    hm_dht_store_stats_get(d->store, &ss);
+    emit(ud, "DhtRequestRate", d->st.rate_limited);
+    emit(ud, "DhtStorePeerKiB", ss.refused_peer);
+    emit(ud, "DhtStoreOriginShare", ss.refused_origin);
+    emit(ud, "DhtStoreEntries", ss.refused_full);
+    emit(ud, "DhtStoreMiB", ss.refused_full_bytes);
 }
 
 const hm_rt *hm_dht_routing(const hm_dht *d) { return d->rt; }

@@ -45,7 +45,8 @@
  *
  * Defences: per-address request rate limit (token bucket) with a temporary
  * ban for addresses that keep exceeding it; a bound on concurrent lookups;
- * the routing table's subnet limits and blacklist; the store's quotas;
+ * the routing table's subnet limits and blacklist; the store's quotas per
+ * identity and per network origin, with eviction from the heaviest origin;
  * replies from a peer we did not ask, or with an unknown id, are dropped.
  *
  * Client mode: the node queries and stores but answers no DHT requests and
@@ -182,8 +183,14 @@ typedef struct hm_dht_stats {
     uint64_t requests_sent, requests_received, replies_received, timeouts;
     uint64_t rate_limited, bad_messages;
     uint64_t lookups_done, gets_ok, gets_failed, puts_ok, puts_failed;
+    uint64_t store_evicted;  /* stored entries ended to make room (store.h) */
 } hm_dht_stats;
 void hm_dht_get_stats(const hm_dht *d, hm_dht_stats *out);
 const hm_rt *hm_dht_routing(const hm_dht *d);
+/* Emits DhtRequestRate (requests dropped by the rate limit), DhtStorePeerKiB,
+ * DhtStoreOriginShare, DhtStoreEntries and DhtStoreMiB (STOREs refused by the
+ * store's per-identity quota, per-origin share, and when out of entries or
+ * bytes with the storer's origin among the heaviest; docs/security.md). */
+void hm_dht_limits(const hm_dht *d, hm_limit_emit_fn emit, void *ud);
 
 #endif

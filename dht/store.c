@@ -19,8 +19,17 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/queue.h>
 
+struct key;
+struct origin_acct;
+
+/* Slots are allocated one by one, so that a slot stays where it is while its
+ * key's array moves and its origin can list it for eviction. */
 struct slot {
+    struct key *key;
+    struct origin_acct *org;   /* live slots only: the storer's origin */
+    TAILQ_ENTRY(slot) by_age; /* in org->slots, oldest stored first */
     uint8_t storer[HM_NODE_ID_BYTES];
     double expiration;
     double stored_at;
@@ -41,7 +50,7 @@ struct key {
     uint8_t id[HM_DHT_KEY_ID_BYTES];
     uint8_t *bytes;
     size_t len;
-    struct slot *slots;
+    struct slot **slots;
     size_t n, cap;
 };
 
@@ -51,10 +60,25 @@ struct peer {
     size_t bytes;
 };
 
+/*
+ * The charge of one network origin (src/base/origin.h) and its live
+ * entries, oldest stored first: eviction takes the head of the heaviest
+ * origin's list. Its own table rather than an hm_origin_tab, because an
+ * origin needs the list of its entries, not only counters.
+ */
+struct origin_acct {
+    hm_hmap_node node; /* in origins, by o */
+    hm_origin o;
+    size_t bytes, entries;
+    TAILQ_HEAD(, slot) slots;
+};
+
 struct hm_dht_store {
     hm_dht_store_config cfg;
     hm_hmap keys;  /* struct key */
     hm_hmap peers; /* struct peer: storers with a charge */
+    hm_hmap origins; /* struct origin_acct: origins with a charge */
+    uint64_t refused_peer, refused_origin, refused_full, refused_full_bytes, evicted;
     size_t entries;
     size_t bytes;
     size_t tombstones;
@@ -70,7 +94,18 @@ void hm_dht_store_config_default(hm_dht_store_config *cfg)
     cfg->max_bytes = 64u << 20;
     cfg->max_entries = 65536;
     cfg->max_peer_bytes = 1u << 20;
+    cfg->max_origin_share = 0.12;
     cfg->max_tombstones = 16384;
+}
+
+static size_t origin_max_bytes(const hm_dht_store *st)
+{
+    return HM_MAX((size_t)((double)st->cfg.max_bytes * st->cfg.max_origin_share), (size_t)1);
+}
+
+static size_t origin_max_entries(const hm_dht_store *st)
+{
+    return HM_MAX((size_t)((double)st->cfg.max_entries * st->cfg.max_origin_share), (size_t)1);
 }
 
 /* ---- tables ---- */
@@ -91,33 +126,84 @@ size_t hm_dht_store_peer_bytes(const hm_dht_store *st, const uint8_t storer[HM_N
     return p != NULL ? p->bytes : 0;
 }
 
-/* Adds a charge to a storer; the caller has checked the quota. */
-static int charge(hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES], size_t n)
+static struct origin_acct *origin_find(const hm_dht_store *st, const hm_origin *o)
 {
-    struct peer *p = peer_find(st, id);
+    return hm_hmap_entry(hm_hmap_find(&st->origins, o->b, HM_ORIGIN_BYTES), struct origin_acct,
+                         node);
+}
+
+static size_t slot_cost(const struct key *k, const struct slot *s);
+
+void hm_dht_store_origin_usage(const hm_dht_store *st, const hm_origin *o, size_t *bytes,
+                               size_t *entries)
+{
+    const struct origin_acct *a = origin_find(st, o);
+
+    *bytes = a != NULL ? a->bytes : 0;
+    *entries = a != NULL ? a->entries : 0;
+}
+
+/* Charges a new live slot to its storer and origin; the caller has checked
+ * the quotas. The origin lists it as its newest entry. */
+static int slot_charge(hm_dht_store *st, struct slot *s, const hm_origin *o)
+{
+    size_t n = slot_cost(s->key, s);
+    struct peer *p = peer_find(st, s->storer);
+    struct origin_acct *a = origin_find(st, o);
+    int new_peer = 0;
 
     if (p == NULL) {
         if ((p = calloc(1, sizeof(*p))) == NULL)
             return -ENOMEM;
-        memcpy(p->id, id, HM_NODE_ID_BYTES);
+        memcpy(p->id, s->storer, HM_NODE_ID_BYTES);
         hm_hmap_insert(&st->peers, &p->node, p->id, HM_NODE_ID_BYTES);
+        new_peer = 1;
+    }
+    if (a == NULL) {
+        if ((a = calloc(1, sizeof(*a))) == NULL) {
+            if (new_peer) {
+                hm_hmap_remove(&st->peers, &p->node);
+                free(p);
+            }
+            return -ENOMEM;
+        }
+        a->o = *o;
+        TAILQ_INIT(&a->slots);
+        hm_hmap_insert(&st->origins, &a->node, a->o.b, HM_ORIGIN_BYTES);
     }
     p->bytes += n;
+    a->bytes += n;
+    a->entries++;
+    TAILQ_INSERT_TAIL(&a->slots, s, by_age);
+    s->org = a;
     st->bytes += n;
+    st->entries++;
     return 0;
 }
 
-static void uncharge(hm_dht_store *st, const uint8_t id[HM_NODE_ID_BYTES], size_t n)
+static void slot_uncharge(hm_dht_store *st, struct slot *s)
 {
-    struct peer *p = peer_find(st, id);
+    size_t n = slot_cost(s->key, s);
+    struct peer *p = peer_find(st, s->storer);
+    struct origin_acct *a = s->org;
 
     st->bytes -= n;
-    if (p == NULL)
-        return;
-    p->bytes -= n;
-    if (p->bytes == 0) {
-        hm_hmap_remove(&st->peers, &p->node);
-        free(p);
+    st->entries--;
+    if (p != NULL) {
+        p->bytes -= n;
+        if (p->bytes == 0) {
+            hm_hmap_remove(&st->peers, &p->node);
+            free(p);
+        }
+    }
+    if (a != NULL) {
+        TAILQ_REMOVE(&a->slots, s, by_age);
+        a->bytes -= n;
+        if (--a->entries == 0) {
+            hm_hmap_remove(&st->origins, &a->node);
+            free(a);
+        }
+        s->org = NULL;
     }
 }
 
@@ -153,29 +239,28 @@ static size_t slot_search(const struct key *k, int has_sub, const uint8_t *sub, 
 
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
-        const struct slot *s = &k->slots[mid];
+        const struct slot *s = k->slots[mid];
         if (cmp_sub(s->has_sub, slot_sub(s), s->sub_len, has_sub, sub, len) < 0)
             lo = mid + 1;
         else
             hi = mid;
     }
-    *found_out = lo < k->n && cmp_sub(k->slots[lo].has_sub, slot_sub(&k->slots[lo]),
-                                      k->slots[lo].sub_len, has_sub, sub, len) == 0;
+    *found_out = lo < k->n && cmp_sub(k->slots[lo]->has_sub, slot_sub(k->slots[lo]),
+                                      k->slots[lo]->sub_len, has_sub, sub, len) == 0;
     return lo;
 }
 
 static void slot_delete(hm_dht_store *st, struct key *k, size_t i)
 {
-    struct slot *s = &k->slots[i];
+    struct slot *s = k->slots[i];
 
-    if (s->dead) {
+    if (s->dead)
         st->tombstones--;
-    } else {
-        uncharge(st, s->storer, slot_cost(k, s));
-        st->entries--;
-    }
+    else
+        slot_uncharge(st, s);
     free(s->data);
-    memmove(&k->slots[i], &k->slots[i + 1], (k->n - i - 1) * sizeof(*s));
+    free(s);
+    memmove(&k->slots[i], &k->slots[i + 1], (k->n - i - 1) * sizeof(*k->slots));
     k->n--;
 }
 
@@ -186,15 +271,14 @@ static void slot_delete(hm_dht_store *st, struct key *k, size_t i)
  */
 static int slot_end(hm_dht_store *st, struct key *k, size_t i)
 {
-    struct slot *s = &k->slots[i];
+    struct slot *s = k->slots[i];
     uint8_t *sub = NULL;
 
     if (s->owned && st->tombstones < st->cfg.max_tombstones &&
         (s->sub_len == 0 || (sub = malloc(s->sub_len)) != NULL)) {
         if (sub != NULL)
             memcpy(sub, s->data, s->sub_len);
-        uncharge(st, s->storer, slot_cost(k, s));
-        st->entries--;
+        slot_uncharge(st, s);
         free(s->data);
         s->data = sub;
         s->val_len = 0;
@@ -213,7 +297,7 @@ static size_t key_expire(hm_dht_store *st, struct key *k, double now)
     size_t ended = 0;
 
     for (size_t i = 0; i < k->n;) {
-        struct slot *s = &k->slots[i];
+        struct slot *s = k->slots[i];
         if (s->dead) {
             if (s->tomb_until <= now) {
                 slot_delete(st, k, i);
@@ -248,7 +332,8 @@ int hm_dht_store_new(const hm_dht_store_config *cfg, hm_dht_store **out)
     *out = NULL;
     if (cfg->max_value > HM_DHT_VALUE_MAX || !(cfg->max_ttl > 0) || !isfinite(cfg->max_ttl) ||
         !(cfg->clock_skew >= 0) || !isfinite(cfg->clock_skew) || cfg->max_entries == 0 ||
-        cfg->max_bytes == 0 || cfg->max_peer_bytes == 0)
+        cfg->max_bytes == 0 || cfg->max_peer_bytes == 0 || !(cfg->max_origin_share > 0) ||
+        !(cfg->max_origin_share <= 1))
         return -EINVAL;
     if ((st = calloc(1, sizeof(*st))) == NULL)
         return -ENOMEM;
@@ -256,7 +341,8 @@ int hm_dht_store_new(const hm_dht_store_config *cfg, hm_dht_store **out)
     st->last_quota_sweep = -INFINITY;
     /* Every key and every charged storer holds at least one entry. */
     if (hm_hmap_init(&st->keys, HM_MIN(cfg->max_entries, (size_t)64), cfg->max_entries) < 0 ||
-        hm_hmap_init(&st->peers, HM_MIN(cfg->max_entries, (size_t)16), cfg->max_entries) < 0) {
+        hm_hmap_init(&st->peers, HM_MIN(cfg->max_entries, (size_t)16), cfg->max_entries) < 0 ||
+        hm_hmap_init(&st->origins, HM_MIN(cfg->max_entries, (size_t)16), cfg->max_entries) < 0) {
         hm_dht_store_free(st);
         return -ENOMEM;
     }
@@ -279,8 +365,14 @@ void hm_dht_store_free(hm_dht_store *st)
             next = hm_hmap_next(&st->peers, e);
             free(hm_hmap_entry(e, struct peer, node));
         }
+    if (st->origins.b != NULL)
+        for (e = hm_hmap_next(&st->origins, NULL); e != NULL; e = next) {
+            next = hm_hmap_next(&st->origins, e);
+            free(hm_hmap_entry(e, struct origin_acct, node));
+        }
     hm_hmap_free(&st->keys);
     hm_hmap_free(&st->peers);
+    hm_hmap_free(&st->origins);
     free(st);
 }
 
@@ -312,10 +404,12 @@ struct plan {
     size_t freed_total;  /* charge of the entries that end */
     size_t freed_storer; /* the part of it charged to this storer */
     size_t freed_entries;
+    size_t freed_origin; /* the part of it charged to this origin, and its entries */
+    size_t freed_origin_entries;
 };
 
 static void plan_free(struct plan *p, const struct key *k, const struct slot *s,
-                      const uint8_t *storer)
+                      const uint8_t *storer, const hm_origin *o)
 {
     size_t c = slot_cost(k, s);
 
@@ -323,25 +417,29 @@ static void plan_free(struct plan *p, const struct key *k, const struct slot *s,
     p->freed_entries++;
     if (memcmp(s->storer, storer, HM_NODE_ID_BYTES) == 0)
         p->freed_storer += c;
+    if (s->org != NULL && hm_origin_eq(&s->org->o, o)) {
+        p->freed_origin += c;
+        p->freed_origin_entries++;
+    }
 }
 
 /* Applies the rules of store.h to a key whose expired slots are already ended. */
-static int plan_put(const struct key *k, const hm_dht_record *r,
-                    int owned, double exp, const uint8_t *storer, struct plan *p)
+static int plan_put(const struct key *k, const hm_dht_record *r, int owned, double exp,
+                    const uint8_t *storer, const hm_origin *o, struct plan *p)
 {
     memset(p, 0, sizeof(*p));
     if (k == NULL)
         return 0;
     p->pos = slot_search(k, r->has_subkey, r->subkey, r->subkey_len, &p->found);
     if (p->found) {
-        const struct slot *s = &k->slots[p->pos];
+        const struct slot *s = k->slots[p->pos];
         if (owned ? r->seq <= s->seq : exp <= s->expiration)
             return -ESTALE;
         if (!s->dead)
-            plan_free(p, k, s, storer);
+            plan_free(p, k, s, storer, o);
     }
     for (size_t i = 0; i < k->n; i++) {
-        const struct slot *s = &k->slots[i];
+        const struct slot *s = k->slots[i];
         if (s->dead || (p->found && i == p->pos) || s->has_sub == r->has_subkey)
             continue;
         /*
@@ -353,21 +451,77 @@ static int plan_put(const struct key *k, const hm_dht_record *r,
             return -EPERM;
         if (exp <= s->expiration)
             return -ESTALE;
-        plan_free(p, k, s, storer);
+        plan_free(p, k, s, storer, o);
     }
     return 0;
 }
 
+/* The origin's charge and entry count once the put's plan is applied. */
+static void origin_after(const hm_dht_store *st, const struct plan *p, const hm_origin *o,
+                         size_t cost, size_t *bytes, size_t *entries)
+{
+    const struct origin_acct *a = origin_find(st, o);
+
+    *bytes = (a != NULL ? a->bytes : 0) - p->freed_origin + cost;
+    *entries = (a != NULL ? a->entries : 0) - p->freed_origin_entries + 1;
+}
+
 static int check_quota(const hm_dht_store *st, const struct plan *p, size_t cost,
-                       const uint8_t *storer)
+                       const uint8_t *storer, const hm_origin *o)
 {
     size_t peer = hm_dht_store_peer_bytes(st, storer) - p->freed_storer;
+    size_t ob, oe;
 
     if (peer + cost > st->cfg.max_peer_bytes)
         return -EDQUOT;
+    /* A share of the whole store is the totals' business (-ENOSPC). */
+    origin_after(st, p, o, cost, &ob, &oe);
+    if (st->cfg.max_origin_share < 1.0 &&
+        (ob > origin_max_bytes(st) || oe > origin_max_entries(st)))
+        return -EUSERS;
     if (st->bytes - p->freed_total + cost > st->cfg.max_bytes ||
         st->entries - p->freed_entries + 1 > st->cfg.max_entries)
         return -ENOSPC;
+    return 0;
+}
+
+/*
+ * The store is full for a put from origin o: ends the oldest entry of the
+ * heaviest origin, by whichever of entries and bytes is short, if that
+ * origin holds more than o will once the put is done (so evicting never
+ * makes o the heavier one, and an origin at its fair share evicts nobody).
+ * Returns 0 when an entry went, -ENOSPC when o is itself among the
+ * heaviest. O(origins), and origins <= entries.
+ */
+static int evict_for(hm_dht_store *st, const struct plan *p, size_t cost, const hm_origin *o)
+{
+    int by_entries = st->entries - p->freed_entries + 1 > st->cfg.max_entries;
+    size_t ob, oe, mine, best = 0;
+    struct origin_acct *h = NULL;
+
+    origin_after(st, p, o, cost, &ob, &oe);
+    mine = by_entries ? oe : ob;
+    for (hm_hmap_node *e = hm_hmap_next(&st->origins, NULL); e != NULL;
+         e = hm_hmap_next(&st->origins, e)) {
+        struct origin_acct *a = hm_hmap_entry(e, struct origin_acct, node);
+        size_t w = by_entries ? a->entries : a->bytes;
+        if (w > best) {
+            best = w;
+            h = a;
+        }
+    }
+    if (h == NULL || hm_origin_eq(&h->o, o) || best <= mine)
+        return -ENOSPC;
+    struct slot *victim = TAILQ_FIRST(&h->slots);
+    struct key *k = victim->key;
+    int found;
+    size_t i = slot_search(k, victim->has_sub, slot_sub(victim), victim->sub_len, &found);
+    if (!found || k->slots[i] != victim)
+        return -ENOSPC; /* cannot happen: every live slot is in its key */
+    slot_end(st, k, i);
+    if (k->n == 0)
+        key_unlink_free(st, k);
+    st->evicted++;
     return 0;
 }
 
@@ -390,14 +544,26 @@ static struct key *key_create(hm_dht_store *st, const uint8_t id[HM_DHT_KEY_ID_B
 int hm_dht_store_put(hm_dht_store *st, const hm_dht_record *r,
                      const uint8_t storer[HM_NODE_ID_BYTES], double now)
 {
+    return hm_dht_store_put_from(st, r, storer, NULL, now);
+}
+
+int hm_dht_store_put_from(hm_dht_store *st, const hm_dht_record *r,
+                          const uint8_t storer[HM_NODE_ID_BYTES], const hm_origin *origin,
+                          double now)
+{
     uint8_t key_id[HM_DHT_KEY_ID_BYTES];
     struct key *k;
     struct plan p;
-    struct slot ns;
+    struct slot *ns;
     size_t cost, data_len;
     double exp;
     int owned, found, result, swept = 0;
+    hm_origin none;
 
+    if (origin == NULL) {
+        hm_origin_of(NULL, &none);
+        origin = &none;
+    }
     if ((owned = hm_dht_record_verify(r, st->cfg.swarm_id, NULL)) < 0)
         return owned;
     if (r->value_len > st->cfg.max_value)
@@ -420,9 +586,9 @@ int hm_dht_store_put(hm_dht_store *st, const hm_dht_record *r,
 again:
     if ((k = key_find(st, key_id)) != NULL)
         key_expire(st, k, now);
-    if ((result = plan_put(k, r, owned, exp, storer, &p)) < 0)
+    if ((result = plan_put(k, r, owned, exp, storer, origin, &p)) < 0)
         goto out;
-    if ((result = check_quota(st, &p, cost, storer)) < 0) {
+    if ((result = check_quota(st, &p, cost, storer, origin)) < 0) {
         /* Expired entries still hold charge until swept; sweep at most once a second. */
         if (!swept && now - st->last_quota_sweep >= 1.0) {
             st->last_quota_sweep = now;
@@ -430,79 +596,100 @@ again:
             hm_dht_store_sweep(st, now);
             goto again;
         }
+        /* A full store makes room at the heaviest origin's expense; each
+         * round ends one entry, and the plan is made again since the
+         * entry may have been this key's. */
+        if (result == -ENOSPC && evict_for(st, &p, cost, origin) == 0)
+            goto again;
+        if (result == -EDQUOT)
+            st->refused_peer++;
+        else if (result == -EUSERS)
+            st->refused_origin++;
+        else if (st->entries - p.freed_entries + 1 > st->cfg.max_entries)
+            st->refused_full++;
+        else
+            st->refused_full_bytes++;
+        if (result == -EUSERS)
+            result = -EDQUOT;
         goto out;
     }
 
     /* Build the new slot before changing anything, so a failed allocation changes nothing. */
-    memset(&ns, 0, sizeof(ns));
-    memcpy(ns.storer, storer, HM_NODE_ID_BYTES);
-    ns.expiration = exp;
-    ns.stored_at = now;
-    ns.seq = r->seq;
-    ns.sub_len = (uint16_t)(r->has_subkey ? r->subkey_len : 0);
-    ns.val_len = (uint16_t)r->value_len;
-    ns.has_sub = r->has_subkey ? 1 : 0;
-    ns.owned = owned ? 1 : 0;
-    if (owned) {
-        ns.has_sig = 1;
-        memcpy(ns.sig, r->sig, HM_DHT_SIG_BYTES);
-    }
-    data_len = (size_t)ns.sub_len + ns.val_len;
-    if (data_len > 0) {
-        if ((ns.data = malloc(data_len)) == NULL) {
-            result = -ENOMEM;
-            goto out;
-        }
-        if (ns.sub_len > 0)
-            memcpy(ns.data, r->subkey, ns.sub_len);
-        if (ns.val_len > 0)
-            memcpy(ns.data + ns.sub_len, r->value, ns.val_len);
-    }
-    if (k == NULL && (k = key_create(st, key_id, r)) == NULL) {
-        free(ns.data);
+    if ((ns = calloc(1, sizeof(*ns))) == NULL) {
         result = -ENOMEM;
         goto out;
     }
+    memcpy(ns->storer, storer, HM_NODE_ID_BYTES);
+    ns->expiration = exp;
+    ns->stored_at = now;
+    ns->seq = r->seq;
+    ns->sub_len = (uint16_t)(r->has_subkey ? r->subkey_len : 0);
+    ns->val_len = (uint16_t)r->value_len;
+    ns->has_sub = r->has_subkey ? 1 : 0;
+    ns->owned = owned ? 1 : 0;
+    if (owned) {
+        ns->has_sig = 1;
+        memcpy(ns->sig, r->sig, HM_DHT_SIG_BYTES);
+    }
+    data_len = (size_t)ns->sub_len + ns->val_len;
+    if (data_len > 0) {
+        if ((ns->data = malloc(data_len)) == NULL) {
+            free(ns);
+            result = -ENOMEM;
+            goto out;
+        }
+        if (ns->sub_len > 0)
+            memcpy(ns->data, r->subkey, ns->sub_len);
+        if (ns->val_len > 0)
+            memcpy(ns->data + ns->sub_len, r->value, ns->val_len);
+    }
+    if (k == NULL && (k = key_create(st, key_id, r)) == NULL) {
+        free(ns->data);
+        free(ns);
+        result = -ENOMEM;
+        goto out;
+    }
+    ns->key = k;
     if (k->n == k->cap) {
         size_t ncap = k->cap ? 2 * k->cap : 2;
-        struct slot *sl = realloc(k->slots, ncap * sizeof(*sl));
+        struct slot **sl = realloc(k->slots, ncap * sizeof(*sl));
         if (sl == NULL) {
-            free(ns.data);
+            free(ns->data);
+            free(ns);
             result = -ENOMEM;
             goto out;
         }
         k->slots = sl;
         k->cap = ncap;
     }
-    if ((result = charge(st, storer, cost)) < 0) {
-        free(ns.data);
+    if ((result = slot_charge(st, ns, origin)) < 0) {
+        free(ns->data);
+        free(ns);
         goto out;
     }
 
     /* End the live entries of the other kind (plain versus dictionary). */
     for (size_t i = 0; i < k->n;) {
-        struct slot *s = &k->slots[i];
-        if (!s->dead && s->has_sub != ns.has_sub && slot_end(st, k, i))
+        struct slot *s = k->slots[i];
+        if (!s->dead && s->has_sub != ns->has_sub && slot_end(st, k, i))
             continue;
         i++;
     }
-    p.pos = slot_search(k, ns.has_sub, r->subkey, ns.sub_len, &found);
+    p.pos = slot_search(k, ns->has_sub, r->subkey, ns->sub_len, &found);
     if (found) {
-        struct slot *s = &k->slots[p.pos];
-        if (s->dead) {
+        struct slot *s = k->slots[p.pos];
+        if (s->dead)
             st->tombstones--;
-        } else {
-            uncharge(st, s->storer, slot_cost(k, s));
-            st->entries--;
-        }
+        else
+            slot_uncharge(st, s);
         free(s->data);
-        *s = ns;
+        free(s);
+        k->slots[p.pos] = ns;
     } else {
-        memmove(&k->slots[p.pos + 1], &k->slots[p.pos], (k->n - p.pos) * sizeof(ns));
+        memmove(&k->slots[p.pos + 1], &k->slots[p.pos], (k->n - p.pos) * sizeof(*k->slots));
         k->slots[p.pos] = ns;
         k->n++;
     }
-    st->entries++;
     result = 0;
 out:
     if (k != NULL && k->n == 0)
@@ -539,7 +726,7 @@ int hm_dht_store_get(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_
     if ((k = key_find(st, key_id)) == NULL)
         return 0;
     for (size_t j = 0; j < k->n; j++) {
-        const struct slot *s = &k->slots[j];
+        const struct slot *s = k->slots[j];
         if (s->dead || s->expiration <= now)
             continue;
         res->expiration = HM_MAX(res->expiration, s->expiration);
@@ -547,14 +734,14 @@ int hm_dht_store_get(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_
             res->is_dict = 1;
     }
     /* A live plain value is the whole answer, whatever the cursor says. */
-    if (cursor != NULL && !(k->n > 0 && !k->slots[0].has_sub && !k->slots[0].dead &&
-                            k->slots[0].expiration > now)) {
+    if (cursor != NULL && !(k->n > 0 && !k->slots[0]->has_sub && !k->slots[0]->dead &&
+                            k->slots[0]->expiration > now)) {
         i = slot_search(k, 1, cursor, cursor_len, &found);
         if (found)
             i++;
     }
     for (; i < k->n; i++) {
-        const struct slot *s = &k->slots[i];
+        const struct slot *s = k->slots[i];
         hm_dht_record v;
         size_t sz;
 
@@ -581,4 +768,10 @@ void hm_dht_store_stats_get(const hm_dht_store *st, hm_dht_store_stats *out)
     out->bytes = st->bytes;
     out->tombstones = st->tombstones;
     out->peers = hm_hmap_count(&st->peers);
+    out->origins = hm_hmap_count(&st->origins);
+    out->refused_peer = st->refused_peer;
+    out->refused_origin = st->refused_origin;
+    out->refused_full = st->refused_full;
+    out->refused_full_bytes = st->refused_full_bytes;
+    out->evicted = st->evicted;
 }

@@ -42,13 +42,26 @@
  * highest seq among the replicas.
  *
  * Quotas. Each live entry is charged its key, subkey and value lengths
- * plus HM_DHT_STORE_ENTRY_COST to the peer that stored it (by node id) and
- * to the totals. A record that would take its storer past max_peer_bytes is
- * refused with -EDQUOT, one that would take the store past max_bytes or
- * max_entries with -ENOSPC. Nothing is evicted to make room: a flood fills
- * the flooder's quota and is refused from then on, while other peers'
- * stores still succeed. Before refusing for quota the store sweeps expired
- * entries (at most once per second of now, so refusals stay cheap).
+ * plus HM_DHT_STORE_ENTRY_COST to the peer that stored it (by node id), to
+ * the network origin it came from (src/base/origin.h: the sender's /24 or
+ * /48, a local address whole) and to the totals. Identities are free, so
+ * the origin is what bounds a flood:
+ *   - a record that would take its storer past max_peer_bytes, or its
+ *     origin past max_origin_share (12%) of max_bytes or of max_entries, is
+ *     refused with -EDQUOT;
+ *   - a record that would take the store past max_bytes or max_entries
+ *     evicts instead: the oldest stored entry of the heaviest origin (by
+ *     entries when entries are short, by bytes otherwise) ends, as if it
+ *     had expired (an owned one leaves its tombstone), again until the
+ *     record fits, but only while that origin holds more than the storing
+ *     origin will hold with the record. A store full of a flood thus makes
+ *     room for any lighter origin, and an origin is refused (-ENOSPC) only
+ *     when it is itself among the heaviest: when full, every origin keeps
+ *     at least its fair share, and a flood from few origins cannot shut
+ *     out the rest.
+ * Before refusing or evicting for quota the store sweeps expired entries
+ * (at most once per second of now, so refusals stay cheap). Eviction costs
+ * O(origins) per entry ended.
  *
  * Gets return the live entries of a key_id: the plain value, or the
  * dictionary's subkeys in subkey byte order (shorter first on a common
@@ -62,6 +75,7 @@
 #include <stdint.h>
 
 #include "dht/record.h"
+#include "src/base/origin.h"
 
 /* Bytes charged per entry on top of its key, subkey and value. */
 #define HM_DHT_STORE_ENTRY_COST 128
@@ -75,6 +89,8 @@ typedef struct hm_dht_store_config {
     size_t max_bytes;      /* total charge, default 64 MiB */
     size_t max_entries;    /* live entries, default 65536 */
     size_t max_peer_bytes; /* charge per storing peer, default 1 MiB */
+    double max_origin_share; /* charge and entries per origin, as a fraction of
+                                max_bytes and max_entries, in (0, 1], default 0.12 */
     size_t max_tombstones; /* default 16384 */
     uint8_t swarm_id[HM_SWARM_ID_BYTES]; /* signatures are bound to it */
 } hm_dht_store_config;
@@ -87,16 +103,21 @@ int hm_dht_store_new(const hm_dht_store_config *cfg, hm_dht_store **out);
 void hm_dht_store_free(hm_dht_store *st);
 
 /*
- * Stores r on behalf of the peer with node id storer, at wall time now.
+ * Stores r on behalf of the peer with node id storer, whose request came
+ * from origin (NULL: the "none" origin), at wall time now.
  * Verifies the record itself (hm_dht_record_verify). Returns 0 when stored,
  * or: -EMSGSIZE (over a size cap), -EINVAL (malformed: empty key, bad
  * marker, non-finite time), -EPERM (key and subkey name different owners,
  * or a plain record would delete an owned subkey), -EBADMSG (owned record
  * without its owner's valid signature), -ETIME (already expired), -ERANGE
  * (owned record expiring too far ahead), -ESTALE (not newer than what is
- * stored, or a replayed seq), -EDQUOT (storer's quota), -ENOSPC (store
- * full), -ENOMEM.
+ * stored, or a replayed seq), -EDQUOT (the storer's or its origin's
+ * quota), -ENOSPC (store full and the origin among the heaviest), -ENOMEM.
  */
+int hm_dht_store_put_from(hm_dht_store *st, const hm_dht_record *r,
+                          const uint8_t storer[HM_NODE_ID_BYTES], const hm_origin *origin,
+                          double now);
+/* The same with the "none" origin (hm_origin_of(NULL)), for local callers. */
 int hm_dht_store_put(hm_dht_store *st, const hm_dht_record *r,
                      const uint8_t storer[HM_NODE_ID_BYTES], double now);
 
@@ -131,7 +152,17 @@ typedef struct hm_dht_store_stats {
     size_t bytes;      /* total charge */
     size_t tombstones;
     size_t peers;      /* storers with a charge */
+    size_t origins;    /* origins with a charge */
+    uint64_t refused_peer;   /* puts refused for the storer's quota (max_peer_bytes) */
+    uint64_t refused_origin; /* puts refused for the origin's share */
+    uint64_t refused_full;   /* puts refused when out of entries, the origin among the heaviest */
+    uint64_t refused_full_bytes; /* the same when out of bytes */
+    uint64_t evicted;        /* entries ended to make room */
 } hm_dht_store_stats;
+
+/* Current charge and entries of one origin. */
+void hm_dht_store_origin_usage(const hm_dht_store *st, const hm_origin *o, size_t *bytes,
+                               size_t *entries);
 
 void hm_dht_store_stats_get(const hm_dht_store *st, hm_dht_store_stats *out);
 /* Current charge of one storer. */

@@ -11,6 +11,7 @@
 #include "dht/store.h"
 #include "src/base/util.h"
 
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
@@ -398,10 +399,13 @@ Test(store, malformed_markers_refused)
 
 /* ---- quotas ---- */
 
+/* These two test the per-identity quota and the totals with every put from
+ * one origin, so the origin's share is the whole store. */
 static void small_quotas(hm_dht_store_config *c)
 {
     c->max_peer_bytes = 20000;
     c->max_bytes = 50000;
+    c->max_origin_share = 1.0;
 }
 
 Test(store, flood_from_one_peer_refused_others_still_store)
@@ -451,7 +455,11 @@ Test(store, flood_from_one_peer_refused_others_still_store)
     hm_dht_store_free(st);
 }
 
-static void few_entries(hm_dht_store_config *c) { c->max_entries = 3; }
+static void few_entries(hm_dht_store_config *c)
+{
+    c->max_entries = 3;
+    c->max_origin_share = 1.0;
+}
 
 Test(store, owned_records_are_never_evicted_for_room)
 {
@@ -466,6 +474,151 @@ Test(store, owned_records_are_never_evicted_for_room)
     cr_assert_eq(put(st, "c", NULL, "v", NOW + 100, peer_b, NOW), -ENOSPC);
     cr_assert_eq(get(st, owned_key, NOW, out, 2, NULL), 1);
     cr_assert(value_is(&out[0], "keep me"));
+    hm_dht_store_free(st);
+}
+
+/* ---- origins ---- */
+
+static hm_origin origin_n(int last_octet)
+{
+    struct sockaddr_in a;
+    hm_origin o;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_port = htons(4000);
+    a.sin_addr.s_addr = htonl(0x7f000000u | (uint32_t)last_octet);
+    hm_origin_of((const struct sockaddr *)&a, &o);
+    return o;
+}
+
+/* A fresh identity for every put: identities are free. */
+static int put_from(hm_dht_store *st, const char *key, const char *val, const hm_origin *o,
+                    unsigned ident, double now)
+{
+    uint8_t storer[HM_NODE_ID_BYTES] = {0};
+    memcpy(storer, &ident, sizeof(ident));
+    storer[31] = o->b[4];
+    hm_dht_record r = rec(key, NULL, val, NOW + 3600);
+    return hm_dht_store_put_from(st, &r, storer, o, now);
+}
+
+static void thousand(hm_dht_store_config *c) { c->max_entries = 1000; }
+
+Test(store, origin_share_bounds_a_flood_of_identities)
+{
+    hm_dht_store *st = new_store(thousand);
+    hm_origin a = origin_n(2), b = origin_n(3);
+    char key[32];
+    int stored = 0, rc = 0;
+
+    for (unsigned i = 0; i < 400; i++) {
+        snprintf(key, sizeof(key), "flood%u", i);
+        if ((rc = put_from(st, key, "v", &a, i, NOW)) != 0)
+            break;
+        stored++;
+    }
+    /* 12% of 1000 entries, whatever the number of identities. */
+    cr_assert_eq(rc, -EDQUOT);
+    cr_assert_eq(stored, 120);
+    size_t bytes, entries;
+    hm_dht_store_origin_usage(st, &a, &bytes, &entries);
+    cr_assert_eq(entries, 120);
+    /* Another origin still stores; the flooder's own updates still go through. */
+    cr_assert_eq(put_from(st, "honest", "hello", &b, 1, NOW), 0);
+    hm_dht_record r = rec("flood0", NULL, "v", NOW + 7200);
+    uint8_t storer0[HM_NODE_ID_BYTES] = {0};
+    storer0[31] = a.b[4];
+    cr_assert_eq(hm_dht_store_put_from(st, &r, storer0, &a, NOW), 0);
+    hm_dht_store_stats s;
+    hm_dht_store_stats_get(st, &s);
+    cr_assert_eq(s.refused_origin, 1);
+    cr_assert_eq(s.origins, 2);
+    hm_dht_store_free(st);
+}
+
+static void hundred_half(hm_dht_store_config *c)
+{
+    c->max_entries = 100;
+    c->max_origin_share = 0.6;
+}
+
+Test(store, full_store_evicts_the_oldest_of_the_heaviest_origin)
+{
+    hm_dht_store *st = new_store(hundred_half);
+    hm_origin a = origin_n(2), b = origin_n(3), h = origin_n(1);
+    hm_dht_record out[2];
+    char key[32];
+
+    for (unsigned i = 0; i < 60; i++) {
+        snprintf(key, sizeof(key), "a%u", i);
+        cr_assert_eq(put_from(st, key, "v", &a, i, NOW + i * 0.001), 0);
+    }
+    for (unsigned i = 0; i < 40; i++) {
+        snprintf(key, sizeof(key), "b%u", i);
+        cr_assert_eq(put_from(st, key, "v", &b, i, NOW), 0);
+    }
+    /* Full. The next origin's put ends a's oldest entry, not b's. */
+    cr_assert_eq(put_from(st, "honest0", "hello", &h, 7, NOW), 0);
+    cr_assert_eq(get(st, "a0", NOW, out, 2, NULL), 0);
+    cr_assert_eq(get(st, "a1", NOW, out, 2, NULL), 1);
+    cr_assert_eq(get(st, "b0", NOW, out, 2, NULL), 1);
+    cr_assert_eq(get(st, "honest0", NOW, out, 2, NULL), 1);
+
+    /* Fair shares when full: h goes on until it is among the heaviest. */
+    int rc = 0;
+    unsigned n_h = 1;
+    for (unsigned i = 1; i < 100; i++) {
+        snprintf(key, sizeof(key), "honest%u", i);
+        if ((rc = put_from(st, key, "hello", &h, 7, NOW)) != 0)
+            break;
+        n_h++;
+    }
+    cr_assert_eq(rc, -ENOSPC);
+    size_t ba, ea, bb, eb, bh, eh;
+    hm_dht_store_origin_usage(st, &a, &ba, &ea);
+    hm_dht_store_origin_usage(st, &b, &bb, &eb);
+    hm_dht_store_origin_usage(st, &h, &bh, &eh);
+    cr_assert_eq(eh, n_h);
+    cr_assert_eq(ea + eb + eh, 100);
+    cr_assert_geq(eh, 33, "h holds %zu, a %zu, b %zu", eh, ea, eb);
+    cr_assert_leq(ea, 34);
+    cr_assert_leq(eb, 34);
+    /* Every honest entry is still there. */
+    for (unsigned i = 0; i < n_h; i++) {
+        snprintf(key, sizeof(key), "honest%u", i);
+        cr_assert_eq(get(st, key, NOW, out, 2, NULL), 1, "%s", key);
+    }
+    /* The flooders are refused from now on: they are the heaviest. */
+    cr_assert_eq(put_from(st, "a-more", "v", &a, 999, NOW), -ENOSPC);
+    hm_dht_store_stats s;
+    hm_dht_store_stats_get(st, &s);
+    cr_assert_eq(s.entries, 100);
+    cr_assert_eq(s.evicted, n_h);
+    cr_assert_geq(s.refused_full, 2);
+    hm_dht_store_free(st);
+}
+
+Test(store, eviction_ends_an_owned_entry_with_its_tombstone)
+{
+    hm_dht_store *st = new_store(few_entries);
+    hm_origin a = origin_n(2), h = origin_n(1);
+    hm_dht_record r, out[2];
+    uint8_t sa[HM_NODE_ID_BYTES] = {0x2a};
+
+    make_owned_names();
+    r = owned(owned_key, NULL, "v1", NOW + 100, 5, &alice, 0);
+    cr_assert_eq(hm_dht_store_put_from(st, &r, sa, &a, NOW), 0);
+    cr_assert_eq(put_from(st, "a1", "v", &a, 1, NOW), 0);
+    cr_assert_eq(put_from(st, "a2", "v", &a, 2, NOW), 0);
+    /* a holds all 3 entries; an honest put ends the oldest, the owned one. */
+    cr_assert_eq(put_from(st, "h", "v", &h, 1, NOW), 0);
+    cr_assert_eq(get(st, owned_key, NOW, out, 2, NULL), 0);
+    hm_dht_store_stats s;
+    hm_dht_store_stats_get(st, &s);
+    cr_assert_eq(s.tombstones, 1);
+    /* Its old version cannot come back. */
+    r = owned(owned_key, NULL, "v1", NOW + 100, 5, &alice, 0);
+    cr_assert_eq(hm_dht_store_put_from(st, &r, sa, &h, NOW), -ESTALE);
     hm_dht_store_free(st);
 }
 

@@ -194,3 +194,108 @@ Test(node, bad_initial_peer_is_refused)
     cr_assert_not_null(strstr(err, "PEERID@HOST:PORT"), "%s", err);
     cr_assert_eq(uv_loop_close(&loop), 0);
 }
+
+/* ---- the peer table against many identities from few origins ---- */
+
+static hm_node *make_node_at(uv_loop_t *loop, const char *ip, const char *peer, size_t max_peers,
+                             size_t per_origin)
+{
+    static char listen[64][32];
+    static unsigned next;
+    char *l = listen[next++ % 64];
+    snprintf(l, 32, "%s:0", ip);
+    hm_node_options o = {0};
+    const char *peers[1] = {peer};
+    o.listen = l;
+    o.swarm = "t";
+    o.ping_interval_ms = 200;
+    o.max_peers = max_peers;
+    o.max_peers_per_origin = per_origin;
+    if (peer != NULL) {
+        o.initial_peers = peers;
+        o.n_initial_peers = 1;
+    }
+    hm_node *n = NULL;
+    char err[256] = "";
+    cr_assert_eq(hm_node_new(loop, &o, &n, err, sizeof(err)), 0, "hm_node_new on %s: %s", ip, err);
+    return n;
+}
+
+static int never(void *ud)
+{
+    (void)ud;
+    return 0;
+}
+
+typedef struct table_goal {
+    hm_node *victim;
+    size_t peers;
+    hm_node *must_know;
+} table_goal;
+
+static int table_reaches(void *ud)
+{
+    table_goal *g = ud;
+    hm_peer_info info[16];
+    if (hm_node_peers(g->victim, info, 16) < g->peers)
+        return 0;
+    return g->must_know == NULL || knows(g->victim, g->must_know);
+}
+
+/* Places of one origin in n's table. */
+static size_t places_of(hm_node *n, const char *ip)
+{
+    hm_peer_info info[16];
+    size_t total = hm_node_peers(n, info, 16), k = 0;
+    char a[HM_ADDRSTRLEN];
+    for (size_t i = 0; i < total && i < 16; i++)
+        if (hm_format_addr((struct sockaddr *)&info[i].addr, a, sizeof(a)) == 0 &&
+            strncmp(a, ip, strlen(ip)) == 0 && a[strlen(ip)] == ':')
+            k++;
+    return k;
+}
+
+Test(node, peer_table_counts_origins_and_evicts_from_the_heaviest, .timeout = 30)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    /* A table of 8, at most 3 places per origin. */
+    hm_node *v = make_node_at(&loop, "127.0.0.1", NULL, 8, 3);
+    char addr[256];
+    cr_assert_eq(hm_node_address(v, addr, sizeof(addr)), 0);
+    hm_node *all[32];
+    size_t n_all = 0;
+    all[n_all++] = v;
+    hm_node *honest[2];
+    for (int i = 0; i < 2; i++)
+        all[n_all++] = honest[i] = make_node_at(&loop, "127.0.0.1", addr, 0, 0);
+    table_goal g = {v, 2, NULL};
+    cr_assert(run_until(&loop, table_reaches, &g, 5000), "the honest peers did not join");
+
+    /* Six identities on each of two attack origins: each origin gets 3 places. */
+    for (int i = 0; i < 6; i++) {
+        all[n_all++] = make_node_at(&loop, "127.0.0.2", addr, 0, 0);
+        all[n_all++] = make_node_at(&loop, "127.0.0.3", addr, 0, 0);
+    }
+    g.peers = 8;
+    cr_assert(run_until(&loop, table_reaches, &g, 5000), "the flood did not fill the table");
+    run_until(&loop, never, NULL, 1000);
+    cr_assert_eq(places_of(v, "127.0.0.2"), 3);
+    cr_assert_eq(places_of(v, "127.0.0.3"), 3);
+    /* The honest peers known before stay. */
+    cr_assert(knows(v, honest[0]) && knows(v, honest[1]));
+
+    /* A newcomer from a new origin gets a place in the full table, at an
+     * attack origin's expense. */
+    hm_node *late = make_node_at(&loop, "127.0.0.4", addr, 0, 0);
+    all[n_all++] = late;
+    g.must_know = late;
+    cr_assert(run_until(&loop, table_reaches, &g, 5000), "the newcomer got no place");
+    cr_assert_eq(places_of(v, "127.0.0.2") + places_of(v, "127.0.0.3"), 5);
+    cr_assert(knows(v, honest[0]) && knows(v, honest[1]));
+
+    char *m = hm_node_metrics(v);
+    cr_assert_not_null(strstr(m, "\nhivemindd_peers_evicted_total 1\n"), "%s", m);
+    free(m);
+    close_all(&loop, all, n_all);
+}

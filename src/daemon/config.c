@@ -127,6 +127,26 @@ static const struct opt opts[] = {
      "4 s worth (default 2048)"},
     /* transport: reassembly, write queues */
     /* dht: storage, peer table */
+    {"DhtRequestRate", "dht-request-rate", T_UINT, FIELD(dht_request_rate), 1, 1000000, 0, "N",
+     "DHT requests served per second per address, with bursts of twice that; loopback "
+     "addresses are metered per port (default 200)"},
+    {"DhtStoreEntries", "dht-store-entries", T_UINT, FIELD(dht_store_entries), 16, 16777216, 0,
+     "N", "DHT records stored for others (default 65536)"},
+    {"DhtStoreMiB", "dht-store-mib", T_UINT, FIELD(dht_store_mib), 1, 65536, 0, "MIB",
+     "total size of the DHT records stored for others (default 64)"},
+    {"DhtStorePeerKiB", "dht-store-peer-kib", T_UINT, FIELD(dht_store_peer_kib), 1, 4194304, 0,
+     "KIB", "size of the DHT records stored for one identity (default 1024)"},
+    {"DhtStoreOriginShare", "dht-store-origin-share", T_UINT, FIELD(dht_store_origin_share), 1,
+     100, 0, "PERCENT", "share of the DHT store's records and bytes one network origin "
+     "(a /24, a /48, a local address) may hold; a full store evicts from the heaviest origin "
+     "(default 12)"},
+    {"PeerTableSize", "peer-table-size", T_UINT, FIELD(peer_table_size), 16, 1048576, 0, "N",
+     "peers in the peer table (default 4096)"},
+    {"PeerTableOriginCap", "peer-table-origin-cap", T_UINT, FIELD(peer_table_origin_cap), 1,
+     1048576, 0, "N", "places one network origin may hold in the peer table (default 64)"},
+    {"PingStreamPeers", "ping-stream-peers", T_UINT, FIELD(ping_stream_peers), 1, 65536, 0, "N",
+     "verified peers, longest known first, also pinged over a stream connection each round "
+     "(default 32)"},
     /* experts */
     /* averaging and state */
     {"AverageWeightFactor", "average-weight-factor", T_UINT, FIELD(average_weight_factor), 1,
@@ -427,6 +447,14 @@ void hm_config_defaults(hm_config *c)
     c->handshake_rate_per_origin = 64;
     c->dgram_new_key_rate_per_origin = 64;
     c->dgram_new_key_rate = 2048;
+    c->dht_request_rate = 200;
+    c->dht_store_entries = 65536;
+    c->dht_store_mib = 64;
+    c->dht_store_peer_kib = 1024;
+    c->dht_store_origin_share = 12;
+    c->peer_table_size = 4096;
+    c->peer_table_origin_cap = 64;
+    c->ping_stream_peers = 32;
     hm_strlcpy(c->expert_type, "ffn", sizeof(c->expert_type));
     c->expert_dim = 512;
     hm_strlcpy(c->expert_optimizer, "adam", sizeof(c->expert_optimizer));

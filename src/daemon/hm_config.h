@@ -78,6 +78,14 @@ typedef struct hm_config {
     unsigned handshake_rate_per_origin, dgram_new_key_rate_per_origin, dgram_new_key_rate;
     /* transport: reassembly, write queues */
     /* dht: storage, peer table */
+    unsigned dht_request_rate;        /* DHT requests per second per address; burst twice that */
+    unsigned dht_store_entries;       /* records one node stores for others */
+    unsigned dht_store_mib;           /* their total charge, MiB */
+    unsigned dht_store_peer_kib;      /* charge per storing identity, KiB */
+    unsigned dht_store_origin_share;  /* percent of entries and bytes per network origin */
+    unsigned peer_table_size;
+    unsigned peer_table_origin_cap;   /* places per network origin */
+    unsigned ping_stream_peers;       /* peers pinged over a stream each round */
     /* experts */
     /* averaging and state */
     unsigned average_weight_factor;      /* a part's weight <= this x the chunk's median */

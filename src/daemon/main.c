@@ -335,6 +335,15 @@ static int start(daemon_t *d, char *err, size_t errlen)
     no.transport.handshake_rate_per_origin = d->cfg.handshake_rate_per_origin;
     no.transport.dgram_new_key_rate_per_origin = d->cfg.dgram_new_key_rate_per_origin;
     no.transport.dgram_new_key_rate = d->cfg.dgram_new_key_rate;
+    no.dht.rate_per_s = d->cfg.dht_request_rate;
+    no.dht.rate_burst = 2.0 * d->cfg.dht_request_rate;
+    no.dht.store.max_entries = d->cfg.dht_store_entries;
+    no.dht.store.max_bytes = (size_t)d->cfg.dht_store_mib << 20;
+    no.dht.store.max_peer_bytes = (size_t)d->cfg.dht_store_peer_kib << 10;
+    no.dht.store.max_origin_share = d->cfg.dht_store_origin_share / 100.0;
+    no.max_peers = d->cfg.peer_table_size;
+    no.max_peers_per_origin = d->cfg.peer_table_origin_cap;
+    no.max_stream_pings = d->cfg.ping_stream_peers;
     r = hm_node_new(&d->loop, &no, &d->pub.node, err, errlen);
     if (r != 0)
         return r;

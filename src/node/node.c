@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "src/base/hmap.h"
+#include "src/base/origin.h"
 #include "src/base/util.h"
 #include "src/base/wire.h"
 
@@ -32,6 +33,9 @@ typedef struct peer {
     hm_hmap_node by_pk; /* in hm_node.by_pk, keyed by info.pk */
     hm_peer_info info;
     int addr_known;          /* a datagram told us its listen address */
+    int verified;            /* it answered one of our datagram pings at that address */
+    uint64_t first_seen_ms;  /* monotonic */
+    hm_origin org;           /* counted in hm_node.origins */
     int ping_dgram_pending;  /* a datagram ping is in flight */
     int ping_stream_pending; /* a stream ping is in flight */
 } peer;
@@ -57,6 +61,13 @@ struct hm_node {
     peer *peers;
     size_t n_peers, max_peers;
     hm_hmap by_pk;
+    /* Peers per network origin (v[0]), so that identities minted on one
+     * host cannot take the table: see peer_touch. */
+    hm_origin_tab origins;
+    size_t max_peers_per_origin;
+    unsigned max_stream_pings;
+    uint64_t refused_origin, refused_full, evicted;
+    uint64_t stream_pings_skipped; /* verified peers past max_stream_pings, per round */
 
     hm_dht *dht;
     uv_timer_t dht_timer;
@@ -85,10 +96,25 @@ static peer *peer_find(hm_node *n, const uint8_t pk[HM_PK_BYTES])
     return hm_hmap_entry(hm_hmap_find(&n->by_pk, pk, HM_PK_BYTES), peer, by_pk);
 }
 
+static void origin_count(hm_node *n, const hm_origin *o, int delta)
+{
+    hm_origin_ent *e = hm_origin_tab_get(&n->origins, o, delta > 0);
+    if (e == NULL)
+        return;
+    e->v[0] = delta > 0 ? e->v[0] + 1 : (e->v[0] > 0 ? e->v[0] - 1 : 0);
+    hm_origin_tab_release(&n->origins, e);
+}
+
+static uint64_t origin_peers(hm_node *n, const hm_origin *o)
+{
+    hm_origin_ent *e = hm_origin_tab_get(&n->origins, o, 0);
+    return e != NULL ? e->v[0] : 0;
+}
+
 static void peer_remove(hm_node *n, peer *p)
 {
     peer *last = &n->peers[n->n_peers - 1];
-    hm_info(MOD, "peer %s dropped after %u missed pings", p->info.peer_id, p->info.failures);
+    origin_count(n, &p->org, -1);
     hm_hmap_remove(&n->by_pk, &p->by_pk);
     if (p != last) {
         /* The map points into the entry, so the moved one is filed again. */
@@ -100,33 +126,92 @@ static void peer_remove(hm_node *n, peer *p)
 }
 
 /*
- * Adds or refreshes a peer. A full table keeps its current members: a flood
- * of fresh identities cannot push out peers we already know.
+ * The table is full and a newcomer from origin o asks for a place: the
+ * heaviest origin gives one up if it holds more than o will, its newest
+ * unverified peer first, else its newest one, so that long-lived verified
+ * peers stay. Returns 1 when a place was freed. O(peers).
+ */
+static int peer_evict_for(hm_node *n, const hm_origin *o)
+{
+    hm_origin_ent *h = hm_origin_tab_heaviest(&n->origins, 0);
+    if (h == NULL || hm_origin_eq(&h->o, o) || h->v[0] <= origin_peers(n, o) + 1)
+        return 0;
+    peer *victim = NULL;
+    for (size_t i = 0; i < n->n_peers; i++) {
+        peer *p = &n->peers[i];
+        if (!hm_origin_eq(&p->org, &h->o))
+            continue;
+        if (victim == NULL || (!p->verified && victim->verified) ||
+            (p->verified == victim->verified && p->first_seen_ms > victim->first_seen_ms))
+            victim = p;
+    }
+    if (victim == NULL)
+        return 0;
+    hm_debug(MOD, "peer %s evicted: its origin holds the most places", victim->info.peer_id);
+    peer_remove(n, victim);
+    n->evicted++;
+    return 1;
+}
+
+/*
+ * Adds or refreshes a peer. Identities are free, so places are counted by
+ * network origin (src/base/origin.h): an origin holds at most
+ * max_peers_per_origin of them, and a full table makes room for a lighter
+ * origin at the heaviest one's expense (peer_evict_for); a newcomer from an
+ * origin already among the heaviest is turned away, and the peers we know
+ * stay.
  */
 static peer *peer_touch(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
                         int via_stream)
 {
     if (memcmp(pk, n->id.pk, HM_PK_BYTES) == 0)
         return NULL;
+    hm_origin o;
+    hm_origin_of(from, &o);
     peer *p = peer_find(n, pk);
     if (p == NULL) {
-        if (n->n_peers >= n->max_peers)
+        if (origin_peers(n, &o) >= n->max_peers_per_origin) {
+            n->refused_origin++;
             return NULL;
+        }
+        if (n->n_peers >= n->max_peers && !peer_evict_for(n, &o)) {
+            n->refused_full++;
+            return NULL;
+        }
+        if (hm_origin_tab_get(&n->origins, &o, 1) == NULL) {
+            n->refused_full++;
+            return NULL;
+        }
         p = &n->peers[n->n_peers++];
         memset(p, 0, sizeof(*p));
         memcpy(p->info.pk, pk, HM_PK_BYTES);
         hm_peer_id_encode(pk, p->info.peer_id);
         p->info.rtt_ms = -1.0;
+        p->first_seen_ms = hm_now_ms();
+        p->org = o;
+        origin_count(n, &o, 1);
         hm_hmap_insert(&n->by_pk, &p->by_pk, p->info.pk, HM_PK_BYTES);
         char a[HM_ADDRSTRLEN];
         hm_format_addr(from, a, sizeof(a));
         hm_info(MOD, "new peer %s from %s%s", p->info.peer_id, a, via_stream ? " (stream)" : "");
+    } else if (from != NULL && !hm_origin_eq(&p->org, &o)) {
+        /* A peer that moved is counted at its new origin, if there is room there. */
+        if (origin_peers(n, &o) >= n->max_peers_per_origin ||
+            hm_origin_tab_get(&n->origins, &o, 1) == NULL)
+            return p;
+        origin_count(n, &p->org, -1);
+        origin_count(n, &o, 1);
+        p->org = o;
+        p->verified = 0;
     }
     p->info.last_seen_ms = hm_now_ms();
     p->info.failures = 0;
     /* A stream's source port is ephemeral; only datagrams come from the
      * peer's listening port. */
     if (!via_stream && from != NULL) {
+        /* Verified means it answered us at this address. */
+        if (p->addr_known && !hm_addr_equal((const struct sockaddr *)&p->info.addr, from))
+            p->verified = 0;
         memcpy(&p->info.addr, from, hm_addr_len(from));
         p->addr_known = 1;
     }
@@ -208,12 +293,17 @@ static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
             double rtt = (double)(hm_now_us() - c->sent_us) / 1000.0;
             /* Datagram pings measure the round trip; stream pings include
              * queueing behind bulk transfers, so they only prove liveness. */
-            if (!c->via_stream)
+            if (!c->via_stream) {
                 p->info.rtt_ms = p->info.rtt_ms < 0 ? rtt : 0.8 * p->info.rtt_ms + 0.2 * rtt;
+                p->verified = 1;
+            }
         } else if (!c->via_stream && (status == -ETIMEDOUT || status == -ECONNREFUSED)) {
             p->info.failures++;
-            if (p->info.failures >= n->max_ping_failures)
+            if (p->info.failures >= n->max_ping_failures) {
+                hm_info(MOD, "peer %s dropped after %u missed pings", p->info.peer_id,
+                        p->info.failures);
                 peer_remove(n, p);
+            }
         }
     }
     free(c);
@@ -279,6 +369,17 @@ static void dht_rejoin_if_lonely(hm_node *n)
     dht_rearm(n, now);
 }
 
+typedef struct ping_rank {
+    uint64_t first_seen_ms;
+    size_t idx;
+} ping_rank;
+
+static int cmp_first_seen(const void *a, const void *b)
+{
+    const ping_rank *pa = a, *pb = b;
+    return (pa->first_seen_ms > pb->first_seen_ms) - (pa->first_seen_ms < pb->first_seen_ms);
+}
+
 static void ping_round(hm_node *n)
 {
     uint64_t now = hm_now_ms();
@@ -297,6 +398,14 @@ static void ping_round(hm_node *n)
         else
             b->next_try_ms = now + b->backoff_ms;
     }
+    /*
+     * Every peer gets a datagram ping; a stream ping, which opens a
+     * connection, goes only to the max_stream_pings verified peers known
+     * longest, so that a table full of fresh identities cannot make us
+     * dial every one of them and spend our connections.
+     */
+    ping_rank *order = malloc(sizeof(*order) * (n->n_peers ? n->n_peers : 1));
+    size_t n_order = 0;
     for (size_t i = 0; i < n->n_peers; i++) {
         peer *p = &n->peers[i];
         if (!p->addr_known)
@@ -304,9 +413,21 @@ static void ping_round(hm_node *n)
         const struct sockaddr *to = (const struct sockaddr *)&p->info.addr;
         if (!p->ping_dgram_pending && send_ping(n, p->info.pk, to, 0, -1) == 0)
             p->ping_dgram_pending = 1;
-        if (!p->ping_stream_pending && send_ping(n, p->info.pk, to, 1, -1) == 0)
+        if (p->verified && order != NULL)
+            order[n_order++] = (ping_rank){p->first_seen_ms, i};
+    }
+    if (order == NULL)
+        return;
+    qsort(order, n_order, sizeof(*order), cmp_first_seen);
+    if (n_order > n->max_stream_pings)
+        n->stream_pings_skipped += n_order - n->max_stream_pings;
+    for (size_t j = 0; j < n_order && j < n->max_stream_pings; j++) {
+        peer *p = &n->peers[order[j].idx];
+        if (!p->ping_stream_pending &&
+            send_ping(n, p->info.pk, (const struct sockaddr *)&p->info.addr, 1, -1) == 0)
             p->ping_stream_pending = 1;
     }
+    free(order);
 }
 
 static void on_ping_timer(uv_timer_t *t)
@@ -475,8 +596,11 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
     n->ping_timeout_ms = HM_MAX(HM_MIN(n->ping_interval_ms, 5000u), 500u);
     n->max_ping_failures = opts->max_ping_failures ? opts->max_ping_failures : 4;
     n->max_peers = opts->max_peers ? opts->max_peers : 4096;
+    n->max_peers_per_origin = opts->max_peers_per_origin ? opts->max_peers_per_origin : 64;
+    n->max_stream_pings = opts->max_stream_pings ? opts->max_stream_pings : 32;
     n->peers = calloc(n->max_peers, sizeof(*n->peers));
-    if (n->peers == NULL || hm_hmap_init(&n->by_pk, n->max_peers, n->max_peers) < 0) {
+    if (n->peers == NULL || hm_hmap_init(&n->by_pk, n->max_peers, n->max_peers) < 0 ||
+        hm_origin_tab_init(&n->origins, n->max_peers) < 0) {
         snprintf(err, errlen, "out of memory");
         r = -ENOMEM;
         goto fail;
@@ -576,6 +700,7 @@ fail_rpc:
 fail:
     hm_identity_wipe(&n->id);
     hm_hmap_free(&n->by_pk);
+    hm_origin_tab_free(&n->origins);
     free(n->peers);
     free(n);
     return r;
@@ -690,6 +815,9 @@ char *hm_node_metrics(hm_node *n)
     hm_strbuf_printf(&b, "hivemindd_uptime_seconds %.3f\n",
                      (double)hm_node_uptime_ms(n) / 1000.0);
     metric_u64(&b, "hivemindd_peers", "gauge", "Peers in the peer table.", n->n_peers);
+    metric_u64(&b, "hivemindd_peers_evicted_total", "counter",
+               "Peers of the heaviest origin evicted from a full table for a newcomer.",
+               n->evicted);
     metric_u64(&b, "hivemindd_connections", "gauge", "Open stream connections.", st.connections);
     metric_u64(&b, "hivemindd_queued_bytes", "gauge", "Bytes queued for sending, all peers.",
                st.queued_bytes);
@@ -733,6 +861,9 @@ char *hm_node_metrics(hm_node *n)
                    "DHT requests that got no reply in time.", ds.timeouts);
         metric_u64(&b, "hivemindd_dht_rate_limited_total", "counter",
                    "DHT requests dropped by the per-address rate limit.", ds.rate_limited);
+        metric_u64(&b, "hivemindd_dht_store_evicted_total", "counter",
+                   "Stored DHT entries of the heaviest origin ended to make room.",
+                   ds.store_evicted);
         metric_u64(&b, "hivemindd_dht_bad_messages_total", "counter",
                    "DHT messages that failed to decode or were unexpected.", ds.bad_messages);
         metric_head(&b, "hivemindd_dht_operations_total", "counter",
@@ -763,11 +894,11 @@ char *hm_node_metrics(hm_node *n)
 void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud)
 {
     hm_transport_limits(hm_rpc_transport(n->rpc), emit, ud);
-    if (n->dht != NULL) {
-        hm_dht_stats ds;
-        hm_dht_get_stats(n->dht, &ds);
-        emit(ud, "DhtRequestRate", ds.rate_limited);
-    }
+    if (n->dht != NULL)
+        hm_dht_limits(n->dht, emit, ud);
+    emit(ud, "PeerTableOriginCap", n->refused_origin);
+    emit(ud, "PeerTableSize", n->refused_full);
+    emit(ud, "PingStreamPeers", n->stream_pings_skipped);
 }
 
 /* ---- shutdown ---- */
@@ -782,6 +913,7 @@ static void maybe_finish_close(hm_node *n)
     void *ud = n->close_ud;
     hm_identity_wipe(&n->id);
     hm_hmap_free(&n->by_pk);
+    hm_origin_tab_free(&n->origins);
     free(n->peers);
     free(n);
     if (cb != NULL)

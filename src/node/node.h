@@ -9,10 +9,18 @@
  * a peer that closes while a write is in flight would raise it.
  *
  * Peers. Every authenticated datagram or stream message refreshes its
- * sender's entry (address, last seen). The node pings each known peer every
- * ping_interval_ms (with jitter) over a datagram and over its stream, which
- * measures the round-trip time and keeps one connection warm; a peer that
- * misses max_ping_failures pings in a row is dropped from the table.
+ * sender's entry (address, last seen), or adds one. Identities are free,
+ * so places are counted by network origin (src/base/origin.h): one origin
+ * holds at most max_peers_per_origin places, and a full table (max_peers)
+ * makes room for a newcomer from a lighter origin by evicting from the
+ * heaviest origin its newest peer that never answered our ping (else its
+ * newest), so verified, long-lived and diverse peers stay. The node pings
+ * each known peer every ping_interval_ms (with jitter) over a datagram,
+ * which measures the round-trip time and verifies the peer's address; the
+ * max_stream_pings verified peers known longest are also pinged over their
+ * stream, which keeps a connection warm (pings never open a connection to
+ * every peer of a large table). A peer that misses max_ping_failures
+ * datagram pings in a row is dropped from the table.
  * Initial peers (PEERID@HOST:PORT) are pinged at start and retried with
  * backoff until they answer.
  */
@@ -44,6 +52,8 @@ typedef struct hm_node_options {
     uint64_t ping_interval_ms;         /* default 15000 */
     unsigned max_ping_failures;        /* default 4 */
     size_t max_peers;                  /* peer table cap, default 4096 */
+    size_t max_peers_per_origin;       /* places one network origin may hold, default 64 */
+    unsigned max_stream_pings;         /* peers pinged over a stream each round, default 32 */
     hm_dht_config dht;                 /* zero fields take defaults */
     hm_transport_config transport;     /* zero fields take defaults */
     hm_rpc_config rpc;
