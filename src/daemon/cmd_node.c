@@ -7,6 +7,7 @@
 #include "config.h"
 
 #include "src/daemon/daemon.h"
+#include "src/daemon/cmd_experts.h"
 #include "src/base/crypto.h"
 #include "src/base/util.h"
 
@@ -130,6 +131,7 @@ void hm_daemon_limit_metrics(hm_daemon *d, hm_strbuf *b)
                         "# TYPE hivemindd_limit_refused_total counter\n");
     if (d->node != NULL)
         hm_node_limits(d->node, limit_line, b);
+    hm_cmd_experts_limits(d->experts, limit_line, b);
 }
 
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)

@@ -73,6 +73,11 @@ typedef struct hm_config {
     /* transport: reassembly, write queues */
     /* dht: storage, peer table */
     /* experts */
+    unsigned expert_max_queued;       /* samples queued per expert */
+    unsigned expert_max_queued_mib;   /* request tensors held by the expert server */
+    unsigned expert_record_max_ttl_s; /* declarations living longer are ignored */
+    int expert_one_holder;            /* an open uid has one owner: its earliest live holder */
+    char expert_hosts_file[HM_CONFIG_PATH_LEN]; /* per-prefix allow-list; empty: none */
     /* averaging and state */
 } hm_config;
 
