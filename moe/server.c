@@ -562,8 +562,10 @@ static pending *queue_pop(queue *q)
     flow *f = TAILQ_FIRST(&q->flows);
     if (f == NULL)
         return NULL;
+    /* flow_pop frees f with its last request: decide the rotation first. */
+    int rotate = STAILQ_NEXT(STAILQ_FIRST(&f->reqs), link) != NULL && TAILQ_NEXT(f, link) != NULL;
     pending *p = flow_pop(q, f);
-    if (!STAILQ_EMPTY(&f->reqs) && TAILQ_NEXT(f, link) != NULL) {
+    if (rotate) {
         TAILQ_REMOVE(&q->flows, f, link);
         TAILQ_INSERT_TAIL(&q->flows, f, link);
     }
