@@ -885,30 +885,29 @@ static size_t expert_share(const expert *e, const hm_origin_ent *oe)
 
 /*
  * Makes room for need samples from oe at e by shedding the oldest requests
- * of the origin with the most samples queued there, as long as that origin
- * is another one and holds more than oe would. 0, or -ENOBUFS when the
+ * of the longest line of another origin there (forward or backward), as
+ * long as it holds more than oe would have at e in all. 0, or -ENOBUFS when the
  * newcomer is (or would be) the heaviest: then it is refused instead.
  */
 static int make_room_samples(hm_moe_server *s, expert *e, const hm_origin_ent *oe, size_t need)
 {
     if (need > s->max_queued)
         return -ENOBUFS;
+    size_t mine = expert_share(e, oe) + need;
     while (e->q[Q_FWD].samples + e->q[Q_BWD].samples + need > s->max_queued) {
+        /* The longest line of another origin (one pass: O(origins queued here)). */
         flow *heavy = NULL;
         queue *hq = NULL;
-        size_t heavy_n = 0;
         for (int k = 0; k < 2; k++) {
             flow *f;
             TAILQ_FOREACH(f, &e->q[k].flows, link) {
-                size_t n = expert_share(e, f->oe);
-                if (f->oe != oe && n > heavy_n) {
+                if (f->oe != oe && (heavy == NULL || f->samples > heavy->samples)) {
                     heavy = f;
                     hq = &e->q[k];
-                    heavy_n = n;
                 }
             }
         }
-        if (heavy == NULL || heavy_n <= expert_share(e, oe) + need)
+        if (heavy == NULL || heavy->samples <= mine)
             return -ENOBUFS;
         shed(s, hq, heavy);
         s->refused_queued++;
