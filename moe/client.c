@@ -354,13 +354,16 @@ static int ent_better(const beam_ent *a, const beam_ent *b)
  * replaces the older one (same name, hence same score and place).
  */
 static void ent_offer(hm_moe_client *c, beam_ent *arr, size_t *n, size_t cap,
-                      const beam_ent *cand)
+                      const beam_ent *cand, int experts)
 {
     for (size_t i = 0; i < *n; i++) {
         if (strcmp(arr[i].name, cand->name) == 0) {
             arr[i].n_owners++;
-            if (decl_better(c, cand->name, cand->ex.pk, cand->expiration, arr[i].ex.pk,
-                            arr[i].expiration)) {
+            /* Only an expert's host matters: a grid prefix entry says that
+             * the coordinate exists, and every owner's entry says the same. */
+            if (experts ? decl_better(c, cand->name, cand->ex.pk, cand->expiration,
+                                      arr[i].ex.pk, arr[i].expiration)
+                        : cand->expiration > arr[i].expiration) {
                 unsigned k = arr[i].n_owners;
                 arr[i] = *cand;
                 arr[i].n_owners = k;
@@ -440,7 +443,7 @@ static void beam_take(find_op *f, const beam_ent *parent, const hm_dht_value *va
             if (expert_set_addr(&cand.ex, addr) != 0)
                 continue;
         }
-        ent_offer(f->c, f->next_beam, &f->n_next, last ? f->k_best : f->beam_size, &cand);
+        ent_offer(f->c, f->next_beam, &f->n_next, last ? f->k_best : f->beam_size, &cand, last);
     }
 }
 
@@ -459,10 +462,11 @@ static void beam_level_cb(void *ud, const hm_dht_many_result *results, size_t n_
         }
         beam_take(f, &f->beam[k], results[k].values, results[k].n);
     }
-    /* The owners chosen at this level become (or stay) the names' holders. */
-    for (size_t i = 0; i < f->n_next; i++)
-        holder_note(f->c, f->next_beam[i].name, f->next_beam[i].ex.pk,
-                    f->next_beam[i].n_owners - 1);
+    /* The experts' chosen hosts become (or stay) the uids' holders. */
+    if (f->level + 1 == f->ndims)
+        for (size_t i = 0; i < f->n_next; i++)
+            holder_note(f->c, f->next_beam[i].name, f->next_beam[i].ex.pk,
+                        f->next_beam[i].n_owners - 1);
     if (f->level + 1 == f->ndims) {
         beam_finish(f);
         return;

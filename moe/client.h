@@ -53,7 +53,9 @@ int hm_moe_client_new(hm_node *node, hm_moe_client **out);
 /*
  * Which declarations a lookup or beam search believes (docs/security.md,
  * "Expert records"). Owners are free identities, so for every name (a uid,
- * or a grid prefix with its next coordinate):
+ * or a grid prefix with its next coordinate; the holder rule concerns uids
+ * only, since every owner's prefix entry says the same: the coordinate
+ * exists):
  *   - a declaration expiring more than record_max_ttl_s (+
  *     HM_MOE_CLOCK_SLACK_S) past this host's clock is ignored: a record
  *     signed for a day would outlive its signer by a day;

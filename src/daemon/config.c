@@ -113,7 +113,7 @@ static const struct opt opts[] = {
      3600, 0, "SECONDS", "expert declarations that live longer than this are ignored; hosted "
      "experts are declared well inside it (default 300)"},
     {"ExpertOneHolder", "expert-one-holder", T_BOOL, FIELD(expert_one_holder), 0, 0, 0,
-     "[yes|no]", "an expert uid (or grid prefix) no ExpertHostsFile line covers is taken from "
+     "[yes|no]", "an expert uid no ExpertHostsFile line covers is taken from "
      "the owner that has held it longest while refreshing, never from a newcomer; no: from "
      "any owner, the freshest declaration (default yes)"},
     {"ExpertHostsFile", "expert-hosts-file", T_PATH, FIELD(expert_hosts_file), 0, 0, 0, "PATH",
