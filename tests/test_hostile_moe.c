@@ -289,8 +289,12 @@ Test(hostile_moe, queue_flood_from_one_origin_leaves_honest_calls_served)
 
     char *out, *err;
     cr_assert_eq(ctl(host.sock, "metrics", 0, &out, &err), 0, "metrics: %s", err);
-    cr_assert(strstr(out, "hivemindd_limit_refused_total{limit=\"ExpertMaxQueued\"}") != NULL,
-              "%s", out);
+    const char *m = strstr(out, "hivemindd_limit_refused_total{limit=\"ExpertMaxQueued\"} ");
+    cr_assert_not_null(m, "%s", out);
+    unsigned long long refused = 0;
+    cr_assert_eq(sscanf(strchr(m, '}') + 2, "%llu", &refused), 1);
+    cr_assert_geq(refused, busy, "the metric counts %llu, the attacker saw %llu refusals", refused,
+                  busy);
     free(out);
     free(err);
     hmc_buf_free(xb);
