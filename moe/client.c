@@ -37,9 +37,20 @@
 typedef struct find_op find_op;
 typedef struct call call;
 
+/* A name's remembered holder (policy in client.h); name[0] == 0: a free slot. */
+typedef struct holder {
+    char name[HM_MOE_UID_MAX + 1];
+    uint8_t pk[HM_PK_BYTES];
+} holder;
+
 struct hm_moe_client {
     hm_node *node;
     hm_rpc *rpc;
+    double max_ttl_s;
+    int any_holder;
+    const hm_moe_allow *allow;
+    holder *holders; /* HM_MOE_HOLDERS slots, allocated on first use */
+    uint64_t refused_ttl, refused_allow, refused_holder;
     uint64_t next_call_id;
     LIST_HEAD(, find_op) finds; /* active find operations */
     LIST_HEAD(, call) calls;    /* active expert calls */
@@ -53,8 +64,9 @@ enum { FIND_LOOKUP = 1, FIND_BEAM = 2 };
 typedef struct beam_ent {
     char name[HM_MOE_UID_MAX + 1];
     double score;
-    double expiration; /* experts: the chosen declaration's, to keep the freshest */
-    hm_moe_expert ex;  /* experts only */
+    double expiration; /* the chosen declaration's */
+    unsigned n_owners; /* declarations of this name seen in the read (the chosen one too) */
+    hm_moe_expert ex;  /* experts: uid, address and owner; prefixes: the owner only */
 } beam_ent;
 
 struct find_op {
@@ -130,6 +142,115 @@ static int expert_set_addr(hm_moe_expert *ex, const char *addr)
     return hm_parse_hostport(addr, &ex->addr) == 0 ? 0 : -EINVAL;
 }
 
+/* ------------------------------------------------------------ which declarations */
+
+static holder *holder_slot(hm_moe_client *c, const char *name, int create)
+{
+    uint8_t h[8];
+    uint64_t v = 0;
+    if (c->holders == NULL) {
+        if (!create || (c->holders = calloc(HM_MOE_HOLDERS, sizeof(*c->holders))) == NULL)
+            return NULL;
+    }
+    crypto_generichash(h, sizeof(h), (const uint8_t *)name, strlen(name), NULL, 0);
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | h[i];
+    return &c->holders[v % HM_MOE_HOLDERS];
+}
+
+/* The remembered holder of name, or NULL. */
+static const uint8_t *holder_get(hm_moe_client *c, const char *name)
+{
+    holder *h = holder_slot(c, name, 0);
+    return h != NULL && strcmp(h->name, name) == 0 ? h->pk : NULL;
+}
+
+/* One holder per name applies (no allow-list rule covers it, any_holder unset). */
+static int one_holder(const hm_moe_client *c, const char *name)
+{
+    return !c->any_holder && hm_moe_allow_find(c->allow, name) == NULL;
+}
+
+/* Whether a declaration of name by pk, expiring then, is believed at all. */
+static int decl_admit(hm_moe_client *c, const char *name, const uint8_t pk[HM_PK_BYTES],
+                      double expiration, double now)
+{
+    if (expiration > now + c->max_ttl_s + HM_MOE_CLOCK_SLACK_S) {
+        c->refused_ttl++;
+        return 0;
+    }
+    if (!hm_moe_allow_permits(c->allow, name, pk)) {
+        c->refused_allow++;
+        return 0;
+    }
+    return 1;
+}
+
+/* Whether declaration a of name is preferred to b: the live holder, then the fresher. */
+static int decl_better(hm_moe_client *c, const char *name, const uint8_t *pk_a, double exp_a,
+                       const uint8_t *pk_b, double exp_b)
+{
+    if (one_holder(c, name)) {
+        const uint8_t *h = holder_get(c, name);
+        if (h != NULL) {
+            int a_holds = memcmp(pk_a, h, HM_PK_BYTES) == 0;
+            int b_holds = memcmp(pk_b, h, HM_PK_BYTES) == 0;
+            if (a_holds != b_holds)
+                return a_holds;
+        }
+    }
+    return exp_a > exp_b;
+}
+
+/*
+ * After a read chose pk for name: counts the other owners passed over
+ * while a holder was kept, and remembers pk as the holder (a holder that
+ * was not among the read's live declarations is replaced: its run ended).
+ */
+static void holder_note(hm_moe_client *c, const char *name, const uint8_t pk[HM_PK_BYTES],
+                        size_t n_others)
+{
+    if (!one_holder(c, name))
+        return;
+    const uint8_t *h = holder_get(c, name);
+    if (h != NULL && memcmp(h, pk, HM_PK_BYTES) == 0)
+        c->refused_holder += n_others;
+    holder *slot = holder_slot(c, name, 1);
+    if (slot == NULL)
+        return; /* no memory for the cache: the next read chooses afresh */
+    hm_strlcpy(slot->name, name, sizeof(slot->name));
+    memcpy(slot->pk, pk, HM_PK_BYTES);
+}
+
+/* Forgets name's holder (a read found no live declaration of it). */
+static void holder_forget(hm_moe_client *c, const char *name)
+{
+    holder *h = holder_slot(c, name, 0);
+    if (h != NULL && strcmp(h->name, name) == 0)
+        h->name[0] = '\0';
+}
+
+static double wall_s(void) { return (double)hm_wall_us() / 1e6; }
+
+int hm_moe_client_set_policy(hm_moe_client *c, const hm_moe_client_policy *p)
+{
+    if (c == NULL || p == NULL || !(p->record_max_ttl_s >= 0) || p->record_max_ttl_s > 86400)
+        return -EINVAL;
+    c->max_ttl_s = p->record_max_ttl_s > 0 ? p->record_max_ttl_s : HM_MOE_RECORD_MAX_TTL_S;
+    c->any_holder = p->any_holder;
+    c->allow = p->allow;
+    return 0;
+}
+
+void hm_moe_client_limits(hm_moe_client *c, hm_limit_emit_fn emit, void *ud)
+{
+    if (c == NULL)
+        return;
+    emit(ud, "ExpertRecordMaxTtl", c->refused_ttl);
+    emit(ud, "ExpertHostsFile", c->refused_allow);
+    emit(ud, "ExpertOneHolder", c->refused_holder);
+}
+
 static int map_get_status(int status)
 {
     /* No replica answering at all is a failed lookup, not an absent key. */
@@ -149,10 +270,11 @@ static void lookup_cb(void *ud, int status, const hm_dht_value *values, size_t n
         find_finish(f, map_get_status(status), NULL, 0);
         return;
     }
+    hm_moe_client *c = f->c;
     hm_moe_expert best;
     memset(&best, 0, sizeof(best));
-    double best_exp = -INFINITY;
-    int found = 0;
+    double best_exp = -INFINITY, now = wall_s();
+    size_t found = 0;
     size_t uid_len = strlen(f->uid);
     for (size_t i = 0; i < n; i++) {
         const hm_dht_record *r = &values[i].rec;
@@ -161,25 +283,32 @@ static void lookup_cb(void *ud, int status, const hm_dht_value *values, size_t n
         size_t dim;
         if (r->key_len != uid_len || memcmp(r->key, f->uid, uid_len) != 0 || !r->has_subkey)
             continue;
-        if (r->expiration <= best_exp)
-            continue;
         memset(&ex, 0, sizeof(ex));
         if (parse_owner_subkey(r->subkey, r->subkey_len, ex.pk) != 0)
             continue;
         /* Empty (withdrawn) and malformed declarations are skipped alike. */
         if (hm_moe_decode_expert_value(r->value, r->value_len, addr, type, &dim) != 0)
             continue;
+        if (!decl_admit(c, f->uid, ex.pk, r->expiration, now))
+            continue;
         if (expert_set_addr(&ex, addr) != 0)
             continue;
+        if (found > 0 && !decl_better(c, f->uid, ex.pk, r->expiration, best.pk, best_exp)) {
+            found++;
+            continue;
+        }
         memcpy(ex.uid, f->uid, uid_len + 1);
         best = ex;
         best_exp = r->expiration;
-        found = 1;
+        found++;
     }
-    if (found)
+    if (found) {
+        holder_note(c, f->uid, best.pk, found - 1);
         find_finish(f, 0, &best, 1);
-    else
+    } else {
+        holder_forget(c, f->uid);
         find_finish(f, -ENOENT, NULL, 0);
+    }
 }
 
 int hm_moe_lookup(hm_moe_client *c, const char *uid, uint64_t timeout_ms, hm_moe_find_cb cb,
@@ -224,12 +353,21 @@ static int ent_better(const beam_ent *a, const beam_ent *b)
  * already present is not added twice; for experts the fresher declaration
  * replaces the older one (same name, hence same score and place).
  */
-static void ent_offer(beam_ent *arr, size_t *n, size_t cap, const beam_ent *cand)
+static void ent_offer(hm_moe_client *c, beam_ent *arr, size_t *n, size_t cap,
+                      const beam_ent *cand, int experts)
 {
     for (size_t i = 0; i < *n; i++) {
         if (strcmp(arr[i].name, cand->name) == 0) {
-            if (cand->expiration > arr[i].expiration)
+            arr[i].n_owners++;
+            /* Only an expert's host matters: a grid prefix entry says that
+             * the coordinate exists, and every owner's entry says the same. */
+            if (experts ? decl_better(c, cand->name, cand->ex.pk, cand->expiration,
+                                      arr[i].ex.pk, arr[i].expiration)
+                        : cand->expiration > arr[i].expiration) {
+                unsigned k = arr[i].n_owners;
                 arr[i] = *cand;
+                arr[i].n_owners = k;
+            }
             return;
         }
     }
@@ -265,6 +403,7 @@ static void beam_take(find_op *f, const beam_ent *parent, const hm_dht_value *va
 {
     int last = f->level + 1 == f->ndims;
     size_t plen = strlen(parent->name);
+    double now = wall_s();
     for (size_t i = 0; i < n; i++) {
         const hm_dht_record *r = &values[i].rec;
         uint32_t coord;
@@ -293,15 +432,18 @@ static void beam_take(find_op *f, const beam_ent *parent, const hm_dht_value *va
             continue;
         if (last ? strcmp(uid, cand.name) != 0 : strncmp(uid, cand.name, clen) != 0)
             continue;
+        if (!decl_admit(f->c, cand.name, cand.ex.pk, r->expiration, now))
+            continue;
         cand.score = parent->score + f->scores[f->level][coord];
         cand.expiration = r->expiration;
+        cand.n_owners = 1;
         if (last) {
             memcpy(cand.ex.uid, uid, ulen + 1);
             cand.ex.score = cand.score;
             if (expert_set_addr(&cand.ex, addr) != 0)
                 continue;
         }
-        ent_offer(f->next_beam, &f->n_next, last ? f->k_best : f->beam_size, &cand);
+        ent_offer(f->c, f->next_beam, &f->n_next, last ? f->k_best : f->beam_size, &cand, last);
     }
 }
 
@@ -320,6 +462,11 @@ static void beam_level_cb(void *ud, const hm_dht_many_result *results, size_t n_
         }
         beam_take(f, &f->beam[k], results[k].values, results[k].n);
     }
+    /* The experts' chosen hosts become (or stay) the uids' holders. */
+    if (f->level + 1 == f->ndims)
+        for (size_t i = 0; i < f->n_next; i++)
+            holder_note(f->c, f->next_beam[i].name, f->next_beam[i].ex.pk,
+                        f->next_beam[i].n_owners - 1);
     if (f->level + 1 == f->ndims) {
         beam_finish(f);
         return;
@@ -746,6 +893,7 @@ int hm_moe_client_new(hm_node *node, hm_moe_client **out)
     LIST_INIT(&c->finds);
     LIST_INIT(&c->calls);
     c->node = node;
+    c->max_ttl_s = HM_MOE_RECORD_MAX_TTL_S;
     c->rpc = hm_node_rpc(node);
     *out = c;
     return 0;
@@ -764,5 +912,6 @@ void hm_moe_client_free(hm_moe_client *c)
         find_unlink(f);
         f->cb(f->ud, -ECANCELED, NULL, 0);
     }
+    free(c->holders);
     free(c);
 }

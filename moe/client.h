@@ -34,6 +34,7 @@
 
 #include "src/node/node.h"
 #include "moe/proto.h"
+#include "src/base/origin.h"
 
 typedef struct hm_moe_client hm_moe_client;
 
@@ -48,12 +49,55 @@ typedef struct hm_moe_expert {
 } hm_moe_expert;
 
 int hm_moe_client_new(hm_node *node, hm_moe_client **out);
+
+/*
+ * Which declarations a lookup or beam search believes (docs/security.md,
+ * "Expert records"). Owners are free identities, so for every name (a uid,
+ * or a grid prefix with its next coordinate; the holder rule concerns uids
+ * only, since every owner's prefix entry says the same: the coordinate
+ * exists):
+ *   - a declaration expiring more than record_max_ttl_s (+
+ *     HM_MOE_CLOCK_SLACK_S) past this host's clock is ignored: a record
+ *     signed for a day would outlive its signer by a day;
+ *   - where an allow-list rule covers the name, only the hosts it lists are
+ *     believed, and any of them may serve (the freshest declaration wins);
+ *   - elsewhere, unless any_holder is set, the name has one owner: the one
+ *     this client has seen holding it without a gap (in every read since
+ *     it first saw it) is kept while its declaration is live, and another
+ *     owner's declaration is passed over. A holder whose declaration is
+ *     gone (withdrawn, expired, no longer refreshed) is forgotten, so a
+ *     departed owner does not break the name; the next read takes the
+ *     freshest live owner. What a reader has not seen before it cannot
+ *     tell apart: its first read of a name believes the freshest owner, so
+ *     swarms that must not be taken over by a newcomer list their hosts.
+ *     The client remembers HM_MOE_HOLDERS names (a direct-mapped cache).
+ * With any_holder set and no allow-list: the freshest declaration of any
+ * owner, as before these rules.
+ */
+#define HM_MOE_HOLDERS 4096
+
+typedef struct hm_moe_client_policy {
+    double record_max_ttl_s;   /* 0: HM_MOE_RECORD_MAX_TTL_S; at most 86400 */
+    int any_holder;            /* 0: one holder per name (the default) */
+    const hm_moe_allow *allow; /* NULL: none; borrowed, must outlive the client */
+} hm_moe_client_policy;
+
+/* 0 or -EINVAL (a negative, non-finite or over-a-day TTL). */
+int hm_moe_client_set_policy(hm_moe_client *c, const hm_moe_client_policy *p);
+
+/*
+ * Declarations the policy passed over, under their config keywords:
+ * ExpertRecordMaxTtl (living too long), ExpertHostsFile (a host the
+ * allow-list does not name), ExpertOneHolder (another owner of a name
+ * that has a live holder).
+ */
+void hm_moe_client_limits(hm_moe_client *c, hm_limit_emit_fn emit, void *ud);
 /* Cancels everything in flight (callbacks fire with -ECANCELED first). */
 void hm_moe_client_free(hm_moe_client *c);
 
 typedef void (*hm_moe_find_cb)(void *ud, int status, const hm_moe_expert *experts, size_t n);
 
-/* Looks one uid up (the freshest non-withdrawn declaration). status 0 or
+/* Looks one uid up (the declaration the policy above believes). status 0 or
  * -ENOENT / -ETIMEDOUT (no DHT replica answered) / -ECANCELED (the client
  * was freed, or the node is closing). experts is valid during the
  * callback only. */

@@ -713,3 +713,179 @@ int hm_moe_parse_prefix_subkey(const uint8_t *sk, size_t len, uint32_t *coord_ou
         memcpy(pk_out, pk, HM_PK_BYTES);
     return 0;
 }
+
+/* ------------------------------------------------------------ host allow-list */
+
+static int allow_prefix_char(char c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '_' || c == '-' || c == '.';
+}
+
+static int allow_space(char c) { return c == ' ' || c == '\t' || c == '\r'; }
+
+/* One line (no '\n'), comment already cut. 0 (rule added or blank), or an error. */
+static int allow_line(hm_moe_allow *a, const char *s, size_t n, size_t lineno, char *err,
+                      size_t errlen)
+{
+    size_t i = 0, tok_start, tok_len;
+    hm_moe_allow_rule *r;
+
+    while (i < n && allow_space(s[i]))
+        i++;
+    if (i == n)
+        return 0;
+    tok_start = i;
+    while (i < n && !allow_space(s[i]))
+        i++;
+    tok_len = i - tok_start;
+    if (tok_len > HM_MOE_UID_MAX) {
+        snprintf(err, errlen, "line %zu: the prefix is longer than %d characters", lineno,
+                 HM_MOE_UID_MAX);
+        return -EINVAL;
+    }
+    for (size_t k = 0; k < tok_len; k++) {
+        if (!allow_prefix_char(s[tok_start + k])) {
+            snprintf(err, errlen, "line %zu: the prefix may hold only [A-Za-z0-9_.-]", lineno);
+            return -EINVAL;
+        }
+    }
+    for (size_t k = 0; k < a->n; k++) {
+        if (strlen(a->rules[k].prefix) == tok_len &&
+            memcmp(a->rules[k].prefix, s + tok_start, tok_len) == 0) {
+            snprintf(err, errlen, "line %zu: prefix %.*s listed twice", lineno, (int)tok_len,
+                     s + tok_start);
+            return -EINVAL;
+        }
+    }
+    if (a->n >= HM_MOE_ALLOW_MAX_RULES) {
+        snprintf(err, errlen, "line %zu: more than %d rules", lineno, HM_MOE_ALLOW_MAX_RULES);
+        return -EMSGSIZE;
+    }
+    r = &a->rules[a->n];
+    memset(r, 0, sizeof(*r));
+    memcpy(r->prefix, s + tok_start, tok_len);
+    for (;;) {
+        while (i < n && allow_space(s[i]))
+            i++;
+        if (i == n)
+            break;
+        tok_start = i;
+        while (i < n && !allow_space(s[i]))
+            i++;
+        tok_len = i - tok_start;
+        if (r->n_keys >= HM_MOE_ALLOW_MAX_KEYS) {
+            snprintf(err, errlen, "line %zu: more than %d peer ids", lineno,
+                     HM_MOE_ALLOW_MAX_KEYS);
+            return -EMSGSIZE;
+        }
+        if (tok_len != HM_PEER_ID_LEN ||
+            hm_peer_id_decode(s + tok_start, tok_len, r->keys[r->n_keys]) < 0) {
+            snprintf(err, errlen, "line %zu: '%.*s' is not a peer id", lineno,
+                     (int)HM_MIN(tok_len, (size_t)64), s + tok_start);
+            return -EINVAL;
+        }
+        r->n_keys++;
+    }
+    if (r->n_keys == 0) {
+        snprintf(err, errlen, "line %zu: prefix %s lists no peer id", lineno, r->prefix);
+        return -EINVAL;
+    }
+    a->n++;
+    return 0;
+}
+
+int hm_moe_allow_parse(const char *text, size_t len, hm_moe_allow **out, char *err,
+                       size_t errlen)
+{
+    char ebuf[1];
+    hm_moe_allow *a;
+    size_t pos = 0, lineno = 0;
+    int r = 0;
+
+    if (err == NULL || errlen == 0) {
+        err = ebuf;
+        errlen = sizeof(ebuf);
+    }
+    err[0] = '\0';
+    if (out == NULL || (text == NULL && len > 0))
+        return -EINVAL;
+    *out = NULL;
+    a = calloc(1, sizeof(*a));
+    if (a == NULL)
+        return -ENOMEM;
+    /* Grown as rules come: a short file costs little. */
+    size_t cap = 0;
+    while (pos < len) {
+        const char *nl = memchr(text + pos, '\n', len - pos);
+        size_t n = nl != NULL ? (size_t)(nl - (text + pos)) : len - pos;
+        const char *hash = memchr(text + pos, '#', n);
+        lineno++;
+        if (n > HM_MOE_ALLOW_MAX_LINE) {
+            snprintf(err, errlen, "line %zu: longer than %d bytes", lineno, HM_MOE_ALLOW_MAX_LINE);
+            r = -EMSGSIZE;
+            break;
+        }
+        if (memchr(text + pos, '\0', n) != NULL) {
+            snprintf(err, errlen, "line %zu: a NUL byte", lineno);
+            r = -EINVAL;
+            break;
+        }
+        if (a->n == cap && cap < HM_MOE_ALLOW_MAX_RULES) {
+            size_t ncap = cap ? HM_MIN(cap * 2, (size_t)HM_MOE_ALLOW_MAX_RULES) : 4;
+            hm_moe_allow_rule *g = realloc(a->rules, ncap * sizeof(*g));
+            if (g == NULL) {
+                r = -ENOMEM;
+                break;
+            }
+            a->rules = g;
+            cap = ncap;
+        }
+        if ((r = allow_line(a, text + pos, hash != NULL ? (size_t)(hash - (text + pos)) : n,
+                            lineno, err, errlen)) < 0)
+            break;
+        pos += n + (nl != NULL);
+    }
+    if (r < 0) {
+        hm_moe_allow_free(a);
+        return r;
+    }
+    *out = a;
+    return 0;
+}
+
+void hm_moe_allow_free(hm_moe_allow *a)
+{
+    if (a == NULL)
+        return;
+    free(a->rules);
+    free(a);
+}
+
+const hm_moe_allow_rule *hm_moe_allow_find(const hm_moe_allow *a, const char *name)
+{
+    const hm_moe_allow_rule *best = NULL;
+    size_t best_len = 0;
+
+    if (a == NULL || name == NULL)
+        return NULL;
+    for (size_t i = 0; i < a->n; i++) {
+        size_t l = strlen(a->rules[i].prefix);
+        if (l > best_len && strncmp(name, a->rules[i].prefix, l) == 0) {
+            best = &a->rules[i];
+            best_len = l;
+        }
+    }
+    return best;
+}
+
+int hm_moe_allow_permits(const hm_moe_allow *a, const char *name, const uint8_t pk[HM_PK_BYTES])
+{
+    const hm_moe_allow_rule *r = hm_moe_allow_find(a, name);
+    if (r == NULL)
+        return 1;
+    for (size_t i = 0; i < r->n_keys; i++)
+        if (memcmp(r->keys[i], pk, HM_PK_BYTES) == 0)
+            return 1;
+    return 0;
+}

@@ -39,6 +39,24 @@
  *                                          prefix, its host's address)
  * An empty value is a withdrawal (a host that shuts down cleanly puts
  * empty values with a later expiration); readers skip it.
+ *
+ * Who may serve a uid (docs/security.md, "Expert records"): anyone can sign
+ * a declaration under its own key, so readers (client.h) ignore
+ * declarations that live longer than a few minutes (HM_MOE_RECORD_MAX_TTL_S
+ * by default; hosts declare with at most HM_MOE_DECLARE_TTL_MAX_S and
+ * refresh every third of it), take a uid only from the owner that has held
+ * it longest without a gap, and, where an allow-list (below) covers the
+ * uid, only from the listed hosts.
+ *
+ * Allow-list (ExpertHostsFile). Text, one rule a line:
+ *   PREFIX PEERID [PEERID...]
+ * PREFIX is 1..HM_MOE_UID_MAX characters of [A-Za-z0-9_.-] ("ffn." for a
+ * whole grid, "ffn.3." for a row, "ffn.3.5" for one expert); the longest
+ * PREFIX that begins a uid or grid prefix decides who may declare it; the
+ * PEERIDs (52-character ids, at most HM_MOE_ALLOW_MAX_KEYS a line) may all
+ * serve it, as replicas. '#' starts a comment; blank lines are skipped; at
+ * most HM_MOE_ALLOW_MAX_RULES rules, lines of at most HM_MOE_ALLOW_MAX_LINE
+ * bytes, a PREFIX at most once.
  */
 #ifndef HM_MOE_PROTO_H
 #define HM_MOE_PROTO_H
@@ -66,6 +84,14 @@
 #define HM_MOE_MAX_PATTERN_EXPERTS 4096
 #define HM_MOE_TYPE_MAX 16
 #define HM_MOE_ADDR_MAX 64
+/* Readers ignore declarations expiring later than this past their clock
+ * (plus HM_MOE_CLOCK_SLACK_S); hosts declare with at most the second. */
+#define HM_MOE_RECORD_MAX_TTL_S 300
+#define HM_MOE_DECLARE_TTL_MAX_S 300
+#define HM_MOE_CLOCK_SLACK_S 30
+#define HM_MOE_ALLOW_MAX_RULES 1024
+#define HM_MOE_ALLOW_MAX_KEYS 64
+#define HM_MOE_ALLOW_MAX_LINE 4096
 
 /* ---- uids ---- */
 
@@ -153,5 +179,31 @@ int hm_moe_decode_prefix_value(const uint8_t *buf, size_t len, char uid[HM_MOE_U
  */
 int hm_moe_parse_prefix_subkey(const uint8_t *sk, size_t len, uint32_t *coord_out,
                                uint8_t pk_out[HM_PK_BYTES]);
+
+/* ---- host allow-list ---- */
+
+typedef struct hm_moe_allow_rule {
+    char prefix[HM_MOE_UID_MAX + 1];
+    size_t n_keys;
+    uint8_t keys[HM_MOE_ALLOW_MAX_KEYS][HM_PK_BYTES];
+} hm_moe_allow_rule;
+
+typedef struct hm_moe_allow {
+    size_t n;
+    hm_moe_allow_rule *rules;
+} hm_moe_allow;
+
+/*
+ * Parses an allow-list (len bytes of text, need not be NUL-terminated).
+ * 0 with *out allocated (free with hm_moe_allow_free), -EINVAL with the
+ * line and reason in err, -EMSGSIZE (over a cap above), -ENOMEM.
+ */
+int hm_moe_allow_parse(const char *text, size_t len, hm_moe_allow **out, char *err,
+                       size_t errlen);
+void hm_moe_allow_free(hm_moe_allow *a);
+/* The rule with the longest prefix that begins name, or NULL (a NULL a has none). */
+const hm_moe_allow_rule *hm_moe_allow_find(const hm_moe_allow *a, const char *name);
+/* Whether pk may declare name: no rule covers it, or the rule lists pk. */
+int hm_moe_allow_permits(const hm_moe_allow *a, const char *name, const uint8_t pk[HM_PK_BYTES]);
 
 #endif

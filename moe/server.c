@@ -34,6 +34,7 @@
 
 #include "moe/checkpoint.h"
 #include "dht/record.h"
+#include "src/base/origin.h"
 #include "src/base/util.h"
 
 #define MOD "moe"
@@ -88,6 +89,7 @@ typedef struct pending pending;
 struct pending {
     STAILQ_ENTRY(pending) link; /* in a queue or a job */
     hm_rpc_req *req;
+    hm_origin_ent *oe; /* its origin's entry: v[OV_BYTES] and v[OV_REQS] count it */
     size_t batch;
     size_t bytes; /* of the copies, for the server-wide bound */
     uint64_t arrived_ms;
@@ -100,11 +102,29 @@ struct pending {
 
 STAILQ_HEAD(pending_list, pending);
 
+/*
+ * The requests of one origin in one queue, oldest first. A queue serves its
+ * flows round-robin, one request per turn: an origin that floods the queue
+ * lengthens only its own line, and a newcomer waits for at most the batch
+ * being formed, not for everything queued before it.
+ */
+typedef struct flow {
+    TAILQ_ENTRY(flow) link;
+    hm_origin_ent *oe;
+    struct pending_list reqs;
+    size_t samples;
+} flow;
+
+TAILQ_HEAD(flow_list, flow);
+
 typedef struct queue {
-    struct pending_list reqs; /* oldest first */
+    struct flow_list flows; /* origins with requests; the head is served next */
     size_t samples;
     size_t *srv_bytes; /* the server's total of queued copies */
 } queue;
+
+/* Per-origin counters of the server's origin table. */
+enum { OV_BYTES = 0, OV_REQS = 1 };
 
 typedef struct job {
     STAILQ_ENTRY(job) link; /* in the server's job or done queue */
@@ -166,6 +186,9 @@ struct hm_moe_server {
     size_t max_batch, max_queued;
     size_t queued_bytes;     /* request copies from arrival until their batch is answered */
     size_t max_queued_bytes;
+    hm_origin_tab origins;   /* request bytes and requests held, per origin */
+    uint64_t refused_queued; /* refused or shed by the per-expert sample bound */
+    uint64_t refused_bytes;  /* refused or shed by the server-wide byte bound */
     uint64_t retry_after_ms; /* a job allocation failed: no batch before this (0: none) */
     uint64_t batch_wait_ms, ckpt_interval_ms;
     double ttl_s;
@@ -482,43 +505,123 @@ static void waiting_remove(hm_moe_server *s, expert *e)
     e->waiting = 0;
 }
 
-/*
- * Takes the oldest request off q. Its bytes stay counted in the server's
- * total until the request is answered (pending_done): a request that
- * moved into a job waiting for a worker, or running on one, still holds
- * its copies.
- */
-static pending *queue_pop(queue *q)
+/* The flow of oe in q, or NULL. Linear: a queue holds few origins at once
+ * (each flow holds at least one sample of the bounded queue). */
+static flow *queue_flow(queue *q, const hm_origin_ent *oe)
 {
-    pending *p = STAILQ_FIRST(&q->reqs);
-    if (p == NULL)
-        return NULL;
-    STAILQ_REMOVE_HEAD(&q->reqs, link);
+    flow *f;
+    TAILQ_FOREACH(f, &q->flows, link)
+        if (f->oe == oe)
+            return f;
+    return NULL;
+}
+
+/* The request the next batch starts with, or NULL. */
+static pending *queue_head(const queue *q)
+{
+    const flow *f = TAILQ_FIRST(&q->flows);
+    return f != NULL ? STAILQ_FIRST(&f->reqs) : NULL;
+}
+
+/* Arrival of the oldest request in q (the heads of its flows), 0 when empty. */
+static uint64_t queue_oldest_ms(const queue *q)
+{
+    uint64_t t = 0;
+    const flow *f;
+    TAILQ_FOREACH(f, &q->flows, link) {
+        uint64_t a = STAILQ_FIRST(&f->reqs)->arrived_ms;
+        if (t == 0 || a < t)
+            t = a;
+    }
+    return t;
+}
+
+/* Takes the oldest request of flow f off q, freeing f once empty. */
+static pending *flow_pop(queue *q, flow *f)
+{
+    pending *p = STAILQ_FIRST(&f->reqs);
+    STAILQ_REMOVE_HEAD(&f->reqs, link);
+    f->samples -= p->batch;
     q->samples -= p->batch;
+    if (STAILQ_EMPTY(&f->reqs)) {
+        TAILQ_REMOVE(&q->flows, f, link);
+        free(f);
+    }
     return p;
 }
 
-/* Releases an answered request and its share of the server-wide byte bound. */
+/*
+ * Takes the next request off q: the oldest of the flow whose turn it is,
+ * which then goes to the back of the line. Its bytes stay counted in the
+ * server's total until the request is answered (pending_done): a request
+ * that moved into a job waiting for a worker, or running on one, still
+ * holds its copies.
+ */
+static pending *queue_pop(queue *q)
+{
+    flow *f = TAILQ_FIRST(&q->flows);
+    if (f == NULL)
+        return NULL;
+    /* flow_pop frees f with its last request: decide the rotation first. */
+    int rotate = STAILQ_NEXT(STAILQ_FIRST(&f->reqs), link) != NULL && TAILQ_NEXT(f, link) != NULL;
+    pending *p = flow_pop(q, f);
+    if (rotate) {
+        TAILQ_REMOVE(&q->flows, f, link);
+        TAILQ_INSERT_TAIL(&q->flows, f, link);
+    }
+    return p;
+}
+
+/* Releases an answered request, its share of the server-wide byte bound and of its origin. */
 static void pending_done(hm_moe_server *s, pending *p)
 {
     s->queued_bytes -= p->bytes;
+    if (p->oe != NULL) {
+        p->oe->v[OV_BYTES] -= p->bytes;
+        p->oe->v[OV_REQS]--;
+        hm_origin_tab_release(&s->origins, p->oe);
+    }
     pending_free(p);
 }
 
-static void queue_push(queue *q, pending *p)
+/*
+ * Queues p behind the earlier requests of its origin. An origin with
+ * nothing queued goes to the front of the line (as a sparse flow does in
+ * fq_codel): it has waited longest for its turn. -ENOMEM: nothing queued.
+ */
+static int queue_push(queue *q, pending *p)
 {
-    STAILQ_INSERT_TAIL(&q->reqs, p, link);
+    flow *f = queue_flow(q, p->oe);
+    if (f == NULL) {
+        if ((f = calloc(1, sizeof(*f))) == NULL)
+            return -ENOMEM;
+        f->oe = p->oe;
+        STAILQ_INIT(&f->reqs);
+        TAILQ_INSERT_HEAD(&q->flows, f, link);
+    }
+    STAILQ_INSERT_TAIL(&f->reqs, p, link);
+    f->samples += p->batch;
     q->samples += p->batch;
     *q->srv_bytes += p->bytes;
+    return 0;
 }
 
-/* Drops requests at the head of q whose callers have gone: they are not computed. */
+/* Drops requests at the head of each flow whose callers have gone: they are not computed. */
 static void queue_drop_gone(hm_moe_server *s, queue *q)
 {
-    while (STAILQ_FIRST(&q->reqs) != NULL && hm_rpc_req_cancelled(STAILQ_FIRST(&q->reqs)->req)) {
-        pending *p = queue_pop(q);
-        hm_rpc_respond(p->req, -ECANCELED, NULL, 0);
-        pending_done(s, p);
+    flow *f, *next;
+    TAILQ_FOREACH_SAFE(f, &q->flows, link, next) {
+        for (;;) {
+            pending *p = STAILQ_FIRST(&f->reqs);
+            if (p == NULL || !hm_rpc_req_cancelled(p->req))
+                break;
+            int last = STAILQ_NEXT(p, link) == NULL;
+            flow_pop(q, f);
+            hm_rpc_respond(p->req, -ECANCELED, NULL, 0);
+            pending_done(s, p);
+            if (last)
+                break; /* f is freed */
+        }
     }
 }
 
@@ -541,10 +644,10 @@ static uint64_t expert_due(const hm_moe_server *s, const expert *e)
     uint64_t due = 0;
     for (int k = 0; k < 2; k++) {
         const queue *q = &e->q[k];
-        if (STAILQ_FIRST(&q->reqs) == NULL)
+        uint64_t oldest = queue_oldest_ms(q);
+        if (oldest == 0)
             continue;
-        uint64_t d = q->samples >= s->max_batch ? STAILQ_FIRST(&q->reqs)->arrived_ms
-                                                : STAILQ_FIRST(&q->reqs)->arrived_ms + s->batch_wait_ms;
+        uint64_t d = q->samples >= s->max_batch ? oldest : oldest + s->batch_wait_ms;
         if (due == 0 || d < due)
             due = d;
     }
@@ -581,20 +684,23 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
     }
     queue_drop_gone(s, &e->q[Q_FWD]);
     queue_drop_gone(s, &e->q[Q_BWD]);
-    if (STAILQ_FIRST(&e->q[Q_FWD].reqs) == NULL && STAILQ_FIRST(&e->q[Q_BWD].reqs) == NULL) {
+    if (queue_head(&e->q[Q_FWD]) == NULL && queue_head(&e->q[Q_BWD]) == NULL) {
         waiting_remove(s, e);
         return;
     }
     /* Of the queues whose batch is due, the one whose oldest request came first. */
     int k = -1;
+    uint64_t k_oldest = 0;
     for (int i = 0; i < 2; i++) {
-        const queue *c = &e->q[i];
-        if (STAILQ_FIRST(&c->reqs) == NULL)
+        uint64_t oldest = queue_oldest_ms(&e->q[i]);
+        if (oldest == 0)
             continue;
-        if (c->samples < s->max_batch && now < STAILQ_FIRST(&c->reqs)->arrived_ms + s->batch_wait_ms)
+        if (e->q[i].samples < s->max_batch && now < oldest + s->batch_wait_ms)
             continue;
-        if (k < 0 || STAILQ_FIRST(&c->reqs)->arrived_ms < STAILQ_FIRST(&e->q[k].reqs)->arrived_ms)
+        if (k < 0 || oldest < k_oldest) {
             k = i;
+            k_oldest = oldest;
+        }
     }
     if (k < 0)
         return;
@@ -611,14 +717,16 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
     j->e = e;
     j->kind = k == Q_BWD ? JOB_BWD : JOB_FWD;
     STAILQ_INIT(&j->reqs);
-    while (!STAILQ_EMPTY(&q->reqs)) {
-        if (hm_rpc_req_cancelled(STAILQ_FIRST(&q->reqs)->req)) {
-            pending *gone = queue_pop(q);
+    /* One request per origin in turn (queue_pop), until the batch is full. */
+    pending *head;
+    while ((head = queue_head(q)) != NULL) {
+        if (hm_rpc_req_cancelled(head->req)) {
+            pending *gone = flow_pop(q, TAILQ_FIRST(&q->flows));
             hm_rpc_respond(gone->req, -ECANCELED, NULL, 0);
             pending_done(s, gone);
             continue;
         }
-        if (j->samples > 0 && j->samples + STAILQ_FIRST(&q->reqs)->batch > s->max_batch)
+        if (j->samples > 0 && j->samples + head->batch > s->max_batch)
             break;
         pending *p = queue_pop(q);
         j->samples += p->batch;
@@ -626,11 +734,11 @@ static void expert_kick(hm_moe_server *s, expert *e, uint64_t now)
     }
     if (STAILQ_EMPTY(&j->reqs)) {
         free(j);
-        if (STAILQ_FIRST(&e->q[0].reqs) == NULL && STAILQ_FIRST(&e->q[1].reqs) == NULL)
+        if (queue_head(&e->q[0]) == NULL && queue_head(&e->q[1]) == NULL)
             waiting_remove(s, e);
         return;
     }
-    if (STAILQ_FIRST(&e->q[0].reqs) == NULL && STAILQ_FIRST(&e->q[1].reqs) == NULL)
+    if (queue_head(&e->q[0]) == NULL && queue_head(&e->q[1]) == NULL)
         waiting_remove(s, e);
     submit(s, j);
 }
@@ -756,13 +864,99 @@ static void async_cb(uv_async_t *a)
 
 /* ------------------------------------------------------------ rpc handlers */
 
-static void handle(hm_moe_server *s, hm_rpc_req *req, const uint8_t *body, size_t len,
-                   int backward)
+/* Answers a queued request that was shed for a newcomer from a lighter origin. */
+static void shed(hm_moe_server *s, queue *q, flow *f)
+{
+    pending *p = flow_pop(q, f);
+    hm_rpc_respond(p->req, -ENOBUFS, NULL, 0);
+    pending_done(s, p);
+}
+
+/* Samples oe has queued at e (both queues). */
+static size_t expert_share(const expert *e, const hm_origin_ent *oe)
+{
+    size_t n = 0;
+    for (int k = 0; k < 2; k++) {
+        const flow *f = queue_flow((queue *)&e->q[k], oe);
+        n += f != NULL ? f->samples : 0;
+    }
+    return n;
+}
+
+/*
+ * Makes room for need samples from oe at e by shedding the oldest requests
+ * of the longest line of another origin there (forward or backward), as
+ * long as it holds more than oe would have at e in all. 0, or -ENOBUFS when the
+ * newcomer is (or would be) the heaviest: then it is refused instead.
+ */
+static int make_room_samples(hm_moe_server *s, expert *e, const hm_origin_ent *oe, size_t need)
+{
+    if (need > s->max_queued)
+        return -ENOBUFS;
+    size_t mine = expert_share(e, oe) + need;
+    while (e->q[Q_FWD].samples + e->q[Q_BWD].samples + need > s->max_queued) {
+        /* The longest line of another origin (one pass: O(origins queued here)). */
+        flow *heavy = NULL;
+        queue *hq = NULL;
+        for (int k = 0; k < 2; k++) {
+            flow *f;
+            TAILQ_FOREACH(f, &e->q[k].flows, link) {
+                if (f->oe != oe && (heavy == NULL || f->samples > heavy->samples)) {
+                    heavy = f;
+                    hq = &e->q[k];
+                }
+            }
+        }
+        if (heavy == NULL || heavy->samples <= mine)
+            return -ENOBUFS;
+        shed(s, hq, heavy);
+        s->refused_queued++;
+    }
+    return 0;
+}
+
+/* Sheds the oldest queued request of origin h at any expert. 0, or -ENOENT
+ * when all of h's requests are already in batches. */
+static int shed_origin(hm_moe_server *s, const hm_origin_ent *h)
+{
+    expert *e;
+    LIST_FOREACH(e, &s->waiting, wlink) {
+        for (int k = 0; k < 2; k++) {
+            flow *f = queue_flow(&e->q[k], h);
+            if (f != NULL) {
+                shed(s, &e->q[k], f);
+                return 0;
+            }
+        }
+    }
+    return -ENOENT;
+}
+
+/* The same for the server-wide byte bound, by the bytes each origin holds. */
+static int make_room_bytes(hm_moe_server *s, hm_origin_ent *oe, size_t need)
+{
+    if (need > s->max_queued_bytes)
+        return -ENOBUFS;
+    while (s->queued_bytes + need > s->max_queued_bytes) {
+        hm_origin_ent *h = hm_origin_tab_heaviest(&s->origins, OV_BYTES);
+        if (h == NULL || h == oe || h->v[OV_BYTES] <= oe->v[OV_BYTES] + need)
+            return -ENOBUFS;
+        if (shed_origin(s, h) != 0)
+            return -ENOBUFS;
+        s->refused_bytes++;
+    }
+    return 0;
+}
+
+static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *from,
+                   const uint8_t *body, size_t len, int backward)
 {
     hm_moe_req mr;
+    hm_origin o;
+    hm_origin_ent *oe = NULL;
     expert *e;
     pending *p;
-    size_t n;
+    size_t n, bytes;
     int r;
 
     if (s->state != S_RUNNING) {
@@ -779,17 +973,28 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const uint8_t *body, size_
         r = -EPROTO;
         goto fail;
     }
-    if (e->q[Q_FWD].samples + e->q[Q_BWD].samples + mr.batch > s->max_queued) {
-        r = -ENOBUFS;
+    n = mr.batch * mr.dim;
+    bytes = n * sizeof(float) * (backward ? 2 : 1);
+    hm_origin_of(from, &o);
+    if ((oe = hm_origin_tab_get(&s->origins, &o, 1)) == NULL) {
+        r = -ENOBUFS; /* more origins waiting than the table holds */
+        s->refused_queued++;
         goto fail;
     }
-    n = mr.batch * mr.dim;
-    if (s->queued_bytes + n * sizeof(float) * (backward ? 2 : 1) > s->max_queued_bytes) {
-        r = -ENOBUFS;
+    /*
+     * Full queues shed the heaviest origin's requests rather than refuse a
+     * lighter newcomer (docs/security.md, "Expert queues").
+     */
+    if ((r = make_room_samples(s, e, oe, mr.batch)) < 0) {
+        s->refused_queued++;
+        goto fail;
+    }
+    if ((r = make_room_bytes(s, oe, bytes)) < 0) {
+        s->refused_bytes++;
         goto fail;
     }
     /* The body lives only during this call: the request keeps its own copy. */
-    p = malloc(sizeof(*p) + n * sizeof(float) * (backward ? 2 : 1));
+    p = malloc(sizeof(*p) + bytes);
     if (p == NULL) {
         r = -ENOMEM;
         goto fail;
@@ -809,31 +1014,46 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const uint8_t *body, size_
     }
     p->req = req;
     p->batch = mr.batch;
-    p->bytes = n * sizeof(float) * (backward ? 2 : 1);
+    p->bytes = bytes;
     p->arrived_ms = hm_now_ms();
-    queue_push(&e->q[backward ? Q_BWD : Q_FWD], p);
+    p->oe = oe;
+    if (queue_push(&e->q[backward ? Q_BWD : Q_FWD], p) < 0) {
+        free(p);
+        r = -ENOMEM;
+        goto fail;
+    }
+    oe->v[OV_BYTES] += bytes;
+    oe->v[OV_REQS]++;
     waiting_add(s, e);
     expert_kick(s, e, p->arrived_ms);
     batch_rearm(s);
     return;
 fail:
+    if (oe != NULL)
+        hm_origin_tab_release(&s->origins, oe);
     hm_rpc_respond(req, r, NULL, 0);
+}
+
+void hm_moe_server_limits(hm_moe_server *s, hm_limit_emit_fn emit, void *ud)
+{
+    if (s == NULL)
+        return;
+    emit(ud, "ExpertMaxQueued", s->refused_queued);
+    emit(ud, "ExpertMaxQueuedBytes", s->refused_bytes);
 }
 
 static void on_fwd(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                    const struct sockaddr *from, const uint8_t *body, size_t len)
 {
     HM_UNUSED(peer_pk);
-    HM_UNUSED(from);
-    handle(ud, req, body, len, 0);
+    handle(ud, req, from, body, len, 0);
 }
 
 static void on_bwd(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                    const struct sockaddr *from, const uint8_t *body, size_t len)
 {
     HM_UNUSED(peer_pk);
-    HM_UNUSED(from);
-    handle(ud, req, body, len, 1);
+    handle(ud, req, from, body, len, 1);
 }
 
 static void on_info(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
@@ -1278,8 +1498,8 @@ static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
     }
     e->s = s;
     e->u = *u;
-    STAILQ_INIT(&e->q[Q_FWD].reqs);
-    STAILQ_INIT(&e->q[Q_BWD].reqs);
+    TAILQ_INIT(&e->q[Q_FWD].flows);
+    TAILQ_INIT(&e->q[Q_BWD].flows);
     e->q[Q_FWD].srv_bytes = e->q[Q_BWD].srv_bytes = &s->queued_bytes;
     if ((result = hm_moe_uid_format(u, e->uid, sizeof(e->uid))) < 0)
         goto out;
@@ -1506,6 +1726,7 @@ static void handle_closed(uv_handle_t *h)
     free(s->decls);
     free(s->threads);
     free(s->state_dir);
+    hm_origin_tab_free(&s->origins);
     uv_mutex_destroy(&s->jlock);
     uv_cond_destroy(&s->jcond);
     free(s);
@@ -1612,7 +1833,8 @@ int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_serv
     memset(&o, 0, sizeof(o));
     if (opts != NULL)
         o = *opts;
-    if (o.declare_ttl_s < 0 || o.declare_ttl_s != o.declare_ttl_s || o.declare_ttl_s > 86400 ||
+    if (o.declare_ttl_s < 0 || o.declare_ttl_s != o.declare_ttl_s ||
+        o.declare_ttl_s > HM_MOE_DECLARE_TTL_MAX_S ||
         o.workers > 256)
         return -EINVAL;
     if (hm_node_address(node, addr, sizeof(addr)) < 0 || (at = strchr(addr, '@')) == NULL ||
@@ -1643,16 +1865,21 @@ int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_serv
         result = -ENOMEM;
         goto fail;
     }
-    if (uv_mutex_init(&s->jlock) != 0) {
+    if (hm_origin_tab_init(&s->origins, 0) != 0) {
         result = -ENOMEM;
         goto fail;
     }
     locks = 1;
-    if (uv_cond_init(&s->jcond) != 0) {
+    if (uv_mutex_init(&s->jlock) != 0) {
         result = -ENOMEM;
         goto fail;
     }
     locks = 2;
+    if (uv_cond_init(&s->jcond) != 0) {
+        result = -ENOMEM;
+        goto fail;
+    }
+    locks = 3;
     s->threads = calloc(s->nworkers, sizeof(*s->threads));
     if (s->threads == NULL) {
         result = -ENOMEM;
@@ -1692,10 +1919,12 @@ int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_serv
     *out = s;
     return 0;
 fail:
-    if (locks >= 2)
+    if (locks >= 3)
         uv_cond_destroy(&s->jcond);
-    if (locks >= 1)
+    if (locks >= 2)
         uv_mutex_destroy(&s->jlock);
+    if (locks >= 1)
+        hm_origin_tab_free(&s->origins);
     free(s->threads);
     free(s->state_dir);
     free(s);

@@ -15,7 +15,20 @@
  * at most max_queued_bytes (1 GiB) of request tensors are held by the
  * whole server, counted from arrival until the reply (queued, in a job
  * waiting for a worker, or computing); beyond that requests are answered
- * -ENOBUFS. Non-finite inputs are refused on arrival (-EDOM), so that they
+ * -ENOBUFS.
+ *
+ * Fairness (docs/security.md, "Expert queues"). Each request is charged to
+ * the network origin it came from (src/base/origin.h), not to its
+ * identity, which is free. Within one expert's queue every origin has its
+ * own line, and batches take one request per origin in turn (an origin
+ * that had nothing queued goes first), so a request waits for at most
+ * about one request of each other origin, however many another origin
+ * queued. When a bound is reached, the oldest queued requests of the
+ * origin holding the most (samples at that expert, or bytes in the whole
+ * server) are shed with -ENOBUFS to make room, as long as that origin is
+ * not the newcomer's and holds more than the newcomer would; otherwise the
+ * newcomer is refused with -ENOBUFS. Requests already in a batch are never
+ * shed. Non-finite inputs are refused on arrival (-EDOM), so that they
  * never fail a whole batch. A backward whose step would overflow a
  * parameter or optimizer moment (a finite but huge dL/dy) steps nothing
  * and is answered -EDOM; when it came in a batch with others, each request
@@ -56,6 +69,7 @@
 #include "moe/ffn.h"
 #include "src/node/node.h"
 #include "moe/proto.h"
+#include "src/base/origin.h"
 
 typedef struct hm_moe_server hm_moe_server;
 
@@ -67,7 +81,8 @@ typedef struct hm_moe_server_opts {
     size_t max_batch_size;           /* samples per batch; 0: 1024 */
     uint64_t batch_wait_ms;          /* 0: 2 */
     size_t max_queued_samples;       /* per expert; 0: 16384 */
-    double declare_ttl_s;            /* 0: 60 */
+    double declare_ttl_s;            /* 0: 60; at most HM_MOE_DECLARE_TTL_MAX_S (readers
+                                      * ignore declarations that live longer) */
     uint64_t checkpoint_interval_ms; /* 0: 60000 */
     size_t max_queued_bytes;         /* request tensors held by the server; 0: 1 GiB */
 } hm_moe_server_opts;
@@ -104,6 +119,13 @@ typedef struct hm_moe_hosted {
 
 /* Copies up to max hosted experts (sorted by uid); returns how many there are. */
 size_t hm_moe_server_list(hm_moe_server *s, hm_moe_hosted *out, size_t max);
+
+/*
+ * What the queue bounds refused or shed, under their config keywords
+ * (ExpertMaxQueued: max_queued_samples; ExpertMaxQueuedBytes:
+ * max_queued_bytes). Calls emit once per limit.
+ */
+void hm_moe_server_limits(hm_moe_server *s, hm_limit_emit_fn emit, void *ud);
 
 /* Checkpoints every expert that stepped since its last checkpoint, now
  * (blocking the loop; used on SIGTERM). Returns 0 or the first error. */

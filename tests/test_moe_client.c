@@ -4,7 +4,9 @@
  * forward/backward checked against the experts' own math (an ffn loaded
  * from the server's checkpoint), k_min / timeout semantics with a stalled
  * node and a closed one, hostile replies, cancellation, freeing with calls
- * in flight, and the mixture's softmax.
+ * in flight, the mixture's softmax, and which owner's declaration of a uid
+ * is believed (a day-long or a newcomer's declaration does not take a held
+ * uid; an allow-list; a holder that leaves passes the uid on).
  */
 #include "config.h"
 
@@ -836,5 +838,183 @@ Test(moe_client, node_close_cancels_calls)
     hm_moe_client_free(sw.client);
     sw.client = NULL;
     set_stall(&sw, 1, 0);
+    swarm_stop(&sw);
+}
+
+/* ------------------------------------------------ who may serve a uid */
+
+typedef struct putres {
+    int done, status;
+} putres;
+
+static void on_put_done(void *ud, int status, unsigned stored, const hm_dht_lookup_info *info)
+{
+    putres *p = ud;
+    HM_UNUSED(stored);
+    HM_UNUSED(info);
+    p->done = 1;
+    p->status = status;
+}
+
+static int put_done(void *ud) { return ((putres *)ud)->done; }
+
+/* Node i declares uid (and its grid prefixes) as its own, under its own
+ * owner subkey, with ttl_s: what any member can sign. */
+static void declare_as(swarm *sw, size_t i, const char *uid, double ttl_s)
+{
+    char marker[HM_DHT_OWNER_MARKER_LEN + 1], hp[128], key[HM_MOE_UID_MAX + 2];
+    uint8_t value[256], sk[HM_DHT_SUBKEY_MAX];
+    hm_moe_uid u;
+    putres p;
+    hm_dht_owner_marker(hm_node_identity(sw->nodes[i])->pk, marker);
+    host_port(sw, i, hp, sizeof(hp));
+    cr_assert_eq(hm_moe_uid_parse(uid, strlen(uid), &u), 0);
+    int vl = hm_moe_encode_expert_value(value, sizeof(value), hp, "ffn", DIM);
+    cr_assert_gt(vl, 0);
+    memset(&p, 0, sizeof(p));
+    cr_assert_eq(hm_node_dht_put(sw->nodes[i], (const uint8_t *)uid, strlen(uid),
+                                 (const uint8_t *)marker, strlen(marker), 1, value, (size_t)vl,
+                                 ttl_s, 3000, on_put_done, &p),
+                 0);
+    cr_assert(hm_test_run_until(&sw->loop, put_done, &p, 6000));
+    cr_assert_eq(p.status, 0, "put %s: %s", uid, hm_strerror(p.status));
+    for (unsigned l = 0; l < u.ndims; l++) {
+        cr_assert_gt(hm_moe_uid_prefix(&u, l, key, sizeof(key)), 0);
+        int skl = snprintf((char *)sk, sizeof(sk), "%u%s", (unsigned)u.coords[l], marker);
+        vl = hm_moe_encode_prefix_value(value, sizeof(value), uid, hp);
+        cr_assert_gt(vl, 0);
+        memset(&p, 0, sizeof(p));
+        cr_assert_eq(hm_node_dht_put(sw->nodes[i], (const uint8_t *)key, strlen(key), sk,
+                                     (size_t)skl, 1, value, (size_t)vl, ttl_s, 3000,
+                                     on_put_done, &p),
+                     0);
+        cr_assert(hm_test_run_until(&sw->loop, put_done, &p, 6000));
+        cr_assert_eq(p.status, 0, "put %s: %s", key, hm_strerror(p.status));
+    }
+}
+
+static hm_moe_expert lookup_once(swarm *sw, hm_moe_client *c, const char *uid, int *status)
+{
+    findres f = {0};
+    cr_assert_eq(hm_moe_lookup(c, uid, 3000, on_find, &f), 0);
+    cr_assert(hm_test_run_until(&sw->loop, find_done, &f, 6000));
+    *status = f.status;
+    return f.ex[0];
+}
+
+static int is_node(swarm *sw, const hm_moe_expert *ex, size_t i)
+{
+    return memcmp(ex->pk, hm_node_identity(sw->nodes[i])->pk, HM_PK_BYTES) == 0;
+}
+
+/* The single beam search result for uid "ffn.1.0" in a 2x2 grid. */
+static hm_moe_expert beam_for_1_0(swarm *sw)
+{
+    double s0[2] = {0, 1}, s1[2] = {1, 0};
+    const double *scores[2] = {s0, s1};
+    size_t sizes[2] = {2, 2};
+    findres f = {0};
+    cr_assert_eq(hm_moe_beam_search(sw->client, "ffn", scores, sizes, 2, 1, 2, 5000, on_find,
+                                    &f),
+                 0);
+    cr_assert(hm_test_run_until(&sw->loop, find_done, &f, 10000));
+    cr_assert_eq(f.status, 0, "beam search: %s", hm_strerror(f.status));
+    cr_assert_eq(f.n, 1u);
+    cr_assert_str_eq(f.ex[0].uid, "ffn.1.0");
+    return f.ex[0];
+}
+
+typedef struct limits {
+    uint64_t ttl, allow, holder;
+} limits;
+
+static void on_limit(void *ud, const char *kw, uint64_t n)
+{
+    limits *l = ud;
+    if (strcmp(kw, "ExpertRecordMaxTtl") == 0)
+        l->ttl = n;
+    else if (strcmp(kw, "ExpertHostsFile") == 0)
+        l->allow = n;
+    else if (strcmp(kw, "ExpertOneHolder") == 0)
+        l->holder = n;
+}
+
+/*
+ * Node 1 hosts ffn.[0:2].[0:2]; node 2 signs ffn.1.0 (and its prefixes)
+ * under its own key, first for a day, then for two minutes (fresher than
+ * the host's 60 s declarations). The client keeps taking ffn.1.0 from
+ * node 1, by lookup and by beam search; with any_holder (the freshest of
+ * any owner, the old rule) it would go to node 2. Once node 1 leaves and
+ * withdraws, the name passes to the live declaration left.
+ */
+Test(moe_client, a_newcomer_owner_does_not_take_a_held_uid)
+{
+    swarm sw;
+    int st;
+    limits lim = {0};
+    swarm_start(&sw, 3);
+    const char *pats[] = {"ffn.[0:2].[0:2]"};
+    host(&sw, 1, pats, 1);
+    hm_moe_expert ex = lookup_wait(&sw, "ffn.1.0");
+    cr_assert(is_node(&sw, &ex, 1));
+    ex = beam_for_1_0(&sw);
+    cr_assert(is_node(&sw, &ex, 1));
+
+    /* A day-long declaration is not believed at all. */
+    declare_as(&sw, 2, "ffn.1.0", 86000);
+    ex = lookup_once(&sw, sw.client, "ffn.1.0", &st);
+    cr_assert_eq(st, 0);
+    cr_assert(is_node(&sw, &ex, 1), "a day-long declaration took ffn.1.0 over");
+    hm_moe_client_limits(sw.client, on_limit, &lim);
+    cr_assert_geq(lim.ttl, 1);
+
+    /* A short, fresher one is passed over for the live holder. */
+    declare_as(&sw, 2, "ffn.1.0", 120);
+    ex = lookup_once(&sw, sw.client, "ffn.1.0", &st);
+    cr_assert_eq(st, 0);
+    cr_assert(is_node(&sw, &ex, 1), "a newcomer took ffn.1.0 over");
+    ex = beam_for_1_0(&sw);
+    cr_assert(is_node(&sw, &ex, 1), "a newcomer took ffn.1.0 over in the beam search");
+    hm_moe_client_limits(sw.client, on_limit, &lim);
+    cr_assert_geq(lim.holder, 2);
+
+    /* The old rule, freshest of any owner, would have handed it over. */
+    hm_moe_client *open_c = NULL;
+    cr_assert_eq(hm_moe_client_new(sw.nodes[0], &open_c), 0);
+    hm_moe_client_policy any = {.any_holder = 1};
+    cr_assert_eq(hm_moe_client_set_policy(open_c, &any), 0);
+    ex = lookup_once(&sw, open_c, "ffn.1.0", &st);
+    cr_assert_eq(st, 0);
+    cr_assert(is_node(&sw, &ex, 2));
+
+    /* A fresh reader with an allow-list for the grid takes node 1 only. */
+    char rule[256], id[HM_PEER_ID_LEN + 1];
+    hm_peer_id_encode(hm_node_identity(sw.nodes[1])->pk, id);
+    snprintf(rule, sizeof(rule), "# the grid's hosts\nffn. %s\n", id);
+    hm_moe_allow *allow = NULL;
+    char err[256];
+    cr_assert_eq(hm_moe_allow_parse(rule, strlen(rule), &allow, err, sizeof(err)), 0, "%s", err);
+    hm_moe_client *listed = NULL;
+    cr_assert_eq(hm_moe_client_new(sw.nodes[0], &listed), 0);
+    hm_moe_client_policy pol = {.allow = allow};
+    cr_assert_eq(hm_moe_client_set_policy(listed, &pol), 0);
+    ex = lookup_once(&sw, listed, "ffn.1.0", &st);
+    cr_assert_eq(st, 0);
+    cr_assert(is_node(&sw, &ex, 1), "the allow-list let node 2 serve ffn.1.0");
+    memset(&lim, 0, sizeof(lim));
+    hm_moe_client_limits(listed, on_limit, &lim);
+    cr_assert_geq(lim.allow, 1);
+    hm_moe_client_free(listed);
+    hm_moe_allow_free(allow);
+    hm_moe_client_free(open_c);
+
+    /* The holder leaves and withdraws: the name is not stuck on it. */
+    int closed[2] = {0, 1};
+    hm_moe_server_close(sw.servers[1], 1, on_closed, closed);
+    sw.servers[1] = NULL;
+    cr_assert(hm_test_run_until(&sw.loop, count_is, closed, 10000), "the server did not close");
+    ex = lookup_once(&sw, sw.client, "ffn.1.0", &st);
+    cr_assert_eq(st, 0, "ffn.1.0 after its holder left: %s", hm_strerror(st));
+    cr_assert(is_node(&sw, &ex, 2));
     swarm_stop(&sw);
 }

@@ -587,3 +587,43 @@ Test(moe_proto, prefix_subkeys)
     sk[l - 1] = ')';
     cr_assert_eq(hm_moe_parse_prefix_subkey((const uint8_t *)sk, l, &coord, pk), -EINVAL);
 }
+
+/* ---- host allow-list ---- */
+
+Test(moe_proto, allow_list_parses_matches_longest_and_refuses_bad_lines)
+{
+    hm_identity a, b;
+    char ida[HM_PEER_ID_LEN + 1], idb[HM_PEER_ID_LEN + 1], text[1024], err[256];
+    hm_moe_allow *al = NULL;
+    cr_assert_eq(hm_crypto_init(), 0);
+    cr_assert_eq(hm_identity_generate(&a), 0);
+    cr_assert_eq(hm_identity_generate(&b), 0);
+    hm_peer_id_encode(a.pk, ida);
+    hm_peer_id_encode(b.pk, idb);
+    snprintf(text, sizeof(text), "# grid hosts\n\nffn. %s %s\r\n  ffn.3.\t%s # row 3: b only\n",
+             ida, idb, idb);
+    cr_assert_eq(hm_moe_allow_parse(text, strlen(text), &al, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(al->n, 2u);
+    cr_assert(hm_moe_allow_permits(al, "ffn.1.0", a.pk));
+    cr_assert(hm_moe_allow_permits(al, "ffn.1.0", b.pk));
+    cr_assert(!hm_moe_allow_permits(al, "ffn.3.5", a.pk), "the longer prefix decides");
+    cr_assert(hm_moe_allow_permits(al, "ffn.3.5", b.pk));
+    cr_assert(hm_moe_allow_permits(al, "other.1", a.pk), "no rule: open");
+    cr_assert_null(hm_moe_allow_find(al, "ff"));
+    hm_moe_allow_free(al);
+
+    const char *bad[] = {"ffn.\n", "ffn. notakey\n", "ff/n. x\n", "ffn.\x01 a\n"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        al = (hm_moe_allow *)1;
+        cr_assert_eq(hm_moe_allow_parse(bad[i], strlen(bad[i]), &al, err, sizeof(err)), -EINVAL,
+                     "%s", bad[i]);
+        cr_assert_null(al);
+        cr_assert(strstr(err, "line 1") != NULL, "%s", err);
+    }
+    snprintf(text, sizeof(text), "ffn. %s\nffn. %s\n", ida, idb);
+    cr_assert_eq(hm_moe_allow_parse(text, strlen(text), &al, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "line 2") != NULL && strstr(err, "twice") != NULL, "%s", err);
+    cr_assert_eq(hm_moe_allow_parse("", 0, &al, err, sizeof(err)), 0);
+    cr_assert_eq(al->n, 0u);
+    hm_moe_allow_free(al);
+}

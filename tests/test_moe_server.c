@@ -6,7 +6,8 @@
  * server's parameters exactly as one local optimizer step; concurrent
  * requests are batched and each gets its own rows back; hostile, non-finite
  * or misdirected requests get their error and the server keeps serving;
- * the queue bound answers -ENOBUFS; the DHT declarations are found from B
+ * the queue bound answers -ENOBUFS; one origin flooding an expert's queue
+ * is shed for, and does not delay, a request from another origin; the DHT declarations are found from B
  * (uid key and both prefix levels, owner-marked) and withdrawn on close; a
  * new server resumes from the state directory, from the previous file when
  * the current one is corrupt.
@@ -864,7 +865,7 @@ Test(moe_server, declares_once_peers_appear)
     /* A lone node hosts first (as a daemon does at start); its first round stores nothing. */
     hm_node *a = hm_test_make_node(&loop, "moe-server-test", NULL);
     memset(&o, 0, sizeof(o));
-    o.declare_ttl_s = 600; /* a refresh would be 200 s away */
+    o.declare_ttl_s = 300; /* a refresh would be 100 s away */
     cr_assert_eq(hm_moe_server_new(a, &o, &srv), 0);
     cr_assert_eq(hm_moe_server_host(srv, "late.[0:2]", "ffn", &c, NULL, err, sizeof(err)), 0);
     hm_test_run_until(&loop, never, NULL, 300);
@@ -1143,5 +1144,152 @@ Test(moe_server, second_close_is_ealready)
     cr_assert(hm_test_run_until(&f.loop, flag_set, &first, 15000), "server close hung");
     cr_assert_eq(second, 0);
     f.srv = NULL;
+    fx_stop(&f);
+}
+
+/* ---- fairness across origins ---- */
+
+/* A node on another loopback address: another origin to the server. */
+static hm_node *node_on(uv_loop_t *loop, const char *listen)
+{
+    hm_node_options o = {0};
+    o.listen = listen;
+    o.swarm = "moe-server-test";
+    o.ping_interval_ms = 1000;
+    hm_node *n = NULL;
+    char err[256] = "";
+    cr_assert_eq(hm_node_new(loop, &o, &n, err, sizeof(err)), 0, "hm_node_new %s: %s", listen,
+                 err);
+    return n;
+}
+
+static void limit_cb_queued(void *ud, const char *keyword, uint64_t refused)
+{
+    if (strcmp(keyword, "ExpertMaxQueued") == 0)
+        *(uint64_t *)ud = refused;
+}
+
+typedef struct flood {
+    call c[24];
+    size_t n_done, n_ok, n_nobufs;
+} flood;
+
+static void on_flood_reply(void *ud, int status, const uint8_t *body, size_t len)
+{
+    call *c = ud;
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    c->done = 1;
+    c->status = status;
+    if (getenv("HM_TEST_DEBUG") != NULL)
+        fprintf(stderr, "%llu flood reply %d\n", (unsigned long long)hm_now_ms(), status);
+}
+
+static int flood_started(void *ud)
+{
+    /* Some answered (work is flowing) and some bounced (the queue is full). */
+    flood *fl = ud;
+    size_t ok = 0, bounced = 0;
+    for (size_t i = 0; i < HM_ARRAY_LEN(fl->c); i++) {
+        ok += fl->c[i].done && fl->c[i].status == 0;
+        bounced += fl->c[i].done && fl->c[i].status == -ENOBUFS;
+    }
+    return ok >= 1 && bounced >= 1;
+}
+
+/*
+ * One origin (a node on 127.0.0.2) fills ffn.0.0's queue with whole
+ * batches of slow work; a request from another origin (B, 127.0.0.1) that
+ * arrives at the full queue is admitted by shedding the flooder's oldest
+ * request, and is served next: when it returns, most of the flooder's
+ * admitted requests are still waiting. Arrival order (the old single
+ * queue) would refuse it, or answer it after all of them.
+ */
+Test(moe_server, a_flooding_origin_neither_blocks_nor_delays_another)
+{
+    fx f;
+    hm_moe_server_opts o;
+    hm_ffn_config c;
+    char err[256] = "";
+    size_t added = 0;
+    enum { D = 512, AB = 1024, HB = 8 };
+
+    fx_start(&f, 0);
+    memset(&o, 0, sizeof(o));
+    o.workers = 1;
+    o.max_batch_size = AB;
+    o.batch_wait_ms = 1;
+    o.max_queued_samples = 8 * AB;
+    cr_assert_eq(hm_moe_server_new(f.a, &o, &f.srv), 0);
+    memset(&c, 0, sizeof(c));
+    c.dim = D;
+    c.hidden = 4 * D;
+    c.optimizer = HM_FFN_SGD;
+    c.lr = 0.01;
+    c.seed = 3;
+    cr_assert_eq(hm_moe_server_host(f.srv, "ffn.0.0", "ffn", &c, &added, err, sizeof(err)), 0,
+                 "%s", err);
+    hm_node *att = node_on(&f.loop, "127.0.0.2:0");
+
+    float *xa = malloc(sizeof(float) * AB * D), *xh = malloc(sizeof(float) * HB * D);
+    float *yh = malloc(sizeof(float) * HB * D);
+    cr_assert(xa != NULL && xh != NULL && yh != NULL);
+    fill(xa, (size_t)AB * D);
+    fill(xh, (size_t)HB * D);
+    size_t alen, hlen;
+    uint8_t *ab = enc_fwd("ffn.0.0", xa, AB, D, &alen);
+    uint8_t *hb = enc_fwd("ffn.0.0", xh, HB, D, &hlen);
+
+    /* B's stream to A is up before the flood, so that the honest call below
+     * measures queueing, not a handshake. */
+    call warm;
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, hb, hlen, &warm), 0);
+    free(warm.body);
+
+    static flood fl;
+    memset(&fl, 0, sizeof(fl));
+    for (size_t i = 0; i < HM_ARRAY_LEN(fl.c); i++)
+        cr_assert_eq(hm_rpc_call(hm_node_rpc(att), f.a_pk, (const struct sockaddr *)&f.a_addr,
+                                 HM_MOE_METHOD_FWD, ab, alen, HM_RPC_STREAM, 60000,
+                                 on_flood_reply, &fl.c[i], NULL),
+                     0);
+    cr_assert(hm_test_run_until(&f.loop, flood_started, &fl, 20000), "the flood did not start");
+
+    call h;
+    memset(&h, 0, sizeof(h));
+    if (getenv("HM_TEST_DEBUG") != NULL)
+        fprintf(stderr, "%llu honest sent\n", (unsigned long long)hm_now_ms());
+    cr_assert_eq(hm_rpc_call(hm_node_rpc(f.b), f.a_pk, (const struct sockaddr *)&f.a_addr,
+                             HM_MOE_METHOD_FWD, hb, hlen, HM_RPC_STREAM, 20000, on_reply, &h,
+                             NULL),
+                 0);
+    cr_assert(hm_test_run_until(&f.loop, call_done, &h, 25000), "the honest call hung");
+    cr_assert_eq(h.status, 0, "the honest call: %s", hm_strerror(h.status));
+    cr_assert_eq(hm_moe_decode_out(h.body, h.len, 0, HB, D, yh), 0);
+    size_t waiting = 0, ok = 0;
+    for (size_t i = 0; i < HM_ARRAY_LEN(fl.c); i++) {
+        waiting += !fl.c[i].done;
+        ok += fl.c[i].done && fl.c[i].status == 0;
+    }
+    if (getenv("HM_TEST_DEBUG") != NULL)
+        fprintf(stderr, "honest returned: flooder %zu answered, %zu waiting\n", ok, waiting);
+    cr_assert_geq(waiting, 4, "only %zu of the flooder's requests were still queued when the "
+                              "honest call returned", waiting);
+    free(h.body);
+
+    /* The shedding shows in the limit's count. */
+    struct { uint64_t queued; } lim = {0};
+    hm_moe_server_limits(f.srv, limit_cb_queued, &lim);
+    cr_assert_geq(lim.queued, 1);
+
+    for (size_t i = 0; i < HM_ARRAY_LEN(fl.c); i++)
+        cr_assert(hm_test_run_until(&f.loop, call_done, &fl.c[i], 30000));
+    free(ab);
+    free(hb);
+    free(xa);
+    free(xh);
+    free(yh);
+    server_close(&f, 0);
+    hm_node_close(att, NULL, NULL);
     fx_stop(&f);
 }

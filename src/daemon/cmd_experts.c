@@ -57,6 +57,10 @@ typedef struct hm_cmd_experts_config {
     const char *lr;              /* "" for the optimizer's default */
     unsigned workers, max_batch;
     unsigned checkpoint_interval_s;
+    unsigned max_queued, max_queued_mib; /* queue bounds (docs/security.md) */
+    unsigned record_max_ttl_s;           /* declarations living longer are ignored */
+    int one_holder;                      /* an open uid keeps its earliest live holder */
+    const char *hosts_file;              /* allow-list of expert hosts, "" for none */
 } hm_cmd_experts_config;
 
 struct file_job;
@@ -67,6 +71,7 @@ struct hm_cmd_experts {
     hm_node *node;
     hm_moe_server *srv;
     hm_moe_client *cli;
+    hm_moe_allow *allow;        /* ExpertHostsFile, borrowed by cli; NULL: none */
     hm_ffn_config defcfg;       /* the configured experts' layer */
     char deftype[HM_MOE_TYPE_MAX + 1];
     hm_daemon_life life;        /* jobs: commands in progress; parts: the server */
@@ -103,6 +108,8 @@ void hm_cmd_experts_close(hm_cmd_experts *m, void (*cb)(void *ud), void *ud)
         hm_moe_client_free(m->cli);
         m->cli = NULL;
     }
+    hm_moe_allow_free(m->allow);
+    m->allow = NULL;
     if (m->srv != NULL) {
         hm_moe_server *s = m->srv;
         m->srv = NULL;
@@ -1082,14 +1089,66 @@ static void config_of(const hm_config *c, hm_cmd_experts_config *out)
         .workers = c->expert_workers,
         .max_batch = c->expert_max_batch,
         .checkpoint_interval_s = c->checkpoint_interval_s,
+        .max_queued = c->expert_max_queued,
+        .max_queued_mib = c->expert_max_queued_mib,
+        .record_max_ttl_s = c->expert_record_max_ttl_s,
+        .one_holder = c->expert_one_holder,
+        .hosts_file = c->expert_hosts_file,
     };
+}
+
+/* Largest ExpertHostsFile read: HM_MOE_ALLOW_MAX_RULES lines of a prefix and a few keys. */
+#define HOSTS_FILE_MAX (1024 * 1024)
+
+/* Reads and parses the allow-list file. 0 (*out NULL for none), or an error with err set. */
+static int load_hosts_file(const char *path, hm_moe_allow **out, char *err, size_t errlen)
+{
+    char why[256] = "";
+    char *buf = NULL;
+    size_t len = 0;
+    int r;
+
+    *out = NULL;
+    if (path == NULL || path[0] == '\0')
+        return 0;
+    FILE *fp = fopen(path, "r");
+    if (fp == NULL) {
+        r = -errno;
+        snprintf(err, errlen, "ExpertHostsFile: cannot open %s: %s", path, strerror(errno));
+        return r;
+    }
+    buf = malloc(HOSTS_FILE_MAX + 1);
+    if (buf == NULL) {
+        fclose(fp);
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    len = fread(buf, 1, HOSTS_FILE_MAX + 1, fp);
+    r = ferror(fp) ? -EIO : 0;
+    fclose(fp);
+    if (r == 0 && len > HOSTS_FILE_MAX) {
+        snprintf(err, errlen, "ExpertHostsFile: %s is larger than %d bytes", path,
+                 HOSTS_FILE_MAX);
+        r = -EMSGSIZE;
+    } else if (r < 0) {
+        snprintf(err, errlen, "ExpertHostsFile: cannot read %s", path);
+    } else if ((r = hm_moe_allow_parse(buf, len, out, why, sizeof(why))) < 0) {
+        snprintf(err, errlen, "ExpertHostsFile: %s: %s", path,
+                 why[0] != '\0' ? why : hm_strerror(r));
+    }
+    free(buf);
+    return r < 0 ? -EINVAL : 0;
 }
 
 static int check_config(const hm_cmd_experts_config *c, char *err, size_t errlen)
 {
     hm_ffn_config cfg;
+    hm_moe_allow *allow = NULL;
     char one[HM_MOE_UID_MAX * 4], why[256];
     int r = build_ffn_config(c->type, c->dim, c->hidden, c->optimizer, c->lr, &cfg, err, errlen);
+    if (r == 0)
+        r = load_hosts_file(c->hosts_file, &allow, err, errlen);
+    hm_moe_allow_free(allow);
     if (r != 0 || c->host_experts == NULL || c->host_experts[0] == '\0')
         return r;
     hm_moe_uid *uids = calloc(HM_MOE_MAX_PATTERN_EXPERTS, sizeof(*uids));
@@ -1148,6 +1207,8 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
         .workers = c->workers,
         .max_batch_size = c->max_batch,
         .checkpoint_interval_ms = (uint64_t)c->checkpoint_interval_s * 1000u,
+        .max_queued_samples = c->max_queued,
+        .max_queued_bytes = (size_t)c->max_queued_mib << 20,
     };
     r = hm_moe_server_new(node, &so, &m->srv);
     if (r != 0) {
@@ -1158,6 +1219,17 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
     r = hm_moe_client_new(node, &m->cli);
     if (r != 0) {
         snprintf(err, errlen, "cannot start the expert client: %s", hm_strerror(r));
+        goto fail;
+    }
+    if ((r = load_hosts_file(c->hosts_file, &m->allow, err, errlen)) != 0)
+        goto fail;
+    hm_moe_client_policy pol = {
+        .record_max_ttl_s = c->record_max_ttl_s,
+        .any_holder = !c->one_holder,
+        .allow = m->allow,
+    };
+    if ((r = hm_moe_client_set_policy(m->cli, &pol)) != 0) {
+        snprintf(err, errlen, "ExpertRecordMaxTtl: %s", hm_strerror(r));
         goto fail;
     }
     if (c->host_experts != NULL && c->host_experts[0] != '\0') {
@@ -1185,8 +1257,17 @@ fail:
         hm_moe_client_free(m->cli);
     if (m->srv != NULL)
         hm_moe_server_close(m->srv, 0, NULL, NULL);
+    hm_moe_allow_free(m->allow);
     free(m);
     return r;
+}
+
+void hm_cmd_experts_limits(hm_cmd_experts *m, hm_limit_emit_fn emit, void *ud)
+{
+    if (m == NULL)
+        return;
+    hm_moe_server_limits(m->srv, emit, ud);
+    hm_moe_client_limits(m->cli, emit, ud);
 }
 
 int hm_cmd_experts_check_config(const hm_config *c, char *err, size_t errlen)

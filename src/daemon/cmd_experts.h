@@ -24,6 +24,7 @@
 #define HM_DAEMON_CMD_EXPERTS_H
 
 #include "src/daemon/daemon.h"
+#include "src/base/origin.h"
 
 #include <stddef.h>
 
@@ -41,5 +42,9 @@ int hm_cmd_experts_check_config(const hm_config *c, char *err, size_t errlen);
  * everything once no command uses it any more; cb fires after that.
  */
 void hm_cmd_experts_close(hm_cmd_experts *m, void (*cb)(void *ud), void *ud);
+
+/* What the expert server's queue bounds and the client's record policy
+ * refused, under their config keywords (docs/security.md); m may be NULL. */
+void hm_cmd_experts_limits(hm_cmd_experts *m, hm_limit_emit_fn emit, void *ud);
 
 #endif

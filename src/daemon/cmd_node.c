@@ -7,6 +7,7 @@
 #include "config.h"
 
 #include "src/daemon/daemon.h"
+#include "src/daemon/cmd_experts.h"
 #include "src/base/crypto.h"
 #include "src/base/util.h"
 
@@ -134,6 +135,7 @@ void hm_daemon_limit_metrics(hm_daemon *d, hm_strbuf *b)
         hm_averager_limits(d->av, limit_line, b);
     if (d->state != NULL)
         hm_cmd_state_limits(d->state, limit_line, b);
+    hm_cmd_experts_limits(d->experts, limit_line, b);
 }
 
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)

@@ -148,6 +148,22 @@ static const struct opt opts[] = {
      "verified peers, longest known first, also pinged over a stream connection each round "
      "(default 32)"},
     /* experts */
+    {"ExpertMaxQueued", "expert-max-queued", T_UINT, FIELD(expert_max_queued), 1, 1048576, 0,
+     "N", "samples waiting per hosted expert; when full, the origin with the most queued is "
+     "shed first (default 16384)"},
+    {"ExpertMaxQueuedBytes", "expert-max-queued-bytes", T_UINT, FIELD(expert_max_queued_mib), 1,
+     65536, 0, "MIB", "request tensors the expert server holds, in MiB; when full, the origin "
+     "holding the most is shed first (default 1024)"},
+    {"ExpertRecordMaxTtl", "expert-record-max-ttl", T_UINT, FIELD(expert_record_max_ttl_s), 60,
+     3600, 0, "SECONDS", "expert declarations that live longer than this are ignored; hosted "
+     "experts are declared well inside it (default 300)"},
+    {"ExpertOneHolder", "expert-one-holder", T_BOOL, FIELD(expert_one_holder), 0, 0, 0,
+     "[yes|no]", "an expert uid no ExpertHostsFile line covers is taken from "
+     "the owner that has held it longest while refreshing, never from a newcomer; no: from "
+     "any owner, the freshest declaration (default yes)"},
+    {"ExpertHostsFile", "expert-hosts-file", T_PATH, FIELD(expert_hosts_file), 0, 0, 0, "PATH",
+     "allow-list of expert hosts: lines 'PREFIX PEERID...'; experts under PREFIX are taken only "
+     "from the listed peers, which may all serve them (default none)"},
     /* averaging and state */
     {"AverageWeightFactor", "average-weight-factor", T_UINT, FIELD(average_weight_factor), 1,
      1000000, 0, "F", "a reducer clamps each member's weight to F times the median weight of "
@@ -465,6 +481,10 @@ void hm_config_defaults(hm_config *c)
     c->average_clip_weight_factor = 1;
     c->average_bandwidth_factor = 2;
     c->state_donors_per_origin = 1;
+    c->expert_max_queued = 16384;
+    c->expert_max_queued_mib = 1024;
+    c->expert_record_max_ttl_s = 300;
+    c->expert_one_holder = 1;
 }
 
 int hm_config_finish(hm_config *c, char *err, size_t errlen)

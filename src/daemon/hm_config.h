@@ -87,6 +87,11 @@ typedef struct hm_config {
     unsigned peer_table_origin_cap;   /* places per network origin */
     unsigned ping_stream_peers;       /* peers pinged over a stream each round */
     /* experts */
+    unsigned expert_max_queued;       /* samples queued per expert */
+    unsigned expert_max_queued_mib;   /* request tensors held by the expert server */
+    unsigned expert_record_max_ttl_s; /* declarations living longer are ignored */
+    int expert_one_holder;            /* an open uid has one owner: its earliest live holder */
+    char expert_hosts_file[HM_CONFIG_PATH_LEN]; /* per-prefix allow-list; empty: none */
     /* averaging and state */
     unsigned average_weight_factor;      /* a part's weight <= this x the chunk's median */
     unsigned average_clip_weight_factor; /* the same under centered_clip */

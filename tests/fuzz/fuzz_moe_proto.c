@@ -2,7 +2,7 @@
  * fuzz_moe_proto: every decoder of the expert protocol (moe/proto.h) on
  * arbitrary bytes: forward and backward requests, info requests and
  * replies, output replies, both DHT values, prefix subkeys, uid parsing and
- * pattern expansion. Besides memory safety it checks the promises callers
+ * pattern expansion, the host allow-list. Besides memory safety it checks the promises callers
  * rely on:
  *   - only the documented error codes come back;
  *   - a decoded request lies inside the caps, its tensors point inside the
@@ -224,6 +224,30 @@ static void check_grammar(const uint8_t *data, size_t size)
     }
 }
 
+/* The host allow-list (ExpertHostsFile): documented errors only, rules
+ * inside the caps, every prefix found again by lookup. */
+static void check_allow(const uint8_t *data, size_t size)
+{
+    hm_moe_allow *a = NULL;
+    char err[256];
+    int r = hm_moe_allow_parse((const char *)data, size, &a, err, sizeof(err));
+    CHECK(r == 0 || r == -EINVAL || r == -EMSGSIZE || r == -ENOMEM);
+    if (r != 0) {
+        CHECK(a == NULL);
+        return;
+    }
+    CHECK(a != NULL && a->n <= HM_MOE_ALLOW_MAX_RULES);
+    for (size_t i = 0; i < a->n; i++) {
+        const hm_moe_allow_rule *rule = &a->rules[i];
+        size_t l = strlen(rule->prefix);
+        CHECK(l >= 1 && l <= HM_MOE_UID_MAX);
+        CHECK(rule->n_keys >= 1 && rule->n_keys <= HM_MOE_ALLOW_MAX_KEYS);
+        CHECK(hm_moe_allow_find(a, rule->prefix) == rule);
+        CHECK(hm_moe_allow_permits(a, rule->prefix, rule->keys[0]));
+    }
+    hm_moe_allow_free(a);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     check_request(data, size, 0);
@@ -234,5 +258,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     check_wrapped_out(data, size);
     check_values(data, size);
     check_grammar(data, size);
+    check_allow(data, size);
     return 0;
 }
