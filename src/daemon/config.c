@@ -101,6 +101,23 @@ static const struct opt opts[] = {
     /* ---- limits against hostile members (docs/security.md), by floor ---- */
     /* transport: connections, handshakes */
     /* transport: reassembly, write queues */
+    {"ReassemblyMaxMiB", "reassembly-max-mib", T_UINT, FIELD(reassembly_max_mib), 80, 65536, 0,
+     "MIB", "inbound messages in progress, all peers, charged by bytes received; when full a "
+     "lighter origin's message sheds the heaviest origin's stalest one (default 512)"},
+    {"ReassemblyOriginMiB", "reassembly-origin-mib", T_UINT, FIELD(reassembly_origin_mib), 80,
+     65536, 0, "MIB", "inbound messages in progress from one origin; past it a new message is "
+     "refused, not the connection (default 192)"},
+    {"ReassemblyStallTimeout", "reassembly-stall-timeout", T_UINT,
+     FIELD(reassembly_stall_timeout_s), 1, 3600, 0, "SECONDS",
+     "drop an inbound message that got no chunk for this long (default 30)"},
+    {"WriteQueueMaxMiB", "write-queue-max-mib", T_UINT, FIELD(write_queue_max_mib), 96, 65536, 0,
+     "MIB", "bytes queued for all peers; when full the origin queueing the most loses its "
+     "fullest connection first (default 256)"},
+    {"WriteQueueOriginMiB", "write-queue-origin-mib", T_UINT, FIELD(write_queue_origin_mib), 1,
+     65536, 0, "MIB", "bytes queued for one origin (one message always fits; default 32)"},
+    {"WriteMinRate", "write-min-rate", T_UINT, FIELD(write_min_rate_kib), 0, 1048576, 0, "KIB/S",
+     "close a connection holding over 1 MiB queued that drains slower than this, 0 never "
+     "(default 256)"},
     /* dht: storage, peer table */
     /* experts */
     /* averaging and state */
@@ -378,6 +395,12 @@ void hm_config_defaults(hm_config *c)
     c->log_level = HM_LOG_INFO;
     c->ping_interval_s = 15;
     c->max_connections = 512;
+    c->reassembly_max_mib = 512;
+    c->reassembly_origin_mib = 192;
+    c->reassembly_stall_timeout_s = 30;
+    c->write_queue_max_mib = 256;
+    c->write_queue_origin_mib = 32;
+    c->write_min_rate_kib = 256;
     hm_strlcpy(c->expert_type, "ffn", sizeof(c->expert_type));
     c->expert_dim = 512;
     hm_strlcpy(c->expert_optimizer, "adam", sizeof(c->expert_optimizer));

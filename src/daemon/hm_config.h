@@ -71,6 +71,9 @@ typedef struct hm_config {
     /* ---- limits against hostile members (docs/security.md), by floor ---- */
     /* transport: connections, handshakes */
     /* transport: reassembly, write queues */
+    unsigned reassembly_max_mib, reassembly_origin_mib, reassembly_stall_timeout_s;
+    unsigned write_queue_max_mib, write_queue_origin_mib;
+    unsigned write_min_rate_kib; /* 0: no drain-rate rule */
     /* dht: storage, peer table */
     /* experts */
     /* averaging and state */
