@@ -64,12 +64,15 @@ static inline int hm_raw_write(hm_raw *r, const uint8_t *p, size_t n, uint64_t t
 
 /*
  * Connects from src_ip to `to` (a server with key server_pk in swarm) and
- * completes the handshake. Returns 0 or a negative code.
+ * completes the handshake. rcvbuf, when not 0, shrinks our receive buffer
+ * (SO_RCVBUF) before connecting, as a reader that wants the other side to
+ * keep its replies in its own memory rather than in the kernel would.
+ * Returns 0 or a negative code.
  */
 static inline int hm_raw_connect(hm_raw *r, const char *src_ip, const struct sockaddr *to,
                                  const uint8_t server_pk[HM_PK_BYTES],
-                                 const uint8_t swarm[HM_SWARM_ID_BYTES], void (*spin)(void *),
-                                 void *ud)
+                                 const uint8_t swarm[HM_SWARM_ID_BYTES], int rcvbuf,
+                                 void (*spin)(void *), void *ud)
 {
     memset(r, 0, sizeof(*r));
     r->spin = spin;
@@ -82,6 +85,8 @@ static inline int hm_raw_connect(hm_raw *r, const char *src_ip, const struct soc
         return -errno;
     struct sockaddr_in src = {.sin_family = AF_INET};
     inet_pton(AF_INET, src_ip, &src.sin_addr);
+    if (rcvbuf > 0)
+        setsockopt(r->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
     if (bind(r->fd, (struct sockaddr *)&src, sizeof(src)) < 0)
         return -errno;
     if (connect(r->fd, to, hm_addr_len(to)) < 0 && errno != EINPROGRESS)

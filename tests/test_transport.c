@@ -1186,7 +1186,7 @@ static void spin_loop(void *ud)
 
 static void raw_to(hm_raw *r, const char *ip, tnode *victim)
 {
-    cr_assert_eq(hm_raw_connect(r, ip, sa(victim), victim->id.pk, swarm, spin_loop, NULL), 0,
+    cr_assert_eq(hm_raw_connect(r, ip, sa(victim), victim->id.pk, swarm, 0, spin_loop, NULL), 0,
                  "raw handshake from %s", ip);
 }
 
