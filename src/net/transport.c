@@ -2092,6 +2092,7 @@ void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f)
         LIST_FOREACH(c, &t->conns, link) {
             /* Time spent stalled is not the peer's fault. */
             c->last_progress_ms = c->last_activity_ms = now;
+            c->drain_mark_ms = 0;
             if (c->state == CONN_HANDSHAKE)
                 c->created_ms = now;
         }
