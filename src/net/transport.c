@@ -265,8 +265,8 @@ struct hm_transport {
     void *close_ud;
 
     /* ---- reassembly and write-queue accounting (docs/security.md) ---- */
-    hm_origin_tab origins;   /* V_RASM and V_WQ bytes per origin */
-    int origins_init;
+    hm_origin_tab mem_origins; /* V_RASM and V_WQ bytes per origin */
+    int mem_origins_init;
     size_t wq_total;         /* unsent + inflight, all connections */
     size_t freed_since_trim; /* large buffers freed since the last malloc_trim */
 
@@ -430,19 +430,19 @@ static void origin_move(hm_transport *t, const hm_origin *o, unsigned idx, size_
 {
     if (was == now)
         return;
-    hm_origin_ent *e = hm_origin_tab_get(&t->origins, o, now > was);
+    hm_origin_ent *e = hm_origin_tab_get(&t->mem_origins, o, now > was);
     if (e == NULL)
         return;
     if (now > was)
         e->v[idx] += now - was;
     else
         e->v[idx] -= HM_MIN(e->v[idx], (uint64_t)(was - now));
-    hm_origin_tab_release(&t->origins, e);
+    hm_origin_tab_release(&t->mem_origins, e);
 }
 
 static uint64_t origin_val(hm_transport *t, const hm_origin *o, unsigned idx)
 {
-    hm_origin_ent *e = hm_origin_tab_get(&t->origins, o, 0);
+    hm_origin_ent *e = hm_origin_tab_get(&t->mem_origins, o, 0);
     return e != NULL ? e->v[idx] : 0;
 }
 
@@ -482,12 +482,12 @@ static int wq_admit(conn *c, size_t len)
         t->stats.wq_refused_origin++;
         return -ENOBUFS;
     }
-    if (mine == 0 && hm_origin_tab_count(&t->origins) >= t->origins.max_origins) {
+    if (mine == 0 && hm_origin_tab_count(&t->mem_origins) >= t->mem_origins.max_origins) {
         t->stats.wq_refused_origin++;
         return -ENOBUFS;
     }
     while (t->wq_total + len > t->cfg.wq_max_bytes) {
-        hm_origin_ent *h = hm_origin_tab_heaviest(&t->origins, V_WQ);
+        hm_origin_ent *h = hm_origin_tab_heaviest(&t->mem_origins, V_WQ);
         if (h == NULL || hm_origin_eq(&h->o, conn_origin(c)) || h->v[V_WQ] <= mine + len) {
             t->stats.wq_refused_total++;
             return -ENOBUFS;
@@ -574,12 +574,12 @@ static int rasm_reserve(conn *c, size_t more)
     uint64_t mine = origin_val(t, conn_origin(c), V_RASM);
     if (c->rasm_bytes + more > t->cfg.max_message + t->cfg.max_queued_bytes ||
         mine + more > t->cfg.rasm_origin_bytes ||
-        (mine == 0 && hm_origin_tab_count(&t->origins) >= t->origins.max_origins)) {
+        (mine == 0 && hm_origin_tab_count(&t->mem_origins) >= t->mem_origins.max_origins)) {
         t->stats.rasm_refused_origin++;
         return -ENOBUFS;
     }
     while (t->rasm_total + more > t->cfg.rasm_max_bytes) {
-        hm_origin_ent *h = hm_origin_tab_heaviest(&t->origins, V_RASM);
+        hm_origin_ent *h = hm_origin_tab_heaviest(&t->mem_origins, V_RASM);
         if (h == NULL || hm_origin_eq(&h->o, conn_origin(c)) || h->v[V_RASM] <= mine + more ||
             !rasm_shed_stalest(t, &h->o)) {
             t->stats.rasm_refused_total++;
@@ -1749,8 +1749,8 @@ static void maybe_finish_close(hm_transport *t)
     void *ud = t->close_ud;
     hm_dgram_ctx_free(t->dctx);
     hm_hmap_free(&t->by_pk);
-    if (t->origins_init)
-        hm_origin_tab_free(&t->origins);
+    if (t->mem_origins_init)
+        hm_origin_tab_free(&t->mem_origins);
     free(t->partitioned);
     pool_trim(t, UINT64_MAX);
     hm_identity_wipe(&t->id);
@@ -1859,10 +1859,10 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     result = hm_hmap_init(&t->by_pk, CONN_BUCKETS, CONN_BUCKETS_MAX);
     if (result < 0)
         goto out;
-    result = hm_origin_tab_init(&t->origins, 0);
+    result = hm_origin_tab_init(&t->mem_origins, 0);
     if (result < 0)
         goto out;
-    t->origins_init = 1;
+    t->mem_origins_init = 1;
     result = bind_sockets((struct sockaddr *)&want, &tfd, &ufd, &t->local);
     if (result < 0)
         goto out;
@@ -1927,8 +1927,8 @@ out:
     if (t != NULL) {
         hm_dgram_ctx_free(t->dctx);
         hm_hmap_free(&t->by_pk);
-        if (t->origins_init)
-            hm_origin_tab_free(&t->origins);
+        if (t->mem_origins_init)
+            hm_origin_tab_free(&t->mem_origins);
         hm_identity_wipe(&t->id);
         free(t);
     }
