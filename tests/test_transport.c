@@ -6,7 +6,8 @@
  * foreign-swarm and impostor traffic is refused, that deadlines and cancels
  * end calls exactly once, that a peer which stops reading cannot make our
  * queue grow past its bound, and that the in-flight, unknown-method and
- * partition behaviours hold.
+ * partition behaviours hold, and that hostile peers (tests/rawstream.h) get
+ * no more reassembly and write-queue memory than their origin's share.
  */
 #include "config.h"
 
@@ -20,6 +21,7 @@
 #include "src/net/rpc.h"
 #include "src/net/transport.h"
 #include "src/base/util.h"
+#include "tests/rawstream.h"
 
 static uv_loop_t loop;
 static uint8_t swarm[HM_SWARM_ID_BYTES];
@@ -1384,4 +1386,261 @@ Test(transport, a_dial_into_a_full_table_evicts_an_inbound_connection)
         node_stop(&atk[i]);
     node_stop(&d);
     node_stop(&b);
+}
+
+/* ---- hostile peers: reassembly and write queues (docs/security.md) ---- */
+
+static void spin_loop(void *ud)
+{
+    HM_UNUSED(ud);
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(200);
+}
+
+static void raw_to(hm_raw *r, const char *ip, tnode *victim)
+{
+    cr_assert_eq(hm_raw_connect(r, ip, sa(victim), victim->id.pk, swarm, 0, spin_loop, NULL), 0,
+                 "raw handshake from %s", ip);
+}
+
+/* Runs the loop until b's stats satisfy cond (an expression on `s_`) or ms pass. */
+#define RUN_UNTIL_STATS(b, cond, ms)                                                               \
+    ({                                                                                             \
+        uint64_t end_ = hm_now_ms() + (ms);                                                        \
+        hm_transport_stats s_ = stats_of(b);                                                       \
+        while (!(cond) && hm_now_ms() < end_) {                                                    \
+            run_for(10);                                                                           \
+            s_ = stats_of(b);                                                                      \
+        }                                                                                          \
+        (cond);                                                                                    \
+    })
+
+/*
+ * Attack case 2 of issue 11 in miniature: 12 first chunks of a few bytes
+ * over 4 connections declare 80 + 80 + 16 MiB each, which was the whole
+ * declared-size budget. Charged by bytes received they cost almost nothing,
+ * and an honest multi-chunk call still goes through on its connection.
+ */
+Test(transport, reassembly_is_charged_by_bytes_received)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    hm_raw raw[4];
+    const uint32_t sizes[3] = {80u << 20, 80u << 20, 16u << 20};
+    for (int i = 0; i < 4; i++) {
+        raw_to(&raw[i], "127.0.0.2", &b);
+        for (uint32_t k = 0; k < 3; k++)
+            cr_assert_eq(hm_raw_part(&raw[i], k, sizes[k], 0, 21), 0);
+    }
+    cr_assert(RUN_UNTIL_STATS(&b, s_.connections == 4 && s_.rasm_bytes >= 12 * 21, 3000));
+    run_for(100);
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_leq(st.rasm_bytes, 12u * (64u << 10), "charged %zu bytes for 12 empty messages",
+                  st.rasm_bytes);
+
+    size_t big = 4u << 20;
+    uint8_t *body = malloc(big);
+    memset(body, 0x5a, big);
+    result r = {0};
+    cr_assert_eq(call(&a, &b, "echo", body, big, HM_RPC_STREAM, 10000, &r), 0);
+    cr_assert(run_until(&r.count, 1, 10000));
+    cr_assert_eq(r.status, 0, "honest call: %s", hm_strerror(r.status));
+    cr_assert_eq(r.len, big);
+    cr_assert_eq(memcmp(r.body, body, big), 0);
+    st = stats_of(&b);
+    cr_assert_eq(st.connections, 5, "the attacker's connections stay, so does the honest one");
+
+    for (int i = 0; i < 4; i++)
+        hm_raw_close(&raw[i]);
+    free(body);
+    result_free(&r);
+    node_stop(&a);
+    node_stop(&b);
+}
+
+/*
+ * Past its origin's share a new message is refused, not the connection: its
+ * chunks are dropped and the next message on the same connection arrives.
+ * When the total is full, a lighter origin's message sheds the heaviest
+ * origin's stalest message; and a message left halfway is dropped after
+ * rasm_stall_ms.
+ */
+Test(transport, reassembly_refuses_messages_sheds_heaviest_and_expires_stalled)
+{
+    hm_transport_config tc = {
+        .max_message = 1u << 20,
+        .max_queued_bytes = 2u << 20,
+        .rasm_origin_bytes = 3u << 19, /* 1.5 MiB */
+        .rasm_max_bytes = 2u << 20,
+        .rasm_stall_ms = 1500,
+    };
+    tnode a, b;
+    node_start(&a);
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+
+    /* Origin 127.0.0.2: 1 MiB of a 1 MiB message minus one chunk, then a
+     * second message that grows past the origin's share. */
+    hm_raw x, y;
+    raw_to(&x, "127.0.0.2", &b);
+    const uint32_t full = 1u << 20;
+    cr_assert_eq(hm_raw_part(&x, 1, full, 0, full - 100), 0);
+    cr_assert_eq(hm_raw_part(&x, 2, full, 0, 600u << 10), 0);
+    cr_assert(RUN_UNTIL_STATS(&b, s_.rasm_refused_origin >= 1, 3000), "over the share: refused");
+    hm_transport_stats st = stats_of(&b);
+    cr_assert_eq(st.connections, 1, "the connection stays");
+    /* The refused message's remaining chunks are dropped quietly, and a
+     * complete message on the same connection is delivered. */
+    cr_assert_eq(hm_raw_part(&x, 2, full, 600u << 10, full - (600u << 10)), 0);
+    uint64_t before = st.messages_in;
+    cr_assert_eq(hm_raw_chunk(&x, 3, 3, 4, "ping", 4), 0);
+    cr_assert(RUN_UNTIL_STATS(&b, s_.messages_in == before + 1, 3000), "delivered after refusal");
+    cr_assert_eq(stats_of(&b).connections, 1);
+    cr_assert_eq(stats_of(&b).messages_in, before + 1, "the refused message never arrived");
+
+    /* Origin 127.0.0.3 takes the rest of the total (2 MiB). */
+    raw_to(&y, "127.0.0.3", &b);
+    cr_assert_eq(hm_raw_part(&y, 1, full, 0, 900u << 10), 0);
+    cr_assert(RUN_UNTIL_STATS(&b, s_.rasm_bytes >= (1800u << 10), 3000));
+
+    /* The honest origin's call sheds the heaviest origin's (127.0.0.2) message. */
+    size_t big = 512u << 10;
+    uint8_t *body = calloc(1, big);
+    result r = {0};
+    cr_assert_eq(call(&a, &b, "echo", body, big, HM_RPC_STREAM, 5000, &r), 0);
+    cr_assert(run_until(&r.count, 1, 5000));
+    cr_assert_eq(r.status, 0, "honest call: %s", hm_strerror(r.status));
+    st = stats_of(&b);
+    cr_assert_geq(st.rasm_shed, 1, "the heaviest origin paid");
+    cr_assert_eq(st.connections, 3);
+
+    /* y's message, left halfway, is dropped after rasm_stall_ms. */
+    cr_assert(RUN_UNTIL_STATS(&b, s_.rasm_bytes == 0, 4000), "%zu bytes still held",
+              stats_of(&b).rasm_bytes);
+    cr_assert_geq(stats_of(&b).rasm_stalled, 1);
+    cr_assert_eq(stats_of(&b).connections, 3);
+
+    hm_raw_close(&x);
+    hm_raw_close(&y);
+    free(body);
+    result_free(&r);
+    node_stop(&a);
+    node_stop(&b);
+}
+
+/*
+ * Write queues: a per-origin share and one total over all connections. When
+ * the total is full, the origin queueing the most loses its fullest
+ * connection first; a lighter origin's sends go on.
+ */
+Test(transport, write_queue_origin_share_global_cap_and_shedding)
+{
+    hm_transport_config tc = {
+        .max_message = 1u << 20,
+        .max_queued_bytes = 4u << 20,
+        .wq_origin_bytes = 3u << 20,
+        .wq_max_bytes = 5u << 20,
+        .write_stall_ms = 60000,
+        .write_min_rate = SIZE_MAX,
+    };
+    hm_transport_config tb = {.listen = "127.0.0.2:0"}, tcc = {.listen = "127.0.0.3:0"};
+    tnode a, b, c;
+    node_start_cfg(&a, swarm, NULL, &tc, NULL);
+    node_start_cfg(&b, swarm, NULL, &tb, NULL);
+    node_start_cfg(&c, swarm, NULL, &tcc, NULL);
+    result w1 = {0}, w2 = {0};
+    cr_assert_eq(call(&a, &b, "echo", "w", 1, HM_RPC_STREAM, 2000, &w1), 0);
+    cr_assert_eq(call(&a, &c, "echo", "w", 1, HM_RPC_STREAM, 2000, &w2), 0);
+    cr_assert(run_until(&w1.count, 1, 3000));
+    cr_assert(run_until(&w2.count, 1, 3000));
+    hm_transport_faults stall = {.stall = 1};
+    hm_transport_set_faults(hm_rpc_transport(b.rpc), &stall);
+    hm_transport_set_faults(hm_rpc_transport(c.rpc), &stall);
+
+    hm_transport *t = hm_rpc_transport(a.rpc);
+    size_t len = 256u << 10;
+    uint8_t *msg = calloc(1, len);
+    /* b's origin fills its share (the kernel's buffers take a few MiB first). */
+    int r = 0;
+    for (int i = 0; i < 4000 && r == 0; i++) {
+        r = hm_transport_send(t, b.id.pk, NULL, msg, len, HM_PRIO_LOW);
+        run_for(1);
+    }
+    cr_assert_eq(r, -ENOBUFS);
+    hm_transport_stats st = stats_of(&a);
+    cr_assert_geq(st.wq_refused_origin, 1, "stopped by the origin's share");
+    cr_assert_leq(hm_transport_queued(t, b.id.pk), tc.wq_origin_bytes);
+    cr_assert_gt(hm_transport_queued(t, b.id.pk), tc.wq_origin_bytes - len);
+
+    /* c's origin queues until the total is full: b's origin, heavier, is shed. */
+    r = 0;
+    for (int i = 0; i < 4000 && r == 0 && stats_of(&a).wq_shed == 0; i++) {
+        r = hm_transport_send(t, c.id.pk, NULL, msg, len, HM_PRIO_LOW);
+        run_for(1);
+    }
+    cr_assert_eq(r, 0, "c's sends go on: %s", hm_strerror(r));
+    st = stats_of(&a);
+    cr_assert_eq(st.wq_shed, 1);
+    cr_assert(!hm_transport_connected(t, b.id.pk), "the heaviest origin lost its connection");
+    cr_assert_eq(hm_transport_queued(t, b.id.pk), 0);
+    cr_assert(hm_transport_connected(t, c.id.pk));
+    /* c then meets its own share, never the total. */
+    for (int i = 0; i < 4000 && r == 0; i++) {
+        r = hm_transport_send(t, c.id.pk, NULL, msg, len, HM_PRIO_LOW);
+        run_for(1);
+    }
+    cr_assert_eq(r, -ENOBUFS);
+    st = stats_of(&a);
+    cr_assert_geq(st.wq_refused_origin, 2);
+    cr_assert_leq(st.queued_bytes, tc.wq_max_bytes);
+
+    free(msg);
+    hm_transport_faults none = {0};
+    hm_transport_set_faults(hm_rpc_transport(b.rpc), &none);
+    hm_transport_set_faults(hm_rpc_transport(c.rpc), &none);
+    node_stop(&a);
+    node_stop(&b);
+    node_stop(&c);
+    result_free(&w1);
+    result_free(&w2);
+}
+
+/* A reader that drains under write_min_rate while over 1 MiB is queued is
+ * closed, long before write_stall_ms. */
+Test(transport, slow_drain_closes_the_connection)
+{
+    hm_transport_config tc = {
+        .max_message = 1u << 20,
+        .max_queued_bytes = 4u << 20,
+        .write_stall_ms = 60000,
+        .write_min_rate = 512u << 10,
+    };
+    tnode a, b;
+    node_start_cfg(&a, swarm, NULL, &tc, NULL);
+    node_start(&b);
+    result w = {0};
+    cr_assert_eq(call(&a, &b, "echo", "w", 1, HM_RPC_STREAM, 2000, &w), 0);
+    cr_assert(run_until(&w.count, 1, 3000));
+    hm_transport_faults stall = {.stall = 1};
+    hm_transport_set_faults(hm_rpc_transport(b.rpc), &stall);
+    hm_transport *t = hm_rpc_transport(a.rpc);
+    size_t len = 256u << 10;
+    uint8_t *msg = calloc(1, len);
+    int r = 0;
+    for (int i = 0; i < 4000 && r == 0; i++) {
+        r = hm_transport_send(t, b.id.pk, NULL, msg, len, HM_PRIO_LOW);
+        run_for(1);
+    }
+    cr_assert_eq(r, -ENOBUFS);
+    uint64_t full_at = hm_now_ms();
+    cr_assert(RUN_UNTIL_STATS(&a, s_.write_too_slow == 1, 12000), "closed for draining slowly");
+    cr_assert_lt(hm_now_ms() - full_at, 12000);
+    cr_assert(!hm_transport_connected(t, b.id.pk));
+    cr_assert_eq(stats_of(&a).queued_bytes, 0);
+    free(msg);
+    hm_transport_faults none = {0};
+    hm_transport_set_faults(hm_rpc_transport(b.rpc), &none);
+    node_stop(&a);
+    node_stop(&b);
+    result_free(&w);
 }

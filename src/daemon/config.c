@@ -126,6 +126,23 @@ static const struct opt opts[] = {
      "N", "datagrams per second, all origins, whose sender key is not cached yet, bursts of "
      "4 s worth (default 2048)"},
     /* transport: reassembly, write queues */
+    {"ReassemblyMaxMiB", "reassembly-max-mib", T_UINT, FIELD(reassembly_max_mib), 80, 65536, 0,
+     "MIB", "inbound messages in progress, all peers, charged by bytes received; when full a "
+     "lighter origin's message sheds the heaviest origin's stalest one (default 512)"},
+    {"ReassemblyOriginMiB", "reassembly-origin-mib", T_UINT, FIELD(reassembly_origin_mib), 80,
+     65536, 0, "MIB", "inbound messages in progress from one origin; past it a new message is "
+     "refused, not the connection (default 192)"},
+    {"ReassemblyStallTimeout", "reassembly-stall-timeout", T_UINT,
+     FIELD(reassembly_stall_timeout_s), 1, 3600, 0, "SECONDS",
+     "drop an inbound message that got no chunk for this long (default 30)"},
+    {"WriteQueueMaxMiB", "write-queue-max-mib", T_UINT, FIELD(write_queue_max_mib), 96, 65536, 0,
+     "MIB", "bytes queued for all peers; when full the origin queueing the most loses its "
+     "fullest connection first (default 256)"},
+    {"WriteQueueOriginMiB", "write-queue-origin-mib", T_UINT, FIELD(write_queue_origin_mib), 1,
+     65536, 0, "MIB", "bytes queued for one origin (one message always fits; default 32)"},
+    {"WriteMinRate", "write-min-rate", T_UINT, FIELD(write_min_rate_kib), 0, 1048576, 0, "KIB/S",
+     "close a connection holding over 1 MiB queued that drains slower than this, 0 never "
+     "(default 256)"},
     /* dht: storage, peer table */
     {"DhtRequestRate", "dht-request-rate", T_UINT, FIELD(dht_request_rate), 1, 1000000, 0, "N",
      "DHT requests served per second per address, with bursts of twice that; loopback "
@@ -471,6 +488,12 @@ void hm_config_defaults(hm_config *c)
     c->peer_table_size = 4096;
     c->peer_table_origin_cap = 64;
     c->ping_stream_peers = 32;
+    c->reassembly_max_mib = 512;
+    c->reassembly_origin_mib = 192;
+    c->reassembly_stall_timeout_s = 30;
+    c->write_queue_max_mib = 256;
+    c->write_queue_origin_mib = 32;
+    c->write_min_rate_kib = 256;
     hm_strlcpy(c->expert_type, "ffn", sizeof(c->expert_type));
     c->expert_dim = 512;
     hm_strlcpy(c->expert_optimizer, "adam", sizeof(c->expert_optimizer));

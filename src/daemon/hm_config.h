@@ -77,6 +77,9 @@ typedef struct hm_config {
     unsigned max_conns_per_peer, reserved_outbound;
     unsigned handshake_rate_per_origin, dgram_new_key_rate_per_origin, dgram_new_key_rate;
     /* transport: reassembly, write queues */
+    unsigned reassembly_max_mib, reassembly_origin_mib, reassembly_stall_timeout_s;
+    unsigned write_queue_max_mib, write_queue_origin_mib;
+    unsigned write_min_rate_kib; /* 0: no drain-rate rule */
     /* dht: storage, peer table */
     unsigned dht_request_rate;        /* DHT requests per second per address; burst twice that */
     unsigned dht_store_entries;       /* records one node stores for others */

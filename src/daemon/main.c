@@ -344,6 +344,14 @@ static int start(daemon_t *d, char *err, size_t errlen)
     no.max_peers = d->cfg.peer_table_size;
     no.max_peers_per_origin = d->cfg.peer_table_origin_cap;
     no.max_stream_pings = d->cfg.ping_stream_peers;
+    /* transport: reassembly, write queues */
+    no.transport.rasm_max_bytes = (size_t)d->cfg.reassembly_max_mib << 20;
+    no.transport.rasm_origin_bytes = (size_t)d->cfg.reassembly_origin_mib << 20;
+    no.transport.rasm_stall_ms = (uint64_t)d->cfg.reassembly_stall_timeout_s * 1000u;
+    no.transport.wq_max_bytes = (size_t)d->cfg.write_queue_max_mib << 20;
+    no.transport.wq_origin_bytes = (size_t)d->cfg.write_queue_origin_mib << 20;
+    no.transport.write_min_rate =
+        d->cfg.write_min_rate_kib == 0 ? SIZE_MAX : (size_t)d->cfg.write_min_rate_kib << 10;
     r = hm_node_new(&d->loop, &no, &d->pub.node, err, errlen);
     if (r != 0)
         return r;

@@ -47,6 +47,9 @@
 #include "src/net/transport.h"
 
 #include <errno.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,8 +72,19 @@
 #define WR_CACHE_MAX 4u
 #define WR_ACTIVE_MULTI 32u
 #define RASM_SLOTS_MAX 256u
-/* All connections together may reassemble this many per-connection budgets. */
-#define RASM_TOTAL_FACTOR 4u
+/* A reassembly buffer starts this large (or at its message's size) and doubles as chunks arrive. */
+#define RASM_FIRST_CAP (64u * 1024u)
+/* Per-origin counters (origin.h) of what each origin holds in reassembly and write queues. */
+#define V_RASM 0u
+#define V_WQ 1u
+/* The drain-rate rule applies to a connection holding more than this many queued bytes, */
+#define WR_RATE_FLOOR (1u << 20)
+/* measured over windows of this length. */
+#define WR_RATE_WINDOW_MS 4000u
+/* Single-chunk messages may pass an origin's write-queue share by this much. */
+#define WQ_SMALL_SLACK (1u << 20)
+/* Freed bytes after which the housekeeping hands free heap pages back (malloc_trim). */
+#define TRIM_AFTER_BYTES (8u << 20)
 #define CONN_BUCKETS 256u
 #define CONN_BUCKETS_MAX 65536u
 #define UDP_PENDING_MAX 1024u
@@ -112,13 +126,20 @@ typedef struct wreq {
     uint8_t buf[];
 } wreq;
 
-/* One inbound message being reassembled. */
+/*
+ * One inbound message being reassembled. Its buffer grows as chunks arrive
+ * and is what the budgets are charged (cap). A refused or dropped message
+ * keeps its slot with no buffer (discard) so the rest of its chunks are
+ * checked and dropped without closing the connection.
+ */
 typedef struct rasm {
     uint32_t id;
     uint32_t total;
     uint32_t len;
     uint32_t cap;
     uint8_t *buf;
+    uint64_t last_ms; /* when its last chunk arrived */
+    int discard;
 } rasm;
 
 STAILQ_HEAD(omsg_queue, omsg);
@@ -159,10 +180,16 @@ typedef struct conn {
     SLIST_HEAD(, wreq) cache;
     unsigned n_cache;
     /* ---- connection admission (docs/security.md) ---- */
-    hm_origin origin; /* of addr, for inbound connections */
+    hm_origin origin; /* of addr: set at admission (inbound) or on first use */
     int counted_inb;  /* charged to its origin as an inbound connection */
     int counted_hs;   /* ... and as one still in its handshake */
     int reset;        /* refused: close with a reset */
+    /* ---- reassembly and write-queue accounting (docs/security.md) ---- */
+    int origin_known;          /* origin (above) is set; it is computed on first use */
+    size_t wq_charged;         /* unsent + inflight as last charged to the origin and total */
+    uint64_t bytes_written;    /* sealed bytes whose writes completed */
+    uint64_t drain_mark_ms;    /* start of the current drain-rate window, 0: none */
+    uint64_t drain_mark_bytes; /* bytes_written then */
 } conn;
 
 enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
@@ -234,7 +261,7 @@ struct hm_transport {
 
     size_t udp_pending;
     hm_transport_stats stats;
-    size_t rasm_total; /* declared bytes of inbound messages in progress, all connections */
+    size_t rasm_total; /* bytes held by inbound messages in progress, all connections */
 
     pool_ent pool[POOL_SLOTS];
     size_t pool_n;
@@ -251,6 +278,11 @@ struct hm_transport {
     size_t n_inb, n_inb_hs;      /* inbound connections charged to origins, handshaking ones */
     uint64_t dgram_tat_us;       /* new-key datagrams, all origins */
     int origins_init, dgram_origins_init;
+    /* ---- reassembly and write-queue accounting (docs/security.md) ---- */
+    hm_origin_tab mem_origins; /* V_RASM and V_WQ bytes per origin */
+    int mem_origins_init;
+    size_t wq_total;         /* unsent + inflight, all connections */
+    size_t freed_since_trim; /* large buffers freed since the last malloc_trim */
 
     uint8_t udp_rbuf[UDP_RBUF_SIZE];
     uint8_t dgram_pt[HM_DGRAM_MAX];
@@ -318,8 +350,8 @@ static int fault_drop(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
 
 /* ------------------------------------------------------------ buffer pool */
 
-/* Returns a buffer of at least n bytes; *cap_out receives its real size. */
-static void *pool_get(hm_transport *t, size_t n, size_t *cap_out)
+/* A pooled buffer of at least n bytes (and not much more), or NULL. */
+static void *pool_get_cached(hm_transport *t, size_t n, size_t *cap_out)
 {
     size_t best = SIZE_MAX;
     if (n >= POOL_MIN) {
@@ -335,6 +367,15 @@ static void *pool_get(hm_transport *t, size_t n, size_t *cap_out)
         t->pool[best] = t->pool[--t->pool_n];
         return p;
     }
+    return NULL;
+}
+
+/* Returns a buffer of at least n bytes; *cap_out receives its real size. */
+static void *pool_get(hm_transport *t, size_t n, size_t *cap_out)
+{
+    void *p = pool_get_cached(t, n, cap_out);
+    if (p != NULL)
+        return p;
     *cap_out = n;
     return malloc(n);
 }
@@ -345,6 +386,7 @@ static void pool_put(hm_transport *t, void *p, size_t cap)
         return;
     if (cap < POOL_MIN || cap > POOL_MAX_BYTES / 2 || t->closing) {
         free(p);
+        t->freed_since_trim += cap;
         return;
     }
     /* Make room by dropping the oldest entries. */
@@ -355,6 +397,7 @@ static void pool_put(hm_transport *t, void *p, size_t cap)
                 old = i;
         free(t->pool[old].p);
         t->pool_bytes -= t->pool[old].cap;
+        t->freed_since_trim += t->pool[old].cap;
         t->pool[old] = t->pool[--t->pool_n];
     }
     t->pool[t->pool_n].p = p;
@@ -371,11 +414,233 @@ static void pool_trim(hm_transport *t, uint64_t older_than_ms)
         if (t->pool[i].freed_ms <= older_than_ms) {
             free(t->pool[i].p);
             t->pool_bytes -= t->pool[i].cap;
+            t->freed_since_trim += t->pool[i].cap;
             t->pool[i] = t->pool[--t->pool_n];
         } else {
             i++;
         }
     }
+}
+
+
+/* ------------------------------------------------ per-origin accounting */
+
+/*
+ * Identities are free, addresses are not (origin.h): what a peer holds in
+ * our reassembly buffers and write queues is also charged to its origin, and
+ * the per-origin shares and the shedding below count origins, so any number
+ * of identities on one origin get no more than one honest origin gets.
+ */
+static const hm_origin *conn_origin(conn *c)
+{
+    if (!c->origin_known) {
+        hm_origin_of((const struct sockaddr *)&c->addr, &c->origin);
+        c->origin_known = 1;
+    }
+    return &c->origin;
+}
+
+/* Moves origin o's counter idx from `was` to `now` bytes (the entry is made or freed as needed). */
+static void origin_move(hm_transport *t, const hm_origin *o, unsigned idx, size_t was, size_t now)
+{
+    if (was == now)
+        return;
+    hm_origin_ent *e = hm_origin_tab_get(&t->mem_origins, o, now > was);
+    if (e == NULL)
+        return;
+    if (now > was)
+        e->v[idx] += now - was;
+    else
+        e->v[idx] -= HM_MIN(e->v[idx], (uint64_t)(was - now));
+    hm_origin_tab_release(&t->mem_origins, e);
+}
+
+static uint64_t origin_val(hm_transport *t, const hm_origin *o, unsigned idx)
+{
+    hm_origin_ent *e = hm_origin_tab_get(&t->mem_origins, o, 0);
+    return e != NULL ? e->v[idx] : 0;
+}
+
+/* Brings the write-queue charges of c (its origin's and the total) up to date. */
+static void wq_sync(conn *c)
+{
+    hm_transport *t = c->t;
+    size_t now = c->unsent + c->inflight;
+    if (now == c->wq_charged)
+        return;
+    origin_move(t, conn_origin(c), V_WQ, c->wq_charged, now);
+    t->wq_total = t->wq_total - c->wq_charged + now;
+    if (now < c->wq_charged)
+        t->freed_since_trim += c->wq_charged - now;
+    c->wq_charged = now;
+}
+
+/*
+ * Whether len more bytes may be queued on c: within its origin's share and
+ * within the total. When the total is full, the origin queueing the most
+ * pays first: if it would still queue more than c's origin after this send,
+ * its fullest connection is closed (its queue freed) and the check repeats;
+ * otherwise the send is refused. Returns 0 or -ENOBUFS, counted.
+ */
+static int wq_admit(conn *c, size_t len)
+{
+    hm_transport *t = c->t;
+    uint64_t mine = origin_val(t, conn_origin(c), V_WQ);
+    /*
+     * A single message always fits an origin with nothing queued, so a
+     * max_message transfer reaches any peer whatever the share, and
+     * single-chunk messages (replies, control) may pass the share by
+     * WQ_SMALL_SLACK, so they still get through behind a bulk transfer.
+     */
+    size_t share = t->cfg.wq_origin_bytes + (len <= HM_TRANSPORT_CHUNK ? WQ_SMALL_SLACK : 0);
+    if (mine > 0 && mine + len > share) {
+        t->stats.wq_refused_origin++;
+        return -ENOBUFS;
+    }
+    if (mine == 0 && hm_origin_tab_count(&t->mem_origins) >= t->mem_origins.max_origins) {
+        t->stats.wq_refused_origin++;
+        return -ENOBUFS;
+    }
+    while (t->wq_total + len > t->cfg.wq_max_bytes) {
+        hm_origin_ent *h = hm_origin_tab_heaviest(&t->mem_origins, V_WQ);
+        if (h == NULL || hm_origin_eq(&h->o, conn_origin(c)) || h->v[V_WQ] <= mine + len) {
+            t->stats.wq_refused_total++;
+            return -ENOBUFS;
+        }
+        conn *victim = NULL, *o;
+        LIST_FOREACH(o, &t->conns, link)
+            if (o->state != CONN_CLOSING && o->unsent + o->inflight > 0 &&
+                hm_origin_eq(conn_origin(o), &h->o) &&
+                (victim == NULL || o->unsent + o->inflight > victim->unsent + victim->inflight))
+                victim = o;
+        if (victim == NULL) {
+            t->stats.wq_refused_total++;
+            return -ENOBUFS;
+        }
+        char who[9], ob[HM_ORIGIN_STR];
+        pk_short(victim->pk, who);
+        hm_info(MOD, "write queues full (%zu bytes): closing the stream to %s of %s, the origin "
+                "queueing the most (%zu bytes on it)", t->wq_total, who,
+                hm_origin_str(&h->o, ob), victim->unsent + victim->inflight);
+        t->stats.wq_shed++;
+        size_t before = t->wq_total;
+        conn_close(victim, "write queues full: shedding the heaviest origin");
+        /* Bytes already handed to the socket stay until their writes complete. */
+        if (t->wq_total == before) {
+            t->stats.wq_refused_total++;
+            return -ENOBUFS;
+        }
+    }
+    return 0;
+}
+
+/* Moves c's reassembly charge (its own, its origin's, the total) from was to now bytes. */
+static void rasm_move(conn *c, size_t was, size_t now)
+{
+    hm_transport *t = c->t;
+    origin_move(t, conn_origin(c), V_RASM, was, now);
+    c->rasm_bytes = c->rasm_bytes - was + now;
+    t->rasm_total = t->rasm_total - was + now;
+}
+
+/* Frees a slot's buffer and turns it into a discard slot: its later chunks are dropped. */
+static void slot_abort(conn *c, rasm *s)
+{
+    rasm_move(c, s->cap, 0);
+    pool_put(c->t, s->buf, s->cap);
+    s->buf = NULL;
+    s->cap = 0;
+    s->discard = 1;
+}
+
+/* Drops the message of origin o whose last chunk is the oldest; 0 if o has none. */
+static int rasm_shed_stalest(hm_transport *t, const hm_origin *o)
+{
+    conn *best_c = NULL, *c;
+    rasm *best = NULL;
+    LIST_FOREACH(c, &t->conns, link) {
+        if (c->state == CONN_CLOSING || c->rasm_bytes == 0 || !hm_origin_eq(conn_origin(c), o))
+            continue;
+        for (size_t i = 0; i < c->n_slots; i++)
+            if (c->slots[i].cap > 0 && (best == NULL || c->slots[i].last_ms < best->last_ms)) {
+                best = &c->slots[i];
+                best_c = c;
+            }
+    }
+    if (best == NULL)
+        return 0;
+    char ob[HM_ORIGIN_STR];
+    hm_info(MOD, "reassembly full (%zu bytes): dropping a %u-byte message in progress from %s, "
+            "the origin holding the most", t->rasm_total, best->total, hm_origin_str(o, ob));
+    slot_abort(best_c, best);
+    return 1;
+}
+
+/*
+ * Room for `more` bytes of reassembly buffer on c: within the connection's
+ * budget, its origin's share and the total, where a full total first sheds
+ * the stalest message of an origin holding more than c's would. Returns 0 or
+ * -ENOBUFS (counted); the message that asked is then refused, never the
+ * connection.
+ */
+static int rasm_reserve(conn *c, size_t more)
+{
+    hm_transport *t = c->t;
+    uint64_t mine = origin_val(t, conn_origin(c), V_RASM);
+    if (c->rasm_bytes + more > t->cfg.max_message + t->cfg.max_queued_bytes ||
+        mine + more > t->cfg.rasm_origin_bytes ||
+        (mine == 0 && hm_origin_tab_count(&t->mem_origins) >= t->mem_origins.max_origins)) {
+        t->stats.rasm_refused_origin++;
+        return -ENOBUFS;
+    }
+    while (t->rasm_total + more > t->cfg.rasm_max_bytes) {
+        hm_origin_ent *h = hm_origin_tab_heaviest(&t->mem_origins, V_RASM);
+        if (h == NULL || hm_origin_eq(&h->o, conn_origin(c)) || h->v[V_RASM] <= mine + more ||
+            !rasm_shed_stalest(t, &h->o)) {
+            t->stats.rasm_refused_total++;
+            return -ENOBUFS;
+        }
+        t->stats.rasm_shed++;
+    }
+    return 0;
+}
+
+/*
+ * Makes s's buffer hold at least need bytes. It doubles (from
+ * RASM_FIRST_CAP, never past the message's size), so a message costs what
+ * its sender has sent, not what its first chunk declared; a recently freed
+ * buffer of the whole size is taken from the pool when there is one, as its
+ * pages are already resident. Returns 0, -ENOBUFS or -ENOMEM.
+ */
+static int slot_grow(conn *c, rasm *s, size_t need)
+{
+    hm_transport *t = c->t;
+    if (need <= s->cap)
+        return 0;
+    size_t want = HM_MIN((size_t)s->total, HM_MAX(need, HM_MAX((size_t)RASM_FIRST_CAP,
+                                                               2 * (size_t)s->cap)));
+    size_t cap = 0;
+    void *p = NULL;
+    if (s->buf == NULL) {
+        p = pool_get_cached(t, s->total, &cap);
+        if (p != NULL && rasm_reserve(c, cap) < 0) {
+            pool_put(t, p, cap);
+            p = NULL;
+        }
+    }
+    if (p == NULL) {
+        int r = rasm_reserve(c, want - s->cap);
+        if (r < 0)
+            return r;
+        p = realloc(s->buf, want);
+        if (p == NULL)
+            return -ENOMEM;
+        cap = want;
+    }
+    rasm_move(c, s->cap, cap);
+    s->buf = p;
+    s->cap = (uint32_t)HM_MIN(cap, (size_t)UINT32_MAX);
+    return 0;
 }
 
 /* ------------------------------------------------------------ connections */
@@ -512,13 +777,14 @@ static void free_queue(conn *c)
         c->act_multi[p] = 0;
     }
     c->unsent = 0;
+    wq_sync(c);
 }
 
 static void free_slots(conn *c)
 {
     for (size_t i = 0; i < c->n_slots; i++)
         pool_put(c->t, c->slots[i].buf, c->slots[i].cap);
-    c->t->rasm_total -= c->rasm_bytes;
+    rasm_move(c, c->rasm_bytes, 0);
     free(c->slots);
     c->slots = NULL;
     c->n_slots = 0;
@@ -537,6 +803,9 @@ static void conn_closed_cb(uv_handle_t *h)
 
     LIST_REMOVE(c, link);
     t->n_conns--;
+    /* Every write has completed by now; whatever was still charged goes. */
+    c->inflight = 0;
+    wq_sync(c);
 
     wreq *w, *wn;
     SLIST_FOREACH_SAFE(w, &c->cache, link, wn)
@@ -701,6 +970,7 @@ static int admit_inbound(hm_transport *t, conn *c)
     const hm_transport_config *cf = &t->cfg;
     uint64_t now = hm_now_us();
     hm_origin_of((const struct sockaddr *)&c->addr, &c->origin);
+    c->origin_known = 1;
     hm_origin_ent *e = hm_origin_tab_get(&t->origins, &c->origin, 1);
     if (e == NULL) {
         /* Every tracked origin is in use: the conservative answer. */
@@ -830,6 +1100,7 @@ static void write_cb(uv_write_t *req, int status)
     hm_transport *t = c->t;
 
     c->inflight -= w->len;
+    wq_sync(c);
     if (status < 0) {
         free(w);
         if (c->state != CONN_CLOSING)
@@ -837,6 +1108,7 @@ static void write_cb(uv_write_t *req, int status)
         return;
     }
     t->stats.bytes_out += w->len;
+    c->bytes_written += w->len;
     c->last_progress_ms = c->last_activity_ms = hm_now_ms();
     wreq_put(c, w);
     conn_pump(c);
@@ -856,6 +1128,7 @@ static int conn_write_raw(conn *c, const uint8_t *p, size_t len)
         return r;
     }
     c->inflight += len;
+    wq_sync(c);
     return 0;
 }
 
@@ -947,6 +1220,7 @@ static void conn_pump(conn *c)
         }
         c->inflight += w->len;
     }
+    wq_sync(c);
 }
 
 static size_t bufs_len(const uv_buf_t *bufs, unsigned n)
@@ -971,6 +1245,9 @@ static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t le
     hm_transport *t = c->t;
     if (c->unsent + c->inflight + len > t->cfg.max_queued_bytes)
         return -ENOBUFS;
+    int r = wq_admit(c, len);
+    if (r < 0)
+        return r;
     size_t cap;
     omsg *m = pool_get(t, sizeof(*m) + len, &cap);
     if (m == NULL)
@@ -984,6 +1261,7 @@ static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t le
     if (c->unsent + c->inflight == 0)
         c->last_progress_ms = hm_now_ms();
     c->unsent += len;
+    wq_sync(c);
 
     int multi = len > HM_TRANSPORT_CHUNK;
     if (multi && c->act_multi[prio] >= WR_ACTIVE_MULTI) {
@@ -1025,27 +1303,11 @@ static rasm *slot_find(conn *c, uint32_t id)
     return NULL;
 }
 
-/*
- * Allocates a slot's whole buffer at its first chunk, within the
- * connection's budget of declared bytes. Pages the peer never fills are
- * never touched, so resident memory follows the bytes actually received;
- * one allocation instead of a growing one saves copies and page faults,
- * which dominate the cost of large messages.
- */
-static int slot_alloc(conn *c, rasm *s)
+/* Removes slot s from c (its buffer already taken or freed). */
+static void slot_remove(conn *c, rasm *s)
 {
-    hm_transport *t = c->t;
-    size_t budget = t->cfg.max_message + t->cfg.max_queued_bytes;
-    if (c->rasm_bytes + s->total > budget || t->rasm_total + s->total > RASM_TOTAL_FACTOR * budget)
-        return -ENOBUFS;
-    size_t cap;
-    s->buf = pool_get(c->t, s->total, &cap);
-    if (s->buf == NULL)
-        return -ENOMEM;
-    c->rasm_bytes += s->total;
-    t->rasm_total += s->total;
-    s->cap = (uint32_t)HM_MIN(cap, (size_t)UINT32_MAX);
-    return 0;
+    *s = c->slots[c->n_slots - 1];
+    c->n_slots--;
 }
 
 /* Handles one decrypted chunk; returns 0 or a negative code that closes the connection. */
@@ -1086,14 +1348,20 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
             if (c->slots == NULL)
                 return -ENOMEM;
         }
-        rasm *s = &c->slots[c->n_slots];
+        rasm *s = &c->slots[c->n_slots++];
         memset(s, 0, sizeof(*s));
         s->id = id;
         s->total = total;
-        int r = slot_alloc(c, s);
+        s->last_ms = hm_now_ms();
+        int r = slot_grow(c, s, n);
+        if (r == -ENOBUFS) {
+            /* Refused, not the connection: the rest of it is dropped as it arrives. */
+            s->discard = 1;
+            s->len = (uint32_t)n;
+            return 0;
+        }
         if (r < 0)
             return r;
-        c->n_slots++;
         memcpy(s->buf, p, n);
         s->len = (uint32_t)n;
         return 0;
@@ -1107,6 +1375,20 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
     int last = s->len + n == s->total;
     if (last != !!(flags & FLAG_LAST))
         return -EPROTO;
+    s->last_ms = hm_now_ms();
+    if (!s->discard) {
+        int r = slot_grow(c, s, s->len + n);
+        if (r == -ENOBUFS)
+            slot_abort(c, s);
+        else if (r < 0)
+            return r;
+    }
+    if (s->discard) {
+        s->len += (uint32_t)n;
+        if (last)
+            slot_remove(c, s);
+        return 0;
+    }
     memcpy(s->buf + s->len, p, n);
     s->len += (uint32_t)n;
     if (!last)
@@ -1114,10 +1396,8 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
     /* Take the slot out before the callback, which may close the connection. */
     uint8_t *buf = s->buf;
     size_t len = s->len, cap = s->cap;
-    c->rasm_bytes -= s->total;
-    t->rasm_total -= s->total;
-    *s = c->slots[c->n_slots - 1];
-    c->n_slots--;
+    rasm_move(c, cap, 0);
+    slot_remove(c, s);
     deliver(c, buf, len);
     pool_put(t, buf, cap);
     return 0;
@@ -1585,6 +1865,60 @@ static int delay_push(hm_transport *t, int kind, const uint8_t pk[HM_PK_BYTES],
 
 /* ------------------------------------------------------------ housekeeping */
 
+/* Drops c's inbound messages that had no chunk for rasm_stall_ms, so a
+ * sender that stops halfway does not hold its buffer forever. */
+static void rasm_expire(conn *c, uint64_t now)
+{
+    hm_transport *t = c->t;
+    for (size_t i = 0; i < c->n_slots; i++) {
+        rasm *s = &c->slots[i];
+        if (s->cap > 0 && now - s->last_ms >= t->cfg.rasm_stall_ms) {
+            hm_debug(MOD, "dropping a %u-byte inbound message: no chunk for %llu ms", s->total,
+                     (unsigned long long)(now - s->last_ms));
+            slot_abort(c, s);
+            t->stats.rasm_stalled++;
+        }
+    }
+}
+
+/*
+ * The drain-rate rule: a connection holding more than WR_RATE_FLOOR queued
+ * bytes must write at least write_min_rate bytes/s over each window of
+ * WR_RATE_WINDOW_MS. A reader that takes a little now and then (1 MiB
+ * every 8 s) makes some progress, so write_stall_ms alone never fires on
+ * it, but it drains too slowly to keep a queue. Returns 1 if c was closed.
+ */
+static int drain_check(conn *c, uint64_t now)
+{
+    hm_transport *t = c->t;
+    if (t->cfg.write_min_rate == SIZE_MAX || c->unsent + c->inflight <= WR_RATE_FLOOR) {
+        c->drain_mark_ms = 0;
+        return 0;
+    }
+    if (c->drain_mark_ms == 0) {
+        c->drain_mark_ms = now;
+        c->drain_mark_bytes = c->bytes_written;
+        return 0;
+    }
+    uint64_t elapsed = now - c->drain_mark_ms;
+    if (elapsed < WR_RATE_WINDOW_MS)
+        return 0;
+    uint64_t wrote = c->bytes_written - c->drain_mark_bytes;
+    if (wrote * 1000u < (uint64_t)t->cfg.write_min_rate * elapsed) {
+        char who[9];
+        pk_short(c->pk, who);
+        hm_info(MOD, "closing the stream to %s: drained %llu bytes in %llu ms with %zu queued "
+                "(under %zu bytes/s)", who, (unsigned long long)wrote, (unsigned long long)elapsed,
+                c->unsent + c->inflight, t->cfg.write_min_rate);
+        t->stats.write_too_slow++;
+        conn_close(c, "draining too slowly");
+        return 1;
+    }
+    c->drain_mark_ms = now;
+    c->drain_mark_bytes = c->bytes_written;
+    return 0;
+}
+
 static void hk_timer_cb(uv_timer_t *h)
 {
     hm_transport *t = h->data;
@@ -1610,9 +1944,22 @@ static void hk_timer_cb(uv_timer_t *h)
         } else if (c->state == CONN_OPEN && now - c->last_activity_ms >= t->cfg.idle_close_ms &&
                    c->unsent + c->inflight == 0) {
             conn_close(c, "idle");
+        } else if (c->state == CONN_OPEN && !drain_check(c, now) && c->rasm_bytes > 0) {
+            rasm_expire(c, now);
         }
         c = next;
     }
+#ifdef __GLIBC__
+    /*
+     * Queues and reassembly buffers below glibc's mmap threshold live in the
+     * heap, whose free pages stay resident until trimmed: after a flood has
+     * been shed, hand them back so resident memory comes down again.
+     */
+    if (t->freed_since_trim >= TRIM_AFTER_BYTES) {
+        malloc_trim(0);
+        t->freed_since_trim = 0;
+    }
+#endif
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -1653,6 +2000,18 @@ void hm_transport_config_defaults(hm_transport_config *cfg)
         cfg->dgram_new_key_rate_per_origin = 64;
     if (cfg->dgram_new_key_rate == 0)
         cfg->dgram_new_key_rate = 2048;
+    if (cfg->rasm_max_bytes == 0)
+        cfg->rasm_max_bytes = 512u * 1024u * 1024u;
+    if (cfg->rasm_origin_bytes == 0)
+        cfg->rasm_origin_bytes = 2 * cfg->max_message + 32u * 1024u * 1024u;
+    if (cfg->rasm_stall_ms == 0)
+        cfg->rasm_stall_ms = 30000;
+    if (cfg->wq_max_bytes == 0)
+        cfg->wq_max_bytes = 256u * 1024u * 1024u;
+    if (cfg->wq_origin_bytes == 0)
+        cfg->wq_origin_bytes = 32u * 1024u * 1024u;
+    if (cfg->write_min_rate == 0)
+        cfg->write_min_rate = 256u * 1024u;
 }
 
 static void handle_closed_cb(uv_handle_t *h)
@@ -1672,6 +2031,8 @@ static void maybe_finish_close(hm_transport *t)
     hm_hmap_free(&t->by_pk);
     hm_origin_tab_free(&t->origins);
     hm_origin_tab_free(&t->dgram_origins);
+    if (t->mem_origins_init)
+        hm_origin_tab_free(&t->mem_origins);
     free(t->partitioned);
     pool_trim(t, UINT64_MAX);
     hm_identity_wipe(&t->id);
@@ -1759,6 +2120,10 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
         result = -EINVAL;
         goto out;
     }
+    /* One message of the largest size always fits every cap. */
+    t->cfg.rasm_max_bytes = HM_MAX(t->cfg.rasm_max_bytes, t->cfg.max_message);
+    t->cfg.rasm_origin_bytes = HM_MAX(t->cfg.rasm_origin_bytes, t->cfg.max_message);
+    t->cfg.wq_max_bytes = HM_MAX(t->cfg.wq_max_bytes, t->cfg.max_message);
     if (cbs != NULL)
         t->cbs = *cbs;
     t->ud = ud;
@@ -1784,6 +2149,10 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     if (result < 0)
         goto out;
     t->dgram_origins_init = 1;
+    result = hm_origin_tab_init(&t->mem_origins, 0);
+    if (result < 0)
+        goto out;
+    t->mem_origins_init = 1;
     result = bind_sockets((struct sockaddr *)&want, &tfd, &ufd, &t->local);
     if (result < 0)
         goto out;
@@ -1854,6 +2223,8 @@ out:
             hm_origin_tab_free(&t->origins);
         if (t->dgram_origins_init)
             hm_origin_tab_free(&t->dgram_origins);
+        if (t->mem_origins_init)
+            hm_origin_tab_free(&t->mem_origins);
         hm_identity_wipe(&t->id);
         free(t);
     }
@@ -2017,6 +2388,7 @@ void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f)
         LIST_FOREACH(c, &t->conns, link) {
             /* Time spent stalled is not the peer's fault. */
             c->last_progress_ms = c->last_activity_ms = now;
+            c->drain_mark_ms = 0;
             if (c->state == CONN_HANDSHAKE)
                 c->created_ms = now;
         }
@@ -2030,6 +2402,7 @@ void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f)
 void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out)
 {
     *out = t->stats;
+    out->rasm_bytes = t->rasm_total;
     out->connections = 0;
     out->queued_bytes = 0;
     out->inbound = t->n_inb;
@@ -2054,6 +2427,12 @@ void hm_transport_limits(hm_transport *t, hm_limit_emit_fn emit, void *ud)
     emit(ud, "HandshakeRatePerOrigin", t->stats.refused_handshake_rate);
     emit(ud, "DgramNewKeyRate", t->stats.refused_dgram_new_key);
     emit(ud, "DgramNewKeyRatePerOrigin", t->stats.refused_dgram_new_key_origin);
+    emit(ud, "ReassemblyMaxMiB", t->stats.rasm_refused_total + t->stats.rasm_shed);
+    emit(ud, "ReassemblyOriginMiB", t->stats.rasm_refused_origin);
+    emit(ud, "ReassemblyStallTimeout", t->stats.rasm_stalled);
+    emit(ud, "WriteQueueMaxMiB", t->stats.wq_refused_total + t->stats.wq_shed);
+    emit(ud, "WriteQueueOriginMiB", t->stats.wq_refused_origin);
+    emit(ud, "WriteMinRate", t->stats.write_too_slow);
 }
 
 void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)

@@ -11,14 +11,26 @@
  * messages queued on a connection, high priority first, so a 64 MB tensor
  * never holds back a small reply queued behind it.
  *
- * Bounds: a frame (one message) is at most max_message bytes; bytes queued
- * for one peer are capped at max_queued_bytes (send then fails with -ENOBUFS);
- * a connection that makes no write progress for write_stall_ms while it has
- * data queued is closed and its queue freed, so a peer that stops reading
- * cannot make our memory grow; reassembly of inbound messages is capped per
- * connection (at most 256 messages in progress, whose declared sizes add up
- * to at most max_message + max_queued_bytes) and over all connections (four
- * times that); a peer past a cap is disconnected; connections are capped in
+ * Bounds (docs/security.md): a frame (one message) is at most max_message
+ * bytes. Write queues: bytes queued for one peer are capped at
+ * max_queued_bytes, for one origin (origin.h) at wq_origin_bytes (a single
+ * message always fits an origin with nothing queued) and for all peers at
+ * wq_max_bytes; a send past a cap fails with -ENOBUFS, except that when the
+ * total is full and another origin queues more than the sender's would, that
+ * origin's fullest connection is closed instead (fair shedding). A
+ * connection that makes no write progress for write_stall_ms while it has
+ * data queued, or that drains slower than write_min_rate while over 1 MiB is
+ * queued, is closed and its queue freed, so a peer that stops reading, or
+ * reads a trickle, cannot make our memory grow; freed memory is handed back
+ * to the system (malloc_trim). Reassembly of inbound messages is charged by
+ * the bytes its buffers hold, which grow as chunks arrive (never by the size
+ * a first chunk declares): at most 256 messages in progress per connection,
+ * max_message + max_queued_bytes per connection, rasm_origin_bytes per
+ * origin and rasm_max_bytes in total, where a lighter origin's new message
+ * sheds the stalest message of the heaviest one. A message past a cap is
+ * refused, not the connection: its chunks are dropped as they arrive (the
+ * caller's call times out); one with no chunk for rasm_stall_ms is dropped.
+ * A peer breaking the framing is disconnected. Connections are capped in
  * total, inbound ones also per origin and per identity, and admitted (or
  * refused with a reset) before any cryptography (see the admission fields
  * of hm_transport_config); handshakes must finish within
@@ -82,6 +94,14 @@ typedef struct hm_transport_config {
     unsigned handshake_rate_per_origin;      /* inbound handshakes/s per origin, default 64 */
     unsigned dgram_new_key_rate_per_origin;  /* new-key datagrams/s per origin, default 64 */
     unsigned dgram_new_key_rate;             /* new-key datagrams/s in total, default 2048 */
+    /* ---- reassembly and write queues against hostile members (docs/security.md) ---- */
+    size_t rasm_max_bytes;       /* inbound messages in progress, all peers: default 512 MiB */
+    size_t rasm_origin_bytes;    /* the same from one origin: default 2 max_message + 32 MiB */
+    uint64_t rasm_stall_ms;      /* an inbound message with no chunk this long is dropped: 30000 */
+    size_t wq_max_bytes;         /* bytes queued for all peers together: default 256 MiB */
+    size_t wq_origin_bytes;      /* bytes queued for one origin: default 32 MiB */
+    size_t write_min_rate;       /* bytes/s a connection holding over 1 MiB must drain:
+                                  * default 256 KiB/s; SIZE_MAX turns the rule off */
 } hm_transport_config;
 
 /* Fills defaults for every zero field. */
@@ -129,6 +149,16 @@ typedef struct hm_transport_stats {
     uint64_t refused_dgram_new_key_origin;   /* DgramNewKeyRatePerOrigin */
     uint64_t evicted;                        /* inbound connections closed for a lighter origin */
     size_t inbound, inbound_handshaking;     /* now, charged to origins */
+    /* ---- reassembly and write queues (docs/security.md) ---- */
+    size_t rasm_bytes;            /* bytes held by inbound messages in progress, all peers */
+    uint64_t rasm_refused_total;  /* messages refused, the total budget full: ReassemblyMaxMiB */
+    uint64_t rasm_shed;           /* messages dropped to make room for a lighter origin */
+    uint64_t rasm_refused_origin; /* refused over the origin's (or connection's) share */
+    uint64_t rasm_stalled;        /* dropped after no chunk for rasm_stall_ms */
+    uint64_t wq_refused_total;    /* sends refused, every queue together full: WriteQueueMaxMiB */
+    uint64_t wq_shed;             /* connections closed to make room for a lighter origin */
+    uint64_t wq_refused_origin;   /* sends refused over the origin's share: WriteQueueOriginMiB */
+    uint64_t write_too_slow;      /* connections closed for draining under write_min_rate */
 } hm_transport_stats;
 
 int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
