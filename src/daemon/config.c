@@ -192,7 +192,8 @@ static const struct opt opts[] = {
     {"AverageBandwidthFactor", "average-bandwidth-factor", T_UINT,
      FIELD(average_bandwidth_factor), 1, 1000000, 0, "F",
      "each member's declared bandwidth counts at most F times the group's median when the "
-     "vector is split among reducers; every member of a swarm must use the same (default 2)"},
+     "vector is split among reducers: a leader clamps to it, a follower refuses a group past it "
+     "(default 2)"},
     {"StateDonorsPerOrigin", "state-donors-per-origin", T_UINT, FIELD(state_donors_per_origin),
      1, 32, 0, "N", "donors of one network origin that count toward a state download's "
      "min_agree (default 1)"},
