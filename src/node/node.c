@@ -68,6 +68,7 @@ struct hm_node {
     unsigned max_stream_pings;
     uint64_t refused_origin, refused_full, evicted;
     uint64_t stream_pings_skipped; /* verified peers past max_stream_pings, per round */
+    size_t n_verified;             /* peers with verified set */
 
     hm_dht *dht;
     uv_timer_t dht_timer;
@@ -111,9 +112,21 @@ static uint64_t origin_peers(hm_node *n, const hm_origin *o)
     return e != NULL ? e->v[0] : 0;
 }
 
+static void peer_set_verified(hm_node *n, peer *p, int v)
+{
+    if (p->verified == v)
+        return;
+    p->verified = v;
+    if (v)
+        n->n_verified++;
+    else
+        n->n_verified--;
+}
+
 static void peer_remove(hm_node *n, peer *p)
 {
     peer *last = &n->peers[n->n_peers - 1];
+    peer_set_verified(n, p, 0);
     origin_count(n, &p->org, -1);
     hm_hmap_remove(&n->by_pk, &p->by_pk);
     if (p != last) {
@@ -202,7 +215,7 @@ static peer *peer_touch(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct 
         origin_count(n, &p->org, -1);
         origin_count(n, &o, 1);
         p->org = o;
-        p->verified = 0;
+        peer_set_verified(n, p, 0);
     }
     p->info.last_seen_ms = hm_now_ms();
     p->info.failures = 0;
@@ -211,7 +224,7 @@ static peer *peer_touch(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct 
     if (!via_stream && from != NULL) {
         /* Verified means it answered us at this address. */
         if (p->addr_known && !hm_addr_equal((const struct sockaddr *)&p->info.addr, from))
-            p->verified = 0;
+            peer_set_verified(n, p, 0);
         memcpy(&p->info.addr, from, hm_addr_len(from));
         p->addr_known = 1;
     }
@@ -258,6 +271,9 @@ static void on_ping_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
 
 static void maybe_finish_close(hm_node *n);
 
+static int send_ping(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                     int via_stream, int bootstrap_idx);
+
 static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
 {
     ping_ctx *c = ud;
@@ -295,7 +311,18 @@ static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
              * queueing behind bulk transfers, so they only prove liveness. */
             if (!c->via_stream) {
                 p->info.rtt_ms = p->info.rtt_ms < 0 ? rtt : 0.8 * p->info.rtt_ms + 0.2 * rtt;
-                p->verified = 1;
+                int first = !p->verified;
+                peer_set_verified(n, p, 1);
+                /*
+                 * A peer verified now gets its first stream ping now, while
+                 * the verified peers still fit max_stream_pings, rather than
+                 * a ping interval later: the connection is set up when the
+                 * peer joins, as before, not in a burst at the next round.
+                 */
+                if (first && n->n_verified <= n->max_stream_pings && !p->ping_stream_pending &&
+                    p->addr_known &&
+                    send_ping(n, p->info.pk, (const struct sockaddr *)&p->info.addr, 1, -1) == 0)
+                    p->ping_stream_pending = 1;
             }
         } else if (!c->via_stream && (status == -ETIMEDOUT || status == -ECONNREFUSED)) {
             p->info.failures++;
