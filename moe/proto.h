@@ -51,7 +51,8 @@
  * Allow-list (ExpertHostsFile). Text, one rule a line:
  *   PREFIX PEERID [PEERID...]
  * PREFIX is 1..HM_MOE_UID_MAX characters of [A-Za-z0-9_.-] ("ffn." for a
- * whole grid, "ffn.3." for a row, "ffn.3.5" for one expert); the longest
+ * whole grid, "ffn.3." for a row; matching is by text, so "ffn.3.5" covers
+ * ffn.3.5 and also ffn.3.50 to ffn.3.59); the longest
  * PREFIX that begins a uid or grid prefix decides who may declare it; the
  * PEERIDs (52-character ids, at most HM_MOE_ALLOW_MAX_KEYS a line) may all
  * serve it, as replicas. '#' starts a comment; blank lines are skipped; at

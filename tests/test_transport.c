@@ -1614,6 +1614,9 @@ Test(transport, slow_drain_closes_the_connection)
         .max_queued_bytes = 4u << 20,
         .write_stall_ms = 60000,
         .write_min_rate = 512u << 10,
+        /* The rule holds under memory pressure: the origin's queue past
+         * half its share (4 MiB queued of 6). */
+        .wq_origin_bytes = 6u << 20,
     };
     tnode a, b;
     node_start_cfg(&a, swarm, NULL, &tc, NULL);

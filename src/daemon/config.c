@@ -141,7 +141,8 @@ static const struct opt opts[] = {
     {"WriteQueueOriginMiB", "write-queue-origin-mib", T_UINT, FIELD(write_queue_origin_mib), 1,
      65536, 0, "MIB", "bytes queued for one origin (one message always fits; default 32)"},
     {"WriteMinRate", "write-min-rate", T_UINT, FIELD(write_min_rate_kib), 0, 1048576, 0, "KIB/S",
-     "close a connection holding over 1 MiB queued that drains slower than this, 0 never "
+     "under memory pressure, close a connection holding over 1 MiB queued that drains slower "
+     "than this, 0 never "
      "(default 256)"},
     /* dht: storage, peer table */
     {"DhtRequestRate", "dht-request-rate", T_UINT, FIELD(dht_request_rate), 1, 1000000, 0, "N",
@@ -175,9 +176,10 @@ static const struct opt opts[] = {
      3600, 0, "SECONDS", "expert declarations that live longer than this are ignored; hosted "
      "experts are declared well inside it (default 300)"},
     {"ExpertOneHolder", "expert-one-holder", T_BOOL, FIELD(expert_one_holder), 0, 0, 0,
-     "[yes|no]", "an expert uid no ExpertHostsFile line covers is taken from "
-     "the owner that has held it longest while refreshing, never from a newcomer; no: from "
-     "any owner, the freshest declaration (default yes)"},
+     "[yes|no]", "an expert uid no ExpertHostsFile line covers stays with the owner this "
+     "daemon first used while that owner keeps refreshing it (a daemon that never used the uid "
+     "takes the freshest declaration: open swarms should list hosts in ExpertHostsFile); no: "
+     "always the freshest declaration of any owner (default yes)"},
     {"ExpertHostsFile", "expert-hosts-file", T_PATH, FIELD(expert_hosts_file), 0, 0, 0, "PATH",
      "allow-list of expert hosts: lines 'PREFIX PEERID...'; experts under PREFIX are taken only "
      "from the listed peers, which may all serve them (default none)"},

@@ -509,9 +509,12 @@ static int wq_admit(conn *c, size_t len)
         }
         conn *victim = NULL, *o;
         LIST_FOREACH(o, &t->conns, link)
-            if (o->state != CONN_CLOSING && o->unsent + o->inflight > 0 &&
+            /* Closing frees what is not yet sealed (unsent); what is in
+             * flight stays until the kernel gives it back, so the victim is
+             * the connection holding the most unsent bytes. */
+            if (o->state != CONN_CLOSING && o->unsent > 0 &&
                 hm_origin_eq(conn_origin(o), &h->o) &&
-                (victim == NULL || o->unsent + o->inflight > victim->unsent + victim->inflight))
+                (victim == NULL || o->unsent > victim->unsent))
                 victim = o;
         if (victim == NULL) {
             t->stats.wq_refused_total++;
@@ -1053,7 +1056,9 @@ static int dgram_new_key_admit(hm_transport *t, const struct sockaddr *from)
     hm_origin o;
     hm_origin_of(from, &o);
     hm_origin_ent *e = hm_origin_tab_get(&t->dgram_origins, &o, 1);
-    if (e == NULL || !rate_take(&e->v[OV_TAT], now, t->cfg.dgram_new_key_rate_per_origin)) {
+    /* With the origin table full (a spoofer's many sources), only the
+     * global bound below holds: an honest newcomer is not refused outright. */
+    if (e != NULL && !rate_take(&e->v[OV_TAT], now, t->cfg.dgram_new_key_rate_per_origin)) {
         t->stats.refused_dgram_new_key_origin++;
         return 0;
     }
@@ -1886,12 +1891,26 @@ static void rasm_expire(conn *c, uint64_t now)
  * bytes must write at least write_min_rate bytes/s over each window of
  * WR_RATE_WINDOW_MS. A reader that takes a little now and then (1 MiB
  * every 8 s) makes some progress, so write_stall_ms alone never fires on
- * it, but it drains too slowly to keep a queue. Returns 1 if c was closed.
+ * it, but it drains too slowly to keep a queue. The rule holds only under
+ * memory pressure, when all queues together hold over half of wq_max_bytes
+ * or c's origin over half of its share: an honest volunteer whose uplink
+ * gives each of many connections less than the rate is left alone while
+ * memory is plentiful. Returns 1 if c was closed.
  */
+static int wq_pressure(conn *c)
+{
+    hm_transport *t = c->t;
+    if (t->wq_total > t->cfg.wq_max_bytes / 2)
+        return 1;
+    hm_origin_ent *e = hm_origin_tab_get(&t->mem_origins, conn_origin(c), 0);
+    return e != NULL && e->v[V_WQ] > t->cfg.wq_origin_bytes / 2;
+}
+
 static int drain_check(conn *c, uint64_t now)
 {
     hm_transport *t = c->t;
-    if (t->cfg.write_min_rate == SIZE_MAX || c->unsent + c->inflight <= WR_RATE_FLOOR) {
+    if (t->cfg.write_min_rate == SIZE_MAX || c->unsent + c->inflight <= WR_RATE_FLOOR ||
+        !wq_pressure(c)) {
         c->drain_mark_ms = 0;
         return 0;
     }

@@ -759,6 +759,7 @@ size_t hm_node_peers(const hm_node *n, hm_peer_info *out, size_t max)
     for (size_t i = 0; i < n->n_peers && i < max; i++) {
         out[i] = n->peers[i].info;
         out[i].connected = hm_transport_connected(t, n->peers[i].info.pk);
+        out[i].verified = n->peers[i].verified;
         if (!n->peers[i].addr_known)
             memset(&out[i].addr, 0, sizeof(out[i].addr));
     }

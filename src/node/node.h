@@ -67,6 +67,7 @@ typedef struct hm_peer_info {
     double rtt_ms;                    /* smoothed; < 0 until measured */
     int connected;                    /* a stream is up */
     unsigned failures;                /* consecutive missed pings */
+    int verified;                     /* it answered our datagram ping at addr */
 } hm_peer_info;
 
 /* On failure err holds a sentence for the operator. */
