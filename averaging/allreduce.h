@@ -259,6 +259,10 @@ typedef struct hm_ar_limit_cfg {
     double weight_factor;      /* mean: weight <= this x the chunk's median weight */
     double clip_weight_factor; /* centered_clip: the same */
     double bandwidth_factor;   /* bandwidth <= this x the group's median bandwidth */
+    /* Matchmaking (matchmaking.h): members of one origin in a group; 0: no
+     * cap. Loopback origins are capped only with cap_loopback. */
+    unsigned members_per_origin;
+    int cap_loopback;
 } hm_ar_limit_cfg;
 
 void hm_ar_limit_defaults(hm_ar_limit_cfg *lim);

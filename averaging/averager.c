@@ -41,6 +41,8 @@ struct hm_averager {
     hm_node *node;
     hm_mm *mm;
     hm_ar_ctx *ar;
+    unsigned members_per_origin; /* matchmaking's per-origin cap (hm_ar_limit_cfg) */
+    int cap_loopback;
     LIST_HEAD(, avg_round) rounds; /* in progress, newest first */
     size_t n_rounds;
     uint64_t next_round;
@@ -273,6 +275,8 @@ int hm_averager_round(hm_averager *av, const hm_avg_opts *opts, float *data, siz
     mc.bandwidth = r->opts.bandwidth;
     mc.client_mode = opts->client_mode;
     mc.bandwidth_factor = hm_ar_bandwidth_factor(av->ar);
+    mc.members_per_origin = av->members_per_origin;
+    mc.cap_loopback = av->cap_loopback;
     result = hm_mm_find_group(av->mm, &mc, r->opts.matchmaking_timeout_ms, on_group, r,
                               &r->search);
     if (result < 0)
@@ -341,7 +345,14 @@ hm_node *hm_averager_node(hm_averager *av) { return av->node; }
 
 int hm_averager_set_limits(hm_averager *av, const hm_ar_limit_cfg *lim)
 {
-    return av != NULL && av->ar != NULL ? hm_ar_set_limits(av->ar, lim) : -EINVAL;
+    if (av == NULL || av->ar == NULL || lim->members_per_origin > HM_AVG_MAX_GROUP)
+        return -EINVAL;
+    int r = hm_ar_set_limits(av->ar, lim);
+    if (r == 0) {
+        av->members_per_origin = lim->members_per_origin;
+        av->cap_loopback = lim->cap_loopback;
+    }
+    return r;
 }
 
 void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud)
@@ -350,6 +361,7 @@ void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud)
         hm_ar_limits(av->ar, emit, ud);
         emit(ud, "AverageBandwidthFactor",
              hm_ar_bandwidths_clamped(av->ar) + (av->mm != NULL ? hm_mm_bandwidth_refused(av->mm) : 0));
+        emit(ud, "AverageMembersPerOrigin", av->mm != NULL ? hm_mm_origin_refused(av->mm) : 0);
     }
 }
 

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "dht/record.h"
+#include "src/base/origin.h"
 #include "src/base/util.h"
 
 #define MOD "mm"
@@ -59,6 +60,7 @@ typedef struct follower {
     uint64_t deadline_ms;
     uint64_t accepted_ms;
     hm_rpc_req *wait;
+    hm_origin org; /* of the join request's source address */
 } follower;
 
 typedef struct peer {
@@ -93,6 +95,8 @@ struct search {
     uint64_t min_mm_ms, req_ms, period_ms;
     double bandwidth;
     double bandwidth_factor;
+    unsigned members_per_origin;
+    int cap_loopback;
     int client;
 
     int phase;
@@ -128,9 +132,11 @@ struct hm_mm {
     LIST_HEAD(, op) ops;
     uint64_t next_id;
     uint64_t bandwidth_refused;
+    uint64_t origin_refused;
 };
 
 uint64_t hm_mm_bandwidth_refused(const hm_mm *mm) { return mm->bandwidth_refused; }
+uint64_t hm_mm_origin_refused(const hm_mm *mm) { return mm->origin_refused; }
 
 static void step(search *s);
 static void finish(search *s, int status, const hm_avg_group *g);
@@ -1142,6 +1148,29 @@ static void on_join_reply(void *ud, int status, const uint8_t *body, size_t len)
     step(s);
 }
 
+/* Whether the per-origin member cap applies to o under s. */
+static int origin_capped(const search *s, const hm_origin *o)
+{
+    return s->members_per_origin > 0 && (s->cap_loopback || !hm_origin_is_loopback(o));
+}
+
+/* 1 when no origin holds more than the cap of the announced group's members. */
+static int group_origins_ok(const search *s, const hm_avg_group *g)
+{
+    hm_origin o[HM_AVG_MAX_GROUP];
+    for (size_t i = 0; i < g->n && i < HM_AVG_MAX_GROUP; i++) {
+        hm_origin_of((const struct sockaddr *)&g->members[i].addr, &o[i]);
+        if (!origin_capped(s, &o[i]))
+            continue;
+        size_t same = 0;
+        for (size_t k = 0; k <= i; k++)
+            same += hm_origin_eq(&o[k], &o[i]);
+        if (same > s->members_per_origin)
+            return 0;
+    }
+    return 1;
+}
+
 static int valid_begin(const search *s, const hm_mm_reply *r)
 {
     int has_leader = 0, has_self = 0;
@@ -1150,6 +1179,11 @@ static int valid_begin(const search *s, const hm_mm_reply *r)
             has_leader = 1;
         if (memcmp(r->group.members[i].pk, s->mm->pk, HM_PK_BYTES) == 0)
             has_self = 1;
+    }
+    if (has_leader && has_self && !group_origins_ok(s, &r->group)) {
+        /* A leader that admits one host's many keys hands that host the group. */
+        s->mm->origin_refused++;
+        return 0;
     }
     if (has_leader && has_self && !hm_avg_bandwidths_bounded(&r->group, s->bandwidth_factor)) {
         /* A leader that lets a member (itself, say) claim more than the
@@ -1335,12 +1369,28 @@ static void on_join_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
             r.code = HM_MM_FULL;
             goto reply;
         }
+        hm_origin jo;
+        hm_origin_of(from, &jo);
+        if (origin_capped(s, &jo)) {
+            hm_origin mine;
+            hm_origin_of((const struct sockaddr *)&mm->addr, &mine);
+            size_t same = hm_origin_eq(&mine, &jo);
+            for (size_t i = 0; i < s->n_followers; i++)
+                same += hm_origin_eq(&s->followers[i].org, &jo);
+            if (same >= s->members_per_origin) {
+                /* Full for this origin: the joiner looks for another group. */
+                mm->origin_refused++;
+                r.code = HM_MM_FULL;
+                goto reply;
+            }
+        }
         /* At our deadline we begin with those already waiting. */
         if (now >= s->deadline_ms)
             goto reply;
         f = &s->followers[s->n_followers++];
         memset(f, 0, sizeof(*f));
         memcpy(f->pk, peer_pk, HM_PK_BYTES);
+        f->org = jo;
     }
     f->addr = j.addr;
     /* A follower listening on every interface is reached where it came from. */
@@ -1508,6 +1558,8 @@ int hm_mm_find_group(hm_mm *mm, const hm_mm_config *cfg, uint64_t timeout_ms, hm
     s->client = cfg->client_mode != 0;
     s->bandwidth = s->client ? 0.0 : cfg->bandwidth;
     s->bandwidth_factor = cfg->bandwidth_factor != 0 ? cfg->bandwidth_factor : 2.0;
+    s->members_per_origin = cfg->members_per_origin;
+    s->cap_loopback = cfg->cap_loopback != 0;
     s->phase = HM_MM_SEARCHING;
     uint64_t now = now_ms(mm);
     s->end_ms = now + timeout_ms;

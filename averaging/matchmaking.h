@@ -141,6 +141,17 @@ typedef struct hm_mm_config {
     /* The bandwidth bound (group.h, hm_avg_bandwidth_cap): as leader we clamp
      * the group to it, as follower we refuse a group past it. 0: 2. */
     double bandwidth_factor;
+    /*
+     * Members of one network origin (origin.h) in a group, 0 for no cap: as
+     * leader we accept no more joins from an origin that has this many
+     * (counting ourselves), as follower we refuse an announced group past
+     * it. Identities are free, addresses are not: without the cap one host's
+     * keys fill a group and own its weight. Loopback origins (one machine
+     * running several daemons: tests, demos) are capped only with
+     * cap_loopback.
+     */
+    unsigned members_per_origin;
+    int cap_loopback;
 } hm_mm_config;
 
 /* group is valid only during the callback (NULL unless status is 0). */
@@ -149,6 +160,9 @@ typedef void (*hm_mm_cb)(void *ud, int status, const hm_avg_group *group);
 /* Bandwidths this node clamped as leader plus groups it refused as
  * follower for the bandwidth bound (AverageBandwidthFactor). */
 uint64_t hm_mm_bandwidth_refused(const hm_mm *mm);
+/* Joins refused as leader plus groups refused as follower for the
+ * per-origin member cap (AverageMembersPerOrigin). */
+uint64_t hm_mm_origin_refused(const hm_mm *mm);
 
 /* Registers the handlers on the node's rpc. 0, -ENOMEM or -EEXIST. */
 int hm_mm_new(hm_node *node, hm_mm **out);

@@ -104,23 +104,25 @@ typedef struct member {
  * attacker with 3.0 and the given weight and extra arguments (aggregate
  * etc. go to everyone). Fills m[] with the finished rounds.
  */
-static void run_round(struct node *nodes, member *m, const char *prefix, double att_weight,
-                      const char *all_extra, const char *att_extra)
+static void run_round_n(struct node *nodes, member *m, int n_att, int target, int min,
+                        const char *prefix, double att_weight, const char *all_extra,
+                        const char *att_extra)
 {
-    for (int i = 0; i <= N_HONEST; i++) {
+    int n = N_HONEST + n_att;
+    for (int i = 0; i < n; i++) {
         m[i].h = connect_to(&nodes[i]);
         cr_assert_eq(hmc_buf_alloc(m[i].h, N_ELEMS * sizeof(float), &m[i].b), 0);
         float *x = hmc_buf_data(m[i].b);
         for (size_t k = 0; k < N_ELEMS; k++)
             x[k] = i < N_HONEST ? 1.0f : 3.0f;
     }
-    for (int i = 0; i <= N_HONEST; i++) {
+    for (int i = 0; i < n; i++) {
         hmc_avg_opts o;
         hmc_avg_opts_init(&o);
         o.prefix = prefix;
         o.weight = i < N_HONEST ? 1.0 : att_weight;
-        o.target_group_size = 4;
-        o.min_group_size = 4;
+        o.target_group_size = (unsigned)target;
+        o.min_group_size = (unsigned)min;
         o.timeout_s = 20;
         o.round_timeout_s = 10;
         o.matchmaking_time_s = 3;
@@ -128,22 +130,30 @@ static void run_round(struct node *nodes, member *m, const char *prefix, double 
         cr_assert_eq(hmc_average_start(m[i].h, m[i].b, 0, N_ELEMS, &o, &m[i].round), 0,
                      "start %d: %s", i, hmc_last_error(m[i].h));
     }
-    for (int i = 0; i <= N_HONEST; i++) {
+    for (int i = 0; i < n; i++) {
         int rc = hmc_round_wait(m[i].round, 40000, &m[i].report);
         if (i < N_HONEST)
             cr_assert_eq(rc, 0, "honest member %d: %d %s", i, rc, hmc_round_error(m[i].round));
     }
 }
 
-static void free_round(member *m)
+static void run_round(struct node *nodes, member *m, const char *prefix, double att_weight,
+                      const char *all_extra, const char *att_extra)
 {
-    for (int i = 0; i <= N_HONEST; i++) {
+    run_round_n(nodes, m, 1, 4, 4, prefix, att_weight, all_extra, att_extra);
+}
+
+static void free_round_n(member *m, int n)
+{
+    for (int i = 0; i < n; i++) {
         hmc_round_free(m[i].round);
         hmc_free_string(m[i].report);
         hmc_buf_free(m[i].b);
         hmc_close(m[i].h);
     }
 }
+
+static void free_round(member *m) { free_round_n(m, N_HONEST + 1); }
 
 /* Every honest element within tol of want; returns the worst deviation. */
 static double check_honest(member *m, double want, double tol)
@@ -396,4 +406,61 @@ Test(hostile_avg, state_trusted_donors_alone_are_used)
     cr_assert(donors_only(rep, &hon[0], &hon[1]), "an untrusted donor was used");
     json_decref(rep);
     cr_assert_gt(limit_count(&newcomer, "StateTrustedDonors"), 0);
+}
+
+/*
+ * Identities are free: three attacker daemons on one origin (127.0.0.2)
+ * with weight 1e30 would hold half of a six-member group's clipped weight,
+ * where CenteredClip's bound no longer holds. With AverageMembersPerOrigin
+ * 1 (and loopback capped, the honest daemons on addresses of their own, as
+ * hosts of their own would be), a group holds at most one of them: honest
+ * results stay within 1.0 +- 0.5.
+ */
+Test(hostile_avg, one_origin_gets_one_member_of_a_group)
+{
+    enum { N_ATT = 3 };
+    struct node nodes[N_HONEST + N_ATT];
+    member m[N_HONEST + N_ATT];
+    static const char *clip = "{\"aggregate\": \"centered_clip\", \"clip_tau\": 1}";
+    static const char *const honest_ip[N_HONEST] = {"127.0.0.1:0", "127.0.0.3:0", "127.0.0.4:0"};
+    char name[16];
+    for (int i = 0; i < N_HONEST; i++) {
+        snprintf(name, sizeof(name), "h%d", i);
+        if (i == 0)
+            start_node(&nodes[i], name, NULL, "--listen", honest_ip[i], "--average-cap-loopback",
+                       NULL);
+        else
+            start_node(&nodes[i], name, NULL, "--listen", honest_ip[i], "--average-cap-loopback",
+                       "--initial-peers", nodes[0].addr, NULL);
+    }
+    for (int i = 0; i < N_ATT; i++) {
+        snprintf(name, sizeof(name), "att%d", i);
+        /* The attacker's own daemons admit their kin. */
+        start_node(&nodes[N_HONEST + i], name, NULL, "--listen", "127.0.0.2:0",
+                   "--average-members-per-origin", "0", "--initial-peers", nodes[0].addr, NULL);
+    }
+    wait_known(nodes, N_HONEST + N_ATT);
+    run_round_n(nodes, m, N_ATT, N_HONEST + N_ATT, N_HONEST, "horg", 1e30, clip, clip);
+    check_honest(m, 1.0, 0.5);
+    for (int i = 0; i < N_HONEST; i++) {
+        json_t *rep = json_loads(m[i].report, 0, NULL);
+        cr_assert_not_null(rep);
+        const json_t *members = json_object_get(rep, "members");
+        size_t j, from_att = 0;
+        const json_t *mem;
+        json_array_foreach(members, j, mem) {
+            const char *id = json_string_value(json_object_get(mem, "peer_id"));
+            for (int a = 0; a < N_ATT; a++)
+                if (id != NULL && strcmp(id, nodes[N_HONEST + a].id) == 0)
+                    from_att++;
+        }
+        cr_assert_leq(from_att, 1, "honest member %d's group held %zu members of 127.0.0.2", i,
+                      from_att);
+        json_decref(rep);
+    }
+    long long refused = 0;
+    for (int i = 0; i < N_HONEST; i++)
+        refused += limit_count(&nodes[i], "AverageMembersPerOrigin");
+    cr_assert_gt(refused, 0, "the honest daemons refused the origin's extra members");
+    free_round_n(m, N_HONEST + N_ATT);
 }

@@ -71,6 +71,12 @@ int hm_origin_eq(const hm_origin *a, const hm_origin *b)
     return memcmp(a->b, b->b, HM_ORIGIN_BYTES) == 0;
 }
 
+int hm_origin_is_loopback(const hm_origin *o)
+{
+    static const uint8_t lo6[16] = {[15] = 1};
+    return (o->b[0] == 4 && o->b[1] == 127) || (o->b[0] == 6 && memcmp(o->b + 1, lo6, 16) == 0);
+}
+
 const char *hm_origin_str(const hm_origin *o, char buf[HM_ORIGIN_STR])
 {
     char a[INET6_ADDRSTRLEN];

@@ -41,6 +41,8 @@ void hm_origin_of(const struct sockaddr *sa, hm_origin *out);
 int hm_origin_eq(const hm_origin *a, const hm_origin *b);
 /* Whether the address is loopback, private or link-local (kept whole). */
 int hm_origin_addr_is_local(const struct sockaddr *sa);
+/* Whether o is a loopback address (127.0.0.0/8 or ::1): one machine. */
+int hm_origin_is_loopback(const hm_origin *o);
 /* Human-readable form, always NUL-terminated; returns buf. */
 const char *hm_origin_str(const hm_origin *o, char buf[HM_ORIGIN_STR]);
 

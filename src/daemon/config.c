@@ -196,6 +196,13 @@ static const struct opt opts[] = {
      "each member's declared bandwidth counts at most F times the group's median when the "
      "vector is split among reducers: a leader clamps to it, a follower refuses a group past it "
      "(default 2)"},
+    {"AverageMembersPerOrigin", "average-members-per-origin", T_UINT,
+     FIELD(average_members_per_origin), 0, 64, 0, "N",
+     "members of one network origin (a public /24 or /48, a local address) in an averaging "
+     "group, 0 no cap (default 1; loopback origins only with AverageCapLoopback)"},
+    {"AverageCapLoopback", "average-cap-loopback", T_BOOL, FIELD(average_cap_loopback), 0, 0, 0,
+     "[yes|no]", "apply AverageMembersPerOrigin to loopback origins too, where one machine "
+     "runs several daemons (default no)"},
     {"StateDonorsPerOrigin", "state-donors-per-origin", T_UINT, FIELD(state_donors_per_origin),
      1, 32, 0, "N", "donors of one network origin that count toward a state download's "
      "min_agree (default 1)"},
@@ -506,6 +513,7 @@ void hm_config_defaults(hm_config *c)
     c->average_weight_factor = 4;
     c->average_clip_weight_factor = 1;
     c->average_bandwidth_factor = 2;
+    c->average_members_per_origin = 1;
     c->state_donors_per_origin = 1;
     c->expert_max_queued = 16384;
     c->expert_max_queued_mib = 1024;

@@ -364,7 +364,9 @@ static int start(daemon_t *d, char *err, size_t errlen)
     d->parts_open++;
     hm_ar_limit_cfg lim = {.weight_factor = d->cfg.average_weight_factor,
                            .clip_weight_factor = d->cfg.average_clip_weight_factor,
-                           .bandwidth_factor = d->cfg.average_bandwidth_factor};
+                           .bandwidth_factor = d->cfg.average_bandwidth_factor,
+                           .members_per_origin = d->cfg.average_members_per_origin,
+                           .cap_loopback = d->cfg.average_cap_loopback};
     if ((r = hm_averager_set_limits(d->pub.av, &lim)) != 0) {
         snprintf(err, errlen, "cannot set the averaging limits: %s", hm_strerror(r));
         return r;
