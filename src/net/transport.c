@@ -993,28 +993,33 @@ static int admit_inbound(hm_transport *t, conn *c)
         t->stats.refused_handshakes_per_origin++;
         goto refuse;
     }
-    if (t->n_inb_hs >= cf->max_handshakes) {
-        conn *v = evict_pick(t, OV_HS, e->v[OV_HS]);
-        t->stats.refused_handshakes++;
-        if (v == NULL)
-            goto refuse;
-        conn_evict(v, "evicted: handshakes full");
-    }
-    /* live_conns counts c itself. */
+    /*
+     * Both victims are chosen before either is evicted, so a newcomer that
+     * will be refused anyway costs nobody a connection. A connection victim
+     * is a handshaking one when the heaviest origin has one, which also
+     * frees a handshake slot.
+     */
     size_t inb_share = cf->max_connections - cf->reserved_outbound;
-    if (t->n_inb >= inb_share || live_conns(t) > cf->max_connections) {
-        int total_full = live_conns(t) > cf->max_connections;
-        if (total_full)
+    int need_hs = t->n_inb_hs >= cf->max_handshakes;
+    int need_conn = t->n_inb >= inb_share || live_conns(t) > cf->max_connections; /* counts c */
+    conn *v_conn = NULL, *v_hs = NULL;
+    if (need_conn) {
+        if (live_conns(t) > cf->max_connections)
             t->stats.refused_max_connections++;
         else
             t->stats.refused_reserved++;
-        conn *v = evict_pick(t, OV_CONNS, e->v[OV_CONNS]);
-        if (v == NULL)
-            goto refuse;
-        conn_evict(v, "evicted for a lighter origin");
-        if (t->n_inb >= inb_share || live_conns(t) > cf->max_connections)
+        if ((v_conn = evict_pick(t, OV_CONNS, e->v[OV_CONNS])) == NULL)
             goto refuse;
     }
+    if (need_hs && (v_conn == NULL || !v_conn->counted_hs)) {
+        t->stats.refused_handshakes++;
+        if ((v_hs = evict_pick(t, OV_HS, e->v[OV_HS])) == NULL)
+            goto refuse;
+    }
+    if (v_conn != NULL)
+        conn_evict(v_conn, "evicted for a lighter origin");
+    if (v_hs != NULL)
+        conn_evict(v_hs, "evicted: handshakes full");
     e->v[OV_CONNS]++;
     e->v[OV_HS]++;
     t->n_inb++;
