@@ -208,10 +208,13 @@ static peer *peer_touch(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct 
         hm_format_addr(from, a, sizeof(a));
         hm_info(MOD, "new peer %s from %s%s", p->info.peer_id, a, via_stream ? " (stream)" : "");
     } else if (from != NULL && !hm_origin_eq(&p->org, &o)) {
-        /* A peer that moved is counted at its new origin, if there is room there. */
+        /* A peer that moved is counted at its new origin, if there is room
+         * there; otherwise it keeps its old place and address until there is. */
         if (origin_peers(n, &o) >= n->max_peers_per_origin ||
-            hm_origin_tab_get(&n->origins, &o, 1) == NULL)
+            hm_origin_tab_get(&n->origins, &o, 1) == NULL) {
+            p->info.last_seen_ms = hm_now_ms();
             return p;
+        }
         origin_count(n, &p->org, -1);
         origin_count(n, &o, 1);
         p->org = o;
