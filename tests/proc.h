@@ -11,6 +11,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <jansson.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -221,6 +222,45 @@ static inline int peers_show(struct node *n, const char *id)
     free(out);
     free(err);
     return found;
+}
+
+/* Runs `hivemindctl --json ARGS...` (NULL-terminated) against n; returns
+ * the parsed reply (NULL if there was none) and the exit code in *rc. */
+static inline json_t *ctl_json(struct node *n, int *rc, ...)
+{
+    char *argv[16];
+    int argc = 0;
+    va_list ap;
+    argv[argc++] = bin_ctl;
+    argv[argc++] = "-s";
+    argv[argc++] = n->sock;
+    argv[argc++] = "--timeout";
+    argv[argc++] = "15";
+    argv[argc++] = "--json";
+    va_start(ap, rc);
+    for (char *a = va_arg(ap, char *); a != NULL && argc < 15; a = va_arg(ap, char *))
+        argv[argc++] = a;
+    va_end(ap);
+    argv[argc] = NULL;
+    char *out, *err;
+    *rc = run_prog(bin_ctl, argv, &out, &err);
+    json_t *j = json_loads(out, 0, NULL);
+    free(out);
+    free(err);
+    return j;
+}
+
+/* Contacts in n's DHT routing table, or -1. */
+static inline long node_rt_size(struct node *n)
+{
+    int rc;
+    json_t *j = ctl_json(n, &rc, "dht", "info", NULL);
+    long size = -1;
+    if (j != NULL)
+        size = (long)json_integer_value(json_object_get(
+            json_object_get(json_object_get(j, "result"), "routing_table"), "size"));
+    json_decref(j);
+    return size;
 }
 
 static inline void stop_node(struct node *n)

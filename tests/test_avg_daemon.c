@@ -44,30 +44,6 @@ static void teardown(void) { hm_proc_teardown(); }
 
 TestSuite(avg_daemon, .init = setup, .fini = teardown, .timeout = 90);
 
-static json_t *ctl_json(struct node *n, int *rc, const char *a1, const char *a2)
-{
-    char *argv[] = {bin_ctl, "-s", n->sock, "--timeout", "10", "--json", (char *)a1, (char *)a2,
-                    NULL};
-    char *out, *err;
-    *rc = run_prog(bin_ctl, argv, &out, &err);
-    json_t *j = json_loads(out, 0, NULL);
-    free(out);
-    free(err);
-    return j;
-}
-
-static long rt_size(struct node *n)
-{
-    int rc;
-    json_t *j = ctl_json(n, &rc, "dht", "info");
-    long size = -1;
-    if (j != NULL)
-        size = (long)json_integer_value(json_object_get(
-            json_object_get(json_object_get(j, "result"), "routing_table"), "size"));
-    json_decref(j);
-    return size;
-}
-
 static void start_swarm(struct node *nodes, size_t n)
 {
     char name[16];
@@ -81,7 +57,7 @@ static void start_swarm(struct node *nodes, size_t n)
     while (ready < n && hm_test_now_ms() < deadline) {
         ready = 0;
         for (size_t i = 0; i < n; i++)
-            ready += rt_size(&nodes[i]) >= (long)(n - 1);
+            ready += node_rt_size(&nodes[i]) >= (long)(n - 1);
         if (ready < n)
             usleep(200000);
     }

@@ -24,44 +24,6 @@ static void teardown(void) { hm_proc_teardown(); }
 
 TestSuite(dht_swarm, .init = setup, .fini = teardown, .timeout = 180);
 
-/* Runs `hivemindctl --json ARGS...` against n; returns the parsed reply
- * (NULL if the command failed) and the exit code in *rc. */
-static json_t *ctl_json(struct node *n, int *rc, ...)
-{
-    char *argv[16];
-    int argc = 0;
-    va_list ap;
-    argv[argc++] = bin_ctl;
-    argv[argc++] = "-s";
-    argv[argc++] = n->sock;
-    argv[argc++] = "--timeout";
-    argv[argc++] = "15";
-    argv[argc++] = "--json";
-    va_start(ap, rc);
-    for (char *a = va_arg(ap, char *); a != NULL && argc < 15; a = va_arg(ap, char *))
-        argv[argc++] = a;
-    va_end(ap);
-    argv[argc] = NULL;
-    char *out, *err;
-    *rc = run_prog(bin_ctl, argv, &out, &err);
-    json_t *j = json_loads(out, 0, NULL);
-    free(out);
-    free(err);
-    return j;
-}
-
-static long rt_size(struct node *n)
-{
-    int rc;
-    json_t *j = ctl_json(n, &rc, "dht", "info", NULL);
-    long size = -1;
-    if (j != NULL)
-        size = (long)json_integer_value(
-            json_object_get(json_object_get(json_object_get(j, "result"), "routing_table"), "size"));
-    json_decref(j);
-    return size;
-}
-
 /* The value stored under key as read through n, or NULL (caller frees). */
 static char *dht_get(struct node *n, const char *key)
 {
@@ -103,7 +65,7 @@ static void start_swarm(struct node *nodes, size_t n)
     while (ready < n && hm_test_now_ms() < deadline) {
         ready = 0;
         for (size_t i = 0; i < n; i++)
-            ready += rt_size(&nodes[i]) >= (long)(n / 2);
+            ready += node_rt_size(&nodes[i]) >= (long)(n / 2);
         if (ready < n)
             usleep(300000);
     }
@@ -194,7 +156,7 @@ Test(dht_swarm, stopped_node_is_dropped_and_taken_back)
         }
         dropped = 1;
         for (size_t i = 0; i < 3; i++)
-            dropped &= !peers_show(&nodes[i], frozen->id) && rt_size(&nodes[i]) <= 2;
+            dropped &= !peers_show(&nodes[i], frozen->id) && node_rt_size(&nodes[i]) <= 2;
         if (dropped)
             break;
     }
@@ -209,7 +171,7 @@ Test(dht_swarm, stopped_node_is_dropped_and_taken_back)
     while (!back && hm_test_now_ms() < deadline) {
         back = 1;
         for (size_t i = 0; i < 3; i++)
-            back &= peers_show(&nodes[i], frozen->id) && rt_size(&nodes[i]) == 3;
+            back &= peers_show(&nodes[i], frozen->id) && node_rt_size(&nodes[i]) == 3;
         if (!back)
             usleep(300000);
     }

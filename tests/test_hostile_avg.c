@@ -51,22 +51,6 @@ static hmc *connect_to(struct node *n)
     return h;
 }
 
-static long rt_size(struct node *n)
-{
-    hmc *h = connect_to(n);
-    char *out = NULL;
-    long size = -1;
-    if (hmc_request(h, "dht.info", NULL, &out) == 0) {
-        json_t *j = json_loads(out, 0, NULL);
-        size = (long)json_integer_value(json_object_get(json_object_get(j, "routing_table"),
-                                                        "size"));
-        json_decref(j);
-    }
-    hmc_free_string(out);
-    hmc_close(h);
-    return size;
-}
-
 static void wait_known(struct node *nodes, size_t n)
 {
     long deadline = hm_test_now_ms() + 20000;
@@ -74,7 +58,7 @@ static void wait_known(struct node *nodes, size_t n)
     while (ready < n && hm_test_now_ms() < deadline) {
         ready = 0;
         for (size_t i = 0; i < n; i++)
-            ready += rt_size(&nodes[i]) >= (long)(n - 1);
+            ready += node_rt_size(&nodes[i]) >= (long)(n - 1);
         if (ready < n)
             usleep(200000);
     }

@@ -42,30 +42,6 @@ static const char *const attack_ips[2] = {"127.0.0.2", "127.0.0.3"};
 
 /* ---- hivemindctl ---- */
 
-static json_t *ctl_json(struct node *n, int *rc, ...)
-{
-    char *argv[16];
-    int argc = 0;
-    va_list ap;
-    argv[argc++] = bin_ctl;
-    argv[argc++] = "-s";
-    argv[argc++] = n->sock;
-    argv[argc++] = "--timeout";
-    argv[argc++] = "15";
-    argv[argc++] = "--json";
-    va_start(ap, rc);
-    for (char *a = va_arg(ap, char *); a != NULL && argc < 15; a = va_arg(ap, char *))
-        argv[argc++] = a;
-    va_end(ap);
-    argv[argc] = NULL;
-    char *out, *err;
-    *rc = run_prog(bin_ctl, argv, &out, &err);
-    json_t *j = json_loads(out, 0, NULL);
-    free(out);
-    free(err);
-    return j;
-}
-
 static long dht_info(struct node *n, const char *field)
 {
     int rc;

@@ -76,29 +76,6 @@ static uint64_t limit_refused(struct node *n, const char *keyword)
 
 #define AVG_ELEMS 200000
 
-static json_t *ctl_json(struct node *n, const char *a1, const char *a2)
-{
-    char *argv[] = {bin_ctl, "-s", n->sock, "--timeout", "10", "--json", (char *)a1, (char *)a2,
-                    NULL};
-    char *out, *err;
-    run_prog(bin_ctl, argv, &out, &err);
-    json_t *j = json_loads(out, 0, NULL);
-    free(out);
-    free(err);
-    return j;
-}
-
-static long rt_size(struct node *n)
-{
-    json_t *j = ctl_json(n, "dht", "info");
-    long size = -1;
-    if (j != NULL)
-        size = (long)json_integer_value(json_object_get(
-            json_object_get(json_object_get(j, "result"), "routing_table"), "size"));
-    json_decref(j);
-    return size;
-}
-
 typedef struct flooder {
     hm_raw r;
     uint32_t next_id;
@@ -112,9 +89,9 @@ Test(hostile_mem, reassembly_flood_leaves_average_exact)
     start_node(&d[0], "d0", NULL, NULL);
     start_node(&d[1], "d1", NULL, "--initial-peers", d[0].addr, NULL);
     long deadline = hm_test_now_ms() + 20000;
-    while ((rt_size(&d[0]) < 1 || rt_size(&d[1]) < 1) && hm_test_now_ms() < deadline)
+    while ((node_rt_size(&d[0]) < 1 || node_rt_size(&d[1]) < 1) && hm_test_now_ms() < deadline)
         usleep(200000);
-    cr_assert(rt_size(&d[0]) >= 1 && rt_size(&d[1]) >= 1, "the daemons know each other");
+    cr_assert(node_rt_size(&d[0]) >= 1 && node_rt_size(&d[1]) >= 1, "the daemons know each other");
 
     /* The attack of the issue, against both: 4 connections from 127.0.0.2,
      * each with 3 messages declaring 80 + 80 + 16 MiB and sending 21 bytes. */
