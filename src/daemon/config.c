@@ -212,6 +212,10 @@ static const struct opt opts[] = {
     {"StateMaxStepLead", "state-max-step-lead", T_UINT, FIELD(state_max_step_lead), 0,
      4294967295u, 0, "STEPS", "a state download takes no step more than STEPS ahead of the "
      "state most origins vouch for (default 0: no bound)"},
+    /* -- progress options -- */
+    /* -- netlab options -- */
+    /* -- announce options -- */
+    /* -- relay options -- */
 };
 
 #define N_OPTS HM_ARRAY_LEN(opts)

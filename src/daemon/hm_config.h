@@ -104,6 +104,10 @@ typedef struct hm_config {
     unsigned state_donors_per_origin;    /* donors of one origin counted toward min_agree */
     char state_trusted_donors[HM_CONFIG_TRUSTED_LEN]; /* comma-separated peer ids; empty: none */
     unsigned state_max_step_lead;        /* steps ahead of the most-vouched state; 0: none */
+    /* -- progress fields -- */
+    /* -- netlab fields -- */
+    /* -- announce fields -- */
+    /* -- relay fields -- */
 } hm_config;
 
 /*
