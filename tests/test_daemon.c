@@ -408,6 +408,32 @@ Test(daemon, second_daemon_on_the_same_socket_refuses_and_stale_sockets_are_reus
     stop_node(&b);
 }
 
+Test(daemon, second_daemon_on_the_same_state_dir_refuses)
+{
+    /* The state directory holds the identity: a second daemon on it would
+     * be the same peer at two addresses. It is refused, naming the holder,
+     * and the first one keeps running. */
+    struct node a;
+    char *out, *err, sock2[200], pid[24];
+    start_node(&a, "a", NULL, NULL);
+    snprintf(sock2, sizeof(sock2), "%s/second.sock", tmpdir);
+    snprintf(pid, sizeof(pid), "(pid %ld)", (long)a.pid);
+    char *argv[] = {bin_daemon, "--listen", "127.0.0.1:0", "--state-dir", a.dir,
+                    "--control-socket", sock2, NULL};
+    cr_assert_eq(run_prog(bin_daemon, argv, &out, &err), 1, "%s", err);
+    cr_assert(strstr(err, "is in use by another hivemindd") != NULL, "%s", err);
+    cr_assert(strstr(err, pid) != NULL, "the holder's pid is named: %s", err);
+    cr_assert_str_eq(out, "", "no address may be printed: %s", out);
+    struct stat st;
+    cr_assert_eq(lstat(sock2, &st), -1, "no control socket may be left");
+    free(out);
+    free(err);
+    cr_assert_eq(ctl(a.sock, "info", 0, &out, &err), 0, "the first daemon stopped: %s", err);
+    free(out);
+    free(err);
+    stop_node(&a);
+}
+
 static int recv_notify(int fd, char *buf, size_t len, int timeout_ms)
 {
     struct pollfd p = {.fd = fd, .events = POLLIN};

@@ -33,12 +33,14 @@
 #include "src/node/node.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -59,6 +61,7 @@ typedef struct daemon {
     int loop_open;      /* the loop was initialised */
     uint8_t swarm_key[32];
     int have_swarm_key;
+    int lock_fd;        /* the state directory's lock, held until exit; -1 */
 } daemon_t;
 
 /*
@@ -271,6 +274,55 @@ static void on_signal(uv_signal_t *h, int signum)
 
 /* ---- start ---- */
 
+/*
+ * Takes the state directory's lock (DIR/lock, flock): the directory holds
+ * the node's identity, so two daemons sharing it would be one peer id at
+ * two addresses, and their peers' tables would swap between them without a
+ * word. The lock goes with the process, so a crashed daemon never leaves
+ * it behind; the file keeps the holder's pid for the message.
+ */
+static int lock_state_dir(daemon_t *d, char *err, size_t errlen)
+{
+    char path[HM_CONFIG_PATH_LEN + 8];
+    int n = snprintf(path, sizeof(path), "%s/lock", d->cfg.state_dir);
+    if (n < 0 || (size_t)n >= sizeof(path)) {
+        snprintf(err, errlen, "state directory path too long: %.700s", d->cfg.state_dir);
+        return -ENAMETOOLONG;
+    }
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) {
+        int e = errno;
+        snprintf(err, errlen, "cannot open the state directory's lock %.700s: %s", path,
+                 strerror(e));
+        return -e;
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        char pid[24] = "";
+        ssize_t got = pread(fd, pid, sizeof(pid) - 1, 0);
+        if (got > 0) {
+            pid[got] = '\0';
+            pid[strcspn(pid, "\n")] = '\0';
+        }
+        close(fd);
+        if (e == EWOULDBLOCK) {
+            snprintf(err, errlen,
+                     "the state directory %.700s is in use by another hivemindd%s%s%s: each daemon "
+                     "needs its own --state-dir (it holds the node's identity)",
+                     d->cfg.state_dir, pid[0] ? " (pid " : "", pid, pid[0] ? ")" : "");
+            return -EBUSY;
+        }
+        snprintf(err, errlen, "cannot lock %.700s: %s", path, strerror(e));
+        return -e;
+    }
+    char line[24];
+    int len = snprintf(line, sizeof(line), "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, line, (size_t)len, 0) != len)
+        hm_warn(MOD, "cannot write the pid into %s: %s", path, strerror(errno));
+    d->lock_fd = fd;
+    return 0;
+}
+
 static int start(daemon_t *d, char *err, size_t errlen)
 {
     const char *peers[HM_CONFIG_MAX_PEERS];
@@ -287,6 +339,9 @@ static int start(daemon_t *d, char *err, size_t errlen)
         d->have_swarm_key = 1;
     }
     r = hm_config_make_dir(d->cfg.state_dir, 0700, err, errlen);
+    if (r != 0)
+        return r;
+    r = lock_state_dir(d, err, errlen);
     if (r != 0)
         return r;
     /* The control socket's directory is made when missing; one that exists
@@ -427,6 +482,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "hivemindd: out of memory\n");
         return HM_EXIT_FAILURE;
     }
+    d->lock_fd = -1;
     if (hm_config_parse_args(argc, argv, &d->args, err, sizeof(err)) != 0) {
         fprintf(stderr, "hivemindd: %s\nTry 'hivemindd --help'.\n", err);
         code = HM_EXIT_USAGE;
@@ -506,6 +562,8 @@ out:
         /* After the loop: rounds and connections that pinned or owned
          * segments are all over by now. */
         hm_shm_free(d->pub.shm);
+        if (d->lock_fd >= 0)
+            close(d->lock_fd);
         sodium_memzero(d->swarm_key, sizeof(d->swarm_key));
         free(d);
     }
