@@ -214,6 +214,14 @@ Test(daemon, usage_errors_exit_64)
 
     char *ctl_badflag[] = {bin_ctl, "--bogus", "info", NULL};
     cr_assert_eq(run_prog(bin_ctl, ctl_badflag, &out, &err), 64);
+    /* A usage error names the mistake, one usage line and where the help
+     * is, not the whole help text. */
+    size_t lines = 0;
+    for (const char *p = err; *p != '\0'; p++)
+        lines += *p == '\n';
+    cr_assert_eq(lines, 3, "stderr: %s", err);
+    cr_assert(strstr(err, "unknown option '--bogus'") != NULL, "%s", err);
+    cr_assert(strstr(err, "Try 'hivemindctl --help'.") != NULL, "%s", err);
     free(out);
     free(err);
 }

@@ -30,6 +30,14 @@
 #include <time.h>
 #include <unistd.h>
 
+/* A usage error gets one line and a pointer to --help, not the whole text. */
+static void usage_hint(void)
+{
+    fputs("Usage: hivemindctl [-s SOCKET] [--json] [--timeout SECONDS] COMMAND [ARGS...]\n"
+          "Try 'hivemindctl --help'.\n",
+          stderr);
+}
+
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -910,17 +918,17 @@ int main(int argc, char **argv)
         case ':':
             fprintf(stderr, "hivemindctl: option '%s' needs a value\n",
                     prev < argc ? argv[prev] : "?");
-            usage(stderr);
+            usage_hint();
             return HM_EXIT_USAGE;
         default:
             fprintf(stderr, "hivemindctl: unknown option '%s'\n", prev < argc ? argv[prev] : "?");
-            usage(stderr);
+            usage_hint();
             return HM_EXIT_USAGE;
         }
     }
     if (optind >= argc) {
         fprintf(stderr, "hivemindctl: no command given\n");
-        usage(stderr);
+        usage_hint();
         return HM_EXIT_USAGE;
     }
     const char *name = argv[optind];
@@ -929,20 +937,20 @@ int main(int argc, char **argv)
     const char *shape = shape_of(name);
     if (shape == NULL && c.npos > 0) {
         fprintf(stderr, "hivemindctl: one command at a time\n");
-        usage(stderr);
+        usage_hint();
         return HM_EXIT_USAGE;
     }
     int known;
     const command *cmd = find_command(name, c.npos > 0 ? c.pos[0] : NULL, &known);
     if (!known) {
         fprintf(stderr, "hivemindctl: unknown command '%s'\n", name);
-        usage(stderr);
+        usage_hint();
         return HM_EXIT_USAGE;
     }
     if (ex->any && strcmp(name, "experts") != 0) {
         fprintf(stderr, "hivemindctl: --type, --dim, --hidden, --optimizer and --lr go with "
                 "experts host\n");
-        usage(stderr);
+        usage_hint();
         return HM_EXIT_USAGE;
     }
     int in_out_only = avg->in != NULL || avg->out != NULL;
@@ -953,12 +961,12 @@ int main(int argc, char **argv)
     } else if (avg->any && strcmp(name, "average") != 0) {
         fprintf(stderr, "hivemindctl: --in, --out, --weight and the other averaging options go "
                 "with average\n");
-        usage(stderr);
+        usage_hint();
         return HM_EXIT_USAGE;
     }
     if ((c.subkey != NULL || c.ttl > 0) && strcmp(name, "dht") != 0) {
         fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
-        usage(stderr);
+        usage_hint();
         return HM_EXIT_USAGE;
     }
     request rq = {.args = NULL, .wait_s = c.timeout_s};
@@ -969,7 +977,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "hivemindctl: expected %s\n", shape);
     if (b != BUILD_OK) {
         json_decref(rq.args);
-        usage(stderr);
+        usage_hint();
         return HM_EXIT_USAGE;
     }
     int code = run(sock, cmd, &c, &rq, json_out);
