@@ -215,6 +215,10 @@ Test(config, errors_name_file_and_line)
         {"InitialPeers abc@127.0.0.1:5\n", "test.conf:1: bad value"},
         {"ControlSocketGroup wh/eel\n", "test.conf:1: bad value"},
         {"ClientMode\n", "test.conf:1: missing value for ClientMode"},
+        /* A bad HOST:PORT blames the half that is wrong. */
+        {"Listen 127.0.0.1:99999\n", "the port '99999' is not a number from 0 to 65535"},
+        {"Listen [::1]:http\n", "the port 'http' is not a number"},
+        {"Listen localhost:31400\n", "the host 'localhost' is not a numeric IPv4 or IPv6"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         hm_config c;
@@ -399,6 +403,9 @@ Test(config, printed_config_reads_back_the_same)
     cr_assert_not_null(text);
     cr_assert(strstr(text, "InitialPeers ") != NULL);
     cr_assert(strstr(text, "# SwarmKeyFile (none)") != NULL, "%s", text);
+    /* An unset option whose default is decided later quotes the default. */
+    cr_assert(strstr(text, "# ExpertLearningRate (unset: default 0.001 for adam, 0.01 for sgd)") !=
+                  NULL, "%s", text);
     /* Read back on top of different values, so that nothing passes by luck. */
     hm_config_defaults(&b);
     b.n_initial_peers = 0;

@@ -363,6 +363,24 @@ static int add_peers(hm_config *c, const char *v, char *why, size_t whylen)
 }
 
 /* Parses value for option o into c; on failure writes the reason into why. */
+/* Says which half of a refused HOST:PORT is wrong. */
+static void hostport_why(const char *v, char *why, size_t whylen)
+{
+    const char *colon = v[0] == '[' ? strstr(v, "]:") : strrchr(v, ':');
+    if (colon == NULL) {
+        hm_errf(why, whylen, "expected HOST:PORT or [V6HOST]:PORT");
+        return;
+    }
+    const char *port = colon + (v[0] == '[' ? 2 : 1);
+    size_t digits = strspn(port, "0123456789");
+    if (*port == '\0' || port[digits] != '\0' || digits > 5 || strtoul(port, NULL, 10) > 65535) {
+        hm_errf(why, whylen, "the port '%.16s' is not a number from 0 to 65535", port);
+        return;
+    }
+    hm_errf(why, whylen, "the host '%.*s' is not a numeric IPv4 or IPv6 address (host names are "
+            "not resolved)", (int)(colon - v), v);
+}
+
 static int set_value(const struct opt *o, hm_config *c, const char *v, char *why, size_t whylen)
 {
     int result = check_text(v, why, whylen);
@@ -373,7 +391,7 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
     case T_HOSTPORT: {
         struct sockaddr_storage ss;
         if (strlen(v) >= o->size || hm_parse_hostport(v, &ss) != 0) {
-            hm_errf(why, whylen, "expected HOST:PORT or [V6HOST]:PORT with a numeric host");
+            hostport_why(v, why, whylen);
             return -EINVAL;
         }
         hm_strlcpy(field_str(c, o), v, o->size);
@@ -814,6 +832,23 @@ int hm_config_build(hm_config *c, const hm_config_args *a, char *err, size_t err
 
 /* ---- printing and comparing ---- */
 
+/*
+ * An option left unset: its effective value is decided later (an expert's
+ * learning rate follows its optimizer), so the line quotes the default
+ * from the help text instead of claiming there is none.
+ */
+static void format_unset(hm_strbuf *b, const struct opt *o)
+{
+    const char *d = strstr(o->help, "(default ");
+    if (d != NULL && strncmp(d, "(default none", 13) != 0) {
+        d += 9;
+        size_t n = strcspn(d, ")");
+        hm_strbuf_printf(b, "# %s (unset: default %.*s)\n", o->keyword, (int)n, d);
+        return;
+    }
+    hm_strbuf_printf(b, "# %s (none)\n", o->keyword);
+}
+
 char *hm_config_format(const hm_config *c)
 {
     hm_strbuf b = {0};
@@ -834,7 +869,7 @@ char *hm_config_format(const hm_config *c)
         case T_SWARM:
         case T_WORD:
             if (field_cstr(c, o)[0] == '\0')
-                hm_strbuf_printf(&b, "# %s (none)\n", o->keyword);
+                format_unset(&b, o);
             else
                 hm_strbuf_printf(&b, "%s %s\n", o->keyword, field_cstr(c, o));
             break;
