@@ -442,6 +442,46 @@ Test(daemon, second_daemon_on_the_same_state_dir_refuses)
     stop_node(&a);
 }
 
+Test(daemon, log_lines_carry_journal_priorities_under_systemd)
+{
+    /* With stderr the stream JOURNAL_STREAM names, lines start with the
+     * sd-daemon priority (<3> an error, <6> info) and carry no timestamp,
+     * so journalctl -p err finds the errors. A second daemon on a locked
+     * state dir logs an error and exits, which gives both kinds. */
+    struct node a;
+    char o[200], e[200], sock2[200], env[96];
+    start_node(&a, "a", NULL, NULL);
+    snprintf(o, sizeof(o), "%s/journal.out", tmpdir);
+    snprintf(e, sizeof(e), "%s/journal.err", tmpdir);
+    snprintf(sock2, sizeof(sock2), "%s/journal.sock", tmpdir);
+    cr_assert_eq(hm_test_write_file(e, (const unsigned char *)"", 0, 0600), 0);
+    struct stat st;
+    cr_assert_eq(stat(e, &st), 0);
+    snprintf(env, sizeof(env), "JOURNAL_STREAM=%llu:%llu", (unsigned long long)st.st_dev,
+             (unsigned long long)st.st_ino);
+    char *argv[] = {bin_daemon, "--listen", "127.0.0.1:0", "--state-dir", a.dir,
+                    "--control-socket", sock2, NULL};
+    pid_t pid = spawn(bin_daemon, argv, o, e, env);
+    int status = wait_exit(pid, 15000);
+    cr_assert(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 1);
+    char *text = slurp(e);
+    cr_assert(strstr(text, "<3>error hivemindd: the state directory") != NULL, "%s", text);
+    cr_assert(strstr(text, "<6>info ") != NULL, "%s", text);
+    cr_assert(strstr(text, "Z error ") == NULL, "no timestamps: %s", text);
+    free(text);
+
+    /* Any other stream keeps the timestamped form. */
+    snprintf(env, sizeof(env), "JOURNAL_STREAM=1:1");
+    pid = spawn(bin_daemon, argv, o, e, env);
+    status = wait_exit(pid, 15000);
+    cr_assert(status != -1 && WIFEXITED(status));
+    text = slurp(e);
+    cr_assert(strstr(text, "<3>") == NULL, "%s", text);
+    cr_assert(strstr(text, "Z error hivemindd: the state directory") != NULL, "%s", text);
+    free(text);
+    stop_node(&a);
+}
+
 static int recv_notify(int fd, char *buf, size_t len, int timeout_ms)
 {
     struct pollfd p = {.fd = fd, .events = POLLIN};

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -22,6 +23,29 @@
 static int log_level = HM_LOG_INFO;
 
 static const char *const level_names[] = {"error", "warn", "info", "debug"};
+
+/*
+ * Under systemd, stderr is a stream into the journal (JOURNAL_STREAM names
+ * its device and inode). Lines then carry sd-daemon's "<N>" priority prefix
+ * and no timestamp of their own (the journal stamps them), so that
+ * `journalctl -p err` finds the errors.
+ */
+static int log_journal;
+static const char level_prio[] = {'3', '4', '6', '7'};
+
+int hm_log_detect_journal(void)
+{
+    const char *js = getenv("JOURNAL_STREAM");
+    unsigned long long dev, ino;
+    struct stat st;
+    char tail;
+    log_journal = 0;
+    if (js != NULL && sscanf(js, "%llu:%llu%c", &dev, &ino, &tail) == 2 &&
+        fstat(STDERR_FILENO, &st) == 0 && (unsigned long long)st.st_dev == dev &&
+        (unsigned long long)st.st_ino == ino)
+        log_journal = 1;
+    return log_journal;
+}
 
 void hm_log_set_level(int level)
 {
@@ -53,14 +77,20 @@ void hm_log(int level, const char *module, const char *fmt, ...)
 {
     if (level > log_level)
         return;
+    if (level < HM_LOG_ERROR)
+        level = HM_LOG_ERROR;
     char line[1024];
     struct timespec ts;
     struct tm tm;
     clock_gettime(CLOCK_REALTIME, &ts);
     gmtime_r(&ts.tv_sec, &tm);
-    int n = snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s: ",
-                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
-                     tm.tm_sec, ts.tv_nsec / 1000000, hm_log_level_name(level), module);
+    int n = log_journal
+                ? snprintf(line, sizeof(line), "<%c>%s %s: ", level_prio[level],
+                           hm_log_level_name(level), module)
+                : snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s: ",
+                           tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
+                           tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
+                           hm_log_level_name(level), module);
     if (n < 0)
         return;
     va_list ap;

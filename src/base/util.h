@@ -64,6 +64,13 @@ enum hm_log_level {
     HM_LOG_DEBUG = 3,
 };
 
+/*
+ * Switches the log lines to the journal's form ("<N>" priority, no
+ * timestamp) when stderr is the stream JOURNAL_STREAM names; returns 1 if
+ * so. Main programs call it once at start.
+ */
+int hm_log_detect_journal(void);
+
 /* Sets the level below which messages are dropped; default HM_LOG_INFO. */
 void hm_log_set_level(int level);
 int hm_log_get_level(void);

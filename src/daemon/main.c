@@ -476,6 +476,7 @@ int main(int argc, char **argv)
     /* A control client that leaves while its reply is written must not
      * kill the daemon; the write fails with EPIPE instead. */
     signal(SIGPIPE, SIG_IGN);
+    hm_log_detect_journal();
 
     d = calloc(1, sizeof(*d));
     if (d == NULL) {
