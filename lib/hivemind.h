@@ -62,6 +62,12 @@
 extern "C" {
 #endif
 
+/* The library's version, the same as hivemindd's (test_client checks it). */
+#define HMC_VERSION_MAJOR 0
+#define HMC_VERSION_MINOR 1
+#define HMC_VERSION_PATCH 0
+#define HMC_VERSION "0.1.0"
+
 typedef struct hmc hmc;
 typedef struct hmc_buf hmc_buf;
 typedef struct hmc_round hmc_round;

@@ -65,6 +65,15 @@ static long rt_size(hmc *h)
     return size;
 }
 
+Test(client, version_macros_match_the_package)
+{
+    /* Programs built against hivemind.h test these; they follow the release. */
+    char v[32];
+    snprintf(v, sizeof(v), "%d.%d.%d", HMC_VERSION_MAJOR, HMC_VERSION_MINOR, HMC_VERSION_PATCH);
+    cr_assert_str_eq(v, PACKAGE_VERSION);
+    cr_assert_str_eq(HMC_VERSION, PACKAGE_VERSION);
+}
+
 Test(client, connect_errors_are_clear)
 {
     hmc *h = (hmc *)1;
