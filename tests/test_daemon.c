@@ -482,6 +482,45 @@ Test(daemon, log_lines_carry_journal_priorities_under_systemd)
     stop_node(&a);
 }
 
+/* Waits up to timeout_ms for path to contain all of the NULL-ended words. */
+static int log_has(const char *path, int timeout_ms, ...)
+{
+    long deadline = hm_test_now_ms() + timeout_ms;
+    for (;;) {
+        char *text = slurp(path);
+        int all = 1;
+        va_list ap;
+        va_start(ap, timeout_ms);
+        for (const char *w = va_arg(ap, const char *); w != NULL; w = va_arg(ap, const char *))
+            all = all && strstr(text, w) != NULL;
+        va_end(ap);
+        free(text);
+        if (all)
+            return 1;
+        if (hm_test_now_ms() > deadline)
+            return 0;
+        usleep(200 * 1000);
+    }
+}
+
+Test(daemon, a_bootstrap_of_another_swarm_is_reported_on_both_sides, .timeout = 120)
+{
+    /* Another swarm name (the same holds for another swarm key) makes the
+     * initial peer look dead: the newcomer warns with the likely causes,
+     * and the initial peer warns of datagrams that fail to authenticate. */
+    struct node a, b;
+    start_node(&a, "a", NULL, "--swarm", "one", NULL);
+    start_node(&b, "b", NULL, "--swarm", "two", "--initial-peers", a.addr, NULL);
+    cr_assert(log_has(b.err, 60000, "warn  node: initial peer", "has not answered",
+                      "the swarm 'two' and the same swarm key", NULL),
+              "no warning from the newcomer");
+    cr_assert(log_has(a.err, 5000, "warn  transport:", "datagrams failed to authenticate",
+                      "another swarm", NULL),
+              "no warning from the initial peer");
+    stop_node(&b);
+    stop_node(&a);
+}
+
 static int recv_notify(int fd, char *buf, size_t len, int timeout_ms)
 {
     struct pollfd p = {.fd = fd, .events = POLLIN};

@@ -261,6 +261,11 @@ struct hm_transport {
 
     size_t udp_pending;
     hm_transport_stats stats;
+    /* Failures a peer of another swarm causes, told at most once a minute. */
+    struct complaint {
+        uint64_t last_ms; /* monotonic; 0: never told */
+        uint64_t count;   /* since it was last told */
+    } bad_dgrams, bad_handshakes;
     size_t rasm_total; /* bytes held by inbound messages in progress, all connections */
 
     pool_ent pool[POOL_SLOTS];
@@ -1441,6 +1446,30 @@ static void hs_complete(conn *c)
         t->cbs.on_conn(t->ud, c->pk, 1);
 }
 
+/*
+ * Datagrams that fail to open and handshakes that fail are what a peer of
+ * another swarm, or with another swarm key, looks like (and what a
+ * misconfigured bootstrap looks like from its side). One warning a minute
+ * at most, with the count and the latest case, so the operator hears of it
+ * without a hostile sender filling the log.
+ */
+static void complain(struct complaint *k, const char *what, const struct sockaddr *from,
+                     const char *why)
+{
+    uint64_t now = hm_now_ms();
+    k->count++;
+    if (k->last_ms != 0 && now - k->last_ms < 60000)
+        return;
+    char addr[HM_ADDRSTRLEN];
+    if (from == NULL || hm_format_addr(from, addr, sizeof(addr)) != 0)
+        hm_strlcpy(addr, "?", sizeof(addr));
+    hm_warn(MOD, "%llu %s %s (the latest from %s: %s): a peer of another swarm, with another "
+            "swarm key, or with a clock far off?", (unsigned long long)k->count, what,
+            k->last_ms == 0 ? "so far" : "in the last minute", addr, why);
+    k->last_ms = now;
+    k->count = 0;
+}
+
 /* Consumes whatever complete handshake messages and records rbuf holds. */
 static void conn_process(conn *c)
 {
@@ -1461,8 +1490,10 @@ static void conn_process(conn *c)
             }
         }
         if (r < 0) {
-            hm_info(MOD, "handshake with %s peer failed: %s", c->outbound ? "dialled" : "inbound",
-                    hm_strerror(r));
+            hm_debug(MOD, "handshake with %s peer failed: %s", c->outbound ? "dialled" : "inbound",
+                     hm_strerror(r));
+            complain(&t->bad_handshakes, "handshakes failed", (const struct sockaddr *)&c->addr,
+                     hm_strerror(r));
             conn_close(c, hm_strerror(r));
             return;
         }
@@ -1763,6 +1794,7 @@ static void udp_recv_cb(uv_udp_t *h, ssize_t nread, const uv_buf_t *buf, const s
     if (r < 0) {
         t->stats.dgrams_rejected++;
         hm_debug(MOD, "datagram rejected: %s", hm_strerror(r));
+        complain(&t->bad_dgrams, "datagrams failed to authenticate", from, hm_strerror(r));
         return;
     }
     if (is_partitioned(t, sender))

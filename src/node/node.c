@@ -27,6 +27,8 @@ typedef struct bootstrap {
     uint64_t next_try_ms;  /* monotonic */
     uint64_t backoff_ms;
     int pinging;
+    unsigned fails;        /* pings unanswered since the last answer */
+    uint64_t last_warn_ms; /* monotonic; 0: not warned since the last answer */
 } bootstrap;
 
 typedef struct peer {
@@ -292,12 +294,34 @@ static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
     if (c->bootstrap_idx >= 0 && (size_t)c->bootstrap_idx < n->n_boot) {
         bootstrap *b = &n->boot[c->bootstrap_idx];
         b->pinging = 0;
+        char id[HM_PEER_ID_LEN + 1];
+        hm_peer_id_encode(b->pk, id);
         if (status == 0) {
             b->backoff_ms = n->ping_interval_ms;
+            if (b->last_warn_ms != 0)
+                hm_info(MOD, "initial peer %s answers now", id);
+            b->fails = 0;
+            b->last_warn_ms = 0;
         } else {
-            char id[HM_PEER_ID_LEN + 1];
-            hm_peer_id_encode(b->pk, id);
             hm_debug(MOD, "initial peer %s did not answer: %s", id, hm_strerror(status));
+            /*
+             * An initial peer that never answers is what a wrong address,
+             * a firewall, another swarm name or another swarm key look
+             * like from here (datagrams of another swarm fail to open and
+             * are dropped without a reply). Say so at the default level,
+             * once a minute at most.
+             */
+            uint64_t now = hm_now_ms();
+            if (++b->fails >= 2 && (b->last_warn_ms == 0 || now - b->last_warn_ms >= 60000)) {
+                char addr[HM_ADDRSTRLEN];
+                if (hm_format_addr((const struct sockaddr *)&b->addr, addr, sizeof(addr)) != 0)
+                    hm_strlcpy(addr, "?", sizeof(addr));
+                hm_warn(MOD, "initial peer %s at %s has not answered %u pings (%s): check that it "
+                        "runs and listens there, that this host can reach it, and that both "
+                        "nodes use the swarm '%s' and the same swarm key", id, addr, b->fails,
+                        hm_strerror(status), n->swarm);
+                b->last_warn_ms = now;
+            }
             b->backoff_ms = HM_MIN(b->backoff_ms * 2, 60000u);
         }
         b->next_try_ms = hm_now_ms() + b->backoff_ms;
