@@ -743,8 +743,13 @@ int hmc_buf_alloc(hmc *h, size_t bytes, hmc_buf **out)
     fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
     if (fd < 0) {
         result = -errno;
-        fmt(h->err, sizeof(h->err), "cannot open shared memory %s: %s (is the daemon on "
-            "another machine or in another container?)", name, strerror(errno));
+        int e = errno;
+        fmt(h->err, sizeof(h->err), "cannot open shared memory %s: %s%s", name, strerror(e),
+            e == EACCES ? " (the daemon opens its segments to its own user and its "
+                          "ControlSocketGroup only: is this process one of them?)"
+            : e == ENOENT ? " (is the daemon on another machine or in another container, with "
+                            "another /dev/shm?)"
+                          : "");
         goto free_seg;
     }
     /* Nobody else needs the name: no trace in /dev/shm whatever happens next. */

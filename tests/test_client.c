@@ -13,9 +13,12 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
+#include <grp.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "lib/hivemind.h"
 #include "tests/proc.h"
@@ -97,6 +100,57 @@ Test(client, connect_errors_are_clear)
     setenv("HIVEMINDD_CONTROL_SOCKET", path, 1);
     cr_assert_eq(hmc_connect(NULL, &h, err, sizeof(err)), -ENOENT);
     cr_assert(strstr(err, path) != NULL, "%s", err);
+}
+
+/*
+ * As an unprivileged member of the control socket's group: connects, maps
+ * a shared buffer and fills it. Exit 0 on success, 10 + step otherwise.
+ */
+static int as_group_member(const char *sock, gid_t gid)
+{
+    gid_t groups[1] = {gid};
+    if (setgroups(1, groups) != 0 || setgid(gid) != 0 || setuid(65534) != 0)
+        return 10;
+    hmc *h;
+    char err[256];
+    if (hmc_connect(sock, &h, err, sizeof(err)) != 0) {
+        fprintf(stderr, "connect: %s\n", err);
+        return 11;
+    }
+    hmc_buf *b;
+    if (hmc_buf_alloc(h, 4096, &b) != 0) {
+        fprintf(stderr, "alloc: %s\n", hmc_last_error(h));
+        return 12;
+    }
+    memset(hmc_buf_data(b), 0x5a, 4096);
+    hmc_buf_free(b);
+    hmc_close(h);
+    return 0;
+}
+
+Test(client, a_trainer_in_the_socket_group_maps_buffers)
+{
+    /* Under the shipped unit only members of ControlSocketGroup reach the
+     * daemon; they must also be able to map its segments. */
+    if (geteuid() != 0)
+        cr_skip_test("needs root, to run the trainer as another user");
+    struct group *g = getgrnam("nogroup");
+    cr_assert_not_null(g, "Debian has the group nogroup");
+    gid_t gid = g->gr_gid;
+    struct node n;
+    start_node(&n, "grp", NULL, "--control-socket-group", "nogroup", NULL);
+    /* The socket is 0660 in the group; its directories must let the user by. */
+    cr_assert_eq(chmod(tmpdir, 0711), 0);
+    cr_assert_eq(chmod(n.dir, 0711), 0);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0)
+        _exit(as_group_member(n.sock, gid));
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the group member failed at step %d",
+              WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    stop_node(&n);
 }
 
 Test(client, buffers_are_the_daemons_memory)

@@ -741,7 +741,7 @@ static int clear_stale_socket(const char *path, char *err, size_t errlen)
     return 0;
 }
 
-static int lookup_group(const char *name, gid_t *out, char *err, size_t errlen)
+int hm_control_lookup_group(const char *name, gid_t *out, char *err, size_t errlen)
 {
     struct group gr, *res = NULL;
     char buf[8192];
@@ -829,7 +829,7 @@ int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **c
 
     gid_t gid = 0;
     if (cfg->group != NULL && cfg->group[0] != '\0') {
-        result = lookup_group(cfg->group, &gid, err, errlen);
+        result = hm_control_lookup_group(cfg->group, &gid, err, errlen);
         if (result != 0) {
             free(ctl);
             return result;

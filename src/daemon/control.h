@@ -39,6 +39,7 @@
 #include <jansson.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include <uv.h>
 
 typedef struct hm_control hm_control;
@@ -63,6 +64,12 @@ typedef struct hm_control_config {
  * was absent), valid only during the call: take a reference to keep it.
  */
 typedef void (*hm_control_handler)(void *ud, hm_control_req *req, const json_t *args);
+
+/*
+ * The gid of a group given by name or number (ControlSocketGroup); 0 or
+ * -ENOENT with a sentence in err.
+ */
+int hm_control_lookup_group(const char *name, gid_t *out, char *err, size_t errlen);
 
 /* On failure err holds a sentence for the operator. */
 int hm_control_new(uv_loop_t *loop, const hm_control_config *cfg, hm_control **ctl_out, char *err,

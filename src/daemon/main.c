@@ -427,7 +427,17 @@ static int start(daemon_t *d, char *err, size_t errlen)
         return r;
     }
 
-    r = hm_shm_new(NULL, &d->pub.shm);
+    /* Trainers in the control socket's group map the segments too. */
+    hm_shm_config sc = {0};
+    if (d->cfg.control_socket_group[0] != '\0') {
+        gid_t gid;
+        r = hm_control_lookup_group(d->cfg.control_socket_group, &gid, err, errlen);
+        if (r != 0)
+            return r;
+        sc.group_access = 1;
+        sc.group_gid = (unsigned)gid;
+    }
+    r = hm_shm_new(&sc, &d->pub.shm);
     if (r != 0) {
         snprintf(err, errlen, "cannot set up shared memory: %s", hm_strerror(r));
         return r;

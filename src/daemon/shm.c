@@ -46,6 +46,8 @@ typedef struct seg {
 
 struct hm_shm {
     size_t max_segment, max_total;
+    int group_access;
+    gid_t gid;
     size_t total; /* bytes mapped, released-but-pinned segments included */
     size_t n;
     seg *segs[HM_SHM_MAX_SEGMENTS];
@@ -59,6 +61,8 @@ int hm_shm_new(const hm_shm_config *cfg, hm_shm **shm_out)
     s->max_segment = cfg != NULL && cfg->max_segment_bytes ? cfg->max_segment_bytes
                                                            : DEFAULT_MAX_SEGMENT;
     s->max_total = cfg != NULL && cfg->max_total_bytes ? cfg->max_total_bytes : DEFAULT_MAX_TOTAL;
+    s->group_access = cfg != NULL && cfg->group_access;
+    s->gid = cfg != NULL ? (gid_t)cfg->group_gid : 0;
     *shm_out = s;
     return 0;
 }
@@ -143,6 +147,13 @@ int hm_shm_alloc(hm_shm *s, uint64_t owner, size_t bytes, uint64_t *id_out,
             result = -errno;
             goto out;
         }
+    }
+    /* fchmod after fchown: the mode is not subject to the umask. */
+    if (s->group_access && (fchown(fd, (uid_t)-1, s->gid) != 0 || fchmod(fd, 0660) != 0)) {
+        result = -errno;
+        hm_warn(MOD, "cannot open a segment to group %u: %s", (unsigned)s->gid,
+                strerror(errno));
+        goto unlink;
     }
     if (ftruncate(fd, (off_t)bytes) != 0) {
         result = -errno;

@@ -4,7 +4,8 @@
  * never through the control socket.
  *
  * The daemon creates every segment (POSIX shm, shm_open with O_EXCL, mode
- * 0600, a random name "/hivemindd-PID-RANDOM"), sizes it with ftruncate
+ * 0600, or 0660 for the control socket's group, a random name
+ * "/hivemindd-PID-RANDOM"), sizes it with ftruncate
  * and maps it; the client opens the name, maps it and unlinks it (the
  * registry unlinks it too when it frees the segment, ignoring ENOENT).
  * Because the daemon sized the segment and never maps a client-chosen
@@ -36,6 +37,11 @@ typedef struct hm_shm hm_shm;
 typedef struct hm_shm_config {
     size_t max_segment_bytes; /* 0: 4 GiB */
     size_t max_total_bytes;   /* 0: 16 GiB */
+    /* Nonzero: segments are mode 0660 and belong to group_gid, the control
+     * socket's group, so a trainer in that group maps them (the group may
+     * command the daemon anyway). Zero: 0600, the daemon's user only. */
+    int group_access;
+    unsigned group_gid;
 } hm_shm_config;
 
 int hm_shm_new(const hm_shm_config *cfg, hm_shm **shm_out);
