@@ -3,7 +3,8 @@
 # hivemindd gives a user: the binaries, libhivemind with its header and
 # pkg-config file (a program built with `pkg-config --cflags --libs
 # libhivemind` links and runs), the systemd unit and the example config
-# with this install's paths, and the man pages.
+# with this install's paths, the man pages, and the Python binding through
+# pip.
 #   tests/install_test.sh BUILDDIR
 set -euo pipefail
 BUILD="$(cd "${1:?usage: install_test.sh BUILDDIR}" && pwd)"
@@ -41,4 +42,22 @@ cc -o "$DEST/t" "$DEST/t.c" $CFLAGS_LIBS || fail "a program does not build with 
 OUT="$(LD_LIBRARY_PATH="$DEST/opt/hm/lib" "$DEST/t")"
 VER="$(PKG_CONFIG_PATH="$DEST" pkg-config --modversion libhivemind)"
 [ "$OUT" = "$VER 1" ] || fail "the installed library printed '$OUT', expected '$VER 1'"
+
+# The Python binding installs with Debian's pip (offline: no build
+# isolation, setuptools from Debian) and finds the installed libhivemind.
+if /usr/bin/python3 -c 'import venv, setuptools, pip' 2>/dev/null; then
+    SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    cp -r "$SRC/contrib/python" "$DEST/pysrc"
+    /usr/bin/python3 -m venv --system-site-packages "$DEST/venv"
+    "$DEST/venv/bin/pip" install -q --no-build-isolation --no-index "$DEST/pysrc" \
+        || fail "pip install ./contrib/python failed"
+    PYV="$(cd / && LD_LIBRARY_PATH="$DEST/opt/hm/lib" "$DEST/venv/bin/python" -c \
+        'import importlib.metadata as m, hivemindd, hivemindd._lib as L; L.lib(); print(m.version("hivemindd"), hivemindd.library_path())')"
+    case "$PYV" in
+        "$VER $DEST/opt/hm/lib/libhivemind.so"*|"$VER libhivemind.so"*) ;;
+        *) fail "the pip-installed binding says '$PYV' (want version $VER and the installed library)" ;;
+    esac
+else
+    echo "install_test: python3-venv, python3-pip or python3-setuptools missing: pip install not checked" >&2
+fi
 echo "install_test: ok ($VER under $DEST/opt/hm)"
