@@ -6,7 +6,8 @@ torch.optim.SGD(nesterov=True, lr 0.7, momentum 0.9) on the mean of the
 two pseudo-gradients, which the inner optimizer recorded. Then a newcomer
 on the third daemon loads the outer state (round 2) and holds the outer
 parameters. A trainer alone misses its round and applies its own
-pseudo-gradient."""
+pseudo-gradient. An 8-bit round lands within its quantization error of
+the reference, nearer to the mean than to the trainer's own update."""
 
 import threading
 import unittest
@@ -128,6 +129,40 @@ class DiLoCoTest(unittest.TestCase):
         outer1, mom1 = late.outer_state()
         self.assertTrue((outer0 == outer1).all() and (mom0 == mom1).all())
         for o in opts + [late]:
+            o.close()
+
+    def test_compressed_round(self):
+        # 8-bit wire form: the outer step is the reference's up to the
+        # quantization of the pseudo-gradients (and of the mean sent back).
+        models = [model() for _ in range(2)]
+        start = flat(models[0]).clone()
+        inners = [Recording(m.parameters(), lr=0.05) for m in models]
+        opts = [DiLoCo(m.parameters(), inner, run_id="pyd8", inner_steps=1, client=c,
+                       compression="8bit", target_group_size=2, min_group_size=2, timeout=60,
+                       matchmaking_time=10, load_state=False)
+                for m, inner, c in zip(models, inners, self.clients[:2])]
+
+        def trainer(i):
+            x = torch.randn(16, 6, generator=torch.Generator().manual_seed(7 + i))
+            opts[i].zero_grad()
+            models[i](x).pow(2).sum().backward()
+            return opts[i].step()
+
+        reports = run_all([lambda i=i: trainer(i) for i in range(2)])
+        pgs = [start - inners[i].after[0] for i in range(2)]
+        g = (pgs[0] + pgs[1]) / 2
+        want = start - 0.7 * (g + 0.9 * g)  # the first Nesterov step: lr (1 + m) g
+        scale = max(p.abs().max().item() for p in pgs)
+        for i in range(2):
+            self.assertTrue(reports[i]["averaged"], reports[i])
+            err = (flat(models[i]) - want).abs().max().item()
+            # lr (1 + m) = 1.33 times a quantization error of at most 1/127 of the
+            # range, twice over (the parts sent, the mean sent back), doubled for margin.
+            self.assertLessEqual(err, 1.33 * 2 * 2 * scale / 127 + 1e-6)
+            own = start - 1.33 * pgs[i]
+            self.assertGreater((flat(models[i]) - own).abs().max().item(), err,
+                               "the average is no nearer to the mean than to our own")
+        for o in opts:
             o.close()
 
     def test_missed_round_applies_own(self):
