@@ -56,6 +56,7 @@ struct hmc_diloco {
     size_t n;
     hmc_buf *state; /* header, outer[n], momentum[n] */
     hmc_buf *grad;  /* the pseudo-gradient, n floats */
+    hmc_buf *spare; /* a catch-up load's target, allocated at the first miss */
     float *outer, *mom;
     uint64_t round;
     int has_mom;
@@ -107,6 +108,7 @@ void hmc_diloco_opts_init(hmc_diloco_opts *o)
     o->share_state = 1;
     o->load_timeout_s = 30.0;
     o->state_min_agree = 1;
+    o->catch_up = 1;
 }
 
 static size_t state_bytes(size_t n) { return HMC_DILOCO_STATE_HEADER + 2 * n * sizeof(float); }
@@ -212,6 +214,7 @@ void hmc_diloco_close(hmc_diloco *d)
 {
     if (d == NULL)
         return;
+    hmc_buf_free(d->spare);
     hmc_buf_free(d->grad);
     hmc_buf_free(d->state);
     free(d);
@@ -251,8 +254,10 @@ static void share(hmc_diloco *d, hmc_diloco_report *rep)
     }
 }
 
-/* state.load into the state buffer; 1 when a good state is in place, 0 otherwise. */
-static int load(hmc_diloco *d, hmc_diloco_report *rep)
+/* state.load into b (a state-sized buffer); 1 when a good state is in
+ * place (its round and momentum flag in *round_out, *has_mom_out), else 0. */
+static int load(hmc_diloco *d, hmc_buf *b, hmc_diloco_report *rep, uint64_t *round_out,
+                int *has_mom_out)
 {
     char args[PREFIX_MAX + 192];
     char *res = NULL;
@@ -260,7 +265,7 @@ static int load(hmc_diloco *d, hmc_diloco_report *rep)
              "{\"prefix\": \"%s\", \"min_agree\": %d, \"timeout\": %.3f, "
              "\"data\": {\"shm\": %llu, \"offset\": 0, \"elems\": %zu}}",
              d->state_prefix, d->o.state_min_agree, d->o.load_timeout_s,
-             (unsigned long long)hmc_buf_id(d->state), state_bytes(d->n) / sizeof(float));
+             (unsigned long long)hmc_buf_id(b), state_bytes(d->n) / sizeof(float));
     int wait_ms = (int)(d->o.load_timeout_s * 1000.0) + LOAD_SLACK_MS;
     int r = hmc_call(d->h, "state.load", args, wait_ms, &res, NULL);
     if (r != 0) {
@@ -273,7 +278,7 @@ static int load(hmc_diloco *d, hmc_diloco_report *rep)
     uint64_t round = 0;
     int has_mom = 0, ok = 0;
     if (json_is_integer(step) && json_is_integer(bytes) && json_integer_value(bytes) >= 0 &&
-        hmc_diloco_state_check(hmc_buf_data(d->state), (size_t)json_integer_value(bytes), d->n,
+        hmc_diloco_state_check(hmc_buf_data(b), (size_t)json_integer_value(bytes), d->n,
                                &round, &has_mom) == 0 &&
         json_integer_value(step) >= 0 && (uint64_t)json_integer_value(step) == round)
         ok = 1;
@@ -289,8 +294,8 @@ static int load(hmc_diloco *d, hmc_diloco_report *rep)
         }
         return 0;
     }
-    d->round = round;
-    d->has_mom = has_mom;
+    *round_out = round;
+    *has_mom_out = has_mom;
     return 1;
 }
 
@@ -300,7 +305,7 @@ int hmc_diloco_begin(hmc_diloco *d, float *params, hmc_diloco_report *rep)
     if (d->begun || params == NULL || !all_finite(params, d->n))
         return -EINVAL;
     double t0 = now_s();
-    int loaded = d->o.load_state ? load(d, rep) : 0;
+    int loaded = d->o.load_state ? load(d, d->state, rep, &d->round, &d->has_mom) : 0;
     if (loaded) {
         memcpy(params, d->outer, d->n * sizeof(float));
     } else {
@@ -338,6 +343,30 @@ static double pseudo_grad(hmc_diloco *d, const float *params)
         ss += (double)g[i] * (double)g[i];
     }
     return ss;
+}
+
+/*
+ * After a miss: the newest state peers share, into the spare buffer (a
+ * failed load must not touch ours); taken only when it is of a later round
+ * than the one we just closed, so a trainer that is not behind keeps its
+ * own step. The miss's code and sentence stay in rep.
+ */
+static void catch_up(hmc_diloco *d, hmc_diloco_report *rep)
+{
+    hmc_diloco_report scratch;
+    uint64_t round;
+    int has_mom;
+    if (d->spare == NULL && hmc_buf_alloc(d->h, state_bytes(d->n), &d->spare) != 0)
+        return;
+    report_clear(&scratch);
+    if (!load(d, d->spare, &scratch, &round, &has_mom) || round <= d->round)
+        return;
+    memcpy(d->outer, (char *)hmc_buf_data(d->spare) + HMC_DILOCO_STATE_HEADER,
+           2 * d->n * sizeof(float));
+    d->round = round;
+    d->has_mom = has_mom;
+    if (rep != NULL)
+        rep->caught_up = 1;
 }
 
 int hmc_diloco_outer_step(hmc_diloco *d, float *params, hmc_diloco_report *rep)
@@ -409,8 +438,10 @@ int hmc_diloco_outer_step(hmc_diloco *d, float *params, hmc_diloco_report *rep)
         d->outer[i] = d->outer[i] + -lr * step;
     }
     d->has_mom = 1;
-    memcpy(params, d->outer, d->n * sizeof(float));
     d->round++;
+    if (!averaged && d->o.catch_up)
+        catch_up(d, rep);
+    memcpy(params, d->outer, d->n * sizeof(float));
     d->count = 0;
     share(d, rep);
     return 0;

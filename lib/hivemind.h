@@ -253,7 +253,12 @@ int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *x
  * that only trainers at the same outer step meet. A round that fails (no
  * group within timeout_s, an all-reduce timeout, the daemon gone) is a
  * miss: the trainer applies its own pseudo-gradient, says so in the
- * report, and looks for the others again at the next round.
+ * report, and looks for the others again at the next round. A trainer
+ * that missed because it fell behind (the others averaged round k
+ * without it and went on) would never meet them again under its own
+ * round numbers, so after a miss it also asks for the newest shared
+ * state (catch_up): when the run is at a later round than its own, it
+ * takes that state and joins the run's next round (rep->caught_up).
  *
  * The outer state (outer parameters, momentum, the round number) is
  * shared with newcomers after every outer step through the daemon's
@@ -302,6 +307,7 @@ typedef struct hmc_diloco_opts {
     int share_state;           /* 1 (init): share ours after every outer step */
     double load_timeout_s;     /* init 30: the state download's deadline */
     int state_min_agree;       /* donors (origins) that must agree on the state; init 1 */
+    int catch_up;              /* 1 (init): after a miss, load a newer round's state if shared */
 } hmc_diloco_opts;
 
 typedef struct hmc_diloco_report {
@@ -310,6 +316,7 @@ typedef struct hmc_diloco_report {
     int averaged;         /* step: 1 when the group's average was applied, 0 our own */
     int group_size;       /* step: the round's group (0 when none formed) */
     int shared;           /* 1 when the daemon took our outer state for newcomers */
+    int caught_up;        /* step: 1 when, after a miss, a newer round's state was loaded */
     int status;           /* 0, or the failed call's return (-EREMOTEIO: see code) */
     char code[HMC_DILOCO_CODE_MAX]; /* the daemon's code of the failure ("no_group", ...) */
     char error[HMC_ERROR_MAX];      /* its sentence, "" when none */

@@ -9,10 +9,12 @@
  *     reference computed here: the mean pseudo-gradient, then
  *     torch.optim.SGD(nesterov=True)'s update (lr 0.7, momentum 0.9).
  *     Then a newcomer on a fourth daemon loads the outer state (round 2,
- *     the outer parameters and the momentum, bit for bit) from the peers.
+ *     the outer parameters and the momentum, bit for bit) from the peers;
+ *     and a trainer left at round 0 misses it ("no_group") and catches up
+ *     with the run's round-2 state.
  *   - missed_round: a trainer alone (min_group_size 2) misses its round
  *     ("no_group"), applies its own pseudo-gradient, and says so; its next
- *     round is round 1.
+ *     round is round 1 (no newer state to catch up with).
  *   - bad_options: options out of range are refused with a sentence.
  */
 #include "config.h"
@@ -220,6 +222,32 @@ Test(diloco, outer_steps)
     cr_assert_eq(memcmp(hmc_diloco_momentum(d), hmc_diloco_momentum(trs[0].d), sizeof(fresh)),
                  0, "the newcomer's momentum is not the peers'");
     hmc_diloco_close(d);
+
+    /* A trainer left behind at round 0 misses it (the others are at round
+     * 2), applies its own step, and catches up with the run's state. */
+    opts_for_group(&o, "dtest");
+    o.load_state = 0;
+    o.inner_steps = 1;
+    o.min_group_size = 2;
+    o.timeout_s = 2;
+    o.matchmaking_time_s = 1;
+    o.load_timeout_s = 30;
+    cr_assert_eq(hmc_diloco_open(h, &o, N_PARAMS, &d), 0);
+    for (size_t i = 0; i < N_PARAMS; i++)
+        fresh[i] = init_value(i);
+    cr_assert_eq(hmc_diloco_begin(d, fresh, &rep), 0);
+    cr_assert_eq(rep.round, 0);
+    fresh[0] += 1.0f;
+    cr_assert_eq(hmc_diloco_step(d, fresh, &rep), 1);
+    cr_assert_eq(rep.averaged, 0);
+    cr_assert_str_eq(rep.code, "no_group", "%s %s", rep.code, rep.error);
+    cr_assert_eq(rep.caught_up, 1, "the laggard did not catch up");
+    cr_assert_eq(hmc_diloco_round(d), ROUNDS);
+    cr_assert_eq(memcmp(fresh, hmc_diloco_outer_params(trs[0].d), sizeof(fresh)), 0,
+                 "the laggard's parameters are not the run's outer parameters");
+    cr_assert_eq(memcmp(hmc_diloco_momentum(d), hmc_diloco_momentum(trs[0].d), sizeof(fresh)),
+                 0);
+    hmc_diloco_close(d);
     hmc_close(h);
     for (int t = 0; t < N_TRAINERS; t++) {
         hmc_diloco_close(trs[t].d);
@@ -260,6 +288,7 @@ Test(diloco, missed_round)
     cr_assert_eq(rep.status, -EREMOTEIO);
     cr_assert_str_eq(rep.code, "no_group", "%s %s", rep.code, rep.error);
     cr_assert_eq(rep.round, 0);
+    cr_assert_eq(rep.caught_up, 0, "caught up with its own older state");
     for (int i = 0; i < 4; i++)
         cr_assert(fabsf(q[i] - want[i]) <= 1e-6f, "param %d: %g, own update %g", i, q[i],
                   want[i]);

@@ -125,7 +125,8 @@ def main():
                   (t, step, evaluate(model, x_eval, y_eval), loss.item()), flush=True)
         if rep is not None:
             how = ("averaged with %d" % rep["group_size"]) if rep["averaged"] else \
-                  ("alone (%s)" % (rep["code"] or rep["error"]))
+                  ("alone (%s)%s" % (rep["code"] or rep["error"],
+                                     ", caught up with the run" if rep["caught_up"] else ""))
             print("outer %d t %.1f step %d acc %.4f loss %.4f %s in %.2f s" %
                   (rep["round"], t, step, evaluate(model, x_eval, y_eval), loss.item(), how,
                    rep["average_s"]), flush=True)

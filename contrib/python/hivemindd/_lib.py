@@ -78,6 +78,7 @@ class DiLoCoOpts(ctypes.Structure):
         ("share_state", c_int),
         ("load_timeout_s", c_double),
         ("state_min_agree", c_int),
+        ("catch_up", c_int),
     ]
 
 
@@ -90,6 +91,7 @@ class DiLoCoReport(ctypes.Structure):
         ("averaged", c_int),
         ("group_size", c_int),
         ("shared", c_int),
+        ("caught_up", c_int),
         ("status", c_int),
         ("code", ctypes.c_char * DILOCO_CODE_MAX),
         ("error", ctypes.c_char * ERROR_MAX),

@@ -51,6 +51,9 @@ class DiLoCo:
         parameters become the run's); share_state: share ours after each
         outer step. load_timeout: seconds for that download;
         state_min_agree: donors (network origins) that must agree on it.
+    catch_up: after a missed round, load the run's state when peers share a
+        later round than ours (a trainer that fell behind rejoins; the
+        report says caught_up).
 
     Trainers that start a run together must start from the same
     parameters (the same seed), or start one first and let the others
@@ -61,7 +64,7 @@ class DiLoCo:
                  outer_momentum=0.9, compression=None, client=None, weight=1.0, timeout=None,
                  matchmaking_time=None, round_timeout=None, target_group_size=None,
                  min_group_size=None, load_state=True, share_state=True, load_timeout=30.0,
-                 state_min_agree=1):
+                 state_min_agree=1, catch_up=True):
         import torch  # noqa: F401  (parameters are torch tensors)
 
         if client is None:
@@ -101,6 +104,7 @@ class DiLoCo:
         o.share_state = 1 if share_state else 0
         o.load_timeout_s = float(load_timeout)
         o.state_min_agree = int(state_min_agree)
+        o.catch_up = 1 if catch_up else 0
         d = ctypes.c_void_p()
         with client._lock:
             r = L.hmc_diloco_open(client._handle(), ctypes.byref(o), self.numel, ctypes.byref(d))
@@ -145,6 +149,7 @@ class DiLoCo:
             out.update(loaded=bool(rep.loaded), load_s=rep.average_s)
         else:
             out.update(averaged=bool(rep.averaged), group_size=int(rep.group_size),
+                       caught_up=bool(rep.caught_up),
                        average_s=rep.average_s, pseudo_grad_norm=rep.pseudo_grad_norm)
         return out
 
@@ -169,8 +174,8 @@ class DiLoCo:
     def step(self, closure=None):
         """One inner step (the inner optimizer's), and the outer step once
         inner_steps have been taken since the last. Returns the outer
-        step's report (a dict: round, averaged, group_size, code, error,
-        average_s, pseudo_grad_norm, shared) or None. A missed round is not
+        step's report (a dict: round, averaged, group_size, caught_up, code,
+        error, average_s, pseudo_grad_norm, shared) or None. A missed round is not
         an exception: the report says averaged False and why (code)."""
         if closure is not None:
             self.inner_optimizer.step(closure)

@@ -178,6 +178,7 @@ class DiLoCoTest(unittest.TestCase):
         rep = opt.step()
         self.assertFalse(rep["averaged"])
         self.assertEqual(rep["code"], "no_group")
+        self.assertFalse(rep["caught_up"])
         ref = torch.nn.Parameter(start.clone())
         o = torch.optim.SGD([ref], lr=0.5, momentum=0.8, nesterov=True)
         ref.grad = start - inner.after[0]
