@@ -639,6 +639,14 @@ void hmc_close(hmc *h)
     free(h);
 }
 
+/* For the library's other files (diloco.c): a local failure's sentence.
+ * Not hmc_-named, so not exported (the library exports ^hmc_ only). */
+void hm_lib_set_error(hmc *h, const char *msg)
+{
+    h->code[0] = '\0';
+    copy_str(h->err, sizeof(h->err), msg);
+}
+
 const char *hmc_last_error(const hmc *h) { return h != NULL ? h->err : "no connection"; }
 const char *hmc_last_error_code(const hmc *h) { return h != NULL ? h->code : ""; }
 

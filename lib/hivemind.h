@@ -240,6 +240,144 @@ int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *x
                          size_t dim, size_t k_min, double timeout_s, int *answered_out,
                          size_t *n_answered_out);
 
+/* ---- DiLoCo ---- */
+
+/*
+ * DiLoCo (Douillard et al., 2023): each trainer takes inner_steps (H)
+ * steps with its own optimizer, then the swarm all-reduces the
+ * pseudo-gradient g = outer - params (the parameters at the last outer
+ * step minus the current ones) and every trainer takes the same outer
+ * Nesterov SGD step on the average, exactly as torch.optim.SGD(lr,
+ * momentum, nesterov=True, dampening 0) does, in float32:
+ *
+ *     buf = g                      (the first outer step)
+ *     buf = momentum * buf + g     (later ones)
+ *     outer -= lr * (g + momentum * buf)
+ *
+ * and the parameters are reset to the new outer ones. Round k (k outer
+ * steps taken before it) averages under the prefix "RUN_ID.diloco.K", so
+ * that only trainers at the same outer step meet. A round that fails (no
+ * group within timeout_s, an all-reduce timeout, the daemon gone) is a
+ * miss: the trainer applies its own pseudo-gradient, says so in the
+ * report, and looks for the others again at the next round. A trainer
+ * that missed because it fell behind (the others averaged round k
+ * without it and went on) would never meet them again under its own
+ * round numbers, so after a miss it also asks for the newest shared
+ * state (catch_up): when the run is at a later round than its own, it
+ * takes that state and joins the run's next round (rep->caught_up).
+ *
+ * The outer state (outer parameters, momentum, the round number) is
+ * shared with newcomers after every outer step through the daemon's
+ * state.share under "RUN_ID.diloco" with the round as the step, and a
+ * newcomer loads the newest one at hmc_diloco_begin (state.load). Its
+ * layout, HMC_DILOCO_STATE_HEADER bytes then 2 n floats:
+ *     "HMDILOCO", u32 version (1), u32 flags (bit 0: momentum set),
+ *     u64 n_params, u64 round; the outer parameters; the momentum,
+ * in the host's byte order. A loaded state is checked
+ * (hmc_diloco_state_check) before any of it is used.
+ *
+ *     hmc_diloco_opts o;  hmc_diloco *d;  hmc_diloco_report rep;
+ *     hmc_diloco_opts_init(&o);  o.run_id = "mnist";  o.inner_steps = 100;
+ *     hmc_diloco_open(h, &o, n, &d);
+ *     hmc_diloco_begin(d, params, &rep);        // rep.loaded: a newcomer
+ *     for (;;) {
+ *         inner_optimizer_step(params);
+ *         if (hmc_diloco_step(d, params, &rep) == 1)   // every H steps
+ *             log(rep.averaged, rep.group_size, rep.code);
+ *     }
+ *     hmc_diloco_close(d);
+ *
+ * The hmc handle is used by d for its calls (one thread at a time, as
+ * always); hmc_diloco_close before hmc_close.
+ */
+
+typedef struct hmc_diloco hmc_diloco;
+
+#define HMC_DILOCO_RUN_MAX 96
+#define HMC_DILOCO_STATE_HEADER 32
+#define HMC_DILOCO_CODE_MAX 64
+
+typedef struct hmc_diloco_opts {
+    const char *run_id;        /* required: 1..HMC_DILOCO_RUN_MAX bytes, no '\0' */
+    unsigned inner_steps;      /* H, >= 1; init 500 */
+    double outer_lr;           /* finite, > 0; init 0.7 */
+    double outer_momentum;     /* 0 <= m < 1; init 0.9 (0: plain SGD) */
+    double weight;             /* this trainer's weight in the average, >= 0; init 1 */
+    const char *compression;   /* NULL/"none", "fp16", "8bit": the pseudo-gradient's wire form */
+    double timeout_s;          /* to find a group each round; 0: the daemon's (30) */
+    double round_timeout_s;    /* the all-reduce's deadline; 0: the daemon's (30) */
+    double matchmaking_time_s; /* 0: the daemon's */
+    int target_group_size;     /* 0: the daemon's (16) */
+    int min_group_size;        /* 0: the daemon's (2) */
+    int load_state;            /* 1 (init): hmc_diloco_begin loads the peers' outer state */
+    int share_state;           /* 1 (init): share ours after every outer step */
+    double load_timeout_s;     /* init 30: the state download's deadline */
+    int state_min_agree;       /* donors (origins) that must agree on the state; init 1 */
+    int catch_up;              /* 1 (init): after a miss, load a newer round's state if shared */
+} hmc_diloco_opts;
+
+typedef struct hmc_diloco_report {
+    uint64_t round;       /* hmc_diloco_begin: the round to come; a step: the round it closed */
+    int loaded;           /* begin: 1 when the outer state came from peers */
+    int averaged;         /* step: 1 when the group's average was applied, 0 our own */
+    int group_size;       /* step: the round's group (0 when none formed) */
+    int shared;           /* 1 when the daemon took our outer state for newcomers */
+    int caught_up;        /* step: 1 when, after a miss, a newer round's state was loaded */
+    int status;           /* 0, or the failed call's return (-EREMOTEIO: see code) */
+    char code[HMC_DILOCO_CODE_MAX]; /* the daemon's code of the failure ("no_group", ...) */
+    char error[HMC_ERROR_MAX];      /* its sentence, "" when none */
+    double average_s;     /* step: seconds in the averaging call; begin: in the load */
+    double pseudo_grad_norm; /* step: L2 norm of our own pseudo-gradient */
+} hmc_diloco_report;
+
+void hmc_diloco_opts_init(hmc_diloco_opts *o);
+/*
+ * A DiLoCo optimizer over n_params float32 parameters (1..2^28; they travel
+ * in one averaging round). Allocates its shared buffers from the daemon.
+ * Returns 0, -EINVAL (options out of range; hmc_last_error says which) or
+ * hmc_buf_alloc's errors.
+ */
+int hmc_diloco_open(hmc *h, const hmc_diloco_opts *o, size_t n_params, hmc_diloco **out);
+/*
+ * Starts the run from params: with load_state, the newest outer state that
+ * peers share is loaded and written to params (rep->loaded 1, rep->round
+ * its round); when nobody shares one (or the load fails: rep->status and
+ * code say why) params become the outer parameters of round 0. Then shares
+ * the state. Returns 0, or -EINVAL when called twice or with
+ * non-finite params. rep may be NULL.
+ */
+int hmc_diloco_begin(hmc_diloco *d, float *params, hmc_diloco_report *rep);
+/* Counts one inner step; returns 1 when the outer step is due (H steps since the last), else 0. */
+int hmc_diloco_inner_done(hmc_diloco *d);
+/*
+ * The outer step now, whatever the count: the round's average (or, on a
+ * miss, our own pseudo-gradient), the Nesterov update, params reset to the
+ * outer parameters, the state shared, the round counted. Returns 0 (see
+ * rep for how it went; a miss is not an error), -EINVAL (not begun) or
+ * -EDOM (params hold NaN or infinity: nothing changed).
+ */
+int hmc_diloco_outer_step(hmc_diloco *d, float *params, hmc_diloco_report *rep);
+/* hmc_diloco_inner_done, then hmc_diloco_outer_step when due: 1 (outer step taken), 0, or < 0. */
+int hmc_diloco_step(hmc_diloco *d, float *params, hmc_diloco_report *rep);
+/* Outer steps taken so far (the next round's number). */
+uint64_t hmc_diloco_round(const hmc_diloco *d);
+/* Inner steps counted since the last outer step. */
+unsigned hmc_diloco_inner_count(const hmc_diloco *d);
+/* The outer parameters and the momentum buffer (n_params floats each, read only). */
+const float *hmc_diloco_outer_params(const hmc_diloco *d);
+const float *hmc_diloco_momentum(const hmc_diloco *d);
+/* Frees its buffers (the daemon keeps serving the last shared state). NULL is fine. */
+void hmc_diloco_close(hmc_diloco *d);
+/*
+ * Checks a state blob of len bytes (as loaded from peers, untrusted) for
+ * n_params parameters: header, sizes and finite values. Returns 0 with
+ * *round_out and *has_momentum_out set, or -EPROTO (not a DiLoCo state,
+ * another version, flags unknown, another n_params, a wrong length) or
+ * -EDOM (NaN or infinity in it).
+ */
+int hmc_diloco_state_check(const void *blob, size_t len, size_t n_params, uint64_t *round_out,
+                           int *has_momentum_out);
+
 /* ---- the reply parser, exposed for tests and fuzzing ---- */
 
 /*

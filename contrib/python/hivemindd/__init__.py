@@ -14,14 +14,18 @@ installed) and numpy; RemoteMixtureOfExperts also needs torch.
         avg.step()                      # average now, write the mean back
         avg.start(); ...; avg.apply()   # or in the background, delayed update
 
+DiLoCo(params, inner_optimizer, run_id=..., inner_steps=..., client=c) is
+the DiLoCo optimizer (libhivemind's, through ctypes).
+
 Errors from the daemon or the library raise HivemindError(code, message).
 """
 
 from .client import Client, ExpertInfo, HivemindError, SharedBuffer
 from .averaging import Averager
+from .diloco import DiLoCo
 from ._lib import library_path
 
-__all__ = ["Client", "SharedBuffer", "HivemindError", "ExpertInfo", "Averager",
+__all__ = ["Client", "SharedBuffer", "HivemindError", "ExpertInfo", "Averager", "DiLoCo",
            "RemoteMixtureOfExperts", "library_path"]
 
 

@@ -56,6 +56,50 @@ class Expert(ctypes.Structure):
     ]
 
 
+DILOCO_CODE_MAX = 64
+
+
+class DiLoCoOpts(ctypes.Structure):
+    """struct hmc_diloco_opts."""
+
+    _fields_ = [
+        ("run_id", c_char_p),
+        ("inner_steps", ctypes.c_uint),
+        ("outer_lr", c_double),
+        ("outer_momentum", c_double),
+        ("weight", c_double),
+        ("compression", c_char_p),
+        ("timeout_s", c_double),
+        ("round_timeout_s", c_double),
+        ("matchmaking_time_s", c_double),
+        ("target_group_size", c_int),
+        ("min_group_size", c_int),
+        ("load_state", c_int),
+        ("share_state", c_int),
+        ("load_timeout_s", c_double),
+        ("state_min_agree", c_int),
+        ("catch_up", c_int),
+    ]
+
+
+class DiLoCoReport(ctypes.Structure):
+    """struct hmc_diloco_report."""
+
+    _fields_ = [
+        ("round", ctypes.c_uint64),
+        ("loaded", c_int),
+        ("averaged", c_int),
+        ("group_size", c_int),
+        ("shared", c_int),
+        ("caught_up", c_int),
+        ("status", c_int),
+        ("code", ctypes.c_char * DILOCO_CODE_MAX),
+        ("error", ctypes.c_char * ERROR_MAX),
+        ("average_s", c_double),
+        ("pseudo_grad_norm", c_double),
+    ]
+
+
 # name: (restype, argtypes)
 _PROTOTYPES = {
     "hmc_connect": (c_int, [c_char_p, P(c_void_p), c_char_p, c_size_t]),
@@ -90,6 +134,16 @@ _PROTOTYPES = {
     "hmc_experts_backward": (c_int, [c_void_p, P(Expert), c_size_t, c_void_p, c_size_t,
                                      c_void_p, c_size_t, c_void_p, c_size_t, c_size_t, c_size_t,
                                      c_size_t, c_double, P(c_int), P(c_size_t)]),
+    "hmc_diloco_opts_init": (None, [P(DiLoCoOpts)]),
+    "hmc_diloco_open": (c_int, [c_void_p, P(DiLoCoOpts), c_size_t, P(c_void_p)]),
+    "hmc_diloco_begin": (c_int, [c_void_p, P(ctypes.c_float), P(DiLoCoReport)]),
+    "hmc_diloco_inner_done": (c_int, [c_void_p]),
+    "hmc_diloco_outer_step": (c_int, [c_void_p, P(ctypes.c_float), P(DiLoCoReport)]),
+    "hmc_diloco_round": (ctypes.c_uint64, [c_void_p]),
+    "hmc_diloco_inner_count": (ctypes.c_uint, [c_void_p]),
+    "hmc_diloco_outer_params": (P(ctypes.c_float), [c_void_p]),
+    "hmc_diloco_momentum": (P(ctypes.c_float), [c_void_p]),
+    "hmc_diloco_close": (None, [c_void_p]),
 }
 
 _lock = threading.Lock()
