@@ -14,6 +14,10 @@
 #      the value that was put.
 # Skips (exit 77) unless root with network namespaces, tc and nft, and
 # /usr/bin/python3 (it writes the vectors and checks the replies).
+# make check runs it with /bin/sh: it is a bash script (lab.sh is bash).
+if [ -z "${BASH_VERSION:-}" ]; then
+    exec bash "$0" "$@"
+fi
 set -euo pipefail
 
 srcdir=${HM_SRCDIR:-$(cd "$(dirname "$0")/.." && pwd)}
