@@ -3,6 +3,9 @@
 # lab.sh): four hosts on a bridge, each daemon on its own 10.77.1.x address
 # and holding what it sends for 25 ms (TestDelayMs), so every round trip
 # takes 50 ms or more.
+#   0. The lab itself, on a fifth host behind NAT: it can connect out (and
+#      is seen at its router's address), nobody can connect to it or to its
+#      router, and its egress cap holds.
 #   1. The hosts join through one bootstrap host (h1) only, and every
 #      daemon's peer table ends up holding the three others.
 #   2. With the switch dropping 5% of every host's frames, the four average
@@ -44,16 +47,76 @@ fail() {
 }
 step() { echo "== $* (+$((SECONDS - START)) s)"; }
 
-lab_up $N
+lab_up $((N + 1))
 # A failed run keeps the daemons' logs for the test's log.
 lab_cleanup_hook() {
     if [ "${LAB_KEEP:-0}" = 1 ]; then
+        echo "---- the lab's own checks ----"
+        cat "$LAB_DIR"/srv*.log 2>/dev/null || true
         for h in $(seq 1 $N); do
             echo "---- log of h$h ----"
             tail -n 40 "$LAB_DIR/h$h.log" 2>/dev/null || true
         done
     fi
 }
+
+# ---- 0. the lab: NAT and an egress cap, on h5 (no daemon)
+NAT=h$((N + 1))
+ROUTER=10.77.1.$((100 + N + 1))
+step "the lab: $NAT behind NAT, capped at 20 Mbit/s"
+lab_nat $NAT
+lab_cap $NAT 20mbit
+# serve.py ADDR: one TCP connection on ADDR:5000, what it received.
+cat >"$LAB_DIR/serve.py" <<'PY'
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 5000))
+s.listen(4)
+s.settimeout(30)
+c, peer = s.accept()
+n, t0 = 0, time.time()
+while True:
+    b = c.recv(1 << 20)
+    if not b:
+        break
+    n += len(b)
+print(f"from {peer[0]}: {n} bytes, {n * 8 / (time.time() - t0) / 1e6:.1f} Mbit/s", flush=True)
+PY
+# send.py ADDR: sends to ADDR:5000 for 2 s; fails when it cannot connect.
+cat >"$LAB_DIR/send.py" <<'PY'
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 5000), timeout=3)
+buf, t = b"x" * 65536, time.time()
+while time.time() - t < 2:
+    c.sendall(buf)
+c.close()
+PY
+lab_spawn h1 srv1 "$PY" "$LAB_DIR/serve.py" 10.77.1.1
+lab_spawn $NAT srvnat "$PY" "$LAB_DIR/serve.py" "$(lab_addr $NAT)"
+sleep 0.5
+lab_exec $NAT "$PY" "$LAB_DIR/send.py" 10.77.1.1 || fail "the NAT'd host cannot connect out to h1"
+for t in $(seq 1 40); do
+    grep -q bytes "$LAB_DIR/srv1.log" 2>/dev/null && break
+    sleep 0.25
+done
+echo "h1 got $(cat "$LAB_DIR/srv1.log")"
+grep -q "^from $ROUTER:" "$LAB_DIR/srv1.log" ||
+    fail "h1 did not see the NAT'd host's traffic from its router's address $ROUTER"
+# 20 Mbit/s, less what TCP's headers and a loaded machine take off it.
+"$PY" -c 'import re, sys
+r = float(re.search(r"([0-9.]+) Mbit/s", open(sys.argv[1]).read()).group(1))
+sys.exit(0 if 12 <= r <= 21 else f"{r} Mbit/s through a 20 Mbit/s cap")' "$LAB_DIR/srv1.log" ||
+    fail "the egress cap does not hold"
+for dst in "$(lab_addr $NAT)" "$ROUTER"; do
+    if lab_exec h1 "$PY" "$LAB_DIR/send.py" "$dst" 2>/dev/null; then
+        fail "h1 connected to $dst, behind NAT"
+    fi
+done
+if grep -q bytes "$LAB_DIR/srvnat.log" 2>/dev/null; then
+    fail "the NAT'd host accepted a connection"
+fi
+echo "the NAT'd host dials out and cannot be dialled"
 
 # ---- 1. discovery through one bootstrap host
 step "four hosts join through h1"
