@@ -68,11 +68,39 @@ lab_require() {
             exit 77
         fi
     done
-    if ! ip netns add "${LAB_ID}-probe" 2>/dev/null; then
+    local p="${LAB_ID}-probe" why=
+    if ! ip netns add "$p" 2>/dev/null; then
         echo "SKIP: network namespaces are not available here (ip netns add failed)"
         exit 77
     fi
-    ip netns del "${LAB_ID}-probe" 2>/dev/null
+    # What the lab builds, tried once in a namespace of its own: a kernel
+    # without veth, bridges, tbf or nftables' netdev ingress is a skip with
+    # its reason, not a failure half-way through a test.
+    if ! ip -n "$p" link add name pa type veth peer name pb 2>/dev/null; then
+        why="veth pairs cannot be made (no veth in the kernel?)"
+    elif ! ip -n "$p" link add name pbr type bridge 2>/dev/null; then
+        why="bridges cannot be made (no bridge in the kernel?)"
+    else
+        ip -n "$p" link set pa up
+        if command -v tc >/dev/null 2>&1 &&
+            ! tc -n "$p" qdisc add dev pa root tbf rate 1mbit burst 65536 latency 100ms 2>/dev/null; then
+            for tool in "$@"; do
+                [ "$tool" = tc ] && why="tc tbf does not work here (sch_tbf missing?)"
+            done
+        fi
+        if command -v nft >/dev/null 2>&1 && [ -z "$why" ] &&
+            ! printf 'table netdev p { chain c { type filter hook ingress device "pa" priority 0; numgen random mod 100 lt 1 drop; }; }\n' |
+            ip netns exec "$p" nft -f - 2>/dev/null; then
+            for tool in "$@"; do
+                [ "$tool" = nft ] && why="nftables' netdev ingress or numgen does not work here"
+            done
+        fi
+    fi
+    ip netns del "$p" 2>/dev/null
+    if [ -n "$why" ]; then
+        echo "SKIP: the network lab cannot run here: $why"
+        exit 77
+    fi
     return 0
 }
 
