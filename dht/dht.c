@@ -218,6 +218,11 @@ struct req {
     uint8_t id[HM_RT_ID_BYTES];
     struct sockaddr_storage addr;
     uint64_t sent_ms, deadline_ms;
+    /* The datagram body of a lookup or store request, kept to send it once
+     * more at its first timeout (NULL: no second try). */
+    uint8_t *pkt;
+    size_t pkt_len;
+    int resent;
     uint16_t cursor_len;
     uint8_t cursor[HM_DHT_SUBKEY_MAX];
 };
@@ -459,6 +464,7 @@ static int req_pending_to(const hm_dht *d, const uint8_t id[HM_RT_ID_BYTES], int
 static void req_remove(hm_dht *d, struct req *r)
 {
     size_t i = (size_t)(r - d->reqs);
+    free(r->pkt);
     d->reqs[i] = d->reqs[--d->nreqs];
 }
 
@@ -521,6 +527,15 @@ static int send_request(hm_dht *d, hm_dht_msg *m, const hm_rt_contact *c, int pu
     r->addr = c->addr;
     r->sent_ms = now_ms;
     r->deadline_ms = now_ms + d->cfg.request_timeout_ms;
+    /* One lost datagram of a lossy link must not cost a lookup its
+     * contact, nor mark the contact failing (lookups skip those until a
+     * probe clears them): requests of operations are sent a second time
+     * at their first timeout. Without memory for the copy there is no
+     * second try, which is what a lost datagram would give anyway. */
+    if ((purpose == P_LOOKUP || purpose == P_STORE) && (r->pkt = malloc(len)) != NULL) {
+        memcpy(r->pkt, d->out_buf, len);
+        r->pkt_len = len;
+    }
     if (m->type == HM_DHT_MSG_GET && m->has_cursor) {
         r->cursor_len = (uint16_t)m->cursor_len;
         memcpy(r->cursor, m->cursor, m->cursor_len);
@@ -1425,6 +1440,16 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
     /* Request timeouts. Handling one may send others, so restart the scan after each. */
     for (size_t i = 0; i < d->nreqs;) {
         if (d->reqs[i].deadline_ms <= now_ms) {
+            struct req *q = &d->reqs[i];
+            if (q->pkt != NULL && !q->resent && op_find_active(d, q->op_id) != NULL) {
+                q->resent = 1;
+                q->deadline_ms = now_ms + d->cfg.request_timeout_ms;
+                if (d->io.send(d->io.ud, q->pk, (const struct sockaddr *)&q->addr, q->pkt,
+                               q->pkt_len) == 0) {
+                    i++;
+                    continue;
+                }
+            }
             struct req r = d->reqs[i];
             req_remove(d, &d->reqs[i]);
             on_timeout(d, &r, now_ms);
@@ -1791,6 +1816,8 @@ void hm_dht_free(hm_dht *d)
         fire(d, o, -ECANCELED, o->start_ms + o->info.duration_ms);
         op_free(o);
     }
+    for (size_t i = 0; i < d->nreqs; i++)
+        free(d->reqs[i].pkt);
     free(d->reqs);
     ltab_free(&d->rates);
     ltab_free(&d->tokens);

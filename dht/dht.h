@@ -31,7 +31,11 @@
  *
  * Lookups are iterative: alpha requests in flight, candidates ordered by
  * XOR distance to the target, finished when the k closest candidates seen
- * have answered (or failed), or at the operation's deadline. With
+ * have answered (or failed), or at the operation's deadline. A lookup's or
+ * a put's request that times out is sent once more (the same body, the
+ * same transaction id) before its contact counts as failed, so that one
+ * lost datagram on a lossy link costs a second, not a replica or a
+ * contact. With
  * disjoint_paths = d > 1, d lookups run side by side over disjoint sets of
  * nodes (S/Kademlia), so nodes that return wrong contacts on one path
  * cannot capture the others; a get succeeds if any path finds the value.

@@ -214,6 +214,9 @@ static const struct opt opts[] = {
      "state most origins vouch for (default 0: no bound)"},
     /* -- progress options -- */
     /* -- netlab options -- */
+    {"TestDelayMs", "test-delay-ms", T_UINT, FIELD(test_delay_ms), 0, 10000, 0, "MS",
+     "for tests only, never in production: hold every datagram and stream message this "
+     "daemon sends for MS milliseconds first, a one-way delay (default 0: off)"},
     /* -- announce options -- */
     /* -- relay options -- */
 };

@@ -106,6 +106,7 @@ typedef struct hm_config {
     unsigned state_max_step_lead;        /* steps ahead of the most-vouched state; 0: none */
     /* -- progress fields -- */
     /* -- netlab fields -- */
+    unsigned test_delay_ms;              /* tests only: delay everything sent; 0: off */
     /* -- announce fields -- */
     /* -- relay fields -- */
 } hm_config;

@@ -30,6 +30,7 @@
 #include "src/daemon/daemon.h"
 #include "src/daemon/hm_config.h"
 #include "src/daemon/shm.h"
+#include "src/net/rpc.h"
 #include "src/node/node.h"
 
 #include <errno.h>
@@ -410,6 +411,13 @@ static int start(daemon_t *d, char *err, size_t errlen)
     r = hm_node_new(&d->loop, &no, &d->pub.node, err, errlen);
     if (r != 0)
         return r;
+    if (d->cfg.test_delay_ms > 0) {
+        /* TestDelayMs: the network lab's latency, where netem is missing. */
+        hm_transport_faults f = {.delay_ms = d->cfg.test_delay_ms};
+        hm_transport_set_faults(hm_rpc_transport(hm_node_rpc(d->pub.node)), &f);
+        hm_warn(MOD, "TestDelayMs %u: everything sent is delayed (a test option)",
+                d->cfg.test_delay_ms);
+    }
     d->parts_open++;
     r = hm_averager_new(d->pub.node, &d->pub.av);
     if (r != 0) {
