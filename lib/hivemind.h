@@ -234,6 +234,39 @@ int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *x
                          size_t dim, size_t k_min, double timeout_s, int *answered_out,
                          size_t *n_answered_out);
 
+/* ---- swarm progress (lib/progress.c) ---- */
+
+/*
+ * Reports this trainer's progress in run ("progress.report"): the epoch,
+ * the samples accumulated in it, the samples per second and whether it is
+ * a client. The daemon publishes it to the swarm (signed, refreshed while
+ * h stays open, gone about 60 s after h closes). One trainer per daemon
+ * and run. Returns 0, -EINVAL (run NULL, or a number the daemon refuses:
+ * -EREMOTEIO with "bad_args"), or hmc_request's errors.
+ */
+int hmc_progress_report(hmc *h, const char *run, uint64_t epoch, uint64_t samples,
+                        double samples_per_second, int client);
+
+/* The swarm's progress in a run, as "progress" gives it. */
+typedef struct hmc_progress {
+    uint64_t global_epoch;      /* the largest epoch over non-client peers */
+    uint64_t samples;           /* at the global epoch, extrapolated to now */
+    uint64_t target_batch_size; /* as asked; 0 when not */
+    double samples_per_second;  /* the swarm's throughput */
+    double eta_s;               /* to the target; < 0 when unknown */
+    size_t n_peers;             /* non-client peers */
+    size_t n_clients;
+} hmc_progress;
+
+/*
+ * Reads the aggregate ("progress"); target_batch_size 0 means none. out
+ * and json_out (the whole result, with the peers) may be NULL. The daemon
+ * caches its DHT reads for about a second, so calling this every step is
+ * fine.
+ */
+int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_progress *out,
+                     char **json_out);
+
 /* ---- the reply parser, exposed for tests and fuzzing ---- */
 
 /*
