@@ -1,0 +1,179 @@
+/*
+ * test_optimizer: the collaborative optimizer of libhivemind (hmc_opt_*)
+ * with three trainers, threads of this process, each attached to a
+ * hivemindd of its own on 127.0.0.1. Each trainer's gradients are known
+ * (a different vector per trainer) and its batch size differs, so the
+ * test can check that an epoch ends only once the trainers' summed
+ * samples reached the target, and that the gradients every trainer steps
+ * on are the sample-weighted mean of the three.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "lib/hivemind.h"
+#include "tests/proc.h"
+
+#define N_TRAINERS 3
+#define N_PARAMS 1000
+#define TARGET 120
+
+static void setup(void) { hm_proc_setup("opt"); }
+static void teardown(void) { hm_proc_teardown(); }
+
+TestSuite(optimizer, .init = setup, .fini = teardown, .timeout = 150);
+
+static void start_swarm(struct node *nodes, size_t n)
+{
+    char name[16];
+    start_node(&nodes[0], "n0", NULL, NULL);
+    for (size_t i = 1; i < n; i++) {
+        snprintf(name, sizeof(name), "n%zu", i);
+        start_node(&nodes[i], name, NULL, "--initial-peers", nodes[0].addr, NULL);
+    }
+    long deadline = hm_test_now_ms() + 20000;
+    size_t ready = 0;
+    while (ready < n && hm_test_now_ms() < deadline) {
+        ready = 0;
+        for (size_t i = 0; i < n; i++)
+            ready += node_rt_size(&nodes[i]) >= (long)(n - 1);
+        if (ready < n)
+            usleep(200000);
+    }
+    cr_assert_eq(ready, n, "only %zu of %zu daemons know the others", ready, n);
+}
+
+static const uint64_t batch[N_TRAINERS] = {2, 3, 5};
+/* Samples all trainers had handed to hmc_opt_step in epoch 0, as they went. */
+static atomic_ullong given0;
+
+typedef struct trainer {
+    int i;
+    struct node *node;
+    float params[N_PARAMS];
+    float stepped[N_PARAMS]; /* the gradients of the first local step */
+    int n_steps_called;
+    hmc_opt_report end;      /* the report of the call that ended epoch 0 */
+    unsigned long long given_at_end; /* given0 when epoch 0 ended here */
+    int err;
+    char msg[512];
+} trainer;
+
+static float grad_of(int i, size_t k) { return (float)(i + 1) + (float)k * 0.001f * (float)(i + 2); }
+
+static void local_step(void *ud, float *params, const float *grads, size_t n)
+{
+    trainer *t = ud;
+    if (t->n_steps_called++ == 0)
+        memcpy(t->stepped, grads, n * sizeof(float));
+    for (size_t k = 0; k < n; k++)
+        params[k] -= 0.1f * grads[k];
+}
+
+static void *train(void *arg)
+{
+    trainer *t = arg;
+    hmc *h = NULL;
+    hmc_opt *o = NULL;
+    char err[256];
+    float g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = grad_of(t->i, k);
+    if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0) {
+        snprintf(t->msg, sizeof(t->msg), "connect: %s", err);
+        return NULL;
+    }
+    hmc_set_timeout(h, 60000);
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "optrun";
+    oo.target_batch_size = TARGET;
+    oo.batch_size_per_step = batch[t->i];
+    oo.matchmaking_time_s = 6;
+    oo.averaging_timeout_s = 10;
+    oo.target_group_size = N_TRAINERS;
+    oo.step = local_step;
+    oo.step_ud = t;
+    if ((t->err = hmc_opt_open(h, &oo, N_PARAMS, &o)) != 0) {
+        snprintf(t->msg, sizeof(t->msg), "open: %s", hmc_last_error(h));
+        hmc_close(h);
+        return NULL;
+    }
+    long deadline = hm_test_now_ms() + 90000;
+    while (hmc_opt_local_epoch(o) == 0 && hm_test_now_ms() < deadline) {
+        hmc_opt_report rep;
+        atomic_fetch_add(&given0, batch[t->i]);
+        unsigned long long before = atomic_load(&given0);
+        if ((t->err = hmc_opt_step(o, g, 0, t->params, &rep)) != 0) {
+            snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
+            break;
+        }
+        if (rep.epoch_ended) {
+            t->end = rep;
+            t->given_at_end = before;
+        }
+        usleep(20000);
+    }
+    if (hmc_opt_local_epoch(o) == 0 && t->err == 0) {
+        t->err = -ETIMEDOUT;
+        snprintf(t->msg, sizeof(t->msg), "epoch 0 never ended");
+    }
+    hmc_opt_close(o);
+    hmc_close(h);
+    return NULL;
+}
+
+Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
+{
+    struct node nodes[N_TRAINERS];
+    trainer *t = calloc(N_TRAINERS, sizeof(*t));
+    pthread_t th[N_TRAINERS];
+    cr_assert_not_null(t);
+    start_swarm(nodes, N_TRAINERS);
+    for (int i = 0; i < N_TRAINERS; i++) {
+        t[i].i = i;
+        t[i].node = &nodes[i];
+        cr_assert_eq(pthread_create(&th[i], NULL, train, &t[i]), 0);
+    }
+    for (int i = 0; i < N_TRAINERS; i++)
+        pthread_join(th[i], NULL);
+    uint64_t total = 0;
+    for (int i = 0; i < N_TRAINERS; i++) {
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+        cr_assert(t[i].end.epoch_ended, "trainer %d: no epoch end seen", i);
+        cr_assert_eq(t[i].n_steps_called, 1, "trainer %d: %d local steps", i, t[i].n_steps_called);
+        cr_assert(t[i].end.averaged, "trainer %d stepped on its own gradients: %s", i,
+                  t[i].end.error);
+        cr_assert_eq(t[i].end.group_size, N_TRAINERS, "trainer %d: a group of %d", i,
+                     t[i].end.group_size);
+        cr_assert_eq(t[i].end.samples % batch[i], 0);
+        total += t[i].end.samples;
+    }
+    /* Not before: the samples the three accumulated in epoch 0 (each stops
+     * at its own end, and the first end makes the others end) reach the
+     * target, and every sample handed over was in the average. */
+    cr_log_info("epoch 0 ended at %llu samples: %llu, %llu, %llu", (unsigned long long)total,
+                (unsigned long long)t[0].end.samples, (unsigned long long)t[1].end.samples,
+                (unsigned long long)t[2].end.samples);
+    cr_assert(total >= TARGET, "epoch 0 ended at %llu samples, before the target %d",
+              (unsigned long long)total, TARGET);
+    cr_assert_eq(total, (uint64_t)atomic_load(&given0), "samples handed over in epoch 0: %llu, "
+                 "averaged: %llu", (unsigned long long)atomic_load(&given0),
+                 (unsigned long long)total);
+    for (int i = 0; i < N_TRAINERS; i++) {
+        for (size_t k = 0; k < N_PARAMS; k++) {
+            double want = 0;
+            for (int j = 0; j < N_TRAINERS; j++)
+                want += (double)t[j].end.samples * grad_of(j, k);
+            want /= (double)total;
+            cr_assert(fabs(t[i].stepped[k] - want) <= 1e-4 * fabs(want) + 1e-5,
+                      "trainer %d, element %zu: %.7g, the weighted mean is %.7g", i, k,
+                      t[i].stepped[k], want);
+        }
+    }
+    free(t);
+}
