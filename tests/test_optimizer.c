@@ -61,6 +61,10 @@ typedef struct trainer {
     unsigned long long given_at_end; /* given0 when epoch 0 ended here */
     int err;
     char msg[512];
+    uint64_t target;
+    double mm_s, avg_timeout_s;
+    long end_call_ms;        /* how long the call that ended epoch 0 took */
+    int pause_us;            /* between steps */
 } trainer;
 
 static float grad_of(int i, size_t k) { return (float)(i + 1) + (float)k * 0.001f * (float)(i + 2); }
@@ -91,10 +95,10 @@ static void *train(void *arg)
     hmc_opt_opts oo;
     hmc_opt_opts_init(&oo);
     oo.run_id = "optrun";
-    oo.target_batch_size = TARGET;
+    oo.target_batch_size = t->target;
     oo.batch_size_per_step = batch[t->i];
-    oo.matchmaking_time_s = 6;
-    oo.averaging_timeout_s = 10;
+    oo.matchmaking_time_s = t->mm_s;
+    oo.averaging_timeout_s = t->avg_timeout_s;
     oo.target_group_size = N_TRAINERS;
     oo.step = local_step;
     oo.step_ud = t;
@@ -108,6 +112,7 @@ static void *train(void *arg)
         hmc_opt_report rep;
         atomic_fetch_add(&given0, batch[t->i]);
         unsigned long long before = atomic_load(&given0);
+        long call_start = hm_test_now_ms();
         if ((t->err = hmc_opt_step(o, g, 0, t->params, &rep)) != 0) {
             snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
             break;
@@ -115,8 +120,9 @@ static void *train(void *arg)
         if (rep.epoch_ended) {
             t->end = rep;
             t->given_at_end = before;
+            t->end_call_ms = hm_test_now_ms() - call_start;
         }
-        usleep(20000);
+        usleep(t->pause_us);
     }
     if (hmc_opt_local_epoch(o) == 0 && t->err == 0) {
         t->err = -ETIMEDOUT;
@@ -137,6 +143,10 @@ Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
     for (int i = 0; i < N_TRAINERS; i++) {
         t[i].i = i;
         t[i].node = &nodes[i];
+        t[i].target = TARGET;
+        t[i].mm_s = 6;
+        t[i].avg_timeout_s = 10;
+        t[i].pause_us = 20000;
         cr_assert_eq(pthread_create(&th[i], NULL, train, &t[i]), 0);
     }
     for (int i = 0; i < N_TRAINERS; i++)
@@ -174,6 +184,72 @@ Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
                       "trainer %d, element %zu: %.7g, the weighted mean is %.7g", i, k,
                       t[i].stepped[k], want);
         }
+    }
+    free(t);
+}
+
+/*
+ * A trainer SIGKILLed mid-epoch (a child process that reported and then
+ * dies) holds the two others up by no more than the matchmaking time and
+ * the averaging timeout: they end the epoch, average between themselves
+ * (or fall back to their own gradients), and step.
+ */
+Test(optimizer, a_killed_trainer_holds_the_others_up_within_the_timeouts)
+{
+    struct node nodes[N_TRAINERS];
+    trainer *t = calloc(N_TRAINERS, sizeof(*t));
+    pthread_t th[N_TRAINERS];
+    cr_assert_not_null(t);
+    start_swarm(nodes, N_TRAINERS);
+    const double mm_s = 3, avg_timeout_s = 5;
+    for (int i = 0; i < N_TRAINERS; i++) {
+        t[i].i = i;
+        t[i].node = &nodes[i];
+        t[i].target = 600;
+        t[i].mm_s = mm_s;
+        t[i].avg_timeout_s = avg_timeout_s;
+        t[i].pause_us = 100000; /* about 100 samples/s in all: the target takes 6 s */
+    }
+    /* The victim: trainer 2 in a child process of its own. */
+    pid_t victim = fork();
+    cr_assert(victim >= 0);
+    if (victim == 0) {
+        train(&t[2]);
+        _exit(0);
+    }
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, train, &t[i]), 0);
+    /* Once the victim's report is in the swarm, and well before the target. */
+    hmc *h;
+    char err[256];
+    cr_assert_eq(hmc_connect(nodes[0].sock, &h, err, sizeof(err)), 0, "%s", err);
+    long deadline = hm_test_now_ms() + 20000;
+    int seen = 0;
+    while (!seen && hm_test_now_ms() < deadline) {
+        hmc_progress p;
+        cr_assert_eq(hmc_progress_get(h, "optrun", 0, &p, NULL), 0);
+        seen = p.n_peers == 3 && p.samples > 0 && p.samples < 400;
+        if (!seen)
+            usleep(100000);
+    }
+    cr_assert(seen, "the three trainers never showed in the progress");
+    cr_assert_eq(kill(victim, SIGKILL), 0);
+    waitpid(victim, NULL, 0);
+    hmc_close(h);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+        cr_assert(t[i].end.epoch_ended);
+        cr_assert_eq(t[i].n_steps_called, 1);
+        cr_assert(t[i].end.averaged || t[i].end.local_fallback);
+        if (t[i].end.averaged)
+            cr_assert(t[i].end.group_size == 2, "trainer %d: a group of %d with a dead member", i,
+                      t[i].end.group_size);
+        cr_log_info("trainer %d: the epoch's end took %ld ms (%s, group %d)", i, t[i].end_call_ms,
+                    t[i].end.averaged ? "averaged" : "local", t[i].end.group_size);
+        cr_assert(t[i].end_call_ms <= (long)((mm_s + avg_timeout_s) * 1000) + 3000,
+                  "trainer %d was held up %ld ms", i, t[i].end_call_ms);
     }
     free(t);
 }
