@@ -285,7 +285,9 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * gradients and the report says so. The local step runs on the result,
  * the accumulator is cleared and the epoch advances. A trainer more than
  * one epoch behind the swarm discards its gradients and jumps to the
- * global epoch (loading the parameters is the caller's, e.g. "state.load").
+ * global epoch; with share_state, every trainer shares its parameters
+ * after each step and a late one loads the newest (a peer's step must
+ * then be over the parameters only; optimizer statistics stay local).
  *
  * Matchmaking starts when the epoch ends, not matchmaking_time_s before
  * its estimated end: the peers of a swarm see the end within about a
@@ -304,6 +306,9 @@ typedef struct hmc_opt_opts {
     int client;                 /* a client's epoch does not lead, it reduces nothing */
     int target_group_size;      /* 0: 16 */
     const char *compression;    /* NULL: "none"; "fp16", "8bit" */
+    int share_state;            /* share the parameters after each epoch ("state.share" under
+                                   RUN, step = epoch) and load them when catching up */
+    double load_timeout_s;      /* 0: 30 */
     hmc_opt_step_fn step;       /* required: the local optimizer */
     void *step_ud;
 } hmc_opt_opts;
@@ -315,6 +320,7 @@ typedef struct hmc_opt_report {
     int averaged;          /* the step used the swarm's average */
     int local_fallback;    /* the round failed: the step used this trainer's gradients */
     int caught_up;         /* the trainer was behind and jumped to the global epoch */
+    int state_loaded;      /* and loaded the parameters of a peer (share_state) */
     uint64_t epoch;        /* the local epoch after the call */
     uint64_t global_epoch; /* as last read */
     uint64_t samples;      /* this trainer's samples in the epoch (before a step: those averaged) */

@@ -19,6 +19,13 @@
 #include <time.h>
 
 #define RUN_MAX 128
+/*
+ * How long after opening the optimizer trusts an empty view of the run: a
+ * peer's record reaches the others within about 1.5 s (the daemon's 0.5 s
+ * publication gap and 1 s read cache), so before this a trainer that sees
+ * nobody may simply not see them yet, and averages all the same.
+ */
+#define DISCOVERY_S 5.0
 
 struct hmc_opt {
     hmc *h;
@@ -28,9 +35,11 @@ struct hmc_opt {
     char peer_id[64];
     size_t n;
     hmc_buf *buf;  /* the accumulator: sum of grads * batch size, then the mean */
+    hmc_buf *state; /* the parameters shared or loaded (share_state) */
     float *local;  /* the local mean, kept for a failed round */
     uint64_t epoch, global_epoch, samples;
-    double sps, last_step_s;
+    size_t others; /* other trainers in the run, as last read */
+    double sps, last_step_s, opened_s;
 };
 
 static double mono_s(void)
@@ -56,6 +65,7 @@ void hmc_opt_close(hmc_opt *o)
     if (o == NULL)
         return;
     hmc_buf_free(o->buf);
+    hmc_buf_free(o->state);
     free(o->local);
     free(o);
 }
@@ -78,6 +88,7 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         return -ENOMEM;
     o->h = h;
     o->opts = *opts;
+    o->opened_s = mono_s();
     o->n = n_params;
     snprintf(o->run, sizeof(o->run), "%s", opts->run_id);
     snprintf(o->compression, sizeof(o->compression), "%s",
@@ -96,6 +107,10 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         goto fail;
     }
     if ((r = hmc_buf_alloc(h, n_params * sizeof(float), &o->buf)) != 0)
+        goto fail;
+    if (o->opts.load_timeout_s <= 0)
+        o->opts.load_timeout_s = 30;
+    if (o->opts.share_state && (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->state)) != 0)
         goto fail;
     /* Our own record is replaced by the exact local count when reading the swarm's. */
     if ((r = hmc_info(h, &info)) != 0)
@@ -133,11 +148,13 @@ static int read_swarm(hmc_opt *o, uint64_t *swarm_out)
         return -EPROTO;
     uint64_t sum = o->samples;
     size_t i;
+    o->others = 0;
     const json_t *peer;
     json_array_foreach(json_object_get(j, "peers"), i, peer) {
         const char *id = json_string_value(json_object_get(peer, "peer"));
         if (id != NULL && strcmp(id, o->peer_id) == 0)
             continue;
+        o->others++;
         if ((uint64_t)json_integer_value(json_object_get(peer, "epoch")) == o->epoch)
             sum += (uint64_t)json_integer_value(json_object_get(peer, "samples"));
     }
@@ -180,6 +197,53 @@ static void average(hmc_opt *o, hmc_opt_report *rep)
     hmc_free_string(json);
 }
 
+/* Shares params as the state of the epoch just reached. */
+static void share(hmc_opt *o, const float *params)
+{
+    char args[512], *res = NULL;
+    memcpy(hmc_buf_data(o->state), params, o->n * sizeof(float));
+    json_t *a = json_pack("{s:s, s:I, s:{s:I, s:i, s:I}}", "prefix", o->run, "step",
+                          (json_int_t)o->epoch, "data", "shm", (json_int_t)hmc_buf_id(o->state),
+                          "offset", 0, "elems", (json_int_t)o->n);
+    char *text = a != NULL ? json_dumps(a, JSON_COMPACT) : NULL;
+    json_decref(a);
+    if (text != NULL && strlen(text) < sizeof(args))
+        hmc_request(o->h, "state.share", text, &res);
+    free(text);
+    hmc_free_string(res);
+}
+
+/* Loads the newest shared parameters into params; 1 when it did. */
+static int load(hmc_opt *o, float *params)
+{
+    char *res = NULL;
+    json_t *a = json_pack("{s:s, s:f, s:i, s:{s:I, s:i, s:I}}", "prefix", o->run, "timeout",
+                          o->opts.load_timeout_s, "min_agree", 1, "data", "shm",
+                          (json_int_t)hmc_buf_id(o->state), "offset", 0, "elems",
+                          (json_int_t)o->n);
+    char *text = a != NULL ? json_dumps(a, JSON_COMPACT) : NULL;
+    json_decref(a);
+    int r = text != NULL ? hmc_call(o->h, "state.load", text,
+                                    (int)(o->opts.load_timeout_s * 1000) + 5000, &res, NULL)
+                         : -ENOMEM;
+    free(text);
+    if (r == 0) {
+        json_t *j = json_loads(res, 0, NULL);
+        uint64_t step = (uint64_t)json_integer_value(json_object_get(j, "step"));
+        uint64_t bytes = (uint64_t)json_integer_value(json_object_get(j, "bytes"));
+        json_decref(j);
+        if (bytes == o->n * sizeof(float)) {
+            memcpy(params, hmc_buf_data(o->state), o->n * sizeof(float));
+            if (step > o->epoch)
+                o->epoch = step;
+        } else {
+            r = -EPROTO;
+        }
+    }
+    hmc_free_string(res);
+    return r == 0;
+}
+
 int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *params,
                  hmc_opt_report *report)
 {
@@ -214,17 +278,27 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         o->samples = 0;
         o->epoch = o->global_epoch;
         rep.caught_up = 1;
+        if (o->opts.share_state)
+            rep.state_loaded = load(o, params);
         r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
     } else if (swarm >= o->opts.target_batch_size || o->global_epoch > o->epoch) {
         for (size_t i = 0; i < o->n; i++)
             o->local[i] = acc[i] /= (float)o->samples;
         rep.samples = o->samples;
-        average(o, &rep);
+        if (o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S) {
+            average(o, &rep);
+        } else {
+            /* Alone in the run: no group can form, so none is waited for. */
+            rep.local_fallback = 1;
+            snprintf(rep.error, sizeof(rep.error), "no other trainer in run '%s'", o->run);
+        }
         o->opts.step(o->opts.step_ud, params, acc, o->n);
         memset(acc, 0, o->n * sizeof(float));
         o->samples = 0;
         o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
         rep.epoch_ended = 1;
+        if (o->opts.share_state)
+            share(o, params);
         r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
     }
     if (!rep.epoch_ended)

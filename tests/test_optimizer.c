@@ -20,7 +20,8 @@
 
 #define N_TRAINERS 3
 #define N_PARAMS 1000
-#define TARGET 120
+/* With about 100 samples/s in all, about 6 s of training; one trainer alone would need 12 s or more. */
+#define TARGET 600
 
 static void setup(void) { hm_proc_setup("opt"); }
 static void teardown(void) { hm_proc_teardown(); }
@@ -146,7 +147,7 @@ Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
         t[i].target = TARGET;
         t[i].mm_s = 6;
         t[i].avg_timeout_s = 10;
-        t[i].pause_us = 20000;
+        t[i].pause_us = 100000;
         cr_assert_eq(pthread_create(&th[i], NULL, train, &t[i]), 0);
     }
     for (int i = 0; i < N_TRAINERS; i++)
@@ -171,6 +172,13 @@ Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
                 (unsigned long long)t[2].end.samples);
     cr_assert(total >= TARGET, "epoch 0 ended at %llu samples, before the target %d",
               (unsigned long long)total, TARGET);
+    /* The swarm's sum ended it, not one trainer's own count, and soon after
+     * the target (the records' lag is about 1.5 s, some 150 samples). */
+    for (int i = 0; i < N_TRAINERS; i++)
+        cr_assert(t[i].end.samples < TARGET, "trainer %d reached the target alone (%llu)", i,
+                  (unsigned long long)t[i].end.samples);
+    cr_assert(total < TARGET + 400, "epoch 0 ended late, at %llu samples",
+              (unsigned long long)total);
     cr_assert_eq(total, (uint64_t)atomic_load(&given0), "samples handed over in epoch 0: %llu, "
                  "averaged: %llu", (unsigned long long)atomic_load(&given0),
                  (unsigned long long)total);
@@ -252,4 +260,133 @@ Test(optimizer, a_killed_trainer_holds_the_others_up_within_the_timeouts)
                   "trainer %d was held up %ld ms", i, t[i].end_call_ms);
     }
     free(t);
+}
+
+/*
+ * A late peer: two trainers that share their parameters after each epoch
+ * run ahead; a third starts at epoch 0, is more than one epoch behind, and
+ * must discard its gradients, jump to the swarm's epoch and load the
+ * parameters the others reached there.
+ */
+#define MAX_EPOCHS 64
+typedef struct donor {
+    struct node *node;
+    int i;
+    float params[N_PARAMS];
+    float snap[MAX_EPOCHS][N_PARAMS]; /* the parameters at each epoch reached */
+    int have[MAX_EPOCHS];
+    atomic_int *stop;
+    int err;
+    char msg[256];
+} donor;
+
+static void plain_step(void *ud, float *params, const float *grads, size_t n)
+{
+    (void)ud;
+    for (size_t k = 0; k < n; k++)
+        params[k] -= 0.1f * grads[k];
+}
+
+static hmc_opt *open_sharing(hmc *h, int i)
+{
+    hmc_opt *o = NULL;
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "laterun";
+    oo.target_batch_size = 60;
+    oo.batch_size_per_step = batch[i];
+    oo.matchmaking_time_s = 3;
+    oo.averaging_timeout_s = 10;
+    oo.target_group_size = 2;
+    oo.share_state = 1;
+    oo.load_timeout_s = 20;
+    oo.step = plain_step;
+    cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), 0, "open: %s", hmc_last_error(h));
+    return o;
+}
+
+static void *donate(void *arg)
+{
+    donor *t = arg;
+    hmc *h = NULL;
+    char err[256];
+    float g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = grad_of(t->i, k);
+    if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0)
+        return NULL;
+    hmc_set_timeout(h, 60000);
+    hmc_opt *o = open_sharing(h, t->i);
+    long deadline = hm_test_now_ms() + 90000;
+    while (!atomic_load(t->stop) && hm_test_now_ms() < deadline) {
+        hmc_opt_report rep;
+        if ((t->err = hmc_opt_step(o, g, 0, t->params, &rep)) != 0) {
+            snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
+            break;
+        }
+        if (rep.epoch_ended && rep.epoch < MAX_EPOCHS) {
+            memcpy(t->snap[rep.epoch], t->params, sizeof(t->params));
+            t->have[rep.epoch] = 1;
+        }
+        usleep(20000);
+    }
+    hmc_opt_close(o);
+    hmc_close(h);
+    return NULL;
+}
+
+Test(optimizer, a_late_peer_catches_up_through_a_state_load)
+{
+    struct node nodes[N_TRAINERS];
+    donor *d = calloc(2, sizeof(*d));
+    pthread_t th[2];
+    atomic_int stop = 0;
+    cr_assert_not_null(d);
+    start_swarm(nodes, N_TRAINERS);
+    for (int i = 0; i < 2; i++) {
+        d[i].node = &nodes[i];
+        d[i].i = i;
+        d[i].stop = &stop;
+        cr_assert_eq(pthread_create(&th[i], NULL, donate, &d[i]), 0);
+    }
+    hmc *h;
+    char err[256];
+    cr_assert_eq(hmc_connect(nodes[2].sock, &h, err, sizeof(err)), 0, "%s", err);
+    hmc_set_timeout(h, 60000);
+    long deadline = hm_test_now_ms() + 60000;
+    hmc_progress p = {0};
+    while (p.global_epoch < 3 && hm_test_now_ms() < deadline) {
+        cr_assert_eq(hmc_progress_get(h, "laterun", 0, &p, NULL), 0);
+        usleep(200000);
+    }
+    cr_assert_geq(p.global_epoch, 3, "the swarm never reached epoch 3");
+    hmc_opt *o = open_sharing(h, 2);
+    float params[N_PARAMS] = {0}, g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = 1000.0f; /* gradients the late peer must discard */
+    hmc_opt_report rep;
+    cr_assert_eq(hmc_opt_step(o, g, 0, params, &rep), 0, "%s", hmc_last_error(h));
+    atomic_store(&stop, 1);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    cr_assert(rep.caught_up, "the late peer did not catch up (epoch %llu, global %llu)",
+              (unsigned long long)rep.epoch, (unsigned long long)rep.global_epoch);
+    cr_assert(!rep.epoch_ended, "the late peer stepped on its own gradients");
+    cr_assert(rep.state_loaded, "no state was loaded");
+    cr_assert_geq(rep.epoch, 3);
+    cr_assert_eq(hmc_opt_local_epoch(o), rep.epoch);
+    cr_assert(rep.epoch < MAX_EPOCHS);
+    /* The parameters are those a donor had at that epoch. */
+    int match = 0;
+    for (int i = 0; i < 2; i++)
+        if (d[i].have[rep.epoch] &&
+            memcmp(d[i].snap[rep.epoch], params, sizeof(params)) == 0)
+            match = 1;
+    cr_assert(match, "the loaded parameters (%g ...) are no donor's at epoch %llu", params[0],
+              (unsigned long long)rep.epoch);
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(d[i].err, 0, "donor %d: %s", i, d[i].msg);
+    hmc_opt_close(o);
+    hmc_close(h);
+    free(d);
 }
