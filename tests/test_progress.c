@@ -284,3 +284,41 @@ Test(progress, malformed_records_do_not_break_the_aggregate)
     hmc_close(h[0]);
     hmc_close(h[1]);
 }
+
+Test(progress, runs_are_bounded_per_connection_and_per_daemon)
+{
+    struct node nodes[1];
+    start_node(&nodes[0], "n0", NULL, "--progress-runs-per-connection", "2",
+               "--progress-max-runs", "3", NULL);
+    hmc *a = attach(&nodes[0]), *b = attach(&nodes[0]);
+    cr_assert_eq(report(a, "ra", 1, 1, 0, 0, 60, 30), 0);
+    cr_assert_eq(report(a, "rb", 1, 1, 0, 0, 60, 30), 0);
+    /* The same run again on the same connection is an update, not a new run. */
+    cr_assert_eq(report(a, "rb", 1, 2, 0, 0, 60, 30), 0);
+    cr_assert_eq(report(a, "rc", 1, 1, 0, 0, 60, 30), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(a), "limit");
+    cr_assert(strstr(hmc_last_error(a), "ProgressRunsPerConnection") != NULL, "%s",
+              hmc_last_error(a));
+    /* Another connection may not report a run this daemon already reports. */
+    cr_assert_eq(report(b, "ra", 1, 1, 0, 0, 60, 30), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(b), "conflict");
+    cr_assert_eq(report(b, "rd", 1, 1, 0, 0, 60, 30), 0);
+    cr_assert_eq(report(b, "re", 1, 1, 0, 0, 60, 30), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(b), "limit");
+    cr_assert(strstr(hmc_last_error(b), "ProgressMaxRuns") != NULL, "%s", hmc_last_error(b));
+    /* Both refusals are counted. */
+    char *out, *err;
+    cr_assert_eq(ctl(nodes[0].sock, "metrics", 0, &out, &err), 0);
+    cr_assert(strstr(out, "hivemindd_limit_refused_total{limit=\"ProgressRunsPerConnection\"} 1") != NULL);
+    cr_assert(strstr(out, "hivemindd_limit_refused_total{limit=\"ProgressMaxRuns\"} 1") != NULL);
+    free(out);
+    free(err);
+    /* A closed connection frees its runs. */
+    hmc_close(a);
+    long deadline = hm_test_now_ms() + 5000;
+    int r;
+    while ((r = report(b, "re", 1, 1, 0, 0, 60, 30)) != 0 && hm_test_now_ms() < deadline)
+        usleep(50000);
+    cr_assert_eq(r, 0, "%s", hmc_last_error(b));
+    hmc_close(b);
+}
