@@ -302,7 +302,9 @@ typedef struct hmc_opt_opts {
     uint64_t batch_size_per_step; /* the default batch size of hmc_opt_step (0: given each call) */
     double matchmaking_time_s;  /* 0: 5: how long to look for a group */
     double averaging_timeout_s; /* 0: 30: the all-reduce's deadline */
-    unsigned average_state_every; /* accepted for Hivemind's signature; state averaging is not done */
+    unsigned average_state_every; /* 0: never; else every N epochs, after the step, the
+                                     parameters are averaged with the peers (weight 1,
+                                     in the foreground; optimizer statistics stay local) */
     int client;                 /* a client's epoch does not lead, it reduces nothing */
     int target_group_size;      /* 0: 16 */
     const char *compression;    /* NULL: "none"; "fp16", "8bit" */
@@ -321,6 +323,7 @@ typedef struct hmc_opt_report {
     int local_fallback;    /* the round failed: the step used this trainer's gradients */
     int caught_up;         /* the trainer was behind and jumped to the global epoch */
     int state_loaded;      /* and loaded the parameters of a peer (share_state) */
+    int state_averaged;    /* the parameters were averaged after the step (average_state_every) */
     uint64_t epoch;        /* the local epoch after the call */
     uint64_t global_epoch; /* as last read */
     uint64_t samples;      /* this trainer's samples in the epoch (before a step: those averaged) */

@@ -35,7 +35,7 @@ struct hmc_opt {
     char peer_id[64];
     size_t n;
     hmc_buf *buf;  /* the accumulator: sum of grads * batch size, then the mean */
-    hmc_buf *state; /* the parameters shared or loaded (share_state) */
+    hmc_buf *state; /* the parameters shared, loaded or averaged */
     float *local;  /* the local mean, kept for a failed round */
     uint64_t epoch, global_epoch, samples;
     size_t others; /* other trainers in the run, as last read */
@@ -110,7 +110,8 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         goto fail;
     if (o->opts.load_timeout_s <= 0)
         o->opts.load_timeout_s = 30;
-    if (o->opts.share_state && (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->state)) != 0)
+    if ((o->opts.share_state || o->opts.average_state_every > 0) &&
+        (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->state)) != 0)
         goto fail;
     /* Our own record is replaced by the exact local count when reading the swarm's. */
     if ((r = hmc_info(h, &info)) != 0)
@@ -195,6 +196,28 @@ static void average(hmc_opt *o, hmc_opt_report *rep)
                  hmc_last_error_code(o->h)[0] ? ")" : "");
     }
     hmc_free_string(json);
+}
+
+/* Averages the parameters with the peers that reached the same epoch; 1 when it did. */
+static int average_params(hmc_opt *o, float *params)
+{
+    char prefix[RUN_MAX + 48];
+    hmc_avg_opts ao;
+    snprintf(prefix, sizeof(prefix), "%s.params.%llu", o->run, (unsigned long long)o->epoch);
+    memcpy(hmc_buf_data(o->state), params, o->n * sizeof(float));
+    hmc_avg_opts_init(&ao);
+    ao.prefix = prefix;
+    ao.timeout_s = o->opts.matchmaking_time_s;
+    ao.matchmaking_time_s = o->opts.matchmaking_time_s;
+    ao.round_timeout_s = o->opts.averaging_timeout_s;
+    ao.target_group_size = o->opts.target_group_size;
+    ao.min_group_size = o->opts.target_group_size > 1 ? 2 : 1;
+    ao.compression = o->compression;
+    ao.client_mode = o->opts.client;
+    if (hmc_average(o->h, o->state, 0, o->n, &ao, NULL) != 0)
+        return 0; /* a failed round leaves the parameters as they are */
+    memcpy(params, hmc_buf_data(o->state), o->n * sizeof(float));
+    return 1;
 }
 
 /* Shares params as the state of the epoch just reached. */
@@ -297,6 +320,9 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         o->samples = 0;
         o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
         rep.epoch_ended = 1;
+        if (o->opts.average_state_every > 0 && o->epoch % o->opts.average_state_every == 0 &&
+            (o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S))
+            rep.state_averaged = average_params(o, params);
         if (o->opts.share_state)
             share(o, params);
         r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);

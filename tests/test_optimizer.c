@@ -390,3 +390,91 @@ Test(optimizer, a_late_peer_catches_up_through_a_state_load)
     hmc_close(h);
     free(d);
 }
+
+/*
+ * average_state_every 1: two trainers that start from different
+ * parameters step on the same averaged gradients and then average their
+ * parameters, so both end epoch 0 with the mean of their stepped
+ * parameters.
+ */
+typedef struct st_trainer {
+    struct node *node;
+    int i;
+    float params[N_PARAMS];
+    hmc_opt_report end;
+    int err;
+    char msg[256];
+} st_trainer;
+
+static void *train_state(void *arg)
+{
+    st_trainer *t = arg;
+    hmc *h = NULL;
+    hmc_opt *o = NULL;
+    char err[256];
+    float g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++) {
+        g[k] = 1.0f; /* the same everywhere: the mean gradient is 1 */
+        t->params[k] = (float)(t->i * 10) + (float)k * 0.01f;
+    }
+    if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0)
+        return NULL;
+    hmc_set_timeout(h, 60000);
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "staterun";
+    oo.target_batch_size = 100;
+    oo.batch_size_per_step = batch[t->i];
+    oo.matchmaking_time_s = 4;
+    oo.averaging_timeout_s = 10;
+    oo.target_group_size = 2;
+    oo.average_state_every = 1;
+    oo.step = plain_step;
+    if ((t->err = hmc_opt_open(h, &oo, N_PARAMS, &o)) != 0) {
+        snprintf(t->msg, sizeof(t->msg), "open: %s", hmc_last_error(h));
+        hmc_close(h);
+        return NULL;
+    }
+    long deadline = hm_test_now_ms() + 60000;
+    while (hmc_opt_local_epoch(o) == 0 && hm_test_now_ms() < deadline) {
+        hmc_opt_report rep;
+        if ((t->err = hmc_opt_step(o, g, 0, t->params, &rep)) != 0) {
+            snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
+            break;
+        }
+        if (rep.epoch_ended)
+            t->end = rep;
+        usleep(50000);
+    }
+    hmc_opt_close(o);
+    hmc_close(h);
+    return NULL;
+}
+
+Test(optimizer, average_state_every_averages_the_parameters_after_the_step)
+{
+    struct node nodes[2];
+    st_trainer t[2];
+    pthread_t th[2];
+    memset(t, 0, sizeof(t));
+    start_swarm(nodes, 2);
+    for (int i = 0; i < 2; i++) {
+        t[i].node = &nodes[i];
+        t[i].i = i;
+        cr_assert_eq(pthread_create(&th[i], NULL, train_state, &t[i]), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+        cr_assert(t[i].end.epoch_ended && t[i].end.averaged, "trainer %d: %s", i, t[i].end.error);
+        cr_assert(t[i].end.state_averaged, "trainer %d did not average its parameters", i);
+    }
+    for (size_t k = 0; k < N_PARAMS; k++) {
+        /* Each stepped by -0.1 on the mean gradient 1, then the mean of 0 and 10. */
+        double want = 5.0 + (double)k * 0.01 - 0.1;
+        for (int i = 0; i < 2; i++)
+            cr_assert(fabs(t[i].params[k] - want) < 1e-4, "trainer %d, element %zu: %.7g, want %.7g",
+                      i, k, t[i].params[k], want);
+    }
+}
