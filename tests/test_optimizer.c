@@ -177,7 +177,7 @@ Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
     for (int i = 0; i < N_TRAINERS; i++)
         cr_assert(t[i].end.samples < TARGET, "trainer %d reached the target alone (%llu)", i,
                   (unsigned long long)t[i].end.samples);
-    cr_assert(total < TARGET + 400, "epoch 0 ended late, at %llu samples",
+    cr_assert(total < TARGET + 500, "epoch 0 ended late, at %llu samples",
               (unsigned long long)total);
     cr_assert_eq(total, (uint64_t)atomic_load(&given0), "samples handed over in epoch 0: %llu, "
                  "averaged: %llu", (unsigned long long)atomic_load(&given0),

@@ -204,8 +204,8 @@ Test(progress, a_record_is_refreshed_while_open_and_expires_after_close)
     hmc_close(h[1]);
     cr_assert(wait_counts(h, 1, "run2", 0, 0, 15000), "the record outlived its connection");
     long gone = hm_test_now_ms() - closed;
-    /* Its expiry, the cache's second and the polls; never at once when refreshed 1 s before. */
-    cr_assert(gone <= 3000 + 1000 + 2000, "gone after %ld ms", gone);
+    /* Its expiry (3 s), the cache's second and the polls, with room for a loaded machine. */
+    cr_assert(gone <= 3000 + 1000 + 4000, "gone after %ld ms", gone);
     hmc_close(h[0]);
 }
 
