@@ -55,6 +55,7 @@ typedef struct report {
     uint64_t last_pub_ms; /* monotonic */
     int dirty;            /* changed since the last publication */
     int put_busy;
+    uint64_t retry_ms;    /* a put that could not start is not retried before this */
     double ttl_s, refresh_s;
 } report;
 
@@ -190,8 +191,8 @@ static int publish(hm_cmd_progress *p, report *r, uint64_t now_ms)
     if (rc < 0) {
         op_end(o);
         hm_debug(MOD, "%s: cannot publish: %s", r->run, hm_strerror(rc));
-        /* Try again at the next gap rather than at once. */
-        r->last_pub_ms = now_ms;
+        /* Try again after a gap rather than at once (the DHT may be full of lookups). */
+        r->retry_ms = now_ms + PUBLISH_GAP_MS;
         return 0;
     }
     r->put_busy = 1;
@@ -205,14 +206,14 @@ static int publish(hm_cmd_progress *p, report *r, uint64_t now_ms)
 /* When r wants publishing next (monotonic ms). */
 static uint64_t due_ms(const report *r)
 {
-    uint64_t refresh = r->last_pub_ms + (uint64_t)llround(r->refresh_s * 1000.0);
-    if (!r->published)
-        return 0;
-    if (r->dirty) {
-        uint64_t gap = r->last_pub_ms + PUBLISH_GAP_MS;
-        return r->cur.epoch != r->pub_epoch ? 0 : HM_MIN(gap, refresh);
-    }
-    return refresh;
+    uint64_t refresh = r->last_pub_ms + (uint64_t)llround(r->refresh_s * 1000.0), due;
+    if (!r->published || r->cur.epoch != r->pub_epoch)
+        due = 0;
+    else if (r->dirty)
+        due = HM_MIN(r->last_pub_ms + PUBLISH_GAP_MS, refresh);
+    else
+        due = refresh;
+    return HM_MAX(due, r->retry_ms);
 }
 
 static void on_timer(uv_timer_t *t)
@@ -354,8 +355,8 @@ static void cmd_report(void *ud, hm_control_req *req, const json_t *args)
     r->dirty |= changed;
     int published = 0;
     uint64_t now = hm_now_ms();
-    if (!r->published || r->cur.epoch != r->pub_epoch ||
-        (r->dirty && now >= r->last_pub_ms + PUBLISH_GAP_MS))
+    if (now >= r->retry_ms && (!r->published || r->cur.epoch != r->pub_epoch ||
+                               (r->dirty && now >= r->last_pub_ms + PUBLISH_GAP_MS)))
         published = publish(p, r, now);
     arm(p);
     hm_daemon_reply(req, json_pack("{s:s, s:b}", "run", run, "published", published));
