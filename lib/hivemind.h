@@ -378,6 +378,121 @@ void hmc_diloco_close(hmc_diloco *d);
 int hmc_diloco_state_check(const void *blob, size_t len, size_t n_params, uint64_t *round_out,
                            int *has_momentum_out);
 
+/* ---- swarm progress (lib/progress.c) ---- */
+
+/*
+ * Reports this trainer's progress in run ("progress.report"): the epoch,
+ * the samples accumulated in it, the samples per second and whether it is
+ * a client. The daemon publishes it to the swarm (signed, refreshed while
+ * h stays open, gone about 60 s after h closes). One trainer per daemon
+ * and run. Returns 0, -EINVAL (run NULL, or a number the daemon refuses:
+ * -EREMOTEIO with "bad_args"), or hmc_request's errors.
+ */
+int hmc_progress_report(hmc *h, const char *run, uint64_t epoch, uint64_t samples,
+                        double samples_per_second, int client);
+
+/* The swarm's progress in a run, as "progress" gives it. */
+typedef struct hmc_progress {
+    uint64_t global_epoch;      /* the largest epoch over non-client peers */
+    uint64_t samples;           /* at the global epoch, extrapolated to now */
+    uint64_t target_batch_size; /* as asked; 0 when not */
+    double samples_per_second;  /* the swarm's throughput */
+    double eta_s;               /* to the target; < 0 when unknown */
+    size_t n_peers;             /* non-client peers */
+    size_t n_clients;
+} hmc_progress;
+
+/*
+ * Reads the aggregate ("progress"); target_batch_size 0 means none. out
+ * and json_out (the whole result, with the peers) may be NULL. The daemon
+ * caches its DHT reads for about a second, so calling this every step is
+ * fine.
+ */
+int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_progress *out,
+                     char **json_out);
+
+/* ---- the collaborative optimizer (lib/optimizer.c) ----
+ *
+ * Hivemind's Optimizer in C: a trainer's local optimizer (its own step
+ * function over its parameter and gradient arrays) wrapped so that the
+ * swarm takes one step per epoch on the gradients of target_batch_size
+ * samples from all its trainers. hmc_opt_step adds a step's gradients,
+ * weighted by its batch size, to an accumulator in a shared buffer and
+ * reports the trainer's progress ("progress.report"). An epoch ends when
+ * the samples the swarm reports at this epoch (never extrapolated, so
+ * never before they are in) reach target_batch_size, or when the global
+ * epoch has moved past ours. Then the accumulated mean gradient is
+ * averaged with the peers of the same epoch under "RUN.grad.EPOCH", each
+ * weighted by the samples it accumulated; if no group forms or the round
+ * fails (no group within matchmaking_time_s, an all-reduce past
+ * averaging_timeout_s), the trainer steps on its own
+ * gradients and the report says so. The local step runs on the result,
+ * the accumulator is cleared and the epoch advances. A trainer more than
+ * one epoch behind the swarm discards its gradients and jumps to the
+ * global epoch; with share_state, every trainer shares its parameters
+ * after each step and a late one loads the newest (a peer's step must
+ * then be over the parameters only; optimizer statistics stay local).
+ *
+ * Matchmaking starts when the epoch ends, not matchmaking_time_s before
+ * its estimated end: the peers of a swarm see the end within about a
+ * second of each other (the daemon's progress cache), and
+ * matchmaking_time_s is how long a leader waits for them.
+ */
+typedef void (*hmc_opt_step_fn)(void *ud, float *params, const float *grads, size_t n);
+
+typedef struct hmc_opt_opts {
+    const char *run_id;         /* required */
+    uint64_t target_batch_size; /* required: samples per swarm epoch */
+    uint64_t batch_size_per_step; /* the default batch size of hmc_opt_step (0: given each call) */
+    double matchmaking_time_s;  /* 0: 5: how long to look for a group */
+    double averaging_timeout_s; /* 0: 30: the all-reduce's deadline */
+    unsigned average_state_every; /* 0: never; else every N epochs, after the step, the
+                                     parameters are averaged with the peers (weight 1,
+                                     in the foreground; optimizer statistics stay local) */
+    int client;                 /* a client's epoch does not lead, it reduces nothing */
+    int target_group_size;      /* 0: 16 */
+    const char *compression;    /* NULL: "none"; "fp16", "8bit" */
+    int share_state;            /* share the parameters after each epoch ("state.share" under
+                                   RUN, step = epoch) and load them when catching up */
+    double load_timeout_s;      /* 0: 30 */
+    hmc_opt_step_fn step;       /* required: the local optimizer */
+    void *step_ud;
+} hmc_opt_opts;
+
+typedef struct hmc_opt hmc_opt;
+
+typedef struct hmc_opt_report {
+    int epoch_ended;       /* this call ended an epoch (and called the local step) */
+    int averaged;          /* the step used the swarm's average */
+    int local_fallback;    /* the round failed: the step used this trainer's gradients */
+    int caught_up;         /* the trainer was behind and jumped to the global epoch */
+    int state_loaded;      /* and loaded the parameters of a peer (share_state) */
+    int state_averaged;    /* the parameters were averaged after the step (average_state_every) */
+    uint64_t epoch;        /* the local epoch after the call */
+    uint64_t global_epoch; /* as last read */
+    uint64_t samples;      /* this trainer's samples in the epoch (before a step: those averaged) */
+    uint64_t swarm_samples; /* the swarm's at our epoch, as last read */
+    int group_size;        /* of the round, 0 when none */
+    char error[HMC_ERROR_MAX]; /* why the round failed */
+} hmc_opt_report;
+
+/* Sets the defaults above (everything else 0/NULL). */
+void hmc_opt_opts_init(hmc_opt_opts *o);
+/* n_params floats of parameters and gradients. 0, -EINVAL, -ENOMEM or hmc's errors. */
+int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **out);
+/*
+ * One local step's gradients (n_params floats, the mean over batch_size
+ * samples; batch_size 0 means batch_size_per_step); params is what the
+ * local step updates. report may be NULL. 0 or a negative code (the
+ * daemon unreachable); a failed round is not an error (see report).
+ */
+int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *params,
+                 hmc_opt_report *report);
+uint64_t hmc_opt_local_epoch(const hmc_opt *o);
+uint64_t hmc_opt_global_epoch(const hmc_opt *o);
+/* Frees the optimizer and its buffer (not h). NULL is fine. */
+void hmc_opt_close(hmc_opt *o);
+
 /* ---- the reply parser, exposed for tests and fuzzing ---- */
 
 /*

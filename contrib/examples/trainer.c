@@ -104,6 +104,8 @@ struct trainer_opts {
     int load_state;
     double load_timeout_s;
     size_t min_agree;
+    int collaborative;          /* train through hmc_opt_* instead */
+    size_t target_batch_size;
 };
 
 static void usage(FILE *f)
@@ -129,6 +131,13 @@ static void usage(FILE *f)
             "  --load-state             start from the newest state shared in the swarm\n"
             "  --load-timeout S         how long to try downloading it (default 60)\n"
             "  --min-agree N            donors that must declare the same state (default 1)\n"
+            "  --collaborative          train with the collaborative optimizer: accumulate\n"
+            "                           gradients until the swarm's samples reach the target\n"
+            "                           batch size, average them weighted by samples, then\n"
+            "                           step (replaces --average-every; run id: the state\n"
+            "                           prefix)\n"
+            "  --target-batch-size N    samples per swarm epoch with --collaborative\n"
+            "                           (default 1024)\n"
             "%s"
             "  -h, --help               this text\n",
             hm_train_common_usage);
@@ -421,13 +430,23 @@ out:
     return result;
 }
 
+/* The collaborative optimizer's local step: the model's own optimizer on the averaged gradients. */
+static void model_step(void *ud, float *params, const float *grads, size_t n)
+{
+    hm_model *m = ud;
+    (void)params; /* hm_model_step updates hm_model_params(m), which params is */
+    /* The model keeps its gradient in the buffer hm_model_grad shows. */
+    memcpy((float *)(uintptr_t)hm_model_grad(m), grads, n * sizeof(float));
+    hm_model_step(m);
+}
+
 static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
 {
     static const char *const names[] = {"--socket", "--expert-prefix", "--average-prefix",
                                         "--k-min", "--timeout", "--timeout-after-k-min",
                                         "--find-every", "--average-every", "--group-size",
                                         "--share-every", "--state-prefix", "--load-timeout",
-                                        "--min-agree"};
+                                        "--min-agree", "--target-batch-size"};
     const size_t count = sizeof(names) / sizeof(names[0]);
     const char *arg = argv[*i], *val = NULL;
     size_t which = count;
@@ -442,6 +461,10 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
     if (which == count) {
         if (strcmp(arg, "--load-state") == 0) {
             t->load_state = 1;
+            return 1;
+        }
+        if (strcmp(arg, "--collaborative") == 0) {
+            t->collaborative = 1;
             return 1;
         }
         return 0;
@@ -489,7 +512,8 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
         return -EINVAL;
     }
     if ((which == 3 && (x < 1 || x > HM_MODEL_MAX_K)) || (which == 6 && x < 1) ||
-        (which == 8 && (x < 1 || x > 64)) || (which == 12 && (x < 1 || x > 16))) {
+        (which == 8 && (x < 1 || x > 64)) || (which == 12 && (x < 1 || x > 16)) ||
+        (which == 13 && x < 1)) {
         fprintf(stderr, "%s: %llu is out of range\n", names[which], x);
         return -EINVAL;
     }
@@ -503,6 +527,8 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
         t->group_size = (size_t)x;
     else if (which == 9)
         t->share_every = (size_t)x;
+    else if (which == 13)
+        t->target_batch_size = (size_t)x;
     else
         t->min_agree = (size_t)x;
     return 1;
@@ -514,12 +540,14 @@ int main(int argc, char **argv)
     struct trainer_opts t = {.expert_prefix = "ffn", .average_prefix = "fmnist.params",
                              .k_min = 1, .timeout_s = 5, .after_k_min_s = 1,
                              .find_every = 200, .average_every = 100, .group_size = 16,
-                             .state_prefix = "fmnist", .load_timeout_s = 60, .min_agree = 1};
+                             .state_prefix = "fmnist", .load_timeout_s = 60, .min_agree = 1,
+                             .target_batch_size = 1024};
     hm_train_data d;
     hm_model *m = NULL;
     struct remote r;
     hmc_buf *pb = NULL, *sb = NULL;
     hmc_round *round = NULL;
+    hmc_opt *opt = NULL;
     float *snapshot = NULL;
     sigset_t sigs;
     char err[HMC_ERROR_MAX];
@@ -593,6 +621,22 @@ int main(int argc, char **argv)
         goto out;
     }
     hm_model_experts ex = {.ud = &r, .forward = remote_forward, .backward = remote_backward};
+    if (t.collaborative) {
+        hmc_opt_opts oo;
+        hmc_opt_opts_init(&oo);
+        oo.run_id = t.state_prefix;
+        oo.target_batch_size = t.target_batch_size;
+        oo.batch_size_per_step = o.batch;
+        oo.target_group_size = (int)t.group_size;
+        oo.step = model_step;
+        oo.step_ud = m;
+        t.average_every = 0; /* the optimizer averages, at each epoch's end */
+        if ((rc = hmc_opt_open(r.h, &oo, np, &opt)) < 0) {
+            fprintf(stderr, "trainer: collaborative optimizer: %s (%s)\n", strerror(-rc),
+                    hmc_last_error(r.h));
+            goto out;
+        }
+    }
 
     printf("config batch=%zu dim=%zu experts=%zux%zu k_best=%zu k_min=%zu params=%zu "
            "expert_prefix=%s average_prefix=%s average_every=%zu\n",
@@ -682,7 +726,24 @@ int main(int argc, char **argv)
 
         hm_train_next_batch(&d);
         hm_model_result res;
-        rc = hm_model_train_step(m, &ex, d.x, d.y, o.batch, &res);
+        if (opt != NULL) {
+            rc = hm_model_backward(m, &ex, d.x, d.y, o.batch, NULL, &res);
+            hmc_opt_report orep;
+            int orc = rc < 0 ? 0
+                             : hmc_opt_step(opt, hm_model_grad(m), o.batch, hm_model_params(m),
+                                            &orep);
+            if (orc < 0) {
+                note_failure(&r, orc, "collaborative step");
+            } else if (rc >= 0 && orep.epoch_ended) {
+                printf("epoch t=%.2f step=%zu epoch=%llu samples=%llu status=%s group=%d\n",
+                       hm_train_seconds(start), step + 1, (unsigned long long)orep.epoch,
+                       (unsigned long long)orep.samples, orep.averaged ? "ok" : "local",
+                       orep.group_size);
+                fflush(stdout);
+            }
+        } else {
+            rc = hm_model_train_step(m, &ex, d.x, d.y, o.batch, &res);
+        }
         if (rc < 0) {
             skipped++;
             step++;
@@ -794,6 +855,7 @@ int main(int argc, char **argv)
     fflush(stdout);
     result = r.fatal ? 1 : 0;
 out:
+    hmc_opt_close(opt);
     hmc_round_free(round);
     hmc_buf_free(pb);
     hmc_buf_free(sb);

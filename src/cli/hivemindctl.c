@@ -75,7 +75,11 @@ static void usage(FILE *f)
             "  experts call UID --in FILE --out FILE [--timeout S]\n"
             "             one forward pass of expert UID, wherever it is hosted, on a raw\n"
             "             float32 [batch, d] file; the output is written to OUT (default\n"
-            "             timeout 30 s)\n\n"
+            "             timeout 30 s)\n"
+            "  progress RUN [--target N]\n"
+            "             the swarm's progress in training run RUN: global epoch, samples\n"
+            "             toward the target batch size N, throughput, time to the target\n"
+            "             and each peer's report\n\n"
             "Options:\n"
             "  -s, --socket PATH    control socket (default: $HIVEMINDD_CONTROL_SOCKET, else\n"
             "                       the daemon's default for this user)\n"
@@ -368,6 +372,7 @@ enum {
     OPT_HIDDEN,
     OPT_OPTIMIZER,
     OPT_LR,
+    OPT_PROGRESS_TARGET,
 };
 
 /* The averaging options; --in and --out also serve experts call. */
@@ -392,6 +397,7 @@ typedef struct cli {
     int timeout_given;
     avg_flags avg;
     ex_flags ex;
+    const char *progress_target; /* progress --target */
 } cli;
 
 /*
@@ -596,6 +602,54 @@ static int build_experts_call(const cli *c, request *rq)
     return BUILD_OK;
 }
 
+static int build_progress(const cli *c, request *rq)
+{
+    if (c->npos != 1)
+        return BUILD_SHAPE;
+    if (strlen(c->pos[0]) == 0 || strlen(c->pos[0]) > 128) {
+        fprintf(stderr, "hivemindctl: RUN must be 1 to 128 bytes\n");
+        return BUILD_BAD;
+    }
+    rq->args = json_pack("{s:s}", "run", c->pos[0]);
+    if (rq->args == NULL)
+        return BUILD_BAD;
+    if (set_num(rq->args, "target_batch_size", "--target", c->progress_target, 1,
+                9007199254740991.0, 1, NULL) < 0)
+        return BUILD_BAD;
+    return BUILD_OK;
+}
+
+static void print_progress(const json_t *r)
+{
+    const json_t *target = json_object_get(r, "target_batch_size");
+    const json_t *eta = json_object_get(r, "eta_s");
+    printf("run: %s\n", jstr(r, "run"));
+    printf("global epoch: %lld\n", (long long)json_integer_value(json_object_get(r, "global_epoch")));
+    if (target != NULL)
+        printf("samples: %lld of %lld\n", (long long)json_integer_value(json_object_get(r, "samples")),
+               (long long)json_integer_value(target));
+    else
+        printf("samples: %lld\n", (long long)json_integer_value(json_object_get(r, "samples")));
+    printf("samples per second: %.1f\n", jnum(r, "samples_per_second"));
+    if (json_is_number(eta))
+        printf("eta: %.1f s\n", json_number_value(eta));
+    else
+        printf("eta: unknown\n");
+    printf("peers: %lld, clients: %lld\n", (long long)json_integer_value(json_object_get(r, "n_peers")),
+           (long long)json_integer_value(json_object_get(r, "n_clients")));
+    const json_t *peers = json_object_get(r, "peers");
+    if (json_array_size(peers) > 0)
+        printf("%-12s %8s %12s %10s %6s\n", "PEER", "EPOCH", "SAMPLES", "SAMPLES/S", "CLIENT");
+    size_t i;
+    const json_t *p;
+    json_array_foreach(peers, i, p) {
+        printf("%-12.12s %8lld %12lld %10.1f %6s\n", jstr(p, "peer"),
+               (long long)json_integer_value(json_object_get(p, "epoch")),
+               (long long)json_integer_value(json_object_get(p, "samples")),
+               jnum(p, "samples_per_second"),
+               json_is_true(json_object_get(p, "client")) ? "yes" : "no");
+    }
+}
 
 static void print_metrics(const json_t *r)
 {
@@ -662,6 +716,7 @@ static const command commands[] = {
     {"experts", "list", "experts.list", build_experts_list, print_experts, NULL},
     {"experts", "host", "experts.host", build_experts_host, print_experts_host, NULL},
     {"experts", "call", "experts.call", build_experts_call, print_experts_call, NULL},
+    {"progress", NULL, "progress", build_progress, print_progress, NULL},
 };
 
 /*
@@ -674,6 +729,7 @@ static const struct {
     {"dht", "'dht get KEY [SUBKEY]', 'dht put KEY VALUE [--subkey S] [--ttl SECONDS]' or "
             "'dht info'"},
     {"average", "'average PREFIX --in FILE --out FILE ...'"},
+    {"progress", "'progress RUN [--target N]'"},
     {"experts", "'experts list [PREFIX]', 'experts host PATTERN [--type T] [--dim D] "
                 "[--hidden H] [--optimizer O] [--lr R]' or 'experts call UID --in FILE --out "
                 "FILE [--timeout S]'"},
@@ -817,6 +873,7 @@ int main(int argc, char **argv)
         {"hidden", required_argument, NULL, OPT_HIDDEN},
         {"optimizer", required_argument, NULL, OPT_OPTIMIZER},
         {"lr", required_argument, NULL, OPT_LR},
+        {"target", required_argument, NULL, OPT_PROGRESS_TARGET},
         {NULL, 0, NULL, 0},
     };
     cli c = {.timeout_s = 10};
@@ -895,6 +952,9 @@ int main(int argc, char **argv)
         case OPT_LR:
             ex->lr = optarg, ex->any = 1;
             break;
+        case OPT_PROGRESS_TARGET:
+            c.progress_target = optarg;
+            break;
         case 'K':
             c.subkey = optarg;
             break;
@@ -967,6 +1027,11 @@ int main(int argc, char **argv)
     if ((c.subkey != NULL || c.ttl > 0) && strcmp(name, "dht") != 0) {
         fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
         usage_hint();
+        return HM_EXIT_USAGE;
+    }
+    if (c.progress_target != NULL && strcmp(name, "progress") != 0) {
+        fprintf(stderr, "hivemindctl: --target goes with progress\n");
+        usage(stderr);
         return HM_EXIT_USAGE;
     }
     request rq = {.args = NULL, .wait_s = c.timeout_s};

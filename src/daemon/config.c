@@ -213,6 +213,11 @@ static const struct opt opts[] = {
      4294967295u, 0, "STEPS", "a state download takes no step more than STEPS ahead of the "
      "state most origins vouch for (default 0: no bound)"},
     /* -- progress options -- */
+    {"ProgressMaxRuns", "progress-max-runs", T_UINT, FIELD(progress_max_runs), 1, 4096, 0, "N",
+     "progress reports (runs of attached trainers) this daemon publishes at once (default 64)"},
+    {"ProgressRunsPerConnection", "progress-runs-per-connection", T_UINT,
+     FIELD(progress_runs_per_connection), 1, 64, 0, "N",
+     "runs one control connection may report progress in (default 4)"},
     /* -- netlab options -- */
     {"TestDelayMs", "test-delay-ms", T_UINT, FIELD(test_delay_ms), 0, 10000, 0, "MS",
      "for tests only, never in production: hold every datagram and stream message this "
@@ -540,6 +545,8 @@ void hm_config_defaults(hm_config *c)
     c->average_bandwidth_factor = 2;
     c->average_members_per_origin = 1;
     c->state_donors_per_origin = 1;
+    c->progress_max_runs = 64;
+    c->progress_runs_per_connection = 4;
     c->expert_max_queued = 16384;
     c->expert_max_queued_mib = 1024;
     c->expert_record_max_ttl_s = 300;

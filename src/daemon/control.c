@@ -80,6 +80,12 @@ struct hm_control {
     uint64_t next_conn_id;
     hm_control_conn_closed_cb conn_closed_cb;
     void *conn_closed_ud;
+    /* More listeners (hm_control_add_close_cb), after the one above. */
+    struct {
+        hm_control_conn_closed_cb cb;
+        void *ud;
+    } more_closed[HM_CONTROL_MAX_CLOSE_CBS];
+    size_t n_more_closed;
     hm_control_busy_cb busy_cb;
     void *busy_ud;
 };
@@ -266,6 +272,8 @@ static void client_close(struct client *c)
     /* Rejected clients never ran a command, so nothing can hang off them. */
     if (!c->rejected && ctl->conn_closed_cb != NULL)
         ctl->conn_closed_cb(ctl->conn_closed_ud, c->conn_id);
+    for (size_t i = 0; !c->rejected && i < ctl->n_more_closed; i++)
+        ctl->more_closed[i].cb(ctl->more_closed[i].ud, c->conn_id);
     uv_read_stop((uv_stream_t *)&c->pipe);
     uv_timer_stop(&c->idle);
     uv_close((uv_handle_t *)&c->pipe, on_client_handle_closed);
@@ -659,6 +667,17 @@ void hm_control_set_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void
 {
     ctl->conn_closed_cb = cb;
     ctl->conn_closed_ud = ud;
+}
+
+int hm_control_add_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void *ud)
+{
+    if (cb == NULL)
+        return -EINVAL;
+    if (ctl->n_more_closed >= HM_CONTROL_MAX_CLOSE_CBS)
+        return -ENOBUFS;
+    ctl->more_closed[ctl->n_more_closed].cb = cb;
+    ctl->more_closed[ctl->n_more_closed++].ud = ud;
+    return 0;
 }
 
 void hm_control_set_idle_check(hm_control *ctl, hm_control_busy_cb busy, void *ud)

@@ -106,6 +106,14 @@ uint64_t hm_control_req_client(const hm_control_req *req);
  */
 typedef void (*hm_control_conn_closed_cb)(void *ud, uint64_t conn_id);
 void hm_control_set_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void *ud);
+/*
+ * Adds one more such listener (they fire in the order added, after the
+ * one set above), for command groups that tie state of their own to a
+ * connection. 0, -EINVAL (cb NULL) or -ENOBUFS (HM_CONTROL_MAX_CLOSE_CBS
+ * already).
+ */
+#define HM_CONTROL_MAX_CLOSE_CBS 4
+int hm_control_add_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void *ud);
 
 /*
  * busy(ud, conn_id) is asked when a connection has been idle for the idle

@@ -11,6 +11,7 @@
  *                  references the other groups take
  *   cmd_experts.c  experts.* (cmd_experts.h)
  *   cmd_state.c    state.* (cmd_state.h)
+ *   cmd_progress.c progress.report, progress (the record: progress.h)
  *
  * and the argument checks they all use (args.c). Every group registers
  * through the same function shape (hm_daemon_group_fn), and gets what it
@@ -50,6 +51,7 @@
 typedef struct hm_cmd_experts hm_cmd_experts;
 typedef struct hm_cmd_state hm_cmd_state;
 typedef struct hm_cmd_average hm_cmd_average;
+typedef struct hm_cmd_progress hm_cmd_progress;
 
 /*
  * What the command groups see of the daemon. main.c fills it before the
@@ -67,6 +69,7 @@ typedef struct hm_daemon {
     hm_cmd_experts *experts;
     hm_cmd_average *average;
     hm_cmd_state *state;
+    hm_cmd_progress *progress; /* closed after the control server (cmd_progress.c) */
     /* Begins the shutdown (the "shutdown" command); why goes to the log. */
     void (*stop)(struct hm_daemon *d, const char *why);
 } hm_daemon;
@@ -84,6 +87,13 @@ int hm_cmd_average_register(hm_daemon *d, hm_control *ctl, char *err, size_t err
 int hm_cmd_shm_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
 int hm_cmd_experts_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
 int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+int hm_cmd_progress_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+/* Closes the progress group (its timer, its pending queries answer
+ * "stopping"); cb fires once it is freed. Call it after the control
+ * server has closed. */
+void hm_cmd_progress_close(hm_cmd_progress *p, void (*cb)(void *ud), void *ud);
+/* ProgressMaxRuns and ProgressRunsPerConnection, for hm_daemon_limit_metrics. */
+void hm_cmd_progress_limits(const hm_cmd_progress *p, hm_limit_emit_fn emit, void *ud);
 
 /*
  * Closes the average group once its commands in flight have answered

@@ -105,6 +105,8 @@ typedef struct hm_config {
     char state_trusted_donors[HM_CONFIG_TRUSTED_LEN]; /* comma-separated peer ids; empty: none */
     unsigned state_max_step_lead;        /* steps ahead of the most-vouched state; 0: none */
     /* -- progress fields -- */
+    unsigned progress_max_runs;            /* progress reports published at once */
+    unsigned progress_runs_per_connection; /* runs one control connection reports */
     /* -- netlab fields -- */
     unsigned test_delay_ms;              /* tests only: delay everything sent; 0: off */
     /* -- announce fields -- */

@@ -77,12 +77,14 @@ static const struct {
     {"node", hm_cmd_node_register},       {"dht", hm_cmd_dht_register},
     {"average", hm_cmd_average_register}, {"shm", hm_cmd_shm_register},
     {"experts", hm_cmd_experts_register}, {"state", hm_cmd_state_register},
+    {"progress", hm_cmd_progress_register},
 };
 
 /* The command groups that hold state of their own and have not closed. */
 static int groups_open(const daemon_t *d)
 {
-    return (d->pub.experts != NULL) + (d->pub.average != NULL) + (d->pub.state != NULL);
+    return (d->pub.experts != NULL) + (d->pub.average != NULL) + (d->pub.state != NULL) +
+           (d->pub.progress != NULL);
 }
 
 /* ---- systemd notification ---- */
@@ -132,6 +134,19 @@ static void on_part_closed(void *ud)
 }
 
 static void close_node(daemon_t *d);
+
+/* The progress group ties reports to connections, so it closes once the
+ * control server (and with it every connection) has. */
+static void on_ctl_closed(void *ud)
+{
+    daemon_t *d = ud;
+    d->parts_open--;
+    if (d->pub.progress != NULL) {
+        hm_cmd_progress *p = d->pub.progress;
+        d->pub.progress = NULL;
+        hm_cmd_progress_close(p, on_part_closed, d);
+    }
+}
 
 static void on_experts_closed(void *ud)
 {
@@ -192,7 +207,7 @@ static void close_node(daemon_t *d)
         d->pub.average = NULL;
     }
     if (d->ctl != NULL) {
-        hm_control_close(d->ctl, on_part_closed, d);
+        hm_control_close(d->ctl, on_ctl_closed, d);
         d->ctl = NULL;
     }
     if (d->pub.node != NULL) {

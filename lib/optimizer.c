@@ -1,0 +1,337 @@
+/*
+ * optimizer: the collaborative optimizer of libhivemind (hivemind.h,
+ * hmc_opt_*): gradient accumulation toward a swarm-wide batch, epochs
+ * from the daemon's progress aggregate, sample-weighted gradient
+ * averaging at an epoch's end, and the local step. It owns the
+ * accumulator (a shared buffer, which the daemon averages in place) and a
+ * copy of the local mean gradient for the fallback; the hmc handle stays
+ * the caller's.
+ */
+#include "config.h"
+
+#include "lib/hivemind.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define RUN_MAX 128
+/*
+ * How long after opening the optimizer trusts an empty view of the run: a
+ * peer's record reaches the others within about 1.5 s (the daemon's 0.5 s
+ * publication gap and 1 s read cache), so before this a trainer that sees
+ * nobody may simply not see them yet, and averages all the same.
+ */
+#define DISCOVERY_S 5.0
+
+struct hmc_opt {
+    hmc *h;
+    hmc_opt_opts opts;
+    char run[RUN_MAX + 1];
+    char compression[8];
+    char peer_id[64];
+    size_t n;
+    hmc_buf *buf;  /* the accumulator: sum of grads * batch size, then the mean */
+    hmc_buf *state; /* the parameters shared, loaded or averaged */
+    float *local;  /* the local mean, kept for a failed round */
+    uint64_t epoch, global_epoch, samples;
+    size_t others; /* other trainers in the run, as last read */
+    double sps, last_step_s, opened_s;
+};
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+void hmc_opt_opts_init(hmc_opt_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->matchmaking_time_s = 5;
+    o->averaging_timeout_s = 30;
+    o->target_group_size = 16;
+}
+
+uint64_t hmc_opt_local_epoch(const hmc_opt *o) { return o->epoch; }
+uint64_t hmc_opt_global_epoch(const hmc_opt *o) { return o->global_epoch; }
+
+void hmc_opt_close(hmc_opt *o)
+{
+    if (o == NULL)
+        return;
+    hmc_buf_free(o->buf);
+    hmc_buf_free(o->state);
+    free(o->local);
+    free(o);
+}
+
+int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **out)
+{
+    char *info = NULL;
+    int r;
+    *out = NULL;
+    if (h == NULL || opts == NULL || opts->run_id == NULL || opts->run_id[0] == '\0' ||
+        strlen(opts->run_id) > RUN_MAX || opts->target_batch_size == 0 || opts->step == NULL ||
+        n_params == 0 || n_params > ((size_t)1 << 30) || opts->matchmaking_time_s < 0 ||
+        opts->averaging_timeout_s < 0 || opts->target_group_size < 0 ||
+        opts->target_group_size > 64 ||
+        (opts->compression != NULL && strcmp(opts->compression, "none") != 0 &&
+         strcmp(opts->compression, "fp16") != 0 && strcmp(opts->compression, "8bit") != 0))
+        return -EINVAL;
+    hmc_opt *o = calloc(1, sizeof(*o));
+    if (o == NULL)
+        return -ENOMEM;
+    o->h = h;
+    o->opts = *opts;
+    o->opened_s = mono_s();
+    o->n = n_params;
+    snprintf(o->run, sizeof(o->run), "%s", opts->run_id);
+    snprintf(o->compression, sizeof(o->compression), "%s",
+             opts->compression != NULL ? opts->compression : "none");
+    o->opts.run_id = o->run;
+    o->opts.compression = o->compression;
+    if (o->opts.matchmaking_time_s == 0)
+        o->opts.matchmaking_time_s = 5;
+    if (o->opts.averaging_timeout_s == 0)
+        o->opts.averaging_timeout_s = 30;
+    if (o->opts.target_group_size == 0)
+        o->opts.target_group_size = 16;
+    o->local = malloc(n_params * sizeof(float));
+    if (o->local == NULL) {
+        r = -ENOMEM;
+        goto fail;
+    }
+    if ((r = hmc_buf_alloc(h, n_params * sizeof(float), &o->buf)) != 0)
+        goto fail;
+    if (o->opts.load_timeout_s <= 0)
+        o->opts.load_timeout_s = 30;
+    if ((o->opts.share_state || o->opts.average_state_every > 0) &&
+        (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->state)) != 0)
+        goto fail;
+    /* Our own record is replaced by the exact local count when reading the swarm's. */
+    if ((r = hmc_info(h, &info)) != 0)
+        goto fail;
+    json_t *j = json_loads(info, 0, NULL);
+    hmc_free_string(info);
+    const char *pid = json_string_value(json_object_get(j, "peer_id"));
+    snprintf(o->peer_id, sizeof(o->peer_id), "%s", pid != NULL ? pid : "");
+    json_decref(j);
+    /* The trainer is in the swarm from the start, at epoch 0. */
+    if ((r = hmc_progress_report(h, o->run, 0, 0, 0, o->opts.client)) != 0)
+        goto fail;
+    *out = o;
+    return 0;
+fail:
+    hmc_opt_close(o);
+    return r;
+}
+
+/*
+ * Reads the swarm's progress: the global epoch and the samples reported
+ * at our epoch, raw (never extrapolated), with our own exact count in
+ * place of our record.
+ */
+static int read_swarm(hmc_opt *o, uint64_t *swarm_out)
+{
+    char *text = NULL;
+    hmc_progress p;
+    int r = hmc_progress_get(o->h, o->run, o->opts.target_batch_size, &p, &text);
+    if (r != 0)
+        return r;
+    json_t *j = json_loads(text, 0, NULL);
+    hmc_free_string(text);
+    if (j == NULL)
+        return -EPROTO;
+    uint64_t sum = o->samples;
+    size_t i;
+    o->others = 0;
+    const json_t *peer;
+    json_array_foreach(json_object_get(j, "peers"), i, peer) {
+        const char *id = json_string_value(json_object_get(peer, "peer"));
+        if (id != NULL && strcmp(id, o->peer_id) == 0)
+            continue;
+        o->others++;
+        if ((uint64_t)json_integer_value(json_object_get(peer, "epoch")) == o->epoch)
+            sum += (uint64_t)json_integer_value(json_object_get(peer, "samples"));
+    }
+    json_decref(j);
+    o->global_epoch = p.global_epoch;
+    *swarm_out = sum;
+    return 0;
+}
+
+/* Averages the accumulated mean with the epoch's peers; fills the report. */
+static void average(hmc_opt *o, hmc_opt_report *rep)
+{
+    char prefix[RUN_MAX + 48], *json = NULL;
+    hmc_avg_opts ao;
+    snprintf(prefix, sizeof(prefix), "%s.grad.%llu", o->run, (unsigned long long)o->epoch);
+    hmc_avg_opts_init(&ao);
+    ao.prefix = prefix;
+    ao.weight = (double)o->samples;
+    ao.timeout_s = o->opts.matchmaking_time_s;
+    ao.matchmaking_time_s = o->opts.matchmaking_time_s;
+    ao.round_timeout_s = o->opts.averaging_timeout_s;
+    ao.target_group_size = o->opts.target_group_size;
+    ao.min_group_size = o->opts.target_group_size > 1 ? 2 : 1;
+    ao.compression = o->compression;
+    ao.client_mode = o->opts.client;
+    int r = hmc_average(o->h, o->buf, 0, o->n, &ao, &json);
+    if (r == 0) {
+        json_t *j = json_loads(json, 0, NULL);
+        rep->group_size = (int)json_integer_value(json_object_get(j, "group_size"));
+        json_decref(j);
+        rep->averaged = 1;
+    } else {
+        /* Chunks a failed round did not average keep whatever they hold: use ours. */
+        memcpy(hmc_buf_data(o->buf), o->local, o->n * sizeof(float));
+        rep->local_fallback = 1;
+        snprintf(rep->error, sizeof(rep->error), "%s%s%s%s", hmc_last_error(o->h),
+                 hmc_last_error_code(o->h)[0] ? " (" : "", hmc_last_error_code(o->h),
+                 hmc_last_error_code(o->h)[0] ? ")" : "");
+    }
+    hmc_free_string(json);
+}
+
+/* Averages the parameters with the peers that reached the same epoch; 1 when it did. */
+static int average_params(hmc_opt *o, float *params)
+{
+    char prefix[RUN_MAX + 48];
+    hmc_avg_opts ao;
+    snprintf(prefix, sizeof(prefix), "%s.params.%llu", o->run, (unsigned long long)o->epoch);
+    memcpy(hmc_buf_data(o->state), params, o->n * sizeof(float));
+    hmc_avg_opts_init(&ao);
+    ao.prefix = prefix;
+    ao.timeout_s = o->opts.matchmaking_time_s;
+    ao.matchmaking_time_s = o->opts.matchmaking_time_s;
+    ao.round_timeout_s = o->opts.averaging_timeout_s;
+    ao.target_group_size = o->opts.target_group_size;
+    ao.min_group_size = o->opts.target_group_size > 1 ? 2 : 1;
+    ao.compression = o->compression;
+    ao.client_mode = o->opts.client;
+    if (hmc_average(o->h, o->state, 0, o->n, &ao, NULL) != 0)
+        return 0; /* a failed round leaves the parameters as they are */
+    memcpy(params, hmc_buf_data(o->state), o->n * sizeof(float));
+    return 1;
+}
+
+/* Shares params as the state of the epoch just reached. */
+static void share(hmc_opt *o, const float *params)
+{
+    char args[512], *res = NULL;
+    memcpy(hmc_buf_data(o->state), params, o->n * sizeof(float));
+    json_t *a = json_pack("{s:s, s:I, s:{s:I, s:i, s:I}}", "prefix", o->run, "step",
+                          (json_int_t)o->epoch, "data", "shm", (json_int_t)hmc_buf_id(o->state),
+                          "offset", 0, "elems", (json_int_t)o->n);
+    char *text = a != NULL ? json_dumps(a, JSON_COMPACT) : NULL;
+    json_decref(a);
+    if (text != NULL && strlen(text) < sizeof(args))
+        hmc_request(o->h, "state.share", text, &res);
+    free(text);
+    hmc_free_string(res);
+}
+
+/* Loads the newest shared parameters into params; 1 when it did. */
+static int load(hmc_opt *o, float *params)
+{
+    char *res = NULL;
+    json_t *a = json_pack("{s:s, s:f, s:i, s:{s:I, s:i, s:I}}", "prefix", o->run, "timeout",
+                          o->opts.load_timeout_s, "min_agree", 1, "data", "shm",
+                          (json_int_t)hmc_buf_id(o->state), "offset", 0, "elems",
+                          (json_int_t)o->n);
+    char *text = a != NULL ? json_dumps(a, JSON_COMPACT) : NULL;
+    json_decref(a);
+    int r = text != NULL ? hmc_call(o->h, "state.load", text,
+                                    (int)(o->opts.load_timeout_s * 1000) + 5000, &res, NULL)
+                         : -ENOMEM;
+    free(text);
+    if (r == 0) {
+        json_t *j = json_loads(res, 0, NULL);
+        uint64_t step = (uint64_t)json_integer_value(json_object_get(j, "step"));
+        uint64_t bytes = (uint64_t)json_integer_value(json_object_get(j, "bytes"));
+        json_decref(j);
+        if (bytes == o->n * sizeof(float)) {
+            memcpy(params, hmc_buf_data(o->state), o->n * sizeof(float));
+            if (step > o->epoch)
+                o->epoch = step;
+        } else {
+            r = -EPROTO;
+        }
+    }
+    hmc_free_string(res);
+    return r == 0;
+}
+
+int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *params,
+                 hmc_opt_report *report)
+{
+    hmc_opt_report rep;
+    uint64_t swarm = 0;
+    float *acc = hmc_buf_data(o->buf);
+    int r;
+
+    memset(&rep, 0, sizeof(rep));
+    if (batch_size == 0)
+        batch_size = o->opts.batch_size_per_step;
+    if (batch_size == 0 || grads == NULL || params == NULL)
+        return -EINVAL;
+    for (size_t i = 0; i < o->n; i++)
+        acc[i] += grads[i] * (float)batch_size;
+    o->samples += batch_size;
+    /* Throughput: a moving average of this trainer's samples per second. */
+    double now = mono_s();
+    if (o->last_step_s > 0 && now > o->last_step_s) {
+        double inst = (double)batch_size / (now - o->last_step_s);
+        o->sps = o->sps > 0 ? 0.8 * o->sps + 0.2 * inst : inst;
+    }
+    o->last_step_s = now;
+    if ((r = hmc_progress_report(o->h, o->run, o->epoch, o->samples, o->sps, o->opts.client)) != 0)
+        return r;
+    if ((r = read_swarm(o, &swarm)) != 0)
+        return r;
+    rep.swarm_samples = swarm;
+    if (o->global_epoch > o->epoch + 1) {
+        /* Too far behind: these gradients belong to an epoch the swarm left. */
+        memset(acc, 0, o->n * sizeof(float));
+        o->samples = 0;
+        o->epoch = o->global_epoch;
+        rep.caught_up = 1;
+        if (o->opts.share_state)
+            rep.state_loaded = load(o, params);
+        r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
+    } else if (swarm >= o->opts.target_batch_size || o->global_epoch > o->epoch) {
+        for (size_t i = 0; i < o->n; i++)
+            o->local[i] = acc[i] /= (float)o->samples;
+        rep.samples = o->samples;
+        if (o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S) {
+            average(o, &rep);
+        } else {
+            /* Alone in the run: no group can form, so none is waited for. */
+            rep.local_fallback = 1;
+            snprintf(rep.error, sizeof(rep.error), "no other trainer in run '%s'", o->run);
+        }
+        o->opts.step(o->opts.step_ud, params, acc, o->n);
+        memset(acc, 0, o->n * sizeof(float));
+        o->samples = 0;
+        o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
+        rep.epoch_ended = 1;
+        if (o->opts.average_state_every > 0 && o->epoch % o->opts.average_state_every == 0 &&
+            (o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S))
+            rep.state_averaged = average_params(o, params);
+        if (o->opts.share_state)
+            share(o, params);
+        r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
+    }
+    if (!rep.epoch_ended)
+        rep.samples = o->samples;
+    rep.epoch = o->epoch;
+    rep.global_epoch = o->global_epoch;
+    if (report != NULL)
+        *report = rep;
+    return r;
+}

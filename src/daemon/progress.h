@@ -1,0 +1,106 @@
+/*
+ * progress: the swarm-progress record and its aggregate, pure functions
+ * over caller memory (it owns nothing). cmd_progress.c publishes and reads
+ * the records; the fuzz target (tests/fuzz/fuzz_progress.c) drives the
+ * decoder.
+ *
+ * Every trainer's progress in a run is one signed DHT record under the key
+ * "RUN.progress", with the reporting daemon's owner marker
+ * "[owner:PEERID]" as its subkey (so the DHT accepts it only with that
+ * daemon's signature, dht/record.h). Its value is a msgpack map of exactly
+ * these five entries, in any order:
+ *
+ *   "epoch"              uint, at most HM_PROGRESS_MAX_EPOCH
+ *   "samples"            uint, samples accumulated in this epoch, at most
+ *                        HM_PROGRESS_MAX_SAMPLES
+ *   "samples_per_second" float or uint, finite, 0 to HM_PROGRESS_MAX_SPS
+ *   "time"               float or uint: the reporter's wall clock (UNIX
+ *                        seconds) when the values were current
+ *   "client"             bool: the trainer is a client (its epoch does not
+ *                        lead the swarm's)
+ *
+ * of at most HM_PROGRESS_VALUE_MAX bytes. Anything else (another key, a
+ * missing one, a number out of range) is refused, so that a hostile record
+ * is ignored whole rather than half-read.
+ *
+ * The aggregate follows Hivemind's ProgressTracker: the global epoch is the
+ * largest epoch over non-client peers (over the clients when there are no
+ * others); the swarm's samples are the sum over the peers at the global
+ * epoch of samples + samples_per_second * (now - time), the elapsed time
+ * clamped to [0, HM_PROGRESS_TTL_MAX]; the throughput is the sum of every
+ * peer's samples_per_second. A record whose time lies more than
+ * HM_PROGRESS_SKEW_S in the reader's future is ignored.
+ */
+#ifndef HM_DAEMON_PROGRESS_H
+#define HM_DAEMON_PROGRESS_H
+
+#include "src/base/crypto.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define HM_PROGRESS_RUN_MAX 128
+#define HM_PROGRESS_VALUE_MAX 128
+/* Exact as JSON numbers everywhere. */
+#define HM_PROGRESS_MAX_EPOCH ((UINT64_C(1) << 53) - 1)
+/* 2^40 (about 1.1e12) samples in one epoch of one peer. */
+#define HM_PROGRESS_MAX_SAMPLES (UINT64_C(1) << 40)
+/* Samples per second one peer may claim. */
+#define HM_PROGRESS_MAX_SPS 1e7
+/* A record lives at most this long (seconds), which also bounds its extrapolation. */
+#define HM_PROGRESS_TTL_MAX 60.0
+/* How far in the reader's future a record's time may be. */
+#define HM_PROGRESS_SKEW_S 30.0
+
+typedef struct hm_progress_rec {
+    uint64_t epoch;
+    uint64_t samples;
+    double sps;  /* samples per second */
+    double time; /* UNIX seconds */
+    int client;
+} hm_progress_rec;
+
+/*
+ * Checks the bounds above (time: finite and positive). 0, or -ERANGE with
+ * the offending field's name in *field_out (may be NULL).
+ */
+int hm_progress_check(const hm_progress_rec *r, const char **field_out);
+
+/* Writes the value into buf (cap bytes); 0 or -EMSGSIZE, -ERANGE (out of bounds). */
+int hm_progress_encode(const hm_progress_rec *r, uint8_t *buf, size_t cap, size_t *len_out);
+
+/*
+ * Decodes a value from untrusted bytes: hm_wire's validator first, then
+ * exactly the five entries. 0, -EMSGSIZE (over HM_PROGRESS_VALUE_MAX or the
+ * wire caps), -EINVAL (not msgpack), -EPROTO (another shape or type) or
+ * -ERANGE (a number out of bounds).
+ */
+int hm_progress_decode(const uint8_t *buf, size_t len, hm_progress_rec *out);
+
+/* One peer's record, as the aggregate takes it. */
+typedef struct hm_progress_peer {
+    char peer[HM_PEER_ID_LEN + 1];
+    hm_progress_rec r;
+} hm_progress_peer;
+
+typedef struct hm_progress_agg {
+    uint64_t global_epoch;
+    double samples;  /* at the global epoch, extrapolated to now */
+    double sps;      /* the swarm's throughput */
+    double eta_s;    /* to the target; < 0 when unknown (no target or no throughput) */
+    size_t n_peers;  /* non-client peers counted */
+    size_t n_clients;
+    size_t ignored;  /* records ignored (time in the future) */
+} hm_progress_agg;
+
+/*
+ * The aggregate of n peers at wall time now; target 0 means none. A
+ * peer's used flag (used_out[i], may be NULL) says whether it counted.
+ */
+void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, uint64_t target,
+                           hm_progress_agg *out, int *used_out);
+
+/* The elapsed time a record is extrapolated over, clamped as above. */
+double hm_progress_elapsed(const hm_progress_rec *r, double now);
+
+#endif

@@ -1,0 +1,480 @@
+/*
+ * test_optimizer: the collaborative optimizer of libhivemind (hmc_opt_*)
+ * with three trainers, threads of this process, each attached to a
+ * hivemindd of its own on 127.0.0.1. Each trainer's gradients are known
+ * (a different vector per trainer) and its batch size differs, so the
+ * test can check that an epoch ends only once the trainers' summed
+ * samples reached the target, and that the gradients every trainer steps
+ * on are the sample-weighted mean of the three.
+ */
+#include "config.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "lib/hivemind.h"
+#include "tests/proc.h"
+
+#define N_TRAINERS 3
+#define N_PARAMS 1000
+/* With about 100 samples/s in all, about 6 s of training; one trainer alone would need 12 s or more. */
+#define TARGET 600
+
+static void setup(void) { hm_proc_setup("opt"); }
+static void teardown(void) { hm_proc_teardown(); }
+
+TestSuite(optimizer, .init = setup, .fini = teardown, .timeout = 150);
+
+static void start_swarm(struct node *nodes, size_t n)
+{
+    char name[16];
+    start_node(&nodes[0], "n0", NULL, NULL);
+    for (size_t i = 1; i < n; i++) {
+        snprintf(name, sizeof(name), "n%zu", i);
+        start_node(&nodes[i], name, NULL, "--initial-peers", nodes[0].addr, NULL);
+    }
+    long deadline = hm_test_now_ms() + 20000;
+    size_t ready = 0;
+    while (ready < n && hm_test_now_ms() < deadline) {
+        ready = 0;
+        for (size_t i = 0; i < n; i++)
+            ready += node_rt_size(&nodes[i]) >= (long)(n - 1);
+        if (ready < n)
+            usleep(200000);
+    }
+    cr_assert_eq(ready, n, "only %zu of %zu daemons know the others", ready, n);
+}
+
+static const uint64_t batch[N_TRAINERS] = {2, 3, 5};
+/* Samples all trainers had handed to hmc_opt_step in epoch 0, as they went. */
+static atomic_ullong given0;
+
+typedef struct trainer {
+    int i;
+    struct node *node;
+    float params[N_PARAMS];
+    float stepped[N_PARAMS]; /* the gradients of the first local step */
+    int n_steps_called;
+    hmc_opt_report end;      /* the report of the call that ended epoch 0 */
+    unsigned long long given_at_end; /* given0 when epoch 0 ended here */
+    int err;
+    char msg[512];
+    uint64_t target;
+    double mm_s, avg_timeout_s;
+    long end_call_ms;        /* how long the call that ended epoch 0 took */
+    int pause_us;            /* between steps */
+} trainer;
+
+static float grad_of(int i, size_t k) { return (float)(i + 1) + (float)k * 0.001f * (float)(i + 2); }
+
+static void local_step(void *ud, float *params, const float *grads, size_t n)
+{
+    trainer *t = ud;
+    if (t->n_steps_called++ == 0)
+        memcpy(t->stepped, grads, n * sizeof(float));
+    for (size_t k = 0; k < n; k++)
+        params[k] -= 0.1f * grads[k];
+}
+
+static void *train(void *arg)
+{
+    trainer *t = arg;
+    hmc *h = NULL;
+    hmc_opt *o = NULL;
+    char err[256];
+    float g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = grad_of(t->i, k);
+    if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0) {
+        snprintf(t->msg, sizeof(t->msg), "connect: %s", err);
+        return NULL;
+    }
+    hmc_set_timeout(h, 60000);
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "optrun";
+    oo.target_batch_size = t->target;
+    oo.batch_size_per_step = batch[t->i];
+    oo.matchmaking_time_s = t->mm_s;
+    oo.averaging_timeout_s = t->avg_timeout_s;
+    oo.target_group_size = N_TRAINERS;
+    oo.step = local_step;
+    oo.step_ud = t;
+    if ((t->err = hmc_opt_open(h, &oo, N_PARAMS, &o)) != 0) {
+        snprintf(t->msg, sizeof(t->msg), "open: %s", hmc_last_error(h));
+        hmc_close(h);
+        return NULL;
+    }
+    long deadline = hm_test_now_ms() + 90000;
+    while (hmc_opt_local_epoch(o) == 0 && hm_test_now_ms() < deadline) {
+        hmc_opt_report rep;
+        atomic_fetch_add(&given0, batch[t->i]);
+        unsigned long long before = atomic_load(&given0);
+        long call_start = hm_test_now_ms();
+        if ((t->err = hmc_opt_step(o, g, 0, t->params, &rep)) != 0) {
+            snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
+            break;
+        }
+        if (rep.epoch_ended) {
+            t->end = rep;
+            t->given_at_end = before;
+            t->end_call_ms = hm_test_now_ms() - call_start;
+        }
+        usleep(t->pause_us);
+    }
+    if (hmc_opt_local_epoch(o) == 0 && t->err == 0) {
+        t->err = -ETIMEDOUT;
+        snprintf(t->msg, sizeof(t->msg), "epoch 0 never ended");
+    }
+    hmc_opt_close(o);
+    hmc_close(h);
+    return NULL;
+}
+
+Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
+{
+    struct node nodes[N_TRAINERS];
+    trainer *t = calloc(N_TRAINERS, sizeof(*t));
+    pthread_t th[N_TRAINERS];
+    cr_assert_not_null(t);
+    start_swarm(nodes, N_TRAINERS);
+    for (int i = 0; i < N_TRAINERS; i++) {
+        t[i].i = i;
+        t[i].node = &nodes[i];
+        t[i].target = TARGET;
+        t[i].mm_s = 6;
+        t[i].avg_timeout_s = 10;
+        t[i].pause_us = 100000;
+        cr_assert_eq(pthread_create(&th[i], NULL, train, &t[i]), 0);
+    }
+    for (int i = 0; i < N_TRAINERS; i++)
+        pthread_join(th[i], NULL);
+    uint64_t total = 0;
+    for (int i = 0; i < N_TRAINERS; i++) {
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+        cr_assert(t[i].end.epoch_ended, "trainer %d: no epoch end seen", i);
+        cr_assert_eq(t[i].n_steps_called, 1, "trainer %d: %d local steps", i, t[i].n_steps_called);
+        cr_assert(t[i].end.averaged, "trainer %d stepped on its own gradients: %s", i,
+                  t[i].end.error);
+        cr_assert_eq(t[i].end.group_size, N_TRAINERS, "trainer %d: a group of %d", i,
+                     t[i].end.group_size);
+        cr_assert_eq(t[i].end.samples % batch[i], 0);
+        total += t[i].end.samples;
+    }
+    /* Not before: the samples the three accumulated in epoch 0 (each stops
+     * at its own end, and the first end makes the others end) reach the
+     * target, and every sample handed over was in the average. */
+    cr_log_info("epoch 0 ended at %llu samples: %llu, %llu, %llu", (unsigned long long)total,
+                (unsigned long long)t[0].end.samples, (unsigned long long)t[1].end.samples,
+                (unsigned long long)t[2].end.samples);
+    cr_assert(total >= TARGET, "epoch 0 ended at %llu samples, before the target %d",
+              (unsigned long long)total, TARGET);
+    /* The swarm's sum ended it, not one trainer's own count, and soon after
+     * the target (the records' lag is about 1.5 s, some 150 samples). */
+    for (int i = 0; i < N_TRAINERS; i++)
+        cr_assert(t[i].end.samples < TARGET, "trainer %d reached the target alone (%llu)", i,
+                  (unsigned long long)t[i].end.samples);
+    cr_assert(total < TARGET + 500, "epoch 0 ended late, at %llu samples",
+              (unsigned long long)total);
+    cr_assert_eq(total, (uint64_t)atomic_load(&given0), "samples handed over in epoch 0: %llu, "
+                 "averaged: %llu", (unsigned long long)atomic_load(&given0),
+                 (unsigned long long)total);
+    for (int i = 0; i < N_TRAINERS; i++) {
+        for (size_t k = 0; k < N_PARAMS; k++) {
+            double want = 0;
+            for (int j = 0; j < N_TRAINERS; j++)
+                want += (double)t[j].end.samples * grad_of(j, k);
+            want /= (double)total;
+            cr_assert(fabs(t[i].stepped[k] - want) <= 1e-4 * fabs(want) + 1e-5,
+                      "trainer %d, element %zu: %.7g, the weighted mean is %.7g", i, k,
+                      t[i].stepped[k], want);
+        }
+    }
+    free(t);
+}
+
+/*
+ * A trainer SIGKILLed mid-epoch (a child process that reported and then
+ * dies) holds the two others up by no more than the matchmaking time and
+ * the averaging timeout: they end the epoch, average between themselves
+ * (or fall back to their own gradients), and step.
+ */
+Test(optimizer, a_killed_trainer_holds_the_others_up_within_the_timeouts)
+{
+    struct node nodes[N_TRAINERS];
+    trainer *t = calloc(N_TRAINERS, sizeof(*t));
+    pthread_t th[N_TRAINERS];
+    cr_assert_not_null(t);
+    start_swarm(nodes, N_TRAINERS);
+    const double mm_s = 3, avg_timeout_s = 5;
+    for (int i = 0; i < N_TRAINERS; i++) {
+        t[i].i = i;
+        t[i].node = &nodes[i];
+        t[i].target = 600;
+        t[i].mm_s = mm_s;
+        t[i].avg_timeout_s = avg_timeout_s;
+        t[i].pause_us = 100000; /* about 100 samples/s in all: the target takes 6 s */
+    }
+    /* The victim: trainer 2 in a child process of its own. */
+    pid_t victim = fork();
+    cr_assert(victim >= 0);
+    if (victim == 0) {
+        train(&t[2]);
+        _exit(0);
+    }
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, train, &t[i]), 0);
+    /* Once the victim's report is in the swarm, and well before the target. */
+    hmc *h;
+    char err[256];
+    cr_assert_eq(hmc_connect(nodes[0].sock, &h, err, sizeof(err)), 0, "%s", err);
+    long deadline = hm_test_now_ms() + 20000;
+    int seen = 0;
+    while (!seen && hm_test_now_ms() < deadline) {
+        hmc_progress p;
+        cr_assert_eq(hmc_progress_get(h, "optrun", 0, &p, NULL), 0);
+        seen = p.n_peers == 3 && p.samples > 0 && p.samples < 400;
+        if (!seen)
+            usleep(100000);
+    }
+    cr_assert(seen, "the three trainers never showed in the progress");
+    cr_assert_eq(kill(victim, SIGKILL), 0);
+    waitpid(victim, NULL, 0);
+    hmc_close(h);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+        cr_assert(t[i].end.epoch_ended);
+        cr_assert_eq(t[i].n_steps_called, 1);
+        cr_assert(t[i].end.averaged || t[i].end.local_fallback);
+        if (t[i].end.averaged)
+            cr_assert(t[i].end.group_size == 2, "trainer %d: a group of %d with a dead member", i,
+                      t[i].end.group_size);
+        cr_log_info("trainer %d: the epoch's end took %ld ms (%s, group %d)", i, t[i].end_call_ms,
+                    t[i].end.averaged ? "averaged" : "local", t[i].end.group_size);
+        cr_assert(t[i].end_call_ms <= (long)((mm_s + avg_timeout_s) * 1000) + 3000,
+                  "trainer %d was held up %ld ms", i, t[i].end_call_ms);
+    }
+    free(t);
+}
+
+/*
+ * A late peer: two trainers that share their parameters after each epoch
+ * run ahead; a third starts at epoch 0, is more than one epoch behind, and
+ * must discard its gradients, jump to the swarm's epoch and load the
+ * parameters the others reached there.
+ */
+#define MAX_EPOCHS 64
+typedef struct donor {
+    struct node *node;
+    int i;
+    float params[N_PARAMS];
+    float snap[MAX_EPOCHS][N_PARAMS]; /* the parameters at each epoch reached */
+    int have[MAX_EPOCHS];
+    atomic_int *stop;
+    int err;
+    char msg[256];
+} donor;
+
+static void plain_step(void *ud, float *params, const float *grads, size_t n)
+{
+    (void)ud;
+    for (size_t k = 0; k < n; k++)
+        params[k] -= 0.1f * grads[k];
+}
+
+static hmc_opt *open_sharing(hmc *h, int i)
+{
+    hmc_opt *o = NULL;
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "laterun";
+    oo.target_batch_size = 60;
+    oo.batch_size_per_step = batch[i];
+    oo.matchmaking_time_s = 3;
+    oo.averaging_timeout_s = 10;
+    oo.target_group_size = 2;
+    oo.share_state = 1;
+    oo.load_timeout_s = 20;
+    oo.step = plain_step;
+    cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), 0, "open: %s", hmc_last_error(h));
+    return o;
+}
+
+static void *donate(void *arg)
+{
+    donor *t = arg;
+    hmc *h = NULL;
+    char err[256];
+    float g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = grad_of(t->i, k);
+    if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0)
+        return NULL;
+    hmc_set_timeout(h, 60000);
+    hmc_opt *o = open_sharing(h, t->i);
+    long deadline = hm_test_now_ms() + 90000;
+    while (!atomic_load(t->stop) && hm_test_now_ms() < deadline) {
+        hmc_opt_report rep;
+        if ((t->err = hmc_opt_step(o, g, 0, t->params, &rep)) != 0) {
+            snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
+            break;
+        }
+        if (rep.epoch_ended && rep.epoch < MAX_EPOCHS) {
+            memcpy(t->snap[rep.epoch], t->params, sizeof(t->params));
+            t->have[rep.epoch] = 1;
+        }
+        usleep(20000);
+    }
+    hmc_opt_close(o);
+    hmc_close(h);
+    return NULL;
+}
+
+Test(optimizer, a_late_peer_catches_up_through_a_state_load)
+{
+    struct node nodes[N_TRAINERS];
+    donor *d = calloc(2, sizeof(*d));
+    pthread_t th[2];
+    atomic_int stop = 0;
+    cr_assert_not_null(d);
+    start_swarm(nodes, N_TRAINERS);
+    for (int i = 0; i < 2; i++) {
+        d[i].node = &nodes[i];
+        d[i].i = i;
+        d[i].stop = &stop;
+        cr_assert_eq(pthread_create(&th[i], NULL, donate, &d[i]), 0);
+    }
+    hmc *h;
+    char err[256];
+    cr_assert_eq(hmc_connect(nodes[2].sock, &h, err, sizeof(err)), 0, "%s", err);
+    hmc_set_timeout(h, 60000);
+    long deadline = hm_test_now_ms() + 60000;
+    hmc_progress p = {0};
+    while (p.global_epoch < 3 && hm_test_now_ms() < deadline) {
+        cr_assert_eq(hmc_progress_get(h, "laterun", 0, &p, NULL), 0);
+        usleep(200000);
+    }
+    cr_assert_geq(p.global_epoch, 3, "the swarm never reached epoch 3");
+    hmc_opt *o = open_sharing(h, 2);
+    float params[N_PARAMS] = {0}, g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = 1000.0f; /* gradients the late peer must discard */
+    hmc_opt_report rep;
+    cr_assert_eq(hmc_opt_step(o, g, 0, params, &rep), 0, "%s", hmc_last_error(h));
+    atomic_store(&stop, 1);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    cr_assert(rep.caught_up, "the late peer did not catch up (epoch %llu, global %llu)",
+              (unsigned long long)rep.epoch, (unsigned long long)rep.global_epoch);
+    cr_assert(!rep.epoch_ended, "the late peer stepped on its own gradients");
+    cr_assert(rep.state_loaded, "no state was loaded");
+    cr_assert_geq(rep.epoch, 3);
+    cr_assert_eq(hmc_opt_local_epoch(o), rep.epoch);
+    cr_assert(rep.epoch < MAX_EPOCHS);
+    /* The parameters are those a donor had at that epoch. */
+    int match = 0;
+    for (int i = 0; i < 2; i++)
+        if (d[i].have[rep.epoch] &&
+            memcmp(d[i].snap[rep.epoch], params, sizeof(params)) == 0)
+            match = 1;
+    cr_assert(match, "the loaded parameters (%g ...) are no donor's at epoch %llu", params[0],
+              (unsigned long long)rep.epoch);
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(d[i].err, 0, "donor %d: %s", i, d[i].msg);
+    hmc_opt_close(o);
+    hmc_close(h);
+    free(d);
+}
+
+/*
+ * average_state_every 1: two trainers that start from different
+ * parameters step on the same averaged gradients and then average their
+ * parameters, so both end epoch 0 with the mean of their stepped
+ * parameters.
+ */
+typedef struct st_trainer {
+    struct node *node;
+    int i;
+    float params[N_PARAMS];
+    hmc_opt_report end;
+    int err;
+    char msg[256];
+} st_trainer;
+
+static void *train_state(void *arg)
+{
+    st_trainer *t = arg;
+    hmc *h = NULL;
+    hmc_opt *o = NULL;
+    char err[256];
+    float g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++) {
+        g[k] = 1.0f; /* the same everywhere: the mean gradient is 1 */
+        t->params[k] = (float)(t->i * 10) + (float)k * 0.01f;
+    }
+    if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0)
+        return NULL;
+    hmc_set_timeout(h, 60000);
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "staterun";
+    oo.target_batch_size = 100;
+    oo.batch_size_per_step = batch[t->i];
+    oo.matchmaking_time_s = 4;
+    oo.averaging_timeout_s = 10;
+    oo.target_group_size = 2;
+    oo.average_state_every = 1;
+    oo.step = plain_step;
+    if ((t->err = hmc_opt_open(h, &oo, N_PARAMS, &o)) != 0) {
+        snprintf(t->msg, sizeof(t->msg), "open: %s", hmc_last_error(h));
+        hmc_close(h);
+        return NULL;
+    }
+    long deadline = hm_test_now_ms() + 60000;
+    while (hmc_opt_local_epoch(o) == 0 && hm_test_now_ms() < deadline) {
+        hmc_opt_report rep;
+        if ((t->err = hmc_opt_step(o, g, 0, t->params, &rep)) != 0) {
+            snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
+            break;
+        }
+        if (rep.epoch_ended)
+            t->end = rep;
+        usleep(50000);
+    }
+    hmc_opt_close(o);
+    hmc_close(h);
+    return NULL;
+}
+
+Test(optimizer, average_state_every_averages_the_parameters_after_the_step)
+{
+    struct node nodes[2];
+    st_trainer t[2];
+    pthread_t th[2];
+    memset(t, 0, sizeof(t));
+    start_swarm(nodes, 2);
+    for (int i = 0; i < 2; i++) {
+        t[i].node = &nodes[i];
+        t[i].i = i;
+        cr_assert_eq(pthread_create(&th[i], NULL, train_state, &t[i]), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+        cr_assert(t[i].end.epoch_ended && t[i].end.averaged, "trainer %d: %s", i, t[i].end.error);
+        cr_assert(t[i].end.state_averaged, "trainer %d did not average its parameters", i);
+    }
+    for (size_t k = 0; k < N_PARAMS; k++) {
+        /* Each stepped by -0.1 on the mean gradient 1, then the mean of 0 and 10. */
+        double want = 5.0 + (double)k * 0.01 - 0.1;
+        for (int i = 0; i < 2; i++)
+            cr_assert(fabs(t[i].params[k] - want) < 1e-4, "trainer %d, element %zu: %.7g, want %.7g",
+                      i, k, t[i].params[k], want);
+    }
+}
