@@ -752,6 +752,12 @@ static int put_decl(hm_mm *mm, search *s, const char *key, size_t key_len, uint6
     uint8_t value[128];
     char marker[HM_DHT_OWNER_MARKER_LEN + 1];
     hm_wire_wr w;
+    /* The declared address when there is one (it can change); else the
+     * listen address as before, so that a node still detecting its address
+     * can average (docs/protocol.md, Reachability). */
+    struct sockaddr_storage ann;
+    if (hm_node_announce(mm->node, &ann) == 0)
+        mm->addr = ann;
     hm_mm_decl d = {.addr = mm->addr, .bandwidth = bandwidth, .client = 0,
                     .deadline_ms = deadline, .looking = looking};
     int r;

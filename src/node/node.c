@@ -8,6 +8,7 @@
 #include "src/node/node.h"
 
 #include <errno.h>
+#include <netinet/in.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 #include "src/base/origin.h"
 #include "src/base/util.h"
 #include "src/base/wire.h"
+#include "src/node/reach.h"
 
 #define MOD "node"
 #define PING_METHOD "node.ping"
@@ -82,6 +84,11 @@ struct hm_node {
     void (*close_cb)(void *ud);
     void *close_ud;
     uint32_t jitter_state;
+
+    /* The declared address and reachability (reach.h). */
+    hm_reach *reach;
+    int cfg_client_mode;  /* ClientMode from the operator */
+    int auto_client_mode; /* nobody reaches us: client mode by ourselves */
 };
 
 typedef struct ping_ctx {
@@ -126,6 +133,8 @@ static void peer_set_verified(hm_node *n, peer *p, int v)
 static void peer_remove(hm_node *n, peer *p)
 {
     peer *last = &n->peers[n->n_peers - 1];
+    if (n->reach != NULL)
+        hm_reach_forget(n->reach, p->info.pk);
     peer_set_verified(n, p, 0);
     origin_count(n, &p->org, -1);
     hm_hmap_remove(&n->by_pk, &p->by_pk);
@@ -273,6 +282,7 @@ static void on_ping_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
 }
 
 static void maybe_finish_close(hm_node *n);
+static void on_reach_mode(void *ud, int client_mode, const char *reason);
 
 static int send_ping(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                      int via_stream, int bootstrap_idx);
@@ -281,8 +291,6 @@ static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
 {
     ping_ctx *c = ud;
     hm_node *n = c->node;
-    HM_UNUSED(body);
-    HM_UNUSED(len);
     n->pings_outstanding--;
     if (n->closing) {
         free(c);
@@ -316,6 +324,12 @@ static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
                 p->info.rtt_ms = p->info.rtt_ms < 0 ? rtt : 0.8 * p->info.rtt_ms + 0.2 * rtt;
                 int first = !p->verified;
                 peer_set_verified(n, p, 1);
+                /* Where it saw our datagram come from: a vote for our address. */
+                struct sockaddr_storage seen;
+                if (p->addr_known && n->reach != NULL &&
+                    hm_reach_parse_ping_reply(body, len, &seen) == 0)
+                    hm_reach_observed(n->reach, p->info.pk, (const struct sockaddr *)&p->info.addr,
+                                      (const struct sockaddr *)&seen);
                 /*
                  * A peer verified now gets its first stream ping now, while
                  * the verified peers still fit max_stream_pings, rather than
@@ -621,6 +635,19 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
             return -EINVAL;
         }
     }
+    hm_reach_config rcfg = opts->reach;
+    if (opts->announce != NULL && opts->announce[0] != '\0') {
+        if (hm_parse_hostport(opts->announce, &rcfg.announce) != 0 ||
+            hm_addr_dialable(&rcfg.announce) != 0) {
+            snprintf(err, errlen,
+                     "bad announce address '%s': expected a dialable numeric HOST:PORT (not "
+                     "0.0.0.0, ::, or port 0)", opts->announce);
+            free(n);
+            return -EINVAL;
+        }
+        rcfg.has_announce = 1;
+    }
+    n->cfg_client_mode = opts->client_mode;
     n->started_ms = hm_now_ms();
     n->ping_interval_ms = opts->ping_interval_ms ? opts->ping_interval_ms : 15000;
     n->ping_timeout_ms = HM_MAX(HM_MIN(n->ping_interval_ms, 5000u), 500u);
@@ -682,6 +709,11 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
         snprintf(err, errlen, "cannot register the ping handler: %s", hm_strerror(r));
         goto fail_rpc;
     }
+    r = hm_reach_new(loop, n->rpc, &rcfg, on_reach_mode, n, &n->reach);
+    if (r < 0) {
+        snprintf(err, errlen, "cannot start the reachability check: %s", hm_strerror(r));
+        goto fail_rpc;
+    }
 
     uv_timer_init(loop, &n->ping_timer);
     n->ping_timer.data = n;
@@ -722,11 +754,17 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
     hm_node_address(n, addr, sizeof(addr));
     hm_info(MOD, "node %s in swarm '%s'%s", addr, n->swarm,
             opts->swarm_key ? " (private)" : "");
+    hm_reach_status rs;
+    hm_reach_get_status(n->reach, &rs);
+    if (!rs.declared)
+        hm_info(MOD, "declaring no address yet: %s", rs.reason);
     *out = n;
     return 0;
 
 fail_rpc:
     hm_rpc_close(n->rpc, NULL, NULL);
+    if (n->reach != NULL)
+        hm_reach_free(n->reach, NULL, NULL);
 fail:
     hm_identity_wipe(&n->id);
     hm_hmap_free(&n->by_pk);
@@ -742,11 +780,55 @@ uint64_t hm_node_uptime_ms(const hm_node *n) { return hm_now_ms() - n->started_m
 hm_rpc *hm_node_rpc(hm_node *n) { return n->rpc; }
 uv_loop_t *hm_node_loop(hm_node *n) { return n->loop; }
 
+static void on_reach_mode(void *ud, int client_mode, const char *reason)
+{
+    hm_node *n = ud;
+    n->auto_client_mode = client_mode;
+    if (n->cfg_client_mode)
+        return;
+    /* Serving DHT requests needs peers that can send them to us. */
+    if (n->dht != NULL)
+        hm_dht_set_client_mode(n->dht, client_mode);
+    if (client_mode)
+        hm_warn(MOD, "client mode: %s", reason);
+    else
+        hm_info(MOD, "server mode again: %s", reason);
+}
+
+int hm_node_announce(hm_node *n, struct sockaddr_storage *out)
+{
+    if (n->reach == NULL)
+        return -ECANCELED;
+    return hm_reach_declared(n->reach, out);
+}
+
+int hm_node_reach(hm_node *n, hm_node_reach_info *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (n->reach == NULL)
+        return -ECANCELED;
+    hm_reach_status rs;
+    hm_reach_get_status(n->reach, &rs);
+    out->reachable = rs.reachable;
+    hm_strlcpy(out->source, rs.source, sizeof(out->source));
+    out->declared = rs.declared;
+    out->addr = rs.addr;
+    hm_strlcpy(out->reason, rs.reason, sizeof(out->reason));
+    out->client_mode = n->cfg_client_mode || n->auto_client_mode;
+    out->auto_client_mode = n->auto_client_mode && !n->cfg_client_mode;
+    out->dialbacks_ok = rs.dialbacks_ok;
+    out->dialbacks_failed = rs.dialbacks_failed;
+    out->dialbacks_served = rs.dialbacks_served;
+    return 0;
+}
+
 int hm_node_address(const hm_node *n, char *buf, size_t len)
 {
     struct sockaddr_storage sa;
     char a[HM_ADDRSTRLEN];
-    int r = hm_transport_local_addr(hm_rpc_transport(n->rpc), &sa);
+    int r = n->reach != NULL ? hm_reach_declared(n->reach, &sa) : -ECANCELED;
+    if (r < 0)
+        r = hm_transport_local_addr(hm_rpc_transport(n->rpc), &sa);
     if (r < 0)
         return r;
     r = hm_format_addr((const struct sockaddr *)&sa, a, sizeof(a));
@@ -930,6 +1012,8 @@ void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud)
     emit(ud, "PeerTableOriginCap", n->refused_origin);
     emit(ud, "PeerTableSize", n->refused_full);
     emit(ud, "PingStreamPeers", n->stream_pings_skipped);
+    if (n->reach != NULL)
+        hm_reach_limits(n->reach, emit, ud);
 }
 
 /* ---- shutdown ---- */
@@ -964,10 +1048,23 @@ static void on_dht_timer_closed(uv_handle_t *h)
     uv_close((uv_handle_t *)&n->ping_timer, on_timer_closed);
 }
 
+static void on_reach_freed(void *ud)
+{
+    hm_node *n = ud;
+    uv_close((uv_handle_t *)&n->dht_timer, on_dht_timer_closed);
+}
+
 static void on_rpc_closed(void *ud)
 {
     hm_node *n = ud;
     n->rpc = NULL;
+    /* Every dial-back callback has fired by now: the reach state can go. */
+    if (n->reach != NULL) {
+        hm_reach *r = n->reach;
+        n->reach = NULL;
+        hm_reach_free(r, on_reach_freed, n);
+        return;
+    }
     uv_close((uv_handle_t *)&n->dht_timer, on_dht_timer_closed);
 }
 
@@ -980,6 +1077,8 @@ void hm_node_close(hm_node *n, void (*cb)(void *ud), void *ud)
     n->close_ud = ud;
     uv_timer_stop(&n->ping_timer);
     uv_timer_stop(&n->dht_timer);
+    if (n->reach != NULL)
+        hm_reach_stop(n->reach);
     hm_info(MOD, "closing node %s", n->id.peer_id);
     /* Pending DHT operations end with -ECANCELED before the transport goes. */
     if (n->dht != NULL) {
