@@ -439,7 +439,8 @@ static void on_timer(uv_timer_t *t)
      * No verdict from dial-backs, yet peers of several origins answer us and
      * nobody ever completed a connection to us: a NAT or firewall in front.
      */
-    if (r->dialback_needed && r->state == HM_REACH_UNKNOWN &&
+    int on_loopback = r->has_cand && !r->dialback_needed;
+    if (!on_loopback && r->state == HM_REACH_UNKNOWN &&
         now - r->started_ms >= r->cfg.inbound_timeout_ms) {
         hm_transport_stats st;
         hm_transport_get_stats(hm_rpc_transport(r->rpc), &st);
@@ -457,9 +458,12 @@ static void on_timer(uv_timer_t *t)
         }
         if (st.inbound_handshakes_ok == 0 && st.handshakes_ok > 0 && n >= HM_REACH_MIN_ORIGINS) {
             r->recheck_at_ms = now + r->cfg.recheck_ms;
+            struct sockaddr_storage where = r->cand;
+            if (!r->has_cand)
+                hm_transport_local_addr(hm_rpc_transport(r->rpc), &where);
             reach_set(r, HM_REACH_NO,
                       "no inbound connection at %s in %llu s while outbound ones work",
-                      fmt(&r->cand, a, sizeof(a)),
+                      fmt(&where, a, sizeof(a)),
                       (unsigned long long)(r->cfg.inbound_timeout_ms / 1000));
         }
     }
@@ -640,27 +644,21 @@ void hm_reach_observed(hm_reach *r, const uint8_t pk[HM_PK_BYTES], const struct 
     if (addr_unspecified(&obs) || addr_port(&obs) == 0)
         return;
     uint64_t now = hm_now_ms();
-    observer *slot = NULL, *oldest = NULL;
-    for (size_t i = 0; i < HM_REACH_OBSERVERS; i++) {
+    /* Its own entry, else a free one, else the stalest not being asked. */
+    observer *slot = NULL, *free_slot = NULL, *oldest = NULL;
+    for (size_t i = 0; i < HM_REACH_OBSERVERS && slot == NULL; i++) {
         observer *o = &r->obs[i];
-        if (o->used && memcmp(o->pk, pk, HM_PK_BYTES) == 0) {
+        if (!o->used) {
+            if (free_slot == NULL)
+                free_slot = o;
+        } else if (memcmp(o->pk, pk, HM_PK_BYTES) == 0) {
             slot = o;
-            break;
-        }
-        if (!o->used && slot == NULL)
-            slot = o;
-        else if (o->used && !o->asking && (oldest == NULL || o->seen_ms < oldest->seen_ms))
+        } else if (!o->asking && (oldest == NULL || o->seen_ms < oldest->seen_ms)) {
             oldest = o;
-    }
-    if (slot != NULL && slot->used && memcmp(slot->pk, pk, HM_PK_BYTES) != 0)
-        slot = NULL;
-    if (slot == NULL) {
-        for (size_t i = 0; i < HM_REACH_OBSERVERS && slot == NULL; i++)
-            if (!r->obs[i].used)
-                slot = &r->obs[i];
+        }
     }
     if (slot == NULL)
-        slot = oldest;
+        slot = free_slot != NULL ? free_slot : oldest;
     if (slot == NULL)
         return;
     if (!slot->used || memcmp(slot->pk, pk, HM_PK_BYTES) != 0) {
