@@ -357,6 +357,11 @@ Test(announce, unreachable_node_switches_to_client_mode)
     char *log = slurp(a.err);
     cr_assert(strstr(log, "client mode") != NULL, "the log does not say so:\n%s", log);
     free(log);
+    /* The DHT itself is in client mode. */
+    int rc;
+    j = ctl_json(&a, &rc, "dht", "info", NULL);
+    cr_assert(json_is_true(json_object_get(json_object_get(j, "result"), "client_mode")));
+    json_decref(j);
     close(fd);
     stop_node(&c);
     stop_node(&b);
