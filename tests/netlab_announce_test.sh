@@ -7,7 +7,9 @@
 #    carries it and a trainer on h3 calls the expert there;
 #  - h4 can dial everyone and nobody can dial it: its dial-backs fail from
 #    two origins, it declares nothing, reports itself unreachable and
-#    switches to client mode, in info and in its log.
+#    switches to client mode, in info and in its log;
+#  - h4 (NAT'd, a client), h2 (on 0.0.0.0) and h1 average a vector together
+#    and all get the exact mean.
 # Skips (77) where the lab cannot run (not root, no namespaces, no nft).
 #
 # Environment: HM_BUILDDIR (default: the current directory), HM_SRCDIR
@@ -115,4 +117,31 @@ case $reason in
 esac
 grep -q "client mode" "$LAB_DIR/h4.log" || fail "h4's log does not say it switched to client mode"
 echo "ok: h4 behind NAT: unreachable, client mode ($reason)"
+
+# ---- the three average: the NAT'd client and the 0.0.0.0 host included ----
+for h in h1 h2 h4; do
+    v=$(case $h in h1) echo 1 ;; h2) echo 2 ;; h4) echo 6 ;; esac)
+    /usr/bin/python3 -c 'import struct,sys; open(sys.argv[1],"wb").write(struct.pack("<4096f",*[float(sys.argv[2])]*4096))' \
+        "$LAB_DIR/in.$h" "$v"
+done
+pids=()
+for h in h1 h2 h4; do
+    lab_ctl "$h" --json average lab.announce --in "$LAB_DIR/in.$h" --out "$LAB_DIR/out.$h" \
+        --target-group-size 3 --min-group-size 3 --timeout 60 --matchmaking-time 5 \
+        >"$LAB_DIR/avg.$h.json" 2>&1 &
+    pids+=($!)
+done
+for i in 0 1 2; do
+    wait "${pids[$i]}" || true
+done
+for h in h1 h2 h4; do
+    /usr/bin/python3 - "$LAB_DIR/out.$h" <<'PY' || fail "$h's average: $(cat "$LAB_DIR/avg.$h.json")"
+import struct, sys
+b = open(sys.argv[1], "rb").read()
+v = struct.unpack("<%df" % (len(b) // 4), b)
+assert len(v) == 4096, len(v)
+assert all(abs(x - 3.0) < 1e-5 for x in v), v[:4]
+PY
+done
+echo "ok: h1, h2 (0.0.0.0) and h4 (NAT'd client) averaged to the exact mean 3"
 echo "PASS: netlab_announce_test"
