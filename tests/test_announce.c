@@ -357,6 +357,12 @@ Test(announce, unreachable_node_switches_to_client_mode)
     char *log = slurp(a.err);
     cr_assert(strstr(log, "client mode") != NULL, "the log does not say so:\n%s", log);
     free(log);
+    char *out, *err;
+    cr_assert_eq(ctl(a.sock, "metrics", 0, &out, &err), 0);
+    cr_assert(strstr(out, "\nhivemindd_reachable 0\n") != NULL, "%s", out);
+    cr_assert(strstr(out, "hivemindd_dialbacks_total{result=\"failed\"} ") != NULL);
+    free(out);
+    free(err);
     /* The DHT itself is in client mode. */
     int rc;
     j = ctl_json(&a, &rc, "dht", "info", NULL);

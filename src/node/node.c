@@ -762,9 +762,9 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
     return 0;
 
 fail_rpc:
-    hm_rpc_close(n->rpc, NULL, NULL);
     if (n->reach != NULL)
         hm_reach_free(n->reach, NULL, NULL);
+    hm_rpc_close(n->rpc, NULL, NULL);
 fail:
     hm_identity_wipe(&n->id);
     hm_hmap_free(&n->by_pk);
@@ -928,6 +928,24 @@ char *hm_node_metrics(hm_node *n)
     hm_strbuf_printf(&b, "hivemindd_uptime_seconds %.3f\n",
                      (double)hm_node_uptime_ms(n) / 1000.0);
     metric_u64(&b, "hivemindd_peers", "gauge", "Peers in the peer table.", n->n_peers);
+    if (n->reach != NULL) {
+        hm_reach_status rs;
+        hm_reach_get_status(n->reach, &rs);
+        metric_head(&b, "hivemindd_reachable", "gauge",
+                    "1: a peer dialled us back; 0: nobody can; -1: not known yet.");
+        hm_strbuf_printf(&b, "hivemindd_reachable %d\n",
+                         rs.reachable == HM_REACH_YES ? 1 : rs.reachable == HM_REACH_NO ? 0 : -1);
+        metric_u64(&b, "hivemindd_announce_declared", "gauge",
+                   "1 when the node declares an address others can dial.", (uint64_t)rs.declared);
+        metric_head(&b, "hivemindd_dialbacks_total", "counter",
+                    "Answers to our dial-back requests, by result.");
+        hm_strbuf_printf(&b, "hivemindd_dialbacks_total{result=\"reached\"} %llu\n",
+                         (unsigned long long)rs.dialbacks_ok);
+        hm_strbuf_printf(&b, "hivemindd_dialbacks_total{result=\"failed\"} %llu\n",
+                         (unsigned long long)rs.dialbacks_failed);
+        metric_u64(&b, "hivemindd_dialbacks_served_total", "counter",
+                   "Dial-back probes this node ran for others.", rs.dialbacks_served);
+    }
     metric_u64(&b, "hivemindd_peers_evicted_total", "counter",
                "Peers of the heaviest origin evicted from a full table for a newcomer.",
                n->evicted);
