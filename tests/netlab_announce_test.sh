@@ -8,6 +8,8 @@
 #  - h4 can dial everyone and nobody can dial it: its dial-backs fail from
 #    two origins, it declares nothing, reports itself unreachable and
 #    switches to client mode, in info and in its log;
+#  - h5, told to announce 127.0.0.1, declares nothing once it knows peers
+#    off loopback;
 #  - h4 (NAT'd, a client), h2 (on 0.0.0.0) and h1 average a vector together
 #    and all get the exact mean.
 # Skips (77) where the lab cannot run (not root, no namespaces, no nft).
@@ -29,7 +31,7 @@ lab_require nft
 
 fail() {
     echo "FAIL: $*" >&2
-    for h in h1 h2 h3 h4; do
+    for h in h1 h2 h3 h4 h5; do
         if [ -e "$LAB_DIR/$h.log" ]; then
             echo "---- $h.log (last 30 lines)" >&2
             tail -n 30 "$LAB_DIR/$h.log" >&2
@@ -57,7 +59,7 @@ wait_field() {
     return 1
 }
 
-lab_up 4
+lab_up 5
 lab_nat h4
 
 common=(--ping-interval 1 --log-level debug)
@@ -68,6 +70,9 @@ h3=$(lab_peer h3)
 lab_hivemindd h4 "${common[@]}" --initial-peers "$h1,$h3" || fail "h4 did not start"
 lab_hivemindd h2 "${common[@]}" --listen 0.0.0.0:31400 --initial-peers "$h1,$h3" \
     --host-experts ffn.0.0 --expert-dim 8 || fail "h2 did not start"
+
+lab_hivemindd h5 "${common[@]}" --announce 127.0.0.1:31400 --initial-peers "$h1" ||
+    fail "h5 did not start"
 
 # ---- h2, on 0.0.0.0, is declared where the others dial it ----
 want="$(lab_addr h2):31400"
@@ -117,6 +122,14 @@ case $reason in
 esac
 grep -q "client mode" "$LAB_DIR/h4.log" || fail "h4's log does not say it switched to client mode"
 echo "ok: h4 behind NAT: unreachable, client mode ($reason)"
+
+# ---- h5 never declares loopback to hosts off loopback ----
+wait_field h5 announce None 30 || fail "h5 declares $(info_field h5 announce) to peers off loopback"
+case $(info_field h5 reach_reason) in
+    *loopback*) ;;
+    *) fail "h5 does not say why it declares nothing: $(info_field h5 reach_reason)" ;;
+esac
+echo "ok: h5 declares nothing rather than 127.0.0.1 ($(info_field h5 reach_reason))"
 
 # ---- the three average: the NAT'd client and the 0.0.0.0 host included ----
 for h in h1 h2 h4; do
