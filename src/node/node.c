@@ -608,6 +608,26 @@ int hm_node_add_peer(hm_node *n, const char *addr)
     return 0;
 }
 
+/* For the dial-back (reach.h): pk answered our datagram ping at from's IP. */
+static int peer_verified_at(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from)
+{
+    hm_node *n = ud;
+    peer *p = peer_find(n, pk);
+    if (p == NULL || !p->verified || !p->addr_known)
+        return 0;
+    struct sockaddr_storage a = p->info.addr, b;
+    memcpy(&b, from, hm_addr_len(from));
+    /* Ports aside: the request may come from any port of that host. */
+    if (a.ss_family == AF_INET && b.ss_family == AF_INET) {
+        ((struct sockaddr_in *)&a)->sin_port = ((struct sockaddr_in *)&b)->sin_port;
+    } else if (a.ss_family == AF_INET6 && b.ss_family == AF_INET6) {
+        ((struct sockaddr_in6 *)&a)->sin6_port = ((struct sockaddr_in6 *)&b)->sin6_port;
+    } else {
+        return 0;
+    }
+    return hm_addr_equal((const struct sockaddr *)&a, (const struct sockaddr *)&b);
+}
+
 int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, char *err,
                 size_t errlen)
 {
@@ -647,6 +667,8 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
         }
         rcfg.has_announce = 1;
     }
+    rcfg.peer_verified = peer_verified_at;
+    rcfg.peer_verified_ud = n;
     n->cfg_client_mode = opts->client_mode;
     n->started_ms = hm_now_ms();
     n->ping_interval_ms = opts->ping_interval_ms ? opts->ping_interval_ms : 15000;

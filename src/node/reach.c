@@ -528,7 +528,9 @@ static void on_dialback_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk
         return;
     }
     /* Only the host the request came from: never a third party. */
-    if (!same_ip((const struct sockaddr *)&to, from)) {
+    if (!same_ip((const struct sockaddr *)&to, from) ||
+        (r->cfg.peer_verified != NULL && !r->cfg.peer_verified(r->cfg.peer_verified_ud, peer_pk,
+                                                               from))) {
         r->refused_other++;
         struct sockaddr_storage fs;
         memcpy(&fs, from, hm_addr_len(from));

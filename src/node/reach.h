@@ -27,7 +27,9 @@
  * switches back when a later dial-back succeeds.
  *
  * The asked side dials only the IP the request came from (any port: the
- * port we listen on need not be the one a NAT maps our datagrams to), at
+ * port we listen on need not be the one a NAT maps our datagrams to), and
+ * only for a peer that answered our ping at that IP (a datagram's source
+ * IP can be spoofed, its key cannot), at
  * most max_dialbacks probes at once, one at a time per origin and at most
  * dialback_rate_per_origin a minute per origin, so a swarm member cannot
  * make us dial a third party, nor flood its own host with our handshakes.
@@ -64,6 +66,14 @@ typedef struct hm_reach_config {
     uint64_t check_ms;                 /* while undecided, default 2000 */
     uint64_t recheck_ms;               /* once decided, default 300000 */
     uint64_t inbound_timeout_ms;       /* default 600000 */
+    /*
+     * Whether pk answered one of our datagram pings at an address with the
+     * IP of from. A datagram's source IP is not authenticated, only its
+     * key: without this, a member could spoof a third party's IP and have
+     * us dial it. NULL: every asker passes (tests of this module only).
+     */
+    int (*peer_verified)(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from);
+    void *peer_verified_ud;
 } hm_reach_config;
 
 typedef struct hm_reach_status {
