@@ -752,9 +752,16 @@ static int put_decl(hm_mm *mm, search *s, const char *key, size_t key_len, uint6
     uint8_t value[128];
     char marker[HM_DHT_OWNER_MARKER_LEN + 1];
     hm_wire_wr w;
+    /* The declared address, read each time (it can change); with none that
+     * others could dial, nothing is declared (docs/protocol.md,
+     * Reachability): declare() tries again later. */
+    struct sockaddr_storage ann;
+    int r = hm_node_announce(mm->node, &ann);
+    if (r < 0)
+        return r;
+    mm->addr = ann;
     hm_mm_decl d = {.addr = mm->addr, .bandwidth = bandwidth, .client = 0,
                     .deadline_ms = deadline, .looking = looking};
-    int r;
 
     hm_wire_wr_init_fixed(&w, value, sizeof(value));
     hm_mm_encode_decl(&w, &d);
@@ -1555,7 +1562,18 @@ int hm_mm_find_group(hm_mm *mm, const hm_mm_config *cfg, uint64_t timeout_ms, hm
     s->min_mm_ms = cfg->min_matchmaking_ms != 0 ? cfg->min_matchmaking_ms : 5000;
     s->req_ms = cfg->request_timeout_ms != 0 ? cfg->request_timeout_ms : 3000;
     s->period_ms = HM_MAX(HM_MIN(s->min_mm_ms / 4, (uint64_t)2000), (uint64_t)100);
-    s->client = cfg->client_mode != 0;
+    /*
+     * A node with no address others can dial (0.0.0.0 not yet confirmed,
+     * or nobody reaches it) averages as a client: it sends and receives
+     * over connections it opens, and no member is told to dial it.
+     */
+    struct sockaddr_storage ann;
+    s->client = cfg->client_mode != 0 || hm_node_announce(mm->node, &ann) < 0;
+    if (s->client && !cfg->client_mode)
+        hm_info(MOD, "%s: averaging as a client: this node has no address others can dial",
+                s->prefix);
+    else if (!s->client)
+        mm->addr = ann;
     s->bandwidth = s->client ? 0.0 : cfg->bandwidth;
     s->bandwidth_factor = cfg->bandwidth_factor != 0 ? cfg->bandwidth_factor : 2.0;
     s->members_per_origin = cfg->members_per_origin;

@@ -471,12 +471,19 @@ static void declare(share *s)
     uint8_t value[HM_STATE_SMALL_MAX];
     char marker[HM_DHT_OWNER_MARKER_LEN + 1];
     hm_wire_wr w;
-    hm_state_decl d = {.addr = st->addr, .step = v->step, .total_len = v->len,
-                       .chunk_size = v->chunk_size};
+    hm_state_decl d = {.step = v->step, .total_len = v->len, .chunk_size = v->chunk_size};
     int r;
 
     if (s->put_busy)
         return;
+    /* Read each time: the declared address can change, and with none that
+     * others could dial there is nothing worth declaring. */
+    if ((r = hm_node_announce(st->node, &st->addr)) < 0) {
+        hm_debug(MOD, "%s: not declared: no address others can dial (%s)", s->key,
+                 hm_strerror(r));
+        return;
+    }
+    d.addr = st->addr;
     memcpy(d.hash, v->hash, HM_STATE_HASH_BYTES);
     hm_wire_wr_init_fixed(&w, value, sizeof(value));
     hm_state_encode_decl(&w, &d);

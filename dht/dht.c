@@ -1968,6 +1968,8 @@ int hm_dht_cancel(hm_dht *d, uint64_t op)
     return 0;
 }
 
+void hm_dht_set_client_mode(hm_dht *d, int on) { d->cfg.client_mode = on != 0; }
+
 void hm_dht_get_stats(const hm_dht *d, hm_dht_stats *out)
 {
     hm_dht_store_stats ss;

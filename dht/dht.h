@@ -190,6 +190,9 @@ typedef struct hm_dht_stats {
     uint64_t store_evicted;  /* stored entries ended to make room (store.h) */
 } hm_dht_stats;
 void hm_dht_get_stats(const hm_dht *d, hm_dht_stats *out);
+/* Switches client mode at run time (a node that learns nobody can reach
+ * it): later messages carry the flag, and requests go unanswered. */
+void hm_dht_set_client_mode(hm_dht *d, int on);
 const hm_rt *hm_dht_routing(const hm_dht *d);
 /* Emits DhtRequestRate (requests dropped by the rate limit), DhtStorePeerKiB,
  * DhtStoreOriginShare, DhtStoreEntries and DhtStoreMiB (STOREs refused by the

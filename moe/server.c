@@ -193,6 +193,7 @@ struct hm_moe_server {
     uint64_t batch_wait_ms, ckpt_interval_ms;
     double ttl_s;
     char addr[HM_MOE_ADDR_MAX + 1];
+    int addr_missing; /* no declarable address: nothing declared until there is one */
     char marker[HM_DHT_OWNER_MARKER_LEN + 1];
     int registered;
 
@@ -1288,6 +1289,30 @@ static void decl_continue(hm_moe_server *s)
 
 static void decl_round_start(hm_moe_server *s)
 {
+    /*
+     * The declared address can change (detected, confirmed, lost), so it is
+     * read each round; with none that others could dial, nothing is
+     * declared: a record pointing at 0.0.0.0 or at an unreachable node only
+     * makes callers time out.
+     */
+    struct sockaddr_storage ss;
+    char a[HM_ADDRSTRLEN];
+    int ar = hm_node_announce(s->node, &ss);
+    if (ar < 0 || hm_format_addr((const struct sockaddr *)&ss, a, sizeof(a)) != 0 ||
+        strlen(a) > HM_MOE_ADDR_MAX) {
+        if (!s->addr_missing && s->nex > 0)
+            hm_warn(MOD, "experts not declared: this node has no address others can dial (%s)",
+                    hm_strerror(ar < 0 ? ar : -EINVAL));
+        s->addr_missing = 1;
+        uv_timer_start(&s->decl_timer, decl_timer_cb, 2000, 0);
+        return;
+    }
+    if (s->addr_missing || strcmp(a, s->addr) != 0) {
+        hm_info(MOD, "declaring the experts at %s", a);
+        hm_strlcpy(s->addr, a, sizeof(s->addr));
+        s->decl_dirty = 1;
+    }
+    s->addr_missing = 0;
     if (s->decl_dirty || s->decls == NULL) {
         if (decls_build(s) < 0) {
             hm_warn(MOD, "cannot build the expert declarations; retrying");

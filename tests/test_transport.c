@@ -1647,3 +1647,72 @@ Test(transport, slow_drain_closes_the_connection)
     node_stop(&b);
     result_free(&w);
 }
+
+/* ---- reachability probes (hm_transport_probe) ---- */
+
+typedef struct probe_res {
+    int count, status;
+} probe_res;
+
+static void on_probe(void *ud, int status)
+{
+    probe_res *p = ud;
+    p->count++;
+    p->status = status;
+}
+
+Test(transport, probe_proves_the_key_at_the_address_and_leaves_nothing_open)
+{
+    tnode a, b, c;
+    node_start(&a);
+    node_start(&b);
+    node_start(&c);
+
+    /* b at its address: the handshake completes, once, and no connection stays. */
+    probe_res p = {0};
+    hm_transport_stats b0 = stats_of(&b);
+    cr_assert_eq(hm_transport_probe(hm_rpc_transport(a.rpc), b.id.pk, sa(&b), on_probe, &p), 0);
+    cr_assert(run_until(&p.count, 1, 7000));
+    cr_assert_eq(p.status, 0, "%d", p.status);
+    cr_assert_eq(stats_of(&b).inbound_handshakes_ok, b0.inbound_handshakes_ok + 1);
+    cr_assert(!hm_transport_connected(hm_rpc_transport(a.rpc), b.id.pk),
+              "the probe is not a connection to send on");
+    run_for(200);
+    cr_assert_eq(p.count, 1, "the callback fired %d times", p.count);
+    cr_assert_eq(stats_of(&a).connections, 0u);
+
+    /* c's key at b's address: b cannot prove it, so the probe fails. */
+    probe_res q = {0};
+    cr_assert_eq(hm_transport_probe(hm_rpc_transport(a.rpc), c.id.pk, sa(&b), on_probe, &q), 0);
+    cr_assert(run_until(&q.count, 1, 7000));
+    cr_assert_neq(q.status, 0, "a probe for c's key at b's address succeeded");
+
+    /* A port nobody listens on: refused. */
+    struct sockaddr_storage dead = c.addr;
+    node_stop(&c);
+    probe_res r = {0};
+    cr_assert_eq(hm_transport_probe(hm_rpc_transport(a.rpc), b.id.pk,
+                                    (const struct sockaddr *)&dead, on_probe, &r),
+                 0);
+    cr_assert(run_until(&r.count, 1, 7000));
+    cr_assert_eq(r.status, -ECONNREFUSED, "%d", r.status);
+
+    /* Our own key is not probed; an open connection is never reused for it. */
+    probe_res s = {0};
+    cr_assert_eq(hm_transport_probe(hm_rpc_transport(a.rpc), a.id.pk, sa(&b), on_probe, &s),
+                 -EINVAL);
+    result e = {0};
+    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &e), 0);
+    cr_assert(run_until(&e.count, 1, 3000));
+    b0 = stats_of(&b);
+    cr_assert_eq(hm_transport_probe(hm_rpc_transport(a.rpc), b.id.pk, sa(&b), on_probe, &s), 0);
+    cr_assert(run_until(&s.count, 1, 7000));
+    cr_assert_eq(s.status, 0);
+    cr_assert_eq(stats_of(&b).inbound_handshakes_ok, b0.inbound_handshakes_ok + 1,
+                 "the probe went over the open connection");
+    cr_assert(hm_transport_connected(hm_rpc_transport(a.rpc), b.id.pk),
+              "the probe closed the connection in use");
+    result_free(&e);
+    node_stop(&a);
+    node_stop(&b);
+}

@@ -135,6 +135,19 @@ const char *hm_strerror(int err)
     }
 }
 
+int hm_addr_dialable(const struct sockaddr_storage *ss)
+{
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
+        return a->sin_addr.s_addr == htonl(INADDR_ANY) || a->sin_port == 0 ? -EINVAL : 0;
+    }
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
+        return IN6_IS_ADDR_UNSPECIFIED(&a->sin6_addr) || a->sin6_port == 0 ? -EINVAL : 0;
+    }
+    return -EINVAL;
+}
+
 int hm_parse_hostport(const char *s, struct sockaddr_storage *out)
 {
     char host[INET6_ADDRSTRLEN + 1];

@@ -109,6 +109,9 @@ int hm_format_addr(const struct sockaddr *sa, char *buf, size_t len);
 /* Compares address family, host and port. */
 int hm_addr_equal(const struct sockaddr *a, const struct sockaddr *b);
 socklen_t hm_addr_len(const struct sockaddr *sa);
+/* Whether ss could be dialled by a peer at all: IPv4 or IPv6, not 0.0.0.0
+ * or ::, not port 0. 0 or -EINVAL. */
+int hm_addr_dialable(const struct sockaddr_storage *ss);
 
 /*
  * RFC 4648 base32, lowercase, no padding. Returns the number of characters

@@ -139,6 +139,13 @@ static int dht_args_key(const json_t *args, const char *name, const char **s_out
     return 0;
 }
 
+/* Configured, or switched on by the node because nobody can reach it. */
+static int dht_client_mode(hm_daemon *d)
+{
+    hm_node_reach_info ri;
+    return hm_node_reach(d->node, &ri) == 0 ? ri.client_mode : d->cfg->client_mode;
+}
+
 static void cmd_dht_get(void *ud, hm_control_req *req, const json_t *args)
 {
     hm_daemon *d = ud;
@@ -231,7 +238,7 @@ static void cmd_dht_info(void *ud, hm_control_req *req, const json_t *args)
                                  (json_int_t)st.requests_sent, "requests_received",
                                  (json_int_t)st.requests_received, "timeouts",
                                  (json_int_t)st.timeouts, "rate_limited",
-                                 (json_int_t)st.rate_limited, "client_mode", d->cfg->client_mode));
+                                 (json_int_t)st.rate_limited, "client_mode", dht_client_mode(d)));
 }
 
 int hm_cmd_dht_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen)

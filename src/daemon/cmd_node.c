@@ -36,13 +36,40 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
      * over, so info tells the truth during a shutdown too. */
     if (d->shm != NULL)
         hm_shm_stats(d->shm, &shm_segments, &shm_bytes);
-    hm_daemon_reply(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}}",
+    /* The declared address and whether anyone can dial it (docs/control-protocol.md). */
+    hm_node_reach_info ri;
+    json_t *announce = json_null(), *reachable = json_string("unknown");
+    char a[HM_ADDRSTRLEN];
+    int client_mode = d->cfg->client_mode;
+    struct sockaddr_storage lss;
+    char listen[HM_ADDRSTRLEN] = "";
+    if (hm_transport_local_addr(hm_rpc_transport(hm_node_rpc(d->node)), &lss) != 0 ||
+        hm_format_addr((const struct sockaddr *)&lss, listen, sizeof(listen)) != 0)
+        listen[0] = '\0';
+    if (hm_node_reach(d->node, &ri) == 0) {
+        if (ri.declared && hm_format_addr((const struct sockaddr *)&ri.addr, a, sizeof(a)) == 0)
+            announce = json_string(a);
+        if (ri.reachable != HM_REACH_UNKNOWN) {
+            json_decref(reachable);
+            reachable = json_boolean(ri.reachable == HM_REACH_YES);
+        }
+        client_mode = ri.client_mode;
+    } else {
+        ri.source[0] = '\0';
+        ri.reason[0] = '\0';
+        ri.auto_client_mode = 0;
+    }
+    hm_daemon_reply(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}, "
+                                   "s:s, s:o, s:o, s:s, s:s, s:b}",
                                  "peer_id", hm_node_identity(d->node)->peer_id, "address", addr,
                                  "swarm", hm_node_swarm(d->node), "version", PACKAGE_VERSION,
                                  "uptime_s", (json_int_t)(hm_node_uptime_ms(d->node) / 1000),
-                                 "client_mode", d->cfg->client_mode, "pid", (json_int_t)getpid(),
+                                 "client_mode", client_mode, "pid", (json_int_t)getpid(),
                                  "control_socket", d->cfg->control_socket, "shm", "segments",
-                                 (json_int_t)shm_segments, "bytes", (json_int_t)shm_bytes));
+                                 (json_int_t)shm_segments, "bytes", (json_int_t)shm_bytes,
+                                 "listen", listen, "announce", announce, "reachable", reachable,
+                                 "announce_source", ri.source, "reach_reason", ri.reason,
+                                 "client_mode_auto", ri.auto_client_mode));
 }
 
 static void cmd_peers(void *ud, hm_control_req *req, const json_t *args)

@@ -223,6 +223,16 @@ static const struct opt opts[] = {
      "for tests only, never in production: hold every datagram and stream message this "
      "daemon sends for MS milliseconds first, a one-way delay (default 0: off)"},
     /* -- announce options -- */
+    {"Announce", "announce", T_HOSTPORT, FIELD(announce), 0, 0, 0, "HOST:PORT",
+     "address to declare to others (expert, state and group records), numeric; not 0.0.0.0, "
+     ":: or port 0 (default none: the address peers observe and dial back, else a "
+     "specific Listen address)"},
+    {"DialbackRatePerOrigin", "dialback-rate-per-origin", T_UINT,
+     FIELD(dialback_rate_per_origin), 1, 600, 0, "N",
+     "dial-back checks run for one network origin a minute, one at a time, bursts of 3 "
+     "(default 6)"},
+    {"MaxDialbacks", "max-dialbacks", T_UINT, FIELD(max_dialbacks), 1, 1024, 0, "N",
+     "dial-back checks run for others at once (default 16)"},
     /* -- relay options -- */
 };
 
@@ -402,6 +412,11 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
             hostport_why(v, why, whylen);
             return -EINVAL;
         }
+        if (o->off == offsetof(hm_config, announce) && hm_addr_dialable(&ss) != 0) {
+            hm_errf(why, whylen, "an announced address must be dialable: not 0.0.0.0, :: or "
+                                 "port 0");
+            return -EINVAL;
+        }
         hm_strlcpy(field_str(c, o), v, o->size);
         return 0;
     }
@@ -506,6 +521,9 @@ void hm_config_defaults(hm_config *c)
 {
     memset(c, 0, sizeof(*c));
     hm_strlcpy(c->listen, "0.0.0.0:31400", sizeof(c->listen));
+    c->announce[0] = '\0';
+    c->dialback_rate_per_origin = 6;
+    c->max_dialbacks = 16;
     /* An unknown home leaves StateDir empty; hm_config_finish reports it. */
     if (hm_paths_default_state_dir(c->state_dir, sizeof(c->state_dir)) != 0)
         c->state_dir[0] = '\0';

@@ -110,6 +110,9 @@ typedef struct hm_config {
     /* -- netlab fields -- */
     unsigned test_delay_ms;              /* tests only: delay everything sent; 0: off */
     /* -- announce fields -- */
+    char announce[HM_CONFIG_PEER_LEN]; /* HOST:PORT to declare; empty: detect */
+    unsigned dialback_rate_per_origin; /* dial-backs run for one origin a minute */
+    unsigned max_dialbacks;            /* dial-backs run at once */
     /* -- relay fields -- */
 } hm_config;
 

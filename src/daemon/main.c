@@ -396,6 +396,9 @@ static int start(daemon_t *d, char *err, size_t errlen)
     no.swarm = d->cfg.swarm;
     no.swarm_key = d->have_swarm_key ? d->swarm_key : NULL;
     no.client_mode = d->cfg.client_mode;
+    no.announce = d->cfg.announce;
+    no.reach.dialback_rate_per_origin = d->cfg.dialback_rate_per_origin;
+    no.reach.max_dialbacks = d->cfg.max_dialbacks;
     no.ping_interval_ms = (uint64_t)d->cfg.ping_interval_s * 1000u;
     no.transport.max_connections = d->cfg.max_connections;
     no.transport.max_conns_per_origin = d->cfg.max_conns_per_origin;

@@ -190,6 +190,10 @@ typedef struct conn {
     uint64_t bytes_written;    /* sealed bytes whose writes completed */
     uint64_t drain_mark_ms;    /* start of the current drain-rate window, 0: none */
     uint64_t drain_mark_bytes; /* bytes_written then */
+    /* ---- reachability probes (hm_transport_probe) ---- */
+    hm_transport_probe_cb probe_cb; /* set: a probe, never used for sends */
+    void *probe_ud;
+    int probe_status; /* 0 once its handshake completed */
 } conn;
 
 enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
@@ -825,12 +829,20 @@ static void conn_closed_cb(uv_handle_t *h)
      * instead of waiting for deadlines.
      */
     int notify = c->pk_known && !c->quiet && !t->closing && !live_conn_for(t, c->pk);
+    hm_transport_probe_cb probe_cb = c->quiet ? NULL : c->probe_cb;
+    void *probe_ud = c->probe_ud;
+    int probe_status = t->closing && c->probe_status != 0 ? -ECANCELED : c->probe_status;
+    if (probe_cb != NULL)
+        notify = 0;
     uint8_t pk[HM_PK_BYTES];
     memcpy(pk, c->pk, HM_PK_BYTES);
     sodium_memzero(c, sizeof(*c));
     free(c);
     if (notify && t->cbs.on_conn != NULL)
         t->cbs.on_conn(t->ud, pk, 0);
+    /* A probe reports here, from its close callback, exactly once. */
+    if (probe_cb != NULL)
+        probe_cb(probe_ud, probe_status);
     maybe_finish_close(t);
 }
 
@@ -840,6 +852,8 @@ static void conn_close(conn *c, const char *why)
         return;
     if (c->state == CONN_HANDSHAKE)
         c->t->stats.handshakes_failed++;
+    if (c->probe_cb != NULL && c->probe_status != 0 && strcmp(why, "handshake timeout") == 0)
+        c->probe_status = -ETIMEDOUT;
     conn_set_state(c, CONN_CLOSING, why);
     conn_uncount(c);
     hash_remove(c);
@@ -1433,6 +1447,14 @@ static void hs_complete(conn *c)
     if (c->counted_hs)
         conn_uncount_hs(c, hm_origin_tab_get(&t->origins, &c->origin, 0));
     t->stats.handshakes_ok++;
+    if (!c->outbound)
+        t->stats.inbound_handshakes_ok++;
+    if (c->probe_cb != NULL) {
+        /* The peer proved its key at that address: all a probe asks. */
+        c->probe_status = 0;
+        conn_close(c, "probe done");
+        return;
+    }
     c->open_seq = ++t->open_counter;
     limit_per_peer(c);
     int was_up = 0;
@@ -1494,6 +1516,8 @@ static void conn_process(conn *c)
                      hm_strerror(r));
             complain(&t->bad_handshakes, "handshakes failed", (const struct sockaddr *)&c->addr,
                      hm_strerror(r));
+            if (c->probe_cb != NULL)
+                c->probe_status = r;
             conn_close(c, hm_strerror(r));
             return;
         }
@@ -1584,6 +1608,8 @@ static void connect_cb(uv_connect_t *req, int status)
     if (c->state == CONN_CLOSING)
         return;
     if (status < 0) {
+        if (c->probe_cb != NULL)
+            c->probe_status = status;
         conn_close(c, uv_strerror(status));
         return;
     }
@@ -2382,6 +2408,45 @@ int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const stru
         return -EMSGSIZE;
     uv_buf_t b = uv_buf_init((char *)msg, (unsigned)len);
     return hm_transport_sendv(t, pk, to, &b, 1, prio);
+}
+
+int hm_transport_probe(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                       hm_transport_probe_cb cb, void *ud)
+{
+    int result;
+    conn *c;
+    if (t->closing)
+        return -ECANCELED;
+    if (cb == NULL || (to->sa_family != AF_INET && to->sa_family != AF_INET6))
+        return -EINVAL;
+    if (memcmp(pk, t->id.pk, HM_PK_BYTES) == 0)
+        return -EINVAL;
+    /* A probe never evicts anyone: it is a favour to a peer, not our traffic. */
+    if (live_conns(t) >= t->cfg.max_connections) {
+        t->stats.refused_max_connections++;
+        return -ENOBUFS;
+    }
+    if ((result = conn_new(t, 1, &c)) < 0)
+        return result;
+    /* Never in the keyed map: sends, on_conn and the per-peer cap ignore it. */
+    c->outbound = 1;
+    memcpy(c->pk, pk, HM_PK_BYTES);
+    memcpy(&c->addr, to, hm_addr_len(to));
+    c->probe_cb = cb;
+    c->probe_ud = ud;
+    c->probe_status = -ECONNRESET;
+    hm_hs_init_client(c->hs, &t->id, t->swarm_id, pk);
+    c->connect_req.data = c;
+    result = bind_source(t, c, to);
+    if (result == 0)
+        result = uv_tcp_connect(&c->connect_req, &c->tcp, to, connect_cb);
+    if (result < 0) {
+        c->quiet = 1;
+        conn_close(c, uv_strerror(result));
+        return result;
+    }
+    t->stats.probes++;
+    return 0;
 }
 
 size_t hm_transport_queued(hm_transport *t, const uint8_t pk[HM_PK_BYTES])

@@ -159,6 +159,9 @@ typedef struct hm_transport_stats {
     uint64_t wq_shed;             /* connections closed to make room for a lighter origin */
     uint64_t wq_refused_origin;   /* sends refused over the origin's share: WriteQueueOriginMiB */
     uint64_t write_too_slow;      /* connections closed for draining under write_min_rate */
+    /* ---- reachability (hm_transport_probe) ---- */
+    uint64_t inbound_handshakes_ok; /* inbound connections that completed their handshake */
+    uint64_t probes;                /* probes dialled */
 } hm_transport_stats;
 
 int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
@@ -188,6 +191,18 @@ int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const stru
  */
 int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                        const uv_buf_t *bufs, unsigned n, int prio);
+/*
+ * A reachability probe: dials a fresh connection to pk at `to` (never an
+ * existing one), runs the handshake, which proves pk answers there, and
+ * closes it. cb fires once, from the loop: 0 when the handshake completed,
+ * else the dial's error or -ETIMEDOUT after handshake_timeout_ms
+ * (-ECANCELED when the transport closes first). If this returns an error,
+ * cb never fires. The probe carries no messages and is not counted as a
+ * connection to pk.
+ */
+typedef void (*hm_transport_probe_cb)(void *ud, int status);
+int hm_transport_probe(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                       hm_transport_probe_cb cb, void *ud);
 /* Bytes queued for pk and not yet written to the socket. */
 size_t hm_transport_queued(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);
 int hm_transport_connected(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);

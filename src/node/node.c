@@ -8,6 +8,7 @@
 #include "src/node/node.h"
 
 #include <errno.h>
+#include <netinet/in.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 #include "src/base/origin.h"
 #include "src/base/util.h"
 #include "src/base/wire.h"
+#include "src/node/reach.h"
 
 #define MOD "node"
 #define PING_METHOD "node.ping"
@@ -84,6 +86,11 @@ struct hm_node {
     void (*close_cb)(void *ud);
     void *close_ud;
     uint32_t jitter_state;
+
+    /* The declared address and reachability (reach.h). */
+    hm_reach *reach;
+    int cfg_client_mode;  /* ClientMode from the operator */
+    int auto_client_mode; /* nobody reaches us: client mode by ourselves */
 };
 
 typedef struct ping_ctx {
@@ -128,6 +135,8 @@ static void peer_set_verified(hm_node *n, peer *p, int v)
 static void peer_remove(hm_node *n, peer *p)
 {
     peer *last = &n->peers[n->n_peers - 1];
+    if (n->reach != NULL)
+        hm_reach_forget(n->reach, p->info.pk);
     peer_set_verified(n, p, 0);
     origin_count(n, &p->org, -1);
     hm_hmap_remove(&n->by_pk, &p->by_pk);
@@ -275,6 +284,7 @@ static void on_ping_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
 }
 
 static void maybe_finish_close(hm_node *n);
+static void on_reach_mode(void *ud, int client_mode, const char *reason);
 
 static int send_ping(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                      int via_stream, int bootstrap_idx);
@@ -283,8 +293,6 @@ static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
 {
     ping_ctx *c = ud;
     hm_node *n = c->node;
-    HM_UNUSED(body);
-    HM_UNUSED(len);
     n->pings_outstanding--;
     if (n->closing) {
         free(c);
@@ -340,6 +348,12 @@ static void on_ping_reply(void *ud, int status, const uint8_t *body, size_t len)
                 p->info.rtt_ms = p->info.rtt_ms < 0 ? rtt : 0.8 * p->info.rtt_ms + 0.2 * rtt;
                 int first = !p->verified;
                 peer_set_verified(n, p, 1);
+                /* Where it saw our datagram come from: a vote for our address. */
+                struct sockaddr_storage seen;
+                if (p->addr_known && n->reach != NULL &&
+                    hm_reach_parse_ping_reply(body, len, &seen) == 0)
+                    hm_reach_observed(n->reach, p->info.pk, (const struct sockaddr *)&p->info.addr,
+                                      (const struct sockaddr *)&seen);
                 /*
                  * A peer verified now gets its first stream ping now, while
                  * the verified peers still fit max_stream_pings, rather than
@@ -618,6 +632,26 @@ int hm_node_add_peer(hm_node *n, const char *addr)
     return 0;
 }
 
+/* For the dial-back (reach.h): pk answered our datagram ping at from's IP. */
+static int peer_verified_at(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from)
+{
+    hm_node *n = ud;
+    peer *p = peer_find(n, pk);
+    if (p == NULL || !p->verified || !p->addr_known)
+        return 0;
+    struct sockaddr_storage a = p->info.addr, b;
+    memcpy(&b, from, hm_addr_len(from));
+    /* Ports aside: the request may come from any port of that host. */
+    if (a.ss_family == AF_INET && b.ss_family == AF_INET) {
+        ((struct sockaddr_in *)&a)->sin_port = ((struct sockaddr_in *)&b)->sin_port;
+    } else if (a.ss_family == AF_INET6 && b.ss_family == AF_INET6) {
+        ((struct sockaddr_in6 *)&a)->sin6_port = ((struct sockaddr_in6 *)&b)->sin6_port;
+    } else {
+        return 0;
+    }
+    return hm_addr_equal((const struct sockaddr *)&a, (const struct sockaddr *)&b);
+}
+
 int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, char *err,
                 size_t errlen)
 {
@@ -645,6 +679,21 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
             return -EINVAL;
         }
     }
+    hm_reach_config rcfg = opts->reach;
+    if (opts->announce != NULL && opts->announce[0] != '\0') {
+        if (hm_parse_hostport(opts->announce, &rcfg.announce) != 0 ||
+            hm_addr_dialable(&rcfg.announce) != 0) {
+            snprintf(err, errlen,
+                     "bad announce address '%s': expected a dialable numeric HOST:PORT (not "
+                     "0.0.0.0, ::, or port 0)", opts->announce);
+            free(n);
+            return -EINVAL;
+        }
+        rcfg.has_announce = 1;
+    }
+    rcfg.peer_verified = peer_verified_at;
+    rcfg.peer_verified_ud = n;
+    n->cfg_client_mode = opts->client_mode;
     n->started_ms = hm_now_ms();
     n->ping_interval_ms = opts->ping_interval_ms ? opts->ping_interval_ms : 15000;
     n->ping_timeout_ms = HM_MAX(HM_MIN(n->ping_interval_ms, 5000u), 500u);
@@ -706,6 +755,11 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
         snprintf(err, errlen, "cannot register the ping handler: %s", hm_strerror(r));
         goto fail_rpc;
     }
+    r = hm_reach_new(loop, n->rpc, &rcfg, on_reach_mode, n, &n->reach);
+    if (r < 0) {
+        snprintf(err, errlen, "cannot start the reachability check: %s", hm_strerror(r));
+        goto fail_rpc;
+    }
 
     uv_timer_init(loop, &n->ping_timer);
     n->ping_timer.data = n;
@@ -746,10 +800,16 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
     hm_node_address(n, addr, sizeof(addr));
     hm_info(MOD, "node %s in swarm '%s'%s", addr, n->swarm,
             opts->swarm_key ? " (private)" : "");
+    hm_reach_status rs;
+    hm_reach_get_status(n->reach, &rs);
+    if (!rs.declared)
+        hm_info(MOD, "declaring no address yet: %s", rs.reason);
     *out = n;
     return 0;
 
 fail_rpc:
+    if (n->reach != NULL)
+        hm_reach_free(n->reach, NULL, NULL);
     hm_rpc_close(n->rpc, NULL, NULL);
 fail:
     hm_identity_wipe(&n->id);
@@ -766,11 +826,55 @@ uint64_t hm_node_uptime_ms(const hm_node *n) { return hm_now_ms() - n->started_m
 hm_rpc *hm_node_rpc(hm_node *n) { return n->rpc; }
 uv_loop_t *hm_node_loop(hm_node *n) { return n->loop; }
 
+static void on_reach_mode(void *ud, int client_mode, const char *reason)
+{
+    hm_node *n = ud;
+    n->auto_client_mode = client_mode;
+    if (n->cfg_client_mode)
+        return;
+    /* Serving DHT requests needs peers that can send them to us. */
+    if (n->dht != NULL)
+        hm_dht_set_client_mode(n->dht, client_mode);
+    if (client_mode)
+        hm_warn(MOD, "client mode: %s", reason);
+    else
+        hm_info(MOD, "server mode again: %s", reason);
+}
+
+int hm_node_announce(hm_node *n, struct sockaddr_storage *out)
+{
+    if (n->reach == NULL)
+        return -ECANCELED;
+    return hm_reach_declared(n->reach, out);
+}
+
+int hm_node_reach(hm_node *n, hm_node_reach_info *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (n->reach == NULL)
+        return -ECANCELED;
+    hm_reach_status rs;
+    hm_reach_get_status(n->reach, &rs);
+    out->reachable = rs.reachable;
+    hm_strlcpy(out->source, rs.source, sizeof(out->source));
+    out->declared = rs.declared;
+    out->addr = rs.addr;
+    hm_strlcpy(out->reason, rs.reason, sizeof(out->reason));
+    out->client_mode = n->cfg_client_mode || n->auto_client_mode;
+    out->auto_client_mode = n->auto_client_mode && !n->cfg_client_mode;
+    out->dialbacks_ok = rs.dialbacks_ok;
+    out->dialbacks_failed = rs.dialbacks_failed;
+    out->dialbacks_served = rs.dialbacks_served;
+    return 0;
+}
+
 int hm_node_address(const hm_node *n, char *buf, size_t len)
 {
     struct sockaddr_storage sa;
     char a[HM_ADDRSTRLEN];
-    int r = hm_transport_local_addr(hm_rpc_transport(n->rpc), &sa);
+    int r = n->reach != NULL ? hm_reach_declared(n->reach, &sa) : -ECANCELED;
+    if (r < 0)
+        r = hm_transport_local_addr(hm_rpc_transport(n->rpc), &sa);
     if (r < 0)
         return r;
     r = hm_format_addr((const struct sockaddr *)&sa, a, sizeof(a));
@@ -870,6 +974,24 @@ char *hm_node_metrics(hm_node *n)
     hm_strbuf_printf(&b, "hivemindd_uptime_seconds %.3f\n",
                      (double)hm_node_uptime_ms(n) / 1000.0);
     metric_u64(&b, "hivemindd_peers", "gauge", "Peers in the peer table.", n->n_peers);
+    if (n->reach != NULL) {
+        hm_reach_status rs;
+        hm_reach_get_status(n->reach, &rs);
+        metric_head(&b, "hivemindd_reachable", "gauge",
+                    "1: a peer dialled us back; 0: nobody can; -1: not known yet.");
+        hm_strbuf_printf(&b, "hivemindd_reachable %d\n",
+                         rs.reachable == HM_REACH_YES ? 1 : rs.reachable == HM_REACH_NO ? 0 : -1);
+        metric_u64(&b, "hivemindd_announce_declared", "gauge",
+                   "1 when the node declares an address others can dial.", (uint64_t)rs.declared);
+        metric_head(&b, "hivemindd_dialbacks_total", "counter",
+                    "Answers to our dial-back requests, by result.");
+        hm_strbuf_printf(&b, "hivemindd_dialbacks_total{result=\"reached\"} %llu\n",
+                         (unsigned long long)rs.dialbacks_ok);
+        hm_strbuf_printf(&b, "hivemindd_dialbacks_total{result=\"failed\"} %llu\n",
+                         (unsigned long long)rs.dialbacks_failed);
+        metric_u64(&b, "hivemindd_dialbacks_served_total", "counter",
+                   "Dial-back probes this node ran for others.", rs.dialbacks_served);
+    }
     metric_u64(&b, "hivemindd_peers_evicted_total", "counter",
                "Peers of the heaviest origin evicted from a full table for a newcomer.",
                n->evicted);
@@ -954,6 +1076,8 @@ void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud)
     emit(ud, "PeerTableOriginCap", n->refused_origin);
     emit(ud, "PeerTableSize", n->refused_full);
     emit(ud, "PingStreamPeers", n->stream_pings_skipped);
+    if (n->reach != NULL)
+        hm_reach_limits(n->reach, emit, ud);
 }
 
 /* ---- shutdown ---- */
@@ -988,10 +1112,23 @@ static void on_dht_timer_closed(uv_handle_t *h)
     uv_close((uv_handle_t *)&n->ping_timer, on_timer_closed);
 }
 
+static void on_reach_freed(void *ud)
+{
+    hm_node *n = ud;
+    uv_close((uv_handle_t *)&n->dht_timer, on_dht_timer_closed);
+}
+
 static void on_rpc_closed(void *ud)
 {
     hm_node *n = ud;
     n->rpc = NULL;
+    /* Every dial-back callback has fired by now: the reach state can go. */
+    if (n->reach != NULL) {
+        hm_reach *r = n->reach;
+        n->reach = NULL;
+        hm_reach_free(r, on_reach_freed, n);
+        return;
+    }
     uv_close((uv_handle_t *)&n->dht_timer, on_dht_timer_closed);
 }
 
@@ -1004,6 +1141,8 @@ void hm_node_close(hm_node *n, void (*cb)(void *ud), void *ud)
     n->close_ud = ud;
     uv_timer_stop(&n->ping_timer);
     uv_timer_stop(&n->dht_timer);
+    if (n->reach != NULL)
+        hm_reach_stop(n->reach);
     hm_info(MOD, "closing node %s", n->id.peer_id);
     /* Pending DHT operations end with -ECANCELED before the transport goes. */
     if (n->dht != NULL) {

@@ -36,6 +36,7 @@
 #include "dht/dht.h"
 #include "src/net/rpc.h"
 #include "src/net/transport.h"
+#include "src/node/reach.h"
 
 typedef struct hm_node hm_node;
 
@@ -57,6 +58,9 @@ typedef struct hm_node_options {
     hm_dht_config dht;                 /* zero fields take defaults */
     hm_transport_config transport;     /* zero fields take defaults */
     hm_rpc_config rpc;
+    /* ---- the declared address (reach.h) ---- */
+    const char *announce;              /* "HOST:PORT" to declare; NULL/"": detect */
+    hm_reach_config reach;             /* zero fields take defaults; announce is set from above */
 } hm_node_options;
 
 typedef struct hm_peer_info {
@@ -74,8 +78,30 @@ typedef struct hm_peer_info {
 int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, char *err,
                 size_t errlen);
 const hm_identity *hm_node_identity(const hm_node *n);
-/* PEERID@HOST:PORT of this node. */
+/*
+ * PEERID@HOST:PORT of this node: the declared address (hm_node_announce)
+ * when there is one, else the address it listens on, for local use.
+ */
 int hm_node_address(const hm_node *n, char *buf, size_t len);
+/*
+ * The address this node declares to others (expert records, state and
+ * group declarations): 0, or -EADDRNOTAVAIL when it has none that others
+ * could dial (0.0.0.0 with no confirmed observation, loopback with peers
+ * off loopback) or -ENETUNREACH when dial-backs showed nobody reaches it.
+ * Modules read it each time they declare, since it can change.
+ */
+int hm_node_announce(hm_node *n, struct sockaddr_storage *out);
+typedef struct hm_node_reach_info {
+    int reachable;                    /* HM_REACH_UNKNOWN, _YES, _NO */
+    char source[16];                  /* "config", "observed", "listen", "none" */
+    int declared;                     /* addr is declared */
+    struct sockaddr_storage addr;     /* the candidate address */
+    char reason[HM_REACH_REASON_LEN];
+    int client_mode;                  /* configured, or switched on by ourselves */
+    int auto_client_mode;             /* switched on because nobody reaches us */
+    uint64_t dialbacks_ok, dialbacks_failed, dialbacks_served;
+} hm_node_reach_info;
+int hm_node_reach(hm_node *n, hm_node_reach_info *out);
 const char *hm_node_swarm(const hm_node *n);
 uint64_t hm_node_uptime_ms(const hm_node *n);
 hm_rpc *hm_node_rpc(hm_node *n);
