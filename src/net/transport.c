@@ -1514,10 +1514,12 @@ static void conn_process(conn *c)
         if (r < 0) {
             hm_debug(MOD, "handshake with %s peer failed: %s", c->outbound ? "dialled" : "inbound",
                      hm_strerror(r));
-            complain(&t->bad_handshakes, "handshakes failed", (const struct sockaddr *)&c->addr,
-                     hm_strerror(r));
+            /* A probe that fails answers its own question; it is no complaint. */
             if (c->probe_cb != NULL)
                 c->probe_status = r;
+            else
+                complain(&t->bad_handshakes, "handshakes failed",
+                         (const struct sockaddr *)&c->addr, hm_strerror(r));
             conn_close(c, hm_strerror(r));
             return;
         }
