@@ -218,7 +218,9 @@ Test(config, errors_name_file_and_line)
         /* A bad HOST:PORT blames the half that is wrong. */
         {"Listen 127.0.0.1:99999\n", "the port '99999' is not a number from 0 to 65535"},
         {"Listen [::1]:http\n", "the port 'http' is not a number"},
-        {"Listen localhost:31400\n", "the host 'localhost' is not a numeric IPv4 or IPv6"},
+        {"Listen local_host:31400\n", "the host 'local_host' is neither an IPv4 or IPv6"},
+        {"Listen -bad.example:1\n", "the host '-bad.example' is neither"},
+        {"Announce localhost:0\n", "must be dialable: not port 0"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         hm_config c;
@@ -562,4 +564,44 @@ Test(config, averaging_and_state_limits)
     cr_assert_neq(load(&c, "AverageWeightFactor 0\n", err, sizeof(err)), 0);
     cr_assert_neq(load(&c, "StateDonorsPerOrigin 0\n", err, sizeof(err)), 0);
     cr_assert_neq(load(&c, "StateTrustedDonors a b\n", err, sizeof(err)), 0);
+}
+
+Test(config, host_names_are_kept_as_written_and_resolved_on_request)
+{
+    /* A name passes the syntax check and stays in the configuration as it
+     * was written (so a reload compares like with like); hm_config_resolve
+     * turns it into the address the node binds, dials and declares. */
+    hm_config c;
+    char err[512] = "", skipped[512], id[80], text[512];
+    peer_addr(3, "localhost:4100", id, sizeof(id));
+    snprintf(text, sizeof(text), "Listen localhost:4000\nAnnounce LocalHost:4001\n"
+             "InitialPeers %s\n", id);
+    cr_assert_eq(load(&c, text, err, sizeof(err)), 0, "%s", err);
+    cr_assert_str_eq(c.listen, "localhost:4000");
+    cr_assert_str_eq(c.announce, "LocalHost:4001");
+    hm_config_addrs a;
+    cr_assert_eq(hm_config_resolve(&c, &a, skipped, sizeof(skipped), err, sizeof(err)), 0, "%s",
+                 err);
+    cr_assert_str_eq(a.listen, "127.0.0.1:4000", "IPv4 before IPv6");
+    cr_assert_str_eq(a.announce, "127.0.0.1:4001");
+    cr_assert_eq(a.n_initial_peers, 1);
+    cr_assert(strstr(a.initial_peers[0], "@127.0.0.1:4100") != NULL, "%s", a.initial_peers[0]);
+    cr_assert_eq(strncmp(a.initial_peers[0], id, 53), 0, "the peer id is kept");
+    cr_assert_str_eq(skipped, "");
+
+    /* Numeric addresses pass through unchanged. */
+    cr_assert_eq(load(&c, "Listen [::1]:7\n", err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(hm_config_resolve(&c, &a, skipped, sizeof(skipped), err, sizeof(err)), 0);
+    cr_assert_str_eq(a.listen, "[::1]:7");
+    cr_assert_str_eq(a.announce, "");
+
+    /* A 254-octet name is over RFC 1035's bound. */
+    char longname[300];
+    memset(longname, 'a', sizeof(longname));
+    for (int i = 63; i < 254; i += 64)
+        longname[i] = '.';
+    snprintf(longname + 254, sizeof(longname) - 254, ":1");
+    char buf[320];
+    snprintf(buf, sizeof(buf), "Listen %s\n", longname);
+    cr_assert_eq(load(&c, buf, err, sizeof(err)), -EINVAL, "a 254-octet name is refused");
 }

@@ -22,6 +22,11 @@ enum {
     HM_EXIT_OK = 0,
     HM_EXIT_FAILURE = 1,
     HM_EXIT_USAGE = 64,
+    HM_EXIT_NOHOST = 68,      /* a host name in the configuration does not resolve */
+    HM_EXIT_UNAVAILABLE = 69, /* hivemindctl: the daemon cannot be reached */
+    HM_EXIT_TEMPFAIL = 75,    /* no reply in time; the state directory is in use */
+    HM_EXIT_PROTOCOL = 76,    /* hivemindctl: the daemon's reply was malformed */
+    HM_EXIT_NOPERM = 77,      /* permission denied (a file, a directory, a socket) */
     HM_EXIT_CONFIG = 78,
 };
 

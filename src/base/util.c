@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sodium.h>
 #include <stdio.h>
@@ -203,6 +204,121 @@ int hm_parse_hostport(const char *s, struct sockaddr_storage *out)
         a->sin_port = htons((uint16_t)port);
     }
     return 0;
+}
+
+/* A DNS name as RFC 1123 allows it: dot-separated labels of 1 to 63
+ * letters, digits and hyphens, not starting or ending with a hyphen. */
+static int hostname_ok(const char *h, size_t n)
+{
+    if (n > 0 && h[n - 1] == '.')
+        n--;
+    if (n == 0 || n > HM_HOSTNAME_MAX)
+        return 0;
+    size_t label = 0;
+    for (size_t i = 0; i <= n; i++) {
+        char c = i < n ? h[i] : '.';
+        if (c == '.') {
+            if (label == 0 || label > 63 || h[i - 1] == '-')
+                return 0;
+            label = 0;
+            continue;
+        }
+        int alnum = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+        if (!alnum && !(c == '-' && label > 0))
+            return 0;
+        label++;
+    }
+    return 1;
+}
+
+int hm_split_hostport(const char *s, char *host, size_t hostlen, unsigned *port_out)
+{
+    const char *hs, *port_s;
+    size_t hlen;
+    int v6 = 0;
+
+    if (s == NULL || host == NULL || hostlen == 0)
+        return -EINVAL;
+    if (s[0] == '[') {
+        const char *end = strchr(s, ']');
+        if (end == NULL || end[1] != ':')
+            return -EINVAL;
+        hs = s + 1;
+        hlen = (size_t)(end - hs);
+        port_s = end + 2;
+        v6 = 1;
+    } else {
+        const char *colon = strrchr(s, ':');
+        if (colon == NULL)
+            return -EINVAL;
+        hs = s;
+        hlen = (size_t)(colon - s);
+        port_s = colon + 1;
+    }
+    if (hlen == 0 || hlen >= hostlen)
+        return -EINVAL;
+    memcpy(host, hs, hlen);
+    host[hlen] = '\0';
+    if (*port_s == '\0' || strlen(port_s) > 5 || strspn(port_s, "0123456789") != strlen(port_s))
+        return -EINVAL;
+    unsigned long port = strtoul(port_s, NULL, 10);
+    if (port > 65535)
+        return -EINVAL;
+    struct in6_addr a6;
+    struct in_addr a4;
+    if (v6 ? inet_pton(AF_INET6, host, &a6) != 1
+           : inet_pton(AF_INET, host, &a4) != 1 && !hostname_ok(host, hlen))
+        return -EINVAL;
+    *port_out = (unsigned)port;
+    return 0;
+}
+
+int hm_resolve_hostport(const char *s, struct sockaddr_storage *out, char *why, size_t whylen)
+{
+    char host[HM_HOSTNAME_MAX + 2];
+    unsigned port;
+
+    if (hm_parse_hostport(s, out) == 0)
+        return 0;
+    if (hm_split_hostport(s, host, sizeof(host), &port) != 0) {
+        hm_errf(why, whylen, "'%s' is not HOST:PORT", s);
+        return -EINVAL;
+    }
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_DGRAM;
+    int r = getaddrinfo(host, NULL, &hints, &res);
+    if (r != 0 || res == NULL) {
+        hm_errf(why, whylen, "cannot resolve '%s': %s", host,
+                r == EAI_SYSTEM ? strerror(errno) : gai_strerror(r));
+        if (res != NULL)
+            freeaddrinfo(res);
+        return -EHOSTUNREACH;
+    }
+    const struct addrinfo *pick = NULL;
+    for (const struct addrinfo *ai = res; ai != NULL; ai = ai->ai_next) {
+        if (ai->ai_family == AF_INET) {
+            pick = ai;
+            break;
+        }
+        if (ai->ai_family == AF_INET6 && pick == NULL)
+            pick = ai;
+    }
+    int result = -EHOSTUNREACH;
+    memset(out, 0, sizeof(*out));
+    if (pick == NULL) {
+        hm_errf(why, whylen, "cannot resolve '%s': no IPv4 or IPv6 address", host);
+    } else {
+        memcpy(out, pick->ai_addr, pick->ai_addrlen);
+        if (pick->ai_family == AF_INET)
+            ((struct sockaddr_in *)out)->sin_port = htons((uint16_t)port);
+        else
+            ((struct sockaddr_in6 *)out)->sin6_port = htons((uint16_t)port);
+        result = 0;
+    }
+    freeaddrinfo(res);
+    return result;
 }
 
 int hm_format_addr(const struct sockaddr *sa, char *buf, size_t len)

@@ -103,6 +103,27 @@ const char *hm_strerror(int err);
  * loop thread). Returns 0 or -EINVAL.
  */
 int hm_parse_hostport(const char *s, struct sockaddr_storage *out);
+
+/* The longest host name hm_split_hostport takes (RFC 1035's 253 octets). */
+#define HM_HOSTNAME_MAX 253
+/*
+ * Splits "HOST:PORT" or "[V6HOST]:PORT" where HOST may also be a DNS name
+ * (labels of letters, digits and '-', 1 to 63 octets each, at most
+ * HM_HOSTNAME_MAX in all, an optional final dot). host gets the host
+ * without brackets (hostlen >= HM_HOSTNAME_MAX + 1), port_out the port.
+ * Returns 0, or -EINVAL naming nothing (callers say which half is wrong).
+ * Resolves nothing.
+ */
+int hm_split_hostport(const char *s, char *host, size_t hostlen, unsigned *port_out);
+/*
+ * Resolves s (as hm_split_hostport takes it) to one address: a numeric host
+ * at once, a name with getaddrinfo, which blocks; so call it before the loop
+ * runs or on a worker, never on the loop thread. IPv4 answers come before
+ * IPv6 ones, so a name with both gives the address most peers can dial.
+ * Returns 0, -EINVAL (bad syntax) or -EHOSTUNREACH (the name does not
+ * resolve; why gets getaddrinfo's reason).
+ */
+int hm_resolve_hostport(const char *s, struct sockaddr_storage *out, char *why, size_t whylen);
 /* Formats an address as HOST:PORT ([v6]:port for IPv6). */
 int hm_format_addr(const struct sockaddr *sa, char *buf, size_t len);
 #define HM_ADDRSTRLEN 64

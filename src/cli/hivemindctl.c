@@ -9,9 +9,11 @@
  * command, how its arguments are built from the command line and how its
  * result is printed.
  *
- * Exit status: 0 the command succeeded; 1 the daemon could not be reached,
- * did not answer in time, or answered with an error (printed on stderr);
- * 64 usage error.
+ * Exit status (sysexits.h where one fits): 0 the command succeeded; 1 the
+ * daemon answered with an error (printed on stderr), or a lookup found
+ * nothing; 64 usage error; 69 the daemon could not be reached (77 when
+ * the socket's permissions refuse us); 75 no reply in time; 76 a reply
+ * that is not the protocol.
  */
 #include "config.h"
 
@@ -90,8 +92,9 @@ static void usage(FILE *f)
             "      --ttl SECONDS    with dht put: how long the record lives\n"
             "  -V, --version        print the version and exit\n"
             "  -h, --help           print this help and exit\n\n"
-            "Exit status: 0 ok, 1 the daemon was not reached or reported an error,\n"
-            "64 bad usage.\n");
+            "Exit status: 0 ok, 1 the daemon reported an error or found nothing, 64 bad\n"
+            "usage, 69 the daemon was not reached (77: permission denied), 75 no reply in\n"
+            "time, 76 a malformed reply.\n");
 }
 
 static void print_info(const json_t *r)
@@ -815,6 +818,7 @@ static int run(const char *sock, const command *cmd, const cli *c, const request
     if (r != 0) {
         fprintf(stderr, "hivemindctl: cannot connect to %s: %s (is hivemindd running?)\n", sock,
                 strerror(-r));
+        result = r == -EACCES || r == -EPERM ? HM_EXIT_NOPERM : HM_EXIT_UNAVAILABLE;
         goto out;
     }
     args = json_dumps(rq->args, JSON_COMPACT);
@@ -836,6 +840,10 @@ static int run(const char *sock, const command *cmd, const cli *c, const request
     }
     if (r != 0) {
         print_failure(sock, cmd->wire, rq, reply, r, h);
+        if (reply == NULL && r == -ETIMEDOUT)
+            result = HM_EXIT_TEMPFAIL;
+        else if (reply == NULL && r == -EPROTO)
+            result = HM_EXIT_PROTOCOL;
         goto out;
     }
     const json_t *res = json_object_get(reply, "result");
@@ -1031,7 +1039,7 @@ int main(int argc, char **argv)
     }
     if (c.progress_target != NULL && strcmp(name, "progress") != 0) {
         fprintf(stderr, "hivemindctl: --target goes with progress\n");
-        usage(stderr);
+        usage_hint();
         return HM_EXIT_USAGE;
     }
     request rq = {.args = NULL, .wait_s = c.timeout_s};

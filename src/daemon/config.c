@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 enum opt_type {
-    T_HOSTPORT, /* HOST:PORT, numeric host */
+    T_HOSTPORT, /* HOST:PORT, numeric host or a DNS name (resolved at start) */
     T_PEERS,    /* list of PEERID@HOST:PORT */
     T_PATH,     /* file or directory path */
     T_SOCKET,   /* Unix socket path (fits sun_path) */
@@ -50,9 +50,11 @@ struct opt {
 
 static const struct opt opts[] = {
     {"Listen", "listen", T_HOSTPORT, FIELD(listen), 0, 0, 0, "HOST:PORT",
-     "UDP and TCP address to listen on; port 0 picks a free port (default 0.0.0.0:31400)"},
+     "UDP and TCP address to listen on, an IP address or a host name resolved once at start; "
+     "port 0 picks a free port (default 0.0.0.0:31400)"},
     {"InitialPeers", "initial-peers", T_PEERS, FIELD(initial_peers), 0, 0, 1, "ADDR[,ADDR...]",
-     "peers to join through, each PEERID@HOST:PORT (default none)"},
+     "peers to join through, each PEERID@HOST:PORT, HOST an IP address or a name resolved "
+     "at start (default none)"},
     {"StateDir", "state-dir", T_PATH, FIELD(state_dir), 0, 0, 0, "DIR",
      "where the identity key lives (default /var/lib/hivemindd for root, else "
      "$XDG_STATE_HOME/hivemindd or ~/.local/state/hivemindd)"},
@@ -224,7 +226,8 @@ static const struct opt opts[] = {
      "daemon sends for MS milliseconds first, a one-way delay (default 0: off)"},
     /* -- announce options -- */
     {"Announce", "announce", T_HOSTPORT, FIELD(announce), 0, 0, 0, "HOST:PORT",
-     "address to declare to others (expert, state and group records), numeric; not 0.0.0.0, "
+     "address to declare to others (expert, state and group records), an IP address or a "
+     "name resolved once at start; not 0.0.0.0, "
      ":: or port 0 (default none: the address peers observe and dial back, else a "
      "specific Listen address)"},
     {"DialbackRatePerOrigin", "dialback-rate-per-origin", T_UINT,
@@ -308,7 +311,13 @@ int hm_config_check_peer(const char *s)
         return -EINVAL;
     if (strlen(at + 1) >= HM_CONFIG_PEER_LEN - 53)
         return -EINVAL;
-    return hm_parse_hostport(at + 1, &ss);
+    if (hm_parse_hostport(at + 1, &ss) == 0)
+        return 0;
+    /* A host name is taken as it is written; the daemon resolves it at
+     * start, off the loop (src/daemon/resolve.c). */
+    char host[HM_HOSTNAME_MAX + 2];
+    unsigned port;
+    return hm_split_hostport(at + 1, host, sizeof(host), &port);
 }
 
 static int parse_uint(const char *v, unsigned min, unsigned max, unsigned *out)
@@ -366,7 +375,7 @@ static int add_peers(hm_config *c, const char *v, char *why, size_t whylen)
         one[n] = '\0';
         if (hm_config_check_peer(one) != 0) {
             hm_errf(why, whylen, "bad peer address '%s': expected PEERID@HOST:PORT (52-character "
-                    "peer id, numeric host)", one);
+                    "peer id; an IP address or a host name)", one);
             return -EINVAL;
         }
         if (c->n_initial_peers >= HM_CONFIG_MAX_PEERS) {
@@ -378,6 +387,68 @@ static int add_peers(hm_config *c, const char *v, char *why, size_t whylen)
             return 0;
         p = comma + 1;
     }
+}
+
+/* ---- host names ---- */
+
+static int resolve_hostport(const char *what, const char *v, char *out, size_t outlen, char *err,
+                            size_t errlen)
+{
+    struct sockaddr_storage ss;
+    char why[320];
+    int r = hm_resolve_hostport(v, &ss, why, sizeof(why));
+    if (r != 0) {
+        hm_errf(err, errlen, "%s %s: %s", what, v, why);
+        return r;
+    }
+    if (hm_format_addr((const struct sockaddr *)&ss, out, outlen) < 0) {
+        hm_errf(err, errlen, "%s %s: the address does not fit", what, v);
+        return -ENAMETOOLONG;
+    }
+    return 0;
+}
+
+int hm_config_resolve_peer(const char *peer, char *out, size_t outlen, char *err, size_t errlen)
+{
+    const char *at = strchr(peer, '@');
+    if (at == NULL || (size_t)(at - peer) != 52 || outlen < HM_CONFIG_NUMERIC_PEER_LEN) {
+        hm_errf(err, errlen, "initial peer %s: expected PEERID@HOST:PORT", peer);
+        return -EINVAL;
+    }
+    memcpy(out, peer, 53);
+    return resolve_hostport("initial peer", at + 1, out + 53, outlen - 53, err, errlen) == 0
+               ? 0
+               : -EHOSTUNREACH;
+}
+
+int hm_config_resolve(const hm_config *c, hm_config_addrs *out, char *skipped, size_t skippedlen,
+                      char *err, size_t errlen)
+{
+    int r;
+    memset(out, 0, sizeof(*out));
+    if (skippedlen > 0)
+        skipped[0] = '\0';
+    if (c->listen[0] != '\0' &&
+        (r = resolve_hostport("Listen", c->listen, out->listen, sizeof(out->listen), err,
+                              errlen)) != 0)
+        return r;
+    if (c->announce[0] != '\0' &&
+        (r = resolve_hostport("Announce", c->announce, out->announce, sizeof(out->announce), err,
+                              errlen)) != 0)
+        return r;
+    for (size_t i = 0; i < c->n_initial_peers; i++) {
+        char why[512];
+        char *dst = out->initial_peers[out->n_initial_peers];
+        if (hm_config_resolve_peer(c->initial_peers[i], dst, HM_CONFIG_NUMERIC_PEER_LEN, why,
+                                   sizeof(why)) == 0) {
+            out->n_initial_peers++;
+            continue;
+        }
+        size_t used = strlen(skipped);
+        if (used + 1 < skippedlen)
+            snprintf(skipped + used, skippedlen - used, "%s%s", used > 0 ? "; " : "", why);
+    }
+    return 0;
 }
 
 /* Parses value for option o into c; on failure writes the reason into why. */
@@ -395,8 +466,8 @@ static void hostport_why(const char *v, char *why, size_t whylen)
         hm_errf(why, whylen, "the port '%.16s' is not a number from 0 to 65535", port);
         return;
     }
-    hm_errf(why, whylen, "the host '%.*s' is not a numeric IPv4 or IPv6 address (host names are "
-            "not resolved)", (int)(colon - v), v);
+    hm_errf(why, whylen, "the host '%.*s' is neither an IPv4 or IPv6 address nor a host name",
+            (int)(colon - v), v);
 }
 
 static int set_value(const struct opt *o, hm_config *c, const char *v, char *why, size_t whylen)
@@ -408,11 +479,19 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
     switch (o->type) {
     case T_HOSTPORT: {
         struct sockaddr_storage ss;
-        if (strlen(v) >= o->size || hm_parse_hostport(v, &ss) != 0) {
+        char host[HM_HOSTNAME_MAX + 2];
+        unsigned port;
+        int numeric = strlen(v) < o->size && hm_parse_hostport(v, &ss) == 0;
+        if (!numeric && (strlen(v) >= o->size ||
+                         hm_split_hostport(v, host, sizeof(host), &port) != 0)) {
             hostport_why(v, why, whylen);
             return -EINVAL;
         }
-        if (o->off == offsetof(hm_config, announce) && hm_addr_dialable(&ss) != 0) {
+        if (!numeric && o->off == offsetof(hm_config, announce) && port == 0) {
+            hm_errf(why, whylen, "an announced address must be dialable: not port 0");
+            return -EINVAL;
+        }
+        if (numeric && o->off == offsetof(hm_config, announce) && hm_addr_dialable(&ss) != 0) {
             hm_errf(why, whylen, "an announced address must be dialable: not 0.0.0.0, :: or "
                                  "port 0");
             return -EINVAL;

@@ -38,7 +38,7 @@
 #define HM_CONFIG_MAX_LINE 4096
 #define HM_CONFIG_MAX_FILE (1024 * 1024)
 #define HM_CONFIG_MAX_PEERS 64      /* matches HM_NODE_MAX_INITIAL_PEERS */
-#define HM_CONFIG_PEER_LEN 128      /* PEERID@HOST:PORT, with room for IPv6 */
+#define HM_CONFIG_PEER_LEN 320      /* PEERID@HOST:PORT, with room for a 253-octet host name */
 #define HM_CONFIG_PATH_LEN 1024
 #define HM_CONFIG_SOCKET_PATH_LEN HM_PATHS_SOCKET_LEN
 #define HM_CONFIG_SWARM_LEN 64
@@ -196,6 +196,36 @@ size_t hm_config_diff(const hm_config *a, const hm_config *b, const char **keywo
  * host). Whether the id is a valid public key is left to the node.
  */
 int hm_config_check_peer(const char *s);
+
+/*
+ * The addresses of a configuration with its host names resolved, for the
+ * node to bind, dial and declare; the configuration keeps the names as
+ * written, so a reload compares like with like. Every field is numeric
+ * (HOST:PORT as hm_parse_hostport takes it), or empty where the
+ * configuration's is.
+ */
+#define HM_CONFIG_ADDR_LEN 64 /* HM_ADDRSTRLEN */
+#define HM_CONFIG_NUMERIC_PEER_LEN (52 + 1 + HM_CONFIG_ADDR_LEN)
+typedef struct hm_config_addrs {
+    char listen[HM_CONFIG_ADDR_LEN];
+    char announce[HM_CONFIG_ADDR_LEN];
+    char initial_peers[HM_CONFIG_MAX_PEERS][HM_CONFIG_NUMERIC_PEER_LEN];
+    size_t n_initial_peers;
+} hm_config_addrs;
+
+/*
+ * Resolves the host names of c's Listen, Announce and InitialPeers into
+ * out, with getaddrinfo, which blocks: the daemon calls it once at start,
+ * before its loop runs. A Listen or Announce name that does not resolve is
+ * an error (-EHOSTUNREACH, err says which and why); an initial peer whose
+ * name does not resolve is left out and named in skipped (one sentence per
+ * peer, at most skippedlen bytes), since the others may still lead into
+ * the swarm.
+ */
+int hm_config_resolve(const hm_config *c, hm_config_addrs *out, char *skipped, size_t skippedlen,
+                      char *err, size_t errlen);
+/* One PEERID@HOST:PORT resolved into out (HM_CONFIG_NUMERIC_PEER_LEN); as hm_config_resolve. */
+int hm_config_resolve_peer(const char *peer, char *out, size_t outlen, char *err, size_t errlen);
 
 /*
  * Creates dir (and missing parents) with the given mode; an existing

@@ -36,6 +36,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -63,6 +65,8 @@ typedef struct daemon {
     uint8_t swarm_key[32];
     int have_swarm_key;
     int lock_fd;        /* the state directory's lock, held until exit; -1 */
+    hm_config_addrs addrs; /* cfg's addresses with their host names resolved at start */
+    int start_exit;     /* the exit status of a failed start, when not HM_EXIT_FAILURE */
 } daemon_t;
 
 /*
@@ -226,6 +230,96 @@ static int has_peer(const hm_config *c, const char *addr)
     return 0;
 }
 
+/*
+ * A peer added by a reload whose host is a name: resolved on libuv's
+ * threadpool (uv_getaddrinfo), never on the loop, and added when the
+ * answer comes, unless the daemon is stopping by then. The request keeps
+ * the loop alive until its callback, so d outlives it.
+ */
+typedef struct reload_peer {
+    uv_getaddrinfo_t req;
+    daemon_t *d;
+    char peer[HM_CONFIG_PEER_LEN];
+    unsigned port;
+} reload_peer;
+
+static void on_reload_peer_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
+{
+    reload_peer *rp = req->data;
+    daemon_t *d = rp->d;
+    const struct addrinfo *pick = NULL;
+    for (const struct addrinfo *ai = res; status == 0 && ai != NULL; ai = ai->ai_next) {
+        if (ai->ai_family == AF_INET) {
+            pick = ai;
+            break;
+        }
+        if (ai->ai_family == AF_INET6 && pick == NULL)
+            pick = ai;
+    }
+    if (d->pub.node == NULL) {
+        /* stopping: nothing to add to */
+    } else if (pick == NULL) {
+        hm_warn(MOD, "SIGHUP: initial peer %s not added: cannot resolve its host: %s", rp->peer,
+                status != 0 ? uv_strerror(status) : "no IPv4 or IPv6 address");
+    } else {
+        struct sockaddr_storage ss;
+        char num[HM_CONFIG_NUMERIC_PEER_LEN];
+        memset(&ss, 0, sizeof(ss));
+        memcpy(&ss, pick->ai_addr, pick->ai_addrlen);
+        if (pick->ai_family == AF_INET)
+            ((struct sockaddr_in *)&ss)->sin_port = htons((uint16_t)rp->port);
+        else
+            ((struct sockaddr_in6 *)&ss)->sin6_port = htons((uint16_t)rp->port);
+        memcpy(num, rp->peer, 53);
+        hm_format_addr((const struct sockaddr *)&ss, num + 53, sizeof(num) - 53);
+        int r = hm_node_add_peer(d->pub.node, num);
+        if (r < 0)
+            hm_warn(MOD, "SIGHUP: initial peer %s (%s) not added: %s", rp->peer, num + 53,
+                    hm_strerror(r));
+        else
+            hm_info(MOD, "SIGHUP: added initial peer %s at %s", rp->peer, num + 53);
+    }
+    uv_freeaddrinfo(res);
+    free(rp);
+}
+
+/* Adds one initial peer named by a reload: at once when its host is numeric. */
+static void reload_add_peer(daemon_t *d, const char *p)
+{
+    struct sockaddr_storage ss;
+    const char *at = strchr(p, '@');
+    char host[HM_HOSTNAME_MAX + 2];
+    unsigned port;
+    if (at == NULL || hm_parse_hostport(at + 1, &ss) == 0) {
+        int r = hm_node_add_peer(d->pub.node, p);
+        if (r < 0)
+            hm_warn(MOD, "SIGHUP: initial peer %s not added: %s", p, hm_strerror(r));
+        else
+            hm_info(MOD, "SIGHUP: added initial peer %s", p);
+        return;
+    }
+    reload_peer *rp = calloc(1, sizeof(*rp));
+    if (rp == NULL || hm_split_hostport(at + 1, host, sizeof(host), &port) != 0) {
+        hm_warn(MOD, "SIGHUP: initial peer %s not added: %s", p,
+                rp == NULL ? "out of memory" : "bad address");
+        free(rp);
+        return;
+    }
+    rp->d = d;
+    rp->port = port;
+    hm_strlcpy(rp->peer, p, sizeof(rp->peer));
+    rp->req.data = rp;
+    struct addrinfo hints;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_DGRAM;
+    int r = uv_getaddrinfo(&d->loop, &rp->req, on_reload_peer_resolved, host, NULL, &hints);
+    if (r != 0) {
+        hm_warn(MOD, "SIGHUP: initial peer %s not added: %s", p, uv_strerror(r));
+        free(rp);
+    }
+}
+
 static void reload(daemon_t *d)
 {
     hm_config *fresh = NULL;
@@ -264,11 +358,7 @@ static void reload(daemon_t *d)
                 const char *p = fresh->initial_peers[j];
                 if (has_peer(&d->cfg, p) || d->pub.node == NULL)
                     continue;
-                int r = hm_node_add_peer(d->pub.node, p);
-                if (r < 0)
-                    hm_warn(MOD, "SIGHUP: initial peer %s not added: %s", p, hm_strerror(r));
-                else
-                    hm_info(MOD, "SIGHUP: added initial peer %s", p);
+                reload_add_peer(d, p);
             }
             memcpy(d->cfg.initial_peers, fresh->initial_peers, sizeof(d->cfg.initial_peers));
             d->cfg.n_initial_peers = fresh->n_initial_peers;
@@ -326,6 +416,8 @@ static int lock_state_dir(daemon_t *d, char *err, size_t errlen)
                      "the state directory %.700s is in use by another hivemindd%s%s%s: each daemon "
                      "needs its own --state-dir (it holds the node's identity)",
                      d->cfg.state_dir, pid[0] ? " (pid " : "", pid, pid[0] ? ")" : "");
+            /* EX_TEMPFAIL: it may start once the other daemon is gone. */
+            d->start_exit = HM_EXIT_TEMPFAIL;
             return -EBUSY;
         }
         snprintf(err, errlen, "cannot lock %.700s: %s", path, strerror(e));
@@ -385,18 +477,18 @@ static int start(daemon_t *d, char *err, size_t errlen)
     d->pub.cfg = &d->cfg;
     d->pub.stop = stop_daemon;
 
-    for (size_t i = 0; i < d->cfg.n_initial_peers; i++)
-        peers[i] = d->cfg.initial_peers[i];
+    for (size_t i = 0; i < d->addrs.n_initial_peers; i++)
+        peers[i] = d->addrs.initial_peers[i];
     hm_node_options no;
     memset(&no, 0, sizeof(no));
-    no.listen = d->cfg.listen;
+    no.listen = d->addrs.listen;
     no.initial_peers = peers;
-    no.n_initial_peers = d->cfg.n_initial_peers;
+    no.n_initial_peers = d->addrs.n_initial_peers;
     no.state_dir = d->cfg.state_dir;
     no.swarm = d->cfg.swarm;
     no.swarm_key = d->have_swarm_key ? d->swarm_key : NULL;
     no.client_mode = d->cfg.client_mode;
-    no.announce = d->cfg.announce;
+    no.announce = d->addrs.announce;
     no.reach.dialback_rate_per_origin = d->cfg.dialback_rate_per_origin;
     no.reach.max_dialbacks = d->cfg.max_dialbacks;
     no.ping_interval_ms = (uint64_t)d->cfg.ping_interval_s * 1000u;
@@ -561,12 +653,23 @@ int main(int argc, char **argv)
     }
     hm_log_set_level(d->cfg.log_level);
 
+    /* Host names are resolved once, here, before the loop runs: a lookup
+     * blocks, and a slow resolver must not hold up the DHT's replies. */
+    char skipped[1024];
+    if (hm_config_resolve(&d->cfg, &d->addrs, skipped, sizeof(skipped), err, sizeof(err)) != 0) {
+        fprintf(stderr, "hivemindd: %s\n", err);
+        code = HM_EXIT_NOHOST;
+        goto out;
+    }
+    if (skipped[0] != '\0')
+        hm_warn(MOD, "left out of the initial peers: %s", skipped);
+
     int r = start(d, err, sizeof(err));
     if (r != 0) {
         hm_error(MOD, "%s", err);
         fprintf(stderr, "hivemindd: %s\n", err);
         begin_shutdown(d, "start failed");
-        code = HM_EXIT_FAILURE;
+        code = d->start_exit != 0 ? d->start_exit : HM_EXIT_FAILURE;
     } else {
         char addr[HM_PEER_ID_LEN + HM_ADDRSTRLEN + 2];
         if (hm_node_address(d->pub.node, addr, sizeof(addr)) != 0) {
