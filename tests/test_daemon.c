@@ -648,3 +648,108 @@ Test(daemon, host_names_are_resolved_once_at_start)
     free(out);
     free(err);
 }
+
+/* Runs hivemindctl -s sock with the NULL-ended words; its exit status. */
+static int ctl_words(const char *sock, char **out, char **err, ...)
+{
+    char *argv[24];
+    int argc = 0;
+    va_list ap;
+    argv[argc++] = bin_ctl;
+    argv[argc++] = "-s";
+    argv[argc++] = (char *)sock;
+    va_start(ap, err);
+    for (char *a = va_arg(ap, char *); a != NULL && argc < 23; a = va_arg(ap, char *))
+        argv[argc++] = a;
+    va_end(ap);
+    argv[argc] = NULL;
+    return run_prog(bin_ctl, argv, out, err);
+}
+
+Test(daemon, hivemindctl_state_share_info_and_load_through_files)
+{
+    /* Two donors on two origins share the same float32 file; a newcomer
+     * loads it with hivemindctl state load and gets the same bytes. */
+    struct node d0, d1, nc;
+    char *out, *err, in[200], got[200], bad[200];
+    start_node(&d0, "sd0", NULL, NULL);
+    start_node(&d1, "sd1", NULL, "--listen", "127.0.0.3:0", "--initial-peers", d0.addr, NULL);
+    start_node(&nc, "snew", NULL, "--initial-peers", d0.addr, NULL);
+    const size_t n = 300000; /* 1.2 MB: more than one chunk */
+    float *x = malloc(n * sizeof(float));
+    cr_assert_not_null(x);
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)i * 0.25f - 7.0f;
+    snprintf(in, sizeof(in), "%s/state.f32", tmpdir);
+    snprintf(got, sizeof(got), "%s/loaded.f32", tmpdir);
+    cr_assert_eq(hm_test_write_file(in, (const unsigned char *)x, n * sizeof(float), 0644), 0);
+    for (int i = 0; i < 100 && (node_rt_size(&d0) < 2 || node_rt_size(&nc) < 2); i++)
+        usleep(100000);
+
+    /* Usage errors are caught before the daemon is asked. */
+    cr_assert_eq(ctl_words(d0.sock, &out, &err, "state", "share", "fm", "--in", in, NULL), 64);
+    cr_assert(strstr(err, "needs --step N and --in FILE") != NULL, "%s", err);
+    free(out);
+    free(err);
+    cr_assert_eq(ctl_words(d0.sock, &out, &err, "state", "load", "fm", "--step", "3", NULL), 64);
+    free(out);
+    free(err);
+    /* A file that is not float32 is the daemon's clear error. */
+    snprintf(bad, sizeof(bad), "%s/odd.bin", tmpdir);
+    cr_assert_eq(hm_test_write_file(bad, (const unsigned char *)"abcde", 5, 0644), 0);
+    cr_assert_eq(ctl_words(d0.sock, &out, &err, "state", "share", "fm", "--step", "1", "--in", bad,
+                           NULL), 1);
+    cr_assert(strstr(err, "odd.bin") != NULL && strstr(err, "bad_input") != NULL, "%s", err);
+    free(out);
+    free(err);
+
+    struct node *donors[2] = {&d0, &d1};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(ctl_words(donors[i]->sock, &out, &err, "state", "share", "fm", "--step", "42",
+                               "--in", in, "--chunk-size", "262144", NULL), 0, "%s", err);
+        cr_assert(strstr(out, "sharing 'fm' at step 42") != NULL, "%s", out);
+        cr_assert(strstr(out, "in 5 chunks") != NULL, "%s", out);
+        free(out);
+        free(err);
+    }
+    int ready = 0;
+    for (int t = 0; t < 150 && ready < 2; t++) {
+        ready = 0;
+        for (int i = 0; i < 2; i++) {
+            cr_assert_eq(ctl_words(donors[i]->sock, &out, &err, "state", "info", "fm", NULL), 0,
+                         "%s", err);
+            ready += strstr(out, "ready: yes") != NULL && strstr(out, "declared: 0 ") == NULL;
+            free(out);
+            free(err);
+        }
+        if (ready < 2)
+            usleep(100000);
+    }
+    cr_assert_eq(ready, 2, "the donors did not declare the state");
+
+    cr_assert_eq(ctl_words(nc.sock, &out, &err, "state", "load", "fm", "--out", got, "--timeout",
+                           "30", NULL), 0, "%s", err);
+    cr_assert(strstr(out, "loaded 'fm' at step 42") != NULL, "%s", out);
+    cr_assert(strstr(out, d0.id) != NULL && strstr(out, d1.id) != NULL, "both donors: %s", out);
+    free(out);
+    free(err);
+    FILE *f = fopen(got, "rb");
+    cr_assert_not_null(f, "no state file");
+    unsigned char *data = malloc(n * sizeof(float) + 1);
+    size_t len = fread(data, 1, n * sizeof(float) + 1, f);
+    fclose(f);
+    cr_assert_eq(len, n * sizeof(float));
+    cr_assert_eq(memcmp(data, x, len), 0, "the loaded state differs from the shared one");
+    free(data);
+
+    /* Three agreeing origins cannot be found among two donors. */
+    cr_assert_eq(ctl_words(nc.sock, &out, &err, "state", "load", "fm", "--out", bad,
+                           "--min-agree", "3", "--timeout", "10", NULL), 1);
+    cr_assert(strstr(err, "no_agreement") != NULL, "%s", err);
+    free(out);
+    free(err);
+    free(x);
+    stop_node(&nc);
+    stop_node(&d1);
+    stop_node(&d0);
+}

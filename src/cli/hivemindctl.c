@@ -78,6 +78,15 @@ static void usage(FILE *f)
             "             one forward pass of expert UID, wherever it is hosted, on a raw\n"
             "             float32 [batch, d] file; the output is written to OUT (default\n"
             "             timeout 30 s)\n"
+            "  state share PREFIX --step N --in FILE [--chunk-size B] [--ttl S]\n"
+            "             offer a state (a raw float32 file: parameters and optimizer state)\n"
+            "             to newcomers under PREFIX, as donor for step N\n"
+            "  state load PREFIX --out FILE [--min-agree N] [--timeout S]\n"
+            "             download the newest state under PREFIX that N donors of different\n"
+            "             origins agree on (default 2) into FILE, checked chunk by chunk\n"
+            "             (default timeout 300 s)\n"
+            "  state info PREFIX\n"
+            "             what this node shares under PREFIX: step, size, hash, requests served\n"
             "  progress RUN [--target N]\n"
             "             the swarm's progress in training run RUN: global epoch, samples\n"
             "             toward the target batch size N, throughput, time to the target\n"
@@ -376,6 +385,9 @@ enum {
     OPT_OPTIMIZER,
     OPT_LR,
     OPT_PROGRESS_TARGET,
+    OPT_STEP,
+    OPT_MIN_AGREE,
+    OPT_CHUNK_SIZE,
 };
 
 /* The averaging options; --in and --out also serve experts call. */
@@ -390,6 +402,12 @@ typedef struct ex_flags {
     int any;
 } ex_flags;
 
+/* The state options; --in, --out and --ttl serve state share and load too. */
+typedef struct st_flags {
+    const char *step, *min_agree, *chunk_size;
+    int any;
+} st_flags;
+
 /* What the command line says besides the command's name. */
 typedef struct cli {
     char **pos; /* the words after the command's name */
@@ -400,6 +418,7 @@ typedef struct cli {
     int timeout_given;
     avg_flags avg;
     ex_flags ex;
+    st_flags st;
     const char *progress_target; /* progress --target */
 } cli;
 
@@ -605,6 +624,130 @@ static int build_experts_call(const cli *c, request *rq)
     return BUILD_OK;
 }
 
+/* The words of a state command: 'state VERB PREFIX'; NULL when PREFIX is bad (said why). */
+static const char *state_prefix(const cli *c)
+{
+    const char *p = c->pos[1];
+    if (strlen(p) == 0 || strlen(p) > 128 || strstr(p, "[owner:") != NULL) {
+        fprintf(stderr, "hivemindctl: PREFIX must be 1 to 128 bytes without '[owner:'\n");
+        return NULL;
+    }
+    return p;
+}
+
+static int build_state_share(const cli *c, request *rq)
+{
+    if (c->npos != 2 || c->avg.out != NULL || c->st.min_agree != NULL)
+        return BUILD_SHAPE;
+    if (c->avg.in == NULL || c->st.step == NULL) {
+        fprintf(stderr, "hivemindctl: state share needs --step N and --in FILE\n");
+        return BUILD_BAD;
+    }
+    const char *prefix = state_prefix(c);
+    if (prefix == NULL)
+        return BUILD_BAD;
+    json_t *in = abs_path(c->avg.in);
+    if (in == NULL) {
+        fprintf(stderr, "hivemindctl: cannot make the path absolute\n");
+        return BUILD_BAD;
+    }
+    json_t *args = rq->args = json_pack("{s:s, s:o}", "prefix", prefix, "in", in);
+    if (args == NULL)
+        return BUILD_BAD;
+    if (set_num(args, "step", "--step", c->st.step, 0, 9007199254740991.0, 1, NULL) < 0 ||
+        set_num(args, "chunk_size", "--chunk-size", c->st.chunk_size, 1024, 1048576, 1, NULL) <
+            0)
+        return BUILD_BAD;
+    if (c->ttl > 0)
+        json_object_set_new(args, "ttl", json_real(c->ttl));
+    return BUILD_OK;
+}
+
+/* The download's own timeout (--timeout, default 300 s) plus a margin is the wait. */
+static int build_state_load(const cli *c, request *rq)
+{
+    if (c->npos != 2 || c->avg.in != NULL || c->st.step != NULL || c->st.chunk_size != NULL ||
+        c->ttl > 0)
+        return BUILD_SHAPE;
+    if (c->avg.out == NULL) {
+        fprintf(stderr, "hivemindctl: state load needs --out FILE\n");
+        return BUILD_BAD;
+    }
+    const char *prefix = state_prefix(c);
+    if (prefix == NULL)
+        return BUILD_BAD;
+    double t = c->timeout_given ? c->timeout_s : 300;
+    if (t > 3600) {
+        fprintf(stderr, "hivemindctl: state load: --timeout is at most 3600\n");
+        return BUILD_BAD;
+    }
+    json_t *out = abs_path(c->avg.out);
+    if (out == NULL) {
+        fprintf(stderr, "hivemindctl: cannot make the path absolute\n");
+        return BUILD_BAD;
+    }
+    json_t *args = rq->args = json_pack("{s:s, s:o, s:f}", "prefix", prefix, "out", out,
+                                        "timeout", t);
+    if (args == NULL)
+        return BUILD_BAD;
+    if (set_num(args, "min_agree", "--min-agree", c->st.min_agree, 1, 16, 1, NULL) < 0)
+        return BUILD_BAD;
+    rq->wait_s = t + 15;
+    return BUILD_OK;
+}
+
+static int build_state_info(const cli *c, request *rq)
+{
+    if (c->npos != 2 || c->avg.in != NULL || c->avg.out != NULL || c->st.any || c->ttl > 0)
+        return BUILD_SHAPE;
+    const char *prefix = state_prefix(c);
+    if (prefix == NULL)
+        return BUILD_BAD;
+    rq->args = json_pack("{s:s}", "prefix", prefix);
+    return BUILD_OK;
+}
+
+static void print_state_share(const json_t *r)
+{
+    char b[32];
+    format_bytes(jnum(r, "bytes"), b, sizeof(b));
+    printf("sharing '%s' at step %lld: %s in %lld chunks\n", jstr(r, "prefix"),
+           (long long)jnum(r, "step"), b, (long long)jnum(r, "chunks"));
+}
+
+static void print_state_load(const json_t *r)
+{
+    char b[32];
+    format_bytes(jnum(r, "bytes"), b, sizeof(b));
+    printf("loaded '%s' at step %lld: %s in %.1f s into %s\n", jstr(r, "prefix"),
+           (long long)jnum(r, "step"), b, jnum(r, "duration_s"), jstr(r, "out"));
+    printf("hash: %s\n", jstr(r, "hash"));
+    const json_t *donors = json_object_get(r, "donors");
+    size_t i;
+    const json_t *d;
+    printf("%-52s  %-21s  %7s  %s\n", "DONOR", "ADDRESS", "CHUNKS", "DROPPED");
+    json_array_foreach(donors, i, d) {
+        const char *why = jstr(d, "dropped");
+        printf("%-52s  %-21s  %7lld  %s\n", jstr(d, "peer"), jstr(d, "addr"),
+               (long long)jnum(d, "chunks"), strcmp(why, "none") == 0 ? "-" : why);
+    }
+}
+
+static void print_state_info(const json_t *r)
+{
+    char b[32];
+    format_bytes(jnum(r, "bytes"), b, sizeof(b));
+    printf("prefix: %s\nstep: %lld\nbytes: %s (%lld chunks of %lld)\n", jstr(r, "prefix"),
+           (long long)jnum(r, "step"), b, (long long)jnum(r, "chunks"),
+           (long long)jnum(r, "chunk_size"));
+    printf("ready: %s\n", json_is_true(json_object_get(r, "ready")) ? "yes" : "no (hashing)");
+    if (json_object_get(r, "hash") != NULL)
+        printf("hash: %s\n", jstr(r, "hash"));
+    printf("declared: %lld times\nserved: %lld chunks, %lld manifests, %lld refused busy\n",
+           (long long)jnum(r, "declared"), (long long)jnum(r, "chunks_served"),
+           (long long)jnum(r, "manifests_served"), (long long)jnum(r, "refused_busy"));
+}
+
 static int build_progress(const cli *c, request *rq)
 {
     if (c->npos != 1)
@@ -720,6 +863,9 @@ static const command commands[] = {
     {"experts", "host", "experts.host", build_experts_host, print_experts_host, NULL},
     {"experts", "call", "experts.call", build_experts_call, print_experts_call, NULL},
     {"progress", NULL, "progress", build_progress, print_progress, NULL},
+    {"state", "share", "state.share", build_state_share, print_state_share, NULL},
+    {"state", "load", "state.load", build_state_load, print_state_load, NULL},
+    {"state", "info", "state.info", build_state_info, print_state_info, NULL},
 };
 
 /*
@@ -733,6 +879,8 @@ static const struct {
             "'dht info'"},
     {"average", "'average PREFIX --in FILE --out FILE ...'"},
     {"progress", "'progress RUN [--target N]'"},
+    {"state", "'state share PREFIX --step N --in FILE [--chunk-size B] [--ttl S]', 'state load "
+              "PREFIX --out FILE [--min-agree N] [--timeout S]' or 'state info PREFIX'"},
     {"experts", "'experts list [PREFIX]', 'experts host PATTERN [--type T] [--dim D] "
                 "[--hidden H] [--optimizer O] [--lr R]' or 'experts call UID --in FILE --out "
                 "FILE [--timeout S]'"},
@@ -882,6 +1030,9 @@ int main(int argc, char **argv)
         {"optimizer", required_argument, NULL, OPT_OPTIMIZER},
         {"lr", required_argument, NULL, OPT_LR},
         {"target", required_argument, NULL, OPT_PROGRESS_TARGET},
+        {"step", required_argument, NULL, OPT_STEP},
+        {"min-agree", required_argument, NULL, OPT_MIN_AGREE},
+        {"chunk-size", required_argument, NULL, OPT_CHUNK_SIZE},
         {NULL, 0, NULL, 0},
     };
     cli c = {.timeout_s = 10};
@@ -963,6 +1114,15 @@ int main(int argc, char **argv)
         case OPT_PROGRESS_TARGET:
             c.progress_target = optarg;
             break;
+        case OPT_STEP:
+            c.st.step = optarg, c.st.any = 1;
+            break;
+        case OPT_MIN_AGREE:
+            c.st.min_agree = optarg, c.st.any = 1;
+            break;
+        case OPT_CHUNK_SIZE:
+            c.st.chunk_size = optarg, c.st.any = 1;
+            break;
         case 'K':
             c.subkey = optarg;
             break;
@@ -1022,18 +1182,26 @@ int main(int argc, char **argv)
         return HM_EXIT_USAGE;
     }
     int in_out_only = avg->in != NULL || avg->out != NULL;
-    if (avg->any && strcmp(name, "experts") == 0 && in_out_only && avg->weight == NULL &&
+    if (avg->any && (strcmp(name, "experts") == 0 || strcmp(name, "state") == 0) &&
+        in_out_only && avg->weight == NULL &&
         avg->target == NULL && avg->min == NULL && avg->round_timeout == NULL &&
         avg->mm_time == NULL && avg->compression == NULL && avg->group_bits == NULL) {
-        /* --in and --out also go with experts call. */
+        /* --in and --out also go with experts call and state share / load. */
     } else if (avg->any && strcmp(name, "average") != 0) {
         fprintf(stderr, "hivemindctl: --in, --out, --weight and the other averaging options go "
                 "with average\n");
         usage_hint();
         return HM_EXIT_USAGE;
     }
-    if ((c.subkey != NULL || c.ttl > 0) && strcmp(name, "dht") != 0) {
-        fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put\n");
+    if ((c.subkey != NULL || c.ttl > 0) && strcmp(name, "dht") != 0 &&
+        !(c.subkey == NULL && strcmp(name, "state") == 0)) {
+        fprintf(stderr, "hivemindctl: --subkey and --ttl go with dht put (--ttl also with state "
+                "share)\n");
+        usage_hint();
+        return HM_EXIT_USAGE;
+    }
+    if (c.st.any && strcmp(name, "state") != 0) {
+        fprintf(stderr, "hivemindctl: --step, --chunk-size and --min-agree go with state\n");
         usage_hint();
         return HM_EXIT_USAGE;
     }

@@ -10,6 +10,7 @@
 #include "src/daemon/cmd_state.h"
 
 #include "src/daemon/daemon.h"
+#include "src/daemon/tensor_file.h"
 #include "averaging/state.h"
 #include "src/base/crypto.h"
 #include "src/base/util.h"
@@ -29,6 +30,8 @@
 /* The largest shared-memory range a command takes, in float32 slots
  * (the state module's default blob cap of 4 GiB). */
 #define MAX_ELEMS ((size_t)1 << 30)
+/* The largest state file state.share reads (args.in): the same 4 GiB. */
+#define MAX_FILE_BYTES (MAX_ELEMS * sizeof(float))
 
 struct hm_cmd_state {
     hm_daemon *d;
@@ -40,9 +43,22 @@ struct hm_cmd_state {
 typedef struct load_job {
     hm_cmd_state *s;
     hm_control_req *req;
-    hm_shm *shm; /* pinned range's registry, valid until the loop ends */
+    hm_shm *shm; /* pinned range's registry, valid until the loop ends; NULL with out */
     uint64_t shm_id;
+    char out[PATH_MAX]; /* args.out: the file the state goes to, or "" */
+    uint8_t *blob;      /* with out: the loaded state while it is written */
+    json_t *result;     /* with out: the reply, sent once the file is written */
 } load_job;
+
+/* A state.share whose bytes come from a file (args.in), while it is read. */
+typedef struct share_job {
+    hm_cmd_state *s;
+    hm_control_req *req;
+    char prefix[HM_STATE_PREFIX_MAX + 1];
+    uint64_t step;
+    hm_state_share_opts opts;
+    char in[PATH_MAX];
+} share_job;
 
 /* ---- argument helpers ---- */
 
@@ -73,6 +89,59 @@ static json_t *hash_json(const uint8_t h[HM_STATE_HASH_BYTES])
 
 /* ---- state.share ---- */
 
+/* Shares bytes[0..len) and answers req. */
+static void do_share(hm_cmd_state *s, hm_control_req *req, const char *prefix, uint64_t step,
+                     const void *bytes, size_t len, const hm_state_share_opts *o)
+{
+    char msg[256];
+    long long chunk = (long long)o->chunk_size;
+    /* The module copies the bytes, so the caller may free them at once. */
+    int r = hm_state_share(s->st, prefix, step, bytes, len, o);
+    if (r == -ESTALE) {
+        snprintf(msg, sizeof(msg), "a newer step than %llu is already shared under '%s'",
+                 (unsigned long long)step, prefix);
+        hm_control_reply_error(req, "stale", msg);
+        return;
+    }
+    if (r == -EMSGSIZE) {
+        snprintf(msg, sizeof(msg), "%zu bytes in chunks of %lld are over the state's bounds "
+                 "(at most %d chunks and the size cap)", len, chunk, HM_STATE_MAX_CHUNKS);
+        hm_control_reply_error(req, "limit", msg);
+        return;
+    }
+    if (r == -ENOBUFS) {
+        snprintf(msg, sizeof(msg), "at most %d prefixes may be shared at once",
+                 HM_STATE_MAX_SHARES);
+        hm_control_reply_error(req, "limit", msg);
+        return;
+    }
+    if (r < 0) {
+        hm_control_reply_error(req, r == -ENOMEM ? "no_space" : "internal", hm_strerror(r));
+        return;
+    }
+    hm_info(MOD, "sharing '%s' at step %llu: %zu bytes", prefix, (unsigned long long)step, len);
+    size_t chunks = hm_state_n_chunks((uint64_t)len, (uint64_t)chunk, UINT64_MAX);
+    hm_daemon_reply(req, json_pack("{s:s, s:I, s:I, s:I, s:I}", "prefix", prefix, "step",
+                              (json_int_t)step, "bytes", (json_int_t)len, "chunk_size",
+                              (json_int_t)chunk, "chunks", (json_int_t)chunks));
+}
+
+static void on_share_read(void *ud, int status, float *data, size_t n, const char *msg)
+{
+    share_job *j = ud;
+    hm_cmd_state *s = j->s;
+    if (status != 0)
+        hm_control_reply_error(j->req, status == -ENOMEM ? "internal" : "bad_input", msg);
+    else if (s->life.closing)
+        hm_daemon_reply_stopping(j->req);
+    else
+        do_share(s, j->req, j->prefix, j->step, data, n * sizeof(float), &j->opts);
+    free(data);
+    free(j);
+    s->life.jobs--;
+    hm_daemon_life_settle(&s->life, s);
+}
+
 static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
 {
     hm_cmd_state *s = ud;
@@ -80,7 +149,6 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
     float *p;
     uint64_t id;
     size_t elems;
-    char msg[256];
 
     if (hm_daemon_life_refuse(&s->life, req))
         return;
@@ -103,6 +171,41 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
         hm_control_reply_error(req, "bad_args", "args.ttl must be at least 1 second");
         return;
     }
+    hm_state_share_opts o = {.chunk_size = (size_t)chunk, .ttl_s = ttl};
+    uint64_t step = (uint64_t)json_integer_value(sv);
+    if (json_object_get(args, "in") != NULL) {
+        /* The state is a float32 file (hivemindctl state share --in). */
+        if (json_object_get(args, "data") != NULL || json_object_get(args, "bytes") != NULL) {
+            hm_control_reply_error(req, "bad_args", "give either args.data or args.in");
+            return;
+        }
+        share_job *j = calloc(1, sizeof(*j));
+        if (j == NULL) {
+            hm_control_reply_error(req, "internal", "out of memory");
+            return;
+        }
+        if (hm_daemon_arg_path(req, args, "in", j->in) != 0) {
+            free(j);
+            return;
+        }
+        j->s = s;
+        j->req = req;
+        hm_strlcpy(j->prefix, prefix, sizeof(j->prefix));
+        j->step = step;
+        j->opts = o;
+        char expect[96];
+        snprintf(expect, sizeof(expect), "a positive multiple of 4 (float32), at most %zu",
+                 MAX_FILE_BYTES);
+        hm_tensor_file_read_opts ro = {.row = 1, .max_bytes = MAX_FILE_BYTES, .expect = expect};
+        int r = hm_tensor_file_read(s->d->loop, j->in, &ro, on_share_read, j);
+        if (r != 0) {
+            free(j);
+            hm_control_reply_error(req, "internal", hm_strerror(r));
+            return;
+        }
+        s->life.jobs++;
+        return;
+    }
     if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS, &p,
                               &id, &elems) < 0)
         return;
@@ -112,39 +215,8 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
         hm_shm_put(shm, id);
         return;
     }
-    hm_state_share_opts o = {.chunk_size = (size_t)chunk, .ttl_s = ttl};
-    uint64_t step = (uint64_t)json_integer_value(sv);
-    /* The module copies the bytes, so the range is free again at once. */
-    int r = hm_state_share(s->st, prefix, step, p, (size_t)bytes, &o);
+    do_share(s, req, prefix, step, p, (size_t)bytes, &o);
     hm_shm_put(shm, id);
-    if (r == -ESTALE) {
-        snprintf(msg, sizeof(msg), "a newer step than %llu is already shared under '%s'",
-                 (unsigned long long)step, prefix);
-        hm_control_reply_error(req, "stale", msg);
-        return;
-    }
-    if (r == -EMSGSIZE) {
-        snprintf(msg, sizeof(msg), "%lld bytes in chunks of %lld are over the state's bounds "
-                 "(at most %d chunks and the size cap)", bytes, chunk, HM_STATE_MAX_CHUNKS);
-        hm_control_reply_error(req, "limit", msg);
-        return;
-    }
-    if (r == -ENOBUFS) {
-        snprintf(msg, sizeof(msg), "at most %d prefixes may be shared at once",
-                 HM_STATE_MAX_SHARES);
-        hm_control_reply_error(req, "limit", msg);
-        return;
-    }
-    if (r < 0) {
-        hm_control_reply_error(req, r == -ENOMEM ? "no_space" : "internal", hm_strerror(r));
-        return;
-    }
-    hm_info(MOD, "sharing '%s' at step %llu: %lld bytes", prefix, (unsigned long long)step,
-            bytes);
-    size_t chunks = hm_state_n_chunks((uint64_t)bytes, (uint64_t)chunk, UINT64_MAX);
-    hm_daemon_reply(req, json_pack("{s:s, s:I, s:I, s:I, s:I}", "prefix", prefix, "step",
-                              (json_int_t)step, "bytes", (json_int_t)bytes, "chunk_size",
-                              (json_int_t)chunk, "chunks", (json_int_t)chunks));
 }
 
 /* ---- state.info ---- */
@@ -208,15 +280,39 @@ static json_t *report_json(const hm_state_report *rep)
 }
 
 
+static void load_job_end(load_job *j)
+{
+    hm_cmd_state *s = j->s;
+    free(j->blob);
+    json_decref(j->result);
+    free(j);
+    s->life.jobs--;
+    hm_daemon_life_settle(&s->life, s);
+}
+
+static void on_state_written(void *ud, int status, const char *msg)
+{
+    load_job *j = ud;
+    if (status != 0) {
+        hm_control_reply_error(j->req, "bad_output", msg);
+    } else {
+        json_object_set_new(j->result, "out", json_string(j->out));
+        hm_daemon_reply(j->req, j->result);
+        j->result = NULL;
+    }
+    load_job_end(j);
+}
+
 static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_state_report *rep)
 {
-    HM_UNUSED(blob);
     load_job *j = ud;
-    hm_cmd_state *s = j->s;
     char msg[256];
     size_t dropped = 0;
 
-    hm_shm_put(j->shm, j->shm_id);
+    if (j->shm != NULL)
+        hm_shm_put(j->shm, j->shm_id);
+    else
+        j->blob = blob; /* ours to free, whatever the status */
     for (size_t i = 0; i < rep->n_donors; i++)
         if (rep->donors[i].dropped != HM_STATE_DROP_NONE)
             dropped++;
@@ -225,8 +321,27 @@ static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_
         hm_info(MOD, "loaded '%s' at step %llu: %zu bytes from %zu donors (%zu dropped) in %.1f s",
                 rep->prefix, (unsigned long long)rep->step, len, rep->n_donors, dropped,
                 rep->duration_s);
-        hm_daemon_reply(j->req, report_json(rep));
-        break;
+        if (j->shm != NULL) {
+            hm_daemon_reply(j->req, report_json(rep));
+            break;
+        }
+        /* A state file is float32, as state share --in reads it. */
+        if (len == 0 || len % sizeof(float) != 0) {
+            snprintf(msg, sizeof(msg), "the state of step %llu is %zu bytes, not a whole number "
+                     "of float32 values, so it cannot go to a state file; load it into shared "
+                     "memory (args.data)", (unsigned long long)rep->step, len);
+            hm_control_reply_error(j->req, "bad_output", msg);
+            break;
+        }
+        j->result = report_json(rep);
+        int r = j->result == NULL ? -ENOMEM
+                                  : hm_tensor_file_write(j->s->d->loop, j->out, (const float *)blob,
+                                                         len / sizeof(float), on_state_written, j);
+        if (r != 0) {
+            hm_control_reply_error(j->req, "internal", hm_strerror(r));
+            break;
+        }
+        return; /* answered once the file is written */
     case -ENOENT:
         hm_control_reply_error(j->req, "not_found", "no donor declares a state under the prefix");
         break;
@@ -260,9 +375,7 @@ static void on_loaded(void *ud, int status, uint8_t *blob, size_t len, const hm_
         hm_control_reply_error(j->req, "internal", hm_strerror(status));
         break;
     }
-    free(j);
-    s->life.jobs--;
-    hm_daemon_life_settle(&s->life, s);
+    load_job_end(j);
 }
 
 static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
@@ -285,28 +398,44 @@ static void cmd_load(void *ud, hm_control_req *req, const json_t *args)
     long long min_agree;
     if (hm_daemon_arg_int(req, args, "min_agree", 2, 1, HM_STATE_MAX_DONORS, &min_agree) != 0)
         return;
-    if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS, &p,
-                              &id, &elems) < 0)
-        return;
     load_job *j = calloc(1, sizeof(*j));
     if (j == NULL) {
-        hm_shm_put(shm, id);
         hm_control_reply_error(req, "internal", "out of memory");
         return;
     }
-    j->s = s;
-    j->req = req;
-    j->shm = shm;
-    j->shm_id = id;
     hm_state_load_opts o = {
         .min_agree = (unsigned)min_agree,
         .timeout_ms = (uint64_t)llround(timeout * 1000.0),
-        .dest = p,
-        .dest_cap = elems * sizeof(float),
     };
+    if (json_object_get(args, "out") != NULL) {
+        /* To a float32 file (hivemindctl state load --out); the module
+         * allocates the blob, within its 4 GiB bound. */
+        if (json_object_get(args, "data") != NULL) {
+            free(j);
+            hm_control_reply_error(req, "bad_args", "give either args.data or args.out");
+            return;
+        }
+        if (hm_daemon_arg_path(req, args, "out", j->out) != 0) {
+            free(j);
+            return;
+        }
+    } else {
+        if (hm_daemon_shm_ref_any(shm, req, json_object_get(args, "data"), "data", MAX_ELEMS,
+                                  &p, &id, &elems) < 0) {
+            free(j);
+            return;
+        }
+        j->shm = shm;
+        j->shm_id = id;
+        o.dest = p;
+        o.dest_cap = elems * sizeof(float);
+    }
+    j->s = s;
+    j->req = req;
     int r = hm_state_load(s->st, prefix, &o, on_loaded, j);
     if (r < 0) {
-        hm_shm_put(shm, id);
+        if (j->shm != NULL)
+            hm_shm_put(shm, id);
         free(j);
         hm_control_reply_error(req, r == -ENOBUFS ? "busy" : "internal",
                                r == -ENOBUFS ? "too many state downloads at once"
