@@ -557,11 +557,13 @@ Test(daemon, systemd_notifications_and_reload)
     snprintf(want, sizeof(want), "MAINPID=%d", (int)a.pid);
     cr_assert(strstr(msg, want) != NULL, "%s", msg);
 
-    /* Reload: B joins through a new InitialPeers line, LogLevel applies,
+    /* Reload: B joins through a new InitialPeers line, which names its
+     * host (resolved on the threadpool, not the loop), LogLevel applies,
      * and the MaxConnections change is reported as needing a restart. */
     char text2[512];
-    snprintf(text2, sizeof(text2), "LogLevel debug\nInitialPeers %s\nMaxConnections 100\n",
-             b.addr);
+    snprintf(text2, sizeof(text2),
+             "LogLevel debug\nInitialPeers %s@localhost:%s\nMaxConnections 100\n", b.id,
+             strrchr(b.addr, ':') + 1);
     cr_assert_eq(hm_test_write_file(conf, text2, strlen(text2), 0600), 0);
     cr_assert_eq(kill(a.pid, SIGHUP), 0);
     cr_assert(recv_notify(fd, msg, sizeof(msg), 5000) > 0, "no RELOADING=1");
@@ -575,6 +577,8 @@ Test(daemon, systemd_notifications_and_reload)
     char *log = slurp(a.err);
     cr_assert(strstr(log, "LogLevel is now debug") != NULL, "%s", log);
     cr_assert(strstr(log, "MaxConnections changed; restart") != NULL, "%s", log);
+    snprintf(want, sizeof(want), "at 127.0.0.1:%s", strrchr(b.addr, ':') + 1);
+    cr_assert(strstr(log, want) != NULL, "the name was resolved: %s", log);
     free(log);
 
     /* A broken file on reload keeps the daemon running as it was. */
