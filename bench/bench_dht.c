@@ -25,7 +25,12 @@
  *      node that joined through three of them does --ops puts of distinct
  *      keys one after another, then --ops gets of those keys, and reports
  *      the p50/p95 wall time of each, success counts, and the mean hops,
- *      requests and replicas from hm_dht_lookup_info.
+ *      requests and replicas from hm_dht_lookup_info. Then (--churn PCT,
+ *      default 30) PCT% of the daemons are SIGKILLed at once, the client
+ *      not told, and the keys are read again, 8 gets at a time as a trainer
+ *      reading expert records would: p50/p95 and how many found the value.
+ *      A get that meets a dead contact waits one request timeout for it,
+ *      which is what this phase measures.
  *
  * Every child gets PR_SET_PDEATHSIG and is killed on exit, on failure and
  * on SIGINT/SIGTERM; the temp directories are removed. This prints
@@ -79,6 +84,7 @@ typedef struct options {
     int workers;
     const char *daemon;
     const char *ctl;
+    int churn; /* percent of the daemons SIGKILLed before the churn gets; 0: none */
     int skip_serve, skip_latency;
 } options;
 
@@ -1085,6 +1091,64 @@ static void bench_latency(const options *o)
     printf("operations that waited out a request timeout: %zu puts, %zu gets\n", put_to, get_to);
     fflush(stdout);
 
+    if (o->churn > 0) {
+        /* Kill churn% of the daemons at once; the client's table still
+         * holds them, as a trainer's would. */
+        int nkill = (n * o->churn + 50) / 100, killed = 0;
+        uint8_t *dead = calloc((size_t)n, 1);
+        while (killed < nkill) {
+            uint32_t pick;
+            randombytes_buf(&pick, sizeof(pick));
+            int i = (int)(pick % (uint32_t)n);
+            if (dead[i])
+                continue;
+            kill(nodes[i].pid, SIGKILL);
+            dead[i] = 1;
+            killed++;
+        }
+        printf("\n== churn: %d of %d daemons SIGKILLed, then %zu gets, 8 at a time ==\n", killed,
+               n, P);
+        fflush(stdout);
+        double *churn_ms = calloc(P, sizeof(double));
+        size_t nc = 0, churn_ok = 0, churn_to = 0;
+        for (size_t i = 0; i < P; i += 8) {
+            op_state cs[8];
+            uint64_t start[8];
+            size_t batch = HM_MIN((size_t)8, P - i);
+            int done = 0;
+            memset(cs, 0, sizeof(cs));
+            for (size_t j = 0; j < batch; j++) {
+                cs[j].want = vals[i + j];
+                cs[j].want_len = sizeof(vals[i + j]);
+                start[j] = hm_now_us();
+                int r = hm_node_dht_get(cn, (const uint8_t *)keys[i + j], strlen(keys[i + j]),
+                                        10000, on_get, &cs[j]);
+                if (r < 0)
+                    hm_bench_die("get", r);
+            }
+            uint64_t until = hm_now_ms() + 20000;
+            while (!done && hm_now_ms() < until) {
+                run_loop(&loop, 5, NULL);
+                done = 1;
+                for (size_t j = 0; j < batch; j++)
+                    done &= cs[j].done;
+            }
+            if (!done)
+                hm_bench_dief("a get's callback never fired");
+            for (size_t j = 0; j < batch; j++) {
+                churn_ms[nc++] = (double)(cs[j].end_us - start[j]) / 1000.0;
+                churn_ok += cs[j].match;
+                churn_to += cs[j].info.timeouts > 0;
+            }
+        }
+        print_lat("get after churn", churn_ms, nc);
+        printf("gets after churn ok: %zu of %zu found the value put; %zu met a dead contact\n",
+               churn_ok, nc, churn_to);
+        fflush(stdout);
+        free(churn_ms);
+        free(dead);
+    }
+
     int open_nodes = 1;
     hm_node_close(cn, on_node_closed, &open_nodes);
     while (open_nodes > 0)
@@ -1109,8 +1173,9 @@ static void usage(void)
     fprintf(stderr,
             "usage: bench_dht [--runs R] [--seconds S] [--nodes N] [--ops P]\n"
             "                 [--clients C] [--window W] [--helpers H] [--workers K]\n"
-            "                 [--daemon PATH] [--ctl PATH] [--only serve|latency]\n"
+            "                 [--daemon PATH] [--ctl PATH] [--only serve|latency] [--churn PCT]\n"
             "  defaults: --runs 5 --seconds 3 --nodes 32 --ops 200 --clients 256 --window 8\n"
+            "            --churn 30 (0: no churn phase)\n"
             "            --helpers 64, --workers min(CPUs - 1, 4),\n"
             "            --daemon ./src/hivemindd --ctl ./src/hivemindctl\n");
     exit(64);
@@ -1120,7 +1185,7 @@ int main(int argc, char **argv)
 {
     options o = {.runs = 5, .seconds = 3.0, .nodes = 32, .ops = 200, .clients = 256,
                  .window = 8, .helpers = 64, .daemon = "./src/hivemindd",
-                 .ctl = "./src/hivemindctl"};
+                 .ctl = "./src/hivemindctl", .churn = 30};
     const char *only = NULL;
     hm_bench_set_name("bench_dht");
     for (int i = 1; i < argc; i++) {
@@ -1151,13 +1216,15 @@ int main(int argc, char **argv)
             o.ctl = v;
         else if (strcmp(a, "--only") == 0)
             only = v;
+        else if (strcmp(a, "--churn") == 0)
+            o.churn = atoi(v);
         else
             usage();
     }
     if (o.runs < 1 || o.runs > 100 || !(o.seconds > 0 && o.seconds <= 600) || o.nodes < 2 ||
         o.nodes > 128 || o.ops < 1 || o.ops > 100000 || o.clients < 1 || o.clients > 4000 ||
         o.window < 1 || o.window > MAX_WINDOW || o.helpers < 0 || o.helpers > 1000 ||
-        o.workers < 0 || o.workers > MAX_WORKERS)
+        o.workers < 0 || o.workers > MAX_WORKERS || o.churn < 0 || o.churn > 90)
         usage();
     if (only != NULL && strcmp(only, "serve") == 0)
         o.skip_latency = 1;

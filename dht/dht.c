@@ -21,6 +21,7 @@
 #include "src/base/util.h"
 
 #include <errno.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
@@ -146,7 +147,14 @@ struct peer_token {
     uint64_t got_ms;
 };
 
-enum cand_state { C_NEW, C_INFLIGHT, C_ANSWERED, C_FAILED };
+/*
+ * C_SLOW: its request passed its first timeout and was sent again. A slow
+ * candidate no longer holds a slot of the path's alpha, nor the lookup's
+ * end: the lookup asks the next candidate at once and finishes without it,
+ * but a late answer still counts while the lookup runs. So a contact that
+ * died costs a lookup one adaptive timeout, not the two tries' worth.
+ */
+enum cand_state { C_NEW, C_INFLIGHT, C_ANSWERED, C_FAILED, C_SLOW };
 
 struct cand {
     hm_rt_contact c;
@@ -217,7 +225,7 @@ struct req {
     uint8_t pk[HM_PK_BYTES];
     uint8_t id[HM_RT_ID_BYTES];
     struct sockaddr_storage addr;
-    uint64_t sent_ms, deadline_ms;
+    uint64_t sent_ms, deadline_ms, timeout_ms;
     /* The datagram body of a lookup or store request, kept to send it once
      * more at its first timeout (NULL: no second try). */
     uint8_t *pkt;
@@ -237,6 +245,9 @@ struct hm_dht {
 
     uint8_t secret[32], prev_secret[32];
     uint64_t rotate_at, sweep_at;
+    /* Round-trip estimate over every reply (RFC 6298), for the timeouts. */
+    double srtt_ms, rttvar_ms;
+    int have_rtt;
     uint64_t probe_at; /* next sweep for contacts with a failure pending */
     int probing;       /* some contact may have a failure pending */
 
@@ -278,6 +289,7 @@ void hm_dht_config_default(hm_dht_config *cfg)
     cfg->disjoint_paths = 1;
     cfg->num_replicas = 5;
     cfg->request_timeout_ms = 1000;
+    cfg->request_timeout_min_ms = 200;
     cfg->max_lookups = 64;
     cfg->max_datagram = HM_DGRAM_MAX_PAYLOAD - 16;
     cfg->rate_per_s = 200;
@@ -468,6 +480,32 @@ static void req_remove(hm_dht *d, struct req *r)
     d->reqs[i] = d->reqs[--d->nreqs];
 }
 
+/* Folds one measured round trip into the estimate (RFC 6298, 2.2 and 2.3). */
+static void rtt_sample(hm_dht *d, uint64_t rtt_ms)
+{
+    double r = (double)rtt_ms;
+    if (!d->have_rtt) {
+        d->srtt_ms = r;
+        d->rttvar_ms = r / 2;
+        d->have_rtt = 1;
+        return;
+    }
+    d->rttvar_ms = 0.75 * d->rttvar_ms + 0.25 * fabs(d->srtt_ms - r);
+    d->srtt_ms = 0.875 * d->srtt_ms + 0.125 * r;
+}
+
+/* The timeout of a first request to a contact whose own RTT is rtt_ms (0: unknown). */
+static uint64_t request_timeout(const hm_dht *d, uint32_t rtt_ms)
+{
+    uint64_t lo = HM_MIN(d->cfg.request_timeout_min_ms, d->cfg.request_timeout_ms);
+    if (!d->have_rtt)
+        return d->cfg.request_timeout_ms;
+    double t = HM_MAX(d->srtt_ms + 4 * d->rttvar_ms, 2.0 * rtt_ms);
+    uint64_t ms = t >= (double)d->cfg.request_timeout_ms ? d->cfg.request_timeout_ms
+                                                         : (uint64_t)ceil(t);
+    return HM_MAX(ms, lo);
+}
+
 /*
  * Builds and sends a request m (type, and its body fields) to contact c,
  * and records it. The token is the one c gave us, if any; without one the
@@ -526,7 +564,8 @@ static int send_request(hm_dht *d, hm_dht_msg *m, const hm_rt_contact *c, int pu
     memcpy(r->id, c->id, HM_RT_ID_BYTES);
     r->addr = c->addr;
     r->sent_ms = now_ms;
-    r->deadline_ms = now_ms + d->cfg.request_timeout_ms;
+    r->timeout_ms = request_timeout(d, c->rtt_ms);
+    r->deadline_ms = now_ms + r->timeout_ms;
     /* One lost datagram of a lossy link must not cost a lookup its
      * contact, nor mark the contact failing (lookups skip those until a
      * probe clears them): requests of operations are sent a second time
@@ -1128,7 +1167,8 @@ static void on_reply_lookup(hm_dht *d, struct op *o, const struct req *r, const 
             }
         }
         /* Follow the dictionary's pages on the node that has them, up to a bound. */
-        if (m->more && c != NULL && c->state == C_INFLIGHT && c->pages + 1 < MAX_PAGES) {
+        if (m->more && c != NULL && (c->state == C_INFLIGHT || c->state == C_SLOW) &&
+            c->pages + 1 < MAX_PAGES) {
             const hm_dht_record *last = &m->records[m->n_records - 1];
             if (last->has_subkey) {
                 uint8_t cur[HM_DHT_SUBKEY_MAX];
@@ -1143,6 +1183,8 @@ static void on_reply_lookup(hm_dht *d, struct op *o, const struct req *r, const 
         c->state = C_ANSWERED;
         if (lp->inflight)
             lp->inflight--;
+    } else if (c != NULL && c->state == C_SLOW) {
+        c->state = C_ANSWERED; /* late, but in time for this lookup */
     }
 contacts:
     if (lp->n > 0) {
@@ -1168,7 +1210,23 @@ static void on_fail_lookup(hm_dht *d, struct op *o, const struct req *r, uint64_
         c->state = C_FAILED;
         if (o->paths[r->path].inflight)
             o->paths[r->path].inflight--;
+    } else if (c != NULL && c->state == C_SLOW) {
+        c->state = C_FAILED; /* its slot was given back when it turned slow */
     }
+    lookup_step(d, o, now_ms);
+}
+
+/* A lookup request passed its first timeout and was sent again (C_SLOW). */
+static void on_slow_lookup(hm_dht *d, struct op *o, const struct req *r, uint64_t now_ms)
+{
+    struct cand *c = cand_find(o, r->path, r->id);
+
+    o->info.timeouts++; /* counted once, at the first timeout */
+    if (o->phase != PH_LOOKUP || c == NULL || c->state != C_INFLIGHT)
+        return;
+    c->state = C_SLOW;
+    if (o->paths[r->path].inflight)
+        o->paths[r->path].inflight--;
     lookup_step(d, o, now_ms);
 }
 
@@ -1206,6 +1264,9 @@ static void on_reply(hm_dht *d, const uint8_t pk[HM_PK_BYTES], const struct sock
     rq = *r;
     req_remove(d, r);
     d->st.replies_received++;
+    /* Karn's rule: a reply to a request sent twice says nothing of the RTT. */
+    if (!rq.resent && now_ms >= rq.sent_ms)
+        rtt_sample(d, now_ms - rq.sent_ms);
     if (!(m->flags & HM_DHT_FLAG_CLIENT))
         observe(d, pk, from, (uint32_t)HM_MIN(now_ms - rq.sent_ms, (uint64_t)UINT32_MAX),
                 now_ms);
@@ -1239,7 +1300,8 @@ static void on_timeout(hm_dht *d, const struct req *r, uint64_t now_ms)
         d->probing = 1;
     if (r->op_id == 0 || (o = op_find_active(d, r->op_id)) == NULL)
         return;
-    o->info.timeouts++;
+    if (!(r->resent && r->purpose == P_LOOKUP))
+        o->info.timeouts++;
     if (r->purpose == P_LOOKUP) {
         on_fail_lookup(d, o, r, now_ms);
     } else if (r->purpose == P_STORE && o->phase == PH_STORE) {
@@ -1441,12 +1503,19 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
     for (size_t i = 0; i < d->nreqs;) {
         if (d->reqs[i].deadline_ms <= now_ms) {
             struct req *q = &d->reqs[i];
-            if (q->pkt != NULL && !q->resent && op_find_active(d, q->op_id) != NULL) {
+            struct op *qo;
+            if (q->pkt != NULL && !q->resent && (qo = op_find_active(d, q->op_id)) != NULL) {
                 q->resent = 1;
-                q->deadline_ms = now_ms + d->cfg.request_timeout_ms;
+                q->deadline_ms = now_ms + 2 * q->timeout_ms;
                 if (d->io.send(d->io.ud, q->pk, (const struct sockaddr *)&q->addr, q->pkt,
                                q->pkt_len) == 0) {
-                    i++;
+                    if (q->purpose == P_LOOKUP) {
+                        struct req copy = *q;
+                        on_slow_lookup(d, qo, &copy, now_ms);
+                        i = 0; /* the step may have sent requests */
+                    } else {
+                        i++;
+                    }
                     continue;
                 }
             }
@@ -1522,6 +1591,7 @@ static void merge_cfg(hm_dht_config *c, const hm_dht_config *in)
     DEF(disjoint_paths);
     DEF(num_replicas);
     DEF(request_timeout_ms);
+    DEF(request_timeout_min_ms);
     DEF(max_lookups);
     DEF(max_datagram);
     DEF(rate_per_s);

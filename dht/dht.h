@@ -89,7 +89,16 @@ typedef struct hm_dht_config {
     unsigned alpha;              /* requests in flight per lookup path, default 3 */
     unsigned disjoint_paths;     /* default 1; 3 against malicious nodes */
     unsigned num_replicas;       /* default 5 */
-    uint64_t request_timeout_ms; /* default 1000 */
+    /*
+     * A request's timeout adapts to the round trips measured (RFC 6298's
+     * smoothed RTT plus four deviations, or twice the contact's own RTT
+     * when that is longer), within [request_timeout_min_ms,
+     * request_timeout_ms]; before the first measurement it is the maximum.
+     * The second try of a lookup or store request waits twice as long.
+     * defaults 200 and 1000.
+     */
+    uint64_t request_timeout_ms;
+    uint64_t request_timeout_min_ms;
     unsigned max_lookups;        /* concurrent lookups, default 64 */
     size_t max_datagram;         /* largest body we send, default HM_DGRAM_MAX_PAYLOAD - 16 */
     double rate_per_s;           /* requests per second per address, default 200 */

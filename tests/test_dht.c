@@ -814,6 +814,41 @@ Test(dht, lookup_survives_dead_nodes)
     net_free(net);
 }
 
+Test(dht, a_dead_contact_costs_one_adaptive_timeout)
+{
+    /* Round trips of 20 ms teach the node a timeout far below the 1 s
+     * ceiling; dead contacts among the key's closest then cost the get one
+     * such timeout each (they stop holding the lookup's slots and its end
+     * once sent a second time), not the ceiling, twice. */
+    hm_dht_config cfg;
+    struct tnet *net;
+    struct put_res pr;
+    struct get_res gr;
+    uint8_t kid[32];
+    hm_rt_contact closest[4];
+
+    hm_dht_config_default(&cfg);
+    net = bootstrapped(40, &cfg);
+    do_put(net, 1, "churned", NULL, "kept", now_s(net) + 600, &pr);
+    cr_assert_eq(pr.stored, 5);
+    hm_dht_key_id((const uint8_t *)"churned", 7, kid);
+    size_t n = hm_rt_closest(hm_dht_routing(net->nodes[20].d), kid, 4, closest, 0);
+    cr_assert_eq(n, 4);
+    for (size_t i = 0; i < n; i++)
+        for (int j = 0; j < net->n; j++)
+            if (j != 20 && memcmp(net->nodes[j].id.pk, closest[i].pk, 32) == 0)
+                net->nodes[j].dead = 1;
+    uint64_t t0 = net->now;
+    do_get(net, 20, "churned", &gr);
+    uint64_t took = net->now - t0;
+    cr_assert_eq(gr.status, 0);
+    cr_assert(gr.n == 1 && value_is(&gr, 0, "kept"));
+    cr_assert_gt(gr.info.timeouts, 0, "the dead contacts were asked");
+    cr_assert_lt(took, cfg.request_timeout_ms, "the get took %llu ms of virtual time",
+                 (unsigned long long)took);
+    net_free(net);
+}
+
 Test(dht, disjoint_paths_lookup_works)
 {
     hm_dht_config cfg;
