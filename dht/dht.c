@@ -148,13 +148,19 @@ struct peer_token {
 };
 
 /*
- * C_SLOW: its request passed its first timeout and was sent again. A slow
- * candidate no longer holds a slot of the path's alpha, nor the lookup's
- * end: the lookup asks the next candidate at once and finishes without it,
- * but a late answer still counts while the lookup runs. So a contact that
- * died costs a lookup one adaptive timeout, not the two tries' worth.
+ * C_SLOW: its request passed its first timeout and was sent again (or it
+ * went to a suspect). A slow candidate no longer holds a slot of the
+ * path's alpha, nor the lookup's end once k closer or farther candidates
+ * answered: the lookup asks the next candidate at once and finishes
+ * without it, but a late answer still counts while the lookup runs. So a
+ * contact that died costs a lookup one adaptive timeout, not the two
+ * tries' worth; a path that runs out of candidates short of k answers
+ * still waits for its slow ones.
  */
 enum cand_state { C_NEW, C_INFLIGHT, C_ANSWERED, C_FAILED, C_SLOW };
+
+#define SUSPECTS_MAX 256
+#define SUSPECT_MS 60000
 
 struct cand {
     hm_rt_contact c;
@@ -248,6 +254,18 @@ struct hm_dht {
     /* Round-trip estimate over every reply (RFC 6298), for the timeouts. */
     double srtt_ms, rttvar_ms;
     int have_rtt;
+    /*
+     * Contacts whose last request timed out, until they answer or
+     * SUSPECT_MS pass: a lookup still asks one, but as a slow candidate
+     * from the start, so that a node that died costs the first lookup that
+     * meets it one timeout and the lookups after it nothing (they learn of
+     * it again from every reply that lists it). Oldest replaced first.
+     */
+    struct suspect {
+        uint8_t id[HM_RT_ID_BYTES];
+        uint64_t until_ms;
+    } suspects[SUSPECTS_MAX];
+    size_t suspects_next;
     uint64_t probe_at; /* next sweep for contacts with a failure pending */
     int probing;       /* some contact may have a failure pending */
 
@@ -478,6 +496,33 @@ static void req_remove(hm_dht *d, struct req *r)
     size_t i = (size_t)(r - d->reqs);
     free(r->pkt);
     d->reqs[i] = d->reqs[--d->nreqs];
+}
+
+static struct suspect *suspect_find(hm_dht *d, const uint8_t id[HM_RT_ID_BYTES], uint64_t now_ms)
+{
+    for (size_t i = 0; i < SUSPECTS_MAX; i++)
+        if (d->suspects[i].until_ms > now_ms &&
+            memcmp(d->suspects[i].id, id, HM_RT_ID_BYTES) == 0)
+            return &d->suspects[i];
+    return NULL;
+}
+
+static void suspect_add(hm_dht *d, const uint8_t id[HM_RT_ID_BYTES], uint64_t now_ms)
+{
+    struct suspect *s = suspect_find(d, id, now_ms);
+    if (s == NULL) {
+        s = &d->suspects[d->suspects_next];
+        d->suspects_next = (d->suspects_next + 1) % SUSPECTS_MAX;
+        memcpy(s->id, id, HM_RT_ID_BYTES);
+    }
+    s->until_ms = now_ms + SUSPECT_MS;
+}
+
+static void suspect_clear(hm_dht *d, const uint8_t id[HM_RT_ID_BYTES], uint64_t now_ms)
+{
+    struct suspect *s = suspect_find(d, id, now_ms);
+    if (s != NULL)
+        s->until_ms = 0;
 }
 
 /* Folds one measured round trip into the estimate (RFC 6298, 2.2 and 2.3). */
@@ -848,7 +893,7 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
     for (unsigned p = 0; p < o->npaths; p++) {
         struct lpath *lp = &o->paths[p];
         size_t answered = 0;
-        int pending = 0;
+        int pending = 0, slow = 0;
 
         if (lp->done)
             continue;
@@ -856,6 +901,8 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
             struct cand *c = &lp->c[i];
             if (c->state == C_ANSWERED) {
                 answered++;
+            } else if (c->state == C_SLOW) {
+                slow = 1;
             } else if (c->state == C_INFLIGHT) {
                 pending = 1;
             } else if (c->state == C_NEW) {
@@ -863,13 +910,21 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
                 if (lp->inflight >= (lp->stalled ? d->cfg.k : d->cfg.alpha))
                     continue;
                 if (send_lookup_request(d, o, p, c, NULL, 0, 0, now_ms) == 0) {
-                    c->state = C_INFLIGHT;
-                    lp->inflight++;
+                    if (suspect_find(d, c->c.id, now_ms) != NULL) {
+                        c->state = C_SLOW; /* asked, but neither waited for nor a slot */
+                    } else {
+                        c->state = C_INFLIGHT;
+                        lp->inflight++;
+                    }
                 } else {
                     c->state = C_FAILED;
                 }
             }
         }
+        /* Slow candidates hold the end only of a path that would otherwise
+         * end short of k answers: then one of them may be the replica. */
+        if (slow && answered < d->cfg.k)
+            pending = 1;
         if (!pending)
             lp->done = 1;
         else
@@ -1221,6 +1276,7 @@ static void on_slow_lookup(hm_dht *d, struct op *o, const struct req *r, uint64_
 {
     struct cand *c = cand_find(o, r->path, r->id);
 
+    suspect_add(d, r->id, now_ms);
     o->info.timeouts++; /* counted once, at the first timeout */
     if (o->phase != PH_LOOKUP || c == NULL || c->state != C_INFLIGHT)
         return;
@@ -1267,6 +1323,7 @@ static void on_reply(hm_dht *d, const uint8_t pk[HM_PK_BYTES], const struct sock
     /* Karn's rule: a reply to a request sent twice says nothing of the RTT. */
     if (!rq.resent && now_ms >= rq.sent_ms)
         rtt_sample(d, now_ms - rq.sent_ms);
+    suspect_clear(d, rq.id, now_ms);
     if (!(m->flags & HM_DHT_FLAG_CLIENT))
         observe(d, pk, from, (uint32_t)HM_MIN(now_ms - rq.sent_ms, (uint64_t)UINT32_MAX),
                 now_ms);
@@ -1296,6 +1353,7 @@ static void on_timeout(hm_dht *d, const struct req *r, uint64_t now_ms)
     struct op *o;
 
     d->st.timeouts++;
+    suspect_add(d, r->id, now_ms);
     if (hm_rt_fail(d->rt, r->id, now_ms) == 0)
         d->probing = 1;
     if (r->op_id == 0 || (o = op_find_active(d, r->op_id)) == NULL)
