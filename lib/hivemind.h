@@ -457,6 +457,15 @@ typedef struct hmc_opt_opts {
     double load_timeout_s;      /* 0: 30 */
     hmc_opt_step_fn step;       /* required: the local optimizer */
     void *step_ud;
+    /* -- delayed and local-update options -- */
+    int delay_step;             /* the epoch's round runs in the background (its own
+                                   connection) while the next epoch accumulates; its step
+                                   runs in the first call that finds the round over, or at
+                                   the next epoch's end at the latest: one epoch stale */
+    int local_updates;          /* the local step runs every call on that call's gradients;
+                                   no gradient round; at an epoch's end the parameters are
+                                   averaged (every average_state_every epochs, 0 meaning 1).
+                                   Not with delay_step. */
 } hmc_opt_opts;
 
 typedef struct hmc_opt hmc_opt;
@@ -474,6 +483,11 @@ typedef struct hmc_opt_report {
     uint64_t swarm_samples; /* the swarm's at our epoch, as last read */
     int group_size;        /* of the round, 0 when none */
     char error[HMC_ERROR_MAX]; /* why the round failed */
+    int stepped;           /* this call ran the local step (with delay_step, the previous
+                              epoch's: averaged, local_fallback, group_size and error
+                              are then that round's) */
+    int pending;           /* a delayed round is still running after this call */
+    uint64_t stepped_epoch; /* the epoch whose gradients that step used */
 } hmc_opt_report;
 
 /* Sets the defaults above (everything else 0/NULL). */
