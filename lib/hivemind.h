@@ -433,6 +433,16 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * after each step and a late one loads the newest (a peer's step must
  * then be over the parameters only; optimizer statistics stay local).
  *
+ * delay_step runs the epoch's round in the background (hmc_average_start)
+ * and returns at once; the next epoch accumulates meanwhile, and the
+ * step on the averaged gradients runs in the first call that finds the
+ * round over, or at the next epoch's end at the latest, so the parameters
+ * are one epoch stale (report.stepped and stepped_epoch say when).
+ * local_updates steps on every call's own gradients and, instead of a
+ * gradient round, averages the parameters at epoch ends (in the
+ * foreground, so the delta rule, params += average - params at the
+ * round's start, is the average itself).
+ *
  * Matchmaking starts when the epoch ends, not matchmaking_time_s before
  * its estimated end: the peers of a swarm see the end within about a
  * second of each other (the daemon's progress cache), and
@@ -504,7 +514,10 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
                  hmc_opt_report *report);
 uint64_t hmc_opt_local_epoch(const hmc_opt *o);
 uint64_t hmc_opt_global_epoch(const hmc_opt *o);
-/* Frees the optimizer and its buffer (not h). NULL is fine. */
+/*
+ * Frees the optimizer and its buffers (not h), waiting first for a delayed
+ * round still running (at most its deadline). NULL is fine.
+ */
 void hmc_opt_close(hmc_opt *o);
 
 /* ---- the reply parser, exposed for tests and fuzzing ---- */

@@ -5,7 +5,8 @@
  * averaging at an epoch's end, and the local step. It owns the
  * accumulator (a shared buffer, which the daemon averages in place) and a
  * copy of the local mean gradient for the fallback; the hmc handle stays
- * the caller's.
+ * the caller's. With delay_step a second buffer holds the epoch whose
+ * round runs in the background while the next epoch accumulates.
  */
 #include "config.h"
 
@@ -68,7 +69,12 @@ void hmc_opt_close(hmc_opt *o)
 {
     if (o == NULL)
         return;
-    /* A round still running writes pend until its deadline: the daemon's mapping, not ours. */
+    /*
+     * A round still running reads and writes pend: it is waited for (at
+     * most its own deadline) so that the segment is not released under it.
+     */
+    if (o->round != NULL)
+        hmc_round_wait(o->round, -1, NULL);
     hmc_round_free(o->round);
     hmc_buf_free(o->buf);
     hmc_buf_free(o->pend);
