@@ -269,7 +269,8 @@ class Optimizer:
         if self._cb_error is not None:
             e, self._cb_error = self._cb_error, None
             raise e
-        if rep.caught_up or rep.state_loaded or rep.state_averaged:
+        # The library wrote the parameters itself (a load, an average): hand them to torch.
+        if rep.state_loaded or rep.state_averaged:
             self._scatter_params()
         self.last_report = out = self._report(rep)
         if rep.caught_up:
