@@ -111,6 +111,7 @@ def main():
     started = time.monotonic()
     next_eval = 0.0
     rounds = fails = 0
+    end_s = other_s = 0.0  # time in the optimizer's step: calls that ended an epoch, the rest
     step = 0
     while True:
         t = time.monotonic() - started - spent_eval
@@ -127,13 +128,20 @@ def main():
         loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
         opt.zero_grad()
         loss.backward()
+        s0 = time.monotonic()
         rep = opt.step()
+        took = time.monotonic() - s0
         if args.mode == "collab":
             r = opt.last_report
+            if r["epoch_ended"] or r["stepped"] and not args.use_local_updates:
+                end_s += took
+            else:
+                other_s += took
             if r["epoch_ended"]:
                 rounds += 1
                 fails += r["local_fallback"]
         elif args.mode == "diloco" and rep is not None:
+            end_s += took
             rounds += 1
             fails += not rep["averaged"]
         elif averager is not None:
@@ -145,7 +153,8 @@ def main():
                     fails += 1
             if not averager.running and step % args.average_every == 0:
                 averager.start(weight=args.batch_size)
-    print("done steps %d rounds %d failed %d" % (step, rounds, fails), flush=True)
+    print("done steps %d rounds %d failed %d; in step(): %.1f s in rounds' calls, %.1f s in "
+          "the others" % (step, rounds, fails, end_s, other_s), flush=True)
     if args.mode in ("collab", "diloco"):
         opt.close()
     if averager is not None:

@@ -418,7 +418,9 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * swarm takes one step per epoch on the gradients of target_batch_size
  * samples from all its trainers. hmc_opt_step adds a step's gradients,
  * weighted by its batch size, to an accumulator in a shared buffer and
- * reports the trainer's progress ("progress.report"). An epoch ends when
+ * reports the trainer's progress ("progress.report"; a call within 50 ms
+ * of the last report neither reports nor reads the swarm's, unless our
+ * own samples alone reach the target). An epoch ends when
  * the samples the swarm reports at this epoch (never extrapolated, so
  * never before they are in) reach target_batch_size, or when the global
  * epoch has moved past ours. Then the accumulated mean gradient is
