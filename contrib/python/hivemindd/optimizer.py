@@ -54,8 +54,11 @@ class Optimizer:
     averaging_timeout: the gradient round's deadline; past it (or with no
         group) the trainer steps on its own gradients and logs a warning.
     average_state_every: the parameters are averaged with the peers every
-        this many epochs, after the step (0: never). The wrapped
-        optimizer's statistics stay local.
+        this many epochs, after the step (0: never).
+    average_opt_statistics: names of the wrapped optimizer's per-parameter
+        state tensors (e.g. ("exp_avg", "exp_avg_sq") for Adam) averaged
+        with the peers right after each parameter average, in a round of
+        their own (RUN_ID.stats.EPOCH, weight 1); the others stay local.
     delay_optimizer_step: the gradient round runs in the background while
         the next epoch accumulates; its step runs in the first step() that
         finds the round over (at the next epoch's end at the latest): the
@@ -79,7 +82,8 @@ class Optimizer:
                  batch_size_per_step=None, scheduler=None, matchmaking_time=5.0,
                  averaging_timeout=30.0, average_state_every=1, delay_optimizer_step=False,
                  use_local_updates=False, client=None, client_mode=False, target_group_size=16,
-                 grad_compression=None, share_state=True, load_state_timeout=30.0):
+                 grad_compression=None, share_state=True, load_state_timeout=30.0,
+                 average_opt_statistics=()):
         import torch  # noqa: F401  (parameters are torch tensors)
 
         if client is None:
@@ -112,6 +116,17 @@ class Optimizer:
         self.use_local_updates = bool(use_local_updates)
         self.delay_optimizer_step = bool(delay_optimizer_step)
         self.batch_size_per_step = batch_size_per_step
+        if isinstance(average_opt_statistics, str):
+            average_opt_statistics = (average_opt_statistics,)
+        self.average_opt_statistics = tuple(average_opt_statistics or ())
+        if not all(isinstance(n, str) and n for n in self.average_opt_statistics):
+            raise ValueError("average_opt_statistics names the optimizer's state tensors")
+        self._stats_opts = dict(target_group_size=int(target_group_size or 0) or None,
+                                min_group_size=2, timeout=float(matchmaking_time or 5.0),
+                                round_timeout=float(averaging_timeout or 30.0),
+                                client_mode=bool(client_mode))
+        self._stats_avg = None
+        self._stats_key = None
         self.sizes = [int(np.prod(tuple(p.shape))) for p in params]
         self.numel = sum(self.sizes)
         if self.numel == 0:
@@ -273,6 +288,8 @@ class Optimizer:
         if rep.state_loaded or rep.state_averaged:
             self._scatter_params()
         self.last_report = out = self._report(rep)
+        if rep.state_averaged and self.average_opt_statistics:
+            out["statistics_averaged"] = self._average_statistics(int(rep.epoch))
         if rep.caught_up:
             log.warning("run %s: %s; now at epoch %d", self.run_id,
                         "behind the swarm: gradients discarded, state loaded from a peer"
@@ -289,6 +306,39 @@ class Optimizer:
             self.scheduler.step()
         return loss
 
+    def _average_statistics(self, epoch):
+        """Averages the named optimizer statistics with the peers that
+        averaged their parameters at this epoch; True when it did."""
+        import torch
+
+        from .averaging import Averager
+
+        tensors = []
+        for p in self.params:
+            st = self.optimizer.state.get(p, {})
+            for name in self.average_opt_statistics:
+                t = st.get(name)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
+                    tensors.append(t)
+        if not tensors:
+            return False
+        # One buffer for as long as the statistics keep their shapes.
+        key = tuple((id(t), tuple(t.shape)) for t in tensors)
+        if key != self._stats_key:
+            if self._stats_avg is not None:
+                self._stats_avg.close()
+            self._stats_avg = Averager(self.client, self.run_id + ".stats", tensors,
+                                       **self._stats_opts)
+            self._stats_key = key
+        self._stats_avg.prefix = "%s.stats.%d" % (self.run_id, epoch)
+        try:
+            self._stats_avg.step(weight=1.0)
+            return True
+        except HivemindError as e:
+            log.warning("run %s epoch %d: optimizer statistics not averaged: %s", self.run_id,
+                        epoch, e)
+            return False
+
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "local_epoch": self.local_epoch}
 
@@ -296,6 +346,9 @@ class Optimizer:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def close(self):
+        if self._stats_avg is not None:
+            self._stats_avg.close()
+            self._stats_avg = None
         if self._o is not None:
             with self.client._lock:
                 _lib.lib().hmc_opt_close(self._o)

@@ -323,6 +323,49 @@ while True:
         for t in trainers:
             t.opt.close()
 
+    def test_average_opt_statistics_averages_adam_moments(self):
+        # Local updates with Adam on constant gradients g_i: after n_i steps
+        # a trainer's exp_avg is (1 - 0.9^n_i) g_i; at the epoch's end both
+        # hold the mean of the two.
+        models, opts = [], []
+        for i in range(2):
+            p = torch.nn.Parameter(start_of(i).clone())
+            adam = torch.optim.Adam([p], lr=1e-3)
+            models.append(p)
+            opts.append(Optimizer(params=[p], optimizer=adam, run_id="pyoptstats",
+                                  target_batch_size=60, batch_size_per_step=BATCH[i],
+                                  matchmaking_time=4, averaging_timeout=10, target_group_size=2,
+                                  use_local_updates=True,
+                                  average_opt_statistics=("exp_avg", "exp_avg_sq"),
+                                  client=self.clients[i]))
+
+        def train(i):
+            calls = 0
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                opts[i].zero_grad()
+                models[i].grad = grad_of(i).clone()
+                opts[i].step()
+                calls += 1
+                rep = opts[i].last_report
+                if rep["epoch_ended"]:
+                    st = opts[i].optimizer.state[models[i]]
+                    return dict(rep=rep, calls=calls, exp_avg=st["exp_avg"].clone(),
+                                exp_avg_sq=st["exp_avg_sq"].clone())
+                time.sleep(0.05)
+            return {}
+
+        res = run_all([lambda i=i: train(i) for i in range(2)])
+        want_m = sum((1 - 0.9 ** r["calls"]) * grad_of(i) for i, r in enumerate(res)) / 2
+        want_v = sum((1 - 0.999 ** r["calls"]) * grad_of(i) ** 2 for i, r in enumerate(res)) / 2
+        for i, r in enumerate(res):
+            self.assertTrue(r["rep"]["state_averaged"], r["rep"])
+            self.assertTrue(r["rep"]["statistics_averaged"], r["rep"])
+            self.assertLessEqual((r["exp_avg"] - want_m).abs().max().item(), 1e-4)
+            self.assertLessEqual(((r["exp_avg_sq"] - want_v).abs() / want_v).max().item(), 1e-4)
+        for o in opts:
+            o.close()
+
     def test_alone_steps_on_its_own_gradients_and_warns(self):
         t = Trainer(self.clients[0], 0, "pyoptalone", target_batch_size=6, matchmaking_time=1,
                     averaging_timeout=2, target_group_size=2, average_state_every=0)
