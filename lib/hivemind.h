@@ -418,7 +418,9 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * swarm takes one step per epoch on the gradients of target_batch_size
  * samples from all its trainers. hmc_opt_step adds a step's gradients,
  * weighted by its batch size, to an accumulator in a shared buffer and
- * reports the trainer's progress ("progress.report"). An epoch ends when
+ * reports the trainer's progress ("progress.report"; a call within 50 ms
+ * of the last report neither reports nor reads the swarm's, unless our
+ * own samples alone reach the target). An epoch ends when
  * the samples the swarm reports at this epoch (never extrapolated, so
  * never before they are in) reach target_batch_size, or when the global
  * epoch has moved past ours. Then the accumulated mean gradient is
@@ -432,6 +434,16 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * global epoch; with share_state, every trainer shares its parameters
  * after each step and a late one loads the newest (a peer's step must
  * then be over the parameters only; optimizer statistics stay local).
+ *
+ * delay_step runs the epoch's round in the background (hmc_average_start)
+ * and returns at once; the next epoch accumulates meanwhile, and the
+ * step on the averaged gradients runs in the first call that finds the
+ * round over, or at the next epoch's end at the latest, so the parameters
+ * are one epoch stale (report.stepped and stepped_epoch say when).
+ * local_updates steps on every call's own gradients and, instead of a
+ * gradient round, averages the parameters at epoch ends (in the
+ * foreground, so the delta rule, params += average - params at the
+ * round's start, is the average itself).
  *
  * Matchmaking starts when the epoch ends, not matchmaking_time_s before
  * its estimated end: the peers of a swarm see the end within about a
@@ -457,6 +469,15 @@ typedef struct hmc_opt_opts {
     double load_timeout_s;      /* 0: 30 */
     hmc_opt_step_fn step;       /* required: the local optimizer */
     void *step_ud;
+    /* -- delayed and local-update options -- */
+    int delay_step;             /* the epoch's round runs in the background (its own
+                                   connection) while the next epoch accumulates; its step
+                                   runs in the first call that finds the round over, or at
+                                   the next epoch's end at the latest: one epoch stale */
+    int local_updates;          /* the local step runs every call on that call's gradients;
+                                   no gradient round; at an epoch's end the parameters are
+                                   averaged (every average_state_every epochs, 0 meaning 1).
+                                   Not with delay_step. */
 } hmc_opt_opts;
 
 typedef struct hmc_opt hmc_opt;
@@ -474,6 +495,11 @@ typedef struct hmc_opt_report {
     uint64_t swarm_samples; /* the swarm's at our epoch, as last read */
     int group_size;        /* of the round, 0 when none */
     char error[HMC_ERROR_MAX]; /* why the round failed */
+    int stepped;           /* this call ran the local step (with delay_step, the previous
+                              epoch's: averaged, local_fallback, group_size and error
+                              are then that round's) */
+    int pending;           /* a delayed round is still running after this call */
+    uint64_t stepped_epoch; /* the epoch whose gradients that step used */
 } hmc_opt_report;
 
 /* Sets the defaults above (everything else 0/NULL). */
@@ -490,7 +516,10 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
                  hmc_opt_report *report);
 uint64_t hmc_opt_local_epoch(const hmc_opt *o);
 uint64_t hmc_opt_global_epoch(const hmc_opt *o);
-/* Frees the optimizer and its buffer (not h). NULL is fine. */
+/*
+ * Frees the optimizer and its buffers (not h), waiting first for a delayed
+ * round still running (at most its deadline). NULL is fine.
+ */
 void hmc_opt_close(hmc_opt *o);
 
 /* ---- the reply parser, exposed for tests and fuzzing ---- */

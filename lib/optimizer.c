@@ -5,7 +5,8 @@
  * averaging at an epoch's end, and the local step. It owns the
  * accumulator (a shared buffer, which the daemon averages in place) and a
  * copy of the local mean gradient for the fallback; the hmc handle stays
- * the caller's.
+ * the caller's. With delay_step a second buffer holds the epoch whose
+ * round runs in the background while the next epoch accumulates.
  */
 #include "config.h"
 
@@ -26,6 +27,15 @@
  * nobody may simply not see them yet, and averages all the same.
  */
 #define DISCOVERY_S 5.0
+/*
+ * The shortest gap between two progress reports and reads of a trainer:
+ * the daemon publishes a record at most every 0.5 s and caches what it
+ * reads for 1 s, so polling it at every step of a fast trainer only adds
+ * two control-socket round trips (and, on a loaded machine, two context
+ * switches) to each step, for news no fresher. Our own samples reaching
+ * the target are never waited for.
+ */
+#define POLL_S 0.05
 
 struct hmc_opt {
     hmc *h;
@@ -35,9 +45,15 @@ struct hmc_opt {
     char peer_id[64];
     size_t n;
     hmc_buf *buf;  /* the accumulator: sum of grads * batch size, then the mean */
+    hmc_buf *pend; /* delay_step: the mean of the epoch whose round runs in the background */
+    hmc_round *round; /* that round; NULL when the epoch had nobody to average with */
+    int pending;      /* pend holds an epoch whose step has not run yet */
+    uint64_t pend_epoch;
     hmc_buf *state; /* the parameters shared, loaded or averaged */
     float *local;  /* the local mean, kept for a failed round */
     uint64_t epoch, global_epoch, samples;
+    uint64_t others_samples; /* the others' at our epoch, as last read */
+    double last_poll_s;
     size_t others; /* other trainers in the run, as last read */
     double sps, last_step_s, opened_s;
 };
@@ -64,7 +80,15 @@ void hmc_opt_close(hmc_opt *o)
 {
     if (o == NULL)
         return;
+    /*
+     * A round still running reads and writes pend: it is waited for (at
+     * most its own deadline) so that the segment is not released under it.
+     */
+    if (o->round != NULL)
+        hmc_round_wait(o->round, -1, NULL);
+    hmc_round_free(o->round);
     hmc_buf_free(o->buf);
+    hmc_buf_free(o->pend);
     hmc_buf_free(o->state);
     free(o->local);
     free(o);
@@ -79,7 +103,7 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         strlen(opts->run_id) > RUN_MAX || opts->target_batch_size == 0 || opts->step == NULL ||
         n_params == 0 || n_params > ((size_t)1 << 30) || opts->matchmaking_time_s < 0 ||
         opts->averaging_timeout_s < 0 || opts->target_group_size < 0 ||
-        opts->target_group_size > 64 ||
+        opts->target_group_size > 64 || (opts->delay_step && opts->local_updates) ||
         (opts->compression != NULL && strcmp(opts->compression, "none") != 0 &&
          strcmp(opts->compression, "fp16") != 0 && strcmp(opts->compression, "8bit") != 0))
         return -EINVAL;
@@ -110,6 +134,10 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         goto fail;
     if (o->opts.load_timeout_s <= 0)
         o->opts.load_timeout_s = 30;
+    if (o->opts.local_updates && o->opts.average_state_every == 0)
+        o->opts.average_state_every = 1;
+    if (o->opts.delay_step && (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->pend)) != 0)
+        goto fail;
     if ((o->opts.share_state || o->opts.average_state_every > 0) &&
         (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->state)) != 0)
         goto fail;
@@ -161,16 +189,16 @@ static int read_swarm(hmc_opt *o, uint64_t *swarm_out)
     }
     json_decref(j);
     o->global_epoch = p.global_epoch;
+    o->others_samples = sum - o->samples;
     *swarm_out = sum;
     return 0;
 }
 
-/* Averages the accumulated mean with the epoch's peers; fills the report. */
-static void average(hmc_opt *o, hmc_opt_report *rep)
+/* The gradient round's options for our epoch; prefix holds its name. */
+static void grad_opts(hmc_opt *o, hmc_avg_opts *out, char *prefix, size_t size)
 {
-    char prefix[RUN_MAX + 48], *json = NULL;
     hmc_avg_opts ao;
-    snprintf(prefix, sizeof(prefix), "%s.grad.%llu", o->run, (unsigned long long)o->epoch);
+    snprintf(prefix, size, "%s.grad.%llu", o->run, (unsigned long long)o->epoch);
     hmc_avg_opts_init(&ao);
     ao.prefix = prefix;
     ao.weight = (double)o->samples;
@@ -181,21 +209,96 @@ static void average(hmc_opt *o, hmc_opt_report *rep)
     ao.min_group_size = o->opts.target_group_size > 1 ? 2 : 1;
     ao.compression = o->compression;
     ao.client_mode = o->opts.client;
-    int r = hmc_average(o->h, o->buf, 0, o->n, &ao, &json);
+    *out = ao;
+}
+
+/*
+ * Fills the report from a round's outcome r (its report json, or why it
+ * failed: msg, code) and, when it failed, puts our own mean back in b.
+ */
+static void outcome(hmc_opt *o, hmc_buf *b, int r, const char *json, const char *msg,
+                    const char *code, hmc_opt_report *rep)
+{
     if (r == 0) {
-        json_t *j = json_loads(json, 0, NULL);
+        json_t *j = json_loads(json != NULL ? json : "", 0, NULL);
         rep->group_size = (int)json_integer_value(json_object_get(j, "group_size"));
         json_decref(j);
         rep->averaged = 1;
     } else {
         /* Chunks a failed round did not average keep whatever they hold: use ours. */
-        memcpy(hmc_buf_data(o->buf), o->local, o->n * sizeof(float));
+        memcpy(hmc_buf_data(b), o->local, o->n * sizeof(float));
         rep->local_fallback = 1;
-        snprintf(rep->error, sizeof(rep->error), "%s%s%s%s", hmc_last_error(o->h),
-                 hmc_last_error_code(o->h)[0] ? " (" : "", hmc_last_error_code(o->h),
-                 hmc_last_error_code(o->h)[0] ? ")" : "");
+        snprintf(rep->error, sizeof(rep->error), "%s%s%s%s", msg, code[0] ? " (" : "", code,
+                 code[0] ? ")" : "");
     }
+}
+
+/* Averages the accumulated mean with the epoch's peers; fills the report. */
+static void average(hmc_opt *o, hmc_opt_report *rep)
+{
+    char prefix[RUN_MAX + 48], *json = NULL;
+    hmc_avg_opts ao;
+    grad_opts(o, &ao, prefix, sizeof(prefix));
+    int r = hmc_average(o->h, o->buf, 0, o->n, &ao, &json);
+    outcome(o, o->buf, r, json, hmc_last_error(o->h), hmc_last_error_code(o->h), rep);
     hmc_free_string(json);
+}
+
+/*
+ * delay_step: runs the pending epoch's step once its round is over (at
+ * once when block, waiting at most for the round's own deadline, which
+ * averaging_timeout_s bounds). 1 when the step ran.
+ */
+static int finish_pending(hmc_opt *o, int block, float *params, hmc_opt_report *rep)
+{
+    char *json = NULL;
+    if (!o->pending)
+        return 0;
+    if (o->round != NULL) {
+        if (!block && !hmc_round_done(o->round))
+            return 0;
+        int r = hmc_round_wait(o->round, -1, &json);
+        if (r == -EAGAIN) /* past its deadline and still no reply: treat it as failed */
+            r = -ETIMEDOUT;
+        outcome(o, o->pend, r, json, hmc_round_error(o->round), hmc_round_error_code(o->round),
+                rep);
+        hmc_free_string(json);
+        hmc_round_free(o->round);
+        o->round = NULL;
+    } else {
+        rep->local_fallback = 1;
+        snprintf(rep->error, sizeof(rep->error), "no other trainer in run '%s'", o->run);
+    }
+    o->opts.step(o->opts.step_ud, params, hmc_buf_data(o->pend), o->n);
+    o->pending = 0;
+    rep->stepped = 1;
+    rep->stepped_epoch = o->pend_epoch;
+    return 1;
+}
+
+/*
+ * delay_step: hands the epoch's mean (in buf) to a background round and
+ * takes pend as the next epoch's accumulator. A round that cannot start
+ * leaves the mean as it is, to be stepped on alone.
+ */
+static void start_pending(hmc_opt *o, int with_peers, hmc_opt_report *rep)
+{
+    char prefix[RUN_MAX + 48];
+    hmc_avg_opts ao;
+    hmc_buf *b = o->buf;
+    o->buf = o->pend;
+    o->pend = b;
+    o->pending = 1;
+    o->pend_epoch = o->epoch;
+    o->round = NULL;
+    memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
+    if (!with_peers)
+        return;
+    grad_opts(o, &ao, prefix, sizeof(prefix));
+    if (hmc_average_start(o->h, o->pend, 0, o->n, &ao, &o->round) != 0) {
+        o->round = NULL;
+        snprintf(rep->error, sizeof(rep->error), "%s", hmc_last_error(o->h));
+    }
 }
 
 /* Averages the parameters with the peers that reached the same epoch; 1 when it did. */
@@ -280,8 +383,16 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         batch_size = o->opts.batch_size_per_step;
     if (batch_size == 0 || grads == NULL || params == NULL)
         return -EINVAL;
-    for (size_t i = 0; i < o->n; i++)
-        acc[i] += grads[i] * (float)batch_size;
+    /* A delayed step whose round is over runs before this call's gradients count. */
+    finish_pending(o, 0, params, &rep);
+    if (o->opts.local_updates) {
+        o->opts.step(o->opts.step_ud, params, grads, o->n);
+        rep.stepped = 1;
+        rep.stepped_epoch = o->epoch;
+    } else {
+        for (size_t i = 0; i < o->n; i++)
+            acc[i] += grads[i] * (float)batch_size;
+    }
     o->samples += batch_size;
     /* Throughput: a moving average of this trainer's samples per second. */
     double now = mono_s();
@@ -290,34 +401,60 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         o->sps = o->sps > 0 ? 0.8 * o->sps + 0.2 * inst : inst;
     }
     o->last_step_s = now;
-    if ((r = hmc_progress_report(o->h, o->run, o->epoch, o->samples, o->sps, o->opts.client)) != 0)
-        return r;
-    if ((r = read_swarm(o, &swarm)) != 0)
-        return r;
+    int polled = now - o->last_poll_s >= POLL_S || o->samples >= o->opts.target_batch_size;
+    if (polled) {
+        if ((r = hmc_progress_report(o->h, o->run, o->epoch, o->samples, o->sps,
+                                     o->opts.client)) != 0)
+            return r;
+        if ((r = read_swarm(o, &swarm)) != 0)
+            return r;
+        o->last_poll_s = now;
+    } else {
+        swarm = o->others_samples + o->samples;
+    }
     rep.swarm_samples = swarm;
-    if (o->global_epoch > o->epoch + 1) {
+    r = 0;
+    if (!polled) {
+        /* Nothing new is known: the epoch goes on. */
+    } else if (o->global_epoch > o->epoch + 1) {
         /* Too far behind: these gradients belong to an epoch the swarm left. */
-        memset(acc, 0, o->n * sizeof(float));
+        finish_pending(o, 1, params, &rep);
+        memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
         o->samples = 0;
+        o->others_samples = 0;
         o->epoch = o->global_epoch;
         rep.caught_up = 1;
         if (o->opts.share_state)
             rep.state_loaded = load(o, params);
         r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
     } else if (swarm >= o->opts.target_batch_size || o->global_epoch > o->epoch) {
-        for (size_t i = 0; i < o->n; i++)
-            o->local[i] = acc[i] /= (float)o->samples;
+        int with_peers = o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S;
         rep.samples = o->samples;
-        if (o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S) {
-            average(o, &rep);
+        if (o->opts.local_updates) {
+            /* Every call stepped already: the epoch's end is the state average's. */
+        } else if (o->opts.delay_step) {
+            /* The previous epoch's step runs first: the mean in local is to be ours. */
+            finish_pending(o, 1, params, &rep);
+            for (size_t i = 0; i < o->n; i++)
+                o->local[i] = acc[i] /= (float)o->samples;
+            start_pending(o, with_peers, &rep);
         } else {
-            /* Alone in the run: no group can form, so none is waited for. */
-            rep.local_fallback = 1;
-            snprintf(rep.error, sizeof(rep.error), "no other trainer in run '%s'", o->run);
+            for (size_t i = 0; i < o->n; i++)
+                o->local[i] = acc[i] /= (float)o->samples;
+            if (with_peers) {
+                average(o, &rep);
+            } else {
+                /* Alone in the run: no group can form, so none is waited for. */
+                rep.local_fallback = 1;
+                snprintf(rep.error, sizeof(rep.error), "no other trainer in run '%s'", o->run);
+            }
+            o->opts.step(o->opts.step_ud, params, acc, o->n);
+            memset(acc, 0, o->n * sizeof(float));
+            rep.stepped = 1;
+            rep.stepped_epoch = o->epoch;
         }
-        o->opts.step(o->opts.step_ud, params, acc, o->n);
-        memset(acc, 0, o->n * sizeof(float));
         o->samples = 0;
+        o->others_samples = 0;
         o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
         rep.epoch_ended = 1;
         if (o->opts.average_state_every > 0 && o->epoch % o->opts.average_state_every == 0 &&
@@ -329,6 +466,7 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
     }
     if (!rep.epoch_ended)
         rep.samples = o->samples;
+    rep.pending = o->pending;
     rep.epoch = o->epoch;
     rep.global_epoch = o->global_epoch;
     if (report != NULL)

@@ -478,3 +478,161 @@ Test(optimizer, average_state_every_averages_the_parameters_after_the_step)
                       i, k, t[i].params[k], want);
     }
 }
+
+/* -- delayed and local-update tests -- */
+
+/*
+ * Two trainers with delay_step or local_updates: the calls of each, the
+ * parameters after the one that ended epoch 0, and those after the one
+ * that ran epoch 0's delayed step.
+ */
+typedef struct dl_trainer {
+    struct node *node;
+    int i, delay, local;
+    float start[N_PARAMS], params[N_PARAMS];
+    float at_end[N_PARAMS];  /* after the call that ended epoch 0 */
+    hmc_opt_report end;      /* that call's report */
+    hmc_opt_report applied;  /* delay: the report of the call that stepped on epoch 0 */
+    int calls_in_epoch0;     /* local: the calls of epoch 0, each a local step */
+    int steps_seen;          /* local: reports with stepped before the end */
+    int err;
+    char msg[256];
+} dl_trainer;
+
+static void *train_dl(void *arg)
+{
+    dl_trainer *t = arg;
+    hmc *h = NULL;
+    hmc_opt *o = NULL;
+    char err[256];
+    float g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++) {
+        g[k] = t->local ? 1.0f : grad_of(t->i, k);
+        t->params[k] = t->start[k] = (float)(t->i * 10) + (float)k * 0.01f;
+    }
+    if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0)
+        return NULL;
+    hmc_set_timeout(h, 60000);
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = t->delay ? "delayrun" : "localrun";
+    oo.target_batch_size = 100;
+    oo.batch_size_per_step = batch[t->i];
+    oo.matchmaking_time_s = 4;
+    oo.averaging_timeout_s = 10;
+    oo.target_group_size = 2;
+    oo.delay_step = t->delay;
+    oo.local_updates = t->local;
+    oo.step = plain_step;
+    if ((t->err = hmc_opt_open(h, &oo, N_PARAMS, &o)) != 0) {
+        snprintf(t->msg, sizeof(t->msg), "open: %s", hmc_last_error(h));
+        hmc_close(h);
+        return NULL;
+    }
+    long deadline = hm_test_now_ms() + 60000;
+    int done = 0;
+    while (!done && hm_test_now_ms() < deadline) {
+        hmc_opt_report rep;
+        if ((t->err = hmc_opt_step(o, g, 0, t->params, &rep)) != 0) {
+            snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
+            break;
+        }
+        if (!t->end.epoch_ended) {
+            t->calls_in_epoch0++;
+            t->steps_seen += rep.stepped && !rep.epoch_ended;
+        }
+        if (rep.epoch_ended && !t->end.epoch_ended) {
+            t->end = rep;
+            memcpy(t->at_end, t->params, sizeof(t->params));
+        }
+        if (t->delay && rep.stepped && rep.stepped_epoch == 0) {
+            t->applied = rep;
+            done = 1;
+        }
+        if (t->local && t->end.epoch_ended)
+            done = 1;
+        usleep(50000);
+    }
+    if (!done && t->err == 0) {
+        t->err = -ETIMEDOUT;
+        snprintf(t->msg, sizeof(t->msg), "epoch 0 never ended or was never stepped on");
+    }
+    hmc_opt_close(o);
+    hmc_close(h);
+    return NULL;
+}
+
+static void run_dl(dl_trainer *t, int delay, int local)
+{
+    struct node nodes[2];
+    pthread_t th[2];
+    start_swarm(nodes, 2);
+    for (int i = 0; i < 2; i++) {
+        t[i].node = &nodes[i];
+        t[i].i = i;
+        t[i].delay = delay;
+        t[i].local = local;
+        cr_assert_eq(pthread_create(&th[i], NULL, train_dl, &t[i]), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+}
+
+/*
+ * delay_step: the call that ends epoch 0 leaves the parameters as they
+ * are and returns with the round pending; a later call steps on the
+ * sample-weighted mean of epoch 0's gradients.
+ */
+Test(optimizer, delay_step_steps_on_the_average_one_epoch_late)
+{
+    dl_trainer *t = calloc(2, sizeof(*t));
+    cr_assert_not_null(t);
+    run_dl(t, 1, 0);
+    double s0 = (double)t[0].end.samples, s1 = (double)t[1].end.samples;
+    cr_assert(s0 + s1 >= 100, "epoch 0 ended at %g samples", s0 + s1);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(!t[i].end.stepped, "trainer %d stepped in the call that ended the epoch", i);
+        cr_assert(memcmp(t[i].at_end, t[i].start, sizeof(t[i].start)) == 0,
+                  "trainer %d: the parameters moved at the epoch's end", i);
+        cr_assert(t[i].applied.averaged, "trainer %d: %s", i, t[i].applied.error);
+        cr_assert_eq(t[i].applied.group_size, 2);
+        cr_assert(!t[i].applied.epoch_ended || t[i].applied.epoch >= 2);
+        for (size_t k = 0; k < N_PARAMS; k++) {
+            double mean = (s0 * grad_of(0, k) + s1 * grad_of(1, k)) / (s0 + s1);
+            double want = t[i].start[k] - 0.1 * mean;
+            cr_assert(fabs(t[i].params[k] - want) < 1e-4,
+                      "trainer %d, element %zu: %.7g, want %.7g", i, k, t[i].params[k], want);
+        }
+    }
+    free(t);
+}
+
+/*
+ * local_updates: every call steps on its own gradients (1 everywhere,
+ * so the parameters fall by 0.1 a call), and at epoch 0's end both
+ * trainers hold the mean of their parameters.
+ */
+Test(optimizer, local_updates_step_every_call_and_average_the_parameters)
+{
+    dl_trainer *t = calloc(2, sizeof(*t));
+    cr_assert_not_null(t);
+    run_dl(t, 0, 1);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(t[i].end.epoch_ended && t[i].end.stepped);
+        cr_assert_eq(t[i].steps_seen, t[i].calls_in_epoch0 - 1,
+                     "trainer %d: %d local steps in %d calls", i, t[i].steps_seen,
+                     t[i].calls_in_epoch0);
+        cr_assert(t[i].end.state_averaged, "trainer %d did not average its parameters", i);
+    }
+    for (size_t k = 0; k < N_PARAMS; k++) {
+        double want = 0;
+        for (int i = 0; i < 2; i++)
+            want += 0.5 * (t[i].start[k] - 0.1 * t[i].calls_in_epoch0);
+        for (int i = 0; i < 2; i++)
+            cr_assert(fabs(t[i].at_end[k] - want) < 1e-3,
+                      "trainer %d, element %zu: %.7g, want %.7g", i, k, t[i].at_end[k], want);
+    }
+    free(t);
+}

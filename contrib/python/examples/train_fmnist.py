@@ -11,6 +11,14 @@ this script under the same --average-prefix, in the background (the round
 runs while training goes on and is applied as a delayed update). The
 experts train on their hosts with every backward.
 
+With --collaborative the local parameters are trained by
+hivemindd.Optimizer instead (the collaborative optimizer): the trainers of
+one --run-id take one Adam step per epoch of --target-batch-size samples
+over the swarm, on the sample-weighted mean of their gradients
+(--delay-optimizer-step, --use-local-updates, --average-state-every as
+the Optimizer's options). --average-every 0 trains alone (local Adam at
+every step, nothing averaged).
+
 Start a host and run it, for example:
 
     hivemindd --listen 127.0.0.1:0 --state-dir /tmp/h --control-socket /tmp/h/ctl.sock \\
@@ -20,12 +28,14 @@ Start a host and run it, for example:
     HIVEMIND_LIB=build/lib/.libs/libhivemind.so PYTHONPATH=contrib/python \\
         /usr/bin/python3 contrib/python/examples/train_fmnist.py --socket /tmp/t/ctl.sock
 
-It prints "step N loss L acc A" lines and, at the end, the accuracy on the
-first --eval-samples test images.
+It prints "step N loss L acc A" lines (with --collaborative also
+"epoch E ..." lines, one per optimizer step) and, at the end, the accuracy
+on the first --eval-samples test images.
 """
 
 import argparse
 import gzip
+import logging
 import os
 import sys
 import time
@@ -36,7 +46,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hivemindd import Averager, Client, HivemindError, RemoteMixtureOfExperts  # noqa: E402
+from hivemindd import (Averager, Client, HivemindError, Optimizer,  # noqa: E402
+                       RemoteMixtureOfExperts)
 
 # Larger files than this are not Fashion-MNIST; the cap bounds what we read.
 MAX_IDX_BYTES = 64 << 20
@@ -90,10 +101,22 @@ def main():
     ap.add_argument("--average-prefix", default="fmnist.local")
     ap.add_argument("--target-group-size", type=int, default=4)
     ap.add_argument("--average-timeout", type=float, default=15.0)
+    ap.add_argument("--collaborative", action="store_true",
+                    help="train with hivemindd.Optimizer (one step per swarm epoch)")
+    ap.add_argument("--run-id", default="fmnist.collab")
+    ap.add_argument("--target-batch-size", type=int, default=1024,
+                    help="--collaborative: the swarm's samples per epoch")
+    ap.add_argument("--matchmaking-time", type=float, default=5.0)
+    ap.add_argument("--averaging-timeout", type=float, default=30.0)
+    ap.add_argument("--average-state-every", type=int, default=1)
+    ap.add_argument("--delay-optimizer-step", action="store_true")
+    ap.add_argument("--use-local-updates", action="store_true")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-samples", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    # The optimizer's warnings (a round that fell back to local gradients) on stderr.
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
 
     grid = tuple(int(g) for g in args.grid.lower().split("x"))
     torch.manual_seed(args.seed)
@@ -111,8 +134,18 @@ def main():
     head = nn.Linear(args.dim, 10)
     model = nn.Sequential(proj, moe, head)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    averager = None
-    if args.average_every > 0:
+    averager = collab = None
+    if args.collaborative:
+        collab = opt = Optimizer(params=list(model.parameters()), optimizer=opt,
+                                 run_id=args.run_id, target_batch_size=args.target_batch_size,
+                                 batch_size_per_step=args.batch_size,
+                                 matchmaking_time=args.matchmaking_time,
+                                 averaging_timeout=args.averaging_timeout,
+                                 average_state_every=args.average_state_every,
+                                 delay_optimizer_step=args.delay_optimizer_step,
+                                 use_local_updates=args.use_local_updates,
+                                 target_group_size=args.target_group_size, client=client)
+    elif args.average_every > 0:
         averager = Averager(client, args.average_prefix, list(model.parameters()),
                             target_group_size=args.target_group_size, min_group_size=2,
                             timeout=args.average_timeout)
@@ -127,6 +160,15 @@ def main():
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if collab is not None:
+            rep = collab.last_report
+            if rep["epoch_ended"] or rep["caught_up"]:
+                how = ("averaged with %d trainers" % rep["group_size"] if rep["averaged"] else
+                       "state loaded" if rep["state_loaded"] else
+                       "local step" if rep["local_fallback"] else
+                       "pending" if rep["pending"] else "")
+                print("epoch %d at step %d: %d samples here, %d in the swarm, %s" %
+                      (rep["epoch"], step, rep["samples"], rep["swarm_samples"], how), flush=True)
         loss_sum += loss.item()
         acc_sum += (logits.argmax(1) == y_train[idx]).float().mean().item()
         seen += 1
@@ -150,6 +192,8 @@ def main():
             loss_sum = acc_sum = 0.0
             seen = 0
 
+    if collab is not None:
+        collab.close()
     if averager is not None:
         if averager.running:
             try:

@@ -17,16 +17,22 @@ installed) and numpy; RemoteMixtureOfExperts also needs torch.
 DiLoCo(params, inner_optimizer, run_id=..., inner_steps=..., client=c) is
 the DiLoCo optimizer (libhivemind's, through ctypes).
 
+Optimizer(params=..., optimizer=..., run_id=..., target_batch_size=...,
+batch_size_per_step=..., client=c) is the collaborative optimizer
+(Hivemind's Optimizer; libhivemind's hmc_opt_*): one optimizer step per
+epoch of target_batch_size samples over the swarm.
+
 Errors from the daemon or the library raise HivemindError(code, message).
 """
 
 from .client import Client, ExpertInfo, HivemindError, SharedBuffer
 from .averaging import Averager
 from .diloco import DiLoCo
+from .optimizer import Optimizer
 from ._lib import library_path
 
 __all__ = ["Client", "SharedBuffer", "HivemindError", "ExpertInfo", "Averager", "DiLoCo",
-           "RemoteMixtureOfExperts", "library_path"]
+           "Optimizer", "RemoteMixtureOfExperts", "library_path"]
 
 
 def __getattr__(name):

@@ -1,5 +1,5 @@
 """The ctypes view of libhivemind (lib/hivemind.h): finding and loading the
-shared object, the two structures the API passes by pointer, and the
+shared object, the structures the API passes by pointer, and the
 prototype of every function, so that a wrong argument type fails in Python
 instead of corrupting memory in C.
 
@@ -100,6 +100,54 @@ class DiLoCoReport(ctypes.Structure):
     ]
 
 
+# void step(void *ud, float *params, const float *grads, size_t n): hmc_opt_step_fn.
+OPT_STEP_FN = ctypes.CFUNCTYPE(None, c_void_p, P(ctypes.c_float), P(ctypes.c_float), c_size_t)
+
+
+class OptOpts(ctypes.Structure):
+    """struct hmc_opt_opts."""
+
+    _fields_ = [
+        ("run_id", c_char_p),
+        ("target_batch_size", ctypes.c_uint64),
+        ("batch_size_per_step", ctypes.c_uint64),
+        ("matchmaking_time_s", c_double),
+        ("averaging_timeout_s", c_double),
+        ("average_state_every", ctypes.c_uint),
+        ("client", c_int),
+        ("target_group_size", c_int),
+        ("compression", c_char_p),
+        ("share_state", c_int),
+        ("load_timeout_s", c_double),
+        ("step", OPT_STEP_FN),
+        ("step_ud", c_void_p),
+        ("delay_step", c_int),
+        ("local_updates", c_int),
+    ]
+
+
+class OptReport(ctypes.Structure):
+    """struct hmc_opt_report."""
+
+    _fields_ = [
+        ("epoch_ended", c_int),
+        ("averaged", c_int),
+        ("local_fallback", c_int),
+        ("caught_up", c_int),
+        ("state_loaded", c_int),
+        ("state_averaged", c_int),
+        ("epoch", ctypes.c_uint64),
+        ("global_epoch", ctypes.c_uint64),
+        ("samples", ctypes.c_uint64),
+        ("swarm_samples", ctypes.c_uint64),
+        ("group_size", c_int),
+        ("error", ctypes.c_char * ERROR_MAX),
+        ("stepped", c_int),
+        ("pending", c_int),
+        ("stepped_epoch", ctypes.c_uint64),
+    ]
+
+
 # name: (restype, argtypes)
 _PROTOTYPES = {
     "hmc_connect": (c_int, [c_char_p, P(c_void_p), c_char_p, c_size_t]),
@@ -144,6 +192,13 @@ _PROTOTYPES = {
     "hmc_diloco_outer_params": (P(ctypes.c_float), [c_void_p]),
     "hmc_diloco_momentum": (P(ctypes.c_float), [c_void_p]),
     "hmc_diloco_close": (None, [c_void_p]),
+    "hmc_opt_opts_init": (None, [P(OptOpts)]),
+    "hmc_opt_open": (c_int, [c_void_p, P(OptOpts), c_size_t, P(c_void_p)]),
+    "hmc_opt_step": (c_int, [c_void_p, P(ctypes.c_float), ctypes.c_uint64, P(ctypes.c_float),
+                             P(OptReport)]),
+    "hmc_opt_local_epoch": (ctypes.c_uint64, [c_void_p]),
+    "hmc_opt_global_epoch": (ctypes.c_uint64, [c_void_p]),
+    "hmc_opt_close": (None, [c_void_p]),
 }
 
 _lock = threading.Lock()
