@@ -420,12 +420,12 @@ int hm_http_new(hm_daemon *d, hm_control *ctl, hm_http **out, char *addr, size_t
      * is refused by libmicrohttpd itself (431), below it by us (413). */
     size_t pool = (size_t)c->http_max_request_bytes + 4096;
     h->mhd = MHD_start_daemon(
-        flags, 0, on_accept, h, on_request, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+        flags, 0, on_accept, h, on_request, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h,
+        MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
         MHD_OPTION_CONNECTION_LIMIT, (unsigned)c->http_max_connections + 1,
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)c->http_timeout_s,
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, pool, MHD_OPTION_NOTIFY_CONNECTION, on_connection, h,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h,
-        MHD_OPTION_LISTEN_BACKLOG_SIZE, 64u, MHD_OPTION_END);
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_LISTEN_BACKLOG_SIZE, 64u, MHD_OPTION_END);
     if (h->mhd == NULL) {
         snprintf(err, errlen, "cannot listen for HTTP on %s (HttpListen): in use, or not an "
                  "address of this host", c->http_listen);
