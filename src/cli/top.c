@@ -72,21 +72,15 @@ static void dur(double s, char out[16])
         snprintf(out, 16, "%ud", v / 86400);
 }
 
-/* A node is up while this node is connected to it or heard from it
- * lately, as on the swarm page: a summary outlives its node by its TTL. */
+/* The snapshot says whether a node is up (cmd_status.c). */
 static int node_up(const json_t *st, const json_t *n)
 {
-    if (json_is_true(json_object_get(n, "self")))
-        return 1;
-    size_t i;
-    const json_t *p;
-    json_array_foreach(json_object_get(st, "peers"), i, p)
-    {
-        if (strcmp(jstr(p, "peer_id"), jstr(n, "peer_id")) == 0)
-            return json_is_true(json_object_get(p, "connected")) || jnum(p, "last_seen_s") < 20;
-    }
-    return 0;
+    (void)st;
+    return json_is_true(json_object_get(n, "up"));
 }
+
+/* Whether the screen is drawn live (escapes) or printed once (plain lines). */
+static int live;
 
 /* Prints one line cut to width columns (the text is ASCII), then clears the rest. */
 static void line(FILE *f, int width, int *rows_left, const char *fmt, ...)
@@ -102,7 +96,12 @@ static void line(FILE *f, int width, int *rows_left, const char *fmt, ...)
     va_end(ap);
     if (width > 0 && width < (int)sizeof(buf))
         buf[width] = '\0';
-    fprintf(f, "%s\033[K\r\n", buf);
+    /* Live, each line also clears what the last screen left on it; raw
+     * mode does not turn \n into \r\n. */
+    if (live)
+        fprintf(f, "%s\033[K\r\n", buf);
+    else
+        fprintf(f, "%s\n", buf);
     (*rows_left)--;
 }
 
@@ -309,7 +308,9 @@ int hm_top_run(const char *sock, double interval_s, int once)
             goto out;
         }
         fputs("\033[H", stdout);
+        live = 1;
         hm_top_render(stdout, st, w, rows - 1, footer);
+        live = 0;
         fputs("\033[J", stdout);
         fflush(stdout);
         json_decref(st);

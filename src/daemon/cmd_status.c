@@ -493,6 +493,29 @@ static void build_finish(build *b)
                       "client_mode", s->d->cfg->client_mode, "experts", x, "n_experts",
                       (json_int_t)json_array_size(hosted), "expires_in_s", 0.0, "self", 1));
     }
+    /* Up: this node, or a peer it is connected to or heard from within
+     * three ping intervals. A summary outlives its node by its TTL, so the
+     * record alone says nothing about being alive. */
+    json_t *peers = json_object_get(get(b, "peers"), "peers");
+    double stale_s = 3.0 * (double)s->d->cfg->ping_interval_s;
+    json_array_foreach(nodes, i, e)
+    {
+        int up = json_is_true(json_object_get(e, "self"));
+        json_t *seen = json_null();
+        size_t j;
+        json_t *p;
+        json_array_foreach(peers, j, p)
+        {
+            if (strcmp(json_string_value(json_object_get(p, "peer_id")),
+                       json_string_value(json_object_get(e, "peer_id"))) != 0)
+                continue;
+            double ago = json_number_value(json_object_get(p, "last_seen_s"));
+            up = up || json_is_true(json_object_get(p, "connected")) || ago < stale_s;
+            seen = json_real(ago);
+        }
+        json_object_set_new(e, "up", json_boolean(up));
+        json_object_set_new(e, "last_seen_s", seen);
+    }
     json_t *av = get(b, "averaging");
     json_object_set_new(st, "time", json_real(now));
     json_object_set(st, "node", info ? info : json_null());
