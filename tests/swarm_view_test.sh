@@ -86,6 +86,20 @@ for _ in $(seq 120); do
 done
 [ "$ups" -ge 5 ] && [ "$xs" -ge 8 ] || { echo "swarm_view_test: the swarm did not form:"; echo "$s"; exit 1; }
 
+# /metrics is valid Prometheus text (promtool of the prometheus package).
+if command -v promtool >/dev/null 2>&1 && command -v curl >/dev/null 2>&1; then
+    curl -sf "http://$HTTP/metrics" >"$T/metrics.txt"
+    grep -q '^hivemindd_expert_forward_requests_total{uid="tg.0.1"}' "$T/metrics.txt" ||
+        grep -q '^process_open_fds ' "$T/metrics.txt" ||
+        { echo "swarm_view_test: /metrics lacks its families"; exit 1; }
+    if ! promtool check metrics <"$T/metrics.txt" >"$T/promtool.out" 2>&1; then
+        echo "swarm_view_test: promtool check metrics failed:"; cat "$T/promtool.out"; exit 1
+    fi
+    echo "swarm_view_test: promtool check metrics: ok"
+else
+    echo "swarm_view_test: no promtool or curl: skipping the metrics lint"
+fi
+
 if [ $have_tmux = 1 ]; then
     tmux new-session -d -s "$TMUX_SESSION" -x 80 -y 40 "$C -s $T/n0.sock top; echo TOP-EXIT \$?; sleep 30"
     ok=0

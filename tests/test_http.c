@@ -342,6 +342,13 @@ Test(http, an_idle_connection_times_out)
     long took = hm_test_now_ms() - t0;
     cr_assert(took >= 500, "closed after %ld ms, before the timeout", took);
     close(fd);
+    cr_assert_geq(wait_metric(port, "hivemindd_limit_refused_total{limit=\"HttpTimeout\"}", 1),
+                  1);
+    /* A request answered at once is no timeout. */
+    double before = metric(port, "hivemindd_limit_refused_total{limit=\"HttpTimeout\"}");
+    cr_assert_eq(http_get(port, "/metrics", NULL), 200);
+    usleep(2500000);
+    cr_assert_eq(metric(port, "hivemindd_limit_refused_total{limit=\"HttpTimeout\"}"), before);
     stop_node(&n);
 }
 

@@ -9,13 +9,12 @@
 #define HM_DAEMON_CMD_STATUS_H
 
 #include "src/daemon/daemon.h"
+#include "src/daemon/status_rec.h"
 
 #include <jansson.h>
 
 /* The DHT key of the node summaries; one owned subkey per node. */
 #define HM_STATUS_KEY "hivemindd.status"
-/* A summary's value, JSON text, at most this long (one DHT record). */
-#define HM_STATUS_VALUE_MAX 900
 /* Summaries shown at most (the DHT bounds a dictionary too). */
 #define HM_STATUS_MAX_NODES 256
 

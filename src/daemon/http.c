@@ -41,6 +41,7 @@ struct hm_http {
     hm_control *ctl;
     struct MHD_Daemon *mhd;
     unsigned max_conns, max_per_origin;
+    uint64_t timeout_ms;
     size_t max_request;
     /* ---- the MHD thread's own (never the loop's) ---- */
     hm_origin_tab origins; /* v[0]: connections open */
@@ -67,6 +68,7 @@ struct hm_http {
 /* The connection's origin, kept from its start to its close. */
 typedef struct conn_ctx {
     hm_origin o;
+    uint64_t last_ms; /* the start, or the end of its last request */
 } conn_ctx;
 
 /* ---- the MHD thread ---- */
@@ -108,6 +110,7 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
             return;
         }
         e->v[0]++;
+        c->last_ms = hm_now_ms();
         h->open++;
         atomic_store(&h->open_now, h->open);
         *socket_context = c;
@@ -115,6 +118,11 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
         conn_ctx *c = *socket_context;
         if (c == NULL)
             return;
+        /* libmicrohttpd does not say why it closes; a connection that saw
+         * nothing complete for the whole timeout was closed for it (a
+         * client leaving by itself almost never waits exactly so long). */
+        if (hm_now_ms() - c->last_ms + 50 >= h->timeout_ms)
+            atomic_fetch_add(&h->refused_timeout, 1);
         hm_origin_ent *e = hm_origin_tab_get(&h->origins, &c->o, 0);
         if (e != NULL && e->v[0] > 0) {
             e->v[0]--;
@@ -130,11 +138,14 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe)
 {
-    hm_http *h = cls;
-    (void)conn;
+    (void)cls;
     (void)con_cls;
-    if (toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED)
-        atomic_fetch_add(&h->refused_timeout, 1);
+    (void)toe;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    conn_ctx *c = ci != NULL ? ci->socket_context : NULL;
+    if (c != NULL)
+        c->last_ms = hm_now_ms();
 }
 
 static void count(hm_http *h, unsigned code)
@@ -405,6 +416,7 @@ int hm_http_new(hm_daemon *d, hm_control *ctl, hm_http **out, char *addr, size_t
     h->max_conns = c->http_max_connections;
     h->max_per_origin = c->http_max_conns_per_origin;
     h->max_request = c->http_max_request_bytes;
+    h->timeout_ms = (uint64_t)c->http_timeout_s * 1000u;
     pthread_mutex_init(&h->mu, NULL);
     if ((r = hm_origin_tab_init(&h->origins, 4096)) != 0) {
         snprintf(err, errlen, "out of memory");
