@@ -59,6 +59,7 @@ typedef struct daemon {
     hm_config_args args;
     hm_control *ctl;
     uv_signal_t sig_term, sig_int, sig_hup;
+    uv_timer_t defer_close; /* close_node after the experts group, off its callback */
     int signals_open;
     int parts_open;     /* parts whose close callback has not come yet */
     int loop_open;      /* the loop was initialised */
@@ -151,11 +152,24 @@ static void on_ctl_closed(void *ud)
     }
 }
 
+static void on_defer_close(uv_timer_t *t)
+{
+    daemon_t *d = t->data;
+    uv_close((uv_handle_t *)t, NULL);
+    close_node(d);
+}
+
 static void on_experts_closed(void *ud)
 {
     daemon_t *d = ud;
     d->parts_open--;
-    close_node(d);
+    /* The experts group may settle from inside a DHT callback (an
+     * experts.list walk that ends, such as the status snapshot's), and the
+     * node must not be freed under its own DHT: the rest closes on the
+     * next turn of the loop. */
+    uv_timer_init(&d->loop, &d->defer_close);
+    d->defer_close.data = d;
+    uv_timer_start(&d->defer_close, on_defer_close, 0, 0);
 }
 
 static void begin_shutdown(daemon_t *d, const char *why)
