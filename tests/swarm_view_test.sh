@@ -133,3 +133,17 @@ if [ $have_browser = 1 ]; then
     HM_URL="http://$HTTP/" HM_VICTIM_PID="$VICTIM_PID" HM_VICTIM_ID="$VICTIM_ID" \
         HM_CHROMIUM="$CHROMIUM" timeout 60 node "$SRC/tests/swarm_page.js"
 fi
+
+# Every node still running stops cleanly (exit 0; under ASan, no report).
+for i in "${!PIDS[@]}"; do
+    p=${PIDS[$i]}
+    [ "$p" = "$VICTIM_PID" ] && [ $have_browser = 1 ] && continue
+    kill -TERM "$p"
+    rc=0
+    wait "$p" || rc=$?
+    if [ $rc -ne 0 ]; then
+        echo "swarm_view_test: n$i exited $rc on SIGTERM:"; tail -40 "$T/n$i.err"; exit 1
+    fi
+done
+PIDS=()
+echo "swarm_view_test: ok"
