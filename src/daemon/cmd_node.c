@@ -168,8 +168,7 @@ void hm_daemon_limit_metrics(hm_daemon *d, hm_strbuf *b)
     hm_cmd_experts_limits(d->experts, limit_line, b);
     if (d->progress != NULL)
         hm_cmd_progress_limits(d->progress, limit_line, b);
-    if (d->http != NULL)
-        hm_http_limits(d->http, limit_line, b);
+    hm_http_limits(d->http, limit_line, b);
 }
 
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)

@@ -33,8 +33,8 @@
 extern const char hm_http_page[];
 extern const size_t hm_http_page_len;
 
-enum { C_200, C_304, C_404, C_405, C_413, C_503, C_OTHER, N_CODES };
-static const char *const code_names[N_CODES] = {"200", "304", "404", "405", "413", "503", "other"};
+enum { C_200, C_404, C_405, C_413, C_503, C_OTHER, N_CODES };
+static const char *const code_names[N_CODES] = {"200", "404", "405", "413", "503", "other"};
 
 struct hm_http {
     hm_daemon *d;
@@ -151,7 +151,6 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
 static void count(hm_http *h, unsigned code)
 {
     int i = code == 200   ? C_200
-            : code == 304 ? C_304
             : code == 404 ? C_404
             : code == 405 ? C_405
             : code == 413 ? C_413
@@ -385,10 +384,12 @@ void hm_http_close(hm_http *h, void (*cb)(void *ud), void *ud)
 
 void hm_http_limits(hm_http *h, hm_limit_emit_fn emit, void *ud)
 {
-    emit(ud, "HttpMaxConnections", atomic_load(&h->refused_conns));
-    emit(ud, "HttpMaxConnectionsPerOrigin", atomic_load(&h->refused_origin));
-    emit(ud, "HttpMaxRequestBytes", atomic_load(&h->refused_request));
-    emit(ud, "HttpTimeout", atomic_load(&h->refused_timeout));
+    /* Without a listener the limits refuse nothing; the lines stay, so
+     * that a dashboard's series exist whatever the configuration. */
+    emit(ud, "HttpMaxConnections", h ? atomic_load(&h->refused_conns) : 0);
+    emit(ud, "HttpMaxConnectionsPerOrigin", h ? atomic_load(&h->refused_origin) : 0);
+    emit(ud, "HttpMaxRequestBytes", h ? atomic_load(&h->refused_request) : 0);
+    emit(ud, "HttpTimeout", h ? atomic_load(&h->refused_timeout) : 0);
 }
 
 int hm_http_new(hm_daemon *d, hm_control *ctl, hm_http **out, char *addr, size_t addrlen,

@@ -56,7 +56,7 @@ int hm_http_new(hm_daemon *d, hm_control *ctl, hm_http **out, char *addr, size_t
 void hm_http_close(hm_http *h, void (*cb)(void *ud), void *ud);
 
 /* HttpMaxConnections, HttpMaxConnectionsPerOrigin, HttpMaxRequestBytes
- * and HttpTimeout, with what each refused. */
+ * and HttpTimeout, with what each refused (h NULL, the listener off: 0). */
 void hm_http_limits(hm_http *h, hm_limit_emit_fn emit, void *ud);
 
 #endif
