@@ -101,7 +101,17 @@ else
 fi
 
 if [ $have_tmux = 1 ]; then
-    tmux new-session -d -s "$TMUX_SESSION" -x 80 -y 40 "$C -s $T/n0.sock top; echo TOP-EXIT \$?; sleep 30"
+    # The pane runs top in the foreground (its pid written first), then
+    # records the terminal's mode once top is gone: raw mode must be undone.
+    top_pane() { # name
+        tmux new-session -d -s "$TMUX_SESSION" -x 80 -y 40 \
+            "bash -c 'echo \$\$ >$T/top.pid; exec $C -s $T/n0.sock top'; echo TOP-EXIT \$? >$T/$1.exit; stty -a >$T/$1.stty; sleep 30"
+    }
+    tty_restored() { # name
+        for _ in $(seq 50); do [ -s "$T/$1.stty" ] && break; sleep 0.1; done
+        tr ' ;' '\n\n' <"$T/$1.stty" | grep -qx icanon && tr ' ;' '\n\n' <"$T/$1.stty" | grep -qx echo
+    }
+    top_pane q
     ok=0
     for _ in $(seq 50); do
         pane="$(tmux capture-pane -p -t "$TMUX_SESSION")"
@@ -118,15 +128,21 @@ if [ $have_tmux = 1 ]; then
         echo "swarm_view_test: top drew past 80 columns"; exit 1
     fi
     tmux send-keys -t "$TMUX_SESSION" q
-    for _ in $(seq 50); do
-        pane="$(tmux capture-pane -p -t "$TMUX_SESSION")"
-        grep -q 'TOP-EXIT 0' <<<"$pane" && break
-        sleep 0.1
-    done
-    grep -q 'TOP-EXIT 0' <<<"$pane" || { echo "swarm_view_test: q did not end top:"; echo "$pane"; exit 1; }
-    # The terminal was restored: echo is back on in the pane's tty.
+    tty_restored q || { echo "swarm_view_test: the terminal stayed raw after q:"; cat "$T/q.stty" 2>/dev/null; exit 1; }
+    grep -q 'TOP-EXIT 0' "$T/q.exit" || { echo "swarm_view_test: top did not exit 0 on q:"; cat "$T/q.exit"; exit 1; }
     tmux kill-session -t "$TMUX_SESSION"
-    echo "swarm_view_test: top shows the swarm in 80 columns, q quits"
+    # SIGTERM: the mode is restored too, and top dies of the signal.
+    rm -f "$T/top.pid"
+    top_pane term
+    for _ in $(seq 50); do
+        [ -s "$T/top.pid" ] && tmux capture-pane -p -t "$TMUX_SESSION" | grep -q 'nodes 5 up of 5' && break
+        sleep 0.2
+    done
+    kill -TERM "$(cat "$T/top.pid")"
+    tty_restored term || { echo "swarm_view_test: the terminal stayed raw after SIGTERM:"; cat "$T/term.stty" 2>/dev/null; exit 1; }
+    grep -q 'TOP-EXIT 143' "$T/term.exit" || { echo "swarm_view_test: top did not die of SIGTERM:"; cat "$T/term.exit"; exit 1; }
+    tmux kill-session -t "$TMUX_SESSION"
+    echo "swarm_view_test: top shows the swarm in 80 columns; q and SIGTERM restore the terminal"
 fi
 
 if [ $have_browser = 1 ]; then
