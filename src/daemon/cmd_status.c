@@ -65,6 +65,7 @@ static const double dur_buckets[] = {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 typedef struct point {
     double t;
     uint64_t ok, failed;
+    uint64_t swarm_ok, swarm_failed; /* over every node's summary */
     unsigned peers;
     double sps;
 } point;
@@ -84,6 +85,7 @@ struct hm_cmd_status {
     point ring[HISTORY];
     size_t ring_n, ring_pos;
     double last_sps; /* samples per second over the runs, from the last build */
+    uint64_t last_swarm_ok, last_swarm_failed; /* rounds over the nodes, likewise */
     char grids[MAX_GRIDS][64];
     size_t n_grids;
     char runs[MAX_RUNS][129];
@@ -273,6 +275,8 @@ static void on_tick_averaging(void *ud, int ok, const json_t *result, const char
         p->failed = s->rounds_failed;
         p->peers = (unsigned)hm_node_peers(s->d->node, NULL, 0);
         p->sps = s->last_sps;
+        p->swarm_ok = HM_MAX(s->last_swarm_ok, s->rounds_ok);
+        p->swarm_failed = HM_MAX(s->last_swarm_failed, s->rounds_failed);
         s->ring_pos = (s->ring_pos + 1) % HISTORY;
         if (s->ring_n < HISTORY)
             s->ring_n++;
@@ -305,10 +309,12 @@ static json_t *history_json(const hm_cmd_status *s)
     json_t *a = json_array();
     for (size_t i = 0; a != NULL && i < s->ring_n; i++) {
         const point *p = &s->ring[(s->ring_pos + HISTORY - s->ring_n + i) % HISTORY];
-        json_array_append_new(a, json_pack("{s:f, s:I, s:I, s:I, s:f}", "t", p->t, "rounds_ok",
-                                           (json_int_t)p->ok, "rounds_failed",
-                                           (json_int_t)p->failed, "peers", (json_int_t)p->peers,
-                                           "samples_per_second", p->sps));
+        json_array_append_new(
+            a, json_pack("{s:f, s:I, s:I, s:I, s:I, s:I, s:f}", "t", p->t, "rounds_ok",
+                         (json_int_t)p->ok, "rounds_failed", (json_int_t)p->failed,
+                         "swarm_rounds_ok", (json_int_t)p->swarm_ok, "swarm_rounds_failed",
+                         (json_int_t)p->swarm_failed, "peers", (json_int_t)p->peers,
+                         "samples_per_second", p->sps));
     }
     return a;
 }
@@ -420,6 +426,15 @@ static void build_finish(build *b)
         json_object_set_new(e, "up", json_boolean(up));
         json_object_set_new(e, "last_seen_s", seen);
     }
+    /* The swarm's rounds: what every node says it finished. */
+    uint64_t sw_ok = 0, sw_failed = 0;
+    json_array_foreach(nodes, i, e)
+    {
+        sw_ok += (uint64_t)json_integer_value(json_object_get(e, "rounds_ok"));
+        sw_failed += (uint64_t)json_integer_value(json_object_get(e, "rounds_failed"));
+    }
+    s->last_swarm_ok = sw_ok;
+    s->last_swarm_failed = sw_failed;
     json_t *av = get(b, "averaging");
     json_object_set_new(st, "time", json_real(now));
     json_object_set(st, "node", info ? info : json_null());
