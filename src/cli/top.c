@@ -140,6 +140,23 @@ void hm_top_render(FILE *f, const json_t *st, int width, int rows, const char *f
              jint(n, "n_experts"), jint(n, "rounds_ok"), jint(n, "rounds_failed"));
     }
     const json_t *swarm = json_object_get(json_object_get(st, "experts"), "swarm");
+    json_t *from_nodes = NULL;
+    if (json_array_size(swarm) == 0) {
+        /* No grid walked (a node that hosts none, without StatusGrids):
+         * the experts the nodes' summaries name. */
+        from_nodes = json_array();
+        json_array_foreach(nodes, i, n)
+        {
+            size_t k;
+            const json_t *x;
+            json_array_foreach(json_object_get(n, "experts"), k, x)
+            {
+                json_array_append_new(from_nodes, json_pack("{s:s, s:s}", "uid", jstr(x, "uid"),
+                                                            "host", jstr(n, "peer_id")));
+            }
+        }
+        swarm = from_nodes;
+    }
     if (json_array_size(swarm) > 0) {
         line(f, width, &left, "%s", "");
         line(f, width, &left, "%-24s %-14s %9s %8s %8s", "EXPERT", "HOST", "REQUESTS", "P50 MS",
@@ -174,6 +191,7 @@ void hm_top_render(FILE *f, const json_t *st, int width, int rows, const char *f
         else
             line(f, width, &left, "%-24.24s %-14s %9s %8s %8s", jstr(e, "uid"), id, "-", "-", "-");
     }
+    json_decref(from_nodes);
     const json_t *recent = json_object_get(rounds, "recent");
     if (json_array_size(recent) > 0) {
         line(f, width, &left, "%s", "");

@@ -161,7 +161,8 @@ static char *own_summary(hm_cmd_status *s)
     const char *at = strchr(addr, '@');
     json_t *hosted = hm_cmd_experts_hosted(d->experts);
     json_t *x = json_array();
-    json_t *v = json_pack("{s:i, s:s, s:s, s:I, s:I, s:I, s:I, s:b, s:I}", "v", 1, "addr",
+    json_t *v = json_pack("{s:i, s:f, s:s, s:s, s:I, s:I, s:I, s:I, s:b, s:I}", "v", 1, "t",
+                          round((double)hm_wall_us() / 1e5) / 10, "addr",
                           at ? at + 1 : addr, "ver", PACKAGE_VERSION, "up",
                           (json_int_t)(hm_node_uptime_ms(d->node) / 1000), "peers",
                           (json_int_t)hm_node_peers(d->node, NULL, 0), "ok",
@@ -402,6 +403,7 @@ static void build_finish(build *b)
                       (json_int_t)s->rounds_ok, "rounds_failed", (json_int_t)s->rounds_failed,
                       "client_mode", s->d->cfg->client_mode, "experts", x, "n_experts",
                       (json_int_t)json_array_size(hosted), "expires_in_s", 0.0, "self", 1));
+        json_object_set_new(json_array_get(nodes, 0), "age_s", json_real(0));
     }
     /* Up: this node, or a peer it is connected to or heard from within
      * three ping intervals. A summary outlives its node by its TTL, so the

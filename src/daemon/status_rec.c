@@ -100,15 +100,22 @@ json_t *hm_status_node_of_record(const json_t *rec, double now)
                                isfinite(l99) && l99 >= 0 ? l99 : 0.0));
     }
     double exp = num_field(rec, "expiration", 0, 1e12);
+    /* The figures are as of the record's time; uptime goes on from there
+     * (an age of at most two minutes is believed: a record lives 45 s). */
+    double t = num_field(v, "t", 0, 1e12);
+    double age = t > 0 ? now - t : 0;
+    age = age < 0 ? 0 : age > 120 ? 120 : age;
     json_t *n = json_pack(
         "{s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:b, s:o, s:I, s:f, s:b}", "peer_id", peer,
-        "address", addr, "version", ver, "uptime_s", (json_int_t)num_field(v, "up", 0, 1e10),
+        "address", addr, "version", ver, "uptime_s", (json_int_t)(num_field(v, "up", 0, 1e10) + age),
         "peers", (json_int_t)num_field(v, "peers", 0, 1e9), "rounds_ok",
         (json_int_t)num_field(v, "ok", 0, 1e15), "rounds_failed",
         (json_int_t)num_field(v, "fail", 0, 1e15), "client_mode",
         json_is_true(json_object_get(v, "cm")), "experts", experts, "n_experts",
         (json_int_t)num_field(v, "nx", 0, 1e9), "expires_in_s", HM_MAX(exp - now, 0.0),
         "self", 0);
+    if (n != NULL)
+        json_object_set_new(n, "age_s", json_real(age));
     json_decref(v);
     return n;
 }

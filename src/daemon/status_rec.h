@@ -19,5 +19,7 @@
  * JSON object). now is the reader's UNIX time.
  */
 json_t *hm_status_node_of_record(const json_t *rec, double now);
+/* (Also age_s: how old the record's figures are, 0 to 120 s, from its
+ * "t"; uptime_s counts it in.) */
 
 #endif

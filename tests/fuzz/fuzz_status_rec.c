@@ -72,7 +72,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         CHECK(plain(json_string_value(json_object_get(n, "address")), 95));
         CHECK(plain(json_string_value(json_object_get(n, "version")), 32));
         static const char *const nums[] = {"uptime_s", "peers", "rounds_ok", "rounds_failed",
-                                           "n_experts", "expires_in_s"};
+                                           "n_experts", "expires_in_s", "age_s"};
         for (size_t i = 0; i < sizeof(nums) / sizeof(nums[0]); i++)
             check_nonneg(n, nums[i]);
         const json_t *x = json_object_get(n, "experts");
