@@ -18,6 +18,9 @@
 
 #include "tests/proc.h"
 
+/* The node summaries' DHT key (src/daemon/cmd_status.h). */
+#define HM_STATUS_KEY_TEST "hivemindd.status"
+
 static void setup(void) { hm_proc_setup("http"); }
 static void teardown(void) { hm_proc_teardown(); }
 
@@ -443,4 +446,77 @@ Test(http, any_node_shows_the_whole_swarm)
     json_decref(st);
     for (int i = 2; i >= 0; i--)
         stop_node(&nodes[i]);
+}
+
+/* An attacker on 127.0.0.2 writes its own summary with markup, negative
+ * and huge numbers and a forged expert: the honest node's status shows
+ * that node (its record is its own) but none of the bad fields. */
+Test(http, a_hostile_summary_is_cut_to_plain_values)
+{
+    struct node honest, att;
+    start_node(&honest, "h", NULL, "--http-listen", "127.0.0.1:0", NULL);
+    start_node(&att, "att", NULL, "--listen", "127.0.0.2:0", "--initial-peers", honest.addr,
+               "--status-publish=no", NULL);
+    int port = http_port(&honest);
+    char subkey[96];
+    snprintf(subkey, sizeof(subkey), "[owner:%s]", att.id);
+    const char *value = "{\"addr\":\"<img src=x onerror=alert(1)>\",\"ver\":\"9\\\"><b>\","
+                        "\"up\":-40,\"peers\":1e300,\"ok\":\"many\",\"x\":[[\"<b>x</b>\",1,2,3],"
+                        "[\"ffn.0.0\",-5,1e300,-1],[\"ffn.0.1\",7,0.5,0.9]],\"nx\":-1}";
+    long deadline = hm_test_now_ms() + 20000;
+    int rc = 1;
+    while (rc != 0 && hm_test_now_ms() < deadline) {
+        json_decref(ctl_json(&att, &rc, "dht", "put", HM_STATUS_KEY_TEST, value, "--subkey",
+                             subkey, "--ttl", "120", NULL));
+        if (rc != 0)
+            usleep(300000);
+    }
+    cr_assert_eq(rc, 0, "the attacker could not store its summary");
+    json_t *found = NULL;
+    while (found == NULL && hm_test_now_ms() < deadline) {
+        char *resp = get_ok(port, "/api/status");
+        json_t *st = json_loads(body_of(resp), 0, NULL);
+        free(resp);
+        size_t i;
+        json_t *e;
+        json_array_foreach(json_object_get(st, "nodes"), i, e)
+        {
+            if (strcmp(json_string_value(json_object_get(e, "peer_id")), att.id) == 0)
+                found = json_incref(e);
+        }
+        json_decref(st);
+        if (found == NULL)
+            usleep(300000);
+    }
+    cr_assert_not_null(found, "the attacker's summary never showed");
+    cr_assert_str_eq(json_string_value(json_object_get(found, "address")), "");
+    cr_assert_str_eq(json_string_value(json_object_get(found, "version")), "");
+    cr_assert_eq(json_integer_value(json_object_get(found, "rounds_ok")), 0);
+    cr_assert_geq(json_integer_value(json_object_get(found, "uptime_s")), 0);
+    cr_assert_leq(json_integer_value(json_object_get(found, "peers")), 1000000000);
+    cr_assert_eq(json_integer_value(json_object_get(found, "n_experts")), 0);
+    /* Only the well-formed expert is kept, and the negative count as 0. */
+    json_t *x = json_object_get(found, "experts");
+    size_t i;
+    json_t *e;
+    int has_good = 0;
+    json_array_foreach(x, i, e)
+    {
+        const char *uid = json_string_value(json_object_get(e, "uid"));
+        cr_assert(strchr(uid, '<') == NULL, "markup kept in a uid: %s", uid);
+        cr_assert_geq(json_integer_value(json_object_get(e, "requests")), 0);
+        cr_assert_geq(json_number_value(json_object_get(e, "latency_p50_ms")), 0);
+        cr_assert_geq(json_number_value(json_object_get(e, "latency_p99_ms")), 0);
+        cr_assert_leq(json_number_value(json_object_get(e, "latency_p50_ms")), 3.6e6);
+        has_good |= strcmp(uid, "ffn.0.1") == 0 &&
+                    json_integer_value(json_object_get(e, "requests")) == 7;
+    }
+    cr_assert(has_good);
+    json_decref(found);
+    /* And the page says nothing of it as markup: every swarm value is set as text. */
+    char *resp = get_ok(port, "/");
+    cr_assert(strstr(body_of(resp), "innerHTML") == NULL);
+    free(resp);
+    stop_node(&att);
+    stop_node(&honest);
 }

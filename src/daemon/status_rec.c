@@ -17,6 +17,9 @@
 #include <math.h>
 #include <string.h>
 
+#define LATENCY_MAX_MS 3.6e6
+#define COUNT_MAX ((json_int_t)1 << 53)
+
 static const char *str_field(const json_t *o, const char *k, size_t max, char *buf)
 {
     const char *v = json_string_value(json_object_get(o, k));
@@ -92,12 +95,16 @@ json_t *hm_status_node_of_record(const json_t *rec, double now)
                      *p99 = json_array_get(e, 3);
         if (!json_is_integer(r) || !json_is_number(p50) || !json_is_number(p99))
             continue;
+        /* Latencies within an hour, counts within 2^53: a figure past
+         * those is a lie, not a measurement. */
         double l50 = json_number_value(p50), l99 = json_number_value(p99);
+        l50 = isfinite(l50) && l50 >= 0 ? HM_MIN(l50, LATENCY_MAX_MS) : 0.0;
+        l99 = isfinite(l99) && l99 >= 0 ? HM_MIN(l99, LATENCY_MAX_MS) : 0.0;
+        json_int_t req = json_integer_value(r);
+        req = req < 0 ? 0 : req > COUNT_MAX ? COUNT_MAX : req;
         json_array_append_new(
             experts, json_pack("{s:s, s:I, s:f, s:f}", "uid", uid, "requests",
-                               (json_int_t)HM_MAX(json_integer_value(r), 0), "latency_p50_ms",
-                               isfinite(l50) && l50 >= 0 ? l50 : 0.0, "latency_p99_ms",
-                               isfinite(l99) && l99 >= 0 ? l99 : 0.0));
+                               req, "latency_p50_ms", l50, "latency_p99_ms", l99));
     }
     double exp = num_field(rec, "expiration", 0, 1e12);
     /* The figures are as of the record's time; uptime goes on from there

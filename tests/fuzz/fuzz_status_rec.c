@@ -85,6 +85,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             check_nonneg(e, "requests");
             check_nonneg(e, "latency_p50_ms");
             check_nonneg(e, "latency_p99_ms");
+            CHECK(json_number_value(json_object_get(e, "latency_p99_ms")) <= 3.6e6);
+            CHECK(json_integer_value(json_object_get(e, "requests")) <= ((json_int_t)1 << 53));
         }
         json_decref(n);
     }
