@@ -64,6 +64,8 @@ def main():
     ap.add_argument("--use-local-updates", action="store_true")
     ap.add_argument("--delay-optimizer-step", action="store_true")
     ap.add_argument("--inner-steps", type=int, default=50)
+    ap.add_argument("--compression", default="fp16", choices=["none", "fp16", "8bit"],
+                    help="DiLoCo's pseudo-gradient on the wire (default fp16)")
     ap.add_argument("--eval-interval", type=float, default=5.0)
     ap.add_argument("--eval-samples", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
@@ -103,7 +105,8 @@ def main():
                                   target_group_size=args.peers, client=client)
     elif args.mode == "diloco":
         opt = hivemindd.DiLoCo(model.parameters(), opt, run_id=args.run_id,
-                               inner_steps=args.inner_steps, compression="fp16", client=client,
+                               inner_steps=args.inner_steps, compression=args.compression,
+                               client=client,
                                target_group_size=args.peers, min_group_size=2, timeout=30.0,
                                matchmaking_time=5.0, load_state=False)
 

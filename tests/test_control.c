@@ -677,3 +677,84 @@ Test(control, a_client_that_never_reads_cannot_hold_a_slot)
     close(fd);
     server_stop(&s);
 }
+
+/* -- http: hm_control_call, the daemon's own use of its commands -- */
+
+struct local_reply {
+    int fired, ok;
+    json_t *result;
+    char code[32];
+};
+
+static void on_local(void *ud, int ok, const json_t *result, const char *code, const char *message)
+{
+    struct local_reply *r = ud;
+    r->fired++;
+    r->ok = ok;
+    r->result = result ? json_deep_copy(result) : NULL;
+    if (!ok) {
+        cr_assert_not_null(code);
+        cr_assert(message != NULL && message[0] != '\0');
+        snprintf(r->code, sizeof(r->code), "%s", code);
+    }
+}
+
+Test(control, local_calls_run_commands_and_answer_once)
+{
+    struct server s;
+    char err[256];
+    memset(&s, 0, sizeof(s));
+    cr_assert_eq(hm_test_mkdtemp(s.dir, sizeof(s.dir), "ctl"), 0);
+    snprintf(s.path, sizeof(s.path), "%s/control.sock", s.dir);
+    cr_assert_eq(uv_loop_init(&s.loop), 0);
+    hm_control_config cfg = {.path = s.path, .max_clients = 4, .idle_timeout_ms = 10000,
+                             .max_line = 4096};
+    cr_assert_eq(hm_control_new(&s.loop, &cfg, &s.ctl, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(hm_control_register(s.ctl, "echo", echo_handler, &s), 0);
+    cr_assert_eq(hm_control_register(s.ctl, "fail", fail_handler, &s), 0);
+    cr_assert_eq(hm_control_register(s.ctl, "later", later_handler, &s), 0);
+
+    /* A command that answers at once: the callback fired before the return. */
+    struct local_reply a = {0}, b = {0}, c = {0}, d = {0};
+    json_t *args = json_pack("{s:i}", "x", 7);
+    cr_assert_eq(hm_control_call(s.ctl, "echo", args, on_local, &a), 0);
+    json_decref(args);
+    cr_assert_eq(a.fired, 1);
+    cr_assert(a.ok);
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(a.result, "args"), "x")), 7);
+    /* An error reply. */
+    cr_assert_eq(hm_control_call(s.ctl, "fail", NULL, on_local, &b), 0);
+    cr_assert_eq(b.fired, 1);
+    cr_assert(!b.ok);
+    cr_assert_str_eq(b.code, "bad_args");
+    /* One that answers later, from the loop. */
+    args = json_pack("{s:i}", "ms", 50);
+    cr_assert_eq(hm_control_call(s.ctl, "later", args, on_local, &c), 0);
+    json_decref(args);
+    cr_assert_eq(c.fired, 0);
+    while (c.fired == 0)
+        uv_run(&s.loop, UV_RUN_ONCE);
+    cr_assert_eq(c.fired, 1);
+    cr_assert(json_is_true(json_object_get(c.result, "late")));
+    /* No such command, or a bad call: an error, and no callback. */
+    cr_assert_eq(hm_control_call(s.ctl, "nope", NULL, on_local, &d), -ENOENT);
+    cr_assert_eq(hm_control_call(s.ctl, "echo", NULL, NULL, NULL), -EINVAL);
+    cr_assert_eq(d.fired, 0);
+    /* A request that is still pending when the server closes still answers. */
+    struct local_reply e = {0};
+    args = json_pack("{s:i}", "ms", 50);
+    cr_assert_eq(hm_control_call(s.ctl, "later", args, on_local, &e), 0);
+    json_decref(args);
+    hm_control_close(s.ctl, on_ctl_closed, &s);
+    cr_assert_eq(hm_control_call(s.ctl, "echo", NULL, on_local, &d), -ESHUTDOWN);
+    uv_run(&s.loop, UV_RUN_DEFAULT);
+    cr_assert(s.closed);
+    cr_assert_eq(e.fired, 1);
+    cr_assert(e.ok);
+    cr_assert_eq(d.fired, 0);
+    cr_assert_eq(uv_loop_close(&s.loop), 0);
+    json_decref(a.result);
+    json_decref(c.result);
+    json_decref(e.result);
+    hm_test_rmtree(s.dir);
+}

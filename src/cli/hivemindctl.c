@@ -18,6 +18,7 @@
 #include "config.h"
 
 #include "lib/hivemind.h"
+#include "src/cli/top.h"
 #include "src/base/paths.h"
 #include "src/base/util.h"
 
@@ -87,6 +88,10 @@ static void usage(FILE *f)
             "             (default timeout 300 s)\n"
             "  state info PREFIX\n"
             "             what this node shares under PREFIX: step, size, hash, requests served\n"
+            "  status     the swarm at a glance: its nodes (from their DHT summaries), the\n"
+            "             expert grid with hosts, requests and latency, recent averaging\n"
+            "             rounds and training progress\n"
+            "  top        the same, live, refreshing every 2 s; q quits\n"
             "  progress RUN [--target N]\n"
             "             the swarm's progress in training run RUN: global epoch, samples\n"
             "             toward the target batch size N, throughput, time to the target\n"
@@ -797,6 +802,11 @@ static void print_progress(const json_t *r)
     }
 }
 
+static void print_status(const json_t *r)
+{
+    hm_top_render(stdout, r, 80, 0, NULL);
+}
+
 static void print_metrics(const json_t *r)
 {
     const char *text = json_string_value(json_object_get(r, "text"));
@@ -866,6 +876,7 @@ static const command commands[] = {
     {"state", "share", "state.share", build_state_share, print_state_share, NULL},
     {"state", "load", "state.load", build_state_load, print_state_load, NULL},
     {"state", "info", "state.info", build_state_info, print_state_info, NULL},
+    {"status", NULL, "status", build_plain, print_status, NULL},
 };
 
 /*
@@ -1160,6 +1171,22 @@ int main(int argc, char **argv)
         return HM_EXIT_USAGE;
     }
     const char *name = argv[optind];
+    if (strcmp(name, "top") == 0) {
+        char path[HM_PATHS_SOCKET_LEN];
+        if (optind + 1 < argc || json_out) {
+            fprintf(stderr, "hivemindctl: top takes no arguments (and no --json)\n");
+            usage_hint();
+            return HM_EXIT_USAGE;
+        }
+        if (sock == NULL) {
+            if (hm_paths_client_control_socket(path, sizeof(path)) != 0) {
+                fprintf(stderr, "hivemindctl: cannot tell the default control socket; use -s\n");
+                return HM_EXIT_FAILURE;
+            }
+            sock = path;
+        }
+        return hm_top_run(sock, 2.0, 0);
+    }
     c.pos = argv + optind + 1;
     c.npos = argc - optind - 1;
     const char *shape = shape_of(name);

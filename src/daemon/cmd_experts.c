@@ -1262,6 +1262,13 @@ fail:
     return r;
 }
 
+json_t *hm_cmd_experts_hosted(hm_cmd_experts *m)
+{
+    if (m == NULL || m->srv == NULL || m->life.closing)
+        return json_array();
+    return hosted_json(m);
+}
+
 void hm_cmd_experts_limits(hm_cmd_experts *m, hm_limit_emit_fn emit, void *ud)
 {
     if (m == NULL)

@@ -43,6 +43,11 @@ int hm_cmd_experts_check_config(const hm_config *c, char *err, size_t errlen);
  */
 void hm_cmd_experts_close(hm_cmd_experts *m, void (*cb)(void *ud), void *ud);
 
+/* The hosted experts with their statistics, as experts.list's "hosted"
+ * (a new array; empty when m is NULL or closing, NULL without memory), for
+ * the status snapshot (cmd_status.c). */
+json_t *hm_cmd_experts_hosted(hm_cmd_experts *m);
+
 /* What the expert server's queue bounds and the client's record policy
  * refused, under their config keywords (docs/security.md); m may be NULL. */
 void hm_cmd_experts_limits(hm_cmd_experts *m, hm_limit_emit_fn emit, void *ud);

@@ -8,6 +8,7 @@
 
 #include "src/daemon/daemon.h"
 #include "src/daemon/cmd_experts.h"
+#include "src/daemon/http.h"
 #include "src/base/crypto.h"
 #include "src/base/util.h"
 
@@ -60,7 +61,7 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
         ri.auto_client_mode = 0;
     }
     hm_daemon_reply(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}, "
-                                   "s:s, s:o, s:o, s:s, s:s, s:b}",
+                                   "s:s, s:o, s:o, s:s, s:s, s:b, s:o}",
                                  "peer_id", hm_node_identity(d->node)->peer_id, "address", addr,
                                  "swarm", hm_node_swarm(d->node), "version", PACKAGE_VERSION,
                                  "uptime_s", (json_int_t)(hm_node_uptime_ms(d->node) / 1000),
@@ -69,7 +70,9 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
                                  (json_int_t)shm_segments, "bytes", (json_int_t)shm_bytes,
                                  "listen", listen, "announce", announce, "reachable", reachable,
                                  "announce_source", ri.source, "reach_reason", ri.reason,
-                                 "client_mode_auto", ri.auto_client_mode));
+                                 "client_mode_auto", ri.auto_client_mode, "http",
+                                 d->http_address[0] ? json_string(d->http_address)
+                                                    : json_null()));
 }
 
 static void cmd_peers(void *ud, hm_control_req *req, const json_t *args)
@@ -165,6 +168,7 @@ void hm_daemon_limit_metrics(hm_daemon *d, hm_strbuf *b)
     hm_cmd_experts_limits(d->experts, limit_line, b);
     if (d->progress != NULL)
         hm_cmd_progress_limits(d->progress, limit_line, b);
+    hm_http_limits(d->http, limit_line, b);
 }
 
 static void cmd_shutdown(void *ud, hm_control_req *req, const json_t *args)

@@ -568,6 +568,19 @@ static void cmd_progress(void *ud, hm_control_req *req, const json_t *args)
 
 /* ---- lifetime ---- */
 
+size_t hm_cmd_progress_runs(const hm_cmd_progress *p, const char **runs_out, size_t max)
+{
+    size_t n = 0;
+    for (size_t i = 0; p != NULL && i < p->n_reports; i++) {
+        int dup = 0;
+        for (size_t j = 0; j < n && !dup; j++)
+            dup = strcmp(runs_out[j], p->reports[i]->run) == 0;
+        if (!dup && n < max)
+            runs_out[n++] = p->reports[i]->run;
+    }
+    return n;
+}
+
 void hm_cmd_progress_limits(const hm_cmd_progress *p, hm_limit_emit_fn emit, void *ud)
 {
     emit(ud, "ProgressMaxRuns", p->refused_runs);

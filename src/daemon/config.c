@@ -237,6 +237,29 @@ static const struct opt opts[] = {
     {"MaxDialbacks", "max-dialbacks", T_UINT, FIELD(max_dialbacks), 1, 1024, 0, "N",
      "dial-back checks run for others at once (default 16)"},
     /* -- relay options -- */
+    /* -- http options -- */
+    {"HttpListen", "http-listen", T_HOSTPORT, FIELD(http_listen), 0, 0, 0, "HOST:PORT",
+     "serve /metrics, /api/status and the swarm page over HTTP here, read-only; port 0 picks "
+     "a free port (default none: off; keep it on 127.0.0.1 unless a proxy guards it)"},
+    {"HttpMaxConnections", "http-max-connections", T_UINT, FIELD(http_max_connections), 1,
+     1024, 0, "N", "HTTP connections open at once (default 32)"},
+    {"HttpMaxConnectionsPerOrigin", "http-max-connections-per-origin", T_UINT,
+     FIELD(http_max_conns_per_origin), 1, 1024, 0, "N",
+     "HTTP connections open at once from one network origin (default 8)"},
+    {"HttpMaxRequestBytes", "http-max-request-bytes", T_UINT, FIELD(http_max_request_bytes),
+     1024, 65536, 0, "BYTES", "request line and headers of one HTTP request; a request with a "
+     "body is refused too (default 8192)"},
+    {"HttpTimeout", "http-timeout", T_UINT, FIELD(http_timeout_s), 1, 600, 0, "SECONDS",
+     "close an HTTP connection idle this long (default 10)"},
+    {"StatusGrids", "status-grids", T_WORD, FIELD(status_grids), 0, 0, 0, "PREFIX[,PREFIX...]",
+     "expert grids the status page and `hivemindctl top` walk, at most 8 (default: the grids "
+     "this node hosts in)"},
+    {"StatusRuns", "status-runs", T_WORD, FIELD(status_runs), 0, 0, 0, "RUN[,RUN...]",
+     "training runs whose progress they show, at most 8 (default: the runs the attached "
+     "trainers report)"},
+    {"StatusPublish", "status-publish", T_BOOL, FIELD(status_publish), 0, 0, 0, "[yes|no]",
+     "publish this node's summary (address, experts, rounds) as a signed DHT record every "
+     "15 s, so that every node's status page shows it (default yes)"},
 };
 
 #define N_OPTS HM_ARRAY_LEN(opts)
@@ -644,6 +667,12 @@ void hm_config_defaults(hm_config *c)
     c->state_donors_per_origin = 1;
     c->progress_max_runs = 64;
     c->progress_runs_per_connection = 4;
+    /* -- http defaults -- */
+    c->http_max_connections = 32;
+    c->http_max_conns_per_origin = 8;
+    c->http_max_request_bytes = 8192;
+    c->http_timeout_s = 10;
+    c->status_publish = 1;
     c->expert_max_queued = 16384;
     c->expert_max_queued_mib = 1024;
     c->expert_record_max_ttl_s = 300;

@@ -56,6 +56,8 @@ struct hm_control_req {
     uint64_t conn_id;      /* the connection it came on, kept after it goes */
     json_t *id;
     char cmd[HM_CONTROL_MAX_CMD + 1];
+    hm_control_local_cb local_cb; /* hm_control_call's: the reply goes here */
+    void *local_ud;
 };
 
 struct hm_control {
@@ -620,6 +622,10 @@ static int send_reply(hm_control_req *req, int ok, json_t *result, const char *c
     struct client *c = req->client;
     int r = 0;
 
+    if (req->local_cb != NULL) {
+        req->local_cb(req->local_ud, ok, result, code, message);
+        goto out;
+    }
     if (c == NULL) {
         r = -EPIPE;
         goto out;
@@ -684,6 +690,40 @@ void hm_control_set_idle_check(hm_control *ctl, hm_control_busy_cb busy, void *u
 {
     ctl->busy_cb = busy;
     ctl->busy_ud = ud;
+}
+
+/* ---- calls from inside the program ---- */
+
+int hm_control_call(hm_control *ctl, const char *cmd, const json_t *args, hm_control_local_cb cb,
+                    void *ud)
+{
+    struct command *found = NULL;
+    if (cb == NULL || cmd == NULL || strlen(cmd) > HM_CONTROL_MAX_CMD)
+        return -EINVAL;
+    if (ctl->closing)
+        return -ESHUTDOWN;
+    for (size_t i = 0; i < ctl->n_cmds; i++)
+        if (strcmp(ctl->cmds[i].name, cmd) == 0)
+            found = &ctl->cmds[i];
+    if (found == NULL)
+        return -ENOENT;
+    json_t *empty = NULL;
+    if (args == NULL && (args = empty = json_object()) == NULL)
+        return -ENOMEM;
+    hm_control_req *req = calloc(1, sizeof(*req));
+    if (req == NULL) {
+        json_decref(empty);
+        return -ENOMEM;
+    }
+    /* A connection of its own, so that what a command ties to connections
+     * never mixes a local caller with a client. */
+    req->conn_id = ++ctl->next_conn_id;
+    memcpy(req->cmd, cmd, strlen(cmd) + 1);
+    req->local_cb = cb;
+    req->local_ud = ud;
+    found->handler(found->ud, req, args);
+    json_decref(empty);
+    return 0;
 }
 
 /* ---- server ---- */

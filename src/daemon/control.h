@@ -126,6 +126,20 @@ int hm_control_add_close_cb(hm_control *ctl, hm_control_conn_closed_cb cb, void 
 typedef int (*hm_control_busy_cb)(void *ud, uint64_t conn_id);
 void hm_control_set_idle_check(hm_control *ctl, hm_control_busy_cb busy, void *ud);
 
+/*
+ * Runs a registered command from inside the program (the HTTP status
+ * snapshot, http.h), as a client's request would run, on the loop thread.
+ * cb(ud, ok, result, code, message) fires exactly once with the reply
+ * (result borrowed for the call; code and message set when !ok), possibly
+ * before hm_control_call returns. args may be NULL ({}). 0, or -ENOENT (no
+ * such command), -ESHUTDOWN (the server is closing), -EINVAL, -ENOMEM; on
+ * error cb never fires.
+ */
+typedef void (*hm_control_local_cb)(void *ud, int ok, const json_t *result, const char *code,
+                                    const char *message);
+int hm_control_call(hm_control *ctl, const char *cmd, const json_t *args, hm_control_local_cb cb,
+                    void *ud);
+
 const char *hm_control_path(const hm_control *ctl);
 size_t hm_control_clients(const hm_control *ctl);
 

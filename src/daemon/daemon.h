@@ -12,6 +12,8 @@
  *   cmd_experts.c  experts.* (cmd_experts.h)
  *   cmd_state.c    state.* (cmd_state.h)
  *   cmd_progress.c progress.report, progress (the record: progress.h)
+ *   cmd_status.c   status: the swarm snapshot (cmd_status.h), also behind
+ *                  the HTTP listener (http.h)
  *
  * and the argument checks they all use (args.c). Every group registers
  * through the same function shape (hm_daemon_group_fn), and gets what it
@@ -52,6 +54,8 @@ typedef struct hm_cmd_experts hm_cmd_experts;
 typedef struct hm_cmd_state hm_cmd_state;
 typedef struct hm_cmd_average hm_cmd_average;
 typedef struct hm_cmd_progress hm_cmd_progress;
+typedef struct hm_cmd_status hm_cmd_status;
+typedef struct hm_http hm_http;
 
 /*
  * What the command groups see of the daemon. main.c fills it before the
@@ -70,6 +74,9 @@ typedef struct hm_daemon {
     hm_cmd_average *average;
     hm_cmd_state *state;
     hm_cmd_progress *progress; /* closed after the control server (cmd_progress.c) */
+    hm_cmd_status *status;     /* the swarm snapshot (cmd_status.h) */
+    hm_http *http;             /* the HTTP listener (http.h); NULL when off */
+    char http_address[80];     /* where it listens, HOST:PORT; empty when off */
     /* Begins the shutdown (the "shutdown" command); why goes to the log. */
     void (*stop)(struct hm_daemon *d, const char *why);
 } hm_daemon;
@@ -88,10 +95,15 @@ int hm_cmd_shm_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen)
 int hm_cmd_experts_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
 int hm_cmd_state_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
 int hm_cmd_progress_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
+int hm_cmd_status_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen);
 /* Closes the progress group (its timer, its pending queries answer
  * "stopping"); cb fires once it is freed. Call it after the control
  * server has closed. */
 void hm_cmd_progress_close(hm_cmd_progress *p, void (*cb)(void *ud), void *ud);
+/* The runs the attached trainers report progress in (distinct, at most
+ * max; the strings live until the next control command), for the status
+ * snapshot (cmd_status.c). */
+size_t hm_cmd_progress_runs(const hm_cmd_progress *p, const char **runs_out, size_t max);
 /* ProgressMaxRuns and ProgressRunsPerConnection, for hm_daemon_limit_metrics. */
 void hm_cmd_progress_limits(const hm_cmd_progress *p, hm_limit_emit_fn emit, void *ud);
 

@@ -114,6 +114,15 @@ typedef struct hm_config {
     unsigned dialback_rate_per_origin; /* dial-backs run for one origin a minute */
     unsigned max_dialbacks;            /* dial-backs run at once */
     /* -- relay fields -- */
+    /* -- http fields -- */
+    char http_listen[HM_CONFIG_PEER_LEN]; /* HOST:PORT of the HTTP listener; empty: off */
+    unsigned http_max_connections;        /* HTTP connections at once */
+    unsigned http_max_conns_per_origin;   /* HTTP connections at once per origin */
+    unsigned http_max_request_bytes;      /* request line and headers */
+    unsigned http_timeout_s;              /* idle HTTP connections close */
+    char status_grids[256];               /* comma-separated grid prefixes; empty: hosted */
+    char status_runs[256];                /* comma-separated runs; empty: attached trainers' */
+    int status_publish;                   /* publish the node summary record */
 } hm_config;
 
 /*

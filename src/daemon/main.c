@@ -26,6 +26,8 @@
 #include "src/base/util.h"
 #include "src/daemon/cmd_experts.h"
 #include "src/daemon/cmd_state.h"
+#include "src/daemon/cmd_status.h"
+#include "src/daemon/http.h"
 #include "src/daemon/control.h"
 #include "src/daemon/daemon.h"
 #include "src/daemon/hm_config.h"
@@ -59,6 +61,7 @@ typedef struct daemon {
     hm_config_args args;
     hm_control *ctl;
     uv_signal_t sig_term, sig_int, sig_hup;
+    uv_timer_t defer_close; /* close_node after the experts group, off its callback */
     int signals_open;
     int parts_open;     /* parts whose close callback has not come yet */
     int loop_open;      /* the loop was initialised */
@@ -82,13 +85,14 @@ static const struct {
     {"average", hm_cmd_average_register}, {"shm", hm_cmd_shm_register},
     {"experts", hm_cmd_experts_register}, {"state", hm_cmd_state_register},
     {"progress", hm_cmd_progress_register},
+    {"status", hm_cmd_status_register},
 };
 
 /* The command groups that hold state of their own and have not closed. */
 static int groups_open(const daemon_t *d)
 {
     return (d->pub.experts != NULL) + (d->pub.average != NULL) + (d->pub.state != NULL) +
-           (d->pub.progress != NULL);
+           (d->pub.progress != NULL) + (d->pub.status != NULL);
 }
 
 /* ---- systemd notification ---- */
@@ -152,11 +156,24 @@ static void on_ctl_closed(void *ud)
     }
 }
 
+static void on_defer_close(uv_timer_t *t)
+{
+    daemon_t *d = t->data;
+    uv_close((uv_handle_t *)t, NULL);
+    close_node(d);
+}
+
 static void on_experts_closed(void *ud)
 {
     daemon_t *d = ud;
     d->parts_open--;
-    close_node(d);
+    /* The experts group may settle from inside a DHT callback (an
+     * experts.list walk that ends, such as the status snapshot's), and the
+     * node must not be freed under its own DHT: the rest closes on the
+     * next turn of the loop. */
+    uv_timer_init(&d->loop, &d->defer_close);
+    d->defer_close.data = d;
+    uv_timer_start(&d->defer_close, on_defer_close, 0, 0);
 }
 
 static void begin_shutdown(daemon_t *d, const char *why)
@@ -195,6 +212,17 @@ static void stop_daemon(hm_daemon *pub, const char *why)
 
 static void close_node(daemon_t *d)
 {
+    /* The HTTP listener and the status snapshot first: they run commands
+     * of the groups below through the control server. */
+    if (d->pub.http != NULL) {
+        hm_http_close(d->pub.http, on_part_closed, d);
+        d->pub.http = NULL;
+        d->pub.http_address[0] = '\0';
+    }
+    if (d->pub.status != NULL) {
+        hm_cmd_status_close(d->pub.status, on_part_closed, d);
+        d->pub.status = NULL;
+    }
     if (d->pub.state != NULL) {
         hm_cmd_state_close(d->pub.state, on_part_closed, d);
         d->pub.state = NULL;
@@ -583,6 +611,12 @@ static int start(daemon_t *d, char *err, size_t errlen)
         /* A group with state of its own is a part that closes with a callback. */
         d->parts_open += groups_open(d) - before;
     }
+    r = hm_http_new(&d->pub, d->ctl, &d->pub.http, d->pub.http_address,
+                    sizeof(d->pub.http_address), err, errlen);
+    if (r != 0)
+        return r;
+    if (d->pub.http != NULL)
+        d->parts_open++;
 
     uv_signal_init(&d->loop, &d->sig_term);
     uv_signal_init(&d->loop, &d->sig_int);

@@ -2530,8 +2530,12 @@ void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out)
     out->queued_bytes = 0;
     out->inbound = t->n_inb;
     out->inbound_handshaking = t->n_inb_hs;
+    out->conns_handshake = out->conns_open = out->conns_closing = 0;
     const conn *c;
     LIST_FOREACH(c, &t->conns, link) {
+        out->conns_handshake += c->state == CONN_HANDSHAKE;
+        out->conns_open += c->state == CONN_OPEN;
+        out->conns_closing += c->state == CONN_CLOSING;
         if (c->state == CONN_CLOSING)
             continue;
         out->connections++;

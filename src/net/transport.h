@@ -159,6 +159,8 @@ typedef struct hm_transport_stats {
     uint64_t wq_shed;             /* connections closed to make room for a lighter origin */
     uint64_t wq_refused_origin;   /* sends refused over the origin's share: WriteQueueOriginMiB */
     uint64_t write_too_slow;      /* connections closed for draining under write_min_rate */
+    /* ---- connections by state, now (the status page's metrics) ---- */
+    size_t conns_handshake, conns_open, conns_closing;
     /* ---- reachability (hm_transport_probe) ---- */
     uint64_t inbound_handshakes_ok; /* inbound connections that completed their handshake */
     uint64_t probes;                /* probes dialled */
