@@ -218,6 +218,16 @@ static const struct opt opts[] = {
     {"ProgressRunsPerConnection", "progress-runs-per-connection", T_UINT,
      FIELD(progress_runs_per_connection), 1, 64, 0, "N",
      "runs one control connection may report progress in (default 4)"},
+    /* -- progress origin options -- */
+    {"ProgressEpochOrigins", "progress-epoch-origins", T_UINT, FIELD(progress_epoch_origins), 1,
+     64, 0, "N", "the swarm's global epoch is the largest that N network origins of trainers "
+     "have reached (all of them when fewer report; default 2)"},
+    {"ProgressOriginFactor", "progress-origin-factor", T_UINT, FIELD(progress_origin_factor), 0,
+     1000000, 0, "F", "one network origin's samples and samples per second count at most F "
+     "times the median origin's in the swarm's progress, 0 no bound (default 4)"},
+    {"ProgressCapLoopback", "progress-cap-loopback", T_BOOL, FIELD(progress_cap_loopback), 0, 0,
+     0, "[yes|no]", "count the progress reporters of one loopback address as one origin too, "
+     "where one machine runs several daemons (default no: each counts apart)"},
     /* -- netlab options -- */
     {"TestDelayMs", "test-delay-ms", T_UINT, FIELD(test_delay_ms), 0, 10000, 0, "MS",
      "for tests only, never in production: hold every datagram and stream message this "
@@ -565,6 +575,8 @@ void hm_config_defaults(hm_config *c)
     c->state_donors_per_origin = 1;
     c->progress_max_runs = 64;
     c->progress_runs_per_connection = 4;
+    c->progress_epoch_origins = 2;
+    c->progress_origin_factor = 4;
     c->expert_max_queued = 16384;
     c->expert_max_queued_mib = 1024;
     c->expert_record_max_ttl_s = 300;

@@ -107,6 +107,10 @@ typedef struct hm_config {
     /* -- progress fields -- */
     unsigned progress_max_runs;            /* progress reports published at once */
     unsigned progress_runs_per_connection; /* runs one control connection reports */
+    /* -- progress origin fields -- */
+    unsigned progress_epoch_origins;       /* origins that must reach an epoch to make it global */
+    unsigned progress_origin_factor;       /* an origin's samples <= this x the median; 0: none */
+    int progress_cap_loopback;             /* loopback daemons share their origin too */
     /* -- netlab fields -- */
     unsigned test_delay_ms;              /* tests only: delay everything sent; 0: off */
     /* -- announce fields -- */
