@@ -16,7 +16,11 @@
 #include <math.h>
 #include <string.h>
 
+#include <arpa/inet.h>
+
 #include "lib/hivemind.h"
+#include "src/base/origin.h"
+#include "src/daemon/progress.h"
 #include "tests/proc.h"
 
 static void setup(void) { hm_proc_setup("progress"); }
@@ -345,4 +349,116 @@ Test(progress, runs_are_bounded_per_connection_and_per_daemon)
         usleep(50000);
     cr_assert_eq(r, 0, "%s", hmc_last_error(b));
     hmc_close(b);
+}
+
+/* ---- the aggregate by origin (progress.h), as a pure function ---- */
+
+/* A verified trainer record at origin 10.0.0.o (o 0: an origin of its own). */
+static hm_progress_peer rec(unsigned o, uint64_t epoch, uint64_t samples, double sps, int client)
+{
+    hm_progress_peer x;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x0a000000u | o)};
+    memset(&x, 0, sizeof(x));
+    x.r = (hm_progress_rec){.epoch = epoch, .samples = samples, .sps = sps, .time = 1000,
+                            .client = client};
+    x.verified = 1;
+    x.unique = o == 0;
+    hm_origin_of((const struct sockaddr *)&sa, &x.origin);
+    return x;
+}
+
+Test(progress_agg, the_global_epoch_needs_two_origins)
+{
+    hm_progress_rules rules = {.epoch_origins = 2, .origin_factor = 4};
+    hm_progress_agg agg;
+    hm_progress_peer p[16];
+    /* One origin alone leads. */
+    p[0] = rec(1, 7, 10, 0, 0);
+    hm_progress_aggregate(p, 1, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 7);
+    /* One origin ahead of two: held back until a second one gets there. */
+    p[1] = rec(2, 5, 10, 0, 0);
+    p[2] = rec(3, 5, 20, 0, 0);
+    hm_progress_aggregate(p, 3, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 5);
+    cr_assert_eq(agg.held_back, 1);
+    cr_assert_eq(agg.samples, 30);
+    p[1].r.epoch = 7;
+    hm_progress_aggregate(p, 3, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 7);
+    cr_assert_eq(agg.samples, 20);
+    /* Ten identities of one origin are one vote. */
+    for (int i = 3; i < 13; i++)
+        p[i] = rec(9, 999999, 10, 0, 0);
+    p[0].r.epoch = p[1].r.epoch = 5;
+    hm_progress_aggregate(p, 13, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 5);
+    cr_assert_eq(agg.n_origins, 4);
+    cr_assert_eq(agg.n_peers, 13);
+    /* ...unless they count apart (exempt loopback). */
+    for (int i = 3; i < 13; i++)
+        p[i].unique = 1;
+    hm_progress_aggregate(p, 13, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 999999);
+    /* Clients do not lead while trainers count, and lead alone. */
+    p[0] = rec(1, 3, 0, 0, 0);
+    p[1] = rec(2, 3, 0, 0, 0);
+    p[2] = rec(3, 8, 0, 0, 1);
+    p[3] = rec(4, 8, 0, 0, 1);
+    hm_progress_aggregate(p, 4, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 3);
+    hm_progress_aggregate(p + 2, 2, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 8);
+}
+
+Test(progress_agg, an_origin_counts_at_most_factor_times_the_median)
+{
+    hm_progress_rules rules = {.epoch_origins = 2, .origin_factor = 4};
+    hm_progress_agg agg;
+    hm_progress_peer p[8];
+    int used[8];
+    p[0] = rec(1, 5, 100, 10, 0);
+    p[1] = rec(2, 5, 200, 20, 0);
+    p[2] = rec(3, 5, 300, 30, 0);
+    hm_progress_aggregate(p, 3, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.samples, 600, "honest origins within the factor are summed exactly");
+    cr_assert_eq(agg.sps, 60);
+    cr_assert_eq(agg.clamped, 0);
+    /* Three identities of one origin claim 2^40 samples and 1e7/s each. */
+    for (int i = 3; i < 6; i++)
+        p[i] = rec(7, 5, HM_PROGRESS_MAX_SAMPLES, HM_PROGRESS_MAX_SPS, 0);
+    hm_progress_aggregate(p, 6, 1000, 100000, &rules, &agg, NULL);
+    cr_assert_eq(agg.samples, 600 + 4 * 200);
+    cr_assert_eq(agg.sps, 60 + 4 * 20);
+    cr_assert_eq(agg.clamped, 1);
+    cr_assert_gt(agg.eta_s, 0);
+    /* An unverified record never counts, whatever it claims. */
+    p[6] = rec(8, 999, HM_PROGRESS_MAX_SAMPLES, HM_PROGRESS_MAX_SPS, 0);
+    p[6].verified = 0;
+    hm_progress_aggregate(p, 7, 1000, 0, &rules, &agg, used);
+    cr_assert_eq(agg.unverified, 1);
+    cr_assert_eq(used[6], 0);
+    cr_assert_eq(agg.global_epoch, 5);
+    cr_assert_eq(agg.samples, 1400);
+    /* Factor 0: no bound. */
+    rules.origin_factor = 0;
+    hm_progress_aggregate(p, 6, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.samples, 600 + 3.0 * (double)HM_PROGRESS_MAX_SAMPLES);
+}
+
+Test(progress_agg, an_addr_entry_round_trips_and_bad_ones_are_refused)
+{
+    hm_progress_rec r = {.epoch = 1, .samples = 2, .sps = 3, .time = 4}, back;
+    uint8_t buf[HM_PROGRESS_VALUE_MAX];
+    size_t len;
+    snprintf(r.addr, sizeof(r.addr), "[2001:db8:ffff:ffff:ffff:ffff:ffff:ffff]:65535");
+    cr_assert_eq(hm_progress_encode(&r, buf, sizeof(buf), &len), 0);
+    cr_assert_eq(hm_progress_decode(buf, len, &back), 0);
+    cr_assert_str_eq(back.addr, r.addr);
+    snprintf(r.addr, sizeof(r.addr), "not an address");
+    cr_assert_eq(hm_progress_encode(&r, buf, sizeof(buf), &len), -ERANGE);
+    r.addr[0] = '\0';
+    cr_assert_eq(hm_progress_encode(&r, buf, sizeof(buf), &len), 0);
+    cr_assert_eq(hm_progress_decode(buf, len, &back), 0);
+    cr_assert_str_eq(back.addr, "");
 }
