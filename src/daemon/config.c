@@ -144,6 +144,11 @@ static const struct opt opts[] = {
      "under memory pressure, close a connection holding over 1 MiB queued that drains slower "
      "than this, 0 never "
      "(default 256)"},
+    /* -- refusal notice options -- */
+    {"RefusalNoticeOriginKiB", "refusal-notice-origin-kib", T_UINT,
+     FIELD(refusal_notice_origin_kib), 1, 65536, 0, "KIB", "refusal notices (a refused "
+     "reply's or request's short -ENOBUFS answer) queued for one origin past the write-queue "
+     "caps (default 64)"},
     /* dht: storage, peer table */
     {"DhtRequestRate", "dht-request-rate", T_UINT, FIELD(dht_request_rate), 1, 1000000, 0, "N",
      "DHT requests served per second per address, with bursts of twice that; loopback "
@@ -562,6 +567,7 @@ void hm_config_defaults(hm_config *c)
     c->write_queue_max_mib = 256;
     c->write_queue_origin_mib = 32;
     c->write_min_rate_kib = 256;
+    c->refusal_notice_origin_kib = 64;
     hm_strlcpy(c->expert_type, "ffn", sizeof(c->expert_type));
     c->expert_dim = 512;
     hm_strlcpy(c->expert_optimizer, "adam", sizeof(c->expert_optimizer));

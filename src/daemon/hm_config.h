@@ -80,6 +80,8 @@ typedef struct hm_config {
     unsigned reassembly_max_mib, reassembly_origin_mib, reassembly_stall_timeout_s;
     unsigned write_queue_max_mib, write_queue_origin_mib;
     unsigned write_min_rate_kib; /* 0: no drain-rate rule */
+    /* -- refusal notice fields -- */
+    unsigned refusal_notice_origin_kib; /* notices queued per origin past the caps */
     /* dht: storage, peer table */
     unsigned dht_request_rate;        /* DHT requests per second per address; burst twice that */
     unsigned dht_store_entries;       /* records one node stores for others */
