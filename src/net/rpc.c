@@ -770,6 +770,24 @@ static int head_uint(const uint8_t **p, size_t *n, uint64_t *out)
     return 0;
 }
 
+int hm_rpc_parse_head(const uint8_t *head, size_t len, uint64_t *type, uint64_t *id)
+{
+    if (len < 1)
+        return -EPROTO;
+    if ((head[0] & 0xf0) == 0x90 && head[0] != 0x90) {
+        head++;
+        len--;
+    } else if (head[0] == 0xdc && len >= 3) {
+        head += 3;
+        len -= 3;
+    } else {
+        return -EPROTO;
+    }
+    if (head_uint(&head, &len, type) < 0 || head_uint(&head, &len, id) < 0)
+        return -EPROTO;
+    return 0;
+}
+
 /*
  * The transport refused an inbound message from pk for lack of room; head
  * is its start, the envelope [type, id, ...]. A refused request is answered
@@ -780,18 +798,7 @@ static void on_refused(void *ud, const uint8_t pk[HM_PK_BYTES], const uint8_t *h
 {
     hm_rpc *rpc = ud;
     uint64_t type, id;
-    if (rpc->closing || len < 1)
-        return;
-    if ((head[0] & 0xf0) == 0x90) {
-        head++;
-        len--;
-    } else if (head[0] == 0xdc && len >= 3) {
-        head += 3;
-        len -= 3;
-    } else {
-        return;
-    }
-    if (head_uint(&head, &len, &type) < 0 || head_uint(&head, &len, &id) < 0)
+    if (rpc->closing || hm_rpc_parse_head(head, len, &type, &id) < 0)
         return;
     if (type == MSG_REQUEST) {
         rpc->refused_requests++;

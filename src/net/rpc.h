@@ -103,6 +103,13 @@ typedef struct hm_rpc_refusal_stats {
     uint64_t refused_replies;  /* replies to our calls reassembly refused (each call ended) */
 } hm_rpc_refusal_stats;
 void hm_rpc_refusals(const hm_rpc *rpc, hm_rpc_refusal_stats *out);
+/*
+ * The envelope type and call id from the first bytes of a message (an
+ * array of 1 to 65535 items, then two msgpack unsigned integers), as a
+ * refused message's head gives them: untrusted bytes, fuzzed by
+ * tests/fuzz/fuzz_rpc_head.c. 0 or -EPROTO.
+ */
+int hm_rpc_parse_head(const uint8_t *head, size_t len, uint64_t *type, uint64_t *id);
 /* Whether the caller gave up (cancel or deadline): long handlers may stop early. */
 int hm_rpc_req_cancelled(const hm_rpc_req *req);
 
