@@ -519,16 +519,14 @@ static void probe(hm_cmd_progress *p, const uint8_t pk[HM_PK_BYTES], const char 
  * the peer table, else a proof of the address its record names, which is
  * asked for when there is none.
  */
-static void attribute(hm_cmd_progress *p, hm_progress_peer *x, const hm_peer_info *peers,
-                      size_t n_peers, uint64_t now)
+static void attribute(hm_cmd_progress *p, hm_progress_peer *x, uint64_t now)
 {
+    hm_peer_info pi;
     x->verified = 0;
-    for (size_t i = 0; i < n_peers; i++)
-        if (peers[i].verified && memcmp(peers[i].pk, x->pk, HM_PK_BYTES) == 0) {
-            hm_origin_of((const struct sockaddr *)&peers[i].addr, &x->origin);
-            x->verified = 1;
-            break;
-        }
+    if (hm_node_peer_get(p->d->node, x->pk, &pi) == 0 && pi.verified) {
+        hm_origin_of((const struct sockaddr *)&pi.addr, &x->origin);
+        x->verified = 1;
+    }
     if (!x->verified) {
         proof *f = proof_find(p, x->pk);
         if (f != NULL && f->state == PROOF_OK && f->until_ms > now) {
@@ -556,19 +554,12 @@ static void answer(hm_cmd_progress *p, cache_entry *e, hm_control_req *req, uint
     for (size_t i = 0; i < p->n_reports; i++)
         if (strcmp(p->reports[i]->run, e->run) == 0)
             mine = p->reports[i];
-    size_t n_peers = hm_node_peers(p->d->node, NULL, 0);
-    hm_peer_info *peers = n_peers > 0 ? calloc(n_peers, sizeof(*peers)) : NULL;
-    if (n_peers > 0 && peers == NULL)
-        goto fail;
-    if (peers != NULL)
-        n_peers = HM_MIN(n_peers, hm_node_peers(p->d->node, peers, n_peers));
     uint64_t now = hm_now_ms();
     for (size_t i = 0; i < e->n; i++)
         if (mine == NULL || strcmp(e->peers[i].peer, p->self_id) != 0) {
             all[n] = e->peers[i];
-            attribute(p, &all[n++], peers, n_peers, now);
+            attribute(p, &all[n++], now);
         }
-    free(peers);
     if (mine != NULL) {
         hm_progress_peer *x = &all[n++];
         struct sockaddr_storage self;
