@@ -351,6 +351,38 @@ Test(progress, runs_are_bounded_per_connection_and_per_daemon)
     hmc_close(b);
 }
 
+/*
+ * A reader whose peer table holds one place for 127.0.0.1 knows only one of
+ * the two reporters there; the other's record counts once its owner
+ * answered a ping at the address the record names (progress.h, "addr").
+ */
+Test(progress, an_owner_outside_the_peer_table_counts_once_proven_at_its_address)
+{
+    struct node nodes[3];
+    start_node(&nodes[0], "n0", NULL, "--peer-table-origin-cap", "1", NULL);
+    start_node(&nodes[1], "n1", NULL, "--initial-peers", nodes[0].addr, NULL);
+    start_node(&nodes[2], "n2", NULL, "--initial-peers", nodes[0].addr, NULL);
+    long deadline = hm_test_now_ms() + 20000;
+    while ((node_rt_size(&nodes[1]) < 2 || node_rt_size(&nodes[2]) < 2) &&
+           hm_test_now_ms() < deadline)
+        usleep(200000);
+    hmc *h[3] = {attach(&nodes[0]), attach(&nodes[1]), attach(&nodes[2])};
+    cr_assert_eq(report(h[1], "run5", 3, 10, 0, 0, 60, 30), 0, "%s", hmc_last_error(h[1]));
+    cr_assert_eq(report(h[2], "run5", 3, 20, 0, 0, 60, 30), 0, "%s", hmc_last_error(h[2]));
+    cr_assert(wait_counts(h, 1, "run5", 2, 0, 20000), "node 0 never counted both reporters");
+    int rc;
+    json_t *pj = ctl_json(&nodes[0], &rc, "peers", NULL);
+    size_t known = json_array_size(json_object_get(json_object_get(pj, "result"), "peers"));
+    json_decref(pj);
+    cr_assert_eq(known, 1, "node 0's table holds %zu peers, not the one place", known);
+    json_t *j = progress(h[0], "run5", 0);
+    cr_assert_eq(jint(j, "samples"), 30);
+    cr_assert_eq(jint(j, "unverified"), 0);
+    json_decref(j);
+    for (int i = 0; i < 3; i++)
+        hmc_close(h[i]);
+}
+
 /* ---- the aggregate by origin (progress.h), as a pure function ---- */
 
 /* A verified trainer record at origin 10.0.0.o (o 0: an origin of its own). */

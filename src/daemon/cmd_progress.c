@@ -480,7 +480,7 @@ static void probe(hm_cmd_progress *p, const uint8_t pk[HM_PK_BYTES], const char 
     size_t same = 0;
     proof *slot = NULL;
     if (p->probes_in_flight >= PROBES_IN_FLIGHT || hm_parse_hostport(addr_str, &addr) != 0 ||
-        !hm_addr_dialable(&addr))
+        hm_addr_dialable(&addr) != 0)
         return;
     hm_origin_of((const struct sockaddr *)&addr, &org);
     for (size_t i = 0; i < PROOFS; i++) {
