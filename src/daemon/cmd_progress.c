@@ -29,7 +29,8 @@
  * can). Such proofs are kept PROOF_TTL_MS in a table of PROOFS entries; a
  * failed one is not retried for PROOF_RETRY_MS, at most PROBES_IN_FLIGHT
  * pings are out at once and PROBES_PER_ORIGIN of them to one origin, so a
- * record's address buys an attacker one small datagram a minute at most.
+ * record's address makes a reader send one small datagram per owner a
+ * minute at most, and to any one origin at most 4 per PROBE_TIMEOUT_MS.
  */
 #include "config.h"
 
