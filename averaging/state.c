@@ -1150,7 +1150,7 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
     size_t ne = 0;
     if (status == 0 && n > 0) {
         e = calloc(HM_MIN(n, (size_t)MAX_DECLS), sizeof(*e));
-        /* Where the node saw each peer: a donor's origin, whatever it declares. */
+        /* Where the node verified each peer: a donor's origin, whatever it declares. */
         size_t n_peers = hm_node_peers(st->node, NULL, 0);
         hm_peer_info *peers = n_peers > 0 ? calloc(n_peers, sizeof(*peers)) : NULL;
         if (e == NULL || (n_peers > 0 && peers == NULL)) {
@@ -1180,8 +1180,12 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
             hm_origin_of((const struct sockaddr *)&x->d.addr, &x->origin);
             /* Trusted donors vote as who they are; the origin rule does not apply. */
             x->verified = st->cfg.n_trusted > 0 || pk_in(l->verified, l->n_verified, x->pk);
+            /* Where the node saw it, if it answered our ping there: the address
+             * a datagram came from alone is the sender's to choose (a spoofer's
+             * source), so an unverified entry proves nothing and the donor
+             * proves its declared address instead (probe()). */
             for (size_t p = 0; p < n_peers; p++)
-                if (memcmp(peers[p].pk, x->pk, HM_PK_BYTES) == 0) {
+                if (peers[p].verified && memcmp(peers[p].pk, x->pk, HM_PK_BYTES) == 0) {
                     hm_origin_of((const struct sockaddr *)&peers[p].addr, &x->origin);
                     x->verified = 1;
                     break;

@@ -58,8 +58,10 @@
  * origins (src/base/origin.h: a public /24 or /48, a local address whole),
  * not keys: the donors that declare one state count, per origin, at most
  * donors_per_origin (default 1) toward min_agree. A donor's origin is that
- * of the address the node last saw it at (its peer table). A donor the
- * node has not seen has no vote until it proves the address it declares:
+ * of the address the node last saw it at (its peer table), if it answered
+ * the node's datagram ping there (hm_peer_info.verified: a datagram's
+ * source alone can be forged). A donor the node has not seen or not
+ * verified has no vote until it proves the address it declares:
  * the load asks it for the manifest it declares (once, at most 16
  * donors per load, with a timeout shorter than the pause between two
  * reads), and from the next read on a donor that answered under its key

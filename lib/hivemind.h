@@ -393,7 +393,8 @@ int hmc_progress_report(hmc *h, const char *run, uint64_t epoch, uint64_t sample
 
 /* The swarm's progress in a run, as "progress" gives it. */
 typedef struct hmc_progress {
-    uint64_t global_epoch;      /* the largest epoch over non-client peers */
+    uint64_t global_epoch;      /* the largest epoch two origins of non-client peers reached
+                                 * (ProgressEpochOrigins; docs/control-protocol.md) */
     uint64_t samples;           /* at the global epoch, extrapolated to now */
     uint64_t target_batch_size; /* as asked; 0 when not */
     double samples_per_second;  /* the swarm's throughput */

@@ -21,7 +21,14 @@
  * two attacker identities on 127.0.0.2 share step 999999; a newcomer with
  * min_agree 2 loads step 100. Then attackers on two origins (127.0.0.2 and
  * 127.0.0.4) share step 999999, and a newcomer with StateTrustedDonors
- * naming the honest donors loads step 100 from them alone.
+ * naming the honest donors loads step 100 from them alone. Last, the two
+ * attacker daemons on 127.0.0.2 declare step 999999 and leave, and
+ * datagrams under their keys come from 127.0.0.9 and 127.0.0.10 (the
+ * sources a spoofer would forge; these endpoints never answer the
+ * newcomer's pings), so that its peer table holds them at two origins,
+ * unverified: a newcomer with min_agree 2 still loads step 100, since only
+ * verified entries, or the declared address once proven, give a donor its
+ * origin.
  */
 #include "config.h"
 
@@ -31,7 +38,12 @@
 #include <signal.h>
 #include <string.h>
 
+#include <sys/prctl.h>
+
 #include "lib/hivemind.h"
+#include "src/base/crypto.h"
+#include "src/base/util.h"
+#include "src/net/rpc.h"
 #include "tests/proc.h"
 
 #define N_HONEST 3
@@ -398,6 +410,141 @@ Test(hostile_avg, state_trusted_donors_alone_are_used)
     cr_assert(donors_only(rep, &hon[0], &hon[1]), "an untrusted donor was used");
     json_decref(rep);
     cr_assert_gt(limit_count(&newcomer, "StateTrustedDonors"), 0);
+}
+
+/* ---- the spoofer: datagrams under the attacker daemons' keys from other addresses ---- */
+
+static void spoof_reply(void *ud, int status, const uint8_t *body, size_t len)
+{
+    (void)ud;
+    (void)status;
+    (void)body;
+    (void)len;
+}
+
+static void spoof_tick(uv_timer_t *t) { (void)t; }
+
+/*
+ * Forks a process that, under the identity of each daemon of keys_of (read
+ * from its state directory), sends the victim a datagram every 5 ms from
+ * ips[i]: the victim's peer table then holds that key at ips[i]. The
+ * endpoints serve no "node.ping", so the victim's pings there fail and the
+ * entries stay unverified, as a forged source's would.
+ */
+static void spoof_start(struct node *keys_of, const char *const *ips, size_t n, struct node *victim)
+{
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid > 0) {
+        cr_assert(n_children < MAX_CHILDREN);
+        children[n_children++] = pid;
+        return;
+    }
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent)
+        _exit(127);
+    hm_log_set_level(HM_LOG_ERROR);
+    static uv_loop_t loop;
+    static hm_rpc *rpc[4];
+    static char listen[4][64];
+    uint8_t vpk[HM_PK_BYTES], swarm[HM_SWARM_ID_BYTES];
+    struct sockaddr_storage vsa;
+    const char *at = strchr(victim->addr, '@');
+    if (at == NULL || hm_base32_decode(victim->addr, (size_t)(at - victim->addr), vpk,
+                                       HM_PK_BYTES) != HM_PK_BYTES ||
+        hm_parse_hostport(at + 1, &vsa) != 0)
+        _exit(2);
+    uv_loop_init(&loop);
+    hm_swarm_id("default", NULL, 0, swarm);
+    for (size_t i = 0; i < n && i < 4; i++) {
+        char path[600], err[256];
+        hm_identity id;
+        snprintf(path, sizeof(path), "%s/identity.key", keys_of[i].dir);
+        if (hm_identity_load_or_create(path, &id, err, sizeof(err)) != 0)
+            _exit(3);
+        snprintf(listen[i], sizeof(listen[i]), "%s:0", ips[i]);
+        hm_transport_config cfg = {0};
+        cfg.listen = listen[i];
+        if (hm_rpc_new(&loop, &id, swarm, &cfg, NULL, &rpc[i]) != 0)
+            _exit(4);
+    }
+    uv_timer_t tick;
+    uv_timer_init(&loop, &tick);
+    uv_timer_start(&tick, spoof_tick, 5, 5);
+    static const uint8_t empty_map = 0x80;
+    for (;;) {
+        for (size_t i = 0; i < n && i < 4; i++)
+            hm_rpc_call(rpc[i], vpk, (const struct sockaddr *)&vsa, "node.ping", &empty_map, 1,
+                        HM_RPC_DGRAM, 1000, spoof_reply, NULL, NULL);
+        uint64_t end = hm_now_ms() + 5;
+        while (hm_now_ms() < end)
+            uv_run(&loop, UV_RUN_ONCE);
+    }
+}
+
+/* Whether n's peer table shows peer id at an address on ip, unverified. */
+static int peer_unverified_at(struct node *n, const char *id, const char *ip)
+{
+    int rc, found = 0;
+    json_t *j = ctl_json(n, &rc, "peers", NULL);
+    size_t i;
+    const json_t *p;
+    json_array_foreach(json_object_get(json_object_get(j, "result"), "peers"), i, p) {
+        const char *pid = json_string_value(json_object_get(p, "peer_id"));
+        const char *addr = json_string_value(json_object_get(p, "address"));
+        if (pid != NULL && addr != NULL && strcmp(pid, id) == 0 &&
+            strncmp(addr, ip, strlen(ip)) == 0 && addr[strlen(ip)] == ':' &&
+            !json_is_true(json_object_get(p, "verified")))
+            found = 1;
+    }
+    json_decref(j);
+    return found;
+}
+
+Test(hostile_avg, state_spoofed_peer_table_addresses_do_not_vote)
+{
+    struct node hon[2], att[2], newcomer;
+    static const char *const spoof_ips[2] = {"127.0.0.9", "127.0.0.10"};
+    start_node(&hon[0], "d0", NULL, NULL);
+    start_node(&hon[1], "d1", NULL, "--listen", "127.0.0.3:0", "--initial-peers", hon[0].addr,
+               NULL);
+    start_node(&att[0], "a0", NULL, "--listen", "127.0.0.2:0", "--initial-peers", hon[0].addr,
+               NULL);
+    start_node(&att[1], "a1", NULL, "--listen", "127.0.0.2:0", "--initial-peers", hon[0].addr,
+               NULL);
+    start_node(&newcomer, "new", NULL, "--initial-peers", hon[0].addr, NULL);
+    struct node all[5] = {hon[0], hon[1], att[0], att[1], newcomer};
+    wait_known(all, 5);
+    share_state(&hon[0], 100, 1.0f);
+    share_state(&hon[1], 100, 1.0f);
+    share_state(&att[0], 999999, 3.0f);
+    share_state(&att[1], 999999, 3.0f);
+    for (int i = 0; i < 2; i++) {
+        wait_declared(&hon[i]);
+        wait_declared(&att[i]);
+    }
+    /* The attacker's daemons leave (their declarations stay stored in the
+     * DHT until they expire); only the forged sources speak for their keys. */
+    stop_node(&att[0]);
+    stop_node(&att[1]);
+    spoof_start(att, spoof_ips, 2, &newcomer);
+    /* The newcomer's table holds both attacker keys at the spoofed addresses. */
+    long deadline = hm_test_now_ms() + 15000;
+    int moved = 0;
+    while (!moved && hm_test_now_ms() < deadline) {
+        moved = peer_unverified_at(&newcomer, att[0].id, spoof_ips[0]) &&
+                peer_unverified_at(&newcomer, att[1].id, spoof_ips[1]);
+        if (!moved)
+            usleep(50000);
+    }
+    cr_assert(moved, "the spoofed datagrams did not move the attackers in the peer table");
+    json_t *rep = load_state(&newcomer, 1.0f);
+    cr_assert_eq(json_integer_value(json_object_get(rep, "step")), 100);
+    /* The attackers' declarations were read, and gave no vote. */
+    cr_assert_eq(json_integer_value(json_object_get(rep, "declared")), 4);
+    cr_assert(donors_only(rep, &hon[0], &hon[1]), "a donor outside the honest two was used");
+    json_decref(rep);
 }
 
 /*

@@ -16,7 +16,11 @@
 #include <math.h>
 #include <string.h>
 
+#include <arpa/inet.h>
+
 #include "lib/hivemind.h"
+#include "src/base/origin.h"
+#include "src/daemon/progress.h"
 #include "tests/proc.h"
 
 static void setup(void) { hm_proc_setup("progress"); }
@@ -155,7 +159,8 @@ Test(progress, three_daemons_agree_on_the_aggregate)
     }
     cr_assert_eq(agree, 3, "only %zu nodes saw 50 samples/s and the matching eta", agree);
 
-    /* A new epoch is published at once and moves the global epoch. */
+    /* A new epoch is published at once, but one trainer's origin alone does
+     * not move the global epoch (ProgressEpochOrigins 2)... */
     cr_assert_eq(report(h[1], "run1", 6, 10, 0, 0, 60, 30), 0);
     cr_assert_eq(report(h[0], "run1", 5, 100, 0, 0, 60, 30), 0);
     deadline = hm_test_now_ms() + 20000;
@@ -164,13 +169,36 @@ Test(progress, three_daemons_agree_on_the_aggregate)
         agree = 0;
         for (int i = 0; i < 3; i++) {
             json_t *j = progress(h[i], "run1", 0);
-            agree += jint(j, "global_epoch") == 6 && jint(j, "samples") == 10;
+            /* Node 1 sees its own epoch 6 at once; wait until every node has it. */
+            const json_t *peers = json_object_get(j, "peers");
+            size_t k;
+            const json_t *x;
+            int seen6 = 0;
+            json_array_foreach(peers, k, x) seen6 |= jint(x, "epoch") == 6;
+            agree += seen6 && jint(j, "global_epoch") == 5 && jint(j, "samples") == 100 &&
+                     jint(j, "held_back") == 1;
             json_decref(j);
         }
         if (agree < 3)
             usleep(300000);
     }
-    cr_assert_eq(agree, 3, "only %zu nodes moved to epoch 6 with 10 samples", agree);
+    cr_assert_eq(agree, 3, "only %zu nodes held epoch 5 with one origin at 6", agree);
+    /* ...a second one does, and the samples at epoch 6 are summed. */
+    cr_assert_eq(report(h[0], "run1", 6, 4, 0, 0, 60, 30), 0);
+    deadline = hm_test_now_ms() + 20000;
+    agree = 0;
+    while (agree < 3 && hm_test_now_ms() < deadline) {
+        agree = 0;
+        for (int i = 0; i < 3; i++) {
+            json_t *j = progress(h[i], "run1", 0);
+            agree += jint(j, "global_epoch") == 6 && jint(j, "samples") == 14 &&
+                     jint(j, "held_back") == 0;
+            json_decref(j);
+        }
+        if (agree < 3)
+            usleep(300000);
+    }
+    cr_assert_eq(agree, 3, "only %zu nodes moved to epoch 6 with 14 samples", agree);
 
     /* hivemindctl shows the same. */
     int rc;
@@ -321,4 +349,148 @@ Test(progress, runs_are_bounded_per_connection_and_per_daemon)
         usleep(50000);
     cr_assert_eq(r, 0, "%s", hmc_last_error(b));
     hmc_close(b);
+}
+
+/*
+ * A reader whose peer table holds one place for 127.0.0.1 knows only one of
+ * the two reporters there; the other's record counts once its owner
+ * answered a ping at the address the record names (progress.h, "addr").
+ */
+Test(progress, an_owner_outside_the_peer_table_counts_once_proven_at_its_address)
+{
+    struct node nodes[3];
+    start_node(&nodes[0], "n0", NULL, "--peer-table-origin-cap", "1", NULL);
+    start_node(&nodes[1], "n1", NULL, "--initial-peers", nodes[0].addr, NULL);
+    start_node(&nodes[2], "n2", NULL, "--initial-peers", nodes[0].addr, NULL);
+    long deadline = hm_test_now_ms() + 20000;
+    while ((node_rt_size(&nodes[1]) < 2 || node_rt_size(&nodes[2]) < 2) &&
+           hm_test_now_ms() < deadline)
+        usleep(200000);
+    hmc *h[3] = {attach(&nodes[0]), attach(&nodes[1]), attach(&nodes[2])};
+    cr_assert_eq(report(h[1], "run5", 3, 10, 0, 0, 60, 30), 0, "%s", hmc_last_error(h[1]));
+    cr_assert_eq(report(h[2], "run5", 3, 20, 0, 0, 60, 30), 0, "%s", hmc_last_error(h[2]));
+    cr_assert(wait_counts(h, 1, "run5", 2, 0, 20000), "node 0 never counted both reporters");
+    int rc;
+    json_t *pj = ctl_json(&nodes[0], &rc, "peers", NULL);
+    size_t known = json_array_size(json_object_get(json_object_get(pj, "result"), "peers"));
+    json_decref(pj);
+    cr_assert_eq(known, 1, "node 0's table holds %zu peers, not the one place", known);
+    json_t *j = progress(h[0], "run5", 0);
+    cr_assert_eq(jint(j, "samples"), 30);
+    cr_assert_eq(jint(j, "unverified"), 0);
+    json_decref(j);
+    for (int i = 0; i < 3; i++)
+        hmc_close(h[i]);
+}
+
+/* ---- the aggregate by origin (progress.h), as a pure function ---- */
+
+/* A verified trainer record at origin 10.0.0.o (o 0: an origin of its own). */
+static hm_progress_peer rec(unsigned o, uint64_t epoch, uint64_t samples, double sps, int client)
+{
+    hm_progress_peer x;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x0a000000u | o)};
+    memset(&x, 0, sizeof(x));
+    x.r = (hm_progress_rec){.epoch = epoch, .samples = samples, .sps = sps, .time = 1000,
+                            .client = client};
+    x.verified = 1;
+    x.unique = o == 0;
+    hm_origin_of((const struct sockaddr *)&sa, &x.origin);
+    return x;
+}
+
+Test(progress_agg, the_global_epoch_needs_two_origins)
+{
+    hm_progress_rules rules = {.epoch_origins = 2, .origin_factor = 4};
+    hm_progress_agg agg;
+    hm_progress_peer p[16];
+    /* One origin alone leads. */
+    p[0] = rec(1, 7, 10, 0, 0);
+    hm_progress_aggregate(p, 1, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 7);
+    /* One origin ahead of two: held back until a second one gets there. */
+    p[1] = rec(2, 5, 10, 0, 0);
+    p[2] = rec(3, 5, 20, 0, 0);
+    hm_progress_aggregate(p, 3, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 5);
+    cr_assert_eq(agg.held_back, 1);
+    cr_assert_eq(agg.samples, 30);
+    p[1].r.epoch = 7;
+    hm_progress_aggregate(p, 3, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 7);
+    cr_assert_eq(agg.samples, 20);
+    /* Ten identities of one origin are one vote. */
+    for (int i = 3; i < 13; i++)
+        p[i] = rec(9, 999999, 10, 0, 0);
+    p[0].r.epoch = p[1].r.epoch = 5;
+    hm_progress_aggregate(p, 13, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 5);
+    cr_assert_eq(agg.n_origins, 4);
+    cr_assert_eq(agg.n_peers, 13);
+    /* ...unless they count apart (exempt loopback). */
+    for (int i = 3; i < 13; i++)
+        p[i].unique = 1;
+    hm_progress_aggregate(p, 13, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 999999);
+    /* Clients do not lead while trainers count, and lead alone. */
+    p[0] = rec(1, 3, 0, 0, 0);
+    p[1] = rec(2, 3, 0, 0, 0);
+    p[2] = rec(3, 8, 0, 0, 1);
+    p[3] = rec(4, 8, 0, 0, 1);
+    hm_progress_aggregate(p, 4, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 3);
+    hm_progress_aggregate(p + 2, 2, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 8);
+}
+
+Test(progress_agg, an_origin_counts_at_most_factor_times_the_median)
+{
+    hm_progress_rules rules = {.epoch_origins = 2, .origin_factor = 4};
+    hm_progress_agg agg;
+    hm_progress_peer p[8];
+    int used[8];
+    p[0] = rec(1, 5, 100, 10, 0);
+    p[1] = rec(2, 5, 200, 20, 0);
+    p[2] = rec(3, 5, 300, 30, 0);
+    hm_progress_aggregate(p, 3, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.samples, 600, "honest origins within the factor are summed exactly");
+    cr_assert_eq(agg.sps, 60);
+    cr_assert_eq(agg.clamped, 0);
+    /* Three identities of one origin claim 2^40 samples and 1e7/s each. */
+    for (int i = 3; i < 6; i++)
+        p[i] = rec(7, 5, HM_PROGRESS_MAX_SAMPLES, HM_PROGRESS_MAX_SPS, 0);
+    hm_progress_aggregate(p, 6, 1000, 100000, &rules, &agg, NULL);
+    cr_assert_eq(agg.samples, 600 + 4 * 200);
+    cr_assert_eq(agg.sps, 60 + 4 * 20);
+    cr_assert_eq(agg.clamped, 1);
+    cr_assert_gt(agg.eta_s, 0);
+    /* An unverified record never counts, whatever it claims. */
+    p[6] = rec(8, 999, HM_PROGRESS_MAX_SAMPLES, HM_PROGRESS_MAX_SPS, 0);
+    p[6].verified = 0;
+    hm_progress_aggregate(p, 7, 1000, 0, &rules, &agg, used);
+    cr_assert_eq(agg.unverified, 1);
+    cr_assert_eq(used[6], 0);
+    cr_assert_eq(agg.global_epoch, 5);
+    cr_assert_eq(agg.samples, 1400);
+    /* Factor 0: no bound. */
+    rules.origin_factor = 0;
+    hm_progress_aggregate(p, 6, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.samples, 600 + 3.0 * (double)HM_PROGRESS_MAX_SAMPLES);
+}
+
+Test(progress_agg, an_addr_entry_round_trips_and_bad_ones_are_refused)
+{
+    hm_progress_rec r = {.epoch = 1, .samples = 2, .sps = 3, .time = 4}, back;
+    uint8_t buf[HM_PROGRESS_VALUE_MAX];
+    size_t len;
+    snprintf(r.addr, sizeof(r.addr), "[2001:db8:ffff:ffff:ffff:ffff:ffff:ffff]:65535");
+    cr_assert_eq(hm_progress_encode(&r, buf, sizeof(buf), &len), 0);
+    cr_assert_eq(hm_progress_decode(buf, len, &back), 0);
+    cr_assert_str_eq(back.addr, r.addr);
+    snprintf(r.addr, sizeof(r.addr), "not an address");
+    cr_assert_eq(hm_progress_encode(&r, buf, sizeof(buf), &len), -ERANGE);
+    r.addr[0] = '\0';
+    cr_assert_eq(hm_progress_encode(&r, buf, sizeof(buf), &len), 0);
+    cr_assert_eq(hm_progress_decode(buf, len, &back), 0);
+    cr_assert_str_eq(back.addr, "");
 }

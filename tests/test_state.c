@@ -55,6 +55,24 @@ static int dht_ready(void *ud)
     return 1;
 }
 
+/* Every node has verified every other node at its address (they answered its pings). */
+static int peers_verified(void *ud)
+{
+    swarm *sw = ud;
+    hm_peer_info peers[16];
+    for (size_t i = 0; i < sw->n; i++) {
+        size_t ok = 0, n;
+        if (sw->nodes[i] == NULL)
+            continue;
+        n = HM_MIN(hm_node_peers(sw->nodes[i], peers, 16), (size_t)16);
+        for (size_t k = 0; k < n; k++)
+            ok += peers[k].verified != 0;
+        if (ok < sw->n - 1)
+            return 0;
+    }
+    return 1;
+}
+
 /*
  * Every node here listens on 127.0.0.1, a single origin, and agreement
  * counts one donor per origin by default: these swarms count each donor,
@@ -78,6 +96,10 @@ static void swarm_start(swarm *sw, size_t n, size_t with_state)
             cr_assert_eq(hm_state_new(sw->nodes[i], &one_host, &sw->st[i]), 0);
     }
     cr_assert(hm_test_run_until(&sw->loop, dht_ready, sw, 10000), "the DHT did not come up");
+    /* Donors vote where a node verified them (state.h, "Who is believed"),
+     * so the swarm is up once every node's pings have reached the others. */
+    cr_assert(hm_test_run_until(&sw->loop, peers_verified, sw, 10000),
+              "the nodes did not verify each other");
 }
 
 static void kill_node(swarm *sw, size_t i)

@@ -1716,3 +1716,118 @@ Test(transport, probe_proves_the_key_at_the_address_and_leaves_nothing_open)
     node_stop(&a);
     node_stop(&b);
 }
+
+/* ---- refusal notices: a refused reply or message is not silent ---- */
+
+/*
+ * A caller on 127.0.0.2 asks for six 1 MiB replies at once from a server
+ * whose write queues hold 2 MiB for one origin: the replies past the share
+ * are refused, and their calls fail with -ENOBUFS at once (a refusal
+ * notice), not at their 10 s deadline; the others arrive whole.
+ */
+Test(transport, a_reply_refused_by_the_write_queue_fails_the_call_at_once)
+{
+    hm_transport_config tc = {
+        .max_message = 2u << 20,
+        .max_queued_bytes = 4u << 20,
+        .wq_origin_bytes = 2u << 20,
+        .write_min_rate = SIZE_MAX,
+    };
+    hm_transport_config tb = {.listen = "127.0.0.2:0"};
+    tnode a, b;
+    node_start_cfg(&a, swarm, NULL, &tc, NULL);
+    node_start_cfg(&b, swarm, NULL, &tb, NULL);
+    enum { N = 6 };
+    result r[N];
+    memset(r, 0, sizeof(r));
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(call(&b, &a, "never", "x", 1, HM_RPC_STREAM, 10000, &r[i]), 0);
+    cr_assert(run_until(&a.n_held, N, 5000), "the requests arrived");
+    size_t len = 1u << 20;
+    uint8_t *body = calloc(1, len);
+    int refused_here = 0;
+    for (int i = 0; i < N; i++)
+        refused_here += hm_rpc_respond(a.held[i], 0, body, len) == -ENOBUFS;
+    a.n_held = 0;
+    uint64_t sent = hm_now_ms();
+    cr_assert_geq(refused_here, 1, "the origin's share refused some replies");
+    int done = 0;
+    for (uint64_t end = sent + 3000; done < N && hm_now_ms() < end;) {
+        run_for(10);
+        done = 0;
+        for (int i = 0; i < N; i++)
+            done += r[i].count;
+    }
+    cr_assert_eq(done, N, "only %d of %d calls ended within 3 s", done, N);
+    int ok = 0, nobufs = 0;
+    for (int i = 0; i < N; i++) {
+        ok += r[i].status == 0 && r[i].len == len;
+        nobufs += r[i].status == -ENOBUFS;
+        cr_assert(r[i].status == 0 || r[i].status == -ENOBUFS, "call %d: %s", i,
+                  hm_strerror(r[i].status));
+        cr_assert_lt(r[i].at_ms - sent, 3000, "call %d ended at its deadline", i);
+    }
+    cr_assert_eq(nobufs, refused_here, "every refused reply was noticed");
+    cr_assert_eq(ok, N - refused_here);
+    hm_rpc_refusal_stats rs;
+    hm_rpc_refusals(a.rpc, &rs);
+    cr_assert_eq(rs.notices_sent, (uint64_t)refused_here);
+    free(body);
+    for (int i = 0; i < N; i++)
+        result_free(&r[i]);
+    node_stop(&a);
+    node_stop(&b);
+}
+
+/*
+ * Reassembly refusals: two 1.5 MiB requests at once to a server that holds
+ * 2 MiB for the caller's origin: one is refused, and its call fails with
+ * -ENOBUFS at once; two 1.5 MiB replies at once to a caller that holds
+ * 2 MiB for the server's origin: one is refused, and its call ends with
+ * -ENOBUFS at once. All well before the 10 s deadline; the others succeed.
+ */
+Test(transport, messages_refused_by_reassembly_fail_their_calls_at_once)
+{
+    hm_transport_config small = {.max_message = 2u << 20, .rasm_origin_bytes = 2u << 20},
+                        big = {.max_message = 2u << 20, .listen = "127.0.0.2:0"};
+    tnode a, b;
+    node_start_cfg(&a, swarm, NULL, &small, NULL);
+    node_start_cfg(&b, swarm, NULL, &big, NULL);
+    size_t len = 3u << 19;
+    uint8_t *body = calloc(1, len);
+    hm_rpc_refusal_stats rs;
+    for (int phase = 0; phase < 2; phase++) {
+        /* Phase 0: b's requests meet a's reassembly; phase 1: b's replies do. */
+        tnode *caller = phase == 0 ? &b : &a, *server = phase == 0 ? &a : &b;
+        result r[2] = {{0}, {0}};
+        uint64_t t0 = hm_now_ms();
+        for (int i = 0; i < 2; i++)
+            cr_assert_eq(call(caller, server, "echo", body, len, HM_RPC_STREAM, 10000, &r[i]), 0);
+        int done = 0;
+        while (done < 2 && hm_now_ms() - t0 < 3000) {
+            run_for(10);
+            done = r[0].count + r[1].count;
+        }
+        cr_assert_eq(done, 2, "phase %d: a refused message's call did not end at once", phase);
+        int ok = 0, nobufs = 0;
+        for (int i = 0; i < 2; i++) {
+            ok += r[i].status == 0 && r[i].len == len;
+            nobufs += r[i].status == -ENOBUFS;
+        }
+        cr_assert_eq(nobufs, 1, "phase %d: %d calls refused", phase, nobufs);
+        cr_assert_eq(ok, 1, "phase %d: the other call succeeds", phase);
+        cr_assert_lt(hm_now_ms() - t0, 3000);
+        result_free(&r[0]);
+        result_free(&r[1]);
+    }
+    cr_assert_eq(a.served, 1, "a served the request it did not refuse");
+    cr_assert_eq(b.served, 2, "b served both; a refused one reply");
+    cr_assert_geq(stats_of(&a).rasm_refused_origin, 2);
+    hm_rpc_refusals(a.rpc, &rs);
+    cr_assert_eq(rs.refused_requests, 1);
+    cr_assert_eq(rs.notices_sent, 1);
+    cr_assert_eq(rs.refused_replies, 1);
+    free(body);
+    node_stop(&a);
+    node_stop(&b);
+}

@@ -786,8 +786,18 @@ static void print_progress(const json_t *r)
         printf("eta: %.1f s\n", json_number_value(eta));
     else
         printf("eta: unknown\n");
-    printf("peers: %lld, clients: %lld\n", (long long)json_integer_value(json_object_get(r, "n_peers")),
-           (long long)json_integer_value(json_object_get(r, "n_clients")));
+    printf("peers: %lld, clients: %lld, origins: %lld\n",
+           (long long)json_integer_value(json_object_get(r, "n_peers")),
+           (long long)json_integer_value(json_object_get(r, "n_clients")),
+           (long long)json_integer_value(json_object_get(r, "n_origins")));
+    /* What the origin rules set aside (docs/security.md, "Swarm progress records"). */
+    if (json_integer_value(json_object_get(r, "unverified")) > 0 ||
+        json_integer_value(json_object_get(r, "held_back")) > 0 ||
+        json_integer_value(json_object_get(r, "clamped")) > 0)
+        printf("set aside: %lld unverified records, %lld origins held back, %lld clamped\n",
+               (long long)json_integer_value(json_object_get(r, "unverified")),
+               (long long)json_integer_value(json_object_get(r, "held_back")),
+               (long long)json_integer_value(json_object_get(r, "clamped")));
     const json_t *peers = json_object_get(r, "peers");
     if (json_array_size(peers) > 0)
         printf("%-12s %8s %12s %10s %6s\n", "PEER", "EPOCH", "SAMPLES", "SAMPLES/S", "CLIENT");

@@ -105,11 +105,11 @@ static void cmd_peers(void *ud, hm_control_req *req, const json_t *args)
             hm_format_addr((const struct sockaddr *)&p->addr, a, sizeof(a)) == 0)
             addr = json_string(a);
         uint64_t ago = now > p->last_seen_ms ? now - p->last_seen_ms : 0;
-        json_t *e = json_pack("{s:s, s:o, s:f, s:o, s:b}", "peer_id", p->peer_id, "address",
+        json_t *e = json_pack("{s:s, s:o, s:f, s:o, s:b, s:b}", "peer_id", p->peer_id, "address",
                               addr, "last_seen_s", (double)ago / 1000.0, "rtt_ms",
                               p->rtt_ms < 0 ? json_null() : json_real(round(p->rtt_ms * 1000) / 1000),
                               "connected",
-                              p->connected);
+                              p->connected, "verified", p->verified);
         if (e == NULL || json_array_append_new(list, e) != 0)
             goto fail;
     }

@@ -19,11 +19,24 @@
  * whose subkey names their owner (the DHT checked the signature) and whose
  * value decodes within bounds, with this daemon's own report put in place
  * of its record, so that a node alone still sees itself.
+ *
+ * Who counts where: identities are free, so the aggregate counts network
+ * origins (progress.h), and a record counts only once its owner was seen
+ * at an address, which gives its origin: a peer of the node's peer table
+ * that answered its datagram ping there (hm_peer_info.verified), else the
+ * record's own "addr" once the owner answered a "node.ping" datagram sent
+ * there under its key (only who receives at that address and holds the key
+ * can). Such proofs are kept PROOF_TTL_MS in a table of PROOFS entries; a
+ * failed one is not retried for PROOF_RETRY_MS, at most PROBES_IN_FLIGHT
+ * pings are out at once and PROBES_PER_ORIGIN of them to one origin, so a
+ * record's address makes a reader send one small datagram per owner a
+ * minute at most, and to any one origin at most 4 per PROBE_TIMEOUT_MS.
  */
 #include "config.h"
 
 #include "src/daemon/daemon.h"
 #include "src/daemon/progress.h"
+#include "src/base/origin.h"
 #include "src/base/util.h"
 
 #include <errno.h>
@@ -40,8 +53,16 @@
 #define DHT_TIMEOUT_MS 5000
 /* Runs whose DHT records are cached at once. */
 #define CACHE_RUNS 64
-/* Records of one run that are read (the rest of a huge dictionary is not). */
-#define MAX_PEERS 512
+/* Records of one run that are read (the rest of a huge dictionary is not); one
+ * more place in the aggregate holds this daemon's own report. */
+#define MAX_PEERS (HM_PROGRESS_MAX_READ - 1)
+/* Owners proven at an address (see above). */
+#define PROOFS 1024
+#define PROOF_TTL_MS (10 * 60 * 1000)
+#define PROOF_RETRY_MS 60000
+#define PROBE_TIMEOUT_MS 3000
+#define PROBES_IN_FLIGHT 32
+#define PROBES_PER_ORIGIN 4
 #define DEFAULT_TTL_S HM_PROGRESS_TTL_MAX
 #define DEFAULT_REFRESH_S 30.0
 
@@ -77,10 +98,22 @@ typedef struct cache_entry {
 
 typedef struct hm_cmd_progress hm_cmd_progress;
 
+/* An owner's proof of address: pending, proven (origin) or failed. */
+typedef struct proof {
+    uint8_t pk[HM_PK_BYTES];
+    hm_origin origin;
+    int state; /* PROOF_* */
+    uint64_t until_ms; /* monotonic: when a proof or a failure lapses */
+    int used;
+} proof;
+enum { PROOF_PENDING = 1, PROOF_OK, PROOF_FAILED };
+
 /* A DHT operation in flight; it outlives the group if need be (p NULL). */
 typedef struct op {
     hm_cmd_progress *p;
-    uint64_t target_id; /* a report's or a cache entry's id */
+    uint64_t target_id; /* a report's or a cache entry's id; 0 for a probe */
+    uint8_t pk[HM_PK_BYTES]; /* a probe's owner */
+    struct sockaddr_storage addr; /* and the address it is asked at */
     struct op *prev, *next;
 } op;
 
@@ -96,6 +129,11 @@ struct hm_cmd_progress {
     uint64_t next_id;
     op *ops;
     uint64_t refused_runs, refused_per_conn;
+    uint64_t held_back, clamped; /* hm_cmd_progress_limits */
+    hm_progress_rules rules;
+    int cap_loopback;
+    proof *proofs; /* PROOFS */
+    size_t probes_in_flight;
     char self_id[HM_PEER_ID_LEN + 1];
     char marker[HM_DHT_OWNER_MARKER_LEN + 1];
 };
@@ -180,6 +218,12 @@ static int publish(hm_cmd_progress *p, report *r, uint64_t now_ms)
 
     if (r->put_busy || p->d->node == NULL)
         return 0;
+    /* Where readers that never met us can prove we are (read each time: it can change). */
+    struct sockaddr_storage self;
+    r->cur.addr[0] = '\0';
+    if (hm_node_announce(p->d->node, &self) == 0 &&
+        hm_format_addr((const struct sockaddr *)&self, r->cur.addr, sizeof(r->cur.addr)) < 0)
+        r->cur.addr[0] = '\0';
     if (hm_progress_encode(&r->cur, value, sizeof(value), &len) < 0)
         return 0;
     int klen = snprintf(key, sizeof(key), "%s.progress", r->run);
@@ -390,6 +434,114 @@ static json_t *peer_json(const hm_progress_peer *x)
                      "samples_per_second", x->r.sps, "time", x->r.time, "client", x->r.client);
 }
 
+/* ---- proofs of address ---- */
+
+static proof *proof_find(hm_cmd_progress *p, const uint8_t pk[HM_PK_BYTES])
+{
+    for (size_t i = 0; i < PROOFS; i++)
+        if (p->proofs[i].used && memcmp(p->proofs[i].pk, pk, HM_PK_BYTES) == 0)
+            return &p->proofs[i];
+    return NULL;
+}
+
+static void on_probe(void *ud, int status, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    op *o = ud;
+    uint8_t pk[HM_PK_BYTES];
+    struct sockaddr_storage addr = o->addr;
+    memcpy(pk, o->pk, HM_PK_BYTES);
+    hm_cmd_progress *p = op_end(o);
+    if (p == NULL)
+        return;
+    p->probes_in_flight--;
+    proof *f = proof_find(p, pk);
+    if (f == NULL || f->state != PROOF_PENDING)
+        return;
+    /* The rpc layer takes a reply only from the key asked, which had to
+     * receive our datagram at addr to answer it. */
+    if (status == 0) {
+        f->state = PROOF_OK;
+        hm_origin_of((const struct sockaddr *)&addr, &f->origin);
+        f->until_ms = hm_now_ms() + PROOF_TTL_MS;
+    } else {
+        f->state = PROOF_FAILED;
+        f->until_ms = hm_now_ms() + PROOF_RETRY_MS;
+    }
+}
+
+/* Asks the owner of a record, at the address it names, to answer a ping. */
+static void probe(hm_cmd_progress *p, const uint8_t pk[HM_PK_BYTES], const char *addr_str,
+                  uint64_t now)
+{
+    static const uint8_t empty_map = 0x80;
+    struct sockaddr_storage addr;
+    hm_origin org;
+    size_t same = 0;
+    proof *slot = NULL;
+    if (p->probes_in_flight >= PROBES_IN_FLIGHT || hm_parse_hostport(addr_str, &addr) != 0 ||
+        hm_addr_dialable(&addr) != 0)
+        return;
+    hm_origin_of((const struct sockaddr *)&addr, &org);
+    for (size_t i = 0; i < PROOFS; i++) {
+        proof *f = &p->proofs[i];
+        if (f->used && f->state == PROOF_PENDING && hm_origin_eq(&f->origin, &org))
+            same++;
+        /* A free place, else the one that lapses first (never a pending one). */
+        if (f->state != PROOF_PENDING &&
+            (slot == NULL || !f->used || (slot->used && f->until_ms < slot->until_ms)))
+            slot = f;
+    }
+    if (same >= PROBES_PER_ORIGIN || slot == NULL)
+        return;
+    op *o = op_new(p, 0);
+    if (o == NULL)
+        return;
+    memcpy(o->pk, pk, HM_PK_BYTES);
+    o->addr = addr;
+    memset(slot, 0, sizeof(*slot));
+    slot->used = 1;
+    memcpy(slot->pk, pk, HM_PK_BYTES);
+    slot->origin = org; /* the origin asked, for PROBES_PER_ORIGIN */
+    slot->state = PROOF_PENDING;
+    if (hm_rpc_call(hm_node_rpc(p->d->node), pk, (const struct sockaddr *)&addr, "node.ping",
+                    &empty_map, 1, HM_RPC_DGRAM, PROBE_TIMEOUT_MS, on_probe, o, NULL) < 0) {
+        op_end(o);
+        slot->state = PROOF_FAILED;
+        slot->until_ms = now + PROOF_RETRY_MS;
+        return;
+    }
+    p->probes_in_flight++;
+}
+
+/*
+ * Where x's owner counts (see the top of the file): its verified place in
+ * the peer table, else a proof of the address its record names, which is
+ * asked for when there is none.
+ */
+static void attribute(hm_cmd_progress *p, hm_progress_peer *x, uint64_t now)
+{
+    hm_peer_info pi;
+    x->verified = 0;
+    if (hm_node_peer_get(p->d->node, x->pk, &pi) == 0 && pi.verified) {
+        hm_origin_of((const struct sockaddr *)&pi.addr, &x->origin);
+        x->verified = 1;
+    }
+    if (!x->verified) {
+        proof *f = proof_find(p, x->pk);
+        if (f != NULL && f->state == PROOF_OK && f->until_ms > now) {
+            x->origin = f->origin;
+            x->verified = 1;
+        } else if (x->r.addr[0] != '\0' && (f == NULL || (f->state != PROOF_PENDING &&
+                                                            f->until_ms <= now))) {
+            probe(p, x->pk, x->r.addr, now);
+        }
+    }
+    /* Daemons of one machine (tests, demos) count apart unless told otherwise. */
+    x->unique = x->verified && !p->cap_loopback && hm_origin_is_loopback(&x->origin);
+}
+
 /* Answers one query from the entry's records and this daemon's own report. */
 static void answer(hm_cmd_progress *p, cache_entry *e, hm_control_req *req, uint64_t target)
 {
@@ -403,15 +555,31 @@ static void answer(hm_cmd_progress *p, cache_entry *e, hm_control_req *req, uint
     for (size_t i = 0; i < p->n_reports; i++)
         if (strcmp(p->reports[i]->run, e->run) == 0)
             mine = p->reports[i];
+    uint64_t now = hm_now_ms();
     for (size_t i = 0; i < e->n; i++)
-        if (mine == NULL || strcmp(e->peers[i].peer, p->self_id) != 0)
-            all[n++] = e->peers[i];
+        if (mine == NULL || strcmp(e->peers[i].peer, p->self_id) != 0) {
+            all[n] = e->peers[i];
+            attribute(p, &all[n++], now);
+        }
     if (mine != NULL) {
-        hm_strlcpy(all[n].peer, p->self_id, sizeof(all[n].peer));
-        all[n++].r = mine->cur;
+        hm_progress_peer *x = &all[n++];
+        struct sockaddr_storage self;
+        hm_strlcpy(x->peer, p->self_id, sizeof(x->peer));
+        memcpy(x->pk, hm_node_identity(p->d->node)->pk, HM_PK_BYTES);
+        x->r = mine->cur;
+        x->verified = 1;
+        /* At our declared address's origin, so that other daemons of our host
+         * count with us; without one, on our own. */
+        x->unique = 1;
+        if (hm_node_announce(p->d->node, &self) == 0) {
+            hm_origin_of((const struct sockaddr *)&self, &x->origin);
+            x->unique = !p->cap_loopback && hm_origin_is_loopback(&x->origin);
+        }
     }
     hm_progress_agg agg;
-    hm_progress_aggregate(all, n, wall_now(p), target, &agg, used);
+    hm_progress_aggregate(all, n, wall_now(p), target, &p->rules, &agg, used);
+    p->held_back += agg.held_back;
+    p->clamped += agg.clamped;
     for (size_t i = 0; i < n; i++) {
         json_t *x;
         if (!used[i])
@@ -419,11 +587,13 @@ static void answer(hm_cmd_progress *p, cache_entry *e, hm_control_req *req, uint
         if ((x = peer_json(&all[i])) == NULL || json_array_append_new(list, x) != 0)
             goto fail;
     }
-    o = json_pack("{s:s, s:I, s:I, s:f, s:I, s:I, s:I, s:o}", "run", e->run, "global_epoch",
-                  (json_int_t)agg.global_epoch, "samples", (json_int_t)floor(agg.samples),
-                  "samples_per_second", agg.sps, "n_peers", (json_int_t)agg.n_peers,
-                  "n_clients", (json_int_t)agg.n_clients, "ignored", (json_int_t)agg.ignored,
-                  "peers", list);
+    o = json_pack("{s:s, s:I, s:I, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "run", e->run,
+                  "global_epoch", (json_int_t)agg.global_epoch, "samples",
+                  (json_int_t)floor(agg.samples), "samples_per_second", agg.sps, "n_peers",
+                  (json_int_t)agg.n_peers, "n_clients", (json_int_t)agg.n_clients, "n_origins",
+                  (json_int_t)agg.n_origins, "ignored", (json_int_t)agg.ignored, "unverified",
+                  (json_int_t)agg.unverified, "held_back", (json_int_t)agg.held_back,
+                  "clamped", (json_int_t)agg.clamped, "peers", list);
     list = NULL;
     if (o == NULL)
         goto fail;
@@ -480,6 +650,7 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
         if (hm_progress_decode(rec->value, rec->value_len, &x->r) < 0)
             continue;
         hm_peer_id_encode(pk, x->peer);
+        memcpy(x->pk, pk, HM_PK_BYTES);
         e->n++;
     }
     waiter *w = e->waiters;
@@ -585,23 +756,34 @@ void hm_cmd_progress_limits(const hm_cmd_progress *p, hm_limit_emit_fn emit, voi
 {
     emit(ud, "ProgressMaxRuns", p->refused_runs);
     emit(ud, "ProgressRunsPerConnection", p->refused_per_conn);
+    /* -- progress origin limits -- */
+    emit(ud, "ProgressEpochOrigins", p->held_back);
+    emit(ud, "ProgressOriginFactor", p->clamped);
 }
 
 int hm_cmd_progress_register(hm_daemon *d, hm_control *ctl, char *err, size_t errlen)
 {
     int r;
     hm_cmd_progress *p = calloc(1, sizeof(*p));
-    if (p != NULL)
+    if (p != NULL) {
         p->reports = calloc(d->cfg->progress_max_runs, sizeof(*p->reports));
-    if (p == NULL || p->reports == NULL) {
-        if (p != NULL)
+        p->proofs = calloc(PROOFS, sizeof(*p->proofs));
+    }
+    if (p == NULL || p->reports == NULL || p->proofs == NULL) {
+        if (p != NULL) {
+            free(p->reports);
+            free(p->proofs);
             free(p);
+        }
         snprintf(err, errlen, "out of memory");
         return -ENOMEM;
     }
     p->d = d;
     p->max_reports = d->cfg->progress_max_runs;
     p->per_conn = d->cfg->progress_runs_per_connection;
+    p->rules.epoch_origins = d->cfg->progress_epoch_origins;
+    p->rules.origin_factor = d->cfg->progress_origin_factor;
+    p->cap_loopback = d->cfg->progress_cap_loopback;
     hm_peer_id_encode(hm_node_identity(d->node)->pk, p->self_id);
     hm_dht_owner_marker(hm_node_identity(d->node)->pk, p->marker);
     uv_timer_init(d->loop, &p->timer);
@@ -627,6 +809,7 @@ static void on_timer_closed(uv_handle_t *h)
     for (size_t i = 0; i < p->n_reports; i++)
         free(p->reports[i]);
     free(p->reports);
+    free(p->proofs);
     for (size_t i = 0; i < CACHE_RUNS; i++)
         free(p->cache[i].peers);
     free(p);

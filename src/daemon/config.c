@@ -146,6 +146,11 @@ static const struct opt opts[] = {
      "under memory pressure, close a connection holding over 1 MiB queued that drains slower "
      "than this, 0 never "
      "(default 256)"},
+    /* -- refusal notice options -- */
+    {"RefusalNoticeOriginKiB", "refusal-notice-origin-kib", T_UINT,
+     FIELD(refusal_notice_origin_kib), 1, 65536, 0, "KIB", "refusal notices (a refused "
+     "reply's or request's short -ENOBUFS answer) queued for one origin past the write-queue "
+     "caps (default 64)"},
     /* dht: storage, peer table */
     {"DhtRequestRate", "dht-request-rate", T_UINT, FIELD(dht_request_rate), 1, 1000000, 0, "N",
      "DHT requests served per second per address, with bursts of twice that; loopback "
@@ -220,6 +225,16 @@ static const struct opt opts[] = {
     {"ProgressRunsPerConnection", "progress-runs-per-connection", T_UINT,
      FIELD(progress_runs_per_connection), 1, 64, 0, "N",
      "runs one control connection may report progress in (default 4)"},
+    /* -- progress origin options -- */
+    {"ProgressEpochOrigins", "progress-epoch-origins", T_UINT, FIELD(progress_epoch_origins), 1,
+     64, 0, "N", "the swarm's global epoch is the largest that N network origins of trainers "
+     "have reached (all of them when fewer report; default 2)"},
+    {"ProgressOriginFactor", "progress-origin-factor", T_UINT, FIELD(progress_origin_factor), 0,
+     1000000, 0, "F", "one network origin's samples and samples per second count at most F "
+     "times the median origin's in the swarm's progress, 0 no bound (default 4)"},
+    {"ProgressCapLoopback", "progress-cap-loopback", T_BOOL, FIELD(progress_cap_loopback), 0, 0,
+     0, "[yes|no]", "count the progress reporters of one loopback address as one origin too, "
+     "where one machine runs several daemons (default no: each counts apart)"},
     /* -- netlab options -- */
     {"TestDelayMs", "test-delay-ms", T_UINT, FIELD(test_delay_ms), 0, 10000, 0, "MS",
      "for tests only, never in production: hold every datagram and stream message this "
@@ -654,6 +669,7 @@ void hm_config_defaults(hm_config *c)
     c->write_queue_max_mib = 256;
     c->write_queue_origin_mib = 32;
     c->write_min_rate_kib = 256;
+    c->refusal_notice_origin_kib = 64;
     hm_strlcpy(c->expert_type, "ffn", sizeof(c->expert_type));
     c->expert_dim = 512;
     hm_strlcpy(c->expert_optimizer, "adam", sizeof(c->expert_optimizer));
@@ -673,6 +689,8 @@ void hm_config_defaults(hm_config *c)
     c->http_max_request_bytes = 8192;
     c->http_timeout_s = 10;
     c->status_publish = 1;
+    c->progress_epoch_origins = 2;
+    c->progress_origin_factor = 4;
     c->expert_max_queued = 16384;
     c->expert_max_queued_mib = 1024;
     c->expert_record_max_ttl_s = 300;

@@ -80,6 +80,8 @@ typedef struct hm_config {
     unsigned reassembly_max_mib, reassembly_origin_mib, reassembly_stall_timeout_s;
     unsigned write_queue_max_mib, write_queue_origin_mib;
     unsigned write_min_rate_kib; /* 0: no drain-rate rule */
+    /* -- refusal notice fields -- */
+    unsigned refusal_notice_origin_kib; /* notices queued per origin past the caps */
     /* dht: storage, peer table */
     unsigned dht_request_rate;        /* DHT requests per second per address; burst twice that */
     unsigned dht_store_entries;       /* records one node stores for others */
@@ -107,6 +109,10 @@ typedef struct hm_config {
     /* -- progress fields -- */
     unsigned progress_max_runs;            /* progress reports published at once */
     unsigned progress_runs_per_connection; /* runs one control connection reports */
+    /* -- progress origin fields -- */
+    unsigned progress_epoch_origins;       /* origins that must reach an epoch to make it global */
+    unsigned progress_origin_factor;       /* an origin's samples <= this x the median; 0: none */
+    int progress_cap_loopback;             /* loopback daemons share their origin too */
     /* -- netlab fields -- */
     unsigned test_delay_ms;              /* tests only: delay everything sent; 0: off */
     /* -- announce fields -- */

@@ -546,6 +546,7 @@ static int start(daemon_t *d, char *err, size_t errlen)
     no.transport.wq_origin_bytes = (size_t)d->cfg.write_queue_origin_mib << 20;
     no.transport.write_min_rate =
         d->cfg.write_min_rate_kib == 0 ? SIZE_MAX : (size_t)d->cfg.write_min_rate_kib << 10;
+    no.transport.notice_origin_bytes = (size_t)d->cfg.refusal_notice_origin_kib << 10;
     r = hm_node_new(&d->loop, &no, &d->pub.node, err, errlen);
     if (r != 0)
         return r;

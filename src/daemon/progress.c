@@ -1,20 +1,33 @@
 /*
  * progress: the swarm-progress record's codec and the aggregate over the
  * records of a run (progress.h). Pure: no clock, no I/O, no allocation
- * beyond the wire decoder's bounded zone.
+ * beyond the wire decoder's bounded zone (the aggregate works on the stack).
  */
 #include "config.h"
 
 #include "src/daemon/progress.h"
 
+#include "src/base/util.h"
 #include "src/base/wire.h"
 
 #include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
-static const char *const keys[] = {"epoch", "samples", "samples_per_second", "time", "client"};
-#define N_KEYS 5
+static const char *const keys[] = {"epoch", "samples", "samples_per_second", "time", "client",
+                                   "addr"};
+#define N_KEYS 6
+/* The five every record has; "addr" is optional (records of older daemons lack it). */
+#define N_REQUIRED 5
+
+/* A HOST:PORT of at most HM_PROGRESS_ADDR_MAX bytes that parses; "" is none. */
+static int addr_ok(const char *a)
+{
+    struct sockaddr_storage ss;
+    size_t len = strnlen(a, HM_PROGRESS_ADDR_MAX + 1);
+    return len == 0 || (len <= HM_PROGRESS_ADDR_MAX && hm_parse_hostport(a, &ss) == 0);
+}
 
 int hm_progress_check(const hm_progress_rec *r, const char **field_out)
 {
@@ -27,6 +40,8 @@ int hm_progress_check(const hm_progress_rec *r, const char **field_out)
         bad = "samples_per_second";
     else if (!isfinite(r->time) || !(r->time > 0))
         bad = "time";
+    else if (!addr_ok(r->addr))
+        bad = "addr";
     if (field_out != NULL)
         *field_out = bad;
     return bad != NULL ? -ERANGE : 0;
@@ -38,7 +53,7 @@ int hm_progress_encode(const hm_progress_rec *r, uint8_t *buf, size_t cap, size_
     if (hm_progress_check(r, NULL) < 0)
         return -ERANGE;
     hm_wire_wr_init_fixed(&w, buf, cap < HM_PROGRESS_VALUE_MAX ? cap : HM_PROGRESS_VALUE_MAX);
-    hm_wire_wr_map(&w, N_KEYS);
+    hm_wire_wr_map(&w, r->addr[0] != '\0' ? N_KEYS : N_REQUIRED);
     hm_wire_wr_cstr(&w, "epoch");
     hm_wire_wr_uint(&w, r->epoch);
     hm_wire_wr_cstr(&w, "samples");
@@ -49,6 +64,10 @@ int hm_progress_encode(const hm_progress_rec *r, uint8_t *buf, size_t cap, size_
     hm_wire_wr_double(&w, r->time);
     hm_wire_wr_cstr(&w, "client");
     hm_wire_wr_bool(&w, r->client != 0);
+    if (r->addr[0] != '\0') {
+        hm_wire_wr_cstr(&w, "addr");
+        hm_wire_wr_cstr(&w, r->addr);
+    }
     if (hm_wire_wr_error(&w) < 0)
         return -EMSGSIZE;
     *len_out = w.len;
@@ -72,7 +91,7 @@ int hm_progress_decode(const uint8_t *buf, size_t len, hm_progress_rec *out)
     if ((result = hm_wire_decode_open_map(&m, buf, len, &value_limits, NULL, 0)) < 0)
         goto out;
     result = -EPROTO;
-    if (m.root.via.map.size != N_KEYS)
+    if (m.root.via.map.size != N_REQUIRED && m.root.via.map.size != N_KEYS)
         goto out;
     for (uint32_t i = 0; i < m.root.via.map.size; i++) {
         const msgpack_object_kv *kv = &m.root.via.map.ptr[i];
@@ -100,13 +119,29 @@ int hm_progress_decode(const uint8_t *buf, size_t len, hm_progress_rec *out)
         case 3:
             ok = hm_wire_get_double(&kv->val, &r.time);
             break;
-        default:
+        case 4:
             ok = hm_wire_get_bool(&kv->val, &r.client);
             break;
+        default: {
+            const char *a;
+            uint32_t alen;
+            ok = hm_wire_get_str(&kv->val, &a, &alen);
+            if (ok == 0 && (alen == 0 || alen > HM_PROGRESS_ADDR_MAX || memchr(a, 0, alen) != NULL))
+                ok = -EPROTO;
+            if (ok == 0) {
+                memcpy(r.addr, a, alen);
+                r.addr[alen] = '\0';
+                ok = addr_ok(r.addr) ? 0 : -EPROTO;
+            }
+            break;
+        }
         }
         if (ok < 0)
             goto out;
     }
+    for (int j = 0; j < N_REQUIRED; j++)
+        if (!seen[j])
+            goto out; /* "addr" in place of a required entry */
     if ((result = hm_progress_check(&r, NULL)) < 0)
         goto out;
     *out = r;
@@ -129,45 +164,138 @@ static int usable(const hm_progress_rec *r, double now)
     return hm_progress_check(r, NULL) == 0 && !(r->time > now + HM_PROGRESS_SKEW_S);
 }
 
-void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, uint64_t target,
-                           hm_progress_agg *out, int *used_out)
+/* One origin's part of the aggregate. */
+typedef struct org_acc {
+    const hm_progress_peer *first; /* its first counted record: the origin */
+    int trainer;                   /* it has a non-client record */
+    uint64_t trainer_epoch;        /* its vote (over its clients' records if it has no other) */
+    uint64_t client_epoch;
+    double samples, sps;           /* at the global epoch; over all its records */
+    int at_global;                 /* it has a record at the global epoch */
+} org_acc;
+
+static int same_origin(const hm_progress_peer *a, const hm_progress_peer *b)
 {
-    uint64_t top_trainer = 0, top_client = 0;
-    size_t trainers = 0, clients = 0, ignored = 0;
+    return !a->unique && !b->unique && memcmp(a->origin.b, b->origin.b, HM_ORIGIN_BYTES) == 0;
+}
+
+static int cmp_u64_desc(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y ? 1 : 0;
+}
+
+/* The lower median of v[0..n) (sorted in place); n > 0. */
+static double lower_median(double *v, size_t n)
+{
+    qsort(v, n, sizeof(*v), cmp_double);
+    return v[(n - 1) / 2];
+}
+
+void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, uint64_t target,
+                           const hm_progress_rules *rules, hm_progress_agg *out, int *used_out)
+{
+    /* On the stack: a read holds at most HM_PROGRESS_MAX_READ records. */
+    org_acc orgs[HM_PROGRESS_MAX_READ];
+    size_t org_of[HM_PROGRESS_MAX_READ];
+    uint64_t votes[HM_PROGRESS_MAX_READ];
+    double vals[HM_PROGRESS_MAX_READ];
+    size_t n_orgs = 0, trainers = 0, clients = 0, ignored = 0, unverified = 0;
+    size_t held = 0, clamped = 0, nv = 0;
+    unsigned quorum = rules != NULL && rules->epoch_origins > 0 ? rules->epoch_origins : 1;
+    unsigned factor = rules != NULL ? rules->origin_factor : 0;
+    int any_trainer = 0;
     double sps = 0, samples = 0;
 
+    memset(out, 0, sizeof(*out));
     for (size_t i = 0; i < n; i++) {
-        const hm_progress_rec *r = &peers[i].r;
-        if (!usable(r, now)) {
+        const hm_progress_peer *x = &peers[i];
+        if (used_out != NULL)
+            used_out[i] = 0;
+        if (i >= HM_PROGRESS_MAX_READ || !usable(&x->r, now)) {
             ignored++;
             continue;
         }
-        if (r->client) {
+        if (!x->verified) {
+            unverified++;
+            continue;
+        }
+        if (used_out != NULL)
+            used_out[i] = 1;
+        size_t o = 0;
+        while (o < n_orgs && !same_origin(orgs[o].first, x))
+            o++;
+        if (o == n_orgs)
+            memset(&orgs[n_orgs++], 0, sizeof(orgs[0])), orgs[o].first = x;
+        org_of[i] = o;
+        if (x->r.client) {
             clients++;
-            top_client = r->epoch > top_client ? r->epoch : top_client;
+            orgs[o].client_epoch = HM_MAX(orgs[o].client_epoch, x->r.epoch);
         } else {
             trainers++;
-            top_trainer = r->epoch > top_trainer ? r->epoch : top_trainer;
+            any_trainer = 1;
+            orgs[o].trainer = 1;
+            orgs[o].trainer_epoch = HM_MAX(orgs[o].trainer_epoch, x->r.epoch);
         }
+        orgs[o].sps += x->r.sps;
     }
-    uint64_t global = trainers > 0 ? top_trainer : top_client;
-    for (size_t i = 0; i < n; i++) {
+    /* The largest epoch `quorum` origins have reached (all, when fewer count). */
+    for (size_t o = 0; o < n_orgs; o++)
+        if (orgs[o].trainer == any_trainer)
+            votes[nv++] = any_trainer ? orgs[o].trainer_epoch : orgs[o].client_epoch;
+    uint64_t global = 0;
+    if (nv > 0) {
+        qsort(votes, nv, sizeof(*votes), cmp_u64_desc);
+        global = votes[(quorum < nv ? quorum : nv) - 1];
+        for (size_t k = 0; k < nv; k++)
+            held += votes[k] > global;
+    }
+    for (size_t i = 0; i < n && i < HM_PROGRESS_MAX_READ; i++) {
         const hm_progress_rec *r = &peers[i].r;
-        int used = usable(r, now);
-        if (used_out != NULL)
-            used_out[i] = used;
-        if (!used)
+        if (!usable(r, now) || !peers[i].verified || r->epoch != global)
             continue;
-        sps += r->sps;
-        if (r->epoch == global)
-            samples += (double)r->samples + r->sps * hm_progress_elapsed(r, now);
+        orgs[org_of[i]].samples += (double)r->samples + r->sps * hm_progress_elapsed(r, now);
+        orgs[org_of[i]].at_global = 1;
+    }
+    /* One origin counts at most `factor` times what the median origin does. */
+    double cap_samples = INFINITY, cap_sps = INFINITY;
+    if (factor > 0 && n_orgs > 0) {
+        nv = 0;
+        for (size_t o = 0; o < n_orgs; o++)
+            if (orgs[o].at_global)
+                vals[nv++] = orgs[o].samples;
+        if (nv > 0)
+            cap_samples = (double)factor * lower_median(vals, nv);
+        for (size_t o = 0; o < n_orgs; o++)
+            vals[o] = orgs[o].sps;
+        cap_sps = (double)factor * lower_median(vals, n_orgs);
+    }
+    for (size_t o = 0; o < n_orgs; o++) {
+        int c = 0;
+        if (orgs[o].samples > cap_samples)
+            orgs[o].samples = cap_samples, c = 1;
+        if (orgs[o].sps > cap_sps)
+            orgs[o].sps = cap_sps, c = 1;
+        clamped += c;
+        samples += orgs[o].samples;
+        sps += orgs[o].sps;
     }
     out->global_epoch = global;
     out->samples = samples;
     out->sps = sps;
     out->n_peers = trainers;
     out->n_clients = clients;
+    out->n_origins = n_orgs;
     out->ignored = ignored;
+    out->unverified = unverified;
+    out->held_back = held;
+    out->clamped = clamped;
     out->eta_s = -1;
     if (target > 0 && samples >= (double)target)
         out->eta_s = 0;

@@ -7,8 +7,8 @@
  * Every trainer's progress in a run is one signed DHT record under the key
  * "RUN.progress", with the reporting daemon's owner marker
  * "[owner:PEERID]" as its subkey (so the DHT accepts it only with that
- * daemon's signature, dht/record.h). Its value is a msgpack map of exactly
- * these five entries, in any order:
+ * daemon's signature, dht/record.h). Its value is a msgpack map of these
+ * five entries, in any order, and optionally a sixth:
  *
  *   "epoch"              uint, at most HM_PROGRESS_MAX_EPOCH
  *   "samples"            uint, samples accumulated in this epoch, at most
@@ -18,33 +18,57 @@
  *                        seconds) when the values were current
  *   "client"             bool: the trainer is a client (its epoch does not
  *                        lead the swarm's)
+ *   "addr"               (optional) str HOST:PORT of at most
+ *                        HM_PROGRESS_ADDR_MAX bytes: where the reporting
+ *                        daemon answers, so that a reader that never met it
+ *                        can prove the owner is there (its origin counts)
  *
  * of at most HM_PROGRESS_VALUE_MAX bytes. Anything else (another key, a
  * missing one, a number out of range) is refused, so that a hostile record
  * is ignored whole rather than half-read.
  *
- * The aggregate follows Hivemind's ProgressTracker: the global epoch is the
- * largest epoch over non-client peers (over the clients when there are no
- * others); the swarm's samples are the sum over the peers at the global
- * epoch of samples + samples_per_second * (now - time), the elapsed time
- * clamped to [0, HM_PROGRESS_TTL_MAX]; the throughput is the sum of every
- * peer's samples_per_second. A record whose time lies more than
- * HM_PROGRESS_SKEW_S in the reader's future is ignored.
+ * The aggregate follows Hivemind's ProgressTracker, with network origins
+ * (src/base/origin.h) where it counted peers, since identities are free.
+ * Only records whose owner was verified at an address count (the caller
+ * says which, and at which origin; docs/security.md, "Swarm progress
+ * records"). Per origin: its epoch is the largest over its non-client
+ * records (its client records when it has no other), its samples are the
+ * sum over its records at the global epoch of samples +
+ * samples_per_second * (now - time), the elapsed time clamped to [0,
+ * HM_PROGRESS_TTL_MAX], and its throughput the sum of its records'
+ * samples_per_second. Then:
+ *
+ *   - the global epoch is the largest epoch that at least epoch_origins
+ *     trainer origins (client origins when there is no trainer) have
+ *     reached, or all of them when fewer are counted: one origin alone
+ *     cannot move it;
+ *   - an origin's samples count at most origin_factor times the lower
+ *     median over the origins with records at the global epoch, and its
+ *     throughput at most origin_factor times the lower median over all
+ *     counted origins; the swarm's samples and throughput are the sums.
+ *
+ * A record whose time lies more than HM_PROGRESS_SKEW_S in the reader's
+ * future is ignored.
  */
 #ifndef HM_DAEMON_PROGRESS_H
 #define HM_DAEMON_PROGRESS_H
 
 #include "src/base/crypto.h"
+#include "src/base/origin.h"
 
 #include <stddef.h>
 #include <stdint.h>
 
 #define HM_PROGRESS_RUN_MAX 128
-#define HM_PROGRESS_VALUE_MAX 128
+#define HM_PROGRESS_VALUE_MAX 192
+/* The longest "addr" ("[v6 address]:port" fits). */
+#define HM_PROGRESS_ADDR_MAX 64
 /* Exact as JSON numbers everywhere. */
 #define HM_PROGRESS_MAX_EPOCH ((UINT64_C(1) << 53) - 1)
 /* 2^40 (about 1.1e12) samples in one epoch of one peer. */
 #define HM_PROGRESS_MAX_SAMPLES (UINT64_C(1) << 40)
+/* Records of one run a reader takes (the rest of a huge dictionary is not read). */
+#define HM_PROGRESS_MAX_READ 513
 /* Samples per second one peer may claim. */
 #define HM_PROGRESS_MAX_SPS 1e7
 /* A record lives at most this long (seconds), which also bounds its extrapolation. */
@@ -58,10 +82,12 @@ typedef struct hm_progress_rec {
     double sps;  /* samples per second */
     double time; /* UNIX seconds */
     int client;
+    char addr[HM_PROGRESS_ADDR_MAX + 1]; /* "" when the record names none */
 } hm_progress_rec;
 
 /*
- * Checks the bounds above (time: finite and positive). 0, or -ERANGE with
+ * Checks the bounds above (time: finite and positive; addr, when set, a
+ * HOST:PORT that parses). 0, or -ERANGE with
  * the offending field's name in *field_out (may be NULL).
  */
 int hm_progress_check(const hm_progress_rec *r, const char **field_out);
@@ -72,7 +98,8 @@ int hm_progress_encode(const hm_progress_rec *r, uint8_t *buf, size_t cap, size_
 /*
  * Decodes a value from untrusted bytes: hm_wire's validator first, then
  * exactly the five entries. 0, -EMSGSIZE (over HM_PROGRESS_VALUE_MAX or the
- * wire caps), -EINVAL (not msgpack), -EPROTO (another shape or type) or
+ * wire caps), -EINVAL (not msgpack), -EPROTO (another shape or type, or an
+ * addr that is no HOST:PORT of at most HM_PROGRESS_ADDR_MAX bytes) or
  * -ERANGE (a number out of bounds).
  */
 int hm_progress_decode(const uint8_t *buf, size_t len, hm_progress_rec *out);
@@ -80,8 +107,18 @@ int hm_progress_decode(const uint8_t *buf, size_t len, hm_progress_rec *out);
 /* One peer's record, as the aggregate takes it. */
 typedef struct hm_progress_peer {
     char peer[HM_PEER_ID_LEN + 1];
+    uint8_t pk[HM_PK_BYTES];
     hm_progress_rec r;
+    int verified;     /* its owner was proven at an address: the record counts */
+    hm_origin origin; /* that address's origin */
+    int unique;       /* counts as an origin of its own (this daemon; exempt loopback) */
 } hm_progress_peer;
+
+/* How records are weighed (hivemindd.conf: ProgressEpochOrigins, ProgressOriginFactor). */
+typedef struct hm_progress_rules {
+    unsigned epoch_origins; /* 0 takes 1 */
+    unsigned origin_factor; /* 0: no clamp */
+} hm_progress_rules;
 
 typedef struct hm_progress_agg {
     uint64_t global_epoch;
@@ -90,15 +127,22 @@ typedef struct hm_progress_agg {
     double eta_s;    /* to the target; < 0 when unknown (no target or no throughput) */
     size_t n_peers;  /* non-client peers counted */
     size_t n_clients;
-    size_t ignored;  /* records ignored (time in the future) */
+    size_t n_origins;  /* origins their records count for */
+    size_t ignored;    /* records ignored (time in the future) */
+    size_t unverified; /* records whose owner was not proven at an address */
+    size_t held_back;  /* origins whose epoch was past the global one it set */
+    size_t clamped;    /* origins whose samples or throughput were clamped */
 } hm_progress_agg;
 
 /*
- * The aggregate of n peers at wall time now; target 0 means none. A
- * peer's used flag (used_out[i], may be NULL) says whether it counted.
+ * The aggregate of n peers (at most HM_PROGRESS_MAX_READ) at wall time
+ * now under rules (NULL: one origin suffices, no clamp); target 0 means
+ * none. A peer's used flag (used_out[i], may be NULL) says whether it
+ * counted; peers past HM_PROGRESS_MAX_READ never do. O(n^2) time, no
+ * allocation.
  */
 void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, uint64_t target,
-                           hm_progress_agg *out, int *used_out);
+                           const hm_progress_rules *rules, hm_progress_agg *out, int *used_out);
 
 /* The elapsed time a record is extrapolated over, clamped as above. */
 double hm_progress_elapsed(const hm_progress_rec *r, double now);

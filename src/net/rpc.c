@@ -122,6 +122,9 @@ struct hm_rpc {
     hm_rpc_oneway_handler oneway[HM_RPC_ONEWAY_CHANNELS];
     void *oneway_ud[HM_RPC_ONEWAY_CHANNELS];
 
+    /* Refusal notices (hm_rpc_refusals). */
+    uint64_t notices_sent, refused_requests, refused_replies;
+
     int closing;
     int pending_closes;
     void (*close_cb)(void *ud);
@@ -502,6 +505,29 @@ static void req_unlink(hm_rpc *rpc, hm_rpc_req *r)
     peer_release(rpc, r->peer);
 }
 
+/*
+ * Tells pk at once that its call id was refused by one of our limits (a
+ * write queue full for its reply, or reassembly refusing its request): a
+ * reply of status -ENOBUFS and no body, sent as a refusal notice, which has
+ * its own small allowance in the write queues (HM_PRIO_NOTICE), so the
+ * caller fails now instead of at its deadline. A notice is never larger
+ * than what it answers, so it amplifies nothing.
+ */
+static void send_notice(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], uint64_t id)
+{
+    uint8_t buf[HM_TRANSPORT_NOTICE_MAX];
+    hm_wire_wr w;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_wire_wr_array(&w, 4);
+    hm_wire_wr_uint(&w, MSG_RESPONSE);
+    hm_wire_wr_uint(&w, id);
+    hm_wire_wr_int(&w, -ENOBUFS);
+    hm_wire_wr_bin(&w, NULL, 0);
+    if (hm_wire_wr_error(&w) == 0 &&
+        hm_transport_send(rpc->t, pk, NULL, buf, w.len, HM_PRIO_NOTICE) == 0)
+        rpc->notices_sent++;
+}
+
 static int send_reply(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
                       int via_stream, uint64_t id, int status, const void *body, size_t len)
 {
@@ -524,8 +550,12 @@ static int send_reply(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct s
             return -EMSGSIZE;
         uv_buf_t parts[2] = {uv_buf_init((char *)buf, (unsigned)w.len),
                              uv_buf_init((char *)body, (unsigned)len)};
-        return hm_transport_sendv(rpc->t, pk, NULL, parts, 2,
-                                  w.len + len <= HIGH_PRIO_MAX ? HM_PRIO_HIGH : HM_PRIO_LOW);
+        int r = hm_transport_sendv(rpc->t, pk, NULL, parts, 2,
+                                   w.len + len <= HIGH_PRIO_MAX ? HM_PRIO_HIGH : HM_PRIO_LOW);
+        /* A reply our write queues refuse is not silent: the caller hears so now. */
+        if (r == -ENOBUFS)
+            send_notice(rpc, pk, id);
+        return r;
     }
     hm_wire_wr_bin(&w, body, len);
     if (hm_wire_wr_error(&w) < 0) {
@@ -715,6 +745,73 @@ static void on_message(void *ud, const uint8_t pk[HM_PK_BYTES], const struct soc
  * answered, so stream calls fail now rather than at their deadlines, and
  * requests that came over it can no longer be answered.
  */
+/* A msgpack unsigned integer at *p (n bytes left); 0 or -EPROTO. */
+static int head_uint(const uint8_t **p, size_t *n, uint64_t *out)
+{
+    size_t w;
+    if (*n < 1)
+        return -EPROTO;
+    uint8_t b = **p;
+    if (b <= 0x7f) {
+        *out = b;
+        (*p)++;
+        (*n)--;
+        return 0;
+    }
+    w = b == 0xcc ? 1 : b == 0xcd ? 2 : b == 0xce ? 4 : b == 0xcf ? 8 : 0;
+    if (w == 0 || *n < 1 + w)
+        return -EPROTO;
+    uint64_t v = 0;
+    for (size_t i = 0; i < w; i++)
+        v = v << 8 | (*p)[1 + i];
+    *out = v;
+    *p += 1 + w;
+    *n -= 1 + w;
+    return 0;
+}
+
+int hm_rpc_parse_head(const uint8_t *head, size_t len, uint64_t *type, uint64_t *id)
+{
+    if (len < 1)
+        return -EPROTO;
+    if ((head[0] & 0xf0) == 0x90 && head[0] != 0x90) {
+        head++;
+        len--;
+    } else if (head[0] == 0xdc && len >= 3) {
+        head += 3;
+        len -= 3;
+    } else {
+        return -EPROTO;
+    }
+    if (head_uint(&head, &len, type) < 0 || head_uint(&head, &len, id) < 0)
+        return -EPROTO;
+    return 0;
+}
+
+/*
+ * The transport refused an inbound message from pk for lack of room; head
+ * is its start, the envelope [type, id, ...]. A refused request is answered
+ * with a notice at once; a refused reply ends our own call now: either way
+ * nobody waits for a deadline that nothing will meet.
+ */
+static void on_refused(void *ud, const uint8_t pk[HM_PK_BYTES], const uint8_t *head, size_t len)
+{
+    hm_rpc *rpc = ud;
+    uint64_t type, id;
+    if (rpc->closing || hm_rpc_parse_head(head, len, &type, &id) < 0)
+        return;
+    if (type == MSG_REQUEST) {
+        rpc->refused_requests++;
+        send_notice(rpc, pk, id);
+    } else if (type == MSG_RESPONSE) {
+        call *c = call_find(rpc, id);
+        if (c != NULL && memcmp(c->peer->pk, pk, HM_PK_BYTES) == 0) {
+            rpc->refused_replies++;
+            call_finish(rpc, c, -ENOBUFS, NULL, 0);
+        }
+    }
+}
+
 static void on_conn(void *ud, const uint8_t pk[HM_PK_BYTES], int up)
 {
     hm_rpc *rpc = ud;
@@ -750,7 +847,8 @@ int hm_rpc_new(uv_loop_t *loop, const hm_identity *id, const uint8_t swarm_id[HM
     int result = 0;
     hm_rpc *rpc = NULL;
     hm_transport_config tc;
-    hm_transport_cbs cbs = {.on_dgram = on_dgram, .on_message = on_message, .on_conn = on_conn};
+    hm_transport_cbs cbs = {.on_dgram = on_dgram, .on_message = on_message, .on_conn = on_conn,
+                            .on_refused = on_refused};
 
     *out = NULL;
     memset(&tc, 0, sizeof(tc));
@@ -871,6 +969,13 @@ int hm_rpc_send_oneway(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const st
     if (hm_wire_wr_error(&w) != 0)
         return -EMSGSIZE;
     return hm_transport_send_dgram(rpc->t, peer_pk, to, buf, w.len);
+}
+
+void hm_rpc_refusals(const hm_rpc *rpc, hm_rpc_refusal_stats *out)
+{
+    out->notices_sent = rpc->notices_sent;
+    out->refused_requests = rpc->refused_requests;
+    out->refused_replies = rpc->refused_replies;
 }
 
 void hm_rpc_foreach_stats(hm_rpc *rpc, void (*fn)(void *ud, const hm_rpc_method_stats *s),

@@ -87,6 +87,29 @@ int hm_rpc_cancel(hm_rpc *rpc, uint64_t call_id);
 
 /* Replies to an inbound request and frees it. status 0 = ok. */
 int hm_rpc_respond(hm_rpc_req *req, int status, const void *body, size_t len);
+
+/*
+ * Refusals are not silent. A reply our write queues refuse (ENOBUFS: the
+ * caller's origin holds its share) and a request our reassembly refuses
+ * are answered at once with status -ENOBUFS and no body, a refusal notice
+ * with its own small allowance in the transport (HM_PRIO_NOTICE); a reply
+ * to one of our calls that our reassembly refuses ends that call with
+ * -ENOBUFS. A caller thus tells "refused by a limit" (-ENOBUFS) from
+ * "dead" (-ETIMEDOUT) long before its deadline.
+ */
+typedef struct hm_rpc_refusal_stats {
+    uint64_t notices_sent;     /* -ENOBUFS notices queued for callers */
+    uint64_t refused_requests; /* inbound requests reassembly refused (each noticed) */
+    uint64_t refused_replies;  /* replies to our calls reassembly refused (each call ended) */
+} hm_rpc_refusal_stats;
+void hm_rpc_refusals(const hm_rpc *rpc, hm_rpc_refusal_stats *out);
+/*
+ * The envelope type and call id from the first bytes of a message (an
+ * array of 1 to 65535 items, then two msgpack unsigned integers), as a
+ * refused message's head gives them: untrusted bytes, fuzzed by
+ * tests/fuzz/fuzz_rpc_head.c. 0 or -EPROTO.
+ */
+int hm_rpc_parse_head(const uint8_t *head, size_t len, uint64_t *type, uint64_t *id);
 /* Whether the caller gave up (cancel or deadline): long handlers may stop early. */
 int hm_rpc_req_cancelled(const hm_rpc_req *req);
 

@@ -83,6 +83,8 @@
 #define WR_RATE_WINDOW_MS 4000u
 /* Single-chunk messages may pass an origin's write-queue share by this much. */
 #define WQ_SMALL_SLACK (1u << 20)
+/* Refusals of inbound messages waiting to be told to the layer above (from the loop). */
+#define REFUSED_PENDING_MAX 64
 /* Freed bytes after which the housekeeping hands free heap pages back (malloc_trim). */
 #define TRIM_AFTER_BYTES (8u << 20)
 #define CONN_BUCKETS 256u
@@ -140,7 +142,16 @@ typedef struct rasm {
     uint8_t *buf;
     uint64_t last_ms; /* when its last chunk arrived */
     int discard;
+    /* The message's first bytes, for the layer above when it is refused. */
+    uint8_t head[HM_TRANSPORT_HEAD_MAX];
+    uint8_t head_len;
 } rasm;
+
+typedef struct refused_msg {
+    uint8_t pk[HM_PK_BYTES];
+    uint8_t head[HM_TRANSPORT_HEAD_MAX];
+    uint8_t head_len;
+} refused_msg;
 
 STAILQ_HEAD(omsg_queue, omsg);
 
@@ -246,6 +257,9 @@ struct hm_transport {
     int open_handles;
     /* Stream messages to ourselves, in order, awaiting self_timer. */
     STAILQ_HEAD(, selfmsg) self_q;
+    /* Inbound messages refused by reassembly, told on_refused from self_timer. */
+    refused_msg refused[REFUSED_PENDING_MAX];
+    size_t n_refused;
     size_t self_bytes;
     struct sockaddr_storage local;
 
@@ -491,10 +505,24 @@ static void wq_sync(conn *c)
  * its fullest connection is closed (its queue freed) and the check repeats;
  * otherwise the send is refused. Returns 0 or -ENOBUFS, counted.
  */
-static int wq_admit(conn *c, size_t len)
+static int wq_admit(conn *c, size_t len, int notice)
 {
     hm_transport *t = c->t;
     uint64_t mine = origin_val(t, conn_origin(c), V_WQ);
+    if (notice) {
+        /*
+         * A refusal notice has an allowance of its own past the share and
+         * the total (notice_origin_bytes per origin, 64 times that in
+         * all), which ordinary sends never reach, and never sheds anyone.
+         */
+        if (mine + len > t->cfg.wq_origin_bytes + WQ_SMALL_SLACK + t->cfg.notice_origin_bytes ||
+            t->wq_total + len > t->cfg.wq_max_bytes + 64 * t->cfg.notice_origin_bytes ||
+            (mine == 0 && hm_origin_tab_count(&t->mem_origins) >= t->mem_origins.max_origins)) {
+            t->stats.notices_refused++;
+            return -ENOBUFS;
+        }
+        return 0;
+    }
     /*
      * A single message always fits an origin with nothing queued, so a
      * max_message transfer reaches any peer whatever the share, and
@@ -565,6 +593,8 @@ static void slot_abort(conn *c, rasm *s)
     s->discard = 1;
 }
 
+static void rasm_refused(conn *c, const rasm *s);
+
 /* Drops the message of origin o whose last chunk is the oldest; 0 if o has none. */
 static int rasm_shed_stalest(hm_transport *t, const hm_origin *o)
 {
@@ -584,8 +614,33 @@ static int rasm_shed_stalest(hm_transport *t, const hm_origin *o)
     char ob[HM_ORIGIN_STR];
     hm_info(MOD, "reassembly full (%zu bytes): dropping a %u-byte message in progress from %s, "
             "the origin holding the most", t->rasm_total, best->total, hm_origin_str(o, ob));
+    rasm_refused(best_c, best);
     slot_abort(best_c, best);
     return 1;
+}
+
+static void self_timer_cb(uv_timer_t *h);
+
+/*
+ * Remembers that s, an inbound message on c, was refused for lack of room,
+ * so that the layer above can tell its sender (on_refused, from the loop:
+ * never from inside the chunk processing that refused it).
+ */
+static void rasm_refused(conn *c, const rasm *s)
+{
+    hm_transport *t = c->t;
+    if (t->cbs.on_refused == NULL || t->closing || s->head_len == 0)
+        return;
+    if (t->n_refused >= REFUSED_PENDING_MAX) {
+        t->stats.refusals_untold++;
+        return;
+    }
+    refused_msg *m = &t->refused[t->n_refused++];
+    memcpy(m->pk, c->pk, HM_PK_BYTES);
+    memcpy(m->head, s->head, s->head_len);
+    m->head_len = s->head_len;
+    if (!uv_is_active((uv_handle_t *)&t->self_timer))
+        uv_timer_start(&t->self_timer, self_timer_cb, 0, 0);
 }
 
 /*
@@ -1272,9 +1327,16 @@ static void bufs_copy(uint8_t *dst, const uv_buf_t *bufs, unsigned n)
 static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio)
 {
     hm_transport *t = c->t;
-    if (c->unsent + c->inflight + len > t->cfg.max_queued_bytes)
+    int notice = prio == HM_PRIO_NOTICE;
+    if (notice)
+        prio = HM_PRIO_HIGH; /* queued as any small reply, ahead of bulk chunks */
+    if (c->unsent + c->inflight + len >
+        t->cfg.max_queued_bytes + (notice ? t->cfg.notice_origin_bytes : 0)) {
+        if (notice)
+            t->stats.notices_refused++;
         return -ENOBUFS;
-    int r = wq_admit(c, len);
+    }
+    int r = wq_admit(c, len, notice);
     if (r < 0)
         return r;
     size_t cap;
@@ -1382,9 +1444,12 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
         s->id = id;
         s->total = total;
         s->last_ms = hm_now_ms();
+        s->head_len = (uint8_t)HM_MIN(n, (size_t)HM_TRANSPORT_HEAD_MAX);
+        memcpy(s->head, p, s->head_len);
         int r = slot_grow(c, s, n);
         if (r == -ENOBUFS) {
             /* Refused, not the connection: the rest of it is dropped as it arrives. */
+            rasm_refused(c, s);
             s->discard = 1;
             s->len = (uint32_t)n;
             return 0;
@@ -1407,8 +1472,10 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
     s->last_ms = hm_now_ms();
     if (!s->discard) {
         int r = slot_grow(c, s, s->len + n);
-        if (r == -ENOBUFS)
+        if (r == -ENOBUFS) {
+            rasm_refused(c, s);
             slot_abort(c, s);
+        }
         else if (r < 0)
             return r;
     }
@@ -2096,6 +2163,8 @@ void hm_transport_config_defaults(hm_transport_config *cfg)
         cfg->wq_origin_bytes = 32u * 1024u * 1024u;
     if (cfg->write_min_rate == 0)
         cfg->write_min_rate = 256u * 1024u;
+    if (cfg->notice_origin_bytes == 0)
+        cfg->notice_origin_bytes = 64u * 1024u;
 }
 
 static void handle_closed_cb(uv_handle_t *h)
@@ -2344,6 +2413,15 @@ int hm_transport_send_dgram(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
 static void self_timer_cb(uv_timer_t *h)
 {
     hm_transport *t = h->data;
+    /* Refusals first (a copy: the callback may refuse more, or close us). */
+    size_t nr = t->n_refused;
+    refused_msg *rb = nr > 0 ? malloc(nr * sizeof(*rb)) : NULL;
+    if (rb != NULL)
+        memcpy(rb, t->refused, nr * sizeof(*rb));
+    t->n_refused = 0;
+    for (size_t i = 0; rb != NULL && i < nr && !t->closing; i++)
+        t->cbs.on_refused(t->ud, rb[i].pk, rb[i].head, rb[i].head_len);
+    free(rb);
     /* Only what was queued before this turn: a reply sent from a handler
      * goes out on the next one. */
     STAILQ_HEAD(, selfmsg) batch = STAILQ_HEAD_INITIALIZER(batch);
@@ -2386,9 +2464,11 @@ int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
 {
     if (t->closing)
         return -ECANCELED;
-    if (prio != HM_PRIO_HIGH && prio != HM_PRIO_LOW)
+    if (prio != HM_PRIO_HIGH && prio != HM_PRIO_LOW && prio != HM_PRIO_NOTICE)
         return -EINVAL;
     size_t len = bufs_len(bufs, n);
+    if (prio == HM_PRIO_NOTICE && (len > HM_TRANSPORT_NOTICE_MAX || to != NULL))
+        return -EINVAL;
     if (len > t->cfg.max_message)
         return -EMSGSIZE;
     if (memcmp(pk, t->id.pk, HM_PK_BYTES) == 0)
@@ -2560,6 +2640,8 @@ void hm_transport_limits(hm_transport *t, hm_limit_emit_fn emit, void *ud)
     emit(ud, "WriteQueueMaxMiB", t->stats.wq_refused_total + t->stats.wq_shed);
     emit(ud, "WriteQueueOriginMiB", t->stats.wq_refused_origin);
     emit(ud, "WriteMinRate", t->stats.write_too_slow);
+    /* -- refusal notices -- */
+    emit(ud, "RefusalNoticeOriginKiB", t->stats.notices_refused + t->stats.refusals_untold);
 }
 
 void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)

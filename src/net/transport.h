@@ -28,8 +28,11 @@
  * max_message + max_queued_bytes per connection, rasm_origin_bytes per
  * origin and rasm_max_bytes in total, where a lighter origin's new message
  * sheds the stalest message of the heaviest one. A message past a cap is
- * refused, not the connection: its chunks are dropped as they arrive (the
- * caller's call times out); one with no chunk for rasm_stall_ms is dropped.
+ * refused, not the connection: its chunks are dropped as they arrive, and
+ * the layer above is told (on_refused, with the message's first bytes) so
+ * that it can tell the sender at once; one with no chunk for rasm_stall_ms
+ * is dropped. Such refusal notices (HM_PRIO_NOTICE, tiny) have their own
+ * allowance past the write-queue caps, notice_origin_bytes per origin.
  * A peer breaking the framing is disconnected. Connections are capped in
  * total, inbound ones also per origin and per identity, and admitted (or
  * refused with a reset) before any cryptography (see the admission fields
@@ -102,6 +105,9 @@ typedef struct hm_transport_config {
     size_t wq_origin_bytes;      /* bytes queued for one origin: default 32 MiB */
     size_t write_min_rate;       /* bytes/s a connection holding over 1 MiB must drain:
                                   * default 256 KiB/s; SIZE_MAX turns the rule off */
+    /* -- refusal notices -- */
+    size_t notice_origin_bytes;  /* queued refusal notices past the caps, per origin: 64 KiB
+                                  * (64 times that over all origins) */
 } hm_transport_config;
 
 /* Fills defaults for every zero field. */
@@ -118,6 +124,12 @@ typedef struct hm_transport_cbs {
      * could not be established (0); optional. Never called from inside a
      * transport function, only from the loop. */
     void (*on_conn)(void *ud, const uint8_t pk[HM_PK_BYTES], int up);
+    /* An inbound stream message from pk was refused by reassembly (a cap
+     * was full); head holds its first head_len (<= HM_TRANSPORT_HEAD_MAX)
+     * bytes. Optional; called from the loop, at most REFUSED_PENDING_MAX
+     * (64) per turn, the rest counted untold. */
+    void (*on_refused)(void *ud, const uint8_t pk[HM_PK_BYTES], const uint8_t *head,
+                       size_t head_len);
 } hm_transport_cbs;
 
 typedef struct hm_transport_faults {
@@ -161,6 +173,8 @@ typedef struct hm_transport_stats {
     uint64_t write_too_slow;      /* connections closed for draining under write_min_rate */
     /* ---- connections by state, now (the status page's metrics) ---- */
     size_t conns_handshake, conns_open, conns_closing;
+    uint64_t notices_refused;     /* refusal notices not queued: RefusalNoticeOriginKiB */
+    uint64_t refusals_untold;     /* inbound refusals past the 64 pending per turn */
     /* ---- reachability (hm_transport_probe) ---- */
     uint64_t inbound_handshakes_ok; /* inbound connections that completed their handshake */
     uint64_t probes;                /* probes dialled */
@@ -176,7 +190,17 @@ int hm_transport_local_addr(hm_transport *t, struct sockaddr_storage *out);
 int hm_transport_send_dgram(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
                             const struct sockaddr *to, const void *msg, size_t len);
 
-enum { HM_PRIO_HIGH = 0, HM_PRIO_LOW = 1 };
+/*
+ * HM_PRIO_NOTICE: a refusal notice of at most HM_TRANSPORT_NOTICE_MAX
+ * bytes on an existing connection (to must be NULL), queued as HIGH and
+ * admitted within notice_origin_bytes past the write-queue caps, so that a
+ * peer whose message or reply was refused learns it now, not at its
+ * deadline.
+ */
+enum { HM_PRIO_HIGH = 0, HM_PRIO_LOW = 1, HM_PRIO_NOTICE = 2 };
+#define HM_TRANSPORT_NOTICE_MAX 64
+/* First bytes of a refused inbound message given to on_refused. */
+#define HM_TRANSPORT_HEAD_MAX 24
 /*
  * Queues one message for pk. Uses an existing connection to pk if there is
  * one, otherwise dials `to` (may be NULL when a connection must already

@@ -884,6 +884,19 @@ int hm_node_address(const hm_node *n, char *buf, size_t len)
     return (w < 0 || (size_t)w >= len) ? -EMSGSIZE : 0;
 }
 
+int hm_node_peer_get(hm_node *n, const uint8_t pk[HM_PK_BYTES], hm_peer_info *out)
+{
+    peer *p = peer_find(n, pk);
+    if (p == NULL)
+        return -ENOENT;
+    *out = p->info;
+    out->connected = hm_transport_connected(hm_rpc_transport(n->rpc), pk);
+    out->verified = p->verified;
+    if (!p->addr_known)
+        memset(&out->addr, 0, sizeof(out->addr));
+    return 0;
+}
+
 size_t hm_node_peers(const hm_node *n, hm_peer_info *out, size_t max)
 {
     hm_transport *t = hm_rpc_transport(n->rpc);

@@ -128,6 +128,8 @@ int hm_node_dht_put(hm_node *n, const uint8_t *key, size_t key_len, const uint8_
 int hm_node_add_peer(hm_node *n, const char *addr);
 /* Copies up to max entries; returns the total number of peers. */
 size_t hm_node_peers(const hm_node *n, hm_peer_info *out, size_t max);
+/* The entry of one peer, as hm_node_peers gives it: 0, or -ENOENT when pk is not in the table. */
+int hm_node_peer_get(hm_node *n, const uint8_t pk[HM_PK_BYTES], hm_peer_info *out);
 
 /*
  * Renders Prometheus text exposition (version 0.0.4) into a malloc'd string:

@@ -40,9 +40,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     CHECK(hm_progress_decode(buf, len, &b) == 0);
     CHECK(a.epoch == b.epoch && a.samples == b.samples && a.client == b.client);
     CHECK(memcmp(&a.sps, &b.sps, sizeof(a.sps)) == 0 && memcmp(&a.time, &b.time, sizeof(a.time)) == 0);
-    hm_progress_peer peers[2] = {{.r = a}, {.r = b}};
+    CHECK(strcmp(a.addr, b.addr) == 0);
+    hm_progress_peer peers[3] = {{.r = a, .verified = 1}, {.r = b, .verified = 1, .unique = 1},
+                                 {.r = a, .verified = 0}};
+    hm_progress_rules rules = {.epoch_origins = 2, .origin_factor = 4};
     hm_progress_agg agg;
-    hm_progress_aggregate(peers, 2, a.time + 1, 1000, &agg, NULL);
+    hm_progress_aggregate(peers, 3, a.time + 1, 1000, &rules, &agg, NULL);
     CHECK(isfinite(agg.samples) && isfinite(agg.sps) && agg.global_epoch == a.epoch);
+    CHECK(agg.n_origins == 2 && agg.unverified == 1);
     return 0;
 }
