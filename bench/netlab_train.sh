@@ -108,5 +108,5 @@ print("| --- |" + " --- |" * (len(marks) + 2))
 for mode in modes:
     pts, done = curve("%s/%s.t0.log" % (out, mode))
     print("| %s | %s | %d | %s |" % (names[mode], " | ".join(at(pts, m) for m in marks),
-                                     pts[-1][1] if pts else 0, done))
+                                     pts[-1][1] if pts else 0, done if mode != "solo" else "-"))
 PY
