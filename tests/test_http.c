@@ -373,7 +373,7 @@ Test(http, off_by_default_and_bad_addresses_refused)
     stop_node(&n);
 
     char *out, *err;
-    char *argv[] = {bin_daemon, "-t", "--http-listen", "localhost:80", NULL};
+    char *argv[] = {bin_daemon, "-t", "--http-listen", "local_host:80", NULL};
     cr_assert_eq(run_prog(bin_daemon, argv, &out, &err), 64, "%s", err);
     free(out);
     free(err);

@@ -403,8 +403,11 @@ int hm_http_new(hm_daemon *d, hm_control *ctl, hm_http **out, char *addr, size_t
         addr[0] = '\0';
     if (c->http_listen[0] == '\0')
         return 0;
-    if ((r = hm_parse_hostport(c->http_listen, &ss)) != 0) {
-        snprintf(err, errlen, "HttpListen %s: not a numeric HOST:PORT", c->http_listen);
+    /* A host name is resolved here, once: this runs at start, before the
+     * loop does, so the lookup's blocking holds up nothing. */
+    char why[320];
+    if ((r = hm_resolve_hostport(c->http_listen, &ss, why, sizeof(why))) != 0) {
+        snprintf(err, errlen, "HttpListen %s: %s", c->http_listen, why);
         return r;
     }
     hm_http *h = calloc(1, sizeof(*h));

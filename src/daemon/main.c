@@ -614,6 +614,8 @@ static int start(daemon_t *d, char *err, size_t errlen)
     }
     r = hm_http_new(&d->pub, d->ctl, &d->pub.http, d->pub.http_address,
                     sizeof(d->pub.http_address), err, errlen);
+    if (r == -EHOSTUNREACH)
+        d->start_exit = HM_EXIT_NOHOST;
     if (r != 0)
         return r;
     if (d->pub.http != NULL)
