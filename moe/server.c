@@ -865,11 +865,18 @@ static void async_cb(uv_async_t *a)
 
 /* ------------------------------------------------------------ rpc handlers */
 
+/* Answers a request with an error and its reason in words (proto.h), so
+ * that the caller can tell a wrong width from a lost host. */
+static void respond_why(hm_rpc_req *req, int status, const char *why)
+{
+    hm_rpc_respond(req, status, why, why != NULL ? strnlen(why, HM_MOE_ERR_MAX) : 0);
+}
+
 /* Answers a queued request that was shed for a newcomer from a lighter origin. */
 static void shed(hm_moe_server *s, queue *q, flow *f)
 {
     pending *p = flow_pop(q, f);
-    hm_rpc_respond(p->req, -ENOBUFS, NULL, 0);
+    respond_why(p->req, -ENOBUFS, "shed by limit ExpertMaxQueued: a lighter caller needed the room");
     pending_done(s, p);
 }
 
@@ -952,6 +959,7 @@ static int make_room_bytes(hm_moe_server *s, hm_origin_ent *oe, size_t need)
 static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *from,
                    const uint8_t *body, size_t len, int backward)
 {
+    char why[HM_MOE_ERR_MAX + 1] = "";
     hm_moe_req mr;
     hm_origin o;
     hm_origin_ent *oe = NULL;
@@ -962,16 +970,23 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
 
     if (s->state != S_RUNNING) {
         r = -ESHUTDOWN;
+        snprintf(why, sizeof(why), "the host is shutting down");
         goto fail;
     }
-    if ((r = hm_moe_decode_req(body, len, backward, &mr)) < 0)
+    if ((r = hm_moe_decode_req(body, len, backward, &mr)) < 0) {
+        snprintf(why, sizeof(why), "malformed %s request (%s)", backward ? "backward" : "forward",
+                 hm_strerror(r));
         goto fail;
+    }
     if ((e = find_expert(s, mr.uid)) == NULL) {
         r = -ENOENT;
+        snprintf(why, sizeof(why), "no expert %s is hosted here", mr.uid);
         goto fail;
     }
     if (mr.dim != e->dim) {
         r = -EPROTO;
+        snprintf(why, sizeof(why), "%s takes inputs of width %zu, not %zu", e->uid, e->dim,
+                 mr.dim);
         goto fail;
     }
     n = mr.batch * mr.dim;
@@ -980,6 +995,7 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
     if ((oe = hm_origin_tab_get(&s->origins, &o, 1)) == NULL) {
         r = -ENOBUFS; /* more origins waiting than the table holds */
         s->refused_queued++;
+        snprintf(why, sizeof(why), "refused by limit ExpertMaxQueued: too many callers waiting");
         goto fail;
     }
     /*
@@ -988,10 +1004,14 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
      */
     if ((r = make_room_samples(s, e, oe, mr.batch)) < 0) {
         s->refused_queued++;
+        snprintf(why, sizeof(why), "refused by limit ExpertMaxQueued: %s's queue is full (%zu "
+                 "samples)", e->uid, s->max_queued);
         goto fail;
     }
     if ((r = make_room_bytes(s, oe, bytes)) < 0) {
         s->refused_bytes++;
+        snprintf(why, sizeof(why), "refused by limit ExpertMaxQueuedBytes: the queues are full "
+                 "(%zu MiB)", s->max_queued_bytes >> 20);
         goto fail;
     }
     /* The body lives only during this call: the request keeps its own copy. */
@@ -1011,6 +1031,8 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
     if (!floats_finite(p->x, n) || (backward && !floats_finite(p->gy, n))) {
         free(p);
         r = -EDOM;
+        snprintf(why, sizeof(why), "the %s holds non-finite values", backward ? "input or "
+                 "gradient" : "input");
         goto fail;
     }
     p->req = req;
@@ -1032,7 +1054,7 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
 fail:
     if (oe != NULL)
         hm_origin_tab_release(&s->origins, oe);
-    hm_rpc_respond(req, r, NULL, 0);
+    respond_why(req, r, why);
 }
 
 void hm_moe_server_limits(hm_moe_server *s, hm_limit_emit_fn emit, void *ud)
