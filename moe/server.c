@@ -46,6 +46,19 @@
 #define PUT_TIMEOUT_MS 5000
 /* A put the DHT refused for lack of slots is retried after this long. */
 #define PUT_RETRY_MS 250
+/*
+ * Declaration puts per second, and their burst. Each put reaches every
+ * replica of its key with a lookup and a store, so a host declaring
+ * hundreds of experts as fast as the DHT allows would exceed its peers'
+ * per-address rate limits (DhtRequestRate, 200 a second by default) at
+ * every refresh and be banned for a while: paced, a refresh is normal
+ * load. 40 a second declares 250 experts of a two-level grid (about 510
+ * records) in 13 s, inside the refresh period of a third of the TTL.
+ */
+#define DECL_PUTS_PER_S 40.0
+#define DECL_PUTS_BURST 40.0
+/* A round's puts that failed are retried this many times, after 1 s, 2 s, 4 s. */
+#define DECL_RETRIES 3
 /* Withdrawal at close gives up after this long. */
 #define WITHDRAW_MAX_MS 4000
 #define WITHDRAW_PUT_TIMEOUT_MS 3000
@@ -168,12 +181,14 @@ typedef struct decl {
     size_t subkey_len;
     uint8_t value[DECL_VALUE_MAX];
     size_t value_len;
+    int failed; /* its last put this round was stored nowhere */
 } decl;
 
 typedef struct putop putop;
 struct putop {
     hm_moe_server *s; /* NULL once orphaned */
     LIST_ENTRY(putop) link; /* in s->puts while s is set */
+    size_t idx;             /* in s->decls */
 };
 
 struct hm_moe_server {
@@ -227,6 +242,10 @@ struct hm_moe_server {
     LIST_HEAD(, putop) puts;
     size_t puts_out;
     size_t round_stored;   /* puts of this round that some replica accepted */
+    size_t round_failed;   /* puts of this pass stored nowhere */
+    unsigned retry_pass;   /* 0: the round's first pass; then the retries of failed puts */
+    double decl_tokens;    /* the pacing's bucket (DECL_PUTS_PER_S) */
+    uint64_t decl_tokens_ms;
     unsigned failed_rounds; /* rounds in a row in which none was stored */
     uint64_t withdraw_deadline_ms;
 
@@ -1215,11 +1234,17 @@ static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_in
         return;
     }
     putop_unlink(s, o);
+    size_t idx = o->idx;
     free(o);
     if (status == 0)
         s->round_stored++;
-    if (status < 0 && status != -ECANCELED)
+    if (status < 0 && status != -ECANCELED) {
         hm_debug(MOD, "declaration not stored: %s", hm_strerror(status));
+        if (idx < s->ndecls && !s->withdrawing) {
+            s->decls[idx].failed = 1;
+            s->round_failed++;
+        }
+    }
     decl_continue(s);
 }
 
@@ -1258,11 +1283,32 @@ static void decl_continue(hm_moe_server *s)
     }
     while (s->decl_cursor < s->ndecls && s->puts_out < PUTS_INFLIGHT) {
         decl *d = &s->decls[s->decl_cursor];
+        /* A retry pass sends only what failed. */
+        if (s->retry_pass > 0 && !d->failed) {
+            s->decl_cursor++;
+            continue;
+        }
+        /* Paced (DECL_PUTS_PER_S); a withdrawal at close is not, it has a deadline. */
+        if (!withdraw) {
+            uint64_t now = hm_now_ms();
+            if (now > s->decl_tokens_ms) {
+                s->decl_tokens = HM_MIN(DECL_PUTS_BURST, s->decl_tokens +
+                                                             (double)(now - s->decl_tokens_ms) *
+                                                                 DECL_PUTS_PER_S / 1000.0);
+                s->decl_tokens_ms = now;
+            }
+            if (s->decl_tokens < 1.0) {
+                uint64_t wait = (uint64_t)((1.0 - s->decl_tokens) * 1000.0 / DECL_PUTS_PER_S) + 1;
+                uv_timer_start(&s->decl_timer, decl_timer_cb, wait, 0);
+                return;
+            }
+        }
         putop *o = calloc(1, sizeof(*o));
         int r;
         if (o == NULL)
             break;
         o->s = s;
+        o->idx = s->decl_cursor;
         r = hm_node_dht_put(s->node, (const uint8_t *)d->key, strlen(d->key), d->subkey,
                             d->subkey_len, 1, d->value, withdraw ? 0 : d->value_len, s->ttl_s,
                             withdraw ? WITHDRAW_PUT_TIMEOUT_MS : PUT_TIMEOUT_MS, on_put, o);
@@ -1274,6 +1320,9 @@ static void decl_continue(hm_moe_server *s)
             return;
         }
         s->decl_cursor++;
+        d->failed = 0;
+        if (!withdraw)
+            s->decl_tokens -= 1.0;
         if (r < 0) {
             free(o);
             hm_debug(MOD, "%s: declaration not started: %s", d->key, hm_strerror(r));
@@ -1284,6 +1333,21 @@ static void decl_continue(hm_moe_server *s)
     }
     if (s->decl_cursor < s->ndecls || s->puts_out > 0)
         return;
+    if (!withdraw && s->state == S_RUNNING && s->round_failed > 0 &&
+        s->retry_pass < DECL_RETRIES) {
+        /*
+         * Some records reached no replica (a lookup timed out, a peer
+         * refused): only those go again, after a back-off, rather than
+         * waiting for the next refresh while callers cannot find them.
+         */
+        hm_debug(MOD, "retrying %zu declarations that were not stored", s->round_failed);
+        s->round_failed = 0;
+        s->decl_cursor = 0;
+        uv_timer_start(&s->decl_timer, decl_timer_cb, jitter((uint64_t)1000 << s->retry_pass),
+                       0);
+        s->retry_pass++;
+        return;
+    }
     s->decl_round = 0;
     if (withdraw) {
         withdraw_done(s);
@@ -1345,6 +1409,8 @@ static void decl_round_start(hm_moe_server *s)
     s->decl_round = 1;
     s->decl_cursor = 0;
     s->round_stored = 0;
+    s->round_failed = 0;
+    s->retry_pass = 0;
     decl_continue(s);
 }
 
@@ -1815,6 +1881,7 @@ static void close_step(hm_moe_server *s)
                 (void)decls_build(s);
             s->decl_round = 1;
             s->decl_cursor = 0;
+            s->retry_pass = 0;
             /* The deadline holds even when every put hangs. */
             uv_timer_start(&s->decl_timer, decl_timer_cb, WITHDRAW_MAX_MS, 0);
             decl_continue(s);

@@ -22,6 +22,8 @@
  *  - one node is a swarm: a daemon without peers finds and calls its own
  *    experts and reads its own DHT records; a call of the wrong width or
  *    to an unknown uid fails at once with the server's reason and code.
+ *  - a thousand experts on four hosts: all listed, beam searches exact,
+ *    declarations paced under the DHT's rate limits.
  *  - stalled hosts: after one wait for a SIGSTOPped host the trainer's
  *    daemon skips it (its metrics count one stall, the rest skipped), and
  *    after SIGCONT and the back-off a probe brings it back.
@@ -626,4 +628,94 @@ Test(moe_daemon, stopped_host_is_skipped_then_used_again)
     hmc_buf_free(xb);
     hmc_buf_free(yb);
     hmc_close(h);
+}
+
+/*
+ * A thousand experts: four hosts declare 250 each (grid ffn 40 x 25); the
+ * trainer's listing shows all 1,000, and 25 beam searches with random gate
+ * scores return the true top 4 (brute force over the grid), best first,
+ * also after the hosts' declarations were refreshed. The declarations are
+ * paced, so no DHT rate limiter of the swarm refuses a single request of
+ * theirs (unpaced, each refresh of 510 records per host cost a few dozen).
+ */
+Test(moe_daemon, a_thousand_experts, .timeout = 240)
+{
+    enum { G0 = 40, G1 = 25, HOSTS = 4 };
+    struct node hosts[HOSTS], tr;
+    start_node(&tr, "trainer", NULL, NULL);
+    for (int i = 0; i < HOSTS; i++) {
+        char pat[48], name[16];
+        snprintf(pat, sizeof(pat), "ffn.[%d:%d].[0:%d]", i * G0 / HOSTS, (i + 1) * G0 / HOSTS,
+                 G1);
+        snprintf(name, sizeof(name), "h%d", i);
+        start_node(&hosts[i], name, NULL, "--host-experts", pat, "--expert-dim", "16",
+                   "--expert-hidden", "16", "--checkpoint-interval", "3600", "--initial-peers",
+                   tr.addr, NULL);
+    }
+    /* The listing walks the grid's prefix records: every expert, once. */
+    size_t listed = 0;
+    long deadline = hm_test_now_ms() + 90000;
+    while (hm_test_now_ms() < deadline) {
+        int rc;
+        json_t *j = ctl_json(&tr, &rc, "experts", "list", "ffn", NULL);
+        listed = json_array_size(json_object_get(json_object_get(j, "result"), "swarm"));
+        json_decref(j);
+        if (listed >= G0 * G1)
+            break;
+        usleep(1000000);
+    }
+    cr_assert_eq(listed, G0 * G1, "the listing shows %zu of %d experts", listed, G0 * G1);
+
+    hmc *h = attach(&tr);
+    unsigned seed = 12345;
+    for (int round = 0; round < 2; round++) {
+        for (int q = 0; q < 25; q++) {
+            double scores[G0 + G1];
+            for (size_t i = 0; i < G0 + G1; i++) {
+                seed = seed * 1103515245u + 12345u;
+                scores[i] = (double)((seed >> 8) & 0xffff) / 65536.0;
+            }
+            /* The true top 4 of s0[i] + s1[j] over the full grid. */
+            int best[4][2];
+            double bs[4] = {-1, -1, -1, -1};
+            for (int i = 0; i < G0; i++)
+                for (int jj = 0; jj < G1; jj++) {
+                    double s = scores[i] + scores[G0 + jj];
+                    int p = 4;
+                    while (p > 0 && s > bs[p - 1])
+                        p--;
+                    if (p >= 4)
+                        continue;
+                    for (int m = 3; m > p; m--) {
+                        bs[m] = bs[m - 1];
+                        best[m][0] = best[m - 1][0];
+                        best[m][1] = best[m - 1][1];
+                    }
+                    bs[p] = s;
+                    best[p][0] = i;
+                    best[p][1] = jj;
+                }
+            size_t sizes[2] = {G0, G1}, n = 0;
+            hmc_expert ex[4];
+            int r = hmc_experts_find(h, "ffn", scores, sizes, 2, 4, 10.0, ex, 4, &n, NULL);
+            cr_assert_eq(r, 0, "search %d: %s", q, hmc_last_error(h));
+            cr_assert_eq(n, 4, "search %d found %zu experts", q, n);
+            for (int m = 0; m < 4; m++) {
+                char want[32];
+                snprintf(want, sizeof(want), "ffn.%d.%d", best[m][0], best[m][1]);
+                cr_assert_str_eq(ex[m].uid, want, "search %d (round %d), place %d", q, round, m);
+            }
+        }
+        /* Again after the declarations' refresh (a third of their 60 s TTL). */
+        if (round == 0)
+            usleep(22000000);
+    }
+    hmc_close(h);
+    for (int i = 0; i < HOSTS; i++) {
+        double refused =
+            metric_value(&hosts[i], "hivemindd_limit_refused_total{limit=\"DhtRequestRate\"}");
+        cr_assert_eq(refused, 0, "host %d's rate limiter refused %g requests", i, refused);
+    }
+    double refused = metric_value(&tr, "hivemindd_limit_refused_total{limit=\"DhtRequestRate\"}");
+    cr_assert_eq(refused, 0, "the trainer's rate limiter refused %g requests", refused);
 }
