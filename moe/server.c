@@ -1228,7 +1228,6 @@ static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_in
     hm_moe_server *s = o->s;
 
     HM_UNUSED(stored);
-    HM_UNUSED(info);
     if (s == NULL) {
         free(o);
         return;
@@ -1236,7 +1235,11 @@ static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_in
     putop_unlink(s, o);
     size_t idx = o->idx;
     free(o);
-    if (status == 0)
+    /* A node that asked nobody kept the record only in its own store (a
+     * lone node, or one whose first peers have not answered yet): that
+     * round does not count as stored, so the next comes within seconds
+     * and reaches the peers as soon as there are some. */
+    if (status == 0 && (info == NULL || info->requests > 0))
         s->round_stored++;
     if (status < 0 && status != -ECANCELED) {
         hm_debug(MOD, "declaration not stored: %s", hm_strerror(status));

@@ -42,7 +42,9 @@
  * are paced (40 a second, bursts of 40), so that a host of hundreds of
  * experts stays under its peers' DHT rate limits at every refresh, and
  * the records no replica took are retried within the round after 1, 2
- * and 4 s before the next refresh takes them all again. One record per
+ * and 4 s before the next refresh takes them all again. A round whose puts
+ * reached no peer (kept only in this node's own store) is followed by the
+ * next within 1 to 4 s, as one that stored nothing. One record per
  * put: a grid prefix's entries are separate subkeys, not one batch.
  *
  * Durability. With a state_dir, each expert is checkpointed
