@@ -32,7 +32,9 @@
  * timeout_after_k_min 100 ms and timeout 2 s, --calls times at batch 64:
  * first with all four healthy, then with one stopped by SIGSTOP (a stalled
  * process: its socket still accepts bytes, nothing answers). Printed: the
- * p50/p99 latency of each phase and how many experts answered each call.
+ * p50/p99 latency of each phase, how many experts answered each call, and
+ * the ratio of the stalled phase's p50 to the healthy one's (the client
+ * backs a stalled host off, so only the first stalled call should wait).
  *
  * Only figures are printed; the exit status is 1 only when something could
  * not be measured (a process or a call failed). Every child is killed and
@@ -641,8 +643,8 @@ static void throughput(parent *pa, proc *srv)
         throughput_batch(pa, srv, i);
 }
 
-/* Part 2: --calls forwards to the four experts; latency and answers. */
-static void straggler_phase(parent *pa, proc *srv, const char *label)
+/* Part 2: --calls forwards to the four experts; latency and answers. Returns the p50 (s). */
+static double straggler_phase(parent *pa, proc *srv, const char *label)
 {
     size_t n = STRAG_BATCH * STRAG_DIM;
     int calls = pa->o.calls;
@@ -688,6 +690,7 @@ static void straggler_phase(parent *pa, proc *srv, const char *label)
     fflush(stdout);
     free(x);
     free(y);
+    return hm_bench_percentile(lat, (size_t)calls, 0.5);
 }
 
 static void straggler(parent *pa, proc *srv)
@@ -701,11 +704,22 @@ static void straggler(parent *pa, proc *srv)
     pa->o.calls = 3;
     straggler_phase(pa, srv, "(warm-up, all 4 healthy)");
     pa->o.calls = saved;
-    straggler_phase(pa, srv, "all 4 healthy:");
+    double healthy = straggler_phase(pa, srv, "all 4 healthy:");
     if (kill(srv[N_STRAG - 1].pid, SIGSTOP) < 0)
         hm_bench_die("SIGSTOP", -errno);
     srv[N_STRAG - 1].stopped = 1;
-    straggler_phase(pa, srv, "one server SIGSTOPped:");
+    double stalled = straggler_phase(pa, srv, "one server SIGSTOPped:");
+    /*
+     * The client backs the stopped host off after the first call it
+     * stalls (moe/client.h), so the calls after it no longer wait out
+     * timeout_after_k_min: the median is the healthy one's, give or take.
+     */
+    hm_moe_backoff_stats bs;
+    hm_moe_client_backoff_stats(pa->client, &bs);
+    printf("stalled p50 / healthy p50: %.2f (target <= 1.5); host stalls %llu, experts skipped "
+           "%llu of %d calls' %d\n",
+           healthy > 0 ? stalled / healthy : 0.0, (unsigned long long)bs.stalls,
+           (unsigned long long)bs.skipped, pa->o.calls, N_STRAG * pa->o.calls);
 }
 
 static void on_closed(void *ud)

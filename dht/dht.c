@@ -1021,6 +1021,13 @@ static void join_refresh(hm_dht *d, uint64_t now_ms)
     }
 }
 
+/* Whether the operation found nobody to ask: no contact in the table, no
+ * request sent, nothing timed out. */
+static int dht_alone(const hm_dht *d, const struct op *o)
+{
+    return o->info.requests == 0 && o->info.timeouts == 0 && hm_rt_size(d->rt) == 0;
+}
+
 static void lookup_done(hm_dht *d, struct op *o, uint64_t now_ms)
 {
     for (unsigned p = 0; p < o->npaths; p++)
@@ -1040,7 +1047,10 @@ static void lookup_done(hm_dht *d, struct op *o, uint64_t now_ms)
     case OP_GET: {
         struct cand *any[1];
         int status = 0;
-        if (o->nheld == 0 && answered_closest(d, o, any, 1, 0) == 0)
+        /* A lone node (no contact at all, nobody asked) is the whole
+         * swarm: its own store, read when the get began, is the answer,
+         * and a key it does not hold is absent, not unreachable. */
+        if (o->nheld == 0 && answered_closest(d, o, any, 1, 0) == 0 && !dht_alone(d, o))
             status = o->info.timeouts ? -ETIMEDOUT : -EHOSTUNREACH;
         if (o->nheld > 0)
             cache_result(d, o, now_ms);
@@ -1076,6 +1086,17 @@ static void store_phase(hm_dht *d, struct op *o, uint64_t now_ms)
     size_t n = answered_closest(d, o, targets, HM_MIN(d->cfg.num_replicas, 64u), 0);
 
     o->phase = PH_STORE;
+    if (n == 0 && dht_alone(d, o)) {
+        /* Alone, this node is the closest replica there is: it keeps the
+         * record itself, so that its own gets (its experts' declarations
+         * above all) find it. The owner's refreshes reach peers that join
+         * later. */
+        int r = hm_dht_store_put(d->store, &o->put.rec, d->id.node_id, secs(now_ms));
+        if (r == 0)
+            o->stored++;
+        else
+            o->store_err = r;
+    }
     for (size_t i = 0; i < n; i++)
         send_store(d, o, targets[i], &o->put.rec, P_STORE, now_ms);
     store_check_done(d, o, now_ms);

@@ -223,7 +223,11 @@ int hmc_experts_find(hmc *h, const char *prefix, const double *scores, const siz
  * (1..k; anything else is -EINVAL) have answered, waiting at most
  * timeout_after_k_min_s more for the rest.
  * answered_out (k ints, may be NULL) says which did; *n_answered_out their
- * number. Fewer than k_min answering is -EREMOTEIO.
+ * number. Fewer than k_min answering is -EREMOTEIO: hmc_last_error_code
+ * "timeout" when experts did not answer in time, or, when a host refused
+ * the call, the refusal's code ("expert_wrong_shape", "expert_not_found",
+ * "expert_busy", "expert_bad_input", "expert_error") with the host's own
+ * reason in hmc_last_error (docs/control-protocol.md).
  */
 int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
                         hmc_buf *yb, size_t y_off, size_t batch, size_t dim, size_t k_min,

@@ -43,6 +43,20 @@ typedef struct holder {
     uint8_t pk[HM_PK_BYTES];
 } holder;
 
+/*
+ * A host that stalled a call (client.h, "Stalled hosts"); used == 0: a
+ * free slot. A probe is one call allowed through after the back-off; while
+ * it is in flight until_ms holds the other calls off.
+ */
+typedef struct backoff {
+    int used;
+    int probing;
+    uint8_t pk[HM_PK_BYTES];
+    uint64_t until_ms;  /* skipped until then */
+    uint64_t period_ms; /* the back-off now in force */
+    unsigned stalls;    /* in a row */
+} backoff;
+
 struct hm_moe_client {
     hm_node *node;
     hm_rpc *rpc;
@@ -50,6 +64,9 @@ struct hm_moe_client {
     int any_holder;
     const hm_moe_allow *allow;
     holder *holders; /* HM_MOE_HOLDERS slots, allocated on first use */
+    backoff *backoffs; /* HM_MOE_BACKOFF_HOSTS slots, allocated at the first stall */
+    uint64_t backoff_ms, backoff_max_ms;
+    uint64_t n_stalls, n_skipped, n_recovered;
     uint64_t refused_ttl, refused_allow, refused_holder;
     uint64_t next_call_id;
     LIST_HEAD(, find_op) finds; /* active find operations */
@@ -230,12 +247,145 @@ static void holder_forget(hm_moe_client *c, const char *name)
         h->name[0] = '\0';
 }
 
+/* ------------------------------------------------------------ stalled hosts */
+
+static backoff *backoff_slot(hm_moe_client *c, const uint8_t pk[HM_PK_BYTES], int create)
+{
+    uint8_t h[8];
+    uint64_t v = 0;
+    if (c->backoffs == NULL) {
+        if (!create || (c->backoffs = calloc(HM_MOE_BACKOFF_HOSTS, sizeof(*c->backoffs))) == NULL)
+            return NULL;
+    }
+    /* Keys are chosen by their owners: hash them so that a swarm of made
+     * identities cannot aim at one slot any better than at random. */
+    crypto_generichash(h, sizeof(h), pk, HM_PK_BYTES, NULL, 0);
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | h[i];
+    return &c->backoffs[v % HM_MOE_BACKOFF_HOSTS];
+}
+
+static backoff *backoff_get(hm_moe_client *c, const uint8_t pk[HM_PK_BYTES])
+{
+    backoff *b = backoff_slot(c, pk, 0);
+    return b != NULL && b->used && memcmp(b->pk, pk, HM_PK_BYTES) == 0 ? b : NULL;
+}
+
+enum { HOST_GOOD = 0, HOST_BACKED_OFF = 1, HOST_DUE = 2 };
+
+/* Where a host stands now: in good standing, backed off, or due for a probe. */
+static int backoff_state(hm_moe_client *c, const uint8_t pk[HM_PK_BYTES], uint64_t now)
+{
+    const backoff *b = backoff_get(c, pk);
+    if (b == NULL)
+        return HOST_GOOD;
+    return now < b->until_ms ? HOST_BACKED_OFF : HOST_DUE;
+}
+
+/* A call goes to a host whose back-off ran out: the others wait for its verdict. */
+static void backoff_probe(hm_moe_client *c, const uint8_t pk[HM_PK_BYTES], uint64_t now,
+                          uint64_t timeout_ms)
+{
+    backoff *b = backoff_get(c, pk);
+    if (b == NULL || now < b->until_ms)
+        return;
+    b->probing = 1;
+    b->until_ms = now + timeout_ms;
+}
+
+/*
+ * The host let a call wait. The first stall of a period starts (or
+ * doubles) the back-off; more stalls in the same period (several of its
+ * experts in one call, calls that had to use it anyway) change nothing.
+ */
+static void backoff_stall(hm_moe_client *c, const uint8_t pk[HM_PK_BYTES], uint64_t now)
+{
+    backoff *b = backoff_get(c, pk);
+    if (b != NULL && !b->probing && now < b->until_ms)
+        return;
+    if (b == NULL) {
+        if ((b = backoff_slot(c, pk, 1)) == NULL)
+            return; /* no memory for the table: the host is only called again */
+        memset(b, 0, sizeof(*b));
+        b->used = 1;
+        memcpy(b->pk, pk, HM_PK_BYTES);
+    }
+    b->period_ms = b->period_ms == 0 ? c->backoff_ms : HM_MIN(2 * b->period_ms, c->backoff_max_ms);
+    b->until_ms = now + b->period_ms;
+    b->probing = 0;
+    b->stalls++;
+    c->n_stalls++;
+    char peer[HM_PEER_ID_LEN + 1];
+    hm_peer_id_encode(pk, peer);
+    hm_info(MOD, "host %.12s stalled a call: skipped for %.1f s (stall %u in a row)", peer,
+            (double)b->period_ms / 1000.0, b->stalls);
+}
+
+/* The host answered (a result or an error reply): it is alive, its back-off ends. */
+static void backoff_alive(hm_moe_client *c, const uint8_t pk[HM_PK_BYTES])
+{
+    backoff *b = backoff_get(c, pk);
+    if (b == NULL)
+        return;
+    char peer[HM_PEER_ID_LEN + 1];
+    hm_peer_id_encode(pk, peer);
+    hm_info(MOD, "host %.12s answers again after %u stalls", peer, b->stalls);
+    b->used = 0;
+    c->n_recovered++;
+}
+
+/* A probe ended without a verdict (cancelled, a transport error): the next call probes. */
+static void backoff_unprobe(hm_moe_client *c, const uint8_t pk[HM_PK_BYTES], uint64_t now)
+{
+    backoff *b = backoff_get(c, pk);
+    if (b != NULL && b->probing) {
+        b->probing = 0;
+        b->until_ms = now;
+    }
+}
+
+void hm_moe_client_backoff_stats(hm_moe_client *c, hm_moe_backoff_stats *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (c == NULL)
+        return;
+    out->stalls = c->n_stalls;
+    out->skipped = c->n_skipped;
+    out->recovered = c->n_recovered;
+    for (size_t i = 0; c->backoffs != NULL && i < HM_MOE_BACKOFF_HOSTS; i++)
+        out->hosts += c->backoffs[i].used != 0;
+}
+
+size_t hm_moe_client_backoffs(hm_moe_client *c, hm_moe_backoff_host *out, size_t max)
+{
+    size_t n = 0;
+    uint64_t now = hm_now_ms();
+    for (size_t i = 0; c != NULL && c->backoffs != NULL && i < HM_MOE_BACKOFF_HOSTS && n < max;
+         i++) {
+        const backoff *b = &c->backoffs[i];
+        if (!b->used)
+            continue;
+        memcpy(out[n].pk, b->pk, HM_PK_BYTES);
+        out[n].left_ms = b->probing || now >= b->until_ms ? 0 : b->until_ms - now;
+        out[n].period_ms = b->period_ms;
+        out[n].stalls = b->stalls;
+        n++;
+    }
+    return n;
+}
+
 static double wall_s(void) { return (double)hm_wall_us() / 1e6; }
 
 int hm_moe_client_set_policy(hm_moe_client *c, const hm_moe_client_policy *p)
 {
     if (c == NULL || p == NULL || !(p->record_max_ttl_s >= 0) || p->record_max_ttl_s > 86400)
         return -EINVAL;
+    uint64_t bo = p->backoff_ms > 0 ? p->backoff_ms : HM_MOE_BACKOFF_MS;
+    uint64_t bmax = p->backoff_max_ms > 0 ? p->backoff_max_ms : HM_MAX(HM_MOE_BACKOFF_MAX_MS, bo);
+    if (bo > 86400000 || bmax > 86400000 || bmax < bo)
+        return -EINVAL;
+    c->backoff_ms = bo;
+    c->backoff_max_ms = bmax;
     c->max_ttl_s = p->record_max_ttl_s > 0 ? p->record_max_ttl_s : HM_MOE_RECORD_MAX_TTL_S;
     c->any_holder = p->any_holder;
     c->allow = p->allow;
@@ -387,9 +537,18 @@ static void beam_finish(find_op *f)
 {
     hm_moe_expert out[HM_MOE_MAX_K];
     size_t n = 0;
-    /* At the last level next_beam holds the experts, best first. */
-    for (size_t i = 0; i < f->n_next && n < f->k_best; i++)
-        out[n++] = f->next_beam[i].ex;
+    uint64_t now = hm_now_ms();
+    /*
+     * At the last level next_beam holds the experts, best first (up to
+     * twice k_best of them): those on hosts in good standing come first,
+     * then the backed-off ones fill what is left (client.h).
+     */
+    for (int pass = 0; pass < 2 && f->c != NULL; pass++)
+        for (size_t i = 0; i < f->n_next && n < f->k_best; i++) {
+            int off = backoff_state(f->c, f->next_beam[i].ex.pk, now) == HOST_BACKED_OFF;
+            if (off == pass)
+                out[n++] = f->next_beam[i].ex;
+        }
     int status = 0;
     if (n == 0)
         status = f->failed_gets ? -ETIMEDOUT : -ENOENT;
@@ -443,7 +602,8 @@ static void beam_take(find_op *f, const beam_ent *parent, const hm_dht_value *va
             if (expert_set_addr(&cand.ex, addr) != 0)
                 continue;
         }
-        ent_offer(f->c, f->next_beam, &f->n_next, last ? f->k_best : f->beam_size, &cand, last);
+        ent_offer(f->c, f->next_beam, &f->n_next, last ? 2 * f->k_best : f->beam_size, &cand,
+                  last);
     }
 }
 
@@ -560,8 +720,9 @@ int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const
         }
         memcpy(f->scores[d], scores[d], grid_sizes[d] * sizeof(double));
     }
-    /* Both arrays must hold a level of prefixes and the final experts. */
-    size_t cap = HM_MAX(beam_size, k_best);
+    /* Both arrays must hold a level of prefixes and the final experts
+     * (twice k_best, so that backed-off hosts can be passed over). */
+    size_t cap = HM_MAX(beam_size, 2 * k_best);
     f->beam = calloc(cap, sizeof(beam_ent));
     f->next_beam = calloc(cap, sizeof(beam_ent));
     if (f->beam == NULL || f->next_beam == NULL) {
@@ -594,6 +755,9 @@ typedef struct slot {
     size_t e;
     uint64_t rpc_id;
     int pending; /* an rpc call is in flight */
+    int status;  /* how it ended (hm_moe_call_error.status) */
+    int refused; /* the server answered with an error and its reason */
+    uint8_t pk[HM_PK_BYTES]; /* the host, for its back-off */
 } slot;
 
 struct call {
@@ -610,6 +774,11 @@ struct call {
     size_t n_pending, n_answered;
     size_t n_cancelled; /* slots the rpc layer ended with -ECANCELED (the node closing) */
     uint8_t answered[HM_MOE_MAX_K];
+    hm_moe_call_error *errs; /* the caller's, or NULL */
+    const float *x, *gy;     /* the caller's, for experts called late */
+    uint64_t deadline_ms;
+    hm_moe_expert *skipped;  /* [k] copies, where some expert was left out; else NULL */
+    size_t n_skipped;        /* experts left out and not called since */
     slot slots[HM_MOE_MAX_K];
     uv_timer_t timer;      /* the overall timeout (or a deferred finish) */
     uv_timer_t kmin_timer; /* timeout_after_k_min, from the k_min-th answer */
@@ -627,25 +796,101 @@ static void call_unlink(call *k)
 static void call_handle_closed(uv_handle_t *h)
 {
     call *k = h->data;
-    if (--k->handles_open == 0)
+    if (--k->handles_open == 0) {
+        free(k->skipped);
         free(k);
+    }
+}
+
+static void slot_cb(void *ud, int status, const uint8_t *body, size_t len);
+
+/*
+ * Sends expert e its request. 0 when it is in flight, -ENOMEM, or another
+ * error, after which the expert counts as not answering.
+ */
+static int slot_send(call *k, size_t e, const hm_moe_expert *ex, uint64_t timeout_ms,
+                     uint64_t now)
+{
+    hm_moe_client *c = k->c;
+    slot *s = &k->slots[e];
+    hm_wire_wr w;
+    size_t block = k->batch * k->dim;
+
+    if (backoff_state(c, ex->pk, now) == HOST_DUE)
+        backoff_probe(c, ex->pk, now, timeout_ms);
+    hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+    if (k->backward)
+        hm_moe_encode_bwd(&w, ex->uid, k->x, k->gy + e * block, k->batch, k->dim);
+    else
+        hm_moe_encode_fwd(&w, ex->uid, k->x, k->batch, k->dim);
+    int r = hm_wire_wr_error(&w);
+    if (r == 0)
+        r = hm_rpc_call(c->rpc, ex->pk, (const struct sockaddr *)&ex->addr,
+                        k->backward ? HM_MOE_METHOD_BWD : HM_MOE_METHOD_FWD, w.buf, w.len,
+                        HM_RPC_STREAM, timeout_ms, slot_cb, s, &s->rpc_id);
+    hm_wire_wr_free(&w);
+    if (r == 0) {
+        s->pending = 1;
+        s->status = 0;
+        k->n_pending++;
+        return 0;
+    }
+    s->status = r;
+    backoff_unprobe(c, ex->pk, now);
+    /* An expert we cannot even send to counts as not answering. */
+    hm_debug(MOD, "cannot call %s at %s: %s", ex->uid, ex->addr_str, hm_strerror(r));
+    return r;
+}
+
+/*
+ * The experts called could not make k_min: the ones left out for their
+ * hosts' back-off are called after all, with the time that is left, since
+ * the call cannot succeed otherwise. Returns how many are now in flight.
+ */
+static size_t call_unskip(call *k)
+{
+    uint64_t now = hm_now_ms();
+    uint64_t left = k->deadline_ms > now ? k->deadline_ms - now : 1;
+    for (size_t e = 0; k->skipped != NULL && e < k->k && k->n_skipped > 0; e++) {
+        if (k->slots[e].status != -EAGAIN || k->slots[e].pending)
+            continue;
+        k->n_skipped--;
+        if (k->errs != NULL)
+            k->errs[e].msg[0] = '\0';
+        (void)slot_send(k, e, &k->skipped[e], left, now);
+    }
+    return k->n_pending;
 }
 
 /*
  * Ends a call: cancels what is still in flight (those callbacks fire here
  * and see done), reports once, and closes the timers, whose close
- * callback frees the call.
+ * callback frees the call. waited: the call ended at one of its timers,
+ * so an expert still pending made it wait, and its host is backed off.
  */
-static void call_finish(call *k, int status)
+static void call_finish_waited(call *k, int status, int waited)
 {
     if (k->done)
         return;
     k->done = 1;
-    hm_rpc *rpc = k->c->rpc;
+    hm_moe_client *c = k->c;
+    hm_rpc *rpc = c->rpc;
+    uint64_t now = hm_now_ms();
     call_unlink(k);
-    for (size_t e = 0; e < k->k; e++)
-        if (k->slots[e].pending)
-            (void)hm_rpc_cancel(rpc, k->slots[e].rpc_id);
+    for (size_t e = 0; e < k->k; e++) {
+        slot *s = &k->slots[e];
+        if (!s->pending)
+            continue;
+        s->status = waited ? -ETIMEDOUT : -ECANCELED;
+        if (waited && status != -ECANCELED)
+            backoff_stall(c, s->pk, now);
+        else
+            backoff_unprobe(c, s->pk, now);
+        (void)hm_rpc_cancel(rpc, s->rpc_id);
+    }
+    if (k->errs != NULL)
+        for (size_t e = 0; e < k->k; e++)
+            k->errs[e].status = k->answered[e] ? 0 : k->slots[e].status;
     uv_timer_stop(&k->timer);
     uv_timer_stop(&k->kmin_timer);
     uv_close((uv_handle_t *)&k->timer, call_handle_closed);
@@ -653,15 +898,40 @@ static void call_finish(call *k, int status)
     k->cb(k->ud, status, k->answered, k->n_answered);
 }
 
+static void call_finish(call *k, int status)
+{
+    call_finish_waited(k, status, 0);
+}
+
 static void call_timeout_cb(uv_timer_t *t)
 {
     call *k = t->data;
-    call_finish(k, k->n_answered >= k->k_min ? 0 : -ETIMEDOUT);
+    call_finish_waited(k, k->n_answered >= k->k_min ? 0 : -ETIMEDOUT, k->n_pending > 0);
 }
 
 static void call_kmin_cb(uv_timer_t *t)
 {
-    call_finish(t->data, 0);
+    call_finish_waited(t->data, 0, 1);
+}
+
+/*
+ * Why a call with fewer than k_min answers failed, once nothing is in
+ * flight: a timeout if any expert timed out (or none said why), else the
+ * first refusal's code, so that a wrong width reads as a wrong width.
+ */
+static int call_failure(const call *k)
+{
+    int first = 0;
+    for (size_t e = 0; e < k->k; e++) {
+        const slot *s = &k->slots[e];
+        if (k->answered[e])
+            continue;
+        if (s->status == -ETIMEDOUT)
+            return -ETIMEDOUT;
+        if (s->refused && first == 0)
+            first = s->status;
+    }
+    return first != 0 ? first : -ETIMEDOUT;
 }
 
 static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
@@ -672,6 +942,8 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
     k->n_pending--;
     if (k->done)
         return;
+    hm_moe_client *c = k->c;
+    s->status = status;
     if (status == -ECANCELED)
         k->n_cancelled++;
     if (status == 0) {
@@ -681,17 +953,36 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
             k->answered[s->e] = 1;
             k->n_answered++;
         } else {
+            s->status = r;
+            if (k->errs != NULL)
+                snprintf(k->errs[s->e].msg, sizeof(k->errs[s->e].msg), "a bad reply (%s)",
+                         hm_strerror(r));
             hm_debug(MOD, "call %" PRIu64 ": expert %zu sent a bad reply (%s)", k->id, s->e,
                      hm_strerror(r));
         }
+        backoff_alive(c, s->pk);
+    } else if (status == -ETIMEDOUT) {
+        backoff_stall(c, s->pk, hm_now_ms());
+    } else if (len > 0) {
+        /* An error reply with the server's reason: the host is alive and
+         * said what was wrong; the caller hears it (client.h). */
+        s->refused = 1;
+        if (k->errs != NULL)
+            hm_moe_decode_error(body, len, k->errs[s->e].msg);
+        backoff_alive(c, s->pk);
+    } else {
+        backoff_unprobe(c, s->pk, hm_now_ms());
     }
+    if (k->n_pending == 0 && k->n_answered < k->k_min && k->n_cancelled == 0 &&
+        k->n_skipped > 0 && call_unskip(k) > 0)
+        return;
     if (k->n_pending == 0) {
         /*
          * Our calls are only cancelled under us when the node closes (the
          * call's own cancel marks it done first): that is -ECANCELED, not
          * a timeout.
          */
-        int fail = k->n_cancelled > 0 ? -ECANCELED : -ETIMEDOUT;
+        int fail = k->n_cancelled > 0 ? -ECANCELED : call_failure(k);
         call_finish(k, k->n_answered >= k->k_min ? 0 : fail);
         return;
     }
@@ -710,7 +1001,6 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
 {
     int result = 0;
     call *k = NULL;
-    hm_wire_wr w;
 
     if (c == NULL || experts == NULL || x == NULL || out == NULL || o == NULL || cb == NULL)
         return -EINVAL;
@@ -741,37 +1031,58 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     k->cb = cb;
     k->ud = ud;
     k->c = c;
+    k->errs = o->errors_out;
+    if (k->errs != NULL)
+        memset(k->errs, 0, k_n * sizeof(*k->errs));
+    k->x = x;
+    k->gy = gy;
+    k->deadline_ms = hm_now_ms() + o->timeout_ms;
 
-    size_t block = batch * dim;
+    /*
+     * Experts on backed-off hosts are left out, unless that would leave
+     * fewer than k_min: then the call is made to all, as without the
+     * back-off, since it cannot succeed otherwise. They are also called
+     * late should the others fail to make k_min (call_unskip).
+     */
+    uint64_t now = hm_now_ms();
+    uint8_t skip[HM_MOE_MAX_K] = {0};
+    size_t n_skip = 0;
     for (size_t e = 0; e < k_n; e++) {
-        slot *s = &k->slots[e];
-        s->call = k;
-        s->e = e;
-        hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
-        if (k->backward)
-            hm_moe_encode_bwd(&w, experts[e].uid, x, gy + e * block, batch, dim);
-        else
-            hm_moe_encode_fwd(&w, experts[e].uid, x, batch, dim);
-        int r = hm_wire_wr_error(&w);
-        if (r == -ENOMEM) {
-            hm_wire_wr_free(&w);
+        k->slots[e].call = k;
+        k->slots[e].e = e;
+        memcpy(k->slots[e].pk, experts[e].pk, HM_PK_BYTES);
+        if (backoff_state(c, experts[e].pk, now) == HOST_BACKED_OFF) {
+            skip[e] = 1;
+            n_skip++;
+        }
+    }
+    if (k_n - n_skip < o->k_min)
+        n_skip = 0;
+    if (n_skip > 0) {
+        if ((k->skipped = malloc(k_n * sizeof(*k->skipped))) == NULL) {
             result = -ENOMEM;
             goto out;
         }
-        if (r == 0)
-            r = hm_rpc_call(c->rpc, experts[e].pk, (const struct sockaddr *)&experts[e].addr,
-                            k->backward ? HM_MOE_METHOD_BWD : HM_MOE_METHOD_FWD, w.buf, w.len,
-                            HM_RPC_STREAM, o->timeout_ms, slot_cb, s, &s->rpc_id);
-        hm_wire_wr_free(&w);
-        if (r == 0) {
-            s->pending = 1;
-            k->n_pending++;
-        } else {
-            /* An expert we cannot even send to counts as not answering. */
-            hm_debug(MOD, "cannot call %s at %s: %s", experts[e].uid, experts[e].addr_str,
-                     hm_strerror(r));
+        memcpy(k->skipped, experts, k_n * sizeof(*k->skipped));
+    }
+
+    for (size_t e = 0; e < k_n; e++) {
+        if (n_skip > 0 && skip[e]) {
+            k->slots[e].status = -EAGAIN;
+            if (k->errs != NULL)
+                snprintf(k->errs[e].msg, sizeof(k->errs[e].msg),
+                         "skipped: its host stalled a recent call and is backed off");
+            k->n_skipped++;
+            c->n_skipped++;
+            continue;
+        }
+        if (slot_send(k, e, &experts[e], o->timeout_ms, now) == -ENOMEM) {
+            result = -ENOMEM;
+            goto out;
         }
     }
+    if (k->n_pending == 0 && k->n_skipped > 0)
+        (void)call_unskip(k);
 
     uv_loop_t *loop = hm_node_loop(c->node);
     uv_timer_init(loop, &k->timer);
@@ -799,6 +1110,7 @@ out:
         for (size_t e = 0; e < k_n; e++)
             if (k->slots[e].pending)
                 (void)hm_rpc_cancel(c->rpc, k->slots[e].rpc_id);
+        free(k->skipped);
         free(k);
     }
     return result;
@@ -894,6 +1206,8 @@ int hm_moe_client_new(hm_node *node, hm_moe_client **out)
     LIST_INIT(&c->calls);
     c->node = node;
     c->max_ttl_s = HM_MOE_RECORD_MAX_TTL_S;
+    c->backoff_ms = HM_MOE_BACKOFF_MS;
+    c->backoff_max_ms = HM_MOE_BACKOFF_MAX_MS;
     c->rpc = hm_node_rpc(node);
     *out = c;
     return 0;
@@ -913,5 +1227,6 @@ void hm_moe_client_free(hm_moe_client *c)
         f->cb(f->ud, -ECANCELED, NULL, 0);
     }
     free(c->holders);
+    free(c->backoffs);
     free(c);
 }

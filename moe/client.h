@@ -19,11 +19,31 @@
  *     k_min-th answer (whichever first);
  *   - with -ETIMEDOUT when timeout passes with fewer than k_min answers
  *     (or as soon as every expert has replied or failed with fewer than
- *     k_min answers, since nothing more can come).
+ *     k_min answers, since nothing more can come);
+ *   - with the server's own error code (e.g. -EPROTO: the input's width
+ *     is not the expert's; -ENOENT: no such expert there; -ENOBUFS:
+ *     refused by a limit) when fewer than k_min answered, none timed out
+ *     and some expert's server refused the call with its reason; the
+ *     first such expert (by index) gives the code, and errors_out (when
+ *     given) every expert's code and the server's words. A refusal comes
+ *     back as soon as the server sends it, not at the timeout.
  * An expert whose reply is an error, wrongly shaped or non-finite counts
  * as not answering. Calls still open when it finishes are cancelled.
  * hm_moe_backward is the same with backward_k_min and backward_timeout.
  * The callback fires exactly once, never from inside the starting call.
+ *
+ * Stalled hosts. A host that let a call wait (its expert had not answered
+ * when the call ended at its timeout or timeout_after_k_min) is backed
+ * off: for backoff_ms (15 s by default), doubling at each further stall
+ * up to backoff_max_ms (300 s), and forgotten at its first answer (a
+ * result or an error reply: it is alive). While a host is backed off, its
+ * experts are left out of calls (errors_out says -EAGAIN) unless fewer
+ * than k_min of the call's experts would remain, and beam searches rank
+ * them after every expert on a host in good standing. When the back-off
+ * has run out, one call probes the host (the other calls keep skipping it
+ * until the probe ends). The back-off is kept per host peer id for every
+ * caller of the client (HM_MOE_BACKOFF_HOSTS hosts, a direct-mapped
+ * cache: a host pushed out is only called again).
  */
 #ifndef HM_MOE_CLIENT_H
 #define HM_MOE_CLIENT_H
@@ -76,13 +96,20 @@ int hm_moe_client_new(hm_node *node, hm_moe_client **out);
  */
 #define HM_MOE_HOLDERS 4096
 
+#define HM_MOE_BACKOFF_HOSTS 1024
+#define HM_MOE_BACKOFF_MS 15000
+#define HM_MOE_BACKOFF_MAX_MS 300000
+
 typedef struct hm_moe_client_policy {
     double record_max_ttl_s;   /* 0: HM_MOE_RECORD_MAX_TTL_S; at most 86400 */
     int any_holder;            /* 0: one holder per name (the default) */
     const hm_moe_allow *allow; /* NULL: none; borrowed, must outlive the client */
+    uint64_t backoff_ms;       /* a stalled host's first back-off; 0: HM_MOE_BACKOFF_MS */
+    uint64_t backoff_max_ms;   /* the cap of its doubling; 0: HM_MOE_BACKOFF_MAX_MS */
 } hm_moe_client_policy;
 
-/* 0 or -EINVAL (a negative, non-finite or over-a-day TTL). */
+/* 0 or -EINVAL (a negative, non-finite or over-a-day TTL; a back-off over
+ * a day or a cap below the first back-off). */
 int hm_moe_client_set_policy(hm_moe_client *c, const hm_moe_client_policy *p);
 
 /*
@@ -94,6 +121,26 @@ int hm_moe_client_set_policy(hm_moe_client *c, const hm_moe_client_policy *p);
 void hm_moe_client_limits(hm_moe_client *c, hm_limit_emit_fn emit, void *ud);
 /* Cancels everything in flight (callbacks fire with -ECANCELED first). */
 void hm_moe_client_free(hm_moe_client *c);
+
+typedef struct hm_moe_backoff_stats {
+    uint64_t stalls;       /* host stalls seen (each starts or doubles a back-off) */
+    uint64_t skipped;      /* experts left out of calls because their host was backed off */
+    uint64_t recovered;    /* backed-off hosts that answered again */
+    size_t hosts;          /* hosts backed off now */
+} hm_moe_backoff_stats;
+
+void hm_moe_client_backoff_stats(hm_moe_client *c, hm_moe_backoff_stats *out);
+
+/* One backed-off host, for listings. */
+typedef struct hm_moe_backoff_host {
+    uint8_t pk[HM_PK_BYTES];
+    uint64_t left_ms;      /* until the next probe (0: a probe is due or in flight) */
+    uint64_t period_ms;    /* the current back-off */
+    unsigned stalls;       /* stalls in a row */
+} hm_moe_backoff_host;
+
+/* Fills up to max hosts backed off now; returns how many. */
+size_t hm_moe_client_backoffs(hm_moe_client *c, hm_moe_backoff_host *out, size_t max);
 
 typedef void (*hm_moe_find_cb)(void *ud, int status, const hm_moe_expert *experts, size_t n);
 
@@ -114,15 +161,25 @@ int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const
                        const size_t *grid_sizes, size_t ndims, size_t k_best, size_t beam_size,
                        uint64_t timeout_ms, hm_moe_find_cb cb, void *ud);
 
+/* How one expert of a call ended. */
+typedef struct hm_moe_call_error {
+    int status; /* 0 answered; -ETIMEDOUT no answer in time; -EAGAIN skipped (host backed
+                   off); -ECANCELED not waited for; else the server's or the transport's code */
+    char msg[HM_MOE_ERR_MAX + 1]; /* the server's reason, "" when none came */
+} hm_moe_call_error;
+
 typedef struct hm_moe_call_opts {
     size_t k_min;                   /* 1..k */
     uint64_t timeout_ms;            /* forward_timeout / backward_timeout */
     uint64_t timeout_after_k_min_ms;
+    hm_moe_call_error *errors_out;  /* NULL or k entries, filled when the callback fires;
+                                       must stay valid until then */
 } hm_moe_call_opts;
 
 /*
- * status 0, -ETIMEDOUT, or -ECANCELED (hm_moe_cancel, hm_moe_client_free,
- * or the node closing under the call); answered[e] is 1 for the experts
+ * status 0, -ETIMEDOUT, a server's code (above), or -ECANCELED
+ * (hm_moe_cancel, hm_moe_client_free, or the node closing under the
+ * call); answered[e] is 1 for the experts
  * whose rows in the output are valid, n_answered how many. answered is
  * valid during the callback only.
  */

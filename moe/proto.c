@@ -512,6 +512,16 @@ static int get_type(const msgpack_object *o, char type[HM_MOE_TYPE_MAX + 1])
     return 0;
 }
 
+void hm_moe_decode_error(const uint8_t *buf, size_t len, char msg[HM_MOE_ERR_MAX + 1])
+{
+    size_t n = buf != NULL ? HM_MIN(len, (size_t)HM_MOE_ERR_MAX) : 0;
+    /* The text goes to logs, terminals and JSON: nothing a peer sends may
+     * move a cursor or split a line there. */
+    for (size_t i = 0; i < n; i++)
+        msg[i] = buf[i] >= 0x20 && buf[i] < 0x7f ? (char)buf[i] : '?';
+    msg[n] = '\0';
+}
+
 int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
                        size_t *dim_out, size_t *hidden_out)
 {

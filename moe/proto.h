@@ -21,7 +21,10 @@
  *               -> {"type": str, "dim": uint, "hidden": uint}
  * Errors travel as the rpc status: -ENOENT (no such expert here), -EINVAL
  * (malformed), -EMSGSIZE (over a cap), -EPROTO (dim is not the expert's),
- * -EDOM (non-finite input), -ENOBUFS (the server's queue is full).
+ * -EDOM (non-finite input), -ENOBUFS (the server's queue is full). The
+ * error reply's body is the server's reason in words (raw text, at most
+ * HM_MOE_ERR_MAX bytes, e.g. "ffn.3 takes inputs of width 16, not 8"), so
+ * that the caller hears what was wrong; an empty body is allowed.
  *
  * Caps: batch <= HM_MOE_MAX_BATCH, dim <= HM_MOE_MAX_DIM, batch * dim <=
  * HM_MOE_MAX_ELEMS; a request frame is at most HM_MOE_MAX_FRAME bytes.
@@ -159,6 +162,14 @@ int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch
                       float *out);
 int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
                        size_t *dim_out, size_t *hidden_out);
+
+#define HM_MOE_ERR_MAX 160
+/*
+ * An error reply's reason, made safe to print: cut to HM_MOE_ERR_MAX
+ * bytes, every byte outside printable ASCII (controls, escapes, UTF-8)
+ * written as '?'. "" for an empty body. Never fails.
+ */
+void hm_moe_decode_error(const uint8_t *buf, size_t len, char msg[HM_MOE_ERR_MAX + 1]);
 
 /* ---- DHT values ---- */
 

@@ -46,6 +46,19 @@
 #define PUT_TIMEOUT_MS 5000
 /* A put the DHT refused for lack of slots is retried after this long. */
 #define PUT_RETRY_MS 250
+/*
+ * Declaration puts per second, and their burst. Each put reaches every
+ * replica of its key with a lookup and a store, so a host declaring
+ * hundreds of experts as fast as the DHT allows would exceed its peers'
+ * per-address rate limits (DhtRequestRate, 200 a second by default) at
+ * every refresh and be banned for a while: paced, a refresh is normal
+ * load. 40 a second declares 250 experts of a two-level grid (about 510
+ * records) in 13 s, inside the refresh period of a third of the TTL.
+ */
+#define DECL_PUTS_PER_S 40.0
+#define DECL_PUTS_BURST 40.0
+/* A round's puts that failed are retried this many times, after 1 s, 2 s, 4 s. */
+#define DECL_RETRIES 3
 /* Withdrawal at close gives up after this long. */
 #define WITHDRAW_MAX_MS 4000
 #define WITHDRAW_PUT_TIMEOUT_MS 3000
@@ -168,12 +181,14 @@ typedef struct decl {
     size_t subkey_len;
     uint8_t value[DECL_VALUE_MAX];
     size_t value_len;
+    int failed; /* its last put this round was stored nowhere */
 } decl;
 
 typedef struct putop putop;
 struct putop {
     hm_moe_server *s; /* NULL once orphaned */
     LIST_ENTRY(putop) link; /* in s->puts while s is set */
+    size_t idx;             /* in s->decls */
 };
 
 struct hm_moe_server {
@@ -227,6 +242,10 @@ struct hm_moe_server {
     LIST_HEAD(, putop) puts;
     size_t puts_out;
     size_t round_stored;   /* puts of this round that some replica accepted */
+    size_t round_failed;   /* puts of this pass stored nowhere */
+    unsigned retry_pass;   /* 0: the round's first pass; then the retries of failed puts */
+    double decl_tokens;    /* the pacing's bucket (DECL_PUTS_PER_S) */
+    uint64_t decl_tokens_ms;
     unsigned failed_rounds; /* rounds in a row in which none was stored */
     uint64_t withdraw_deadline_ms;
 
@@ -865,11 +884,18 @@ static void async_cb(uv_async_t *a)
 
 /* ------------------------------------------------------------ rpc handlers */
 
+/* Answers a request with an error and its reason in words (proto.h), so
+ * that the caller can tell a wrong width from a lost host. */
+static void respond_why(hm_rpc_req *req, int status, const char *why)
+{
+    hm_rpc_respond(req, status, why, why != NULL ? strnlen(why, HM_MOE_ERR_MAX) : 0);
+}
+
 /* Answers a queued request that was shed for a newcomer from a lighter origin. */
 static void shed(hm_moe_server *s, queue *q, flow *f)
 {
     pending *p = flow_pop(q, f);
-    hm_rpc_respond(p->req, -ENOBUFS, NULL, 0);
+    respond_why(p->req, -ENOBUFS, "shed by limit ExpertMaxQueued: a lighter caller needed the room");
     pending_done(s, p);
 }
 
@@ -952,6 +978,7 @@ static int make_room_bytes(hm_moe_server *s, hm_origin_ent *oe, size_t need)
 static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *from,
                    const uint8_t *body, size_t len, int backward)
 {
+    char why[HM_MOE_ERR_MAX + 1] = "";
     hm_moe_req mr;
     hm_origin o;
     hm_origin_ent *oe = NULL;
@@ -962,16 +989,23 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
 
     if (s->state != S_RUNNING) {
         r = -ESHUTDOWN;
+        snprintf(why, sizeof(why), "the host is shutting down");
         goto fail;
     }
-    if ((r = hm_moe_decode_req(body, len, backward, &mr)) < 0)
+    if ((r = hm_moe_decode_req(body, len, backward, &mr)) < 0) {
+        snprintf(why, sizeof(why), "malformed %s request (%s)", backward ? "backward" : "forward",
+                 hm_strerror(r));
         goto fail;
+    }
     if ((e = find_expert(s, mr.uid)) == NULL) {
         r = -ENOENT;
+        snprintf(why, sizeof(why), "no expert %s is hosted here", mr.uid);
         goto fail;
     }
     if (mr.dim != e->dim) {
         r = -EPROTO;
+        snprintf(why, sizeof(why), "%s takes inputs of width %zu, not %zu", e->uid, e->dim,
+                 mr.dim);
         goto fail;
     }
     n = mr.batch * mr.dim;
@@ -980,6 +1014,7 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
     if ((oe = hm_origin_tab_get(&s->origins, &o, 1)) == NULL) {
         r = -ENOBUFS; /* more origins waiting than the table holds */
         s->refused_queued++;
+        snprintf(why, sizeof(why), "refused by limit ExpertMaxQueued: too many callers waiting");
         goto fail;
     }
     /*
@@ -988,10 +1023,14 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
      */
     if ((r = make_room_samples(s, e, oe, mr.batch)) < 0) {
         s->refused_queued++;
+        snprintf(why, sizeof(why), "refused by limit ExpertMaxQueued: %s's queue is full (%zu "
+                 "samples)", e->uid, s->max_queued);
         goto fail;
     }
     if ((r = make_room_bytes(s, oe, bytes)) < 0) {
         s->refused_bytes++;
+        snprintf(why, sizeof(why), "refused by limit ExpertMaxQueuedBytes: the queues are full "
+                 "(%zu MiB)", s->max_queued_bytes >> 20);
         goto fail;
     }
     /* The body lives only during this call: the request keeps its own copy. */
@@ -1011,6 +1050,8 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
     if (!floats_finite(p->x, n) || (backward && !floats_finite(p->gy, n))) {
         free(p);
         r = -EDOM;
+        snprintf(why, sizeof(why), "the %s holds non-finite values", backward ? "input or "
+                 "gradient" : "input");
         goto fail;
     }
     p->req = req;
@@ -1032,7 +1073,7 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
 fail:
     if (oe != NULL)
         hm_origin_tab_release(&s->origins, oe);
-    hm_rpc_respond(req, r, NULL, 0);
+    respond_why(req, r, why);
 }
 
 void hm_moe_server_limits(hm_moe_server *s, hm_limit_emit_fn emit, void *ud)
@@ -1187,17 +1228,26 @@ static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_in
     hm_moe_server *s = o->s;
 
     HM_UNUSED(stored);
-    HM_UNUSED(info);
     if (s == NULL) {
         free(o);
         return;
     }
     putop_unlink(s, o);
+    size_t idx = o->idx;
     free(o);
-    if (status == 0)
+    /* A node that asked nobody kept the record only in its own store (a
+     * lone node, or one whose first peers have not answered yet): that
+     * round does not count as stored, so the next comes within seconds
+     * and reaches the peers as soon as there are some. */
+    if (status == 0 && (info == NULL || info->requests > 0))
         s->round_stored++;
-    if (status < 0 && status != -ECANCELED)
+    if (status < 0 && status != -ECANCELED) {
         hm_debug(MOD, "declaration not stored: %s", hm_strerror(status));
+        if (idx < s->ndecls && !s->withdrawing) {
+            s->decls[idx].failed = 1;
+            s->round_failed++;
+        }
+    }
     decl_continue(s);
 }
 
@@ -1236,11 +1286,32 @@ static void decl_continue(hm_moe_server *s)
     }
     while (s->decl_cursor < s->ndecls && s->puts_out < PUTS_INFLIGHT) {
         decl *d = &s->decls[s->decl_cursor];
+        /* A retry pass sends only what failed. */
+        if (s->retry_pass > 0 && !d->failed) {
+            s->decl_cursor++;
+            continue;
+        }
+        /* Paced (DECL_PUTS_PER_S); a withdrawal at close is not, it has a deadline. */
+        if (!withdraw) {
+            uint64_t now = hm_now_ms();
+            if (now > s->decl_tokens_ms) {
+                s->decl_tokens = HM_MIN(DECL_PUTS_BURST, s->decl_tokens +
+                                                             (double)(now - s->decl_tokens_ms) *
+                                                                 DECL_PUTS_PER_S / 1000.0);
+                s->decl_tokens_ms = now;
+            }
+            if (s->decl_tokens < 1.0) {
+                uint64_t wait = (uint64_t)((1.0 - s->decl_tokens) * 1000.0 / DECL_PUTS_PER_S) + 1;
+                uv_timer_start(&s->decl_timer, decl_timer_cb, wait, 0);
+                return;
+            }
+        }
         putop *o = calloc(1, sizeof(*o));
         int r;
         if (o == NULL)
             break;
         o->s = s;
+        o->idx = s->decl_cursor;
         r = hm_node_dht_put(s->node, (const uint8_t *)d->key, strlen(d->key), d->subkey,
                             d->subkey_len, 1, d->value, withdraw ? 0 : d->value_len, s->ttl_s,
                             withdraw ? WITHDRAW_PUT_TIMEOUT_MS : PUT_TIMEOUT_MS, on_put, o);
@@ -1252,6 +1323,9 @@ static void decl_continue(hm_moe_server *s)
             return;
         }
         s->decl_cursor++;
+        d->failed = 0;
+        if (!withdraw)
+            s->decl_tokens -= 1.0;
         if (r < 0) {
             free(o);
             hm_debug(MOD, "%s: declaration not started: %s", d->key, hm_strerror(r));
@@ -1262,6 +1336,21 @@ static void decl_continue(hm_moe_server *s)
     }
     if (s->decl_cursor < s->ndecls || s->puts_out > 0)
         return;
+    if (!withdraw && s->state == S_RUNNING && s->round_failed > 0 &&
+        s->retry_pass < DECL_RETRIES) {
+        /*
+         * Some records reached no replica (a lookup timed out, a peer
+         * refused): only those go again, after a back-off, rather than
+         * waiting for the next refresh while callers cannot find them.
+         */
+        hm_debug(MOD, "retrying %zu declarations that were not stored", s->round_failed);
+        s->round_failed = 0;
+        s->decl_cursor = 0;
+        uv_timer_start(&s->decl_timer, decl_timer_cb, jitter((uint64_t)1000 << s->retry_pass),
+                       0);
+        s->retry_pass++;
+        return;
+    }
     s->decl_round = 0;
     if (withdraw) {
         withdraw_done(s);
@@ -1323,6 +1412,8 @@ static void decl_round_start(hm_moe_server *s)
     s->decl_round = 1;
     s->decl_cursor = 0;
     s->round_stored = 0;
+    s->round_failed = 0;
+    s->retry_pass = 0;
     decl_continue(s);
 }
 
@@ -1793,6 +1884,7 @@ static void close_step(hm_moe_server *s)
                 (void)decls_build(s);
             s->decl_round = 1;
             s->decl_cursor = 0;
+            s->retry_pass = 0;
             /* The deadline holds even when every put hangs. */
             uv_timer_start(&s->decl_timer, decl_timer_cb, WITHDRAW_MAX_MS, 0);
             decl_continue(s);

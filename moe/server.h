@@ -38,7 +38,14 @@
  * Declarations. Every hosted expert and each of its grid prefixes is put
  * into the DHT as an owned record (proto.h) with declare_ttl_s, refreshed
  * every declare_ttl_s / 3 with jitter; hm_moe_server_close with withdraw
- * set puts empty values over them before it finishes.
+ * set puts empty values over them before it finishes. The puts of a round
+ * are paced (40 a second, bursts of 40), so that a host of hundreds of
+ * experts stays under its peers' DHT rate limits at every refresh, and
+ * the records no replica took are retried within the round after 1, 2
+ * and 4 s before the next refresh takes them all again. A round whose puts
+ * reached no peer (kept only in this node's own store) is followed by the
+ * next within 1 to 4 s, as one that stored nothing. One record per
+ * put: a grid prefix's entries are separate subkeys, not one batch.
  *
  * Durability. With a state_dir, each expert is checkpointed
  * (checkpoint.h) to STATE_DIR/experts/UID.ckpt every checkpoint_interval_ms

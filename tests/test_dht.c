@@ -1167,10 +1167,13 @@ Test(dht, immediate_failure_is_deferred)
     cr_assert_eq(g.calls, 0);
     cr_assert_eq(p.calls, 0);
     cr_assert_eq(hm_dht_periodic(net->nodes[0].d, net->now) >= net->now, 1);
+    /* Alone, the node is the swarm: the key is absent, the put is kept
+     * here (lone_node_is_a_swarm). */
     cr_assert_eq(g.calls, 1);
-    cr_assert_eq(g.status, -EHOSTUNREACH);
+    cr_assert_eq(g.status, 0);
+    cr_assert_eq(g.n, 0);
     cr_assert_eq(p.calls, 1);
-    cr_assert_eq(p.status, -EHOSTUNREACH);
+    cr_assert_eq(p.status, 0);
     /* Synchronous refusals fire nothing. */
     cr_assert_eq(hm_dht_put(net->nodes[0].d, (const uint8_t *)"k", 1, NULL, 0, 0,
                             (const uint8_t *)"v", 1, now_s(net) - 1, net->now, 1000, put_cb, &p,
@@ -1178,6 +1181,61 @@ Test(dht, immediate_failure_is_deferred)
                  -ETIME);
     hm_dht_periodic(net->nodes[0].d, net->now);
     cr_assert_eq(p.calls, 1);
+    net_free(net);
+}
+
+/*
+ * A node with nobody in its table keeps what it puts and finds it again:
+ * plain values and dictionary subkeys (as expert declarations are), and a
+ * key it never stored reads as absent, not as an unreachable swarm.
+ */
+Test(dht, lone_node_is_a_swarm)
+{
+    struct tnet *net = net_new(1, NULL);
+    hm_dht *d = net->nodes[0].d;
+    struct get_res g;
+    struct put_res p;
+
+    memset(&p, 0, sizeof(p));
+    cr_assert_eq(hm_dht_put(d, (const uint8_t *)"plain", 5, NULL, 0, 0, (const uint8_t *)"v1", 2,
+                            now_s(net) + 60, net->now, 1000, put_cb, &p, NULL),
+                 0);
+    hm_dht_periodic(d, net->now);
+    cr_assert_eq(p.calls, 1);
+    cr_assert_eq(p.status, 0, "lone put: %d", p.status);
+    cr_assert_eq(p.stored, 1);
+    for (int i = 0; i < 2; i++) {
+        char sk[8];
+        snprintf(sk, sizeof(sk), "s%d", i);
+        memset(&p, 0, sizeof(p));
+        cr_assert_eq(hm_dht_put(d, (const uint8_t *)"dict", 4, (const uint8_t *)sk, 2, 1,
+                                (const uint8_t *)sk, 2, now_s(net) + 60, net->now, 1000, put_cb,
+                                &p, NULL),
+                     0);
+        hm_dht_periodic(d, net->now);
+        cr_assert_eq(p.status, 0);
+    }
+
+    memset(&g, 0, sizeof(g));
+    cr_assert_eq(hm_dht_get(d, (const uint8_t *)"plain", 5, net->now, 1000, get_cb, &g, NULL), 0);
+    hm_dht_periodic(d, net->now);
+    cr_assert_eq(g.calls, 1);
+    cr_assert_eq(g.status, 0);
+    cr_assert_eq(g.n, 1);
+    cr_assert_eq(g.value_lens[0], 2);
+    cr_assert_eq(memcmp(g.values[0], "v1", 2), 0);
+
+    memset(&g, 0, sizeof(g));
+    cr_assert_eq(hm_dht_get(d, (const uint8_t *)"dict", 4, net->now, 1000, get_cb, &g, NULL), 0);
+    hm_dht_periodic(d, net->now);
+    cr_assert_eq(g.status, 0);
+    cr_assert_eq(g.n, 2, "the dictionary has %zu of 2 subkeys", g.n);
+
+    memset(&g, 0, sizeof(g));
+    cr_assert_eq(hm_dht_get(d, (const uint8_t *)"absent", 6, net->now, 1000, get_cb, &g, NULL), 0);
+    hm_dht_periodic(d, net->now);
+    cr_assert_eq(g.status, 0);
+    cr_assert_eq(g.n, 0);
     net_free(net);
 }
 

@@ -6,7 +6,9 @@
  * node and a closed one, hostile replies, cancellation, freeing with calls
  * in flight, the mixture's softmax, and which owner's declaration of a uid
  * is believed (a day-long or a newcomer's declaration does not take a held
- * uid; an allow-list; a holder that leaves passes the uid on).
+ * uid; an allow-list; a holder that leaves passes the uid on), servers'
+ * refusals reaching the caller with their reason, and stalled hosts
+ * skipped for a back-off, then probed.
  */
 #include "config.h"
 
@@ -1016,5 +1018,192 @@ Test(moe_client, a_newcomer_owner_does_not_take_a_held_uid)
     ex = lookup_once(&sw, sw.client, "ffn.1.0", &st);
     cr_assert_eq(st, 0, "ffn.1.0 after its holder left: %s", hm_strerror(st));
     cr_assert(is_node(&sw, &ex, 2));
+    swarm_stop(&sw);
+}
+
+/* ------------------------------------------- refusals and stalled hosts */
+
+static hm_moe_call_error call_errs[HM_MOE_MAX_K];
+
+/* One forward on k experts with errors_out; returns its result. */
+static callres forward_once(swarm *sw, const hm_moe_expert *ex, size_t k, size_t dim,
+                            const hm_moe_call_opts *o0)
+{
+    enum { B = 2 };
+    float x[B * HM_MOE_MAX_K * DIM], y[HM_MOE_MAX_K * B * DIM * 2];
+    cr_assert_leq(dim, 2u * DIM);
+    fill(x, B * dim, 5);
+    hm_moe_call_opts o = *o0;
+    o.errors_out = call_errs;
+    memset(call_errs, 0x55, sizeof(call_errs)); /* filled by the call, whatever was there */
+    callres c = {.k = k, .start_ms = hm_now_ms()};
+    cr_assert_eq(hm_moe_forward(sw->client, ex, k, x, B, dim, y, &o, on_call, &c, NULL), 0);
+    cr_assert(hm_test_run_until(&sw->loop, call_done, &c, 40000), "the call never ended");
+    cr_assert_eq(c.calls, 1);
+    for (size_t e = 0; e < k; e++)
+        cr_assert_eq(call_errs[e].status == 0, c.answered[e] != 0, "expert %zu: status %d", e,
+                     call_errs[e].status);
+    return c;
+}
+
+/*
+ * A call the server refuses ends with the server's code and words as soon
+ * as the refusal arrives, not as a timeout: a wrong width names the
+ * expert's width, an unknown uid says so; with k_min met the call succeeds
+ * and errors_out still says why the refused expert did not answer.
+ */
+Test(moe_client, refusals_carry_the_servers_reason)
+{
+    swarm sw;
+    swarm_start(&sw, 2);
+    const char *pats[] = {"ffn.0.[0:2]"};
+    host(&sw, 1, pats, 1);
+    hm_moe_expert ex[2];
+    ex[0] = lookup_wait(&sw, "ffn.0.0");
+    ex[1] = ex[0];
+    snprintf(ex[1].uid, sizeof(ex[1].uid), "ffn.0.9");
+    /* The timeout is far longer than a refusal takes, so that an answer
+     * in time cannot be a timeout in disguise. */
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = 30000, .timeout_after_k_min_ms = 30000};
+
+    callres c = forward_once(&sw, ex, 1, 8, &o);
+    cr_assert_eq(c.status, -EPROTO, "wrong width: %s", hm_strerror(c.status));
+    cr_assert_eq(call_errs[0].status, -EPROTO);
+    cr_assert(strstr(call_errs[0].msg, "ffn.0.0 takes inputs of width 16, not 8") != NULL,
+              "reason: '%s'", call_errs[0].msg);
+    cr_assert_lt(c.done_ms - c.start_ms, 5000u, "the refusal took %" PRIu64 " ms",
+                 c.done_ms - c.start_ms);
+
+    c = forward_once(&sw, &ex[1], 1, DIM, &o);
+    cr_assert_eq(c.status, -ENOENT, "unknown uid: %s", hm_strerror(c.status));
+    cr_assert(strstr(call_errs[0].msg, "no expert ffn.0.9") != NULL, "reason: '%s'",
+              call_errs[0].msg);
+
+    /* Both wanted: the refusal fails the call with its own code. */
+    o.k_min = 2;
+    c = forward_once(&sw, ex, 2, DIM, &o);
+    cr_assert_eq(c.status, -ENOENT, "%s", hm_strerror(c.status));
+    cr_assert_eq(c.n_answered, 1u);
+    cr_assert_eq(call_errs[0].status, 0);
+    cr_assert_eq(call_errs[0].msg[0], '\0');
+    /* One is enough: success, and the other's reason is kept. */
+    o.k_min = 1;
+    c = forward_once(&sw, ex, 2, DIM, &o);
+    cr_assert_eq(c.status, 0, "%s", hm_strerror(c.status));
+    cr_assert(c.answered[0] && !c.answered[1]);
+    cr_assert_eq(call_errs[1].status, -ENOENT);
+    cr_assert_lt(c.done_ms - c.start_ms, 5000u, "waited %" PRIu64 " ms for a refused expert",
+                 c.done_ms - c.start_ms);
+    swarm_stop(&sw);
+}
+
+static size_t count_status(size_t k, int status)
+{
+    size_t n = 0;
+    for (size_t e = 0; e < k; e++)
+        n += call_errs[e].status == status;
+    return n;
+}
+
+/*
+ * A host that stalls one call is skipped by the next ones (none of them
+ * waits for it), beam searches rank it last, and after its back-off one
+ * call probes it: answered, it is in good standing again; stalled again,
+ * its back-off doubles.
+ */
+Test(moe_client, stalled_host_is_skipped_then_probed)
+{
+    swarm sw;
+    swarm_start(&sw, 3);
+    hm_moe_client_policy pol = {.backoff_ms = 4000, .backoff_max_ms = 20000};
+    cr_assert_eq(hm_moe_client_set_policy(sw.client, &pol), 0);
+    hm_moe_client_policy bad = {.backoff_ms = 2000, .backoff_max_ms = 1000};
+    cr_assert_eq(hm_moe_client_set_policy(sw.client, &bad), -EINVAL);
+    const char *p1[] = {"ffn.0.0"}, *p2[] = {"ffn.1.0"};
+    host(&sw, 1, p1, 1);
+    host(&sw, 2, p2, 1);
+    hm_moe_expert ex[2] = {lookup_wait(&sw, "ffn.0.0"), lookup_wait(&sw, "ffn.1.0")};
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = 20000, .timeout_after_k_min_ms = 300};
+    hm_moe_backoff_stats st;
+
+    callres c = forward_once(&sw, ex, 2, DIM, &o);
+    cr_assert_eq(c.n_answered, 2u, "both hosts should answer while healthy");
+    hm_moe_client_backoff_stats(sw.client, &st);
+    cr_assert_eq(st.stalls, 0u);
+
+    set_stall(&sw, 1, 1);
+    c = forward_once(&sw, ex, 2, DIM, &o);
+    cr_assert_eq(c.status, 0);
+    cr_assert(!c.answered[0] && c.answered[1]);
+    cr_assert_eq(call_errs[0].status, -ETIMEDOUT, "the stalled expert: %d", call_errs[0].status);
+    hm_moe_client_backoff_stats(sw.client, &st);
+    cr_assert_eq(st.stalls, 1u);
+    cr_assert_eq(st.hosts, 1u);
+
+    /* Beam search: the backed-off host's expert scores higher, but comes last. */
+    double s0[2] = {1.0, 0.0}, s1[1] = {0.0};
+    const double *scores[2] = {s0, s1};
+    size_t sizes[2] = {2, 1};
+    for (size_t kb = 1; kb <= 2; kb++) {
+        findres f = {0};
+        cr_assert_eq(hm_moe_beam_search(sw.client, "ffn", scores, sizes, 2, kb, 2, 5000, on_find,
+                                        &f),
+                     0);
+        cr_assert(hm_test_run_until(&sw.loop, find_done, &f, 8000));
+        cr_assert_eq(f.status, 0, "%s", hm_strerror(f.status));
+        cr_assert_eq(f.n, kb);
+        cr_assert_str_eq(f.ex[0].uid, "ffn.1.0", "k_best %zu: %s first", kb, f.ex[0].uid);
+        if (kb == 2)
+            cr_assert_str_eq(f.ex[1].uid, "ffn.0.0");
+    }
+
+    /* The next calls do not wait for it: it is not even called. */
+    size_t waited = 0;
+    for (int i = 0; i < 8; i++) {
+        c = forward_once(&sw, ex, 2, DIM, &o);
+        cr_assert_eq(c.status, 0);
+        cr_assert(c.answered[1]);
+        waited += count_status(2, -ETIMEDOUT);
+        cr_assert_eq(call_errs[0].status, -EAGAIN, "call %d: %d", i, call_errs[0].status);
+    }
+    cr_assert_eq(waited, 0u, "%zu calls waited for the backed-off host", waited);
+    hm_moe_client_backoff_stats(sw.client, &st);
+    cr_assert_eq(st.stalls, 1u);
+    cr_assert_eq(st.skipped, 8u);
+    hm_moe_backoff_host hs[4];
+    cr_assert_eq(hm_moe_client_backoffs(sw.client, hs, 4), 1u);
+    cr_assert_eq(memcmp(hs[0].pk, ex[0].pk, HM_PK_BYTES), 0);
+    cr_assert_eq(hs[0].period_ms, 4000u);
+
+    /* With k_min 2 it cannot be done without it: the host is called. */
+    hm_moe_call_opts o2 = o;
+    o2.k_min = 2;
+    o2.timeout_ms = 800;
+    c = forward_once(&sw, ex, 2, DIM, &o2);
+    cr_assert_eq(c.status, -ETIMEDOUT, "%s", hm_strerror(c.status));
+    cr_assert_eq(call_errs[0].status, -ETIMEDOUT);
+
+    /* Back again: once the back-off has run out, a probe finds it. */
+    set_stall(&sw, 1, 0);
+    run_for(&sw.loop, 4300);
+    c = forward_once(&sw, ex, 2, DIM, &o);
+    cr_assert_eq(c.n_answered, 2u, "the host was not used again: %d", call_errs[0].status);
+    hm_moe_client_backoff_stats(sw.client, &st);
+    cr_assert_eq(st.recovered, 1u);
+    cr_assert_eq(st.hosts, 0u);
+    c = forward_once(&sw, ex, 2, DIM, &o);
+    cr_assert_eq(c.n_answered, 2u);
+
+    /* Stalled twice in a row: the second back-off is twice the first. */
+    set_stall(&sw, 1, 1);
+    c = forward_once(&sw, ex, 2, DIM, &o);
+    cr_assert_eq(call_errs[0].status, -ETIMEDOUT);
+    run_for(&sw.loop, 4300);
+    c = forward_once(&sw, ex, 2, DIM, &o);
+    cr_assert_eq(call_errs[0].status, -ETIMEDOUT, "the probe: %d", call_errs[0].status);
+    cr_assert_eq(hm_moe_client_backoffs(sw.client, hs, 4), 1u);
+    cr_assert_eq(hs[0].period_ms, 8000u);
+    cr_assert_eq(hs[0].stalls, 2u);
+    set_stall(&sw, 1, 0);
     swarm_stop(&sw);
 }

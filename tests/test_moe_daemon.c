@@ -19,6 +19,14 @@
  *    forward's output next to it atomically (the local result, nothing
  *    else left in the directory); a file that is not rows of the expert's
  *    dim is refused with the reason.
+ *  - one node is a swarm: a daemon without peers finds and calls its own
+ *    experts and reads its own DHT records; a call of the wrong width or
+ *    to an unknown uid fails at once with the server's reason and code.
+ *  - a thousand experts on four hosts: all listed, beam searches exact,
+ *    declarations paced under the DHT's rate limits.
+ *  - stalled hosts: after one wait for a SIGSTOPped host the trainer's
+ *    daemon skips it (its metrics count one stall, the rest skipped), and
+ *    after SIGCONT and the back-off a probe brings it back.
  */
 #include "config.h"
 
@@ -445,4 +453,269 @@ Test(moe_daemon, call_on_files_writes_the_output_atomically)
     hm_ffn_free(p0);
     stop_node(&tr);
     stop_node(&host);
+}
+
+/* A counter or gauge of n's metrics (the unlabelled line NAME VALUE), or -1. */
+static double metric_value(struct node *n, const char *name)
+{
+    char *out = NULL, *err = NULL;
+    double v = -1;
+    int rc = ctl(n->sock, "metrics", 0, &out, &err);
+    if (rc == 0 && out != NULL) {
+        size_t len = strlen(name);
+        for (char *line = out; line != NULL && *line; line = strchr(line, '\n')) {
+            if (*line == '\n')
+                line++;
+            if (strncmp(line, name, len) == 0 && line[len] == ' ') {
+                v = strtod(line + len + 1, NULL);
+                break;
+            }
+        }
+    }
+    free(out);
+    free(err);
+    return v;
+}
+
+/*
+ * One node is a swarm: a daemon with no peer at all finds the experts it
+ * hosts by beam search and calls them, and `dht get` answers from its own
+ * store. A call of the wrong width comes back with the server's reason and
+ * code, not as a timeout.
+ */
+Test(moe_daemon, lone_node_finds_its_own_experts_and_records)
+{
+    struct node solo;
+    start_node(&solo, "solo", NULL, "--host-experts", "ffn.0.[0:2]", "--expert-dim", "16", NULL);
+    hmc *h = attach(&solo);
+    hmc_expert ex[2];
+    size_t n = find_experts(h, 1, 2, 2, ex, 20000);
+    cr_assert_eq(n, 2, "a lone node found %zu of its 2 experts", n);
+    cr_assert(strstr(ex[0].peer, solo.id) == ex[0].peer, "expert declared by %s", ex[0].peer);
+
+    hmc_buf *xb, *yb;
+    size_t bd = BATCH * DIM;
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &xb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &yb), 0);
+    fill(hmc_buf_data(xb), bd, 5);
+    int answered[1];
+    size_t n_ans = 0;
+    int r = hmc_experts_forward(h, ex, 1, xb, 0, yb, 0, BATCH, DIM, 1, 10.0, 1.0, answered,
+                                &n_ans);
+    cr_assert_eq(r, 0, "forward on a lone node: %s", hmc_last_error(h));
+    cr_assert_eq(n_ans, 1);
+
+    /* The wrong width: the expert's own words, at once (the timeout is 30 s). */
+    long t0 = hm_test_now_ms();
+    r = hmc_experts_forward(h, ex, 1, xb, 0, yb, 0, 2 * BATCH, DIM / 2, 1, 30.0, 1.0, answered,
+                            &n_ans);
+    long took = hm_test_now_ms() - t0;
+    cr_assert_eq(r, -EREMOTEIO, "a wrong width should fail, got %d", r);
+    cr_assert_str_eq(hmc_last_error_code(h), "expert_wrong_shape", "code %s: %s",
+                     hmc_last_error_code(h), hmc_last_error(h));
+    cr_assert(strstr(hmc_last_error(h), "takes inputs of width 16, not 8") != NULL, "message: %s",
+              hmc_last_error(h));
+    cr_assert(strstr(hmc_last_error(h), "timed out") == NULL);
+    cr_assert_lt(took, 5000, "the refusal took %ld ms", took);
+
+    /* An unknown uid, likewise. */
+    hmc_expert bogus = ex[0];
+    snprintf(bogus.uid, sizeof(bogus.uid), "ffn.0.7");
+    r = hmc_experts_forward(h, &bogus, 1, xb, 0, yb, 0, BATCH, DIM, 1, 30.0, 1.0, answered,
+                            &n_ans);
+    cr_assert_eq(r, -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "expert_not_found", "%s", hmc_last_error(h));
+    cr_assert(strstr(hmc_last_error(h), "no expert ffn.0.7") != NULL, "message: %s",
+              hmc_last_error(h));
+    hmc_buf_free(xb);
+    hmc_buf_free(yb);
+    hmc_close(h);
+
+    /* Its own records: put, then get from its own store. */
+    char *argv_put[] = {bin_ctl, "-s", solo.sock, "dht", "put", "lone-key", "lone-value", NULL};
+    char *out, *err;
+    int rc = run_prog(bin_ctl, argv_put, &out, &err);
+    cr_assert_eq(rc, 0, "dht put on a lone node: %s", err);
+    free(out);
+    free(err);
+    char *argv_get[] = {bin_ctl, "-s", solo.sock, "dht", "get", "lone-key", NULL};
+    rc = run_prog(bin_ctl, argv_get, &out, &err);
+    cr_assert_eq(rc, 0, "dht get on a lone node: %s", err);
+    cr_assert(strstr(out, "lone-value") != NULL, "dht get printed: %s", out);
+    free(out);
+    free(err);
+    char *argv_none[] = {bin_ctl, "-s", solo.sock, "dht", "get", "never-put", NULL};
+    rc = run_prog(bin_ctl, argv_none, &out, &err);
+    cr_assert_eq(rc, 1);
+    cr_assert(strstr(err, "not found") != NULL, "an absent key: %s", err);
+    free(out);
+    free(err);
+    stop_node(&solo);
+}
+
+/*
+ * A SIGSTOPped host costs one wait: the trainer's daemon backs it off, the
+ * calls after the first do not wait for it (counted by the daemon's
+ * metrics, not by the clock), `experts list` shows it, and after SIGCONT
+ * and the back-off (ExpertBackoff 2) a probe finds it and it is used again.
+ */
+Test(moe_daemon, stopped_host_is_skipped_then_used_again)
+{
+    struct node hosts[2], tr;
+    start_node(&tr, "trainer", NULL, "--expert-backoff", "2", NULL);
+    for (int i = 0; i < 2; i++) {
+        char pat[32], name[16];
+        snprintf(pat, sizeof(pat), "ffn.0.%d", i);
+        snprintf(name, sizeof(name), "h%d", i);
+        start_node(&hosts[i], name, NULL, "--host-experts", pat, "--expert-dim", "16",
+                   "--initial-peers", tr.addr, NULL);
+    }
+    hmc *h = attach(&tr);
+    hmc_expert ex[2];
+    size_t n = find_experts(h, 1, 2, 2, ex, 20000);
+    cr_assert_eq(n, 2, "beam search found %zu of 2 experts", n);
+    int stopped = strstr(ex[0].peer, hosts[1].id) == ex[0].peer ? 0 : 1;
+
+    hmc_buf *xb, *yb;
+    size_t bd = BATCH * DIM;
+    cr_assert_eq(hmc_buf_alloc(h, bd * sizeof(float), &xb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, 2 * bd * sizeof(float), &yb), 0);
+    fill(hmc_buf_data(xb), bd, 9);
+    int answered[2];
+    size_t n_ans = 0;
+    int r = hmc_experts_forward(h, ex, 2, xb, 0, yb, 0, BATCH, DIM, 1, 10.0, 2.0, answered,
+                                &n_ans);
+    cr_assert_eq(r, 0, "%s", hmc_last_error(h));
+    cr_assert_eq(n_ans, 2);
+    cr_assert_eq(metric_value(&tr, "hivemindd_expert_host_stalls_total"), 0);
+
+    cr_assert_eq(kill(hosts[1].pid, SIGSTOP), 0);
+    enum { CALLS = 12 };
+    for (int i = 0; i < CALLS; i++) {
+        r = hmc_experts_forward(h, ex, 2, xb, 0, yb, 0, BATCH, DIM, 1, 10.0, 2.0, answered,
+                                &n_ans);
+        cr_assert_eq(r, 0, "call %d: %s", i, hmc_last_error(h));
+        cr_assert_eq(n_ans, 1);
+        cr_assert(answered[1 - stopped] && !answered[stopped]);
+    }
+    /* Only the first call waited for the stopped host; the others skipped it. */
+    cr_assert_eq(metric_value(&tr, "hivemindd_expert_host_stalls_total"), 1);
+    cr_assert_eq(metric_value(&tr, "hivemindd_expert_calls_skipped_total"), CALLS - 1);
+    cr_assert_eq(metric_value(&tr, "hivemindd_expert_hosts_backed_off"), 1);
+    int rc;
+    json_t *j = ctl_json(&tr, &rc, "experts", "list", "ffn", NULL);
+    cr_assert_not_null(j);
+    json_t *off = json_object_get(json_object_get(j, "result"), "backed_off");
+    cr_assert_eq(json_array_size(off), 1, "experts list shows %zu hosts backed off",
+                 json_array_size(off));
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(off, 0), "peer_id")),
+                     hosts[1].id);
+    json_decref(j);
+
+    /* Back: after the back-off, a probe finds it and calls use it again. */
+    cr_assert_eq(kill(hosts[1].pid, SIGCONT), 0);
+    usleep(2500000);
+    int both = 0;
+    for (int i = 0; i < 5 && !both; i++) {
+        r = hmc_experts_forward(h, ex, 2, xb, 0, yb, 0, BATCH, DIM, 1, 10.0, 2.0, answered,
+                                &n_ans);
+        cr_assert_eq(r, 0, "%s", hmc_last_error(h));
+        both = n_ans == 2;
+    }
+    cr_assert(both, "the host was not used again after SIGCONT");
+    cr_assert_eq(metric_value(&tr, "hivemindd_expert_host_recoveries_total"), 1);
+    cr_assert_eq(metric_value(&tr, "hivemindd_expert_hosts_backed_off"), 0);
+    hmc_buf_free(xb);
+    hmc_buf_free(yb);
+    hmc_close(h);
+}
+
+/*
+ * A thousand experts: four hosts declare 250 each (grid ffn 40 x 25); the
+ * trainer's listing shows all 1,000, and 25 beam searches with random gate
+ * scores return the true top 4 (brute force over the grid), best first,
+ * also after the hosts' declarations were refreshed. The declarations are
+ * paced, so no DHT rate limiter of the swarm refuses a single request of
+ * theirs (unpaced, each refresh of 510 records per host cost a few dozen).
+ */
+Test(moe_daemon, a_thousand_experts, .timeout = 240)
+{
+    enum { G0 = 40, G1 = 25, HOSTS = 4 };
+    struct node hosts[HOSTS], tr;
+    start_node(&tr, "trainer", NULL, NULL);
+    for (int i = 0; i < HOSTS; i++) {
+        char pat[48], name[16];
+        snprintf(pat, sizeof(pat), "ffn.[%d:%d].[0:%d]", i * G0 / HOSTS, (i + 1) * G0 / HOSTS,
+                 G1);
+        snprintf(name, sizeof(name), "h%d", i);
+        start_node(&hosts[i], name, NULL, "--host-experts", pat, "--expert-dim", "16",
+                   "--expert-hidden", "16", "--checkpoint-interval", "3600", "--initial-peers",
+                   tr.addr, NULL);
+    }
+    /* The listing walks the grid's prefix records: every expert, once. */
+    size_t listed = 0;
+    long deadline = hm_test_now_ms() + 90000;
+    while (hm_test_now_ms() < deadline) {
+        int rc;
+        json_t *j = ctl_json(&tr, &rc, "experts", "list", "ffn", NULL);
+        listed = json_array_size(json_object_get(json_object_get(j, "result"), "swarm"));
+        json_decref(j);
+        if (listed >= G0 * G1)
+            break;
+        usleep(1000000);
+    }
+    cr_assert_eq(listed, G0 * G1, "the listing shows %zu of %d experts", listed, G0 * G1);
+
+    hmc *h = attach(&tr);
+    unsigned seed = 12345;
+    for (int round = 0; round < 2; round++) {
+        for (int q = 0; q < 25; q++) {
+            double scores[G0 + G1];
+            for (size_t i = 0; i < G0 + G1; i++) {
+                seed = seed * 1103515245u + 12345u;
+                scores[i] = (double)((seed >> 8) & 0xffff) / 65536.0;
+            }
+            /* The true top 4 of s0[i] + s1[j] over the full grid. */
+            int best[4][2];
+            double bs[4] = {-1, -1, -1, -1};
+            for (int i = 0; i < G0; i++)
+                for (int jj = 0; jj < G1; jj++) {
+                    double s = scores[i] + scores[G0 + jj];
+                    int p = 4;
+                    while (p > 0 && s > bs[p - 1])
+                        p--;
+                    if (p >= 4)
+                        continue;
+                    for (int m = 3; m > p; m--) {
+                        bs[m] = bs[m - 1];
+                        best[m][0] = best[m - 1][0];
+                        best[m][1] = best[m - 1][1];
+                    }
+                    bs[p] = s;
+                    best[p][0] = i;
+                    best[p][1] = jj;
+                }
+            size_t sizes[2] = {G0, G1}, n = 0;
+            hmc_expert ex[4];
+            int r = hmc_experts_find(h, "ffn", scores, sizes, 2, 4, 10.0, ex, 4, &n, NULL);
+            cr_assert_eq(r, 0, "search %d: %s", q, hmc_last_error(h));
+            cr_assert_eq(n, 4, "search %d found %zu experts", q, n);
+            for (int m = 0; m < 4; m++) {
+                char want[32];
+                snprintf(want, sizeof(want), "ffn.%d.%d", best[m][0], best[m][1]);
+                cr_assert_str_eq(ex[m].uid, want, "search %d (round %d), place %d", q, round, m);
+            }
+        }
+        /* Again after the declarations' refresh (a third of their 60 s TTL). */
+        if (round == 0)
+            usleep(22000000);
+    }
+    hmc_close(h);
+    for (int i = 0; i < HOSTS; i++) {
+        double refused =
+            metric_value(&hosts[i], "hivemindd_limit_refused_total{limit=\"DhtRequestRate\"}");
+        cr_assert_eq(refused, 0, "host %d's rate limiter refused %g requests", i, refused);
+    }
+    double refused = metric_value(&tr, "hivemindd_limit_refused_total{limit=\"DhtRequestRate\"}");
+    cr_assert_eq(refused, 0, "the trainer's rate limiter refused %g requests", refused);
 }

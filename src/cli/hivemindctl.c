@@ -365,10 +365,30 @@ static void print_experts(const json_t *r)
     }
     printf("declared in the swarm: %zu\n", json_array_size(swarm));
     double now = (double)time(NULL);
+    const json_t *off = json_object_get(r, "backed_off");
     json_array_foreach(swarm, i, e)
     {
-        printf("  %-20s %s  expires in %.0f s\n", jstr(e, "uid"), jstr(e, "host"),
-               jnum(e, "expires") - now);
+        /* A host this daemon's calls skip for now is marked. */
+        const char *host = jstr(e, "host");
+        const json_t *b, *hit = NULL;
+        size_t k;
+        json_array_foreach(off, k, b)
+        {
+            const char *id = jstr(b, "peer_id");
+            if (id[0] != '\0' && strncmp(host, id, strlen(id)) == 0)
+                hit = b;
+        }
+        printf("  %-20s %s  expires in %.0f s", jstr(e, "uid"), host, jnum(e, "expires") - now);
+        if (hit != NULL)
+            printf("  backed off (%.0f s left)", jnum(hit, "left_s"));
+        printf("\n");
+    }
+    if (json_array_size(off) > 0)
+        printf("hosts backed off: %zu\n", json_array_size(off));
+    json_array_foreach(off, i, e)
+    {
+        printf("  %.12s  %.0f s left of %.0f s, %lld stalls in a row\n", jstr(e, "peer_id"),
+               jnum(e, "left_s"), jnum(e, "backoff_s"), (long long)jnum(e, "stalls"));
     }
 }
 

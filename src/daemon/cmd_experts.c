@@ -61,6 +61,7 @@ typedef struct hm_cmd_experts_config {
     unsigned record_max_ttl_s;           /* declarations living longer are ignored */
     int one_holder;                      /* an open uid keeps its earliest live holder */
     const char *hosts_file;              /* allow-list of expert hosts, "" for none */
+    unsigned backoff_s, backoff_max_s;   /* stalled hosts (moe/client.h) */
 } hm_cmd_experts_config;
 
 struct file_job;
@@ -430,6 +431,24 @@ static json_t *hosted_json(hm_cmd_experts *m)
     return arr;
 }
 
+/* The hosts this daemon's calls skip now (moe/client.h, "Stalled hosts"). */
+static json_t *backoffs_json(hm_cmd_experts *m)
+{
+    hm_moe_backoff_host *hs = calloc(HM_MOE_BACKOFF_HOSTS, sizeof(*hs));
+    json_t *arr = json_array();
+    size_t n = hs != NULL ? hm_moe_client_backoffs(m->cli, hs, HM_MOE_BACKOFF_HOSTS) : 0;
+    for (size_t i = 0; arr != NULL && i < n; i++) {
+        char peer[HM_PEER_ID_LEN + 1];
+        hm_peer_id_encode(hs[i].pk, peer);
+        json_array_append_new(arr, json_pack("{s:s, s:f, s:f, s:I}", "peer_id", peer, "left_s",
+                                             (double)hs[i].left_ms / 1000.0, "backoff_s",
+                                             (double)hs[i].period_ms / 1000.0, "stalls",
+                                             (json_int_t)hs[i].stalls));
+    }
+    free(hs);
+    return arr != NULL ? arr : json_array();
+}
+
 static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
 {
     hm_cmd_experts *m = ud;
@@ -471,6 +490,7 @@ static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
         goto nomem;
     }
     json_object_set_new(j->result, "swarm", j->swarm);
+    json_object_set_new(j->result, "backed_off", backoffs_json(m));
     /* Without a prefix, the swarm part covers the grids this node hosts in. */
     if (prefix == NULL) {
         size_t i;
@@ -659,6 +679,7 @@ typedef struct call_job {
     uint64_t bytes;             /* counted in hm_cmd_experts.call_bytes */
     double timeout_s;
     hm_moe_expert experts[HM_MOE_MAX_K];
+    hm_moe_call_error errs[HM_MOE_MAX_K];
 } call_job;
 
 static void call_release(call_job *j)
@@ -668,11 +689,51 @@ static void call_release(call_job *j)
     j->n_pins = 0;
 }
 
+/*
+ * The control code of a server's refusal (docs/control-protocol.md), so
+ * that a caller can tell a wrong width from an overloaded host without
+ * reading the message.
+ */
+static const char *refusal_code(int status)
+{
+    switch (status) {
+    case -EPROTO:
+        return "expert_wrong_shape";
+    case -ENOENT:
+        return "expert_not_found";
+    case -ENOBUFS:
+        return "expert_busy";
+    case -EDOM:
+        return "expert_bad_input";
+    default:
+        return "expert_error";
+    }
+}
+
+/* Each expert that did not answer, and why, for the reply: [{uid, status, error}]. */
+static json_t *failures_json(const call_job *j, const uint8_t *answered)
+{
+    json_t *arr = json_array();
+    for (size_t i = 0; arr != NULL && i < j->k; i++) {
+        if (answered != NULL && answered[i])
+            continue;
+        const hm_moe_call_error *e = &j->errs[i];
+        const char *st = e->status == -ETIMEDOUT   ? "timeout"
+                         : e->status == -EAGAIN    ? "skipped"
+                         : e->status == -ECANCELED ? "not_waited_for"
+                                                   : refusal_code(e->status);
+        json_array_append_new(arr, json_pack("{s:I, s:s, s:s, s:s}", "index", (json_int_t)i, "uid",
+                                             j->experts[i].uid, "status", st, "error",
+                                             e->msg[0] ? e->msg : hm_strerror(e->status)));
+    }
+    return arr;
+}
+
 static void on_called(void *ud, int status, const uint8_t *answered, size_t n_answered)
 {
     call_job *j = ud;
     hm_cmd_experts *m = j->m;
-    char msg[256];
+    char msg[512];
     call_release(j);
     m->call_bytes -= j->bytes;
     if (status == -ECANCELED) {
@@ -683,15 +744,32 @@ static void on_called(void *ud, int status, const uint8_t *answered, size_t n_an
                  j->k_min);
         hm_control_reply_error(j->req, "timeout", msg);
     } else if (status != 0) {
-        snprintf(msg, sizeof(msg), "the call failed: %s", hm_strerror(status));
-        hm_control_reply_error(j->req, "failed", msg);
+        /* The server refused (client.h): its reason, first by index, goes
+         * back word for word, with a code for the kind of refusal. */
+        size_t first = 0;
+        while (first + 1 < j->k && j->errs[first].status != status)
+            first++;
+        char peer[HM_PEER_ID_LEN + 1];
+        hm_peer_id_encode(j->experts[first].pk, peer);
+        snprintf(msg, sizeof(msg), "expert %s at %.12s refused the call: %s (%s); %zu of %zu "
+                 "experts answered (%s needs %zu)", j->experts[first].uid, peer,
+                 j->errs[first].msg[0] ? j->errs[first].msg : "no reason given",
+                 hm_strerror(status), n_answered, j->k,
+                 j->backward ? "backward_k_min" : "k_min", j->k_min);
+        hm_control_reply_error(j->req, refusal_code(status), msg);
     } else {
         json_t *arr = json_array();
         for (size_t i = 0; arr != NULL && i < j->k; i++)
             json_array_append_new(arr, json_boolean(answered != NULL && answered[i]));
-        hm_daemon_reply(j->req, arr != NULL ? json_pack("{s:o, s:I}", "answered", arr, "n_answered",
-                                                   (json_int_t)n_answered)
-                                       : NULL);
+        json_t *fails = n_answered < j->k ? failures_json(j, answered) : json_array();
+        if (arr == NULL || fails == NULL) {
+            json_decref(arr);
+            json_decref(fails);
+            hm_daemon_reply(j->req, NULL);
+        } else {
+            hm_daemon_reply(j->req, json_pack("{s:o, s:I, s:o}", "answered", arr, "n_answered",
+                                              (json_int_t)n_answered, "failed", fails));
+        }
     }
     free(j);
     job_done(m);
@@ -811,7 +889,8 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     j->timeout_s = timeout;
     hm_moe_call_opts o = {.k_min = (size_t)k_min,
                           .timeout_ms = ms_of(timeout),
-                          .timeout_after_k_min_ms = ms_of(after)};
+                          .timeout_after_k_min_ms = ms_of(after),
+                          .errors_out = j->errs};
     int r = backward ? hm_moe_backward(m->cli, j->experts, j->k, x, gy, (size_t)batch,
                                        (size_t)dim, out, &o, on_called, j, NULL)
                      : hm_moe_forward(m->cli, j->experts, j->k, x, (size_t)batch, (size_t)dim,
@@ -854,6 +933,7 @@ typedef struct file_job {
     float *x, *y;
     uint64_t started_ms;
     uint64_t info_call;
+    hm_moe_call_error err;
 } file_job;
 
 static void file_finish(file_job *j, const char *code, const char *msg)
@@ -911,6 +991,12 @@ static void on_file_called(void *ud, int status, const uint8_t *answered, size_t
         file_finish(j, "stopping", "the daemon is shutting down");
         return;
     }
+    if (status != 0 && status != -ETIMEDOUT) {
+        snprintf(msg, sizeof(msg), "expert %s refused the call: %s (%s)", j->uid,
+                 j->err.msg[0] ? j->err.msg : "no reason given", hm_strerror(status));
+        file_finish(j, refusal_code(status), msg);
+        return;
+    }
     if (status != 0 || n_answered != 1) {
         snprintf(msg, sizeof(msg), "expert %s did not answer: %s", j->uid,
                  status == -ETIMEDOUT ? "timed out" : hm_strerror(status != 0 ? status : -EPROTO));
@@ -946,7 +1032,10 @@ static void on_file_read(void *ud, int status, float *data, size_t n, const char
         file_finish(j, "bad_input", "out of memory");
         return;
     }
-    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = remaining_ms(j), .timeout_after_k_min_ms = 0};
+    hm_moe_call_opts o = {.k_min = 1,
+                          .timeout_ms = remaining_ms(j),
+                          .timeout_after_k_min_ms = 0,
+                          .errors_out = &j->err};
     int r = hm_moe_forward(j->m->cli, &j->ex, 1, j->x, j->batch, j->dim, j->y, &o,
                            on_file_called, j, NULL);
     if (r != 0) {
@@ -1094,6 +1183,8 @@ static void config_of(const hm_config *c, hm_cmd_experts_config *out)
         .record_max_ttl_s = c->expert_record_max_ttl_s,
         .one_holder = c->expert_one_holder,
         .hosts_file = c->expert_hosts_file,
+        .backoff_s = c->expert_backoff_s,
+        .backoff_max_s = c->expert_backoff_max_s,
     };
 }
 
@@ -1142,6 +1233,11 @@ static int load_hosts_file(const char *path, hm_moe_allow **out, char *err, size
 
 static int check_config(const hm_cmd_experts_config *c, char *err, size_t errlen)
 {
+    if (c->backoff_max_s < c->backoff_s) {
+        snprintf(err, errlen, "ExpertBackoffMax (%u s) must be at least ExpertBackoff (%u s)",
+                 c->backoff_max_s, c->backoff_s);
+        return -EINVAL;
+    }
     hm_ffn_config cfg;
     hm_moe_allow *allow = NULL;
     char one[HM_MOE_UID_MAX * 4], why[256];
@@ -1227,9 +1323,12 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
         .record_max_ttl_s = c->record_max_ttl_s,
         .any_holder = !c->one_holder,
         .allow = m->allow,
+        .backoff_ms = (uint64_t)c->backoff_s * 1000,
+        .backoff_max_ms = (uint64_t)c->backoff_max_s * 1000,
     };
     if ((r = hm_moe_client_set_policy(m->cli, &pol)) != 0) {
-        snprintf(err, errlen, "ExpertRecordMaxTtl: %s", hm_strerror(r));
+        snprintf(err, errlen, "ExpertRecordMaxTtl, ExpertBackoff or ExpertBackoffMax: %s",
+                 hm_strerror(r));
         goto fail;
     }
     if (c->host_experts != NULL && c->host_experts[0] != '\0') {
@@ -1267,6 +1366,33 @@ json_t *hm_cmd_experts_hosted(hm_cmd_experts *m)
     if (m == NULL || m->srv == NULL || m->life.closing)
         return json_array();
     return hosted_json(m);
+}
+
+void hm_cmd_experts_metrics(hm_cmd_experts *m, hm_strbuf *b)
+{
+    hm_moe_backoff_stats st;
+    if (m == NULL || m->cli == NULL)
+        return;
+    hm_moe_client_backoff_stats(m->cli, &st);
+    hm_strbuf_printf(b,
+                     "# HELP hivemindd_expert_host_stalls_total Expert hosts that let a call "
+                     "wait (each starts or doubles a back-off).\n"
+                     "# TYPE hivemindd_expert_host_stalls_total counter\n"
+                     "hivemindd_expert_host_stalls_total %llu\n"
+                     "# HELP hivemindd_expert_calls_skipped_total Experts left out of calls "
+                     "because their host was backed off.\n"
+                     "# TYPE hivemindd_expert_calls_skipped_total counter\n"
+                     "hivemindd_expert_calls_skipped_total %llu\n"
+                     "# HELP hivemindd_expert_host_recoveries_total Backed-off expert hosts "
+                     "that answered again.\n"
+                     "# TYPE hivemindd_expert_host_recoveries_total counter\n"
+                     "hivemindd_expert_host_recoveries_total %llu\n"
+                     "# HELP hivemindd_expert_hosts_backed_off Expert hosts this daemon's calls "
+                     "skip now.\n"
+                     "# TYPE hivemindd_expert_hosts_backed_off gauge\n"
+                     "hivemindd_expert_hosts_backed_off %zu\n",
+                     (unsigned long long)st.stalls, (unsigned long long)st.skipped,
+                     (unsigned long long)st.recovered, st.hosts);
 }
 
 void hm_cmd_experts_limits(hm_cmd_experts *m, hm_limit_emit_fn emit, void *ud)

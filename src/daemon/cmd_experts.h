@@ -52,4 +52,7 @@ json_t *hm_cmd_experts_hosted(hm_cmd_experts *m);
  * refused, under their config keywords (docs/security.md); m may be NULL. */
 void hm_cmd_experts_limits(hm_cmd_experts *m, hm_limit_emit_fn emit, void *ud);
 
+/* The expert client's back-off of stalled hosts, as Prometheus text; m may be NULL. */
+void hm_cmd_experts_metrics(hm_cmd_experts *m, hm_strbuf *b);
+
 #endif

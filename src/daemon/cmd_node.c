@@ -138,6 +138,7 @@ static void cmd_metrics(void *ud, hm_control_req *req, const json_t *args)
     hm_strbuf b = {0};
     hm_strbuf_printf(&b, "%s", node_text);
     free(node_text);
+    hm_cmd_experts_metrics(d->experts, &b);
     hm_daemon_limit_metrics(d, &b);
     char *text = hm_strbuf_finish(&b);
     if (text == NULL) {

@@ -190,6 +190,12 @@ static const struct opt opts[] = {
     {"ExpertHostsFile", "expert-hosts-file", T_PATH, FIELD(expert_hosts_file), 0, 0, 0, "PATH",
      "allow-list of expert hosts: lines 'PREFIX PEERID...'; experts under PREFIX are taken only "
      "from the listed peers, which may all serve them (default none)"},
+    /* -- moe backoff options -- */
+    {"ExpertBackoff", "expert-backoff", T_UINT, FIELD(expert_backoff_s), 1, 86400, 0, "SECONDS",
+     "an expert host that let a call wait is skipped by this daemon's calls for this long, "
+     "then probed (default 15)"},
+    {"ExpertBackoffMax", "expert-backoff-max", T_UINT, FIELD(expert_backoff_max_s), 1, 86400, 0,
+     "SECONDS", "the back-off doubles at each further stall up to this (default 300)"},
     /* averaging and state */
     {"AverageWeightFactor", "average-weight-factor", T_UINT, FIELD(average_weight_factor), 1,
      1000000, 0, "F", "a reducer clamps each member's weight to F times the median weight of "
@@ -694,6 +700,9 @@ void hm_config_defaults(hm_config *c)
     c->expert_max_queued = 16384;
     c->expert_max_queued_mib = 1024;
     c->expert_record_max_ttl_s = 300;
+    /* -- moe backoff defaults -- */
+    c->expert_backoff_s = 15;
+    c->expert_backoff_max_s = 300;
     c->expert_one_holder = 1;
 }
 

@@ -97,6 +97,9 @@ typedef struct hm_config {
     unsigned expert_record_max_ttl_s; /* declarations living longer are ignored */
     int expert_one_holder;            /* an open uid has one owner: its earliest live holder */
     char expert_hosts_file[HM_CONFIG_PATH_LEN]; /* per-prefix allow-list; empty: none */
+    /* -- moe backoff fields -- */
+    unsigned expert_backoff_s;        /* a stalled host is skipped this long at first */
+    unsigned expert_backoff_max_s;    /* the cap of its doubling */
     /* averaging and state */
     unsigned average_weight_factor;      /* a part's weight <= this x the chunk's median */
     unsigned average_clip_weight_factor; /* the same under centered_clip */

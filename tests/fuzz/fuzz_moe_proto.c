@@ -2,7 +2,7 @@
  * fuzz_moe_proto: every decoder of the expert protocol (moe/proto.h) on
  * arbitrary bytes: forward and backward requests, info requests and
  * replies, output replies, both DHT values, prefix subkeys, uid parsing and
- * pattern expansion, the host allow-list. Besides memory safety it checks the promises callers
+ * pattern expansion, the host allow-list, error reasons. Besides memory safety it checks the promises callers
  * rely on:
  *   - only the documented error codes come back;
  *   - a decoded request lies inside the caps, its tensors point inside the
@@ -248,6 +248,20 @@ static void check_allow(const uint8_t *data, size_t size)
     hm_moe_allow_free(a);
 }
 
+/* An error reason is printable, bounded, and the input's own bytes where they were printable. */
+static void check_error(const uint8_t *data, size_t size)
+{
+    char msg[HM_MOE_ERR_MAX + 1];
+    hm_moe_decode_error(data, size, msg);
+    size_t n = strlen(msg);
+    CHECK(n == HM_MIN(size, (size_t)HM_MOE_ERR_MAX));
+    for (size_t i = 0; i < n; i++) {
+        CHECK(msg[i] >= 0x20 && msg[i] < 0x7f);
+        CHECK(msg[i] == (char)data[i] || (msg[i] == '?' && (data[i] < 0x20 || data[i] >= 0x7f)) ||
+              data[i] == '?');
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     check_request(data, size, 0);
@@ -259,5 +273,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     check_values(data, size);
     check_grammar(data, size);
     check_allow(data, size);
+    check_error(data, size);
     return 0;
 }

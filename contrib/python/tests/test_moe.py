@@ -8,6 +8,7 @@ test uses the grid "train" (Adam at 0.01)."""
 import copy
 import os
 import signal
+import time
 import unittest
 
 import numpy as np
@@ -156,6 +157,18 @@ class MoETest(unittest.TestCase):
             self.assertEqual(cm.exception.code, "timeout")
         finally:
             os.kill(d1.proc.pid, signal.SIGCONT)
+
+    def test_server_refusal_reaches_the_caller(self):
+        """A call of the wrong width raises the expert's own reason and
+        code at once, not a timeout (the timeout here is 30 s)."""
+        experts = self.client.find_experts("ffn", [[0.0, 0.0], [0.0, 0.0]], 1, 5.0)
+        self.assertEqual(len(experts), 1)
+        t0 = time.monotonic()
+        with self.assertRaises(HivemindError) as cm:
+            self.client.experts_forward(experts, np.zeros((2, D // 2), np.float32), timeout=30.0)
+        self.assertLess(time.monotonic() - t0, 10.0)
+        self.assertEqual(cm.exception.code, "expert_wrong_shape")
+        self.assertIn("takes inputs of width %d, not %d" % (D, D // 2), str(cm.exception))
 
     def test_not_enough_experts(self):
         moe = self.moe(uid_prefix="nobody", k_min=1, find_timeout=2.0)
