@@ -148,16 +148,17 @@ struct peer_token {
 };
 
 /*
- * C_SLOW: its request passed its first timeout and was sent again (or it
- * went to a suspect). A slow candidate no longer holds a slot of the
- * path's alpha, nor the lookup's end once k closer or farther candidates
- * answered: the lookup asks the next candidate at once and finishes
+ * C_SLOW: its request passed its adaptive timeout (it still lives, and is
+ * sent a second time, on the fixed request timeout). A slow candidate holds
+ * no slot of the path's alpha, nor the lookup's end once num_replicas
+ * others answered: the lookup asks the next candidate at once and finishes
  * without it, but a late answer still counts while the lookup runs. So a
- * contact that died costs a lookup one adaptive timeout, not the two
- * tries' worth; a path that runs out of candidates short of k answers
- * still waits for its slow ones.
+ * contact that died costs a lookup one adaptive timeout, not the two tries
+ * of the fixed one; a path with fewer answers (a small swarm) still waits.
+ * C_SUSPECT: asked while a suspect (its last request timed out): waited for
+ * until its adaptive timeout, but without a slot of alpha.
  */
-enum cand_state { C_NEW, C_INFLIGHT, C_ANSWERED, C_FAILED, C_SLOW };
+enum cand_state { C_NEW, C_INFLIGHT, C_ANSWERED, C_FAILED, C_SLOW, C_SUSPECT };
 
 #define SUSPECTS_MAX 256
 #define SUSPECT_MS 60000
@@ -231,7 +232,12 @@ struct req {
     uint8_t pk[HM_PK_BYTES];
     uint8_t id[HM_RT_ID_BYTES];
     struct sockaddr_storage addr;
-    uint64_t sent_ms, deadline_ms, timeout_ms;
+    uint64_t sent_ms, deadline_ms;
+    /* The adaptive timeout: at soft_ms a lookup stops waiting for this
+     * request (C_SLOW, a suspect); the request itself lives, and is sent a
+     * second time, on the fixed request_timeout_ms (deadline_ms). */
+    uint64_t soft_ms;
+    int slowed;
     /* The datagram body of a lookup or store request, kept to send it once
      * more at its first timeout (NULL: no second try). */
     uint8_t *pkt;
@@ -609,8 +615,8 @@ static int send_request(hm_dht *d, hm_dht_msg *m, const hm_rt_contact *c, int pu
     memcpy(r->id, c->id, HM_RT_ID_BYTES);
     r->addr = c->addr;
     r->sent_ms = now_ms;
-    r->timeout_ms = request_timeout(d, c->rtt_ms);
-    r->deadline_ms = now_ms + r->timeout_ms;
+    r->soft_ms = now_ms + request_timeout(d, c->rtt_ms);
+    r->deadline_ms = now_ms + d->cfg.request_timeout_ms;
     /* One lost datagram of a lossy link must not cost a lookup its
      * contact, nor mark the contact failing (lookups skip those until a
      * probe clears them): requests of operations are sent a second time
@@ -903,7 +909,7 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
                 answered++;
             } else if (c->state == C_SLOW) {
                 slow = 1;
-            } else if (c->state == C_INFLIGHT) {
+            } else if (c->state == C_INFLIGHT || c->state == C_SUSPECT) {
                 pending = 1;
             } else if (c->state == C_NEW) {
                 pending = 1;
@@ -911,7 +917,9 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
                     continue;
                 if (send_lookup_request(d, o, p, c, NULL, 0, 0, now_ms) == 0) {
                     if (suspect_find(d, c->c.id, now_ms) != NULL) {
-                        c->state = C_SLOW; /* asked, but neither waited for nor a slot */
+                        /* Waited for until its adaptive timeout, but
+                         * without a slot of alpha: the next is asked too. */
+                        c->state = C_SUSPECT;
                     } else {
                         c->state = C_INFLIGHT;
                         lp->inflight++;
@@ -921,9 +929,10 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
                 }
             }
         }
-        /* Slow candidates hold the end only of a path that would otherwise
-         * end short of k answers: then one of them may be the replica. */
-        if (slow && answered < d->cfg.k)
+        /* Slow candidates hold the end only of a path with fewer answers
+         * than a put stores replicas: then one of them may be the one that
+         * holds the value (a small swarm, a busy peer). */
+        if (slow && answered < d->cfg.num_replicas)
             pending = 1;
         if (!pending)
             lp->done = 1;
@@ -1243,7 +1252,8 @@ static void on_reply_lookup(hm_dht *d, struct op *o, const struct req *r, const 
             }
         }
         /* Follow the dictionary's pages on the node that has them, up to a bound. */
-        if (m->more && c != NULL && (c->state == C_INFLIGHT || c->state == C_SLOW) &&
+        if (m->more && c != NULL &&
+            (c->state == C_INFLIGHT || c->state == C_SLOW || c->state == C_SUSPECT) &&
             c->pages + 1 < MAX_PAGES) {
             const hm_dht_record *last = &m->records[m->n_records - 1];
             if (last->has_subkey) {
@@ -1259,8 +1269,8 @@ static void on_reply_lookup(hm_dht *d, struct op *o, const struct req *r, const 
         c->state = C_ANSWERED;
         if (lp->inflight)
             lp->inflight--;
-    } else if (c != NULL && c->state == C_SLOW) {
-        c->state = C_ANSWERED; /* late, but in time for this lookup */
+    } else if (c != NULL && (c->state == C_SLOW || c->state == C_SUSPECT)) {
+        c->state = C_ANSWERED; /* held no slot; a slow one late, but in time */
     }
 contacts:
     if (lp->n > 0) {
@@ -1286,8 +1296,8 @@ static void on_fail_lookup(hm_dht *d, struct op *o, const struct req *r, uint64_
         c->state = C_FAILED;
         if (o->paths[r->path].inflight)
             o->paths[r->path].inflight--;
-    } else if (c != NULL && c->state == C_SLOW) {
-        c->state = C_FAILED; /* its slot was given back when it turned slow */
+    } else if (c != NULL && (c->state == C_SLOW || c->state == C_SUSPECT)) {
+        c->state = C_FAILED; /* it held no slot */
     }
     lookup_step(d, o, now_ms);
 }
@@ -1299,11 +1309,12 @@ static void on_slow_lookup(hm_dht *d, struct op *o, const struct req *r, uint64_
 
     suspect_add(d, r->id, now_ms);
     o->info.timeouts++; /* counted once, at the first timeout */
-    if (o->phase != PH_LOOKUP || c == NULL || c->state != C_INFLIGHT)
+    if (o->phase != PH_LOOKUP || c == NULL ||
+        (c->state != C_INFLIGHT && c->state != C_SUSPECT))
         return;
-    c->state = C_SLOW;
-    if (o->paths[r->path].inflight)
+    if (c->state == C_INFLIGHT && o->paths[r->path].inflight)
         o->paths[r->path].inflight--;
+    c->state = C_SLOW;
     lookup_step(d, o, now_ms);
 }
 
@@ -1379,7 +1390,7 @@ static void on_timeout(hm_dht *d, const struct req *r, uint64_t now_ms)
         d->probing = 1;
     if (r->op_id == 0 || (o = op_find_active(d, r->op_id)) == NULL)
         return;
-    if (!(r->resent && r->purpose == P_LOOKUP))
+    if (!(r->slowed && r->purpose == P_LOOKUP))
         o->info.timeouts++;
     if (r->purpose == P_LOOKUP) {
         on_fail_lookup(d, o, r, now_ms);
@@ -1580,21 +1591,28 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
 
     /* Request timeouts. Handling one may send others, so restart the scan after each. */
     for (size_t i = 0; i < d->nreqs;) {
-        if (d->reqs[i].deadline_ms <= now_ms) {
-            struct req *q = &d->reqs[i];
-            struct op *qo;
+        struct req *q = &d->reqs[i];
+        struct op *qo;
+        if (!q->slowed && q->soft_ms <= now_ms) {
+            /* Past its adaptive timeout: the lookup goes on without it. A
+             * busy peer still has until deadline_ms (and a second try), so
+             * only dead or lost ones cost it anything. */
+            q->slowed = 1;
+            if (q->purpose == P_LOOKUP && (qo = op_find_active(d, q->op_id)) != NULL) {
+                struct req copy = *q;
+                on_slow_lookup(d, qo, &copy, now_ms);
+                i = 0; /* the step may have sent requests */
+                continue;
+            }
+            suspect_add(d, q->id, now_ms);
+        }
+        if (q->deadline_ms <= now_ms) {
             if (q->pkt != NULL && !q->resent && (qo = op_find_active(d, q->op_id)) != NULL) {
                 q->resent = 1;
-                q->deadline_ms = now_ms + 2 * q->timeout_ms;
+                q->deadline_ms = now_ms + d->cfg.request_timeout_ms;
                 if (d->io.send(d->io.ud, q->pk, (const struct sockaddr *)&q->addr, q->pkt,
                                q->pkt_len) == 0) {
-                    if (q->purpose == P_LOOKUP) {
-                        struct req copy = *q;
-                        on_slow_lookup(d, qo, &copy, now_ms);
-                        i = 0; /* the step may have sent requests */
-                    } else {
-                        i++;
-                    }
+                    i++;
                     continue;
                 }
             }
@@ -1646,7 +1664,7 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
     if (hm_rt_size(d->rt) > 0)
         next = HM_MIN(next, hm_rt_next_refresh_ms(d->rt));
     for (size_t i = 0; i < d->nreqs; i++)
-        next = HM_MIN(next, d->reqs[i].deadline_ms);
+        next = HM_MIN(next, d->reqs[i].slowed ? d->reqs[i].deadline_ms : d->reqs[i].soft_ms);
     TAILQ_FOREACH(o, &d->ops, link)
         next = HM_MIN(next, o->deadline_ms);
     if (!TAILQ_EMPTY(&d->done) || next < now_ms)

@@ -90,12 +90,12 @@ typedef struct hm_dht_config {
     unsigned disjoint_paths;     /* default 1; 3 against malicious nodes */
     unsigned num_replicas;       /* default 5 */
     /*
-     * A request's timeout adapts to the round trips measured (RFC 6298's
+     * A request is sent a second time (lookups and stores) and fails on
+     * request_timeout_ms. Before that, at an adaptive timeout (RFC 6298's
      * smoothed RTT plus four deviations, or twice the contact's own RTT
-     * when that is longer), within [request_timeout_min_ms,
-     * request_timeout_ms]; before the first measurement it is the maximum.
-     * The second try of a lookup or store request waits twice as long.
-     * defaults 200 and 1000.
+     * when that is longer, within [request_timeout_min_ms,
+     * request_timeout_ms]), a lookup stops waiting for it once k others
+     * answered. defaults 200 and 1000.
      */
     uint64_t request_timeout_ms;
     uint64_t request_timeout_min_ms;

@@ -703,7 +703,7 @@ Test(moe_daemon, a_thousand_experts, .timeout = 240)
             for (int m = 0; m < 4; m++) {
                 char want[32];
                 snprintf(want, sizeof(want), "ffn.%d.%d", best[m][0], best[m][1]);
-                cr_assert_str_eq(ex[m].uid, want, "search %d (round %d), place %d", q, round, m);
+                cr_assert_str_eq(ex[m].uid, want, "search %d (round %d), place %d: %s want %s", q, round, m, ex[m].uid, want);
             }
         }
         /* Again after the declarations' refresh (a third of their 60 s TTL). */
