@@ -269,7 +269,7 @@ struct hm_transport {
     struct complaint {
         uint64_t last_ms; /* monotonic; 0: never told */
         uint64_t count;   /* since it was last told */
-    } bad_dgrams, bad_handshakes;
+    } bad_dgrams, bad_handshakes, old_version;
     size_t rasm_total; /* bytes held by inbound messages in progress, all connections */
 
     pool_ent pool[POOL_SLOTS];
@@ -295,8 +295,6 @@ struct hm_transport {
 
     uint8_t udp_rbuf[UDP_RBUF_SIZE];
     uint8_t dgram_pt[HM_DGRAM_MAX];
-    uint8_t rec_pt[HM_REC_MAX_PLAIN];
-    uint8_t chunk_buf[HM_REC_MAX_PLAIN];
 };
 
 static void conn_close(conn *c, const char *why);
@@ -1175,14 +1173,14 @@ static void promote_pending(conn *c, int p)
 
 /*
  * Cuts the next chunk (round-robin within the highest non-empty priority)
- * into t->chunk_buf and returns its length.
+ * into o (the plaintext place of a record, sealed there in place) and
+ * returns its length.
  */
-static size_t next_chunk(conn *c)
+static size_t next_chunk(conn *c, uint8_t *o)
 {
     hm_transport *t = c->t;
     int p = !STAILQ_EMPTY(&c->act[0]) ? 0 : 1;
     omsg *m = STAILQ_FIRST(&c->act[p]);
-    uint8_t *o = t->chunk_buf;
     size_t hdr;
     uint8_t flags = 0;
 
@@ -1230,9 +1228,10 @@ static void conn_pump(conn *c)
         }
         w->len = 0;
         for (unsigned i = 0; i < WR_RECORDS && has_chunks(c); i++) {
-            size_t n = next_chunk(c);
+            uint8_t *rec = w->buf + w->len;
+            size_t n = next_chunk(c, rec + HM_REC_HEADER);
             size_t sealed = 0;
-            int r = hm_session_seal(&c->sess, t->chunk_buf, n, w->buf + w->len, &sealed);
+            int r = hm_session_seal(&c->sess, rec + HM_REC_HEADER, n, rec, &sealed);
             if (r < 0) {
                 free(w);
                 conn_close(c, "seal failed");
@@ -1432,9 +1431,21 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
     return 0;
 }
 
+/* -- aead: the record cipher the configuration allows -- */
+static void hs_set_cipher(hm_transport *t, hm_handshake *hs)
+{
+    /* auto keeps the handshake's own list, hm_rec_cipher_auto's. */
+    if (t->cfg.stream_cipher != 0) {
+        uint8_t only = (uint8_t)t->cfg.stream_cipher;
+        (void)hm_hs_set_ciphers(hs, &only, 1); /* checked in hm_transport_new */
+    }
+}
+
 static void hs_complete(conn *c)
 {
     hm_transport *t = c->t;
+    hm_debug(MOD, "stream with %s peer uses %s", c->outbound ? "dialled" : "inbound",
+             hm_rec_cipher_name(hm_hs_cipher(c->hs)));
     hm_hs_finish(c->hs, &c->sess);
     c->have_sess = 1;
     free(c->hs);
@@ -1492,6 +1503,30 @@ static void complain(struct complaint *k, const char *what, const struct sockadd
     k->count = 0;
 }
 
+/*
+ * A peer of another stream protocol version (most likely an older
+ * hivemindd) cannot talk to us at all, which its operator needs to hear of
+ * in words that say so; rated like the other complaints.
+ */
+static void complain_version(hm_transport *t, const struct sockaddr *from, int version)
+{
+    struct complaint *k = &t->old_version;
+    uint64_t now = hm_now_ms();
+    t->stats.handshakes_old_version++;
+    k->count++;
+    if (k->last_ms != 0 && now - k->last_ms < 60000)
+        return;
+    char addr[HM_ADDRSTRLEN];
+    if (from == NULL || hm_format_addr(from, addr, sizeof(addr)) != 0)
+        hm_strlcpy(addr, "?", sizeof(addr));
+    hm_warn(MOD, "refused %llu connection%s %s from peers of stream protocol version %d (the "
+            "latest from %s); this hivemindd speaks version %d only: upgrade the peer",
+            (unsigned long long)k->count, k->count == 1 ? "" : "s",
+            k->last_ms == 0 ? "so far" : "in the last minute", version, addr, HM_HS_VERSION);
+    k->last_ms = now;
+    k->count = 0;
+}
+
 /* Consumes whatever complete handshake messages and records rbuf holds. */
 static void conn_process(conn *c)
 {
@@ -1517,6 +1552,8 @@ static void conn_process(conn *c)
             /* A probe that fails answers its own question; it is no complaint. */
             if (c->probe_cb != NULL)
                 c->probe_status = r;
+            else if (r == -EPROTONOSUPPORT)
+                complain_version(t, (const struct sockaddr *)&c->addr, hm_hs_peer_version(c->hs));
             else
                 complain(&t->bad_handshakes, "handshakes failed",
                          (const struct sockaddr *)&c->addr, hm_strerror(r));
@@ -1535,7 +1572,9 @@ static void conn_process(conn *c)
             break;
         }
         size_t used = 0, ptlen = 0;
-        int r = hm_session_open(&c->sess, c->rbuf + off, c->rlen - off, &used, t->rec_pt, &ptlen);
+        uint8_t *pt = NULL;
+        /* Opened in place: the chunk is handled straight out of the read buffer. */
+        int r = hm_session_open_inplace(&c->sess, c->rbuf + off, c->rlen - off, &used, &pt, &ptlen);
         if (r < 0) {
             hm_info(MOD, "closing a stream: bad record (%s)", hm_strerror(r));
             conn_close(c, "bad record");
@@ -1544,7 +1583,7 @@ static void conn_process(conn *c)
         if (r == 0)
             break;
         off += used;
-        r = handle_chunk(c, t->rec_pt, ptlen);
+        r = handle_chunk(c, pt, ptlen);
         if (r < 0) {
             hm_info(MOD, "closing a stream: framing violation (%s)", hm_strerror(r));
             conn_close(c, "framing violation");
@@ -1676,6 +1715,7 @@ static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struc
     memcpy(c->pk, pk, HM_PK_BYTES);
     memcpy(&c->addr, to, hm_addr_len(to));
     hm_hs_init_client(c->hs, &t->id, t->swarm_id, pk);
+    hs_set_cipher(t, c->hs);
     c->connect_req.data = c;
     r = bind_source(t, c, to);
     if (r == 0)
@@ -1732,6 +1772,7 @@ static void on_connection(uv_stream_t *server, int status)
         return;
     }
     hm_hs_init_server(c->hs, &t->id, t->swarm_id);
+    hs_set_cipher(t, c->hs);
     uv_tcp_nodelay(&c->tcp, 1);
     conn_start_reading(c);
 }
@@ -2200,6 +2241,10 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     if (cfg != NULL)
         t->cfg = *cfg;
     hm_transport_config_defaults(&t->cfg);
+    if (t->cfg.stream_cipher != 0 && hm_rec_cipher_name(t->cfg.stream_cipher) == NULL) {
+        result = -EINVAL;
+        goto out;
+    }
     if (t->cfg.max_message > UINT32_MAX - 1 || t->cfg.max_queued_bytes < t->cfg.max_message) {
         result = -EINVAL;
         goto out;
@@ -2438,6 +2483,7 @@ int hm_transport_probe(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
     c->probe_ud = ud;
     c->probe_status = -ECONNRESET;
     hm_hs_init_client(c->hs, &t->id, t->swarm_id, pk);
+    hs_set_cipher(t, c->hs);
     c->connect_req.data = c;
     result = bind_source(t, c, to);
     if (result == 0)

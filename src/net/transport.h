@@ -102,6 +102,9 @@ typedef struct hm_transport_config {
     size_t wq_origin_bytes;      /* bytes queued for one origin: default 32 MiB */
     size_t write_min_rate;       /* bytes/s a connection holding over 1 MiB must drain:
                                   * default 256 KiB/s; SIZE_MAX turns the rule off */
+    /* -- aead: the stream record cipher (crypto.h) -- */
+    int stream_cipher; /* 0: auto (hm_rec_cipher_auto's list); else the one hm_rec_cipher id
+                        * offered and accepted, so a peer without it is refused (-ENOPROTOOPT) */
 } hm_transport_config;
 
 /* Fills defaults for every zero field. */
@@ -162,6 +165,8 @@ typedef struct hm_transport_stats {
     /* ---- reachability (hm_transport_probe) ---- */
     uint64_t inbound_handshakes_ok; /* inbound connections that completed their handshake */
     uint64_t probes;                /* probes dialled */
+    /* -- aead -- */
+    uint64_t handshakes_old_version; /* inbound hellos of another stream protocol version */
 } hm_transport_stats;
 
 int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
