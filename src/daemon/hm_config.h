@@ -114,6 +114,8 @@ typedef struct hm_config {
     unsigned dialback_rate_per_origin; /* dial-backs run for one origin a minute */
     unsigned max_dialbacks;            /* dial-backs run at once */
     /* -- relay fields -- */
+    /* -- aead fields -- */
+    char stream_cipher[24]; /* auto, aes-256-gcm or chacha20-poly1305 */
 } hm_config;
 
 /*
