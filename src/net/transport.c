@@ -1554,7 +1554,11 @@ static void conn_process(conn *c)
                 c->probe_status = r;
             else if (r == -EPROTONOSUPPORT)
                 complain_version(t, (const struct sockaddr *)&c->addr, hm_hs_peer_version(c->hs));
-            else
+            else if (r == -ENOPROTOOPT) {
+                t->stats.refused_no_cipher++;
+                complain(&t->bad_handshakes, "handshakes failed",
+                         (const struct sockaddr *)&c->addr, "no stream cipher in common");
+            } else
                 complain(&t->bad_handshakes, "handshakes failed",
                          (const struct sockaddr *)&c->addr, hm_strerror(r));
             conn_close(c, hm_strerror(r));
@@ -2602,6 +2606,9 @@ void hm_transport_limits(hm_transport *t, hm_limit_emit_fn emit, void *ud)
     emit(ud, "WriteQueueMaxMiB", t->stats.wq_refused_total + t->stats.wq_shed);
     emit(ud, "WriteQueueOriginMiB", t->stats.wq_refused_origin);
     emit(ud, "WriteMinRate", t->stats.write_too_slow);
+    /* -- aead -- */
+    emit(ud, "StreamProtocolVersion", t->stats.handshakes_old_version);
+    emit(ud, "StreamCipher", t->stats.refused_no_cipher);
 }
 
 void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)

@@ -167,6 +167,7 @@ typedef struct hm_transport_stats {
     uint64_t probes;                /* probes dialled */
     /* -- aead -- */
     uint64_t handshakes_old_version; /* inbound hellos of another stream protocol version */
+    uint64_t refused_no_cipher;      /* inbound handshakes with no StreamCipher in common */
 } hm_transport_stats;
 
 int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
