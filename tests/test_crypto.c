@@ -1649,3 +1649,37 @@ Test(crypto, cipher_names)
     cr_assert_str_eq(hm_rec_cipher_name(HM_CIPHER_AES_256_GCM), "aes-256-gcm");
     cr_assert_null(hm_rec_cipher_name(0));
 }
+
+/* A record sealed from two parts is the record of the joined plaintext. */
+Test(crypto, records_sealed_from_two_parts)
+{
+    for (int k = 0; k < 2; k++) {
+        int cipher = k ? HM_CIPHER_AES_256_GCM : HM_CIPHER_CHACHA20_POLY1305;
+        hm_session cs, ss, cs2;
+        session_pair_cipher(cipher, &cs, &ss);
+        cr_assert_eq(hm_session_dup(&cs, &cs2), 0);
+        static uint8_t joined[HM_REC_MAX_PLAIN], r1[HM_REC_MAX_PLAIN + HM_REC_OVERHEAD],
+            r2[HM_REC_MAX_PLAIN + HM_REC_OVERHEAD], back[HM_REC_MAX_PLAIN];
+        const size_t heads[] = {0, 5, 9, 16, 17, 100};
+        for (size_t i = 0; i < 6; i++) {
+            size_t head = heads[i], body = HM_REC_MAX_PLAIN - head - (i * 13) % 50, l1 = 0,
+                   l2 = 0, used = 0, pl = 0;
+            randombytes_buf(joined, head + body);
+            cr_assert_eq(hm_session_seal(&cs, joined, head + body, r1, &l1), 0);
+            /* The head in place, the body from elsewhere, as the transport seals. */
+            memcpy(r2 + HM_REC_HEADER, joined, head);
+            cr_assert_eq(hm_session_seal2(&cs2, r2 + HM_REC_HEADER, head, joined + head, body,
+                                          r2, &l2), 0);
+            cr_assert_eq(l1, l2);
+            cr_assert_arr_eq(r1, r2, l1, "%s head %zu", hm_rec_cipher_name(cipher), head);
+            cr_assert_eq(hm_session_open(&ss, r2, l2, &used, back, &pl), 1);
+            cr_assert_arr_eq(back, joined, head + body);
+        }
+        size_t l = 0;
+        cr_assert_eq(hm_session_seal2(&cs, joined, 10, joined, HM_REC_MAX_PLAIN - 9, r1, &l),
+                     -EMSGSIZE);
+        hm_session_wipe(&cs);
+        hm_session_wipe(&cs2);
+        hm_session_wipe(&ss);
+    }
+}

@@ -1184,21 +1184,26 @@ static void rec_nonce(const hm_rec_dir *d, uint8_t nonce[12])
 
 /*
  * One AEAD operation on a keyed context: sets the nonce only (the key
- * schedule stays), authenticates aad, and encrypts or decrypts len bytes
- * of in into out (out may equal in); the tag is written to, or checked
- * against, tag. Returns 0, -EBADMSG (not authentic) or -EIO.
+ * schedule stays), authenticates aad, and encrypts or decrypts the len
+ * bytes of in, then the len2 bytes of in2, into out (out may equal in;
+ * in2 must not overlap out); the tag is written to, or checked against,
+ * tag. Taking the input in two parts lets the transport seal a chunk
+ * header and the message bytes where they lie, without copying them
+ * together first. Returns 0, -EBADMSG (not authentic) or -EIO.
  */
-static int aead_op(EVP_CIPHER_CTX *ctx, int enc, const uint8_t nonce[12], const uint8_t *aad,
-                   size_t aad_len, const uint8_t *in, size_t len, uint8_t *out,
-                   uint8_t tag[HM_REC_TAG])
+static int aead_op2(EVP_CIPHER_CTX *ctx, int enc, const uint8_t nonce[12], const uint8_t *aad,
+                    size_t aad_len, const uint8_t *in, size_t len, const uint8_t *in2,
+                    size_t len2, uint8_t *out, uint8_t tag[HM_REC_TAG])
 {
     int n = 0;
-    if (len > INT_MAX || aad_len > INT_MAX)
+    if (len > INT_MAX || len2 > INT_MAX - len || aad_len > INT_MAX)
         return -EIO;
     if (EVP_CipherInit_ex(ctx, NULL, NULL, NULL, nonce, enc) != 1 ||
         (aad_len > 0 && EVP_CipherUpdate(ctx, NULL, &n, aad, (int)aad_len) != 1) ||
-        (len > 0 && EVP_CipherUpdate(ctx, out, &n, in, (int)len) != 1))
+        (len > 0 && EVP_CipherUpdate(ctx, out, &n, in, (int)len) != 1) ||
+        (len2 > 0 && EVP_CipherUpdate(ctx, out + len, &n, in2, (int)len2) != 1))
         return -EIO;
+    len += len2;
     if (!enc && EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_AEAD_SET_TAG, HM_REC_TAG, tag) != 1)
         return -EIO;
     /* An AEAD's final step writes no bytes; out + len is only a valid place. */
@@ -1207,6 +1212,13 @@ static int aead_op(EVP_CIPHER_CTX *ctx, int enc, const uint8_t nonce[12], const 
     if (enc && EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_AEAD_GET_TAG, HM_REC_TAG, tag) != 1)
         return -EIO;
     return 0;
+}
+
+static int aead_op(EVP_CIPHER_CTX *ctx, int enc, const uint8_t nonce[12], const uint8_t *aad,
+                   size_t aad_len, const uint8_t *in, size_t len, uint8_t *out,
+                   uint8_t tag[HM_REC_TAG])
+{
+    return aead_op2(ctx, enc, nonce, aad, aad_len, in, len, NULL, 0, out, tag);
 }
 
 int hm_aead_crypt(int cipher, int enc, const uint8_t key[32], const uint8_t nonce[12],
@@ -1226,16 +1238,17 @@ int hm_aead_crypt(int cipher, int enc, const uint8_t key[32], const uint8_t nonc
     return result;
 }
 
-/* One record in direction d, with the record header as associated data. */
+/* One record in direction d (plaintext buf || buf2), with the record header as associated data. */
 static int rec_crypt(hm_session *s, hm_rec_dir *d, int enc, const uint8_t hdr[HM_REC_HEADER],
-                     const uint8_t *buf, size_t len, uint8_t *out, uint8_t tag[HM_REC_TAG])
+                     const uint8_t *buf, size_t len, const uint8_t *buf2, size_t len2,
+                     uint8_t *out, uint8_t tag[HM_REC_TAG])
 {
     uint8_t nonce[12];
     int result = rec_ready(s, d, enc);
     if (result < 0)
         return result;
     rec_nonce(d, nonce);
-    result = aead_op(d->ctx, enc, nonce, hdr, HM_REC_HEADER, buf, len, out, tag);
+    result = aead_op2(d->ctx, enc, nonce, hdr, HM_REC_HEADER, buf, len, buf2, len2, out, tag);
     if (result < 0)
         return result;
     /* Only a record that passed moves the counter; a failure closes the stream anyway. */
@@ -1243,19 +1256,25 @@ static int rec_crypt(hm_session *s, hm_rec_dir *d, int enc, const uint8_t hdr[HM
     return 0;
 }
 
-int hm_session_seal(hm_session *s, const void *pt, size_t len, uint8_t *out, size_t *out_len)
+int hm_session_seal2(hm_session *s, const void *head, size_t head_len, const void *body,
+                     size_t body_len, uint8_t *out, size_t *out_len)
 {
-    if (len > HM_REC_MAX_PLAIN)
+    if (head_len > HM_REC_MAX_PLAIN || body_len > HM_REC_MAX_PLAIN - head_len)
         return -EMSGSIZE;
-    size_t clen = len + HM_REC_TAG;
+    size_t len = head_len + body_len, clen = len + HM_REC_TAG;
     out[0] = (uint8_t)(clen >> 8);
     out[1] = (uint8_t)clen;
-    int r = rec_crypt(s, &s->tx, 1, out, pt, len, out + HM_REC_HEADER,
+    int r = rec_crypt(s, &s->tx, 1, out, head, head_len, body, body_len, out + HM_REC_HEADER,
                       out + HM_REC_HEADER + len);
     if (r < 0)
         return r;
     *out_len = HM_REC_HEADER + clen;
     return 0;
+}
+
+int hm_session_seal(hm_session *s, const void *pt, size_t len, uint8_t *out, size_t *out_len)
+{
+    return hm_session_seal2(s, pt, len, NULL, 0, out, out_len);
 }
 
 /* Reads the header: 0 incomplete, 1 whole record of *clen_out, or negative. */
@@ -1284,7 +1303,7 @@ int hm_session_open_inplace(hm_session *s, uint8_t *buf, size_t len, size_t *con
         return r;
     size_t ptlen = clen - HM_REC_TAG;
     uint8_t *body = buf + HM_REC_HEADER;
-    r = rec_crypt(s, &s->rx, 0, buf, body, ptlen, body, body + ptlen);
+    r = rec_crypt(s, &s->rx, 0, buf, body, ptlen, NULL, 0, body, body + ptlen);
     if (r < 0)
         return r;
     *consumed_out = HM_REC_HEADER + clen;
@@ -1304,7 +1323,7 @@ int hm_session_open(hm_session *s, const uint8_t *in, size_t len, size_t *consum
         return r;
     size_t ptlen = clen - HM_REC_TAG;
     memcpy(tag, in + HM_REC_HEADER + ptlen, HM_REC_TAG);
-    r = rec_crypt(s, &s->rx, 0, in, in + HM_REC_HEADER, ptlen, pt_out, tag);
+    r = rec_crypt(s, &s->rx, 0, in, in + HM_REC_HEADER, ptlen, NULL, 0, pt_out, tag);
     if (r < 0) {
         /* Nothing unauthenticated reaches the caller. */
         sodium_memzero(pt_out, ptlen);

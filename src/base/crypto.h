@@ -319,6 +319,13 @@ void hm_hs_wipe(hm_handshake *hs);
  */
 int hm_session_seal(hm_session *s, const void *pt, size_t len, uint8_t *out, size_t *out_len);
 /*
+ * The same for the plaintext head || body, read where each lies: head may
+ * be out + HM_REC_HEADER (in place); body must not overlap out. The record
+ * is byte for byte the one hm_session_seal makes of the joined plaintext.
+ */
+int hm_session_seal2(hm_session *s, const void *head, size_t head_len, const void *body,
+                     size_t body_len, uint8_t *out, size_t *out_len);
+/*
  * Opens the record at the start of in. Returns 0 when in holds less than a
  * whole record (*consumed_out = 0), 1 with the plaintext in pt_out (which
  * must hold HM_REC_MAX_PLAIN), or negative (-EMSGSIZE, -EBADMSG, -ENOMEM,

@@ -1173,11 +1173,12 @@ static void promote_pending(conn *c, int p)
 
 /*
  * Cuts the next chunk (round-robin within the highest non-empty priority)
- * into o (the plaintext place of a record, sealed there in place) and
- * returns its length.
+ * and seals it as one record at rec; returns hm_session_seal2's result,
+ * with the record's length in *sealed_out.
  */
-static size_t next_chunk(conn *c, uint8_t *o)
+static int next_chunk(conn *c, uint8_t *rec, size_t *sealed_out)
 {
+    uint8_t *o = rec + HM_REC_HEADER;
     hm_transport *t = c->t;
     int p = !STAILQ_EMPTY(&c->act[0]) ? 0 : 1;
     omsg *m = STAILQ_FIRST(&c->act[p]);
@@ -1195,12 +1196,16 @@ static size_t next_chunk(conn *c, uint8_t *o)
         hdr = CHUNK_HDR_NEXT;
     }
     size_t n = HM_MIN((size_t)(m->len - m->off), (size_t)HM_TRANSPORT_CHUNK);
-    memcpy(o + hdr, m->data + m->off, n);
-    m->off += (uint32_t)n;
-    c->unsent -= n;
-    if (m->off == m->len)
+    if (m->off + n == m->len)
         flags |= FLAG_LAST;
     o[4] = flags;
+    /*
+     * Sealed from where the bytes lie: the header in place, the data
+     * straight out of the message, so no copy joins them first.
+     */
+    int r = hm_session_seal2(&c->sess, o, hdr, m->data + m->off, n, rec, sealed_out);
+    m->off += (uint32_t)n;
+    c->unsent -= n;
 
     if (flags & FLAG_LAST) {
         if (m->len > HM_TRANSPORT_CHUNK) {
@@ -1212,7 +1217,7 @@ static size_t next_chunk(conn *c, uint8_t *o)
     } else {
         STAILQ_INSERT_TAIL(&c->act[p], m, link);
     }
-    return hdr + n;
+    return r;
 }
 
 /* Seals chunks into write requests while the in-flight budget allows. */
@@ -1228,10 +1233,8 @@ static void conn_pump(conn *c)
         }
         w->len = 0;
         for (unsigned i = 0; i < WR_RECORDS && has_chunks(c); i++) {
-            uint8_t *rec = w->buf + w->len;
-            size_t n = next_chunk(c, rec + HM_REC_HEADER);
             size_t sealed = 0;
-            int r = hm_session_seal(&c->sess, rec + HM_REC_HEADER, n, rec, &sealed);
+            int r = next_chunk(c, w->buf + w->len, &sealed);
             if (r < 0) {
                 free(w);
                 conn_close(c, "seal failed");
