@@ -1451,6 +1451,8 @@ static void hs_complete(conn *c)
              hm_rec_cipher_name(hm_hs_cipher(c->hs)));
     hm_hs_finish(c->hs, &c->sess);
     c->have_sess = 1;
+    if (t->cfg.rekey_records != 0)
+        (void)hm_session_set_rekey_records(&c->sess, t->cfg.rekey_records); /* checked in new */
     free(c->hs);
     c->hs = NULL;
     if (!c->pk_known) {
@@ -2248,7 +2250,8 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     if (cfg != NULL)
         t->cfg = *cfg;
     hm_transport_config_defaults(&t->cfg);
-    if (t->cfg.stream_cipher != 0 && hm_rec_cipher_name(t->cfg.stream_cipher) == NULL) {
+    if ((t->cfg.stream_cipher != 0 && hm_rec_cipher_name(t->cfg.stream_cipher) == NULL) ||
+        t->cfg.rekey_records > HM_REC_REKEY_RECORDS) {
         result = -EINVAL;
         goto out;
     }

@@ -105,6 +105,8 @@ typedef struct hm_transport_config {
     /* -- aead: the stream record cipher (crypto.h) -- */
     int stream_cipher; /* 0: auto (hm_rec_cipher_auto's list); else the one hm_rec_cipher id
                         * offered and accepted, so a peer without it is refused (-ENOPROTOOPT) */
+    uint64_t rekey_records; /* tests only: records per key (both ends must agree); 0: the
+                             * protocol's HM_REC_REKEY_RECORDS */
 } hm_transport_config;
 
 /* Fills defaults for every zero field. */
