@@ -645,6 +645,16 @@ Test(daemon, an_old_version_hello_is_refused_and_logged)
     cr_assert(log_has(a.err, 5000, "warn  transport:", "stream protocol version 1",
                       "127.0.0.2", "speaks version 2 only", NULL),
               "no warning naming both versions");
+    /* And it is counted where operators look for refusals. */
+    char *out, *err;
+    cr_assert_eq(ctl(a.sock, "metrics", 0, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, "hivemindd_limit_refused_total{limit=\"StreamProtocolVersion\"} 1\n") !=
+                  NULL,
+              "%s", out);
+    cr_assert(strstr(out, "hivemindd_limit_refused_total{limit=\"StreamCipher\"} 0\n") != NULL,
+              "%s", out);
+    free(out);
+    free(err);
     stop_node(&a);
 }
 
