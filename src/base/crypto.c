@@ -1312,6 +1312,48 @@ int hm_session_open_inplace(hm_session *s, uint8_t *buf, size_t len, size_t *con
     return 1;
 }
 
+int hm_session_open_begin(hm_session *s, uint8_t *buf, size_t len, size_t head,
+                          hm_rec_open *op)
+{
+    uint8_t nonce[12];
+    size_t clen = 0;
+    int n = 0;
+    memset(op, 0, sizeof(*op));
+    int r = rec_header(buf, len, &clen);
+    if (r <= 0)
+        return r;
+    r = rec_ready(s, &s->rx, 0);
+    if (r < 0)
+        return r;
+    op->rec = buf;
+    op->pt_len = clen - HM_REC_TAG;
+    op->head_len = HM_MIN(head, op->pt_len);
+    op->consumed = HM_REC_HEADER + clen;
+    rec_nonce(&s->rx, nonce);
+    uint8_t *body = buf + HM_REC_HEADER;
+    if (EVP_CipherInit_ex(s->rx.ctx, NULL, NULL, NULL, nonce, 0) != 1 ||
+        EVP_CipherUpdate(s->rx.ctx, NULL, &n, buf, HM_REC_HEADER) != 1 ||
+        (op->head_len > 0 && EVP_CipherUpdate(s->rx.ctx, body, &n, body, (int)op->head_len) != 1))
+        return -EIO;
+    return 1;
+}
+
+int hm_session_open_end(hm_session *s, hm_rec_open *op, uint8_t *dest)
+{
+    int n = 0;
+    uint8_t *body = op->rec + HM_REC_HEADER;
+    size_t rest = op->pt_len - op->head_len;
+    uint8_t *out = dest != NULL ? dest : body + op->head_len;
+    if (rest > 0 && EVP_CipherUpdate(s->rx.ctx, out, &n, body + op->head_len, (int)rest) != 1)
+        return -EIO;
+    if (EVP_CIPHER_CTX_ctrl(s->rx.ctx, EVP_CTRL_AEAD_SET_TAG, HM_REC_TAG, body + op->pt_len) != 1)
+        return -EIO;
+    if (EVP_CipherFinal_ex(s->rx.ctx, out + rest, &n) != 1)
+        return -EBADMSG;
+    s->rx.seq++;
+    return 1;
+}
+
 int hm_session_open(hm_session *s, const uint8_t *in, size_t len, size_t *consumed_out,
                     uint8_t *pt_out, size_t *pt_len_out)
 {

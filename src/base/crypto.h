@@ -340,6 +340,26 @@ int hm_session_open(hm_session *s, const uint8_t *in, size_t len, size_t *consum
 int hm_session_open_inplace(hm_session *s, uint8_t *buf, size_t len, size_t *consumed_out,
                             uint8_t **pt_out, size_t *pt_len_out);
 /*
+ * The in-place opener in two steps, so that the transport can read a
+ * chunk's header before it decides where the rest goes. begin: when buf
+ * holds a whole record (else 0, or negative as above), decrypts the first
+ * min(head, plaintext length) bytes in place at buf + HM_REC_HEADER and
+ * returns 1; those bytes are NOT authenticated yet, and nothing may be done
+ * on them that end could not undo. end: decrypts the rest of the plaintext
+ * to dest (NULL: in place, after the head), checks the tag and returns 1,
+ * or -EBADMSG (fatal to the stream; what was written to dest is garbage).
+ * Between the two, the session's receive side must not be used.
+ */
+typedef struct hm_rec_open {
+    uint8_t *rec;    /* the record */
+    size_t pt_len;   /* its plaintext length */
+    size_t head_len; /* bytes begin decrypted in place */
+    size_t consumed; /* the record's length in the stream */
+} hm_rec_open;
+int hm_session_open_begin(hm_session *s, uint8_t *buf, size_t len, size_t head,
+                          hm_rec_open *op);
+int hm_session_open_end(hm_session *s, hm_rec_open *op, uint8_t *dest);
+/*
  * Records per key before the next epoch, 1..HM_REC_REKEY_RECORDS; both ends
  * must use the same value, so only tests lower it. Returns 0 or -EINVAL.
  */

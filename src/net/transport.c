@@ -1341,8 +1341,32 @@ static void slot_remove(conn *c, rasm *s)
     c->n_slots--;
 }
 
-/* Handles one decrypted chunk; returns 0 or a negative code that closes the connection. */
-static int handle_chunk(conn *c, const uint8_t *p, size_t n)
+/*
+ * Where the data of a continuation chunk can be opened straight into: its
+ * message's reassembly buffer, at the end of what it holds, when the chunk
+ * fits the room the buffer already has. It only reads: the header it looks
+ * at is not authenticated yet, so nothing is allocated, grown, shed or
+ * counted for it; handle_chunk does all that once the record checks out
+ * (and finds the data already in place). NULL: open in place and copy.
+ */
+static uint8_t *chunk_dest(conn *c, const uint8_t *head, size_t head_len, size_t n)
+{
+    if (head_len < CHUNK_HDR_NEXT || n < CHUNK_HDR_NEXT || (head[4] & FLAG_FIRST))
+        return NULL;
+    rasm *s = slot_find(c, hm_get_be32(head));
+    size_t data = n - CHUNK_HDR_NEXT;
+    if (s == NULL || s->discard || s->buf == NULL || data > (size_t)(s->total - s->len) ||
+        (size_t)s->len + data > s->cap)
+        return NULL;
+    return s->buf + s->len;
+}
+
+/*
+ * Handles one decrypted chunk; returns 0 or a negative code that closes the
+ * connection. placed: the chunk's data is already at the end of its
+ * message's reassembly buffer (chunk_dest), so it is not copied there.
+ */
+static int handle_chunk(conn *c, const uint8_t *p, size_t n, int placed)
 {
     hm_transport *t = c->t;
     if (n < CHUNK_HDR_NEXT)
@@ -1420,7 +1444,8 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
             slot_remove(c, s);
         return 0;
     }
-    memcpy(s->buf + s->len, p, n);
+    if (!placed)
+        memcpy(s->buf + s->len, p, n);
     s->len += (uint32_t)n;
     if (!last)
         return 0;
@@ -1580,10 +1605,19 @@ static void conn_process(conn *c)
             c->pending_input = 1;
             break;
         }
-        size_t used = 0, ptlen = 0;
-        uint8_t *pt = NULL;
-        /* Opened in place: the chunk is handled straight out of the read buffer. */
-        int r = hm_session_open_inplace(&c->sess, c->rbuf + off, c->rlen - off, &used, &pt, &ptlen);
+        /*
+         * Opened in place, the chunk header first: a continuation chunk's
+         * data then goes straight into its reassembly buffer, anything else
+         * is handled out of the read buffer. Either way no byte is acted
+         * on before the record authenticates.
+         */
+        hm_rec_open op;
+        int r = hm_session_open_begin(&c->sess, c->rbuf + off, c->rlen - off, CHUNK_HDR_NEXT, &op);
+        uint8_t *pt = c->rbuf + off + HM_REC_HEADER, *dest = NULL;
+        if (r == 1) {
+            dest = chunk_dest(c, pt, op.head_len, op.pt_len);
+            r = hm_session_open_end(&c->sess, &op, dest);
+        }
         if (r < 0) {
             hm_info(MOD, "closing a stream: bad record (%s)", hm_strerror(r));
             conn_close(c, "bad record");
@@ -1591,8 +1625,8 @@ static void conn_process(conn *c)
         }
         if (r == 0)
             break;
-        off += used;
-        r = handle_chunk(c, pt, ptlen);
+        off += op.consumed;
+        r = handle_chunk(c, pt, op.pt_len, dest != NULL);
         if (r < 0) {
             hm_info(MOD, "closing a stream: framing violation (%s)", hm_strerror(r));
             conn_close(c, "framing violation");
