@@ -10,7 +10,11 @@
  *      a few in flight, for --seconds; MB/s of bodies acknowledged;
  *   3. raw loopback TCP throughput measured the same way (length-prefixed
  *      messages of the same size, a one-byte acknowledgement per message,
- *      the same number in flight, no crypto), and the ratio of 2 to 3.
+ *      the same number in flight, no crypto), and the ratio of 2 to 3;
+ *   4. with --only records (not in the default set), the record layer
+ *      alone in one thread: seal + open per CPU second for each stream
+ *      cipher and for version 1's libsodium secretstream, as ratios to it.
+ * --cipher makes the client offer only that record cipher.
  *
  * Each measurement runs --runs times (default 5) and the medians are
  * printed. This prints figures; it is not a test and asserts nothing.
@@ -43,6 +47,7 @@ typedef struct options {
     int calls;
     int runs;
     const char *only; /* NULL, "latency", "encrypted" or "raw" */
+    const char *cipher; /* the client's StreamCipher: auto or one cipher */
 } options;
 
 /* ------------------------------------------------------------ the server */
@@ -444,10 +449,88 @@ static size_t parse_size(const char *s)
     return v > 0 ? (size_t)v : 0;
 }
 
+/* ------------------------------------------- the record layer alone */
+
+/*
+ * Seals and opens full records (one transport chunk each) in one thread
+ * for about `seconds` of CPU time; returns MB/s of plaintext per CPU
+ * second, both ends counted (one seal and one open per byte). CPU time,
+ * not wall time, so that other load on the machine does not count.
+ * cipher 0 is version 1's layer, libsodium secretstream, as the reference.
+ */
+static double records_rate(int cipher, double seconds)
+{
+    static uint8_t pt[HM_REC_MAX_PLAIN], rec[HM_REC_MAX_PLAIN + 64], back[HM_REC_MAX_PLAIN];
+    const size_t len = HM_TRANSPORT_CHUNK + 9;
+    uint64_t bytes = 0, start = hm_bench_cpu_us(), limit = (uint64_t)(seconds * 1e6);
+    randombytes_buf(pt, len);
+    if (cipher == 0) {
+        crypto_secretstream_xchacha20poly1305_state tx, rx;
+        uint8_t key[32], header[crypto_secretstream_xchacha20poly1305_HEADERBYTES];
+        randombytes_buf(key, sizeof(key));
+        crypto_secretstream_xchacha20poly1305_init_push(&tx, header, key);
+        crypto_secretstream_xchacha20poly1305_init_pull(&rx, header, key);
+        while (hm_bench_cpu_us() - start < limit) {
+            for (int i = 0; i < 64; i++) {
+                unsigned long long cl = 0, ml = 0;
+                unsigned char tag = 0;
+                crypto_secretstream_xchacha20poly1305_push(&tx, rec, &cl, pt, len, NULL, 0, 0);
+                if (crypto_secretstream_xchacha20poly1305_pull(&rx, back, &ml, &tag, rec, cl,
+                                                               NULL, 0) != 0)
+                    hm_bench_die("secretstream open", -EBADMSG);
+                bytes += len;
+            }
+        }
+    } else {
+        hm_session tx, rx;
+        memset(&tx, 0, sizeof(tx));
+        randombytes_buf(tx.tx.secret, 32);
+        tx.cipher = cipher;
+        tx.rekey_records = HM_REC_REKEY_RECORDS;
+        rx = tx;
+        memcpy(rx.rx.secret, tx.tx.secret, 32);
+        while (hm_bench_cpu_us() - start < limit) {
+            for (int i = 0; i < 64; i++) {
+                size_t rl = 0, used = 0, pl = 0;
+                if (hm_session_seal(&tx, pt, len, rec, &rl) != 0 ||
+                    hm_session_open(&rx, rec, rl, &used, back, &pl) != 1)
+                    hm_bench_die("record", -EBADMSG);
+                bytes += len;
+            }
+        }
+        hm_session_wipe(&tx);
+        hm_session_wipe(&rx);
+    }
+    double cpu_s = (double)(hm_bench_cpu_us() - start) / 1e6;
+    return (double)bytes / 1e6 / cpu_s;
+}
+
+static void bench_records(const options *o)
+{
+    const int ciphers[3] = {0, HM_CIPHER_CHACHA20_POLY1305, HM_CIPHER_AES_256_GCM};
+    const char *names[3] = {"secretstream (v1)", "chacha20-poly1305", "aes-256-gcm"};
+    double *v[3];
+    for (int k = 0; k < 3; k++)
+        v[k] = calloc((size_t)o->runs, sizeof(double));
+    /* Alternated within each run, so that a slow moment hits all three alike. */
+    for (int r = 0; r < o->runs; r++)
+        for (int k = 0; k < 3; k++)
+            v[k][r] = records_rate(ciphers[k], o->seconds / 3);
+    double ref = hm_bench_median(v[0], (size_t)o->runs);
+    printf("record layer, one thread, seal + open of %u-byte records, MB/s per CPU second "
+           "(medians of %d):\n", HM_TRANSPORT_CHUNK + 9, o->runs);
+    for (int k = 0; k < 3; k++) {
+        double m = hm_bench_median(v[k], (size_t)o->runs);
+        printf("  %-18s %8.1f MB/s  %5.2fx secretstream\n", names[k], m, m / ref);
+        free(v[k]);
+    }
+}
+
 static void usage(void)
 {
     fprintf(stderr, "usage: bench_rpc [--seconds S] [--size BYTES[K|M]] [--calls N] [--runs R]\n"
-                    "                 [--only latency|encrypted|raw]\n");
+                    "                 [--only latency|encrypted|raw|records]\n"
+                    "                 [--cipher auto|aes-256-gcm|chacha20-poly1305]\n");
     exit(64);
 }
 
@@ -468,13 +551,20 @@ int main(int argc, char **argv)
             o.runs = atoi(argv[++i]);
         else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc)
             o.only = argv[++i];
+        else if (strcmp(argv[i], "--cipher") == 0 && i + 1 < argc)
+            o.cipher = argv[++i];
         else
             usage();
     }
     if (o.seconds <= 0 || o.size == 0 || o.size > (64u << 20) || o.calls < 100 || o.runs < 1)
         usage();
     if (o.only != NULL && strcmp(o.only, "latency") != 0 && strcmp(o.only, "encrypted") != 0 &&
-        strcmp(o.only, "raw") != 0)
+        strcmp(o.only, "raw") != 0 && strcmp(o.only, "records") != 0)
+        usage();
+    /* The client offers only this cipher; the server (auto) takes it. */
+    int cipher = 0;
+    if (o.cipher != NULL && strcmp(o.cipher, "auto") != 0 &&
+        (cipher = hm_rec_cipher_parse(o.cipher)) < 0)
         usage();
     int do_lat = o.only == NULL || strcmp(o.only, "latency") == 0;
     int do_enc = o.only == NULL || strcmp(o.only, "encrypted") == 0;
@@ -482,6 +572,10 @@ int main(int argc, char **argv)
     hm_log_set_level(HM_LOG_WARN);
     if (hm_crypto_init() < 0)
         hm_bench_die("crypto init", -EIO);
+    if (o.only != NULL && strcmp(o.only, "records") == 0) {
+        bench_records(&o);
+        return 0;
+    }
     uint8_t swarm[HM_SWARM_ID_BYTES];
     hm_swarm_id("bench", NULL, 0, swarm);
 
@@ -525,14 +619,17 @@ int main(int argc, char **argv)
     hm_identity id;
     hm_identity_generate(&id);
     hm_rpc *rpc;
-    hm_transport_config tc = {.listen = "127.0.0.1:0"};
+    hm_transport_config tc = {.listen = "127.0.0.1:0", .stream_cipher = cipher};
     int r = hm_rpc_new(&loop, &id, swarm, &tc, NULL, &rpc);
     if (r < 0)
         hm_bench_die("client rpc", r);
 
+    uint8_t pref[HM_HS_CIPHERS_MAX];
+    hm_rec_cipher_auto(pref);
     printf("bench_rpc: %d runs, medians; %d sequential calls for latency, %zu-byte messages "
-           "(%d in flight) for %.1f s for throughput\n",
-           o.runs, o.calls, o.size, INFLIGHT_MSGS, o.seconds);
+           "(%d in flight) for %.1f s for throughput; stream cipher %s\n",
+           o.runs, o.calls, o.size, INFLIGHT_MSGS, o.seconds,
+           hm_rec_cipher_name(cipher != 0 ? cipher : pref[0]));
     double *a50 = calloc((size_t)o.runs, sizeof(double)), *a99 = calloc((size_t)o.runs, sizeof(double));
     const char *names[2] = {"datagram", "stream"};
     unsigned carriers[2] = {HM_RPC_DGRAM, HM_RPC_STREAM};

@@ -45,6 +45,7 @@ BUILD="${HM_BUILD_DIR:-$ROOT/build}"
 PACKAGES=(
     build-essential make autoconf automake libtool pkg-config
     libuv1-dev libsodium-dev libmsgpack-dev libopenblas-dev libcriterion-dev libjansson-dev
+    libssl-dev
     procps iproute2 zlib1g-dev dataset-fashion-mnist python3-numpy python3-torch
     libmicrohttpd-dev
 )

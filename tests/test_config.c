@@ -605,3 +605,28 @@ Test(config, host_names_are_kept_as_written_and_resolved_on_request)
     snprintf(buf, sizeof(buf), "Listen %s\n", longname);
     cr_assert_eq(load(&c, buf, err, sizeof(err)), -EINVAL, "a 254-octet name is refused");
 }
+
+/* -- aead: StreamCipher -- */
+Test(config, stream_cipher)
+{
+    hm_config c;
+    char err[512] = "";
+    hm_config_defaults(&c);
+    cr_assert_str_eq(c.stream_cipher, "auto");
+    static const char *const good[] = {"auto", "aes-256-gcm", "chacha20-poly1305"};
+    for (size_t i = 0; i < 3; i++) {
+        char text[64];
+        snprintf(text, sizeof(text), "StreamCipher %s\n", good[i]);
+        cr_assert_eq(load(&c, text, err, sizeof(err)), 0, "%s: %s", good[i], err);
+        cr_assert_str_eq(c.stream_cipher, good[i]);
+    }
+    cr_assert_eq(load(&c, "\nStreamCipher aes-128-gcm\n", err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "test.conf:2: bad value 'aes-128-gcm' for StreamCipher") != NULL, "%s",
+              err);
+    cr_assert(strstr(err, "expected auto, aes-256-gcm or chacha20-poly1305") != NULL, "%s", err);
+    /* It reads back from the printed configuration. */
+    cr_assert_eq(load(&c, "StreamCipher chacha20-poly1305\n", err, sizeof(err)), 0);
+    char *text = hm_config_format(&c);
+    cr_assert(strstr(text, "StreamCipher chacha20-poly1305\n") != NULL, "%s", text);
+    free(text);
+}

@@ -18,6 +18,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <openssl/evp.h>
+
 #define NOW (UINT64_C(1700000000) * 1000000u)
 
 static char tmpdir[64];
@@ -910,6 +912,10 @@ Test(crypto, handshake_sessions_are_fresh_and_independent)
     /* A record of one session means nothing in another between the same peers. */
     cr_assert_eq(hm_session_open(&r2.ss, rec, rl, &used, pt, &pl), -EBADMSG);
     cr_assert_eq(hm_session_open(&r1.ss, rec, rl, &used, pt, &pl), 1);
+    hm_session_wipe(&r1.cs);
+    hm_session_wipe(&r1.ss);
+    hm_session_wipe(&r2.cs);
+    hm_session_wipe(&r2.ss);
 }
 
 Test(crypto, handshake_extra_bytes_left_for_records)
@@ -952,6 +958,8 @@ Test(crypto, handshake_extra_bytes_left_for_records)
     cr_assert_eq(hm_session_open(&ss, buf + off, n - off, &used, pt, &pl), 1);
     cr_assert_arr_eq(pt, "second", 6);
     cr_assert_eq(off + used, n);
+    hm_session_wipe(&cs);
+    hm_session_wipe(&ss);
 }
 
 Test(crypto, handshake_undrained_output_is_not_overrun)
@@ -1046,7 +1054,7 @@ Test(crypto, handshake_tampered_messages_fail)
     size_t used;
 
     /* Every bit of msg2's key and signature, and of msg3's signature, matters. */
-    for (size_t i = 0; i < 96; i += 5) {
+    for (size_t i = 0; i < HM_HS_MSG2_LEN; i += 4) {
         hm_hs_init_client(&c, &a, swarm_main(), b.pk);
         hm_hs_init_server(&s, &b, swarm_main());
         cr_assert_eq(hm_hs_input(&s, c.out, c.out_len, &used), 0);
@@ -1071,21 +1079,16 @@ Test(crypto, handshake_tampered_messages_fail)
     c.out_len = 0;
     cr_assert_eq(hm_hs_input(&c, s.out, s.out_len, &used), -EBADMSG);
 
-    /* A tampered stream header completes the handshake but no record opens. */
+    /* The chosen cipher (msg2 byte 32) is under the server's signature. */
     hm_hs_init_client(&c, &a, swarm_main(), b.pk);
     hm_hs_init_server(&s, &b, swarm_main());
     cr_assert_eq(hm_hs_input(&s, c.out, c.out_len, &used), 0);
     c.out_len = 0;
-    cr_assert_eq(hm_hs_input(&c, s.out, s.out_len, &used), 1);
-    c.out[70] ^= 0x01;
-    cr_assert_eq(hm_hs_input(&s, c.out, c.out_len, &used), 1);
-    hm_session cs, ss;
-    hm_hs_finish(&c, &cs);
-    hm_hs_finish(&s, &ss);
-    uint8_t rec[64], pt[HM_REC_MAX_PLAIN];
-    size_t rl, pl;
-    cr_assert_eq(hm_session_seal(&cs, "x", 1, rec, &rl), 0);
-    cr_assert_eq(hm_session_open(&ss, rec, rl, &used, pt, &pl), -EBADMSG);
+    s.out[32] = s.out[32] == HM_CIPHER_AES_256_GCM ? HM_CIPHER_CHACHA20_POLY1305
+                                                   : HM_CIPHER_AES_256_GCM;
+    cr_assert_eq(hm_hs_input(&c, s.out, s.out_len, &used), -EBADMSG);
+    hm_hs_wipe(&c);
+    hm_hs_wipe(&s);
 }
 
 Test(crypto, handshake_malformed_msg1)
@@ -1099,10 +1102,27 @@ Test(crypto, handshake_malformed_msg1)
 
     hm_hs_init_client(&c, &a, swarm_main(), b.pk);
     memcpy(m1, c.out, sizeof(m1));
-    m1[0] = 2;
+    m1[0] = HM_HS_VERSION + 1;
+    hm_hs_init_server(&s, &b, swarm_main());
+    cr_assert_eq(hm_hs_input(&s, m1, sizeof(m1), &used), -EPROTONOSUPPORT);
+    cr_assert_eq(s.out_len, 0);
+    cr_assert_eq(hm_hs_peer_version(&s), HM_HS_VERSION + 1);
+
+    /* A cipher list with a repeat, or with a hole before an id, is malformed. */
+    memcpy(m1, c.out, sizeof(m1));
+    m1[98] = m1[97];
     hm_hs_init_server(&s, &b, swarm_main());
     cr_assert_eq(hm_hs_input(&s, m1, sizeof(m1), &used), -EPROTO);
-    cr_assert_eq(s.out_len, 0);
+    memcpy(m1, c.out, sizeof(m1));
+    m1[97] = 0;
+    hm_hs_init_server(&s, &b, swarm_main());
+    cr_assert_eq(hm_hs_input(&s, m1, sizeof(m1), &used), -EPROTO);
+    /* Only unknown ids (a later version's ciphers): nothing in common. */
+    memcpy(m1, c.out, sizeof(m1));
+    m1[97] = 200;
+    m1[98] = 201;
+    hm_hs_init_server(&s, &b, swarm_main());
+    cr_assert_eq(hm_hs_input(&s, m1, sizeof(m1), &used), -ENOPROTOOPT);
 
     /* A client static key that is not a valid point. */
     memcpy(m1, c.out, sizeof(m1));
@@ -1132,10 +1152,46 @@ static void session_pair(hm_session *cs, hm_session *ss)
     *ss = r.ss;
 }
 
-Test(crypto, records_tampered_truncated_reordered_rejected)
+/* A finished handshake whose both sides allow only cipher. */
+static void session_pair_cipher(int cipher, hm_session *cs, hm_session *ss)
 {
-    hm_session cs, ss, t;
-    session_pair(&cs, &ss);
+    hm_identity a, b;
+    seeded(1, &a);
+    seeded(2, &b);
+    hm_handshake c, s;
+    size_t used;
+    uint8_t only = (uint8_t)cipher;
+    hm_hs_init_client(&c, &a, swarm_main(), b.pk);
+    hm_hs_init_server(&s, &b, swarm_main());
+    cr_assert_eq(hm_hs_set_ciphers(&c, &only, 1), 0);
+    cr_assert_eq(hm_hs_set_ciphers(&s, &only, 1), 0);
+    cr_assert_eq(hm_hs_input(&s, c.out, c.out_len, &used), 0);
+    c.out_len = 0;
+    cr_assert_eq(hm_hs_input(&c, s.out, s.out_len, &used), 1);
+    s.out_len = 0;
+    cr_assert_eq(hm_hs_input(&s, c.out, c.out_len, &used), 1);
+    cr_assert_eq(hm_hs_cipher(&c), cipher);
+    cr_assert_eq(hm_hs_cipher(&s), cipher);
+    hm_hs_finish(&c, cs);
+    hm_hs_finish(&s, ss);
+    cr_assert_eq(cs->cipher, cipher);
+}
+
+/* Opens in a throwaway copy of s, so that s itself moves on only when asked. */
+static int try_open(const hm_session *s, const uint8_t *in, size_t len, size_t *used,
+                    uint8_t *pt, size_t *pl)
+{
+    hm_session t;
+    cr_assert_eq(hm_session_dup(s, &t), 0);
+    int rc = hm_session_open(&t, in, len, used, pt, pl);
+    hm_session_wipe(&t);
+    return rc;
+}
+
+static void check_records_rejected(int cipher)
+{
+    hm_session cs, ss;
+    session_pair_cipher(cipher, &cs, &ss);
     uint8_t r1[128], r2[128], x[128], pt[HM_REC_MAX_PLAIN];
     size_t l1, l2, used, pl;
     cr_assert_eq(hm_session_seal(&cs, "record number one", 17, r1, &l1), 0);
@@ -1146,41 +1202,61 @@ Test(crypto, records_tampered_truncated_reordered_rejected)
         for (int bit = 0; bit < 8; bit++) {
             memcpy(x, r1, l1);
             x[i] ^= (uint8_t)(1u << bit);
-            t = ss;
-            int rc = hm_session_open(&t, x, l1, &used, pt, &pl);
+            int rc = try_open(&ss, x, l1, &used, pt, &pl);
             cr_assert_neq(rc, 1, "byte %zu bit %d accepted", i, bit);
         }
     }
     /* Truncated: incomplete until the last byte arrives. */
     for (size_t n = 0; n < l1; n++) {
-        t = ss;
         used = 99;
-        cr_assert_eq(hm_session_open(&t, r1, n, &used, pt, &pl), 0, "prefix %zu", n);
+        cr_assert_eq(try_open(&ss, r1, n, &used, pt, &pl), 0, "prefix %zu", n);
         cr_assert_eq(used, 0);
     }
     /* Truncated with a length field to match: authentication fails. */
     memcpy(x, r1, l1);
     x[1] = (uint8_t)(x[1] - 1);
-    t = ss;
-    cr_assert_eq(hm_session_open(&t, x, l1 - 1, &used, pt, &pl), -EBADMSG);
+    cr_assert_eq(try_open(&ss, x, l1 - 1, &used, pt, &pl), -EBADMSG);
     /* A length below the tag size. */
     x[0] = 0;
     x[1] = 3;
-    t = ss;
-    cr_assert_eq(hm_session_open(&t, x, l1, &used, pt, &pl), -EBADMSG);
+    cr_assert_eq(try_open(&ss, x, l1, &used, pt, &pl), -EBADMSG);
     /* Reordered. */
-    t = ss;
-    cr_assert_eq(hm_session_open(&t, r2, l2, &used, pt, &pl), -EBADMSG);
+    cr_assert_eq(try_open(&ss, r2, l2, &used, pt, &pl), -EBADMSG);
     /* In order, each opens once; a replay does not. */
     cr_assert_eq(hm_session_open(&ss, r1, l1, &used, pt, &pl), 1);
     cr_assert_arr_eq(pt, "record number one", 17);
-    t = ss;
-    cr_assert_eq(hm_session_open(&t, r1, l1, &used, pt, &pl), -EBADMSG);
+    cr_assert_eq(try_open(&ss, r1, l1, &used, pt, &pl), -EBADMSG);
     cr_assert_eq(hm_session_open(&ss, r2, l2, &used, pt, &pl), 1);
     cr_assert_arr_eq(pt, "record number two", 17);
     /* Records go one way only: the sender cannot open its own record. */
     cr_assert_eq(hm_session_seal(&cs, "echo", 4, r1, &l1), 0);
     cr_assert_eq(hm_session_open(&cs, r1, l1, &used, pt, &pl), -EBADMSG);
+    /* Dropped: the record after a lost one does not open either. */
+    cr_assert_eq(hm_session_seal(&cs, "lost", 4, r1, &l1), 0);
+    cr_assert_eq(hm_session_seal(&cs, "after", 5, r2, &l2), 0);
+    cr_assert_eq(try_open(&ss, r2, l2, &used, pt, &pl), -EBADMSG);
+    /* A record of the other cipher under the same secrets does not open. */
+    hm_session other;
+    cr_assert_eq(hm_session_dup(&ss, &other), 0);
+    other.cipher = cipher == HM_CIPHER_AES_256_GCM ? HM_CIPHER_CHACHA20_POLY1305
+                                                   : HM_CIPHER_AES_256_GCM;
+    other.rx.keyed = 0;
+    EVP_CIPHER_CTX_free(other.rx.ctx);
+    other.rx.ctx = NULL;
+    cr_assert_eq(hm_session_open(&other, r1, l1, &used, pt, &pl), -EBADMSG);
+    hm_session_wipe(&other);
+    hm_session_wipe(&cs);
+    hm_session_wipe(&ss);
+}
+
+Test(crypto, records_tampered_truncated_reordered_rejected_chacha20_poly1305)
+{
+    check_records_rejected(HM_CIPHER_CHACHA20_POLY1305);
+}
+
+Test(crypto, records_tampered_truncated_reordered_rejected_aes_256_gcm)
+{
+    check_records_rejected(HM_CIPHER_AES_256_GCM);
 }
 
 Test(crypto, records_size_limits)
@@ -1190,7 +1266,7 @@ Test(crypto, records_size_limits)
     static uint8_t big[HM_REC_MAX_PLAIN + 1], rec[HM_REC_MAX_PLAIN + 64], pt[HM_REC_MAX_PLAIN];
     size_t rl, used, pl;
     cr_assert_eq(hm_session_seal(&cs, big, HM_REC_MAX_PLAIN + 1, rec, &rl), -EMSGSIZE);
-    size_t limit = HM_REC_MAX_PLAIN + crypto_secretstream_xchacha20poly1305_ABYTES;
+    size_t limit = HM_REC_MAX_PLAIN + HM_REC_TAG;
     rec[0] = (uint8_t)((limit + 1) >> 8);
     rec[1] = (uint8_t)(limit + 1);
     cr_assert_eq(hm_session_open(&ss, rec, 2, &used, pt, &pl), -EMSGSIZE);
@@ -1202,4 +1278,442 @@ Test(crypto, records_size_limits)
     cr_assert_eq(rl, limit + 2);
     cr_assert_eq(hm_session_open(&ss, rec, rl, &used, pt, &pl), 1);
     cr_assert_eq(pl, HM_REC_MAX_PLAIN);
+    hm_session_wipe(&cs);
+    hm_session_wipe(&ss);
+}
+
+/* ---- record ciphers: known answers, negotiation, rekeying ---- */
+
+static void unhex(const char *h, uint8_t *out, size_t len)
+{
+    cr_assert_eq(strlen(h), 2 * len, "vector length");
+    cr_assert_eq(hm_hex_decode(h, 2 * len, out, len), 0);
+}
+
+/* Seals and opens one vector with hm_aead_crypt, in place and not, and checks every tag bit. */
+static void check_vector(int cipher, const char *key_h, const char *nonce_h, const char *aad_h,
+                         size_t aad_len, const char *pt_h, size_t len, const char *ct_h,
+                         const char *tag_h)
+{
+    uint8_t key[32], nonce[12], aad[32], pt[128], ct[128], tag[16], out[128], got_tag[16];
+    cr_assert(len <= sizeof(pt) && aad_len <= sizeof(aad));
+    unhex(key_h, key, 32);
+    unhex(nonce_h, nonce, 12);
+    unhex(aad_h, aad, aad_len);
+    unhex(pt_h, pt, len);
+    unhex(ct_h, ct, len);
+    unhex(tag_h, tag, 16);
+    cr_assert_eq(hm_aead_crypt(cipher, 1, key, nonce, aad, aad_len, pt, len, out, got_tag), 0);
+    cr_assert_arr_eq(out, ct, len, "%s ciphertext", hm_rec_cipher_name(cipher));
+    cr_assert_arr_eq(got_tag, tag, 16, "%s tag", hm_rec_cipher_name(cipher));
+    memcpy(out, ct, len);
+    cr_assert_eq(hm_aead_crypt(cipher, 0, key, nonce, aad, aad_len, out, len, out, tag), 0);
+    cr_assert_arr_eq(out, pt, len, "%s opens in place", hm_rec_cipher_name(cipher));
+    for (int bit = 0; bit < 128; bit += 7) {
+        uint8_t bad[16];
+        memcpy(bad, tag, 16);
+        bad[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+        cr_assert_eq(hm_aead_crypt(cipher, 0, key, nonce, aad, aad_len, ct, len, out, bad),
+                     -EBADMSG);
+    }
+    aad[0] ^= 1;
+    cr_assert_eq(hm_aead_crypt(cipher, 0, key, nonce, aad, aad_len, ct, len, out, tag), -EBADMSG);
+}
+
+Test(crypto, chacha20_poly1305_rfc8439_2_8_2)
+{
+    const char *pt_text = "Ladies and Gentlemen of the class of '99: If I could offer you only "
+                          "one tip for the future, sunscreen would be it.";
+    char pt_h[2 * 114 + 1];
+    cr_assert_eq(strlen(pt_text), 114);
+    for (size_t i = 0; i < 114; i++)
+        snprintf(pt_h + 2 * i, 3, "%02x", (unsigned char)pt_text[i]);
+    check_vector(HM_CIPHER_CHACHA20_POLY1305,
+                 "808182838485868788898a8b8c8d8e8f909192939495969798999a9b9c9d9e9f",
+                 "070000004041424344454647", "50515253c0c1c2c3c4c5c6c7", 12, pt_h, 114,
+                 "d31a8d34648e60db7b86afbc53ef7ec2a4aded51296e08fea9e2b5a736ee62d6"
+                 "3dbea45e8ca9671282fafb69da92728b1a71de0a9e060b2905d6a5b67ecd3b36"
+                 "92ddbd7f2d778b8c9803aee328091b58fab324e4fad675945585808b4831d7bc"
+                 "3ff4def08e4b7a9de576d26586cec64b6116",
+                 "1ae10b594f09e26a7e902ecbd0600691");
+}
+
+Test(crypto, aes_256_gcm_mcgrew_viega_test_case_16)
+{
+    check_vector(HM_CIPHER_AES_256_GCM,
+                 "feffe9928665731c6d6a8f9467308308feffe9928665731c6d6a8f9467308308",
+                 "cafebabefacedbaddecaf888", "feedfacedeadbeeffeedfacedeadbeefabaddad2", 20,
+                 "d9313225f88406e5a55909c5aff5269a86a7a9531534f7da2e4c303d8a318a72"
+                 "1c3c0c95956809532fcf0e2449a6b525b16aedf5aa0de657ba637b39",
+                 60,
+                 "522dc1f099567d07f47f37a32a84427d643a8cdcbfe5c0c97598a2bd2555d1aa"
+                 "8cb08e48590dbb3da7b08b1056828838c5f61e6393ba7a0abcc9f662",
+                 "76fc6ece0f4e1768cddf8853bb2d551b");
+}
+
+/* crypto.h's derivation, written out again here with libsodium and EVP directly. */
+static void ref_kdf(uint8_t *out, size_t outlen, const uint8_t secret[32], const char *label,
+                    int cipher)
+{
+    crypto_generichash_state st;
+    uint8_t c = (uint8_t)cipher;
+    crypto_generichash_init(&st, secret, 32, outlen);
+    crypto_generichash_update(&st, (const uint8_t *)label, strlen(label));
+    if (cipher != 0)
+        crypto_generichash_update(&st, &c, 1);
+    crypto_generichash_final(&st, out, outlen);
+}
+
+static void ref_record(int cipher, const uint8_t secret[32], uint64_t seq, const uint8_t *pt,
+                       size_t len, uint8_t *rec)
+{
+    uint8_t key[32], iv[12];
+    ref_kdf(key, 32, secret, "hivemindd/rec/key/v2", cipher);
+    ref_kdf(iv, 12, secret, "hivemindd/rec/iv/v2", cipher);
+    for (int i = 0; i < 8; i++)
+        iv[4 + i] ^= (uint8_t)(seq >> (56 - 8 * i));
+    rec[0] = (uint8_t)((len + 16) >> 8);
+    rec[1] = (uint8_t)(len + 16);
+    EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
+    int n = 0;
+    cr_assert(EVP_EncryptInit_ex(ctx, cipher == HM_CIPHER_AES_256_GCM ? EVP_aes_256_gcm()
+                                                                      : EVP_chacha20_poly1305(),
+                                 NULL, key, iv) == 1);
+    cr_assert(EVP_EncryptUpdate(ctx, NULL, &n, rec, 2) == 1);
+    cr_assert(EVP_EncryptUpdate(ctx, rec + 2, &n, pt, (int)len) == 1);
+    cr_assert(EVP_EncryptFinal_ex(ctx, rec + 2 + len, &n) == 1);
+    cr_assert(EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_AEAD_GET_TAG, 16, rec + 2 + len) == 1);
+    EVP_CIPHER_CTX_free(ctx);
+}
+
+/*
+ * The record bytes are exactly what crypto.h documents: key, IV and
+ * counter nonce from the direction secret, the next epoch's secret after
+ * rekey_records records, the length as associated data.
+ */
+static void check_wire_format(int cipher)
+{
+    hm_session cs, ss;
+    session_pair_cipher(cipher, &cs, &ss);
+    cr_assert_eq(hm_session_set_rekey_records(&cs, 3), 0);
+    cr_assert_eq(hm_session_set_rekey_records(&ss, 3), 0);
+    uint8_t secret[32], next[32];
+    memcpy(secret, cs.tx.secret, 32);
+    uint8_t pt[100], rec[200], want[200], back[HM_REC_MAX_PLAIN];
+    for (uint64_t i = 0; i < 8; i++) {
+        size_t len = 10 + (size_t)i * 11, rl = 0, used = 0, pl = 0;
+        randombytes_buf(pt, len);
+        if (i > 0 && i % 3 == 0) {
+            ref_kdf(next, 32, secret, "hivemindd/rec/next/v2", 0);
+            memcpy(secret, next, 32);
+        }
+        ref_record(cipher, secret, i % 3, pt, len, want);
+        cr_assert_eq(hm_session_seal(&cs, pt, len, rec, &rl), 0);
+        cr_assert_eq(rl, len + HM_REC_OVERHEAD);
+        cr_assert_arr_eq(rec, want, rl, "%s record %llu", hm_rec_cipher_name(cipher),
+                         (unsigned long long)i);
+        cr_assert_eq(hm_session_open(&ss, rec, rl, &used, back, &pl), 1);
+        cr_assert_arr_eq(back, pt, len);
+    }
+    cr_assert_eq(cs.tx.epoch, 2);
+    cr_assert_eq(ss.rx.epoch, 2);
+    hm_session_wipe(&cs);
+    hm_session_wipe(&ss);
+}
+
+Test(crypto, record_wire_format_chacha20_poly1305)
+{
+    check_wire_format(HM_CIPHER_CHACHA20_POLY1305);
+}
+
+Test(crypto, record_wire_format_aes_256_gcm)
+{
+    check_wire_format(HM_CIPHER_AES_256_GCM);
+}
+
+/*
+ * Crossing the rekey limit: both ends move to the next key together and
+ * the stream goes on; an end that did not rekey cannot open what follows,
+ * so the key really changed; and a session whose epochs are spent refuses
+ * to seal rather than reuse a nonce.
+ */
+static void check_rekey(int cipher)
+{
+    hm_session cs, ss, stale;
+    session_pair_cipher(cipher, &cs, &ss);
+    const uint64_t limit = 5;
+    cr_assert_eq(hm_session_set_rekey_records(&cs, 0), -EINVAL);
+    cr_assert_eq(hm_session_set_rekey_records(&cs, HM_REC_REKEY_RECORDS + 1), -EINVAL);
+    cr_assert_eq(hm_session_set_rekey_records(&cs, limit), 0);
+    cr_assert_eq(hm_session_set_rekey_records(&ss, limit), 0);
+    cr_assert_eq(hm_session_dup(&ss, &stale), 0);
+    cr_assert_eq(hm_session_set_rekey_records(&stale, HM_REC_REKEY_RECORDS), 0);
+    static uint8_t pt[HM_REC_MAX_PLAIN], rec[HM_REC_MAX_PLAIN + HM_REC_OVERHEAD],
+        back[HM_REC_MAX_PLAIN];
+    for (uint64_t i = 0; i < 4 * limit + 2; i++) {
+        size_t len = i % 2 ? HM_REC_MAX_PLAIN : (size_t)i, rl = 0, used = 0, pl = 0;
+        randombytes_buf(pt, len);
+        cr_assert_eq(hm_session_seal(&cs, pt, len, rec, &rl), 0);
+        int stale_rc = hm_session_open(&stale, rec, rl, &used, back, &pl);
+        if (i < limit)
+            cr_assert_eq(stale_rc, 1, "record %llu, first key", (unsigned long long)i);
+        else if (i == limit)
+            cr_assert_eq(stale_rc, -EBADMSG, "the key changed after %llu records",
+                         (unsigned long long)limit);
+        cr_assert_eq(hm_session_open(&ss, rec, rl, &used, back, &pl), 1, "record %llu",
+                     (unsigned long long)i);
+        cr_assert_eq(pl, len);
+        cr_assert_arr_eq(back, pt, len);
+        cr_assert_eq(cs.tx.epoch, (uint32_t)(i / limit));
+        cr_assert(cs.tx.seq <= limit);
+    }
+    /* The other direction keeps its own keys and counter. */
+    exchange_records(&ss, &cs, 3);
+    cr_assert_eq(ss.tx.epoch, 0);
+    /* Spent epochs: sealing stops instead of wrapping to an old key. */
+    cs.tx.epoch = UINT32_MAX;
+    cs.tx.seq = limit;
+    size_t rl = 0;
+    cr_assert_eq(hm_session_seal(&cs, pt, 1, rec, &rl), -EOVERFLOW);
+    hm_session_wipe(&stale);
+    hm_session_wipe(&cs);
+    hm_session_wipe(&ss);
+}
+
+Test(crypto, rekey_crosses_the_limit_chacha20_poly1305)
+{
+    check_rekey(HM_CIPHER_CHACHA20_POLY1305);
+}
+
+Test(crypto, rekey_crosses_the_limit_aes_256_gcm)
+{
+    check_rekey(HM_CIPHER_AES_256_GCM);
+}
+
+Test(crypto, records_seal_and_open_in_place)
+{
+    hm_session cs, ss;
+    session_pair(&cs, &ss);
+    static uint8_t buf[2 * (HM_REC_MAX_PLAIN + HM_REC_OVERHEAD)], want[HM_REC_MAX_PLAIN];
+    size_t n1 = 1000, n2 = HM_REC_MAX_PLAIN, l1 = 0, l2 = 0, used = 0, pl = 0;
+    randombytes_buf(buf + HM_REC_HEADER, n1);
+    memcpy(want, buf + HM_REC_HEADER, n1);
+    cr_assert_eq(hm_session_seal(&cs, buf + HM_REC_HEADER, n1, buf, &l1), 0);
+    cr_assert(memcmp(buf + HM_REC_HEADER, want, n1) != 0, "sealed in place");
+    randombytes_buf(buf + l1 + HM_REC_HEADER, n2);
+    cr_assert_eq(hm_session_seal(&cs, buf + l1 + HM_REC_HEADER, n2, buf + l1, &l2), 0);
+    uint8_t *pt = NULL;
+    cr_assert_eq(hm_session_open_inplace(&ss, buf, l1 + l2, &used, &pt, &pl), 1);
+    cr_assert_eq(used, l1);
+    cr_assert_eq(pt, buf + HM_REC_HEADER);
+    cr_assert_eq(pl, n1);
+    cr_assert_arr_eq(pt, want, n1);
+    cr_assert_eq(hm_session_open_inplace(&ss, buf + l1, l2 - 1, &used, &pt, &pl), 0);
+    cr_assert_eq(hm_session_open_inplace(&ss, buf + l1, l2, &used, &pt, &pl), 1);
+    cr_assert_eq(pl, n2);
+    hm_session_wipe(&cs);
+    hm_session_wipe(&ss);
+}
+
+/* Runs a handshake with the given lists (n 0: the default); returns the server's result. */
+static int negotiate(const uint8_t *cl, size_t cn, const uint8_t *sl, size_t sn, int *cipher_out)
+{
+    hm_identity a, b;
+    seeded(1, &a);
+    seeded(2, &b);
+    hm_handshake c, s;
+    size_t used;
+    int rc;
+    hm_hs_init_client(&c, &a, swarm_main(), b.pk);
+    hm_hs_init_server(&s, &b, swarm_main());
+    if (cn > 0)
+        cr_assert_eq(hm_hs_set_ciphers(&c, cl, cn), 0);
+    if (sn > 0)
+        cr_assert_eq(hm_hs_set_ciphers(&s, sl, sn), 0);
+    *cipher_out = 0;
+    rc = hm_hs_input(&s, c.out, c.out_len, &used);
+    if (rc < 0)
+        goto out;
+    c.out_len = 0;
+    cr_assert_eq(hm_hs_input(&c, s.out, s.out_len, &used), 1);
+    rc = hm_hs_input(&s, c.out, c.out_len, &used);
+    cr_assert_eq(rc, 1);
+    cr_assert_eq(hm_hs_cipher(&c), hm_hs_cipher(&s));
+    *cipher_out = hm_hs_cipher(&s);
+out:
+    hm_hs_wipe(&c);
+    hm_hs_wipe(&s);
+    return rc;
+}
+
+Test(crypto, cipher_negotiation)
+{
+    const uint8_t aes = HM_CIPHER_AES_256_GCM, cha = HM_CIPHER_CHACHA20_POLY1305;
+    const uint8_t aes_cha[] = {aes, cha}, cha_aes[] = {cha, aes};
+    int got = 0;
+    uint8_t def[HM_HS_CIPHERS_MAX];
+    size_t ndef = hm_rec_cipher_auto(def);
+    cr_assert_eq(ndef, 2);
+    /* Defaults on both sides: the client's first choice. */
+    cr_assert_eq(negotiate(NULL, 0, NULL, 0, &got), 1);
+    cr_assert_eq(got, def[0]);
+    /* The client's order decides among what the server has. */
+    cr_assert_eq(negotiate(cha_aes, 2, aes_cha, 2, &got), 1);
+    cr_assert_eq(got, cha);
+    cr_assert_eq(negotiate(aes_cha, 2, cha_aes, 2, &got), 1);
+    cr_assert_eq(got, aes);
+    cr_assert_eq(negotiate(aes_cha, 2, &cha, 1, &got), 1);
+    cr_assert_eq(got, cha);
+    cr_assert_eq(negotiate(&cha, 1, NULL, 0, &got), 1);
+    cr_assert_eq(got, cha);
+    /* Nothing in common: refused. */
+    cr_assert_eq(negotiate(&aes, 1, &cha, 1, &got), -ENOPROTOOPT);
+    cr_assert_eq(got, 0);
+    /* Bad lists and late calls. */
+    hm_identity a, b;
+    seeded(1, &a);
+    seeded(2, &b);
+    hm_handshake c, s;
+    size_t used;
+    const uint8_t dup[] = {aes, aes}, unknown[] = {7}, many[] = {aes, cha, aes, cha, aes};
+    hm_hs_init_client(&c, &a, swarm_main(), b.pk);
+    cr_assert_eq(hm_hs_set_ciphers(&c, dup, 2), -EINVAL);
+    cr_assert_eq(hm_hs_set_ciphers(&c, unknown, 1), -EINVAL);
+    cr_assert_eq(hm_hs_set_ciphers(&c, many, 5), -EINVAL);
+    cr_assert_eq(hm_hs_set_ciphers(&c, aes_cha, 0), -EINVAL);
+    c.out_len = 0; /* msg1 sent: too late to change the list it carried */
+    cr_assert_eq(hm_hs_set_ciphers(&c, &cha, 1), -EALREADY);
+    hm_hs_init_server(&s, &b, swarm_main());
+    cr_assert_eq(hm_hs_input(&s, c.msg1, 10, &used), 0);
+    cr_assert_eq(hm_hs_set_ciphers(&s, &cha, 1), -EALREADY);
+    hm_hs_wipe(&c);
+    hm_hs_wipe(&s);
+}
+
+/*
+ * A man in the middle who strips the client's preferred cipher from msg1
+ * gets the server to choose another, but the server's signature covers the
+ * msg1 it saw, so the client refuses: no downgrade.
+ */
+Test(crypto, cipher_downgrade_is_refused)
+{
+    hm_identity a, b;
+    seeded(1, &a);
+    seeded(2, &b);
+    hm_handshake c, s;
+    size_t used;
+    const uint8_t aes_cha[] = {HM_CIPHER_AES_256_GCM, HM_CIPHER_CHACHA20_POLY1305};
+    hm_hs_init_client(&c, &a, swarm_main(), b.pk);
+    hm_hs_init_server(&s, &b, swarm_main());
+    cr_assert_eq(hm_hs_set_ciphers(&c, aes_cha, 2), 0);
+    uint8_t m1[HM_HS_MSG1_LEN];
+    memcpy(m1, c.out, sizeof(m1));
+    cr_assert_eq(m1[97], HM_CIPHER_AES_256_GCM);
+    m1[97] = HM_CIPHER_CHACHA20_POLY1305;
+    m1[98] = 0;
+    cr_assert_eq(hm_hs_input(&s, m1, sizeof(m1), &used), 0);
+    cr_assert_eq(s.out[32], HM_CIPHER_CHACHA20_POLY1305);
+    c.out_len = 0;
+    cr_assert_eq(hm_hs_input(&c, s.out, s.out_len, &used), -EBADMSG);
+    hm_hs_wipe(&c);
+    hm_hs_wipe(&s);
+}
+
+/* A version 1 hello is refused at its first byte, and the version is kept for the log. */
+Test(crypto, old_version_hello_is_refused_at_once)
+{
+    hm_identity b;
+    seeded(2, &b);
+    hm_handshake s;
+    size_t used = 0;
+    uint8_t v1[97];
+    memset(v1, 0, sizeof(v1));
+    v1[0] = 1;
+    hm_hs_init_server(&s, &b, swarm_main());
+    cr_assert_eq(hm_hs_peer_version(&s), 0);
+    cr_assert_eq(hm_hs_input(&s, v1, 1, &used), -EPROTONOSUPPORT);
+    cr_assert_eq(used, 1);
+    cr_assert_eq(hm_hs_peer_version(&s), 1);
+    cr_assert_eq(s.out_len, 0);
+    cr_assert_lt(hm_hs_input(&s, v1 + 1, sizeof(v1) - 1, &used), 0);
+    cr_assert_eq(hm_hs_peer_version(&s), 1);
+    hm_hs_wipe(&s);
+}
+
+Test(crypto, cipher_names)
+{
+    cr_assert_eq(hm_rec_cipher_parse("aes-256-gcm"), HM_CIPHER_AES_256_GCM);
+    cr_assert_eq(hm_rec_cipher_parse("chacha20-poly1305"), HM_CIPHER_CHACHA20_POLY1305);
+    cr_assert_eq(hm_rec_cipher_parse("auto"), -EINVAL);
+    cr_assert_eq(hm_rec_cipher_parse("aes-128-gcm"), -EINVAL);
+    cr_assert_str_eq(hm_rec_cipher_name(HM_CIPHER_AES_256_GCM), "aes-256-gcm");
+    cr_assert_null(hm_rec_cipher_name(0));
+}
+
+/* A record sealed from two parts is the record of the joined plaintext. */
+Test(crypto, records_sealed_from_two_parts)
+{
+    for (int k = 0; k < 2; k++) {
+        int cipher = k ? HM_CIPHER_AES_256_GCM : HM_CIPHER_CHACHA20_POLY1305;
+        hm_session cs, ss, cs2;
+        session_pair_cipher(cipher, &cs, &ss);
+        cr_assert_eq(hm_session_dup(&cs, &cs2), 0);
+        static uint8_t joined[HM_REC_MAX_PLAIN], r1[HM_REC_MAX_PLAIN + HM_REC_OVERHEAD],
+            r2[HM_REC_MAX_PLAIN + HM_REC_OVERHEAD], back[HM_REC_MAX_PLAIN];
+        const size_t heads[] = {0, 5, 9, 16, 17, 100};
+        for (size_t i = 0; i < 6; i++) {
+            size_t head = heads[i], body = HM_REC_MAX_PLAIN - head - (i * 13) % 50, l1 = 0,
+                   l2 = 0, used = 0, pl = 0;
+            randombytes_buf(joined, head + body);
+            cr_assert_eq(hm_session_seal(&cs, joined, head + body, r1, &l1), 0);
+            /* The head in place, the body from elsewhere, as the transport seals. */
+            memcpy(r2 + HM_REC_HEADER, joined, head);
+            cr_assert_eq(hm_session_seal2(&cs2, r2 + HM_REC_HEADER, head, joined + head, body,
+                                          r2, &l2), 0);
+            cr_assert_eq(l1, l2);
+            cr_assert_arr_eq(r1, r2, l1, "%s head %zu", hm_rec_cipher_name(cipher), head);
+            cr_assert_eq(hm_session_open(&ss, r2, l2, &used, back, &pl), 1);
+            cr_assert_arr_eq(back, joined, head + body);
+        }
+        size_t l = 0;
+        cr_assert_eq(hm_session_seal2(&cs, joined, 10, joined, HM_REC_MAX_PLAIN - 9, r1, &l),
+                     -EMSGSIZE);
+        hm_session_wipe(&cs);
+        hm_session_wipe(&cs2);
+        hm_session_wipe(&ss);
+    }
+}
+
+/* The two-step opener: the head in place, the rest where the caller says, the tag last. */
+Test(crypto, records_open_in_two_steps)
+{
+    hm_session cs, ss;
+    session_pair(&cs, &ss);
+    static uint8_t pt[HM_REC_MAX_PLAIN], rec[HM_REC_MAX_PLAIN + HM_REC_OVERHEAD],
+        dest[HM_REC_MAX_PLAIN];
+    size_t len = 12000, rl = 0;
+    hm_rec_open op;
+    randombytes_buf(pt, len);
+    cr_assert_eq(hm_session_seal(&cs, pt, len, rec, &rl), 0);
+    cr_assert_eq(hm_session_open_begin(&ss, rec, rl - 1, 5, &op), 0, "incomplete");
+    cr_assert_eq(hm_session_open_begin(&ss, rec, rl, 5, &op), 1);
+    cr_assert_eq(op.pt_len, len);
+    cr_assert_eq(op.head_len, 5);
+    cr_assert_eq(op.consumed, rl);
+    cr_assert_arr_eq(rec + HM_REC_HEADER, pt, 5, "the head is decrypted in place");
+    cr_assert_eq(hm_session_open_end(&ss, &op, dest), 1);
+    cr_assert_arr_eq(dest, pt + 5, len - 5, "the rest went to dest");
+    /* A short record: the head is all of it. */
+    cr_assert_eq(hm_session_seal(&cs, pt, 3, rec, &rl), 0);
+    cr_assert_eq(hm_session_open_begin(&ss, rec, rl, 5, &op), 1);
+    cr_assert_eq(op.head_len, 3);
+    cr_assert_eq(hm_session_open_end(&ss, &op, NULL), 1);
+    cr_assert_arr_eq(rec + HM_REC_HEADER, pt, 3);
+    /* A bad tag is found at the end, whatever was written before. */
+    cr_assert_eq(hm_session_seal(&cs, pt, len, rec, &rl), 0);
+    rec[rl - 1] ^= 0x20;
+    cr_assert_eq(hm_session_open_begin(&ss, rec, rl, 5, &op), 1);
+    cr_assert_eq(hm_session_open_end(&ss, &op, dest), -EBADMSG);
+    hm_session_wipe(&cs);
+    hm_session_wipe(&ss);
 }

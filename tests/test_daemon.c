@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -756,4 +757,81 @@ Test(daemon, hivemindctl_state_share_info_and_load_through_files)
     stop_node(&nc);
     stop_node(&d1);
     stop_node(&d0);
+}
+
+/* -- aead: stream protocol version and record cipher -- */
+
+/*
+ * A hivemindd of stream protocol version 1 (libsodium secretstream) sends a
+ * 97-byte hello starting with its version byte. It is refused at once, not
+ * left to the handshake timeout, and the log names both versions.
+ */
+Test(daemon, an_old_version_hello_is_refused_and_logged)
+{
+    struct node a;
+    start_node(&a, "a", NULL, NULL);
+    const char *colon = strrchr(a.addr, ':');
+    cr_assert_not_null(colon, "address '%s'", a.addr);
+    int port = atoi(colon + 1);
+    cr_assert_gt(port, 0);
+
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in src = {.sin_family = AF_INET}, dst = {.sin_family = AF_INET};
+    src.sin_addr.s_addr = htonl(0x7f000002); /* attackers sit on 127.0.0.2 */
+    dst.sin_addr.s_addr = htonl(0x7f000001);
+    dst.sin_port = htons((uint16_t)port);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&src, sizeof(src)), 0, "%s", strerror(errno));
+    cr_assert_eq(connect(fd, (struct sockaddr *)&dst, sizeof(dst)), 0, "%s", strerror(errno));
+    uint8_t hello[97];
+    for (size_t i = 0; i < sizeof(hello); i++)
+        hello[i] = (uint8_t)(i * 7 + 3);
+    hello[0] = 1;
+    cr_assert_eq(write(fd, hello, sizeof(hello)), (ssize_t)sizeof(hello));
+
+    /* Closed well inside the 5 s handshake timeout, with nothing sent back. */
+    long start = hm_test_now_ms();
+    struct timeval tv = {.tv_sec = 4};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char buf[256];
+    ssize_t n = read(fd, buf, sizeof(buf));
+    long took = hm_test_now_ms() - start;
+    cr_assert(n == 0 || (n < 0 && errno == ECONNRESET), "read %zd (%s)", n,
+              n < 0 ? strerror(errno) : "data");
+    cr_assert_lt(took, 3000, "closed after %ld ms", took);
+    close(fd);
+
+    cr_assert(log_has(a.err, 5000, "warn  transport:", "stream protocol version 1",
+                      "127.0.0.2", "speaks version 2 only", NULL),
+              "no warning naming both versions");
+    /* And it is counted where operators look for refusals. */
+    char *out, *err;
+    cr_assert_eq(ctl(a.sock, "metrics", 0, &out, &err), 0, "%s", err);
+    cr_assert(strstr(out, "hivemindd_limit_refused_total{limit=\"StreamProtocolVersion\"} 1\n") !=
+                  NULL,
+              "%s", out);
+    cr_assert(strstr(out, "hivemindd_limit_refused_total{limit=\"StreamCipher\"} 0\n") != NULL,
+              "%s", out);
+    free(out);
+    free(err);
+    stop_node(&a);
+}
+
+/* Daemons with different StreamCipher settings still meet on a cipher both allow. */
+Test(daemon, stream_cipher_settings_meet_on_a_common_cipher)
+{
+    struct node a, b;
+    start_node(&a, "a", NULL, "--stream-cipher", "chacha20-poly1305", NULL);
+    start_node(&b, "b", NULL, "--stream-cipher", "auto", "--initial-peers", a.addr, NULL);
+    long deadline = hm_test_now_ms() + 15000;
+    int ab = 0, ba = 0;
+    while ((!ab || !ba) && hm_test_now_ms() < deadline) {
+        ab = ab || peers_show(&a, b.id);
+        ba = ba || peers_show(&b, a.id);
+        if (!ab || !ba)
+            usleep(200000);
+    }
+    cr_assert(ab && ba, "the daemons never met (a saw b: %d, b saw a: %d)", ab, ba);
+    stop_node(&b);
+    stop_node(&a);
 }

@@ -1831,3 +1831,78 @@ Test(transport, messages_refused_by_reassembly_fail_their_calls_at_once)
     node_stop(&a);
     node_stop(&b);
 }
+
+/* -- aead: record ciphers and rekeying over real connections -- */
+
+/*
+ * With the rekey limit lowered to 8 records on both ends, an 8 MB body
+ * (about 530 records each way) crosses some 65 key changes in each
+ * direction and comes back intact; an end that keeps the protocol's limit
+ * cannot follow its peer past the first change, so the keys really move.
+ */
+Test(transport, streams_rekey_in_step_past_the_limit, .timeout = 60)
+{
+    tnode a, b, c;
+    hm_transport_config low = {.rekey_records = 8};
+    node_start_cfg(&a, swarm, NULL, &low, NULL);
+    node_start_cfg(&b, swarm, NULL, &low, NULL);
+    node_start(&c);
+    size_t big = 8u << 20;
+    uint8_t *body = malloc(big);
+    randombytes_buf(body, big);
+    result r1 = {0}, r2 = {0};
+    cr_assert_eq(call(&a, &b, "echo", body, big, HM_RPC_STREAM, 20000, &r1), 0);
+    cr_assert(run_until(&r1.count, 1, 20000));
+    cr_assert_eq(r1.status, 0, "%s", hm_strerror(r1.status));
+    cr_assert_eq(r1.len, big);
+    cr_assert_eq(memcmp(r1.body, body, big), 0, "8 MB echoed intact across the rekeys");
+
+    /* c keeps 2^24 records per key: the ninth record from a does not open. */
+    cr_assert_eq(call(&a, &c, "echo", body, 1u << 20, HM_RPC_STREAM, 3000, &r2), 0);
+    cr_assert(run_until(&r2.count, 1, 5000));
+    cr_assert_lt(r2.status, 0, "a peer that did not rekey opened the records");
+    cr_assert_eq(c.served, 0);
+    free(body);
+    node_stop(&a);
+    node_stop(&b);
+    node_stop(&c);
+    result_free(&r1);
+    result_free(&r2);
+}
+
+/* Each StreamCipher setting carries calls; two single, different ciphers never meet. */
+Test(transport, stream_cipher_settings)
+{
+    const int settings[3] = {0, HM_CIPHER_AES_256_GCM, HM_CIPHER_CHACHA20_POLY1305};
+    uint8_t *body = malloc(100000);
+    randombytes_buf(body, 100000);
+    for (int i = 0; i < 3; i++) {
+        for (int j = 0; j < 3; j++) {
+            tnode a, b;
+            hm_transport_config ca = {.stream_cipher = settings[i]},
+                                cb = {.stream_cipher = settings[j]};
+            node_start_cfg(&a, swarm, NULL, &ca, NULL);
+            node_start_cfg(&b, swarm, NULL, &cb, NULL);
+            int meet = settings[i] == 0 || settings[j] == 0 || settings[i] == settings[j];
+            result r = {0};
+            cr_assert_eq(call(&a, &b, "echo", body, 100000, HM_RPC_STREAM, 2000, &r), 0);
+            cr_assert(run_until(&r.count, 1, 4000));
+            if (meet) {
+                cr_assert_eq(r.status, 0, "settings %d/%d: %s", i, j, hm_strerror(r.status));
+                cr_assert_eq(memcmp(r.body, body, 100000), 0);
+            } else {
+                cr_assert_lt(r.status, 0, "settings %d/%d met", i, j);
+                cr_assert_geq(stats_of(&b).refused_no_cipher, 1);
+            }
+            node_stop(&a);
+            node_stop(&b);
+            result_free(&r);
+        }
+    }
+    free(body);
+    hm_transport_config bad = {.listen = "127.0.0.1:0", .stream_cipher = 9};
+    hm_rpc *rpc = NULL;
+    hm_identity id;
+    cr_assert_eq(hm_identity_generate(&id), 0);
+    cr_assert_eq(hm_rpc_new(&loop, &id, swarm, &bad, NULL, &rpc), -EINVAL);
+}

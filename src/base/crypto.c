@@ -23,8 +23,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <openssl/evp.h>
+
 #define DGRAM_VERSION 1
-#define HS_VERSION 1
 #define REPLAY_BITS 1024
 #define REPLAY_WORDS (REPLAY_BITS / 64)
 /* A bound on max_peers keeps the table's index type and allocation sane. */
@@ -32,8 +33,8 @@
 #define NIL UINT32_MAX
 
 static const char swarm_label[] = "hivemindd/swarm/v1"; /* hashed with its NUL */
-static const char hs_server_label[] = "hivemindd/hs/server/v1";
-static const char hs_client_label[] = "hivemindd/hs/client/v1";
+static const char hs_server_label[] = "hivemindd/hs/server/v2";
+static const char hs_client_label[] = "hivemindd/hs/client/v2";
 #define HS_LABEL_LEN (sizeof(hs_server_label) - 1)
 
 int hm_crypto_init(void)
@@ -704,6 +705,49 @@ enum hs_state {
     HS_FAILED,
 };
 
+const char *hm_rec_cipher_name(int cipher)
+{
+    switch (cipher) {
+    case HM_CIPHER_CHACHA20_POLY1305:
+        return "chacha20-poly1305";
+    case HM_CIPHER_AES_256_GCM:
+        return "aes-256-gcm";
+    default:
+        return NULL;
+    }
+}
+
+int hm_rec_cipher_parse(const char *name)
+{
+    if (name == NULL)
+        return -EINVAL;
+    if (strcmp(name, "chacha20-poly1305") == 0)
+        return HM_CIPHER_CHACHA20_POLY1305;
+    if (strcmp(name, "aes-256-gcm") == 0)
+        return HM_CIPHER_AES_256_GCM;
+    return -EINVAL;
+}
+
+size_t hm_rec_cipher_auto(uint8_t out[HM_HS_CIPHERS_MAX])
+{
+    int aes_first = 0;
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+    /*
+     * AES-GCM is fast only with AES-NI and PCLMULQDQ (OpenSSL adds VAES and
+     * VPCLMULQDQ on AVX-512 parts); without them it is a table-driven,
+     * slower and cache-timing-exposed cipher, and ChaCha20 wins.
+     */
+    __builtin_cpu_init();
+    aes_first = __builtin_cpu_supports("aes") && __builtin_cpu_supports("pclmul");
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRYPTO)
+    aes_first = 1;
+#endif
+    memset(out, 0, HM_HS_CIPHERS_MAX);
+    out[0] = aes_first ? HM_CIPHER_AES_256_GCM : HM_CIPHER_CHACHA20_POLY1305;
+    out[1] = aes_first ? HM_CIPHER_CHACHA20_POLY1305 : HM_CIPHER_AES_256_GCM;
+    return 2;
+}
+
 static size_t hs_expected(const hm_handshake *hs)
 {
     switch (hs->state) {
@@ -736,7 +780,7 @@ static void hs_sig_msg(uint8_t msg[HS_LABEL_LEN + 64], const char *label,
     memcpy(msg + HS_LABEL_LEN + 32, h, 32);
 }
 
-/* Each direction's key = BLAKE2b-256(key = swarm_id, kx key || H1). */
+/* Each direction's secret = BLAKE2b-256(key = swarm_id, kx key || H1). */
 static void hs_session_key(uint8_t key[32], const uint8_t swarm_id[32], const uint8_t kx[32],
                            const uint8_t h1[32])
 {
@@ -748,6 +792,26 @@ static void hs_session_key(uint8_t key[32], const uint8_t swarm_id[32], const ui
     sodium_memzero(&st, sizeof(st));
 }
 
+static int cipher_known(int id)
+{
+    return hm_rec_cipher_name(id) != NULL;
+}
+
+/* Checks a cipher list: 1..max known ids, no repeats. */
+static int ciphers_valid(const uint8_t *ids, size_t n)
+{
+    if (ids == NULL || n == 0 || n > HM_HS_CIPHERS_MAX)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!cipher_known(ids[i]))
+            return 0;
+        for (size_t j = 0; j < i; j++)
+            if (ids[j] == ids[i])
+                return 0;
+    }
+    return 1;
+}
+
 static void hs_base_init(hm_handshake *hs, int role, const hm_identity *id,
                          const uint8_t swarm_id[HM_SWARM_ID_BYTES])
 {
@@ -755,6 +819,7 @@ static void hs_base_init(hm_handshake *hs, int role, const hm_identity *id,
     hs->role = role;
     hs->id = id;
     memcpy(hs->swarm_id, swarm_id, HM_SWARM_ID_BYTES);
+    (void)hm_rec_cipher_auto(hs->ciphers);
 }
 
 void hm_hs_init_client(hm_handshake *hs, const hm_identity *id,
@@ -764,10 +829,11 @@ void hm_hs_init_client(hm_handshake *hs, const hm_identity *id,
     hs_base_init(hs, HM_HS_CLIENT, id, swarm_id);
     memcpy(hs->peer_pk, server_pk, HM_PK_BYTES);
     crypto_kx_keypair(hs->eph_pk, hs->eph_sk);
-    hs->msg1[0] = HS_VERSION;
+    hs->msg1[0] = HM_HS_VERSION;
     memcpy(hs->msg1 + 1, id->pk, HM_PK_BYTES);
     memcpy(hs->msg1 + 33, hs->eph_pk, 32);
     memcpy(hs->msg1 + 65, server_pk, HM_PK_BYTES);
+    memcpy(hs->msg1 + 97, hs->ciphers, HM_HS_CIPHERS_MAX);
     memcpy(hs->out, hs->msg1, HM_HS_MSG1_LEN);
     hs->out_len = HM_HS_MSG1_LEN;
     hs->state = HS_CLIENT_WAIT_MSG2;
@@ -780,18 +846,68 @@ void hm_hs_init_server(hm_handshake *hs, const hm_identity *id,
     hs->state = HS_SERVER_WAIT_MSG1;
 }
 
+int hm_hs_set_ciphers(hm_handshake *hs, const uint8_t *ids, size_t n)
+{
+    if (!ciphers_valid(ids, n))
+        return -EINVAL;
+    /* A client's list is in msg1, which must still be unsent and whole. */
+    if (hs->role == HM_HS_CLIENT &&
+        (hs->state != HS_CLIENT_WAIT_MSG2 || hs->out_len != HM_HS_MSG1_LEN ||
+         memcmp(hs->out, hs->msg1, HM_HS_MSG1_LEN) != 0))
+        return -EALREADY;
+    if (hs->role == HM_HS_SERVER && (hs->state != HS_SERVER_WAIT_MSG1 || hs->in_len != 0))
+        return -EALREADY;
+    memset(hs->ciphers, 0, sizeof(hs->ciphers));
+    memcpy(hs->ciphers, ids, n);
+    if (hs->role == HM_HS_CLIENT) {
+        memcpy(hs->msg1 + 97, hs->ciphers, HM_HS_CIPHERS_MAX);
+        memcpy(hs->out, hs->msg1, HM_HS_MSG1_LEN);
+    }
+    return 0;
+}
+
+static int ciphers_have(const uint8_t list[HM_HS_CIPHERS_MAX], int id)
+{
+    for (size_t i = 0; i < HM_HS_CIPHERS_MAX; i++)
+        if (list[i] != 0 && list[i] == id)
+            return 1;
+    return 0;
+}
+
 /* Server: msg1 in, msg2 out. */
 static int hs_server_msg1(hm_handshake *hs, const uint8_t *m)
 {
     uint8_t kx_rx[32], kx_tx[32], sig_msg[HS_LABEL_LEN + 64];
     int result = 0;
 
-    if (m[0] != HS_VERSION)
-        return -EPROTO;
+    if (m[0] != HM_HS_VERSION)
+        return -EPROTONOSUPPORT;
     if (sodium_memcmp(m + 65, hs->id->pk, HM_PK_BYTES) != 0)
         return -EPERM;
     if (!crypto_core_ed25519_is_valid_point(m + 1))
         return -EPROTO;
+    /*
+     * The client's list: known ids, packed to the front, no repeats. The
+     * first of them that we support too is the one; unknown ids are skipped,
+     * so that a later version may offer ciphers we do not have.
+     */
+    int chosen = 0;
+    for (size_t i = 0; i < HM_HS_CIPHERS_MAX; i++) {
+        uint8_t id = m[97 + i];
+        if (id == 0) {
+            for (size_t j = i + 1; j < HM_HS_CIPHERS_MAX; j++)
+                if (m[97 + j] != 0)
+                    return -EPROTO;
+            break;
+        }
+        for (size_t j = 0; j < i; j++)
+            if (m[97 + j] == id)
+                return -EPROTO;
+        if (chosen == 0 && cipher_known(id) && ciphers_have(hs->ciphers, id))
+            chosen = id;
+    }
+    if (chosen == 0)
+        return -ENOPROTOOPT;
     memcpy(hs->msg1, m, HM_HS_MSG1_LEN);
     memcpy(hs->peer_pk, m + 1, HM_PK_BYTES);
     crypto_kx_keypair(hs->eph_pk, hs->eph_sk);
@@ -800,28 +916,41 @@ static int hs_server_msg1(hm_handshake *hs, const uint8_t *m)
         result = -EPROTO;
         goto out;
     }
-    hs_hash(hs->h1, hs->msg1, HM_HS_MSG1_LEN, hs->eph_pk, 32);
-    hs_session_key(hs->rx_key, hs->swarm_id, kx_rx, hs->h1);
-    hs_session_key(hs->tx_key, hs->swarm_id, kx_tx, hs->h1);
-
     uint8_t *msg2 = hs->out + hs->out_len;
     memcpy(msg2, hs->eph_pk, 32);
+    msg2[32] = (uint8_t)chosen;
+    hs_hash(hs->h1, hs->msg1, HM_HS_MSG1_LEN, msg2, 33);
+    hs_session_key(hs->rx_key, hs->swarm_id, kx_rx, hs->h1);
+    hs_session_key(hs->tx_key, hs->swarm_id, kx_tx, hs->h1);
     hs_sig_msg(sig_msg, hs_server_label, hs->swarm_id, hs->h1);
-    crypto_sign_detached(msg2 + 32, NULL, sig_msg, sizeof(sig_msg), hs->id->sk);
-    crypto_secretstream_xchacha20poly1305_init_push(&hs->session.tx, msg2 + 96, hs->tx_key);
+    crypto_sign_detached(msg2 + 33, NULL, sig_msg, sizeof(sig_msg), hs->id->sk);
     hs->out_len += HM_HS_MSG2_LEN;
+    hs->cipher = chosen;
     /*
      * H1 has served its purpose (session keys); from here the field holds
      * H2, the transcript hash the client's signature must cover.
      */
     hs_hash(hs->h1, hs->msg1, HM_HS_MSG1_LEN, msg2, HM_HS_MSG2_LEN);
-    sodium_memzero(hs->tx_key, sizeof(hs->tx_key));
     sodium_memzero(hs->eph_sk, sizeof(hs->eph_sk));
     hs->state = HS_SERVER_WAIT_MSG3;
 out:
     sodium_memzero(kx_rx, sizeof(kx_rx));
     sodium_memzero(kx_tx, sizeof(kx_tx));
     return result;
+}
+
+/* The session the finished handshake hands out. */
+static void hs_make_session(hm_handshake *hs)
+{
+    hm_session *s = &hs->session;
+    memset(s, 0, sizeof(*s));
+    memcpy(s->tx.secret, hs->tx_key, 32);
+    memcpy(s->rx.secret, hs->rx_key, 32);
+    s->cipher = hs->cipher;
+    s->rekey_records = HM_REC_REKEY_RECORDS;
+    memcpy(s->peer_pk, hs->peer_pk, HM_PK_BYTES);
+    sodium_memzero(hs->tx_key, sizeof(hs->tx_key));
+    sodium_memzero(hs->rx_key, sizeof(hs->rx_key));
 }
 
 /* Server: msg3 in, session ready. */
@@ -832,10 +961,7 @@ static int hs_server_msg3(hm_handshake *hs, const uint8_t *m)
     hs_sig_msg(sig_msg, hs_client_label, hs->swarm_id, hs->h1);
     if (crypto_sign_verify_detached(m, sig_msg, sizeof(sig_msg), hs->peer_pk) != 0)
         return -EBADMSG;
-    if (crypto_secretstream_xchacha20poly1305_init_pull(&hs->session.rx, m + 64, hs->rx_key) != 0)
-        return -EPROTO;
-    sodium_memzero(hs->rx_key, sizeof(hs->rx_key));
-    memcpy(hs->session.peer_pk, hs->peer_pk, HM_PK_BYTES);
+    hs_make_session(hs);
     hs->state = HS_DONE;
     return 0;
 }
@@ -846,29 +972,30 @@ static int hs_client_msg2(hm_handshake *hs, const uint8_t *m)
     uint8_t kx_rx[32], kx_tx[32], sig_msg[HS_LABEL_LEN + 64], h2[32];
     int result = 0;
 
-    hs_hash(hs->h1, hs->msg1, HM_HS_MSG1_LEN, m, 32);
+    hs_hash(hs->h1, hs->msg1, HM_HS_MSG1_LEN, m, 33);
     hs_sig_msg(sig_msg, hs_server_label, hs->swarm_id, hs->h1);
-    if (crypto_sign_verify_detached(m + 32, sig_msg, sizeof(sig_msg), hs->peer_pk) != 0) {
+    if (crypto_sign_verify_detached(m + 33, sig_msg, sizeof(sig_msg), hs->peer_pk) != 0) {
         result = -EBADMSG;
+        goto out;
+    }
+    /* A signed choice we did not offer is a broken server, never a downgrade. */
+    if (!cipher_known(m[32]) || !ciphers_have(hs->ciphers, m[32])) {
+        result = -EPROTO;
         goto out;
     }
     if (crypto_kx_client_session_keys(kx_rx, kx_tx, hs->eph_pk, hs->eph_sk, m) != 0) {
         result = -EPROTO;
         goto out;
     }
+    hs->cipher = m[32];
     hs_session_key(hs->rx_key, hs->swarm_id, kx_rx, hs->h1);
     hs_session_key(hs->tx_key, hs->swarm_id, kx_tx, hs->h1);
-    if (crypto_secretstream_xchacha20poly1305_init_pull(&hs->session.rx, m + 96, hs->rx_key) != 0) {
-        result = -EPROTO;
-        goto out;
-    }
     hs_hash(h2, hs->msg1, HM_HS_MSG1_LEN, m, HM_HS_MSG2_LEN);
     uint8_t *msg3 = hs->out + hs->out_len;
     hs_sig_msg(sig_msg, hs_client_label, hs->swarm_id, h2);
     crypto_sign_detached(msg3, NULL, sig_msg, sizeof(sig_msg), hs->id->sk);
-    crypto_secretstream_xchacha20poly1305_init_push(&hs->session.tx, msg3 + 64, hs->tx_key);
     hs->out_len += HM_HS_MSG3_LEN;
-    memcpy(hs->session.peer_pk, hs->peer_pk, HM_PK_BYTES);
+    hs_make_session(hs);
     hs->state = HS_DONE;
 out:
     sodium_memzero(kx_rx, sizeof(kx_rx));
@@ -895,6 +1022,18 @@ int hm_hs_input(hm_handshake *hs, const uint8_t *in, size_t len, size_t *consume
             memcpy(hs->in + hs->in_len, in + used, take);
         hs->in_len += take;
         used += take;
+        /*
+         * The version byte comes first and decides how long msg1 is, so a
+         * peer of another version is refused at once rather than left
+         * waiting for bytes it will never send.
+         */
+        if (hs->state == HS_SERVER_WAIT_MSG1 && hs->in_len > 0) {
+            hs->peer_version = hs->in[0];
+            if (hs->in[0] != HM_HS_VERSION) {
+                result = -EPROTONOSUPPORT;
+                goto fail;
+            }
+        }
         if (hs->in_len < need)
             goto out;
         /*
@@ -921,20 +1060,34 @@ int hm_hs_input(hm_handshake *hs, const uint8_t *in, size_t len, size_t *consume
         }
         sodium_memzero(hs->in, sizeof(hs->in));
         hs->in_len = 0;
-        if (result < 0) {
-            hm_hs_wipe(hs);
-            hs->state = HS_FAILED;
-            goto out;
-        }
+        if (result < 0)
+            goto fail;
     }
     if (hs->state == HS_FAILED && result == 0)
         result = -EPROTO; /* Input after a failure is refused again. */
+    goto out;
+fail: {
+    int pv = hs->peer_version;
+    hm_hs_wipe(hs);
+    hs->state = HS_FAILED;
+    hs->peer_version = pv; /* for the caller's log line */
+}
 out:
     if (consumed_out != NULL)
         *consumed_out = used;
     if (result < 0)
         return result;
     return hs->state == HS_DONE ? 1 : 0;
+}
+
+int hm_hs_peer_version(const hm_handshake *hs)
+{
+    return hs->peer_version;
+}
+
+int hm_hs_cipher(const hm_handshake *hs)
+{
+    return hs->state == HS_DONE ? hs->cipher : 0;
 }
 
 void hm_hs_finish(hm_handshake *hs, hm_session *out)
@@ -948,53 +1101,311 @@ void hm_hs_finish(hm_handshake *hs, hm_session *out)
 
 void hm_hs_wipe(hm_handshake *hs)
 {
+    /* The handshake's session never holds cipher contexts (they are made at first use). */
     sodium_memzero(hs, sizeof(*hs));
 }
 
 /* ---- stream records ---- */
 
-#define REC_ABYTES crypto_secretstream_xchacha20poly1305_ABYTES
+static const char rec_next_label[] = "hivemindd/rec/next/v2";
+static const char rec_key_label[] = "hivemindd/rec/key/v2";
+static const char rec_iv_label[] = "hivemindd/rec/iv/v2";
+
+static void rec_kdf(uint8_t *out, size_t outlen, const uint8_t secret[32], const char *label,
+                    int cipher, int with_cipher)
+{
+    crypto_generichash_state st;
+    uint8_t c = (uint8_t)cipher;
+    crypto_generichash_init(&st, secret, 32, outlen);
+    crypto_generichash_update(&st, (const uint8_t *)label, strlen(label));
+    if (with_cipher)
+        crypto_generichash_update(&st, &c, 1);
+    crypto_generichash_final(&st, out, outlen);
+    sodium_memzero(&st, sizeof(st));
+}
+
+static const EVP_CIPHER *rec_evp(int cipher)
+{
+    switch (cipher) {
+    case HM_CIPHER_CHACHA20_POLY1305:
+        return EVP_chacha20_poly1305();
+    case HM_CIPHER_AES_256_GCM:
+        return EVP_aes_256_gcm();
+    default:
+        return NULL;
+    }
+}
+
+/*
+ * Makes the direction ready for its next record: the context exists and
+ * holds this epoch's key, and the counter has room. The key is set once per
+ * epoch; each record then sets only its nonce.
+ */
+static int rec_ready(hm_session *s, hm_rec_dir *d, int enc)
+{
+    uint8_t key[32];
+    int result = 0;
+
+    if (d->seq >= s->rekey_records) {
+        if (d->epoch == UINT32_MAX)
+            return -EOVERFLOW;
+        uint8_t next[32];
+        rec_kdf(next, 32, d->secret, rec_next_label, 0, 0);
+        memcpy(d->secret, next, 32);
+        sodium_memzero(next, sizeof(next));
+        d->epoch++;
+        d->seq = 0;
+        d->keyed = 0;
+    }
+    if (d->keyed)
+        return 0;
+    const EVP_CIPHER *evp = rec_evp(s->cipher);
+    if (evp == NULL)
+        return -EINVAL;
+    int fresh = d->ctx == NULL;
+    if (fresh && (d->ctx = EVP_CIPHER_CTX_new()) == NULL)
+        return -ENOMEM;
+    rec_kdf(key, 32, d->secret, rec_key_label, s->cipher, 1);
+    rec_kdf(d->iv, 12, d->secret, rec_iv_label, s->cipher, 1);
+    if (EVP_CipherInit_ex(d->ctx, fresh ? evp : NULL, NULL, key, NULL, enc) != 1)
+        result = -EIO;
+    else
+        d->keyed = 1;
+    sodium_memzero(key, sizeof(key));
+    return result;
+}
+
+static void rec_nonce(const hm_rec_dir *d, uint8_t nonce[12])
+{
+    memcpy(nonce, d->iv, 12);
+    for (int i = 0; i < 8; i++)
+        nonce[4 + i] ^= (uint8_t)(d->seq >> (56 - 8 * i));
+}
+
+/*
+ * One AEAD operation on a keyed context: sets the nonce only (the key
+ * schedule stays), authenticates aad, and encrypts or decrypts the len
+ * bytes of in, then the len2 bytes of in2, into out (out may equal in;
+ * in2 must not overlap out); the tag is written to, or checked against,
+ * tag. Taking the input in two parts lets the transport seal a chunk
+ * header and the message bytes where they lie, without copying them
+ * together first. Returns 0, -EBADMSG (not authentic) or -EIO.
+ */
+static int aead_op2(EVP_CIPHER_CTX *ctx, int enc, const uint8_t nonce[12], const uint8_t *aad,
+                    size_t aad_len, const uint8_t *in, size_t len, const uint8_t *in2,
+                    size_t len2, uint8_t *out, uint8_t tag[HM_REC_TAG])
+{
+    int n = 0;
+    if (len > INT_MAX || len2 > INT_MAX - len || aad_len > INT_MAX)
+        return -EIO;
+    if (EVP_CipherInit_ex(ctx, NULL, NULL, NULL, nonce, enc) != 1 ||
+        (aad_len > 0 && EVP_CipherUpdate(ctx, NULL, &n, aad, (int)aad_len) != 1) ||
+        (len > 0 && EVP_CipherUpdate(ctx, out, &n, in, (int)len) != 1) ||
+        (len2 > 0 && EVP_CipherUpdate(ctx, out + len, &n, in2, (int)len2) != 1))
+        return -EIO;
+    len += len2;
+    if (!enc && EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_AEAD_SET_TAG, HM_REC_TAG, tag) != 1)
+        return -EIO;
+    /* An AEAD's final step writes no bytes; out + len is only a valid place. */
+    if (EVP_CipherFinal_ex(ctx, out + len, &n) != 1)
+        return enc ? -EIO : -EBADMSG;
+    if (enc && EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_AEAD_GET_TAG, HM_REC_TAG, tag) != 1)
+        return -EIO;
+    return 0;
+}
+
+static int aead_op(EVP_CIPHER_CTX *ctx, int enc, const uint8_t nonce[12], const uint8_t *aad,
+                   size_t aad_len, const uint8_t *in, size_t len, uint8_t *out,
+                   uint8_t tag[HM_REC_TAG])
+{
+    return aead_op2(ctx, enc, nonce, aad, aad_len, in, len, NULL, 0, out, tag);
+}
+
+int hm_aead_crypt(int cipher, int enc, const uint8_t key[32], const uint8_t nonce[12],
+                  const uint8_t *aad, size_t aad_len, const uint8_t *in, size_t len,
+                  uint8_t *out, uint8_t tag[HM_REC_TAG])
+{
+    const EVP_CIPHER *evp = rec_evp(cipher);
+    if (evp == NULL)
+        return -EINVAL;
+    EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
+    if (ctx == NULL)
+        return -ENOMEM;
+    int result = -EIO;
+    if (EVP_CipherInit_ex(ctx, evp, NULL, key, NULL, enc ? 1 : 0) == 1)
+        result = aead_op(ctx, enc ? 1 : 0, nonce, aad, aad_len, in, len, out, tag);
+    EVP_CIPHER_CTX_free(ctx);
+    return result;
+}
+
+/* One record in direction d (plaintext buf || buf2), with the record header as associated data. */
+static int rec_crypt(hm_session *s, hm_rec_dir *d, int enc, const uint8_t hdr[HM_REC_HEADER],
+                     const uint8_t *buf, size_t len, const uint8_t *buf2, size_t len2,
+                     uint8_t *out, uint8_t tag[HM_REC_TAG])
+{
+    uint8_t nonce[12];
+    int result = rec_ready(s, d, enc);
+    if (result < 0)
+        return result;
+    rec_nonce(d, nonce);
+    result = aead_op2(d->ctx, enc, nonce, hdr, HM_REC_HEADER, buf, len, buf2, len2, out, tag);
+    if (result < 0)
+        return result;
+    /* Only a record that passed moves the counter; a failure closes the stream anyway. */
+    d->seq++;
+    return 0;
+}
+
+int hm_session_seal2(hm_session *s, const void *head, size_t head_len, const void *body,
+                     size_t body_len, uint8_t *out, size_t *out_len)
+{
+    if (head_len > HM_REC_MAX_PLAIN || body_len > HM_REC_MAX_PLAIN - head_len)
+        return -EMSGSIZE;
+    size_t len = head_len + body_len, clen = len + HM_REC_TAG;
+    out[0] = (uint8_t)(clen >> 8);
+    out[1] = (uint8_t)clen;
+    int r = rec_crypt(s, &s->tx, 1, out, head, head_len, body, body_len, out + HM_REC_HEADER,
+                      out + HM_REC_HEADER + len);
+    if (r < 0)
+        return r;
+    *out_len = HM_REC_HEADER + clen;
+    return 0;
+}
 
 int hm_session_seal(hm_session *s, const void *pt, size_t len, uint8_t *out, size_t *out_len)
 {
-    if (len > HM_REC_MAX_PLAIN)
+    return hm_session_seal2(s, pt, len, NULL, 0, out, out_len);
+}
+
+/* Reads the header: 0 incomplete, 1 whole record of *clen_out, or negative. */
+static int rec_header(const uint8_t *in, size_t len, size_t *clen_out)
+{
+    if (len < HM_REC_HEADER)
+        return 0;
+    size_t clen = (size_t)in[0] << 8 | in[1];
+    if (clen > HM_REC_MAX_PLAIN + HM_REC_TAG)
         return -EMSGSIZE;
-    size_t clen = len + REC_ABYTES;
-    out[0] = (uint8_t)(clen >> 8);
-    out[1] = (uint8_t)clen;
-    crypto_secretstream_xchacha20poly1305_push(&s->tx, out + 2, NULL, pt, len, NULL, 0,
-                                               crypto_secretstream_xchacha20poly1305_TAG_MESSAGE);
-    *out_len = 2 + clen;
-    return 0;
+    if (clen < HM_REC_TAG)
+        return -EBADMSG;
+    if (len - HM_REC_HEADER < clen)
+        return 0;
+    *clen_out = clen;
+    return 1;
+}
+
+int hm_session_open_inplace(hm_session *s, uint8_t *buf, size_t len, size_t *consumed_out,
+                            uint8_t **pt_out, size_t *pt_len_out)
+{
+    size_t clen = 0;
+    *consumed_out = 0;
+    int r = rec_header(buf, len, &clen);
+    if (r <= 0)
+        return r;
+    size_t ptlen = clen - HM_REC_TAG;
+    uint8_t *body = buf + HM_REC_HEADER;
+    r = rec_crypt(s, &s->rx, 0, buf, body, ptlen, NULL, 0, body, body + ptlen);
+    if (r < 0)
+        return r;
+    *consumed_out = HM_REC_HEADER + clen;
+    *pt_out = body;
+    *pt_len_out = ptlen;
+    return 1;
+}
+
+int hm_session_open_begin(hm_session *s, uint8_t *buf, size_t len, size_t head,
+                          hm_rec_open *op)
+{
+    uint8_t nonce[12];
+    size_t clen = 0;
+    int n = 0;
+    memset(op, 0, sizeof(*op));
+    int r = rec_header(buf, len, &clen);
+    if (r <= 0)
+        return r;
+    r = rec_ready(s, &s->rx, 0);
+    if (r < 0)
+        return r;
+    op->rec = buf;
+    op->pt_len = clen - HM_REC_TAG;
+    op->head_len = HM_MIN(head, op->pt_len);
+    op->consumed = HM_REC_HEADER + clen;
+    rec_nonce(&s->rx, nonce);
+    uint8_t *body = buf + HM_REC_HEADER;
+    if (EVP_CipherInit_ex(s->rx.ctx, NULL, NULL, NULL, nonce, 0) != 1 ||
+        EVP_CipherUpdate(s->rx.ctx, NULL, &n, buf, HM_REC_HEADER) != 1 ||
+        (op->head_len > 0 && EVP_CipherUpdate(s->rx.ctx, body, &n, body, (int)op->head_len) != 1))
+        return -EIO;
+    return 1;
+}
+
+int hm_session_open_end(hm_session *s, hm_rec_open *op, uint8_t *dest)
+{
+    int n = 0;
+    uint8_t *body = op->rec + HM_REC_HEADER;
+    size_t rest = op->pt_len - op->head_len;
+    uint8_t *out = dest != NULL ? dest : body + op->head_len;
+    if (rest > 0 && EVP_CipherUpdate(s->rx.ctx, out, &n, body + op->head_len, (int)rest) != 1)
+        return -EIO;
+    if (EVP_CIPHER_CTX_ctrl(s->rx.ctx, EVP_CTRL_AEAD_SET_TAG, HM_REC_TAG, body + op->pt_len) != 1)
+        return -EIO;
+    if (EVP_CipherFinal_ex(s->rx.ctx, out + rest, &n) != 1)
+        return -EBADMSG;
+    s->rx.seq++;
+    return 1;
 }
 
 int hm_session_open(hm_session *s, const uint8_t *in, size_t len, size_t *consumed_out,
                     uint8_t *pt_out, size_t *pt_len_out)
 {
+    size_t clen = 0;
+    uint8_t tag[HM_REC_TAG];
     *consumed_out = 0;
-    if (len < 2)
-        return 0;
-    size_t clen = (size_t)in[0] << 8 | in[1];
-    if (clen > HM_REC_MAX_PLAIN + REC_ABYTES)
-        return -EMSGSIZE;
-    if (clen < REC_ABYTES)
-        return -EBADMSG;
-    if (len - 2 < clen)
-        return 0;
-    unsigned long long mlen = 0;
-    unsigned char tag = 0;
-    if (crypto_secretstream_xchacha20poly1305_pull(&s->rx, pt_out, &mlen, &tag, in + 2, clen,
-                                                   NULL, 0) != 0)
-        return -EBADMSG;
-    /* We only ever send plain messages; a rekey or final tag is not ours. */
-    if (tag != crypto_secretstream_xchacha20poly1305_TAG_MESSAGE)
-        return -EPROTO;
-    *consumed_out = 2 + clen;
-    *pt_len_out = (size_t)mlen;
+    int r = rec_header(in, len, &clen);
+    if (r <= 0)
+        return r;
+    size_t ptlen = clen - HM_REC_TAG;
+    memcpy(tag, in + HM_REC_HEADER + ptlen, HM_REC_TAG);
+    r = rec_crypt(s, &s->rx, 0, in, in + HM_REC_HEADER, ptlen, NULL, 0, pt_out, tag);
+    if (r < 0) {
+        /* Nothing unauthenticated reaches the caller. */
+        sodium_memzero(pt_out, ptlen);
+        return r;
+    }
+    *consumed_out = HM_REC_HEADER + clen;
+    *pt_len_out = ptlen;
     return 1;
+}
+
+int hm_session_set_rekey_records(hm_session *s, uint64_t n)
+{
+    if (n == 0 || n > HM_REC_REKEY_RECORDS)
+        return -EINVAL;
+    s->rekey_records = n;
+    return 0;
+}
+
+int hm_session_dup(const hm_session *s, hm_session *out)
+{
+    memcpy(out, s, sizeof(*out));
+    out->tx.ctx = out->rx.ctx = NULL;
+    const hm_rec_dir *src[2] = {&s->tx, &s->rx};
+    hm_rec_dir *dst[2] = {&out->tx, &out->rx};
+    for (int i = 0; i < 2; i++) {
+        if (src[i]->ctx == NULL)
+            continue;
+        if ((dst[i]->ctx = EVP_CIPHER_CTX_new()) == NULL ||
+            EVP_CIPHER_CTX_copy(dst[i]->ctx, src[i]->ctx) != 1) {
+            hm_session_wipe(out);
+            return -ENOMEM;
+        }
+    }
+    return 0;
 }
 
 void hm_session_wipe(hm_session *s)
 {
+    /* EVP_CIPHER_CTX_free cleans the key schedule before freeing it. */
+    EVP_CIPHER_CTX_free(s->tx.ctx);
+    EVP_CIPHER_CTX_free(s->rx.ctx);
     sodium_memzero(s, sizeof(*s));
 }

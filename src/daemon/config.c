@@ -7,6 +7,7 @@
 #include "config.h"
 
 #include "src/daemon/hm_config.h"
+#include "src/base/crypto.h"
 #include "src/base/paths.h"
 #include "src/base/util.h"
 
@@ -32,6 +33,7 @@ enum opt_type {
     T_BOOL,     /* yes/no */
     T_LEVEL,    /* log level */
     T_WORD,     /* one word of [A-Za-z0-9._:,[]-], checked further by its user */
+    T_CIPHER,   /* -- aead: auto or a stream record cipher's name (crypto.h) -- */
 };
 
 struct opt {
@@ -281,6 +283,12 @@ static const struct opt opts[] = {
     {"StatusPublish", "status-publish", T_BOOL, FIELD(status_publish), 0, 0, 0, "[yes|no]",
      "publish this node's summary (address, experts, rounds) as a signed DHT record every "
      "15 s, so that every node's status page shows it (default yes)"},
+    /* -- aead options -- */
+    {"StreamCipher", "stream-cipher", T_CIPHER, FIELD(stream_cipher), 0, 0, 0,
+     "auto|aes-256-gcm|chacha20-poly1305",
+     "record cipher of the encrypted streams; auto offers both, AES-256-GCM first where the CPU "
+     "has AES instructions (faster there), else ChaCha20-Poly1305 first; a single cipher is the "
+     "only one offered and accepted, so peers without it are refused (default auto)"},
 };
 
 #define N_OPTS HM_ARRAY_LEN(opts)
@@ -610,6 +618,13 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
         }
         hm_strlcpy(field_str(c, o), v, o->size);
         return 0;
+    case T_CIPHER:
+        if (strcmp(v, "auto") != 0 && hm_rec_cipher_parse(v) < 0) {
+            hm_errf(why, whylen, "expected auto, aes-256-gcm or chacha20-poly1305");
+            return -EINVAL;
+        }
+        hm_strlcpy(field_str(c, o), v, o->size);
+        return 0;
     case T_LEVEL: {
         char low[16];
         size_t n = strlen(v);
@@ -704,6 +719,8 @@ void hm_config_defaults(hm_config *c)
     c->expert_backoff_s = 15;
     c->expert_backoff_max_s = 300;
     c->expert_one_holder = 1;
+    /* -- aead defaults -- */
+    hm_strlcpy(c->stream_cipher, "auto", sizeof(c->stream_cipher));
 }
 
 int hm_config_finish(hm_config *c, char *err, size_t errlen)
@@ -1031,6 +1048,7 @@ char *hm_config_format(const hm_config *c)
         case T_GROUP:
         case T_SWARM:
         case T_WORD:
+        case T_CIPHER:
             if (field_cstr(c, o)[0] == '\0')
                 format_unset(&b, o);
             else

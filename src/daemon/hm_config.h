@@ -132,6 +132,8 @@ typedef struct hm_config {
     char status_grids[256];               /* comma-separated grid prefixes; empty: hosted */
     char status_runs[256];                /* comma-separated runs; empty: attached trainers' */
     int status_publish;                   /* publish the node summary record */
+    /* -- aead fields -- */
+    char stream_cipher[24]; /* auto, aes-256-gcm or chacha20-poly1305 */
 } hm_config;
 
 /*

@@ -547,6 +547,9 @@ static int start(daemon_t *d, char *err, size_t errlen)
     no.transport.write_min_rate =
         d->cfg.write_min_rate_kib == 0 ? SIZE_MAX : (size_t)d->cfg.write_min_rate_kib << 10;
     no.transport.notice_origin_bytes = (size_t)d->cfg.refusal_notice_origin_kib << 10;
+    /* -- aead: StreamCipher (checked when parsed; auto is 0) -- */
+    no.transport.stream_cipher =
+        strcmp(d->cfg.stream_cipher, "auto") == 0 ? 0 : hm_rec_cipher_parse(d->cfg.stream_cipher);
     r = hm_node_new(&d->loop, &no, &d->pub.node, err, errlen);
     if (r != 0)
         return r;

@@ -283,7 +283,7 @@ struct hm_transport {
     struct complaint {
         uint64_t last_ms; /* monotonic; 0: never told */
         uint64_t count;   /* since it was last told */
-    } bad_dgrams, bad_handshakes;
+    } bad_dgrams, bad_handshakes, old_version;
     size_t rasm_total; /* bytes held by inbound messages in progress, all connections */
 
     pool_ent pool[POOL_SLOTS];
@@ -309,8 +309,6 @@ struct hm_transport {
 
     uint8_t udp_rbuf[UDP_RBUF_SIZE];
     uint8_t dgram_pt[HM_DGRAM_MAX];
-    uint8_t rec_pt[HM_REC_MAX_PLAIN];
-    uint8_t chunk_buf[HM_REC_MAX_PLAIN];
 };
 
 static void conn_close(conn *c, const char *why);
@@ -1230,14 +1228,15 @@ static void promote_pending(conn *c, int p)
 
 /*
  * Cuts the next chunk (round-robin within the highest non-empty priority)
- * into t->chunk_buf and returns its length.
+ * and seals it as one record at rec; returns hm_session_seal2's result,
+ * with the record's length in *sealed_out.
  */
-static size_t next_chunk(conn *c)
+static int next_chunk(conn *c, uint8_t *rec, size_t *sealed_out)
 {
+    uint8_t *o = rec + HM_REC_HEADER;
     hm_transport *t = c->t;
     int p = !STAILQ_EMPTY(&c->act[0]) ? 0 : 1;
     omsg *m = STAILQ_FIRST(&c->act[p]);
-    uint8_t *o = t->chunk_buf;
     size_t hdr;
     uint8_t flags = 0;
 
@@ -1252,12 +1251,16 @@ static size_t next_chunk(conn *c)
         hdr = CHUNK_HDR_NEXT;
     }
     size_t n = HM_MIN((size_t)(m->len - m->off), (size_t)HM_TRANSPORT_CHUNK);
-    memcpy(o + hdr, m->data + m->off, n);
-    m->off += (uint32_t)n;
-    c->unsent -= n;
-    if (m->off == m->len)
+    if (m->off + n == m->len)
         flags |= FLAG_LAST;
     o[4] = flags;
+    /*
+     * Sealed from where the bytes lie: the header in place, the data
+     * straight out of the message, so no copy joins them first.
+     */
+    int r = hm_session_seal2(&c->sess, o, hdr, m->data + m->off, n, rec, sealed_out);
+    m->off += (uint32_t)n;
+    c->unsent -= n;
 
     if (flags & FLAG_LAST) {
         if (m->len > HM_TRANSPORT_CHUNK) {
@@ -1269,7 +1272,7 @@ static size_t next_chunk(conn *c)
     } else {
         STAILQ_INSERT_TAIL(&c->act[p], m, link);
     }
-    return hdr + n;
+    return r;
 }
 
 /* Seals chunks into write requests while the in-flight budget allows. */
@@ -1285,9 +1288,8 @@ static void conn_pump(conn *c)
         }
         w->len = 0;
         for (unsigned i = 0; i < WR_RECORDS && has_chunks(c); i++) {
-            size_t n = next_chunk(c);
             size_t sealed = 0;
-            int r = hm_session_seal(&c->sess, t->chunk_buf, n, w->buf + w->len, &sealed);
+            int r = next_chunk(c, w->buf + w->len, &sealed);
             if (r < 0) {
                 free(w);
                 conn_close(c, "seal failed");
@@ -1401,8 +1403,32 @@ static void slot_remove(conn *c, rasm *s)
     c->n_slots--;
 }
 
-/* Handles one decrypted chunk; returns 0 or a negative code that closes the connection. */
-static int handle_chunk(conn *c, const uint8_t *p, size_t n)
+/*
+ * Where the data of a continuation chunk can be opened straight into: its
+ * message's reassembly buffer, at the end of what it holds, when the chunk
+ * fits the room the buffer already has. It only reads: the header it looks
+ * at is not authenticated yet, so nothing is allocated, grown, shed or
+ * counted for it; handle_chunk does all that once the record checks out
+ * (and finds the data already in place). NULL: open in place and copy.
+ */
+static uint8_t *chunk_dest(conn *c, const uint8_t *head, size_t head_len, size_t n)
+{
+    if (head_len < CHUNK_HDR_NEXT || n < CHUNK_HDR_NEXT || (head[4] & FLAG_FIRST))
+        return NULL;
+    rasm *s = slot_find(c, hm_get_be32(head));
+    size_t data = n - CHUNK_HDR_NEXT;
+    if (s == NULL || s->discard || s->buf == NULL || data > (size_t)(s->total - s->len) ||
+        (size_t)s->len + data > s->cap)
+        return NULL;
+    return s->buf + s->len;
+}
+
+/*
+ * Handles one decrypted chunk; returns 0 or a negative code that closes the
+ * connection. placed: the chunk's data is already at the end of its
+ * message's reassembly buffer (chunk_dest), so it is not copied there.
+ */
+static int handle_chunk(conn *c, const uint8_t *p, size_t n, int placed)
 {
     hm_transport *t = c->t;
     if (n < CHUNK_HDR_NEXT)
@@ -1485,7 +1511,8 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
             slot_remove(c, s);
         return 0;
     }
-    memcpy(s->buf + s->len, p, n);
+    if (!placed)
+        memcpy(s->buf + s->len, p, n);
     s->len += (uint32_t)n;
     if (!last)
         return 0;
@@ -1499,11 +1526,25 @@ static int handle_chunk(conn *c, const uint8_t *p, size_t n)
     return 0;
 }
 
+/* -- aead: the record cipher the configuration allows -- */
+static void hs_set_cipher(hm_transport *t, hm_handshake *hs)
+{
+    /* auto keeps the handshake's own list, hm_rec_cipher_auto's. */
+    if (t->cfg.stream_cipher != 0) {
+        uint8_t only = (uint8_t)t->cfg.stream_cipher;
+        (void)hm_hs_set_ciphers(hs, &only, 1); /* checked in hm_transport_new */
+    }
+}
+
 static void hs_complete(conn *c)
 {
     hm_transport *t = c->t;
+    hm_debug(MOD, "stream with %s peer uses %s", c->outbound ? "dialled" : "inbound",
+             hm_rec_cipher_name(hm_hs_cipher(c->hs)));
     hm_hs_finish(c->hs, &c->sess);
     c->have_sess = 1;
+    if (t->cfg.rekey_records != 0)
+        (void)hm_session_set_rekey_records(&c->sess, t->cfg.rekey_records); /* checked in new */
     free(c->hs);
     c->hs = NULL;
     if (!c->pk_known) {
@@ -1559,6 +1600,30 @@ static void complain(struct complaint *k, const char *what, const struct sockadd
     k->count = 0;
 }
 
+/*
+ * A peer of another stream protocol version (most likely an older
+ * hivemindd) cannot talk to us at all, which its operator needs to hear of
+ * in words that say so; rated like the other complaints.
+ */
+static void complain_version(hm_transport *t, const struct sockaddr *from, int version)
+{
+    struct complaint *k = &t->old_version;
+    uint64_t now = hm_now_ms();
+    t->stats.handshakes_old_version++;
+    k->count++;
+    if (k->last_ms != 0 && now - k->last_ms < 60000)
+        return;
+    char addr[HM_ADDRSTRLEN];
+    if (from == NULL || hm_format_addr(from, addr, sizeof(addr)) != 0)
+        hm_strlcpy(addr, "?", sizeof(addr));
+    hm_warn(MOD, "refused %llu connection%s %s from peers of stream protocol version %d (the "
+            "latest from %s); this hivemindd speaks version %d only: upgrade the peer",
+            (unsigned long long)k->count, k->count == 1 ? "" : "s",
+            k->last_ms == 0 ? "so far" : "in the last minute", version, addr, HM_HS_VERSION);
+    k->last_ms = now;
+    k->count = 0;
+}
+
 /* Consumes whatever complete handshake messages and records rbuf holds. */
 static void conn_process(conn *c)
 {
@@ -1584,7 +1649,13 @@ static void conn_process(conn *c)
             /* A probe that fails answers its own question; it is no complaint. */
             if (c->probe_cb != NULL)
                 c->probe_status = r;
-            else
+            else if (r == -EPROTONOSUPPORT)
+                complain_version(t, (const struct sockaddr *)&c->addr, hm_hs_peer_version(c->hs));
+            else if (r == -ENOPROTOOPT) {
+                t->stats.refused_no_cipher++;
+                complain(&t->bad_handshakes, "handshakes failed",
+                         (const struct sockaddr *)&c->addr, "no stream cipher in common");
+            } else
                 complain(&t->bad_handshakes, "handshakes failed",
                          (const struct sockaddr *)&c->addr, hm_strerror(r));
             conn_close(c, hm_strerror(r));
@@ -1601,8 +1672,19 @@ static void conn_process(conn *c)
             c->pending_input = 1;
             break;
         }
-        size_t used = 0, ptlen = 0;
-        int r = hm_session_open(&c->sess, c->rbuf + off, c->rlen - off, &used, t->rec_pt, &ptlen);
+        /*
+         * Opened in place, the chunk header first: a continuation chunk's
+         * data then goes straight into its reassembly buffer, anything else
+         * is handled out of the read buffer. Either way no byte is acted
+         * on before the record authenticates.
+         */
+        hm_rec_open op;
+        int r = hm_session_open_begin(&c->sess, c->rbuf + off, c->rlen - off, CHUNK_HDR_NEXT, &op);
+        uint8_t *pt = c->rbuf + off + HM_REC_HEADER, *dest = NULL;
+        if (r == 1) {
+            dest = chunk_dest(c, pt, op.head_len, op.pt_len);
+            r = hm_session_open_end(&c->sess, &op, dest);
+        }
         if (r < 0) {
             hm_info(MOD, "closing a stream: bad record (%s)", hm_strerror(r));
             conn_close(c, "bad record");
@@ -1610,8 +1692,8 @@ static void conn_process(conn *c)
         }
         if (r == 0)
             break;
-        off += used;
-        r = handle_chunk(c, t->rec_pt, ptlen);
+        off += op.consumed;
+        r = handle_chunk(c, pt, op.pt_len, dest != NULL);
         if (r < 0) {
             hm_info(MOD, "closing a stream: framing violation (%s)", hm_strerror(r));
             conn_close(c, "framing violation");
@@ -1743,6 +1825,7 @@ static int conn_dial(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struc
     memcpy(c->pk, pk, HM_PK_BYTES);
     memcpy(&c->addr, to, hm_addr_len(to));
     hm_hs_init_client(c->hs, &t->id, t->swarm_id, pk);
+    hs_set_cipher(t, c->hs);
     c->connect_req.data = c;
     r = bind_source(t, c, to);
     if (r == 0)
@@ -1799,6 +1882,7 @@ static void on_connection(uv_stream_t *server, int status)
         return;
     }
     hm_hs_init_server(c->hs, &t->id, t->swarm_id);
+    hs_set_cipher(t, c->hs);
     uv_tcp_nodelay(&c->tcp, 1);
     conn_start_reading(c);
 }
@@ -2269,6 +2353,11 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
     if (cfg != NULL)
         t->cfg = *cfg;
     hm_transport_config_defaults(&t->cfg);
+    if ((t->cfg.stream_cipher != 0 && hm_rec_cipher_name(t->cfg.stream_cipher) == NULL) ||
+        t->cfg.rekey_records > HM_REC_REKEY_RECORDS) {
+        result = -EINVAL;
+        goto out;
+    }
     if (t->cfg.max_message > UINT32_MAX - 1 || t->cfg.max_queued_bytes < t->cfg.max_message) {
         result = -EINVAL;
         goto out;
@@ -2518,6 +2607,7 @@ int hm_transport_probe(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
     c->probe_ud = ud;
     c->probe_status = -ECONNRESET;
     hm_hs_init_client(c->hs, &t->id, t->swarm_id, pk);
+    hs_set_cipher(t, c->hs);
     c->connect_req.data = c;
     result = bind_source(t, c, to);
     if (result == 0)
@@ -2642,6 +2732,9 @@ void hm_transport_limits(hm_transport *t, hm_limit_emit_fn emit, void *ud)
     emit(ud, "WriteMinRate", t->stats.write_too_slow);
     /* -- refusal notices -- */
     emit(ud, "RefusalNoticeOriginKiB", t->stats.notices_refused + t->stats.refusals_untold);
+    /* -- aead -- */
+    emit(ud, "StreamProtocolVersion", t->stats.handshakes_old_version);
+    emit(ud, "StreamCipher", t->stats.refused_no_cipher);
 }
 
 void hm_transport_close(hm_transport *t, void (*cb)(void *ud), void *ud)

@@ -108,6 +108,11 @@ typedef struct hm_transport_config {
     /* -- refusal notices -- */
     size_t notice_origin_bytes;  /* queued refusal notices past the caps, per origin: 64 KiB
                                   * (64 times that over all origins) */
+    /* -- aead: the stream record cipher (crypto.h) -- */
+    int stream_cipher; /* 0: auto (hm_rec_cipher_auto's list); else the one hm_rec_cipher id
+                        * offered and accepted, so a peer without it is refused (-ENOPROTOOPT) */
+    uint64_t rekey_records; /* tests only: records per key (both ends must agree); 0: the
+                             * protocol's HM_REC_REKEY_RECORDS */
 } hm_transport_config;
 
 /* Fills defaults for every zero field. */
@@ -178,6 +183,9 @@ typedef struct hm_transport_stats {
     /* ---- reachability (hm_transport_probe) ---- */
     uint64_t inbound_handshakes_ok; /* inbound connections that completed their handshake */
     uint64_t probes;                /* probes dialled */
+    /* -- aead -- */
+    uint64_t handshakes_old_version; /* inbound hellos of another stream protocol version */
+    uint64_t refused_no_cipher;      /* inbound handshakes with no StreamCipher in common */
 } hm_transport_stats;
 
 int hm_transport_new(uv_loop_t *loop, const hm_identity *id,

@@ -1,13 +1,18 @@
 /*
  * fuzz_handshake: the stream handshake and record parsers against arbitrary
- * bytes. The first input byte selects what the rest is fed to:
+ * bytes. The first input byte selects what the rest is fed to (its low two
+ * bits) and, for records, the cipher (bit 2: 0 ChaCha20-Poly1305, 1
+ * AES-256-GCM):
  *   0: a server handshake, as msg1 (and whatever follows);
  *   1: a client handshake that has sent msg1, as msg2 (and what follows);
  *   2: the record opener of a session from a real completed handshake;
  *   3: damage XORed into two valid records, which must then fail to open
  *      unless the XOR changed nothing.
  * Oracles abort: no fuzzed bytes may complete a handshake (that needs a
- * signature over fresh ephemeral keys) or open as a record in mode 2.
+ * signature over fresh ephemeral keys) or open as a record in mode 2; a
+ * msg1 of another version is refused as such (-EPROTONOSUPPORT); the
+ * sessions in modes 2 and 3 rekey every 2 records, so the rekey path is
+ * fuzzed too.
  * The client in mode 1 uses a fixed ephemeral key, so that the seed msg2
  * (a real server's answer to that client) passes the signature check and
  * mutations of it reach the session set-up.
@@ -38,7 +43,7 @@ struct fixture {
     hm_identity client, server;
     uint8_t swarm[HM_SWARM_ID_BYTES];
     hm_handshake client_sent_msg1;
-    hm_session cs, ss;
+    hm_session cs[2], ss[2]; /* ChaCha20-Poly1305, AES-256-GCM */
 };
 static struct fixture fx;
 
@@ -46,7 +51,11 @@ static struct fixture fx;
 static void client_with_fixed_eph(hm_handshake *hs)
 {
     uint8_t seed[crypto_kx_SEEDBYTES];
+    /* A fixed cipher list too: the seed msg2 signs msg1, list included. */
+    static const uint8_t list[] = {HM_CIPHER_AES_256_GCM, HM_CIPHER_CHACHA20_POLY1305};
     hm_hs_init_client(hs, &fx.client, fx.swarm, fx.server.pk);
+    if (hm_hs_set_ciphers(hs, list, sizeof(list)) != 0)
+        abort();
     memset(seed, FUZZ_SEED_EPH, sizeof(seed));
     crypto_kx_seed_keypair(hs->eph_pk, hs->eph_sk, seed);
     memcpy(hs->msg1 + 33, hs->eph_pk, 32);
@@ -74,18 +83,26 @@ static void fixture_init(void)
     client_with_fixed_eph(&fx.client_sent_msg1);
     fx.client_sent_msg1.out_len = 0;
 
-    hm_hs_init_client(&c, &fx.client, fx.swarm, fx.server.pk);
-    hm_hs_init_server(&s, &fx.server, fx.swarm);
-    if (hm_hs_input(&s, c.out, c.out_len, &used) != 0)
-        abort();
-    c.out_len = 0;
-    if (hm_hs_input(&c, s.out, s.out_len, &used) != 1)
-        abort();
-    s.out_len = 0;
-    if (hm_hs_input(&s, c.out, c.out_len, &used) != 1)
-        abort();
-    hm_hs_finish(&c, &fx.cs);
-    hm_hs_finish(&s, &fx.ss);
+    for (int i = 0; i < 2; i++) {
+        uint8_t only = i ? HM_CIPHER_AES_256_GCM : HM_CIPHER_CHACHA20_POLY1305;
+        hm_hs_init_client(&c, &fx.client, fx.swarm, fx.server.pk);
+        hm_hs_init_server(&s, &fx.server, fx.swarm);
+        if (hm_hs_set_ciphers(&c, &only, 1) != 0 || hm_hs_set_ciphers(&s, &only, 1) != 0)
+            abort();
+        if (hm_hs_input(&s, c.out, c.out_len, &used) != 0)
+            abort();
+        c.out_len = 0;
+        if (hm_hs_input(&c, s.out, s.out_len, &used) != 1)
+            abort();
+        s.out_len = 0;
+        if (hm_hs_input(&s, c.out, c.out_len, &used) != 1)
+            abort();
+        hm_hs_finish(&c, &fx.cs[i]);
+        hm_hs_finish(&s, &fx.ss[i]);
+        if (hm_session_set_rekey_records(&fx.cs[i], 2) != 0 ||
+            hm_session_set_rekey_records(&fx.ss[i], 2) != 0)
+            abort();
+    }
     fx.ready = 1;
 }
 
@@ -105,6 +122,9 @@ static void fuzz_server(const uint8_t *data, size_t size)
     int rc = hm_hs_input(&hs, data, size, &used);
     if (rc == 1 || used > size || hs.out_len > sizeof(hs.out))
         abort();
+    if (size > 0 && data[0] != HM_HS_VERSION &&
+        (rc != -EPROTONOSUPPORT || hm_hs_peer_version(&hs) != data[0]))
+        abort();
     hm_hs_wipe(&hs);
 }
 
@@ -122,26 +142,54 @@ static void fuzz_client(const uint8_t *data, size_t size)
     hm_hs_wipe(&hs);
 }
 
-static void fuzz_records(const uint8_t *data, size_t size)
+static void fuzz_records(int k, const uint8_t *data, size_t size)
 {
-    static uint8_t pt[HM_REC_MAX_PLAIN];
-    hm_session ss = fx.ss;
+    static uint8_t pt[HM_REC_MAX_PLAIN], buf[70000];
+    hm_session ss;
     size_t used = 0, pt_len = 0;
+    if (hm_session_dup(&fx.ss[k], &ss) != 0)
+        abort();
     int rc = hm_session_open(&ss, data, size, &used, pt, &pt_len);
     if (rc == 1 || (rc == 0 && used != 0))
         abort();
     hm_session_wipe(&ss);
+    /* The in-place opener, which the transport uses, on the same bytes. */
+    if (size > sizeof(buf))
+        return;
+    memcpy(buf, data, size);
+    uint8_t *p = NULL;
+    if (hm_session_dup(&fx.ss[k], &ss) != 0)
+        abort();
+    rc = hm_session_open_inplace(&ss, buf, size, &used, &p, &pt_len);
+    if (rc == 1 || (rc == 0 && used != 0))
+        abort();
+    hm_session_wipe(&ss);
+    /* And the two-step opener, the rest going elsewhere, as the transport's reassembly. */
+    memcpy(buf, data, size);
+    hm_rec_open op;
+    if (hm_session_dup(&fx.ss[k], &ss) != 0)
+        abort();
+    rc = hm_session_open_begin(&ss, buf, size, 5, &op);
+    if (rc == 1) {
+        if (op.consumed > size || op.head_len > 5 || op.pt_len > HM_REC_MAX_PLAIN)
+            abort();
+        if (hm_session_open_end(&ss, &op, pt) == 1)
+            abort();
+    }
+    hm_session_wipe(&ss);
 }
 
-static void fuzz_damage(const uint8_t *data, size_t size)
+static void fuzz_damage(int k, const uint8_t *data, size_t size)
 {
     static uint8_t pt[HM_REC_MAX_PLAIN];
     static const char m1[] = "first record", m2[] = "second, longer record";
     uint8_t buf[2 * (64 + HM_REC_OVERHEAD)];
-    hm_session cs = fx.cs, ss = fx.ss;
+    hm_session cs, ss;
     size_t len = 0, l, used, pt_len, off = 0;
     int changed = 0, opened = 0;
 
+    if (hm_session_dup(&fx.cs[k], &cs) != 0 || hm_session_dup(&fx.ss[k], &ss) != 0)
+        abort();
     if (hm_session_seal(&cs, m1, sizeof(m1), buf, &l) != 0)
         abort();
     len += l;
@@ -168,7 +216,7 @@ static void fuzz_damage(const uint8_t *data, size_t size)
         size_t first = 0;
         while (first < size && first < len && data[first] == 0)
             first++;
-        size_t first_rec_end = 2 + sizeof(m1) + crypto_secretstream_xchacha20poly1305_ABYTES;
+        size_t first_rec_end = HM_REC_OVERHEAD + sizeof(m1);
         if (opened > (first < first_rec_end ? 0 : 1))
             abort();
     }
@@ -191,10 +239,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fuzz_client(rest, n);
         break;
     case 2:
-        fuzz_records(rest, n);
+        fuzz_records((data[0] >> 2) & 1, rest, n);
         break;
     default:
-        fuzz_damage(rest, n);
+        fuzz_damage((data[0] >> 2) & 1, rest, n);
         break;
     }
     return 0;

@@ -49,7 +49,7 @@ sources_for() {
         grep '\.c$' | grep -v '^tests/fuzz/'
 }
 
-pkgs="libuv libsodium msgpack jansson openblas zlib"
+pkgs="libuv libsodium libcrypto msgpack jansson openblas zlib"
 dep_cflags=$(pkg-config --cflags $pkgs) || exit 1
 dep_libs=$(pkg-config --libs $pkgs) || exit 1
 
