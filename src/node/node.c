@@ -91,6 +91,9 @@ struct hm_node {
     hm_reach *reach;
     int cfg_client_mode;  /* ClientMode from the operator */
     int auto_client_mode; /* nobody reaches us: client mode by ourselves */
+    /* Relays (relay.h): serving, and reserving with RelayVia while unreachable. */
+    hm_relay *relay;
+    int relay_forced;     /* hm_node_relay_set_active(1) */
 };
 
 typedef struct ping_ctx {
@@ -761,6 +764,12 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
         goto fail_rpc;
     }
 
+    r = hm_relay_new(loop, n->rpc, &n->id, &opts->relay, &n->relay);
+    if (r < 0) {
+        snprintf(err, errlen, "cannot start the relay: %s", hm_strerror(r));
+        goto fail_rpc;
+    }
+
     uv_timer_init(loop, &n->ping_timer);
     n->ping_timer.data = n;
     uv_timer_init(loop, &n->dht_timer);
@@ -808,6 +817,8 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
     return 0;
 
 fail_rpc:
+    if (n->relay != NULL)
+        hm_relay_free(n->relay, NULL, NULL);
     if (n->reach != NULL)
         hm_reach_free(n->reach, NULL, NULL);
     hm_rpc_close(n->rpc, NULL, NULL);
@@ -832,6 +843,9 @@ static void on_reach_mode(void *ud, int client_mode, const char *reason)
     n->auto_client_mode = client_mode;
     if (n->cfg_client_mode)
         return;
+    /* Unreachable: a relay (RelayVia) keeps us hosting; reachable again: direct. */
+    if (n->relay != NULL && !n->relay_forced)
+        hm_relay_client_set_active(n->relay, client_mode);
     /* Serving DHT requests needs peers that can send them to us. */
     if (n->dht != NULL)
         hm_dht_set_client_mode(n->dht, client_mode);
@@ -845,7 +859,28 @@ int hm_node_announce(hm_node *n, struct sockaddr_storage *out)
 {
     if (n->reach == NULL)
         return -ECANCELED;
-    return hm_reach_declared(n->reach, out);
+    int r = hm_reach_declared(n->reach, out);
+    /* Nobody dials us, but a relay holds a reservation for us: declare the relay. */
+    if (r < 0 && n->relay != NULL && hm_relay_declared(n->relay, out) == 0)
+        return 0;
+    return r;
+}
+
+void hm_node_relay(hm_node *n, hm_relay_status *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->state_name = "off";
+    out->via_index = -1;
+    if (n->relay != NULL)
+        hm_relay_get_status(n->relay, out);
+}
+
+void hm_node_relay_set_active(hm_node *n, int active)
+{
+    if (n->relay == NULL)
+        return;
+    n->relay_forced = active;
+    hm_relay_client_set_active(n->relay, active || n->auto_client_mode);
 }
 
 int hm_node_reach(hm_node *n, hm_node_reach_info *out)
@@ -1078,6 +1113,8 @@ void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud)
     emit(ud, "PingStreamPeers", n->stream_pings_skipped);
     if (n->reach != NULL)
         hm_reach_limits(n->reach, emit, ud);
+    if (n->relay != NULL)
+        hm_relay_limits(n->relay, emit, ud);
 }
 
 /* ---- shutdown ---- */
@@ -1118,10 +1155,24 @@ static void on_reach_freed(void *ud)
     uv_close((uv_handle_t *)&n->dht_timer, on_dht_timer_closed);
 }
 
+static void on_rpc_closed(void *ud);
+
+static void on_relay_freed(void *ud)
+{
+    on_rpc_closed(ud);
+}
+
 static void on_rpc_closed(void *ud)
 {
     hm_node *n = ud;
     n->rpc = NULL;
+    /* Every relay call has returned by now: the relay can go, then the rest. */
+    if (n->relay != NULL) {
+        hm_relay *rl = n->relay;
+        n->relay = NULL;
+        hm_relay_free(rl, on_relay_freed, n);
+        return;
+    }
     /* Every dial-back callback has fired by now: the reach state can go. */
     if (n->reach != NULL) {
         hm_reach *r = n->reach;
@@ -1143,6 +1194,8 @@ void hm_node_close(hm_node *n, void (*cb)(void *ud), void *ud)
     uv_timer_stop(&n->dht_timer);
     if (n->reach != NULL)
         hm_reach_stop(n->reach);
+    if (n->relay != NULL)
+        hm_relay_stop(n->relay);
     hm_info(MOD, "closing node %s", n->id.peer_id);
     /* Pending DHT operations end with -ECANCELED before the transport goes. */
     if (n->dht != NULL) {
