@@ -624,7 +624,7 @@ static void on_reserve_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[
             r->refused_res_origin++;
             if (e != NULL)
                 hm_origin_tab_release(&r->res_origins, e);
-            hm_rpc_respond(req, -EDQUOT, NULL, 0);
+            hm_rpc_respond(req, -EUSERS, NULL, 0);
             return;
         }
         for (size_t i = 0; i < r->cfg.max_reservations; i++)
@@ -741,8 +741,8 @@ static void reserve_cb(void *ud, int status, const uint8_t *body, size_t len)
     r->backoff_ms = r->backoff_ms == 0 ? r->cfg.retry_min_ms
                                        : HM_MIN(r->backoff_ms * 2, r->cfg.retry_max_ms);
     snprintf(r->reason, sizeof(r->reason),
-             "no relay: all %zu RelayVia relays failed (the last, %s: %s); retrying in %llu s",
-             r->cfg.n_via, who, hm_strerror(status), (unsigned long long)(r->backoff_ms / 1000));
+             "no relay: all %zu RelayVia relays failed (the last, %s: %s); retrying in %.1f s",
+             r->cfg.n_via, who, hm_strerror(status), (double)r->backoff_ms / 1000.0);
     hm_warn(MOD, "%s", r->reason);
     r->tried = 0;
     r->via = 0;

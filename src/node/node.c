@@ -859,11 +859,14 @@ int hm_node_announce(hm_node *n, struct sockaddr_storage *out)
 {
     if (n->reach == NULL)
         return -ECANCELED;
-    int r = hm_reach_declared(n->reach, out);
-    /* Nobody dials us, but a relay holds a reservation for us: declare the relay. */
-    if (r < 0 && n->relay != NULL && hm_relay_declared(n->relay, out) == 0)
+    /*
+     * Nobody dials us (or the operator said so), but a relay holds a
+     * reservation for us: declare the relay.
+     */
+    if (n->relay != NULL && (n->relay_forced || n->auto_client_mode) &&
+        hm_relay_declared(n->relay, out) == 0)
         return 0;
-    return r;
+    return hm_reach_declared(n->reach, out);
 }
 
 void hm_node_relay(hm_node *n, hm_relay_status *out)

@@ -17,6 +17,8 @@ builddir=${HM_BUILDDIR:-$(pwd)}
 runs=${FUZZ_RUNS:-20000}
 seed=${FUZZ_SEED:-1}
 targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce fuzz_matchmaking fuzz_moe_proto fuzz_moe_checkpoint fuzz_state fuzz_client fuzz_idx fuzz_diloco_state fuzz_progress fuzz_reach"}
+# -- relay --
+[ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_relay"
 
 failed=0
 passed=0
