@@ -114,6 +114,15 @@ typedef struct hm_config {
     unsigned dialback_rate_per_origin; /* dial-backs run for one origin a minute */
     unsigned max_dialbacks;            /* dial-backs run at once */
     /* -- relay fields -- */
+    int relay;                          /* Relay: serve as a relay for NAT'd peers */
+    char relay_via[8 * HM_CONFIG_PEER_LEN]; /* RelayVia: PEERID@HOST:PORT,...; empty: none */
+    unsigned relay_max_reservations;    /* NAT'd peers we relay for at once */
+    unsigned relay_reservations_per_origin;
+    unsigned relay_max_circuits;        /* relayed connections open at once */
+    unsigned relay_circuits_per_origin; /* ... dialled from one origin */
+    unsigned relay_max_mib;             /* bytes one circuit may carry, both ways */
+    unsigned relay_rate_kib;            /* KiB/s one circuit may carry */
+    unsigned relay_circuit_lifetime_s;  /* a circuit is closed after this long */
 } hm_config;
 
 /*
