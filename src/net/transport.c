@@ -1901,6 +1901,21 @@ static int stream_send_now(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const
                            const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio)
 {
     conn *c = conn_find(t, pk);
+    /*
+     * A dial still in its handshake at another address than the caller's
+     * does not take the message: a NAT'd peer's direct address (learned
+     * from its datagrams) never answers, while the one the caller names,
+     * its relay's (relay.h), does. The message goes to a dial at `to`.
+     */
+    if (c != NULL && c->state != CONN_OPEN && c->outbound && to != NULL &&
+        !hm_addr_equal((const struct sockaddr *)&c->addr, to)) {
+        conn *d = NULL;
+        FOREACH_PK_CONN(o, t, pk)
+            if (o->state == CONN_HANDSHAKE && o->outbound &&
+                hm_addr_equal((const struct sockaddr *)&o->addr, to))
+                d = o;
+        c = d;
+    }
     if (c == NULL) {
         if (to == NULL)
             return -ENOTCONN;
