@@ -46,6 +46,7 @@ PACKAGES=(
     build-essential make autoconf automake libtool pkg-config
     libuv1-dev libsodium-dev libmsgpack-dev libopenblas-dev libcriterion-dev libjansson-dev
     procps iproute2 zlib1g-dev dataset-fashion-mnist python3-numpy python3-torch
+    tcpdump
 )
 
 say() { printf '\n==> %s\n' "$*"; }
