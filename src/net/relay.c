@@ -118,7 +118,7 @@ struct hm_relay {
     uint64_t gen;         /* bumps on every state change, so stale replies are ignored */
     uint64_t backoff_ms;
     uint64_t failovers, accepts;
-    char reason[160];
+    char reason[HM_RELAY_REASON_LEN];
 };
 
 static void maybe_free(hm_relay *r);
@@ -814,6 +814,8 @@ void hm_relay_client_set_active(hm_relay *r, int active)
     snprintf(r->reason, sizeof(r->reason), "reserving with a relay");
     client_schedule(r, 0);
 }
+
+int hm_relay_client_active(const hm_relay *r) { return r->active; }
 
 static void on_connect_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                                const struct sockaddr *from, const uint8_t *body, size_t len)

@@ -55,6 +55,7 @@
 #define HM_RELAY_TOKEN_BYTES 32
 #define HM_RELAY_MAX_VIA 8
 #define HM_RELAY_ADDR_LEN 160 /* PEERID@HOST:PORT */
+#define HM_RELAY_REASON_LEN 384
 
 typedef struct hm_relay hm_relay;
 
@@ -93,7 +94,7 @@ typedef struct hm_relay_status {
     int via_index;                     /* the relay in use or being tried, -1: none */
     char relay[HM_RELAY_ADDR_LEN];     /* PEERID@HOST:PORT of it, "" when none */
     char address[HM_RELAY_ADDR_LEN]; /* our relayed address, "" unless reserved */
-    char reason[160];                  /* why, for info and the log */
+    char reason[HM_RELAY_REASON_LEN];  /* why, for info and the log */
     uint64_t failovers;                /* moves to another relay */
     uint64_t accepts;                  /* relayed connections we opened */
     /* serving */
@@ -106,6 +107,7 @@ int hm_relay_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, const hm_r
                  hm_relay **out);
 /* Starts (1) or stops (0) reserving with the RelayVia relays. */
 void hm_relay_client_set_active(hm_relay *r, int active);
+int hm_relay_client_active(const hm_relay *r);
 /* The relay's address we are reachable at: 0, or -ENOENT with no reservation. */
 int hm_relay_declared(hm_relay *r, struct sockaddr_storage *out);
 void hm_relay_get_status(hm_relay *r, hm_relay_status *out);

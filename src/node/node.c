@@ -501,10 +501,28 @@ static void ping_round(hm_node *n)
     free(order);
 }
 
+/*
+ * Whether to hold a relay reservation: when told to, or while dial-backs
+ * say nobody reaches us; and once holding one, until a dial-back succeeds.
+ * Peers leaving can turn "unreachable" into "unknown" (too few origins to
+ * judge), which is no reason to give the relay up.
+ */
+static void relay_sync(hm_node *n)
+{
+    if (n->relay == NULL || n->reach == NULL || n->cfg_client_mode)
+        return;
+    hm_reach_status rs;
+    hm_reach_get_status(n->reach, &rs);
+    int want = n->relay_forced || rs.reachable == HM_REACH_NO ||
+               (hm_relay_client_active(n->relay) && rs.reachable != HM_REACH_YES);
+    hm_relay_client_set_active(n->relay, want);
+}
+
 static void on_ping_timer(uv_timer_t *t)
 {
     hm_node *n = t->data;
     ping_round(n);
+    relay_sync(n);
     uv_timer_start(&n->ping_timer, on_ping_timer, jitter(n, n->ping_interval_ms), 0);
 }
 
@@ -844,8 +862,7 @@ static void on_reach_mode(void *ud, int client_mode, const char *reason)
     if (n->cfg_client_mode)
         return;
     /* Unreachable: a relay (RelayVia) keeps us hosting; reachable again: direct. */
-    if (n->relay != NULL && !n->relay_forced)
-        hm_relay_client_set_active(n->relay, client_mode);
+    relay_sync(n);
     /* Serving DHT requests needs peers that can send them to us. */
     if (n->dht != NULL)
         hm_dht_set_client_mode(n->dht, client_mode);
@@ -863,8 +880,7 @@ int hm_node_announce(hm_node *n, struct sockaddr_storage *out)
      * Nobody dials us (or the operator said so), but a relay holds a
      * reservation for us: declare the relay.
      */
-    if (n->relay != NULL && (n->relay_forced || n->auto_client_mode) &&
-        hm_relay_declared(n->relay, out) == 0)
+    if (n->relay != NULL && hm_relay_declared(n->relay, out) == 0)
         return 0;
     return hm_reach_declared(n->reach, out);
 }
@@ -883,7 +899,7 @@ void hm_node_relay_set_active(hm_node *n, int active)
     if (n->relay == NULL)
         return;
     n->relay_forced = active;
-    hm_relay_client_set_active(n->relay, active || n->auto_client_mode);
+    relay_sync(n);
 }
 
 int hm_node_reach(hm_node *n, hm_node_reach_info *out)
