@@ -8,7 +8,9 @@
  *    the bytes and holds no session of its own with the dialler;
  *  - reservations and circuits per origin refused with their counters,
  *    while another origin still gets through;
- *  - a circuit over RelayMaxMiB cut, with its counter;
+ *  - a circuit over RelayMaxMiB cut, one over RelayRate paused (and
+ *    completed), one past RelayCircuitLifetime closed, RelayMaxCircuits
+ *    refusing another origin, each with its counter;
  *  - the relay dies: the NAT'd peer moves to the second relay and is
  *    reached through it; with no relay left it says so.
  */
@@ -336,6 +338,59 @@ Test(relay, circuits_per_origin_and_bytes)
     cr_assert_eq(st.circuits_total, 2);
     hm_node *all[] = {d1, d2, d3, n, r};
     close_all(&loop, all, 5);
+}
+
+struct circuits_at {
+    hm_node *relay;
+    size_t want;
+};
+
+static int circuits_are(void *ud)
+{
+    struct circuits_at *w = ud;
+    hm_relay_status st;
+    hm_node_relay(w->relay, &st);
+    return st.circuits == w->want;
+}
+
+Test(relay, total_rate_and_lifetime)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_relay_config rs = serving();
+    rs.max_circuits = 1;
+    rs.rate = 256 * 1024;
+    rs.circuit_lifetime_ms = 4000;
+    hm_node *r = make(&loop, "127.0.0.1:0", &rs);
+    hm_relay_config rc = {0};
+    via(&rc, r);
+    hm_node *n = natd(&loop, "127.0.0.3:0", &rc);
+    wait_state(&loop, n, HM_RELAY_RESERVED, 0, 5000);
+    struct sockaddr_storage ra;
+    addr_of(r, &ra);
+    hm_node *d1 = make(&loop, "127.0.0.2:0", NULL);
+    hm_node *d2 = make(&loop, "127.0.0.5:0", NULL);
+    struct call c;
+    /* Over the rate the copy pauses, and the call still completes. */
+    cr_assert_eq(call_echo(&loop, d1, n, &ra, 200000, &c), 0, "%s", hm_strerror(c.status));
+    cr_assert_gt(limit(r, "RelayRate"), 0);
+    /* One circuit in all: a dialler of another origin is refused while d1's lives. */
+    cr_assert_neq(call_echo(&loop, d2, n, &ra, 100, &c), 0);
+    cr_assert_eq(limit(r, "RelayMaxCircuits"), 1);
+    /* At its lifetime the circuit is closed, and the slot is free again. */
+    struct circuits_at w = {r, 0};
+    cr_assert(hm_test_run_until(&loop, circuits_are, &w, 8000), "the circuit outlived its lifetime");
+    cr_assert_eq(limit(r, "RelayCircuitLifetime"), 1);
+    int rc2 = call_echo(&loop, d2, n, &ra, 100, &c);
+    hm_relay_status st;
+    hm_node_relay(r, &st);
+    cr_assert_eq(rc2, 0, "%s: total %llu, max %llu, origin %llu, life %llu", hm_strerror(c.status),
+                 (unsigned long long)st.circuits_total,
+                 (unsigned long long)limit(r, "RelayMaxCircuits"),
+                 (unsigned long long)limit(r, "RelayCircuitsPerOrigin"),
+                 (unsigned long long)limit(r, "RelayCircuitLifetime"));
+    hm_node *all[] = {d1, d2, n, r};
+    close_all(&loop, all, 4);
 }
 
 Test(relay, failover_then_none)
