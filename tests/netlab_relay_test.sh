@@ -179,4 +179,14 @@ case $reason in
 esac
 grep -q "no relay: all 2 RelayVia relays failed" "$LAB_DIR/h2.log" || fail "h2's log does not say it has no relay"
 echo "ok: with both relays dead h2 says: $reason"
+# The relays exited on SIGTERM; under sanitizers their logs hold any report.
+for h in h1 h4; do
+    for t in $(seq 1 50); do
+        kill -0 "$(cat "$LAB_DIR/$h.pid")" 2>/dev/null || break
+        sleep 0.2
+    done
+    if grep -q "AddressSanitizer\|LeakSanitizer\|runtime error" "$LAB_DIR/$h.log"; then
+        fail "a sanitizer report in $h's log"
+    fi
+done
 echo "PASS: netlab_relay_test"
