@@ -221,9 +221,11 @@ static peer *peer_touch(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct 
         char a[HM_ADDRSTRLEN];
         hm_format_addr(from, a, sizeof(a));
         hm_info(MOD, "new peer %s from %s%s", p->info.peer_id, a, via_stream ? " (stream)" : "");
-    } else if (from != NULL && !hm_origin_eq(&p->org, &o)) {
+    } else if (from != NULL && !via_stream && !hm_origin_eq(&p->org, &o)) {
         /* A peer that moved is counted at its new origin, if there is room
-         * there; otherwise it keeps its old place and address until there is. */
+         * there; otherwise it keeps its old place and address until there is.
+         * Only datagrams move it: a stream may come through a relay
+         * (src/net/relay.h), from the relay's address, not the peer's. */
         if (origin_peers(n, &o) >= n->max_peers_per_origin ||
             hm_origin_tab_get(&n->origins, &o, 1) == NULL) {
             p->info.last_seen_ms = hm_now_ms();
