@@ -256,6 +256,14 @@ Test(relay, call_through_a_reservation)
     cr_assert(!hm_transport_connected(rt, hm_node_identity(d)->pk));
     hm_node_relay(n, &st);
     cr_assert_eq(st.accepts, 1);
+    char *m = hm_node_metrics(r);
+    cr_assert_not_null(m);
+    cr_assert(strstr(m, "\nhivemindd_relay_circuits 1\n") != NULL, "%s", m);
+    cr_assert(strstr(m, "\nhivemindd_relay_reservations 1\n") != NULL);
+    free(m);
+    m = hm_node_metrics(n);
+    cr_assert(strstr(m, "\nhivemindd_relay_reserved 1\n") != NULL);
+    free(m);
     /* A second call reuses the circuit's connection. */
     cr_assert_eq(call_echo(&loop, d, n, &ra, 100, &c), 0);
     hm_node_relay(r, &rst);

@@ -1048,6 +1048,22 @@ char *hm_node_metrics(hm_node *n)
         metric_u64(&b, "hivemindd_dialbacks_served_total", "counter",
                    "Dial-back probes this node ran for others.", rs.dialbacks_served);
     }
+    /* -- relay metrics -- */
+    if (n->relay != NULL) {
+        hm_relay_status rl;
+        hm_relay_get_status(n->relay, &rl);
+        metric_u64(&b, "hivemindd_relay_reserved", "gauge",
+                   "1 while a relay holds a reservation for this node (RelayVia).",
+                   (uint64_t)(rl.state == HM_RELAY_RESERVED));
+        metric_u64(&b, "hivemindd_relay_failovers_total", "counter",
+                   "Moves to the next RelayVia relay.", rl.failovers);
+        metric_u64(&b, "hivemindd_relay_reservations", "gauge",
+                   "Peers this node relays for (Relay yes).", rl.reservations);
+        metric_u64(&b, "hivemindd_relay_circuits", "gauge",
+                   "Relayed connections open through this node.", rl.circuits);
+        metric_u64(&b, "hivemindd_relay_bytes_total", "counter",
+                   "Bytes this node copied for relayed connections, both ways.", rl.bytes_relayed);
+    }
     metric_u64(&b, "hivemindd_peers_evicted_total", "counter",
                "Peers of the heaviest origin evicted from a full table for a newcomer.",
                n->evicted);
