@@ -11,6 +11,7 @@
  *  - a circuit over RelayMaxMiB cut, one over RelayRate paused (and
  *    completed), one past RelayCircuitLifetime closed, RelayMaxCircuits
  *    refusing another origin, each with its counter;
+ *  - a state shared by the NAT'd peer is loaded through the relay, whole;
  *  - the relay dies: the NAT'd peer moves to the second relay and is
  *    reached through it; with no relay left it says so.
  */
@@ -22,16 +23,23 @@
 
 #include "tests/loop.h"
 #include "src/net/relay.h"
+#include "averaging/state.h"
 
 TestSuite(relay, .timeout = 120);
 
-static hm_node *make(uv_loop_t *loop, const char *listen, const hm_relay_config *rc)
+static hm_node *make_full(uv_loop_t *loop, const char *listen, const hm_relay_config *rc,
+                          const char *peer, uint64_t ping_ms)
 {
     hm_node_options o = {0};
+    const char *peers[1] = {peer};
     signal(SIGPIPE, SIG_IGN);
     o.listen = listen;
     o.swarm = "relay-test";
-    o.ping_interval_ms = 1000;
+    o.ping_interval_ms = ping_ms;
+    if (peer != NULL) {
+        o.initial_peers = peers;
+        o.n_initial_peers = 1;
+    }
     o.dht.rate_per_s = 1e6;
     o.dht.rate_burst = 1e6;
     if (rc != NULL)
@@ -41,6 +49,11 @@ static hm_node *make(uv_loop_t *loop, const char *listen, const hm_relay_config 
     int r = hm_node_new(loop, &o, &n, err, sizeof(err));
     cr_assert_eq(r, 0, "hm_node_new: %s", err);
     return n;
+}
+
+static hm_node *make(uv_loop_t *loop, const char *listen, const hm_relay_config *rc)
+{
+    return make_full(loop, listen, rc, NULL, 1000);
 }
 
 static void addr_of(hm_node *n, struct sockaddr_storage *ss)
@@ -480,4 +493,118 @@ Test(relay, parsers)
     }
     cr_assert_eq(hm_relay_parse_via(s, v, &n, err, sizeof(err)), -EINVAL);
     hm_identity_wipe(&id);
+}
+
+/* ---- state through a relay ---- */
+
+struct load_result {
+    int done, status;
+    uint8_t *blob;
+    size_t len;
+    char donor_addr[HM_ADDRSTRLEN];
+    size_t n_donors;
+};
+
+static void on_load(void *ud, int status, uint8_t *blob, size_t len, const hm_state_report *rep)
+{
+    struct load_result *l = ud;
+    l->done = 1;
+    l->status = status;
+    l->blob = blob;
+    l->len = len;
+    l->n_donors = rep->n_donors;
+    if (rep->n_donors > 0)
+        hm_strlcpy(l->donor_addr, rep->donors[0].addr, sizeof(l->donor_addr));
+}
+
+static int load_done(void *ud) { return ((struct load_result *)ud)->done; }
+
+struct share_ready {
+    hm_state *st;
+};
+
+static int shared(void *ud)
+{
+    hm_state_share_info info;
+    struct share_ready *s = ud;
+    return hm_state_share_info_get(s->st, "relay.state", &info) == 0 && info.ready &&
+           info.declared > 0;
+}
+
+static int st_closed;
+static void on_st_closed(void *ud)
+{
+    HM_UNUSED(ud);
+    st_closed++;
+}
+static int both_st_closed(void *ud)
+{
+    HM_UNUSED(ud);
+    return st_closed == 2;
+}
+
+Test(relay, state_served_through_a_relay)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_log_set_level(HM_LOG_WARN);
+    hm_relay_config rs = serving();
+    hm_node *r = make(&loop, "127.0.0.1:0", &rs);
+    char boot[256];
+    cr_assert_eq(hm_node_address(r, boot, sizeof(boot)), 0);
+    hm_relay_config rc = {0};
+    via(&rc, r);
+    rc.refresh_ms = 300;
+    /*
+     * No pings for a long while on the donor and the newcomer: a ping over
+     * a stream would connect them directly, and the load would not need the
+     * relay.
+     */
+    hm_node *n = make_full(&loop, "127.0.0.3:0", &rc, boot, 600000);
+    hm_node_relay_set_active(n, 1);
+    hm_node *l = make_full(&loop, "127.0.0.2:0", NULL, boot, 600000);
+    wait_state(&loop, n, HM_RELAY_RESERVED, 0, 5000);
+
+    hm_state_config sc = {0};
+    hm_state *sn = NULL, *sl = NULL;
+    cr_assert_eq(hm_state_new(n, &sc, &sn), 0);
+    cr_assert_eq(hm_state_new(l, &sc, &sl), 0);
+    size_t len = 3u * 1024 * 1024 + 17;
+    uint8_t *blob = malloc(len);
+    cr_assert_not_null(blob);
+    for (size_t i = 0; i < len; i++)
+        blob[i] = (uint8_t)(i * 131 + (i >> 9));
+    cr_assert_eq(hm_state_share(sn, "relay.state", 7, blob, len, NULL), 0);
+    struct share_ready sr = {sn};
+    cr_assert(hm_test_run_until(&loop, shared, &sr, 15000), "the state was never declared");
+
+    hm_relay_status before;
+    hm_node_relay(r, &before);
+    struct load_result lr = {0};
+    hm_state_load_opts lo = {.min_agree = 1, .timeout_ms = 30000};
+    cr_assert_eq(hm_state_load(sl, "relay.state", &lo, on_load, &lr), 0);
+    cr_assert(hm_test_run_until(&loop, load_done, &lr, 40000), "the load never finished");
+    cr_assert_eq(lr.status, 0, "load: %s", hm_strerror(lr.status));
+    cr_assert_eq(lr.len, len);
+    cr_assert(memcmp(lr.blob, blob, len) == 0, "the loaded state differs");
+    /* The donor was read at the relay's address, and the relay carried the state. */
+    struct sockaddr_storage ra;
+    char a[HM_ADDRSTRLEN];
+    addr_of(r, &ra);
+    hm_format_addr((struct sockaddr *)&ra, a, sizeof(a));
+    cr_assert_eq(lr.n_donors, 1);
+    cr_assert_str_eq(lr.donor_addr, a);
+    hm_relay_status after;
+    hm_node_relay(r, &after);
+    cr_assert_geq(after.bytes_relayed - before.bytes_relayed, len, "%llu bytes relayed",
+                  (unsigned long long)(after.bytes_relayed - before.bytes_relayed));
+    free(lr.blob);
+    free(blob);
+
+    st_closed = 0;
+    hm_state_close(sn, on_st_closed, NULL);
+    hm_state_close(sl, on_st_closed, NULL);
+    cr_assert(hm_test_run_until(&loop, both_st_closed, NULL, 5000));
+    hm_node *all[] = {l, n, r};
+    close_all(&loop, all, 3);
 }
