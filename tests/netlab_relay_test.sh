@@ -158,6 +158,14 @@ for off in range(0, len(y) - 16, 256):
 print("capture: %d bytes, no plaintext of the input or the output" % len(cap))
 PY
 echo "ok: h3 called ffn.0.0 through h1 ($relayed bytes relayed); output equals h2's own; h1 saw only ciphertext"
+# Every relay budget reports what it refused, and the relay its work.
+metrics=$(lab_ctl h1 metrics)
+for k in RelayMaxReservations RelayReservationsPerOrigin RelayMaxCircuits RelayCircuitsPerOrigin \
+    RelayMaxMiB RelayRate RelayCircuitLifetime; do
+    grep -q "hivemindd_limit_refused_total{limit=\"$k\"}" <<<"$metrics" ||
+        fail "h1's metrics have no refusal counter for $k"
+done
+grep -q "^hivemindd_relay_reservations 1$" <<<"$metrics" || fail "h1's metrics do not count h2's reservation"
 
 # ---- h1 dies: h2 moves to h4 and is called there ----
 kill "$(cat "$LAB_DIR/h1.pid")"
