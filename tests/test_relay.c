@@ -608,3 +608,43 @@ Test(relay, state_served_through_a_relay)
     hm_node *all[] = {l, n, r};
     close_all(&loop, all, 3);
 }
+
+/* ---- relays advertised in the DHT ---- */
+
+Test(relay, found_in_the_dht_without_relay_via)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_relay_config rs = serving();
+    hm_node *r = make(&loop, "127.0.0.1:0", &rs);
+    char boot[256];
+    cr_assert_eq(hm_node_address(r, boot, sizeof(boot)), 0);
+    hm_node *other = make_full(&loop, "127.0.0.4:0", NULL, boot, 1000);
+    /* No RelayVia: the NAT'd node says it has none, then finds r's advertisement. */
+    hm_relay_config rc = {0};
+    rc.refresh_ms = 300;
+    hm_node *n = make_full(&loop, "127.0.0.3:0", &rc, boot, 1000);
+    hm_node_relay_set_active(n, 1);
+    hm_relay_status st;
+    hm_node_relay(n, &st);
+    cr_assert_str_eq(st.state_name, "none");
+    cr_assert(strstr(st.reason, "no relay: RelayVia names none") != NULL, "%s", st.reason);
+    wait_state(&loop, n, HM_RELAY_RESERVED, 0, 30000);
+    hm_node_relay(n, &st);
+    struct sockaddr_storage ra;
+    char a[HM_ADDRSTRLEN], want[HM_RELAY_ADDR_LEN];
+    addr_of(r, &ra);
+    hm_format_addr((struct sockaddr *)&ra, a, sizeof(a));
+    snprintf(want, sizeof(want), "%s@%s", hm_node_identity(r)->peer_id, a);
+    cr_assert_str_eq(st.relay, want);
+    /* Reached through it, by a dialler outside the swarm (so with no stream of its own to n). */
+    cr_assert_eq(hm_rpc_register(hm_node_rpc(n), "test.echo", on_echo, NULL), 0);
+    hm_node *d = make(&loop, "127.0.0.2:0", NULL);
+    struct call c;
+    cr_assert_eq(call_echo(&loop, d, n, &ra, 1000, &c), 0, "%s", hm_strerror(c.status));
+    hm_relay_status rst;
+    hm_node_relay(r, &rst);
+    cr_assert_eq(rst.circuits_total, 1);
+    hm_node *all[] = {d, other, n, r};
+    close_all(&loop, all, 4);
+}

@@ -111,6 +111,7 @@ struct hm_relay {
     uint64_t cut_bytes, throttled, cut_lifetime, accept_timeouts, no_reservation;
 
     /* using */
+    int configured;       /* RelayVia named relays (else they come from hm_relay_set_found) */
     int active;
     int state;
     int via;              /* index in use or being tried */
@@ -741,8 +742,8 @@ static void reserve_cb(void *ud, int status, const uint8_t *body, size_t len)
     r->backoff_ms = r->backoff_ms == 0 ? r->cfg.retry_min_ms
                                        : HM_MIN(r->backoff_ms * 2, r->cfg.retry_max_ms);
     snprintf(r->reason, sizeof(r->reason),
-             "no relay: all %zu RelayVia relays failed (the last, %s: %s); retrying in %.1f s",
-             r->cfg.n_via, who, hm_strerror(status), (double)r->backoff_ms / 1000.0);
+             "no relay: all %zu %s relays failed (the last, %s: %s); retrying in %.1f s",
+             r->cfg.n_via, r->configured ? "RelayVia" : "advertised", who, hm_strerror(status), (double)r->backoff_ms / 1000.0);
     hm_warn(MOD, "%s", r->reason);
     r->tried = 0;
     r->via = 0;
@@ -806,8 +807,10 @@ void hm_relay_client_set_active(hm_relay *r, int active)
     }
     if (r->cfg.n_via == 0) {
         r->state = HM_RELAY_NONE;
-        snprintf(r->reason, sizeof(r->reason), "no relay: RelayVia names none");
-        hm_warn(MOD, "nobody can dial this node and it has no relay (RelayVia names none)");
+        snprintf(r->reason, sizeof(r->reason),
+                 "no relay: RelayVia names none, and none is advertised in the DHT (yet)");
+        hm_warn(MOD, "nobody can dial this node and it has no relay (RelayVia names none); "
+                "looking for relays advertised in the DHT");
         return;
     }
     r->state = HM_RELAY_RESERVING;
@@ -816,6 +819,27 @@ void hm_relay_client_set_active(hm_relay *r, int active)
 }
 
 int hm_relay_client_active(const hm_relay *r) { return r->active; }
+int hm_relay_configured(const hm_relay *r) { return r->configured; }
+
+int hm_relay_set_found(hm_relay *r, const hm_relay_via *via, size_t n)
+{
+    if (r->stopped || r->configured || n == 0 ||
+        (r->state != HM_RELAY_OFF && r->state != HM_RELAY_NONE))
+        return 0;
+    n = HM_MIN(n, (size_t)HM_RELAY_MAX_VIA);
+    memcpy(r->cfg.via, via, n * sizeof(*via));
+    r->cfg.n_via = n;
+    r->via = 0;
+    r->tried = 0;
+    if (r->active && r->state == HM_RELAY_NONE) {
+        r->gen++;
+        uv_timer_stop(&r->ctimer);
+        r->state = HM_RELAY_RESERVING;
+        snprintf(r->reason, sizeof(r->reason), "reserving with a relay advertised in the DHT");
+        client_schedule(r, 0);
+    }
+    return 1;
+}
 
 static void on_connect_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                                const struct sockaddr *from, const uint8_t *body, size_t len)
@@ -861,6 +885,7 @@ int hm_relay_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, const hm_r
         return -EINVAL;
     }
     r->via = -1;
+    r->configured = r->cfg.n_via > 0;
     LIST_INIT(&r->circuits);
     snprintf(r->reason, sizeof(r->reason), "not using a relay");
     if (r->cfg.serve) {

@@ -108,6 +108,15 @@ int hm_relay_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, const hm_r
 /* Starts (1) or stops (0) reserving with the RelayVia relays. */
 void hm_relay_client_set_active(hm_relay *r, int active);
 int hm_relay_client_active(const hm_relay *r);
+/*
+ * Relays found elsewhere (the node reads those advertised in the DHT) for a
+ * node whose RelayVia names none: taken only then, and only while no relay
+ * is in use or being tried (state off or none); a node in state none starts
+ * reserving with them at once. Returns 1 when taken.
+ */
+int hm_relay_set_found(hm_relay *r, const hm_relay_via *via, size_t n);
+/* Whether RelayVia named relays (the DHT is then not read for others). */
+int hm_relay_configured(const hm_relay *r);
 /* The relay's address we are reachable at: 0, or -ENOENT with no reservation. */
 int hm_relay_declared(hm_relay *r, struct sockaddr_storage *out);
 void hm_relay_get_status(hm_relay *r, hm_relay_status *out);

@@ -19,6 +19,7 @@
 #include "src/base/util.h"
 #include "src/base/wire.h"
 #include "src/node/reach.h"
+#include "dht/record.h"
 
 #define MOD "node"
 #define PING_METHOD "node.ping"
@@ -94,6 +95,10 @@ struct hm_node {
     /* Relays (relay.h): serving, and reserving with RelayVia while unreachable. */
     hm_relay *relay;
     int relay_forced;     /* hm_node_relay_set_active(1) */
+    uint64_t relay_adv_ms;      /* our last advertisement as a relay (0: none) */
+    char relay_adv_addr[HM_ADDRSTRLEN];
+    uint64_t relay_find_ms;     /* our last read of the advertised relays */
+    int relay_find_inflight;
 };
 
 typedef struct ping_ctx {
@@ -520,11 +525,112 @@ static void relay_sync(hm_node *n)
     hm_relay_client_set_active(n->relay, want);
 }
 
+/*
+ * Relays in the DHT: a relay with an address others dial signs a record
+ * under RELAY_DHT_KEY, its owner marker as the subkey and its HOST:PORT as
+ * the value; a node that needs a relay and has no RelayVia reads them.
+ */
+#define RELAY_DHT_KEY "hivemindd.relays"
+#define RELAY_ADV_TTL_S 300.0
+#define RELAY_ADV_EVERY_MS 120000u
+#define RELAY_FIND_EVERY_MS 5000u
+
+static void relay_adv_cb(void *ud, int status, unsigned stored, const hm_dht_lookup_info *info)
+{
+    hm_node *n = ud;
+    HM_UNUSED(stored);
+    HM_UNUSED(info);
+    if (status < 0 && !n->closing)
+        n->relay_adv_ms = 0; /* try again next round */
+}
+
+static void relay_advertise(hm_node *n)
+{
+    hm_relay_status st;
+    struct sockaddr_storage ss;
+    char a[HM_ADDRSTRLEN], marker[HM_DHT_OWNER_MARKER_LEN + 1];
+    hm_relay_get_status(n->relay, &st);
+    if (!st.serving || hm_reach_declared(n->reach, &ss) != 0 ||
+        hm_format_addr((const struct sockaddr *)&ss, a, sizeof(a)) != 0)
+        return;
+    uint64_t now = hm_now_ms();
+    if (n->relay_adv_ms != 0 && now - n->relay_adv_ms < RELAY_ADV_EVERY_MS &&
+        strcmp(a, n->relay_adv_addr) == 0)
+        return;
+    hm_dht_owner_marker(n->id.pk, marker);
+    if (hm_node_dht_put(n, (const uint8_t *)RELAY_DHT_KEY, strlen(RELAY_DHT_KEY),
+                        (const uint8_t *)marker, strlen(marker), 1, (const uint8_t *)a, strlen(a),
+                        RELAY_ADV_TTL_S, 10000, relay_adv_cb, n) == 0) {
+        n->relay_adv_ms = now;
+        hm_strlcpy(n->relay_adv_addr, a, sizeof(n->relay_adv_addr));
+    }
+}
+
+static void relay_found_cb(void *ud, int status, const hm_dht_value *values, size_t nv,
+                           const hm_dht_lookup_info *info)
+{
+    hm_node *n = ud;
+    hm_relay_via found[HM_RELAY_MAX_VIA];
+    size_t k = 0;
+    HM_UNUSED(info);
+    n->relay_find_inflight = 0;
+    if (n->closing || n->relay == NULL || status < 0)
+        return;
+    for (size_t i = 0; i < nv && k < HM_RELAY_MAX_VIA; i++) {
+        const hm_dht_record *rec = &values[i].rec;
+        char a[HM_ADDRSTRLEN];
+        /* Signed by its owner, naming a dialable numeric HOST:PORT, and not us. */
+        if (!rec->has_subkey || hm_dht_record_verify(rec, n->swarm_id, found[k].pk) != 1 ||
+            memcmp(found[k].pk, n->id.pk, HM_PK_BYTES) == 0 || rec->value_len == 0 ||
+            rec->value_len >= sizeof(a))
+            continue;
+        memcpy(a, rec->value, rec->value_len);
+        a[rec->value_len] = '\0';
+        if (hm_parse_hostport(a, &found[k].addr) != 0 || hm_addr_dialable(&found[k].addr) != 0)
+            continue;
+        /*
+         * One relay per network origin: identities are free, so a host
+         * advertising under many keys gets one place of the eight, and a
+         * key claiming someone else's address fails its handshake there.
+         */
+        hm_origin o, p;
+        hm_origin_of((const struct sockaddr *)&found[k].addr, &o);
+        int dup = 0;
+        for (size_t j = 0; j < k && !dup; j++) {
+            hm_origin_of((const struct sockaddr *)&found[j].addr, &p);
+            dup = hm_origin_eq(&o, &p);
+        }
+        if (!dup)
+            k++;
+    }
+    if (k > 0 && hm_relay_set_found(n->relay, found, k))
+        hm_info(MOD, "found %zu relays advertised in the DHT", k);
+}
+
+static void relay_find(hm_node *n)
+{
+    hm_relay_status st;
+    hm_relay_get_status(n->relay, &st);
+    uint64_t now = hm_now_ms();
+    if (hm_relay_configured(n->relay) || !hm_relay_client_active(n->relay) ||
+        st.state != HM_RELAY_NONE || n->relay_find_inflight ||
+        (n->relay_find_ms != 0 && now - n->relay_find_ms < RELAY_FIND_EVERY_MS))
+        return;
+    n->relay_find_ms = now;
+    if (hm_node_dht_get(n, (const uint8_t *)RELAY_DHT_KEY, strlen(RELAY_DHT_KEY), 10000,
+                        relay_found_cb, n) == 0)
+        n->relay_find_inflight = 1;
+}
+
 static void on_ping_timer(uv_timer_t *t)
 {
     hm_node *n = t->data;
     ping_round(n);
     relay_sync(n);
+    if (n->relay != NULL) {
+        relay_advertise(n);
+        relay_find(n);
+    }
     uv_timer_start(&n->ping_timer, on_ping_timer, jitter(n, n->ping_interval_ms), 0);
 }
 
