@@ -240,7 +240,7 @@ static const struct opt opts[] = {
     {"RelayVia", "relay-via", T_WORD, FIELD(relay_via), 0, 0, 0, "PEERID@HOST:PORT[,...]",
      "relays to reserve with, in order, when dial-backs show nobody reaches this node; it then "
      "declares the relay's address and keeps hosting experts and serving state through it "
-     "(default none)"},
+     "(default none: the relays advertised in the DHT)"},
     {"RelayMaxReservations", "relay-max-reservations", T_UINT, FIELD(relay_max_reservations), 1,
      65536, 0, "N", "peers a relay holds reservations for at once (default 128)"},
     {"RelayReservationsPerOrigin", "relay-reservations-per-origin", T_UINT,

@@ -25,7 +25,8 @@
  * per circuit, and accept_timeout_ms for the peer to call back. Each
  * refusal is counted under its config keyword (hm_relay_limits).
  *
- * Using relays (RelayVia). hm_relay_client_set_active(1) (the node calls it
+ * Using relays (RelayVia, or relays the node found advertised in the DHT:
+ * hm_relay_set_found). hm_relay_client_set_active(1) (the node calls it
  * when reach.h finds nobody dials us) reserves with the configured relays
  * in order, refreshes every refresh_ms, and on a failed reservation or
  * refresh moves to the next one; with every relay failing it says so (the
