@@ -48,6 +48,7 @@ PACKAGES=(
     libssl-dev
     procps iproute2 zlib1g-dev dataset-fashion-mnist python3-numpy python3-torch
     libmicrohttpd-dev
+    tcpdump
 )
 
 say() { printf '\n==> %s\n' "$*"; }

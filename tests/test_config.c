@@ -630,3 +630,44 @@ Test(config, stream_cipher)
     cr_assert(strstr(text, "StreamCipher chacha20-poly1305\n") != NULL, "%s", text);
     free(text);
 }
+
+/* -- relay -- */
+Test(config, relay_options)
+{
+    hm_config c;
+    char err[512] = "", a[128], b[128], text[1024];
+    cr_assert_eq(load(&c, "", err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(c.relay, 0);
+    cr_assert_str_eq(c.relay_via, "");
+    cr_assert_eq(c.relay_max_reservations, 128);
+    cr_assert_eq(c.relay_reservations_per_origin, 4);
+    cr_assert_eq(c.relay_max_circuits, 64);
+    cr_assert_eq(c.relay_circuits_per_origin, 8);
+    cr_assert_eq(c.relay_max_mib, 256);
+    cr_assert_eq(c.relay_rate_kib, 16384);
+    cr_assert_eq(c.relay_circuit_lifetime_s, 3600);
+    peer_addr(1, "203.0.113.7:31400", a, sizeof(a));
+    peer_addr(2, "[2001:db8::1]:31400", b, sizeof(b));
+    snprintf(text, sizeof(text), "Relay yes\nRelayVia %s,%s\nRelayCircuitsPerOrigin 2\n", a, b);
+    cr_assert_eq(load(&c, text, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(c.relay, 1);
+    snprintf(text, sizeof(text), "%s,%s", a, b);
+    cr_assert_str_eq(c.relay_via, text);
+    cr_assert_eq(c.relay_circuits_per_origin, 2);
+
+    const char *bad[] = {"RelayVia 203.0.113.7:31400\n", "RelayVia %s,\n", "RelayVia %s,,%s\n",
+                         "RelayVia %s;rm\n", "RelayMaxCircuits 0\n"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        snprintf(text, sizeof(text), bad[i], a, a);
+        cr_assert_eq(load(&c, text, err, sizeof(err)), -EINVAL, "case %zu: %s", i, text);
+        cr_assert(strstr(err, "test.conf:1: bad value") != NULL, "case %zu: %s", i, err);
+    }
+    /* At most 8 relays. */
+    char many[2048] = "RelayVia ";
+    for (int i = 0; i < 9; i++) {
+        peer_addr(10 + i, "203.0.113.9:31400", a, sizeof(a));
+        strcat(many, a);
+        strcat(many, i < 8 ? "," : "\n");
+    }
+    cr_assert_eq(load(&c, many, err, sizeof(err)), -EINVAL);
+}

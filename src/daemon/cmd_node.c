@@ -60,7 +60,7 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
         ri.reason[0] = '\0';
         ri.auto_client_mode = 0;
     }
-    hm_daemon_reply(req, json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}, "
+    json_t *res = json_pack("{s:s, s:s, s:s, s:s, s:I, s:b, s:I, s:s, s:{s:I, s:I}, "
                                    "s:s, s:o, s:o, s:s, s:s, s:b, s:o}",
                                  "peer_id", hm_node_identity(d->node)->peer_id, "address", addr,
                                  "swarm", hm_node_swarm(d->node), "version", PACKAGE_VERSION,
@@ -72,7 +72,24 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
                                  "announce_source", ri.source, "reach_reason", ri.reason,
                                  "client_mode_auto", ri.auto_client_mode, "http",
                                  d->http_address[0] ? json_string(d->http_address)
-                                                    : json_null()));
+                                                    : json_null());
+    /* -- relay -- the relay this node is reachable through, and what it relays for others. */
+    hm_relay_status rs;
+    hm_node_relay(d->node, &rs);
+    json_t *rel = json_pack("{s:s, s:s?, s:s?, s:s, s:I, s:I, s:b, s:I, s:I, s:I, s:I}",
+                            "state", rs.state_name, "relay", rs.relay[0] ? rs.relay : NULL,
+                            "address", rs.address[0] ? rs.address : NULL, "reason", rs.reason,
+                            "failovers", (json_int_t)rs.failovers,
+                            "accepts", (json_int_t)rs.accepts, "serving", rs.serving,
+                            "reservations", (json_int_t)rs.reservations,
+                            "circuits", (json_int_t)rs.circuits,
+                            "circuits_total", (json_int_t)rs.circuits_total,
+                            "bytes_relayed", (json_int_t)rs.bytes_relayed);
+    if (res != NULL && rel != NULL)
+        json_object_set_new(res, "relay", rel);
+    else
+        json_decref(rel);
+    hm_daemon_reply(req, res);
 }
 
 static void cmd_peers(void *ud, hm_control_req *req, const json_t *args)

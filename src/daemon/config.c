@@ -289,6 +289,30 @@ static const struct opt opts[] = {
      "record cipher of the encrypted streams; auto offers both, AES-256-GCM first where the CPU "
      "has AES instructions (faster there), else ChaCha20-Poly1305 first; a single cipher is the "
      "only one offered and accepted, so peers without it are refused (default auto)"},
+    {"Relay", "relay", T_BOOL, FIELD(relay), 0, 0, 0, "[yes|no]",
+     "relay streams for peers nobody can dial (behind a NAT), within the Relay* budgets; the "
+     "relay copies ciphertext and never holds a session key (default no)"},
+    {"RelayVia", "relay-via", T_WORD, FIELD(relay_via), 0, 0, 0, "PEERID@HOST:PORT[,...]",
+     "relays to reserve with, in order, when dial-backs show nobody reaches this node; it then "
+     "declares the relay's address and keeps hosting experts and serving state through it "
+     "(default none: the relays advertised in the DHT)"},
+    {"RelayMaxReservations", "relay-max-reservations", T_UINT, FIELD(relay_max_reservations), 1,
+     65536, 0, "N", "peers a relay holds reservations for at once (default 128)"},
+    {"RelayReservationsPerOrigin", "relay-reservations-per-origin", T_UINT,
+     FIELD(relay_reservations_per_origin), 1, 65536, 0, "N",
+     "reservations one network origin may hold on a relay (default 4)"},
+    {"RelayMaxCircuits", "relay-max-circuits", T_UINT, FIELD(relay_max_circuits), 1, 65536, 0,
+     "N", "relayed connections open at once (default 64)"},
+    {"RelayCircuitsPerOrigin", "relay-circuits-per-origin", T_UINT,
+     FIELD(relay_circuits_per_origin), 1, 65536, 0, "N",
+     "relayed connections dialled from one network origin (default 8)"},
+    {"RelayMaxMiB", "relay-max-mib", T_UINT, FIELD(relay_max_mib), 1, 1048576, 0, "MIB",
+     "bytes one relayed connection may carry, both ways together, before it is closed "
+     "(default 256)"},
+    {"RelayRate", "relay-rate", T_UINT, FIELD(relay_rate_kib), 1, 16777216, 0, "KIB/S",
+     "rate one relayed connection may carry; past it the copy pauses (default 16384)"},
+    {"RelayCircuitLifetime", "relay-circuit-lifetime", T_UINT, FIELD(relay_circuit_lifetime_s),
+     1, 604800, 0, "SECONDS", "a relayed connection is closed after this long (default 3600)"},
 };
 
 #define N_OPTS HM_ARRAY_LEN(opts)
@@ -609,6 +633,31 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
             hm_errf(why, whylen, "value longer than %zu bytes", o->size - 1);
             return -EINVAL;
         }
+        /* -- relay -- RelayVia: peer addresses, each checked as an initial peer is. */
+        if (o->off == offsetof(hm_config, relay_via)) {
+            char one[HM_CONFIG_PEER_LEN];
+            size_t n = 0;
+            for (const char *p = v; *p != '\0'; n++) {
+                size_t len = strcspn(p, ",");
+                if (n == 8 || len == 0 || len >= sizeof(one)) {
+                    hm_errf(why, whylen, "expected 1 to 8 relays PEERID@HOST:PORT, comma-separated");
+                    return -EINVAL;
+                }
+                memcpy(one, p, len);
+                one[len] = '\0';
+                if (hm_config_check_peer(one) != 0) {
+                    hm_errf(why, whylen, "bad relay '%s': expected PEERID@HOST:PORT", one);
+                    return -EINVAL;
+                }
+                p += len;
+                if (*p == ',' && *++p == '\0') {
+                    hm_errf(why, whylen, "a trailing comma");
+                    return -EINVAL;
+                }
+            }
+            hm_strlcpy(field_str(c, o), v, o->size);
+            return 0;
+        }
         for (const char *p = v; *p; p++) {
             if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
                   (*p >= '0' && *p <= '9') || strchr("._:,[]-", *p) != NULL)) {
@@ -662,6 +711,14 @@ void hm_config_defaults(hm_config *c)
     c->announce[0] = '\0';
     c->dialback_rate_per_origin = 6;
     c->max_dialbacks = 16;
+    /* -- relay defaults -- */
+    c->relay_max_reservations = 128;
+    c->relay_reservations_per_origin = 4;
+    c->relay_max_circuits = 64;
+    c->relay_circuits_per_origin = 8;
+    c->relay_max_mib = 256;
+    c->relay_rate_kib = 16384;
+    c->relay_circuit_lifetime_s = 3600;
     /* An unknown home leaves StateDir empty; hm_config_finish reports it. */
     if (hm_paths_default_state_dir(c->state_dir, sizeof(c->state_dir)) != 0)
         c->state_dir[0] = '\0';

@@ -134,6 +134,15 @@ typedef struct hm_config {
     int status_publish;                   /* publish the node summary record */
     /* -- aead fields -- */
     char stream_cipher[24]; /* auto, aes-256-gcm or chacha20-poly1305 */
+    int relay;                          /* Relay: serve as a relay for NAT'd peers */
+    char relay_via[8 * HM_CONFIG_PEER_LEN]; /* RelayVia: PEERID@HOST:PORT,...; empty: none */
+    unsigned relay_max_reservations;    /* NAT'd peers we relay for at once */
+    unsigned relay_reservations_per_origin;
+    unsigned relay_max_circuits;        /* relayed connections open at once */
+    unsigned relay_circuits_per_origin; /* ... dialled from one origin */
+    unsigned relay_max_mib;             /* bytes one circuit may carry, both ways */
+    unsigned relay_rate_kib;            /* KiB/s one circuit may carry */
+    unsigned relay_circuit_lifetime_s;  /* a circuit is closed after this long */
 } hm_config;
 
 /*

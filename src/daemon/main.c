@@ -519,6 +519,23 @@ static int start(daemon_t *d, char *err, size_t errlen)
     no.announce = d->addrs.announce;
     no.reach.dialback_rate_per_origin = d->cfg.dialback_rate_per_origin;
     no.reach.max_dialbacks = d->cfg.max_dialbacks;
+    /* -- relay -- */
+    no.relay.serve = d->cfg.relay;
+    no.relay.max_reservations = d->cfg.relay_max_reservations;
+    no.relay.reservations_per_origin = d->cfg.relay_reservations_per_origin;
+    no.relay.max_circuits = d->cfg.relay_max_circuits;
+    no.relay.circuits_per_origin = d->cfg.relay_circuits_per_origin;
+    no.relay.max_circuit_bytes = (uint64_t)d->cfg.relay_max_mib << 20;
+    no.relay.rate = (uint64_t)d->cfg.relay_rate_kib << 10;
+    no.relay.circuit_lifetime_ms = (uint64_t)d->cfg.relay_circuit_lifetime_s * 1000u;
+    if (d->cfg.relay_via[0] != '\0') {
+        char rerr[256];
+        if (hm_relay_parse_via(d->cfg.relay_via, no.relay.via, &no.relay.n_via, rerr,
+                               sizeof(rerr)) != 0) {
+            snprintf(err, errlen, "%s", rerr);
+            return -EINVAL;
+        }
+    }
     no.ping_interval_ms = (uint64_t)d->cfg.ping_interval_s * 1000u;
     no.transport.max_connections = d->cfg.max_connections;
     no.transport.max_conns_per_origin = d->cfg.max_conns_per_origin;

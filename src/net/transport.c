@@ -47,6 +47,7 @@
 #include "src/net/transport.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
@@ -205,6 +206,11 @@ typedef struct conn {
     hm_transport_probe_cb probe_cb; /* set: a probe, never used for sends */
     void *probe_ud;
     int probe_status; /* 0 once its handshake completed */
+    /* ---- relays (src/net/relay.h) ---- */
+    int divert_checked; /* inbound: its first bytes were offered to the divert hook */
+    int diverted;       /* its socket went to the relay: no handshake failure, no reset */
+    uint8_t *preamble;  /* a relayed accept: written before anything else */
+    size_t preamble_len;
 } conn;
 
 enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
@@ -306,6 +312,11 @@ struct hm_transport {
     int mem_origins_init;
     size_t wq_total;         /* unsent + inflight, all connections */
     size_t freed_since_trim; /* large buffers freed since the last malloc_trim */
+
+    /* ---- relays (src/net/relay.h) ---- */
+    hm_transport_divert_fn divert;
+    void *divert_ud;
+    uint64_t relayed_accepts; /* hm_transport_accept_relayed dials */
 
     uint8_t udp_rbuf[UDP_RBUF_SIZE];
     uint8_t dgram_pt[HM_DGRAM_MAX];
@@ -903,7 +914,7 @@ static void conn_close(conn *c, const char *why)
 {
     if (c->state == CONN_CLOSING)
         return;
-    if (c->state == CONN_HANDSHAKE)
+    if (c->state == CONN_HANDSHAKE && !c->diverted)
         c->t->stats.handshakes_failed++;
     if (c->probe_cb != NULL && c->probe_status != 0 && strcmp(why, "handshake timeout") == 0)
         c->probe_status = -ETIMEDOUT;
@@ -922,7 +933,9 @@ static void conn_close(conn *c, const char *why)
         c->have_sess = 0;
     }
     c->pending_input = 0;
-    if (c->reset && uv_tcp_close_reset(&c->tcp, conn_closed_cb) == 0)
+    free(c->preamble);
+    c->preamble = NULL;
+    if (c->reset && !c->diverted && uv_tcp_close_reset(&c->tcp, conn_closed_cb) == 0)
         return;
     uv_close((uv_handle_t *)&c->tcp, conn_closed_cb);
 }
@@ -1624,6 +1637,43 @@ static void complain_version(hm_transport *t, const struct sockaddr *from, int v
     k->count = 0;
 }
 
+/*
+ * A relay (relay.h) takes over inbound sockets that open with its preamble,
+ * or whose handshake names a server key that is not ours (a dialler asking
+ * for a peer we relay for). The decision needs the preamble or the whole
+ * msg1, which a server waits for anyway, and nothing but plaintext public
+ * keys has been read by then. The hook gets its own descriptor (a dup), so
+ * our handle closes as usual and the socket lives on in the relay.
+ * Returns 1 when diverted (c is closing), -EAGAIN while more bytes are
+ * needed, 0 to run the handshake here.
+ */
+static int divert_check(conn *c)
+{
+    hm_transport *t = c->t;
+    size_t need = HM_HS_MSG1_LEN;
+    if (c->rlen >= 1 && c->rbuf[0] == (uint8_t)HM_TRANSPORT_RELAY_MAGIC[0])
+        need = HM_TRANSPORT_RELAY_PREAMBLE;
+    if (c->rlen < need)
+        return -EAGAIN;
+    c->divert_checked = 1;
+    if (need == HM_HS_MSG1_LEN && memcmp(c->rbuf + 65, t->id.pk, HM_PK_BYTES) == 0)
+        return 0;
+    uv_os_fd_t fd;
+    if (uv_fileno((uv_handle_t *)&c->tcp, &fd) != 0)
+        return 0;
+    int nfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (nfd < 0)
+        return 0;
+    int took = t->divert(t->divert_ud, c->rbuf, c->rlen, (const struct sockaddr *)&c->addr, nfd);
+    if (!took) {
+        close(nfd);
+        return 0;
+    }
+    c->diverted = 1;
+    conn_close(c, "handed to the relay");
+    return 1;
+}
+
 /* Consumes whatever complete handshake messages and records rbuf holds. */
 static void conn_process(conn *c)
 {
@@ -1631,6 +1681,11 @@ static void conn_process(conn *c)
     size_t off = 0;
 
     c->pending_input = 0;
+    if (c->state == CONN_HANDSHAKE && !c->outbound && !c->divert_checked && t->divert != NULL) {
+        int d = divert_check(c);
+        if (d != 0)
+            return; /* diverted (closed), or waiting for the rest of msg1 */
+    }
     if (c->state == CONN_HANDSHAKE) {
         size_t used = 0;
         int r = hm_hs_input(c->hs, c->rbuf, c->rlen, &used);
@@ -1767,8 +1822,16 @@ static void connect_cb(uv_connect_t *req, int status)
     c->connected = 1;
     uv_tcp_nodelay(&c->tcp, 1);
     c->last_activity_ms = hm_now_ms();
-    int r = conn_write_raw(c, c->hs->out, c->hs->out_len);
-    c->hs->out_len = 0;
+    int r;
+    if (c->preamble != NULL) {
+        /* A relayed accept: the preamble, then we answer as the server. */
+        r = conn_write_raw(c, c->preamble, c->preamble_len);
+        free(c->preamble);
+        c->preamble = NULL;
+    } else {
+        r = conn_write_raw(c, c->hs->out, c->hs->out_len);
+        c->hs->out_len = 0;
+    }
     if (r < 0) {
         conn_close(c, "handshake write failed");
         return;
@@ -1989,6 +2052,21 @@ static int stream_send_now(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const
                            const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio)
 {
     conn *c = conn_find(t, pk);
+    /*
+     * A dial still in its handshake at another address than the caller's
+     * does not take the message: a NAT'd peer's direct address (learned
+     * from its datagrams) never answers, while the one the caller names,
+     * its relay's (relay.h), does. The message goes to a dial at `to`.
+     */
+    if (c != NULL && c->state != CONN_OPEN && c->outbound && to != NULL &&
+        !hm_addr_equal((const struct sockaddr *)&c->addr, to)) {
+        conn *d = NULL;
+        FOREACH_PK_CONN(o, t, pk)
+            if (o->state == CONN_HANDSHAKE && o->outbound &&
+                hm_addr_equal((const struct sockaddr *)&o->addr, to))
+                d = o;
+        c = d;
+    }
     if (c == NULL) {
         if (to == NULL)
             return -ENOTCONN;
@@ -2618,6 +2696,59 @@ int hm_transport_probe(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
         return result;
     }
     t->stats.probes++;
+    return 0;
+}
+
+void hm_transport_set_divert(hm_transport *t, hm_transport_divert_fn fn, void *ud)
+{
+    t->divert = fn;
+    t->divert_ud = ud;
+}
+
+int hm_transport_accept_relayed(hm_transport *t, const struct sockaddr *to, const uint8_t *preamble,
+                                size_t len)
+{
+    int result;
+    conn *c;
+    if (t->closing)
+        return -ECANCELED;
+    if (to == NULL || (to->sa_family != AF_INET && to->sa_family != AF_INET6) || preamble == NULL ||
+        len == 0 || len > 256)
+        return -EINVAL;
+    if (live_conns(t) >= t->cfg.max_connections) {
+        t->stats.refused_max_connections++;
+        return -ENOBUFS;
+    }
+    if ((result = conn_new(t, 1, &c)) < 0)
+        return result;
+    /*
+     * Ours (outbound: it is not charged to an inbound origin, and reach.h
+     * does not take it for proof that anyone dials us), but the key is not
+     * known until the dialler's msg1 arrives through the splice: the
+     * handshake runs as the server, and the connection joins the keyed map
+     * once it completes (hs_complete), like an inbound one.
+     */
+    c->outbound = 1;
+    memcpy(&c->addr, to, hm_addr_len(to));
+    c->preamble = malloc(len);
+    if (c->preamble == NULL) {
+        c->quiet = 1;
+        conn_close(c, "out of memory");
+        return -ENOMEM;
+    }
+    memcpy(c->preamble, preamble, len);
+    c->preamble_len = len;
+    hm_hs_init_server(c->hs, &t->id, t->swarm_id);
+    c->connect_req.data = c;
+    result = bind_source(t, c, to);
+    if (result == 0)
+        result = uv_tcp_connect(&c->connect_req, &c->tcp, to, connect_cb);
+    if (result < 0) {
+        c->quiet = 1;
+        conn_close(c, uv_strerror(result));
+        return result;
+    }
+    t->relayed_accepts++;
     return 0;
 }
 

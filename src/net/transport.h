@@ -237,6 +237,38 @@ int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
 typedef void (*hm_transport_probe_cb)(void *ud, int status);
 int hm_transport_probe(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                        hm_transport_probe_cb cb, void *ud);
+/* ---- relays (src/net/relay.h) ---- */
+/*
+ * The relay preamble: "HMRL", a version byte, a kind byte, two zero bytes
+ * and a 32-byte circuit token, 40 bytes in all. A NAT'd peer opens a
+ * connection to its relay with it (kind HM_RELAY_KIND_ACCEPT) when the relay
+ * asks, and then answers the handshake a dialler started. The first byte
+ * ('H') is never a handshake version, so the two cannot be confused.
+ */
+#define HM_TRANSPORT_RELAY_MAGIC "HMRL"
+#define HM_TRANSPORT_RELAY_PREAMBLE 40
+/*
+ * An inbound connection whose first bytes are a relay preamble, or a
+ * handshake msg1 naming a server key other than ours, is offered to the
+ * divert hook before any cryptography: head holds every byte read so far
+ * (at least the preamble or msg1), fd is a descriptor of its own for the
+ * socket. The hook returns 1 when it took fd (it closes it in every case
+ * later), 0 to leave the connection here (fd is then closed for it, and a
+ * msg1 for another key fails as usual). Without a hook nothing is diverted.
+ */
+typedef int (*hm_transport_divert_fn)(void *ud, const uint8_t *head, size_t len,
+                                      const struct sockaddr *from, int fd);
+void hm_transport_set_divert(hm_transport *t, hm_transport_divert_fn fn, void *ud);
+/*
+ * The NAT'd side of a relayed connection: dials the relay at `to`, writes
+ * the preamble (at most 256 bytes) and then answers, as the server, the
+ * handshake of whoever the relay splices us to. Once that completes the
+ * connection is an ordinary one to the dialler's key (sends to it use it).
+ * 0, or -EINVAL, -ENOBUFS (max_connections), -ECANCELED or a dial error.
+ */
+int hm_transport_accept_relayed(hm_transport *t, const struct sockaddr *to, const uint8_t *preamble,
+                                size_t len);
+
 /* Bytes queued for pk and not yet written to the socket. */
 size_t hm_transport_queued(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);
 int hm_transport_connected(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);

@@ -19,6 +19,7 @@
 #include "src/base/util.h"
 #include "src/base/wire.h"
 #include "src/node/reach.h"
+#include "dht/record.h"
 
 #define MOD "node"
 #define PING_METHOD "node.ping"
@@ -91,6 +92,13 @@ struct hm_node {
     hm_reach *reach;
     int cfg_client_mode;  /* ClientMode from the operator */
     int auto_client_mode; /* nobody reaches us: client mode by ourselves */
+    /* Relays (relay.h): serving, and reserving with RelayVia while unreachable. */
+    hm_relay *relay;
+    int relay_forced;     /* hm_node_relay_set_active(1) */
+    uint64_t relay_adv_ms;      /* our last advertisement as a relay (0: none) */
+    char relay_adv_addr[HM_ADDRSTRLEN];
+    uint64_t relay_find_ms;     /* our last read of the advertised relays */
+    int relay_find_inflight;
 };
 
 typedef struct ping_ctx {
@@ -218,9 +226,11 @@ static peer *peer_touch(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct 
         char a[HM_ADDRSTRLEN];
         hm_format_addr(from, a, sizeof(a));
         hm_info(MOD, "new peer %s from %s%s", p->info.peer_id, a, via_stream ? " (stream)" : "");
-    } else if (from != NULL && !hm_origin_eq(&p->org, &o)) {
+    } else if (from != NULL && !via_stream && !hm_origin_eq(&p->org, &o)) {
         /* A peer that moved is counted at its new origin, if there is room
-         * there; otherwise it keeps its old place and address until there is. */
+         * there; otherwise it keeps its old place and address until there is.
+         * Only datagrams move it: a stream may come through a relay
+         * (src/net/relay.h), from the relay's address, not the peer's. */
         if (origin_peers(n, &o) >= n->max_peers_per_origin ||
             hm_origin_tab_get(&n->origins, &o, 1) == NULL) {
             p->info.last_seen_ms = hm_now_ms();
@@ -498,10 +508,129 @@ static void ping_round(hm_node *n)
     free(order);
 }
 
+/*
+ * Whether to hold a relay reservation: when told to, or while dial-backs
+ * say nobody reaches us; and once holding one, until a dial-back succeeds.
+ * Peers leaving can turn "unreachable" into "unknown" (too few origins to
+ * judge), which is no reason to give the relay up.
+ */
+static void relay_sync(hm_node *n)
+{
+    if (n->relay == NULL || n->reach == NULL || n->cfg_client_mode)
+        return;
+    hm_reach_status rs;
+    hm_reach_get_status(n->reach, &rs);
+    int want = n->relay_forced || rs.reachable == HM_REACH_NO ||
+               (hm_relay_client_active(n->relay) && rs.reachable != HM_REACH_YES);
+    hm_relay_client_set_active(n->relay, want);
+}
+
+/*
+ * Relays in the DHT: a relay with an address others dial signs a record
+ * under RELAY_DHT_KEY, its owner marker as the subkey and its HOST:PORT as
+ * the value; a node that needs a relay and has no RelayVia reads them.
+ */
+#define RELAY_DHT_KEY "hivemindd.relays"
+#define RELAY_ADV_TTL_S 300.0
+#define RELAY_ADV_EVERY_MS 120000u
+#define RELAY_FIND_EVERY_MS 5000u
+
+static void relay_adv_cb(void *ud, int status, unsigned stored, const hm_dht_lookup_info *info)
+{
+    hm_node *n = ud;
+    HM_UNUSED(stored);
+    HM_UNUSED(info);
+    if (status < 0 && !n->closing)
+        n->relay_adv_ms = 0; /* try again next round */
+}
+
+static void relay_advertise(hm_node *n)
+{
+    hm_relay_status st;
+    struct sockaddr_storage ss;
+    char a[HM_ADDRSTRLEN], marker[HM_DHT_OWNER_MARKER_LEN + 1];
+    hm_relay_get_status(n->relay, &st);
+    if (!st.serving || hm_reach_declared(n->reach, &ss) != 0 ||
+        hm_format_addr((const struct sockaddr *)&ss, a, sizeof(a)) != 0)
+        return;
+    uint64_t now = hm_now_ms();
+    if (n->relay_adv_ms != 0 && now - n->relay_adv_ms < RELAY_ADV_EVERY_MS &&
+        strcmp(a, n->relay_adv_addr) == 0)
+        return;
+    hm_dht_owner_marker(n->id.pk, marker);
+    if (hm_node_dht_put(n, (const uint8_t *)RELAY_DHT_KEY, strlen(RELAY_DHT_KEY),
+                        (const uint8_t *)marker, strlen(marker), 1, (const uint8_t *)a, strlen(a),
+                        RELAY_ADV_TTL_S, 10000, relay_adv_cb, n) == 0) {
+        n->relay_adv_ms = now;
+        hm_strlcpy(n->relay_adv_addr, a, sizeof(n->relay_adv_addr));
+    }
+}
+
+static void relay_found_cb(void *ud, int status, const hm_dht_value *values, size_t nv,
+                           const hm_dht_lookup_info *info)
+{
+    hm_node *n = ud;
+    hm_relay_via found[HM_RELAY_MAX_VIA];
+    size_t k = 0;
+    HM_UNUSED(info);
+    n->relay_find_inflight = 0;
+    if (n->closing || n->relay == NULL || status < 0)
+        return;
+    for (size_t i = 0; i < nv && k < HM_RELAY_MAX_VIA; i++) {
+        const hm_dht_record *rec = &values[i].rec;
+        char a[HM_ADDRSTRLEN];
+        /* Signed by its owner, naming a dialable numeric HOST:PORT, and not us. */
+        if (!rec->has_subkey || hm_dht_record_verify(rec, n->swarm_id, found[k].pk) != 1 ||
+            memcmp(found[k].pk, n->id.pk, HM_PK_BYTES) == 0 || rec->value_len == 0 ||
+            rec->value_len >= sizeof(a))
+            continue;
+        memcpy(a, rec->value, rec->value_len);
+        a[rec->value_len] = '\0';
+        if (hm_parse_hostport(a, &found[k].addr) != 0 || hm_addr_dialable(&found[k].addr) != 0)
+            continue;
+        /*
+         * One relay per network origin: identities are free, so a host
+         * advertising under many keys gets one place of the eight, and a
+         * key claiming someone else's address fails its handshake there.
+         */
+        hm_origin o, p;
+        hm_origin_of((const struct sockaddr *)&found[k].addr, &o);
+        int dup = 0;
+        for (size_t j = 0; j < k && !dup; j++) {
+            hm_origin_of((const struct sockaddr *)&found[j].addr, &p);
+            dup = hm_origin_eq(&o, &p);
+        }
+        if (!dup)
+            k++;
+    }
+    if (k > 0 && hm_relay_set_found(n->relay, found, k))
+        hm_info(MOD, "found %zu relays advertised in the DHT", k);
+}
+
+static void relay_find(hm_node *n)
+{
+    hm_relay_status st;
+    hm_relay_get_status(n->relay, &st);
+    uint64_t now = hm_now_ms();
+    if (hm_relay_configured(n->relay) || !hm_relay_client_active(n->relay) ||
+        st.state != HM_RELAY_NONE || n->relay_find_inflight ||
+        (n->relay_find_ms != 0 && now - n->relay_find_ms < RELAY_FIND_EVERY_MS))
+        return;
+    n->relay_find_ms = now;
+    if (hm_node_dht_get(n, (const uint8_t *)RELAY_DHT_KEY, strlen(RELAY_DHT_KEY), 10000,
+                        relay_found_cb, n) == 0)
+        n->relay_find_inflight = 1;
+}
+
 static void on_ping_timer(uv_timer_t *t)
 {
     hm_node *n = t->data;
     ping_round(n);
+    relay_sync(n);
+    if (n->relay != NULL) {
+        relay_advertise(n);
+        relay_find(n);
+    }
     uv_timer_start(&n->ping_timer, on_ping_timer, jitter(n, n->ping_interval_ms), 0);
 }
 
@@ -761,6 +890,12 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
         goto fail_rpc;
     }
 
+    r = hm_relay_new(loop, n->rpc, &n->id, &opts->relay, &n->relay);
+    if (r < 0) {
+        snprintf(err, errlen, "cannot start the relay: %s", hm_strerror(r));
+        goto fail_rpc;
+    }
+
     uv_timer_init(loop, &n->ping_timer);
     n->ping_timer.data = n;
     uv_timer_init(loop, &n->dht_timer);
@@ -808,6 +943,8 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
     return 0;
 
 fail_rpc:
+    if (n->relay != NULL)
+        hm_relay_free(n->relay, NULL, NULL);
     if (n->reach != NULL)
         hm_reach_free(n->reach, NULL, NULL);
     hm_rpc_close(n->rpc, NULL, NULL);
@@ -832,6 +969,8 @@ static void on_reach_mode(void *ud, int client_mode, const char *reason)
     n->auto_client_mode = client_mode;
     if (n->cfg_client_mode)
         return;
+    /* Unreachable: a relay (RelayVia) keeps us hosting; reachable again: direct. */
+    relay_sync(n);
     /* Serving DHT requests needs peers that can send them to us. */
     if (n->dht != NULL)
         hm_dht_set_client_mode(n->dht, client_mode);
@@ -845,7 +984,30 @@ int hm_node_announce(hm_node *n, struct sockaddr_storage *out)
 {
     if (n->reach == NULL)
         return -ECANCELED;
+    /*
+     * Nobody dials us (or the operator said so), but a relay holds a
+     * reservation for us: declare the relay.
+     */
+    if (n->relay != NULL && hm_relay_declared(n->relay, out) == 0)
+        return 0;
     return hm_reach_declared(n->reach, out);
+}
+
+void hm_node_relay(hm_node *n, hm_relay_status *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->state_name = "off";
+    out->via_index = -1;
+    if (n->relay != NULL)
+        hm_relay_get_status(n->relay, out);
+}
+
+void hm_node_relay_set_active(hm_node *n, int active)
+{
+    if (n->relay == NULL)
+        return;
+    n->relay_forced = active;
+    relay_sync(n);
 }
 
 int hm_node_reach(hm_node *n, hm_node_reach_info *out)
@@ -1005,6 +1167,22 @@ char *hm_node_metrics(hm_node *n)
         metric_u64(&b, "hivemindd_dialbacks_served_total", "counter",
                    "Dial-back probes this node ran for others.", rs.dialbacks_served);
     }
+    /* -- relay metrics -- */
+    if (n->relay != NULL) {
+        hm_relay_status rl;
+        hm_relay_get_status(n->relay, &rl);
+        metric_u64(&b, "hivemindd_relay_reserved", "gauge",
+                   "1 while a relay holds a reservation for this node (RelayVia).",
+                   (uint64_t)(rl.state == HM_RELAY_RESERVED));
+        metric_u64(&b, "hivemindd_relay_failovers_total", "counter",
+                   "Moves to the next RelayVia relay.", rl.failovers);
+        metric_u64(&b, "hivemindd_relay_reservations", "gauge",
+                   "Peers this node relays for (Relay yes).", rl.reservations);
+        metric_u64(&b, "hivemindd_relay_circuits", "gauge",
+                   "Relayed connections open through this node.", rl.circuits);
+        metric_u64(&b, "hivemindd_relay_bytes_total", "counter",
+                   "Bytes this node copied for relayed connections, both ways.", rl.bytes_relayed);
+    }
     metric_u64(&b, "hivemindd_peers_evicted_total", "counter",
                "Peers of the heaviest origin evicted from a full table for a newcomer.",
                n->evicted);
@@ -1091,6 +1269,8 @@ void hm_node_limits(hm_node *n, hm_limit_emit_fn emit, void *ud)
     emit(ud, "PingStreamPeers", n->stream_pings_skipped);
     if (n->reach != NULL)
         hm_reach_limits(n->reach, emit, ud);
+    if (n->relay != NULL)
+        hm_relay_limits(n->relay, emit, ud);
 }
 
 /* ---- shutdown ---- */
@@ -1131,10 +1311,24 @@ static void on_reach_freed(void *ud)
     uv_close((uv_handle_t *)&n->dht_timer, on_dht_timer_closed);
 }
 
+static void on_rpc_closed(void *ud);
+
+static void on_relay_freed(void *ud)
+{
+    on_rpc_closed(ud);
+}
+
 static void on_rpc_closed(void *ud)
 {
     hm_node *n = ud;
     n->rpc = NULL;
+    /* Every relay call has returned by now: the relay can go, then the rest. */
+    if (n->relay != NULL) {
+        hm_relay *rl = n->relay;
+        n->relay = NULL;
+        hm_relay_free(rl, on_relay_freed, n);
+        return;
+    }
     /* Every dial-back callback has fired by now: the reach state can go. */
     if (n->reach != NULL) {
         hm_reach *r = n->reach;
@@ -1156,6 +1350,8 @@ void hm_node_close(hm_node *n, void (*cb)(void *ud), void *ud)
     uv_timer_stop(&n->dht_timer);
     if (n->reach != NULL)
         hm_reach_stop(n->reach);
+    if (n->relay != NULL)
+        hm_relay_stop(n->relay);
     hm_info(MOD, "closing node %s", n->id.peer_id);
     /* Pending DHT operations end with -ECANCELED before the transport goes. */
     if (n->dht != NULL) {

@@ -35,6 +35,7 @@
 #include "src/base/crypto.h"
 #include "dht/dht.h"
 #include "src/net/rpc.h"
+#include "src/net/relay.h"
 #include "src/net/transport.h"
 #include "src/node/reach.h"
 
@@ -61,6 +62,8 @@ typedef struct hm_node_options {
     /* ---- the declared address (reach.h) ---- */
     const char *announce;              /* "HOST:PORT" to declare; NULL/"": detect */
     hm_reach_config reach;             /* zero fields take defaults; announce is set from above */
+    /* ---- relays (src/net/relay.h): serving them, and using RelayVia when unreachable ---- */
+    hm_relay_config relay;
 } hm_node_options;
 
 typedef struct hm_peer_info {
@@ -91,6 +94,16 @@ int hm_node_address(const hm_node *n, char *buf, size_t len);
  * Modules read it each time they declare, since it can change.
  */
 int hm_node_announce(hm_node *n, struct sockaddr_storage *out);
+/*
+ * Relays (relay.h). When dial-backs show nobody reaches us and RelayVia is
+ * set, the node reserves with a relay and hm_node_announce declares the
+ * relay's HOST:PORT: a dialler dials it with our key and the relay splices
+ * it to us, end to end encrypted. hm_node_relay_set_active forces the
+ * reservation on (1) or hands it back to reach.h (0); for tests and for
+ * operators who know they are behind a NAT.
+ */
+void hm_node_relay(hm_node *n, hm_relay_status *out);
+void hm_node_relay_set_active(hm_node *n, int active);
 typedef struct hm_node_reach_info {
     int reachable;                    /* HM_REACH_UNKNOWN, _YES, _NO */
     char source[16];                  /* "config", "observed", "listen", "none" */

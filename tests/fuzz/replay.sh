@@ -19,6 +19,8 @@ seed=${FUZZ_SEED:-1}
 targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuzz_dht_record fuzz_dht_proto fuzz_avg_codec fuzz_allreduce fuzz_matchmaking fuzz_moe_proto fuzz_moe_checkpoint fuzz_state fuzz_client fuzz_idx fuzz_diloco_state fuzz_progress fuzz_reach fuzz_config fuzz_rpc_head"}
 # -- http --
 [ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_status_rec"
+# -- relay --
+[ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_relay"
 
 failed=0
 passed=0
