@@ -818,8 +818,8 @@ Test(dht, a_dead_contact_costs_one_adaptive_timeout)
 {
     /* Round trips of 20 ms teach the node a timeout far below the 1 s
      * ceiling; dead contacts among the key's closest then cost the get one
-     * such timeout each (they stop holding the lookup's slots and its end
-     * once sent a second time), not the ceiling, twice. */
+     * such timeout (past it they hold neither a slot nor, with enough other
+     * answers, the lookup's end), not the fixed timeout and its second try. */
     hm_dht_config cfg;
     struct tnet *net;
     struct put_res pr;
