@@ -51,7 +51,7 @@ lab_die() { printf 'netlab: %s\n' "$*" >&2; exit 1; }
 lab_require() {
     local tool
     if [ -n "${HM_NETLAB_SKIP:-}" ]; then
-        echo "SKIP: HM_NETLAB_SKIP is set (CI runs the lab in the plain and sanitizer builds)"
+        echo "SKIP: HM_NETLAB_SKIP is set (CI runs the lab in the plain build only)"
         exit 77
     fi
     if [ "$(id -u)" != 0 ]; then
