@@ -79,34 +79,4 @@ for mode in $modes; do
 	pids=
 done
 
-"$py" - "$out" "$secs" "$n" $modes <<'PY'
-import re, sys
-out, secs, n, modes = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4:]
-marks = [m for m in (10, 20, 30, 45, 60, 90, 120, 180, 300) if m <= secs]
-names = {"solo": "1 process", "periodic": "periodic averaging x%s" % n,
-         "collab": "collaborative optimizer x%s" % n,
-         "local": "collaborative, local updates x%s" % n, "diloco": "DiLoCo x%s" % n}
-def curve(path):
-    pts, done = [], ""
-    for line in open(path):
-        m = re.match(r"t ([0-9.]+) step (\d+) acc ([0-9.]+)", line)
-        if m:
-            pts.append((float(m.group(1)), int(m.group(2)), float(m.group(3))))
-        m = re.match(r"done steps \d+ rounds (\d+) failed (\d+)", line)
-        if m:
-            done = "%s / %s" % m.groups()
-    return pts, done
-def at(pts, t):
-    best = None
-    for p in pts:
-        if p[0] <= t + 0.5:
-            best = p
-    return "%.3f" % best[2] if best else "-"
-print("| run (trainer 0) | " + " | ".join("%d s" % m for m in marks) +
-      " | steps | rounds / failed |")
-print("| --- |" + " --- |" * (len(marks) + 2))
-for mode in modes:
-    pts, done = curve("%s/%s.t0.log" % (out, mode))
-    print("| %s | %s | %d | %s |" % (names[mode], " | ".join(at(pts, m) for m in marks),
-                                     pts[-1][1] if pts else 0, done if mode != "solo" else "-"))
-PY
+"$py" "$here/fmnist_table.py" "$out" "$secs" "$n" $modes
