@@ -86,6 +86,7 @@ typedef struct attacker {
     uv_timer_t tick;
     hm_node *nodes[N_ATTACKERS];
     char marker[N_ATTACKERS][HM_DHT_OWNER_MARKER_LEN + 1];
+    int all_ahead; /* every identity at epoch 2^53 - 1 (else every other one) */
 } attacker;
 
 static void atk_put_done(void *ud, int status, unsigned stored, const hm_dht_lookup_info *info)
@@ -102,7 +103,7 @@ static void atk_publish(uv_timer_t *t)
     attacker *a = t->data;
     for (size_t i = 0; i < N_ATTACKERS; i++) {
         hm_progress_rec r = {
-            .epoch = i % 2 == 0 ? 5 : HM_PROGRESS_MAX_EPOCH,
+            .epoch = i % 2 == 0 && !a->all_ahead ? 5 : HM_PROGRESS_MAX_EPOCH,
             .samples = HM_PROGRESS_MAX_SAMPLES,
             .sps = HM_PROGRESS_MAX_SPS,
             .time = (double)hm_node_dht_now_ms(a->nodes[i]) / 1000.0,
@@ -120,8 +121,12 @@ static void atk_publish(uv_timer_t *t)
     }
 }
 
-/* Forks the attacker; it runs until the test kills it (at teardown at the latest). */
-static pid_t attacker_start(struct node *via)
+/*
+ * Forks the attacker; it runs until the test kills it (at teardown at the
+ * latest). Its identities are spread over the n_ips addresses of ips.
+ */
+static pid_t attacker_start_on(struct node *via, const char *const *ips, size_t n_ips,
+                               int all_ahead)
 {
     pid_t parent = getpid();
     pid_t pid = fork();
@@ -137,8 +142,9 @@ static pid_t attacker_start(struct node *via)
     hm_log_set_level(HM_LOG_ERROR);
     static attacker a;
     uv_loop_init(&a.loop);
+    a.all_ahead = all_ahead;
     for (size_t i = 0; i < N_ATTACKERS; i++) {
-        a.nodes[i] = hm_hostile_node(&a.loop, "127.0.0.2", via->addr);
+        a.nodes[i] = hm_hostile_node(&a.loop, ips[i % n_ips], via->addr);
         hm_dht_owner_marker(hm_node_identity(a.nodes[i])->pk, a.marker[i]);
     }
     /* Joined first, then published every 5 s (the records live 60 s). */
@@ -148,6 +154,12 @@ static pid_t attacker_start(struct node *via)
     uv_timer_start(&a.tick, atk_publish, 0, 5000);
     uv_run(&a.loop, UV_RUN_DEFAULT);
     _exit(0);
+}
+
+static pid_t attacker_start(struct node *via)
+{
+    static const char *const one[] = {"127.0.0.2"};
+    return attacker_start_on(via, one, 1, 0);
 }
 
 /* ---- the honest side ---- */
@@ -195,7 +207,8 @@ Test(hostile_progress, one_origin_of_identities_neither_ends_an_epoch_nor_moves_
                "--initial-peers", hon[0].addr, NULL);
     /* The defence off: one origin's vote moves the epoch, nothing is clamped. */
     start_node(&open, "open", NULL, "--listen", "127.0.0.5:0", "--progress-epoch-origins", "1",
-               "--progress-origin-factor", "0", "--initial-peers", hon[0].addr, NULL);
+               "--progress-origin-factor", "0", "--progress-epoch-majority=no",
+               "--initial-peers", hon[0].addr, NULL);
     hmc *h[3] = {report(&hon[0], 100), report(&hon[1], 200), report(&hon[2], 300)};
 
     /* Honest trainers on their own origins aggregate exactly. */
@@ -251,6 +264,60 @@ Test(hostile_progress, one_origin_of_identities_neither_ends_an_epoch_nor_moves_
     }
     cr_assert_eq(epoch, (long)HM_PROGRESS_MAX_EPOCH, "the undefended daemon's epoch is %ld",
                  epoch);
+    for (int i = 0; i < 3; i++)
+        hmc_close(h[i]);
+}
+
+/* -- progress majority test -- */
+/*
+ * An attacker on two origins (127.0.0.2 and 127.0.0.6, 16 identities each,
+ * every one at epoch 2^53 - 1) against three honest origins at epoch 5:
+ * ProgressEpochOrigins (2) alone lets two origins move the epoch, which a
+ * daemon with --progress-epoch-majority=no shows; with the majority rule
+ * (the default) the epoch needs three of the five origins, and every
+ * honest daemon keeps epoch 5 and its 600 samples.
+ */
+Test(hostile_progress, two_origins_of_identities_do_not_move_the_epoch)
+{
+    struct node hon[3], open;
+    start_node(&hon[0], "h0", NULL, "--progress-cap-loopback", NULL);
+    start_node(&hon[1], "h1", NULL, "--listen", "127.0.0.3:0", "--progress-cap-loopback",
+               "--initial-peers", hon[0].addr, NULL);
+    start_node(&hon[2], "h2", NULL, "--listen", "127.0.0.4:0", "--progress-cap-loopback",
+               "--initial-peers", hon[0].addr, NULL);
+    /* The ProgressEpochOrigins rule alone, as before the majority rule. */
+    start_node(&open, "open", NULL, "--listen", "127.0.0.5:0", "--progress-cap-loopback",
+               "--progress-epoch-majority=no", "--initial-peers", hon[0].addr, NULL);
+    hmc *h[3] = {report(&hon[0], 100), report(&hon[1], 200), report(&hon[2], 300)};
+    cr_assert(wait_counted(hon, 3, 3, 3, 30000), "the honest daemons never saw 3 trainers on 3 "
+              "origins");
+
+    static const char *const two[] = {"127.0.0.2", "127.0.0.6"};
+    attacker_start_on(&hon[0], two, 2, 1);
+    struct node all[4] = {hon[0], hon[1], hon[2], open};
+    cr_assert(wait_counted(all, 4, 3 + N_ATTACKERS, 5, 60000),
+              "the daemons never counted the attacker's %d records on two origins", N_ATTACKERS);
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < 3; i++) {
+            json_t *j = progress(&hon[i]);
+            cr_assert_eq(jint(j, "global_epoch"), 5, "h%d: two attacker origins moved the "
+                         "global epoch to %ld", i, jint(j, "global_epoch"));
+            cr_assert_eq(jint(j, "samples"), 600, "h%d: %ld samples", i, jint(j, "samples"));
+            cr_assert_eq(jint(j, "held_back"), 2, "h%d: %ld origins held back", i,
+                         jint(j, "held_back"));
+            json_decref(j);
+        }
+        usleep(1500000);
+    }
+    for (int i = 0; i < 3; i++)
+        cr_assert_gt(metric(&hon[i], "hivemindd_limit_refused_total{limit=\"ProgressEpochOrigins\"}"),
+                     0, "h%d", i);
+    /* Without the majority rule the two origins take the swarm's epoch. */
+    json_t *j = progress(&open);
+    cr_assert_eq(jint(j, "global_epoch"), (long)HM_PROGRESS_MAX_EPOCH,
+                 "the daemon without the majority rule reads epoch %ld",
+                 jint(j, "global_epoch"));
+    json_decref(j);
     for (int i = 0; i < 3; i++)
         hmc_close(h[i]);
 }

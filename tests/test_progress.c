@@ -443,6 +443,44 @@ Test(progress_agg, the_global_epoch_needs_two_origins)
     cr_assert_eq(agg.global_epoch, 8);
 }
 
+/* -- progress majority unit test -- */
+Test(progress_agg, the_global_epoch_needs_a_majority_of_origins)
+{
+    hm_progress_rules rules = {.epoch_origins = 2, .origin_factor = 4, .majority = 1};
+    hm_progress_agg agg;
+    hm_progress_peer p[8];
+    /* Three honest origins at 5, two hostile ones far ahead. */
+    p[0] = rec(1, 5, 10, 0, 0);
+    p[1] = rec(2, 5, 10, 0, 0);
+    p[2] = rec(3, 5, 10, 0, 0);
+    p[3] = rec(4, 999999, 10, 0, 0);
+    p[4] = rec(5, 999999, 10, 0, 0);
+    hm_progress_aggregate(p, 5, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 5);
+    cr_assert_eq(agg.held_back, 2);
+    /* Two origins are enough without the majority rule. */
+    rules.majority = 0;
+    hm_progress_aggregate(p, 5, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 999999);
+    /* Honest hosts move it once most of them got there: 3 of 5, not 2 of 4. */
+    rules.majority = 1;
+    p[0].r.epoch = p[1].r.epoch = 6;
+    hm_progress_aggregate(p, 5, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 6);
+    p[3] = rec(7, 5, 10, 0, 0);
+    p[4] = rec(6, 6, 10, 0, 0);
+    p[0].r.epoch = 7;
+    hm_progress_aggregate(p, 4, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 5);
+    hm_progress_aggregate(p, 5, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 6);
+    /* A lone origin and two origins still lead as before (all of them). */
+    hm_progress_aggregate(p, 1, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 7);
+    hm_progress_aggregate(p, 2, 1000, 0, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 6);
+}
+
 Test(progress_agg, an_origin_counts_at_most_factor_times_the_median)
 {
     hm_progress_rules rules = {.epoch_origins = 2, .origin_factor = 4};

@@ -783,6 +783,7 @@ int hm_cmd_progress_register(hm_daemon *d, hm_control *ctl, char *err, size_t er
     p->per_conn = d->cfg->progress_runs_per_connection;
     p->rules.epoch_origins = d->cfg->progress_epoch_origins;
     p->rules.origin_factor = d->cfg->progress_origin_factor;
+    p->rules.majority = d->cfg->progress_epoch_majority; /* -- progress majority -- */
     p->cap_loopback = d->cfg->progress_cap_loopback;
     hm_peer_id_encode(hm_node_identity(d->node)->pk, p->self_id);
     hm_dht_owner_marker(hm_node_identity(d->node)->pk, p->marker);

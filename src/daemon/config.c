@@ -243,6 +243,11 @@ static const struct opt opts[] = {
     {"ProgressCapLoopback", "progress-cap-loopback", T_BOOL, FIELD(progress_cap_loopback), 0, 0,
      0, "[yes|no]", "count the progress reporters of one loopback address as one origin too, "
      "where one machine runs several daemons (default no: each counts apart)"},
+    /* -- progress majority options -- */
+    {"ProgressEpochMajority", "progress-epoch-majority", T_BOOL, FIELD(progress_epoch_majority),
+     0, 0, 0, "[yes|no]", "the swarm's global epoch must also have been reached by more than "
+     "half of the network origins of trainers, so that an attacker on fewer origins than the "
+     "honest hosts cannot move it (default yes)"},
     /* -- netlab options -- */
     {"TestDelayMs", "test-delay-ms", T_UINT, FIELD(test_delay_ms), 0, 10000, 0, "MS",
      "for tests only, never in production: hold every datagram and stream message this "
@@ -769,6 +774,7 @@ void hm_config_defaults(hm_config *c)
     c->status_publish = 1;
     c->progress_epoch_origins = 2;
     c->progress_origin_factor = 4;
+    c->progress_epoch_majority = 1; /* -- progress majority default -- */
     c->expert_max_queued = 16384;
     c->expert_max_queued_mib = 1024;
     c->expert_record_max_ttl_s = 300;

@@ -116,6 +116,8 @@ typedef struct hm_config {
     unsigned progress_epoch_origins;       /* origins that must reach an epoch to make it global */
     unsigned progress_origin_factor;       /* an origin's samples <= this x the median; 0: none */
     int progress_cap_loopback;             /* loopback daemons share their origin too */
+    /* -- progress majority fields -- */
+    int progress_epoch_majority;           /* the global epoch needs most voting origins too */
     /* -- netlab fields -- */
     unsigned test_delay_ms;              /* tests only: delay everything sent; 0: off */
     /* -- announce fields -- */

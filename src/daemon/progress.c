@@ -252,6 +252,11 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
     uint64_t global = 0;
     if (nv > 0) {
         qsort(votes, nv, sizeof(*votes), cmp_u64_desc);
+        /* -- progress majority -- A fixed count of origins is what an
+         * attacker on that many origins has; more than half of the origins
+         * that vote is what it must outnumber the honest hosts to reach. */
+        if (rules != NULL && rules->majority && quorum < nv / 2 + 1)
+            quorum = (unsigned)(nv / 2 + 1);
         global = votes[(quorum < nv ? quorum : nv) - 1];
         for (size_t k = 0; k < nv; k++)
             held += votes[k] > global;

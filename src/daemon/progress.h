@@ -41,7 +41,10 @@
  *   - the global epoch is the largest epoch that at least epoch_origins
  *     trainer origins (client origins when there is no trainer) have
  *     reached, or all of them when fewer are counted: one origin alone
- *     cannot move it;
+ *     cannot move it; with majority set, also at least a strict majority
+ *     of those origins (more than half), so that an attacker on fewer
+ *     origins than the honest trainers have cannot move it at all, however
+ *     many origins epoch_origins asks for;
  *   - an origin's samples count at most origin_factor times the lower
  *     median over the origins with records at the global epoch, and its
  *     throughput at most origin_factor times the lower median over all
@@ -118,6 +121,8 @@ typedef struct hm_progress_peer {
 typedef struct hm_progress_rules {
     unsigned epoch_origins; /* 0 takes 1 */
     unsigned origin_factor; /* 0: no clamp */
+    /* -- progress majority -- */
+    int majority;           /* the epoch also needs a strict majority of the voting origins */
 } hm_progress_rules;
 
 typedef struct hm_progress_agg {
