@@ -189,6 +189,26 @@ struct held {
     hm_dht_record rec;
     uint8_t *buf;
     uint8_t source_pk[HM_PK_BYTES];
+    int64_t held_s; /* get_many's copies: the value's held_s */
+};
+
+/*
+ * -- held since -- The replicas of a get that told held times (dht.h,
+ * hm_dht_value.held_s), and what each said: a replica is a node that
+ * answered with records of the key (this node's own store is one), at the
+ * origin of the address it answered from. At most HELD_REPS replicas and
+ * HELD_OBS observations per get; those past them are not counted.
+ */
+#define HELD_REPS 64
+#define HELD_OBS 4096
+struct held_rep {
+    uint8_t pk[HM_PK_BYTES];
+    hm_origin org;
+};
+struct held_obs {
+    uint16_t held; /* index in op->held */
+    uint16_t rep;  /* index in op->reps */
+    uint32_t secs;
 };
 
 enum op_kind { OP_FIND, OP_GET, OP_PUT };
@@ -215,6 +235,11 @@ struct op {
     struct held *held;
     size_t nheld;
     int found;
+    /* -- held since -- */
+    struct held_rep *reps;
+    size_t n_reps;
+    struct held_obs *obs;
+    size_t n_obs;
     /* put */
     struct held put;
     unsigned stored, store_pending;
@@ -587,6 +612,8 @@ static int send_request(hm_dht *d, hm_dht_msg *m, const hm_rt_contact *c, int pu
         m->tid = rand_u32(d);
     } while (req_find(d, m->tid) != NULL);
     m->flags = d->cfg.client_mode ? HM_DHT_FLAG_CLIENT : 0;
+    if (m->type == HM_DHT_MSG_GET)
+        m->flags |= HM_DHT_FLAG_HELD; /* -- held since -- */
     tlen = peer_token_get(d, c->pk, (const struct sockaddr *)&c->addr, now_ms, tok);
     if (tlen > 0) {
         m->token = tok;
@@ -668,6 +695,8 @@ static void op_free(struct op *o)
     for (size_t i = 0; i < o->nheld; i++)
         held_free(&o->held[i]);
     free(o->held);
+    free(o->reps);
+    free(o->obs);
     held_free(&o->put);
     free(o->key);
     free(o);
@@ -724,11 +753,122 @@ static void op_finish(hm_dht *d, struct op *o, int status, uint64_t now_ms)
     d->st.lookups_done++;
 }
 
+/* -- held since -- */
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static uint32_t lower_median_u32(uint32_t *v, size_t n)
+{
+    qsort(v, n, sizeof(*v), cmp_u32);
+    return v[(n - 1) / 2];
+}
+
+/*
+ * How long the replicas have held held entry h (dht.h): per origin the
+ * lower median over its replicas (0 where one did not hold it), then the
+ * lower median over the origins; -1 when no replica told. tab is the
+ * replicas x entries matrix of what they said, scratch has room for
+ * n_reps values twice.
+ */
+static int64_t held_vote(const struct op *o, const uint32_t *tab, size_t h, uint32_t *scratch)
+{
+    uint32_t *per_org = scratch, *vals = scratch + o->n_reps;
+    size_t n_org = 0;
+
+    if (o->n_reps == 0)
+        return -1;
+    for (size_t r = 0; r < o->n_reps; r++) {
+        size_t first = 0, nv = 0;
+        while (first < r && !hm_origin_eq(&o->reps[first].org, &o->reps[r].org))
+            first++;
+        if (first < r)
+            continue; /* this origin was counted at its first replica */
+        for (size_t q = r; q < o->n_reps; q++)
+            if (hm_origin_eq(&o->reps[q].org, &o->reps[r].org))
+                vals[nv++] = tab[q * o->nheld + h];
+        per_org[n_org++] = lower_median_u32(vals, nv);
+    }
+    return (int64_t)lower_median_u32(per_org, n_org);
+}
+
+/* Fills vals[i].held_s for the n values of a result built from o. */
+static void held_fill(const struct op *o, hm_dht_value *vals, size_t n)
+{
+    uint32_t *tab = NULL, *scratch = NULL;
+
+    for (size_t i = 0; i < n; i++)
+        vals[i].held_s = -1;
+    if (o->n_reps == 0 || o->nheld == 0)
+        return;
+    tab = calloc(o->n_reps * o->nheld, sizeof(*tab));
+    scratch = calloc(2 * o->n_reps, sizeof(*scratch));
+    if (tab == NULL || scratch == NULL)
+        goto out; /* unknown, as from older replicas */
+    for (size_t i = 0; i < o->n_obs; i++)
+        tab[(size_t)o->obs[i].rep * o->nheld + o->obs[i].held] = o->obs[i].secs;
+    for (size_t i = 0; i < n; i++) {
+        /* vals point into o->held: their index is where they point. */
+        for (size_t h = 0; h < o->nheld; h++)
+            if (vals[i].rec.key == o->held[h].rec.key) {
+                vals[i].held_s = held_vote(o, tab, h, scratch);
+                break;
+            }
+    }
+out:
+    free(tab);
+    free(scratch);
+}
+
+/* The replica index of the node pk at address from, added when new; -1 when full. */
+static int held_rep(struct op *o, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from)
+{
+    for (size_t i = 0; i < o->n_reps; i++)
+        if (memcmp(o->reps[i].pk, pk, HM_PK_BYTES) == 0)
+            return (int)i;
+    if (o->n_reps >= HELD_REPS)
+        return -1;
+    if (o->reps == NULL && (o->reps = calloc(HELD_REPS, sizeof(*o->reps))) == NULL)
+        return -1;
+    memcpy(o->reps[o->n_reps].pk, pk, HM_PK_BYTES);
+    hm_origin_of(from, &o->reps[o->n_reps].org);
+    return (int)o->n_reps++;
+}
+
+/* Notes that replica rep said held entry h was held secs seconds. */
+static void held_note(struct op *o, int rep, int h, uint32_t secs)
+{
+    if (rep < 0 || h < 0 || o->n_obs >= HELD_OBS)
+        return;
+    for (size_t i = 0; i < o->n_obs; i++)
+        if (o->obs[i].rep == rep && o->obs[i].held == h)
+            return; /* the first word of a replica on an entry stands */
+    if (o->n_obs % 64 == 0) {
+        struct held_obs *no = realloc(o->obs, (o->n_obs + 64) * sizeof(*no));
+        if (no == NULL)
+            return;
+        o->obs = no;
+    }
+    o->obs[o->n_obs++] = (struct held_obs){.held = (uint16_t)h, .rep = (uint16_t)rep,
+                                           .secs = secs};
+}
+
 /*
  * Builds the get result: the plain value, or the live subkeys of the
  * dictionary, whichever expires later (Hivemind's rule).
  */
+static size_t get_result_records(struct op *o, double now_s, hm_dht_value *vals);
+
 static size_t get_result(struct op *o, double now_s, hm_dht_value *vals)
+{
+    size_t n = get_result_records(o, now_s, vals);
+    held_fill(o, vals, n);
+    return n;
+}
+
+static size_t get_result_records(struct op *o, double now_s, hm_dht_value *vals)
 {
     const struct held *plain = NULL;
     double dict_exp = 0;
@@ -1179,8 +1319,9 @@ static int start_find(hm_dht *d, const uint8_t target[HM_RT_ID_BYTES], int join,
  * subkey) the freshest stays: for owned records the highest seq, otherwise
  * the latest expiration.
  */
-static void get_offer(hm_dht *d, struct op *o, const hm_dht_record *r,
-                      const uint8_t src_pk[HM_PK_BYTES], double now_s)
+/* Returns the index of the held entry of r's slot, or -1 (refused, no room). */
+static int get_offer(hm_dht *d, struct op *o, const hm_dht_record *r,
+                     const uint8_t src_pk[HM_PK_BYTES], double now_s)
 {
     hm_dht_record rec = *r;
     struct held *h = NULL;
@@ -1189,12 +1330,12 @@ static void get_offer(hm_dht *d, struct op *o, const hm_dht_record *r,
     if (rec.key_len != o->key_len || memcmp(rec.key, o->key, o->key_len) != 0 ||
         !(rec.expiration > now_s)) {
         d->st.bad_messages++;
-        return;
+        return -1;
     }
     owned = hm_dht_record_verify(&rec, d->swarm_id, NULL);
     if (owned < 0) {
         d->st.bad_messages++;
-        return;
+        return -1;
     }
     if (!owned)
         rec.sig = NULL;
@@ -1210,24 +1351,26 @@ static void get_offer(hm_dht *d, struct op *o, const hm_dht_record *r,
     if (h != NULL) {
         int newer = owned ? rec.seq > h->rec.seq : rec.expiration > h->rec.expiration;
         struct held tmp;
+        int at = (int)(h - o->held);
         if (!newer)
-            return;
+            return at;
         if (held_copy(&tmp, &rec, src_pk) < 0)
-            return;
+            return at;
         held_free(h);
         *h = tmp;
-        return;
+        return at;
     }
     if (o->nheld >= MAX_HELD)
-        return;
+        return -1;
     if (o->nheld % 16 == 0) {
         struct held *nh = realloc(o->held, (o->nheld + 16) * sizeof(*nh));
         if (nh == NULL)
-            return;
+            return -1;
         o->held = nh;
     }
     if (held_copy(&o->held[o->nheld], &rec, src_pk) == 0)
-        o->nheld++;
+        return (int)o->nheld++;
+    return -1;
 }
 
 /* ---- handling replies ---- */
@@ -1242,8 +1385,15 @@ static void on_reply_lookup(hm_dht *d, struct op *o, const struct req *r, const 
     if (o->phase != PH_LOOKUP || lp == NULL)
         return;
     if (m->type == HM_DHT_MSG_VALUE && o->kind == OP_GET) {
-        for (size_t i = 0; i < m->n_records; i++)
-            get_offer(d, o, &m->records[i], r->pk, secs(now_ms));
+        /* -- held since -- a replica that told held times votes with them */
+        int rep = m->has_held && m->n_records > 0
+                      ? held_rep(o, r->pk, (const struct sockaddr *)&r->addr)
+                      : -1;
+        for (size_t i = 0; i < m->n_records; i++) {
+            int h = get_offer(d, o, &m->records[i], r->pk, secs(now_ms));
+            if (rep >= 0)
+                held_note(o, rep, h, m->held[i]);
+        }
         if (m->n_records > 0 && c != NULL) {
             c->has_value = 1;
             if (!o->found) {
@@ -1507,12 +1657,29 @@ static void serve(hm_dht *d, const uint8_t pk[HM_PK_BYTES], const struct sockadd
     case HM_DHT_MSG_GET: {
         hm_dht_get_result res;
         size_t room = budget > REPLY_ENVELOPE ? budget - REPLY_ENVELOPE : 0;
-        int result = hm_dht_store_get(d->store, q->target, secs(now_ms),
-                                      q->has_cursor ? q->cursor : NULL, q->cursor_len, room,
-                                      m->records, HM_DHT_PROTO_MAX_RECORDS, &res);
+        int want_held = (q->flags & HM_DHT_FLAG_HELD) != 0;
+        int result = hm_dht_store_get_held(d->store, q->target, secs(now_ms),
+                                           q->has_cursor ? q->cursor : NULL, q->cursor_len, room,
+                                           m->records, want_held ? m->held : NULL,
+                                           HM_DHT_PROTO_MAX_RECORDS, &res);
+        if (result == 0 && want_held && res.n > 0) {
+            /* -- held since -- the held array must fit beside the records:
+             * a shorter page is a prefix, so its array is no longer. */
+            size_t used = 0, extra = 3;
+            for (size_t i = 0; i < res.n; i++) {
+                used += hm_dht_record_encoded_size(&m->records[i]);
+                extra += m->held[i] < 128 ? 1 : m->held[i] < 256 ? 2 : m->held[i] < 65536 ? 3 : 5;
+            }
+            if (used + extra > room)
+                result = hm_dht_store_get_held(d->store, q->target, secs(now_ms),
+                                               q->has_cursor ? q->cursor : NULL, q->cursor_len,
+                                               room > extra ? room - extra : 0, m->records,
+                                               m->held, HM_DHT_PROTO_MAX_RECORDS, &res);
+        }
         if (result == 0) {
             m->n_records = res.n;
             m->more = res.n > 0 && res.more;
+            m->has_held = want_held;
         }
         if (!m->more)
             m->n_contacts = hm_rt_closest(d->rt, q->target,
@@ -1848,6 +2015,7 @@ static void many_finish(struct many *m)
         for (size_t j = 0; vals != NULL && j < m->nheld[i]; j++, k++) {
             vals[k].rec = m->held[i][j].rec;
             memcpy(vals[k].source_pk, m->held[i][j].source_pk, HM_PK_BYTES);
+            vals[k].held_s = m->held[i][j].held_s;
         }
     }
     m->cb(m->ud, res, m->n);
@@ -1874,6 +2042,7 @@ static void many_on_get(void *ud, int status, const hm_dht_value *values, size_t
                     m->status[c->idx] = -ENOMEM;
                     break;
                 }
+                m->held[c->idx][j].held_s = values[j].held_s;
                 m->nheld[c->idx]++;
             }
         }
@@ -2037,14 +2206,17 @@ int hm_dht_get(hm_dht *d, const uint8_t *key, size_t key_len, uint64_t now_ms,
         return -ENOMEM;
     }
     memcpy(o->key, key, key_len);
-    /* What we hold ourselves counts as one replica. */
+    /* What we hold ourselves counts as one replica, of an origin of its own. */
     for (unsigned page = 0; page < MAX_PAGES; page++) {
-        if (hm_dht_store_get(d->store, kid, secs(now_ms), cursor, cursor_len,
-                             HM_DHT_PROTO_MAX_SIZE, local, HM_DHT_PROTO_MAX_RECORDS, &res) < 0 ||
+        uint32_t held[HM_DHT_PROTO_MAX_RECORDS];
+        if (hm_dht_store_get_held(d->store, kid, secs(now_ms), cursor, cursor_len,
+                                  HM_DHT_PROTO_MAX_SIZE, local, held, HM_DHT_PROTO_MAX_RECORDS,
+                                  &res) < 0 ||
             res.n == 0)
             break;
+        int rep = held_rep(o, d->id.pk, NULL);
         for (size_t i = 0; i < res.n; i++)
-            get_offer(d, o, &local[i], d->id.pk, secs(now_ms));
+            held_note(o, rep, get_offer(d, o, &local[i], d->id.pk, secs(now_ms)), held[i]);
         if (!res.more || !local[res.n - 1].has_subkey)
             break;
         /* The store does not change between the calls, so its views stay valid. */

@@ -137,6 +137,21 @@ int hm_dht_bootstrap(hm_dht *d, const uint8_t pk[HM_PK_BYTES], const struct sock
 typedef struct hm_dht_value {
     hm_dht_record rec;                  /* points into memory valid during the callback */
     uint8_t source_pk[HM_PK_BYTES];     /* the node that returned it */
+    /*
+     * -- held since -- How long the key's replicas have held this entry's
+     * value without a gap (store.h, hm_dht_store_get_held), in seconds:
+     * each replica that answered with records of the key says how long it
+     * held this one (0 where it holds none of it); the replicas of one
+     * network origin (the address they answered from; this node's own
+     * store is an origin of its own) count as one, with their lower
+     * median; the value is the lower median over the origins. A storer's
+     * time is its own observation, so one hostile storer, or many on one
+     * origin, cannot make it older: that takes more than half of the
+     * origins. Replicas that did not tell (older nodes) do not vote; -1
+     * when none told. Readers use it to keep a name with the owner that
+     * has held it longest (moe/client.h).
+     */
+    int64_t held_s;
 } hm_dht_value;
 
 /* What a lookup cost, for the simulator and the metrics. */

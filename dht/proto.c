@@ -179,6 +179,11 @@ static int write_body(hm_wire_wr *w, const hm_dht_msg *m)
         }
         hm_wire_wr_bool(w, m->more != 0);
         result = write_contacts(w, m->contacts, m->n_contacts);
+        if (result == 0 && m->has_held) {
+            hm_wire_wr_array(w, (uint32_t)m->n_records);
+            for (size_t i = 0; i < m->n_records; i++)
+                hm_wire_wr_uint(w, m->held[i]);
+        }
         break;
     case HM_DHT_MSG_STORED:
         hm_wire_wr_int(w, m->status);
@@ -211,6 +216,8 @@ int hm_dht_msg_encode(const hm_dht_msg *m, size_t pad_to, uint8_t *buf, size_t c
 
     if (n == 0)
         return -EINVAL;
+    if (m->type == HM_DHT_MSG_VALUE && m->has_held)
+        n++; /* -- held since -- */
     if (!hm_dht_msg_is_request(m->type))
         pad_to = 0;
     hm_wire_wr_init_fixed(&w, buf, cap);
@@ -323,8 +330,10 @@ static int decode_obj(const msgpack_object *root, hm_dht_msg *out)
     want = base_count(out->type);
     if (want == 0)
         return -EPROTO;
-    /* Requests may end with one pad bin; replies have exactly their fields. */
-    if (n != want && !(hm_dht_msg_is_request(out->type) && n == want + 1))
+    /* Requests may end with one pad bin; replies have exactly their fields,
+     * a VALUE with or without its held array. */
+    if (n != want && !(hm_dht_msg_is_request(out->type) && n == want + 1) &&
+        !(out->type == HM_DHT_MSG_VALUE && n == want + 1))
         return -EPROTO;
     if (get_u32(&f[1], &out->tid) < 0 || get_u32(&f[2], &out->flags) < 0)
         return -EPROTO;
@@ -338,7 +347,7 @@ static int decode_obj(const msgpack_object *root, hm_dht_msg *out)
         out->token = p;
         out->token_len = plen;
     }
-    if (n == want + 1) {
+    if (n == want + 1 && hm_dht_msg_is_request(out->type)) {
         if (hm_wire_get_bin(&f[want], &p, &plen) < 0)
             return -EPROTO;
         out->pad_len = plen;
@@ -384,7 +393,20 @@ static int decode_obj(const msgpack_object *root, hm_dht_msg *out)
         /* More to come only makes sense after at least one record. */
         if (out->more && nr == 0)
             return -EPROTO;
-        return read_contacts(&f[6], out);
+        if ((result = read_contacts(&f[6], out)) < 0)
+            return result;
+        if (n == want + 1) {
+            /* -- held since -- one uint32 per record, nothing else */
+            const msgpack_object *hv;
+            uint32_t nh;
+            if (hm_wire_get_array(&f[7], 0, 0, &hv, &nh) < 0 || nh != nr)
+                return -EPROTO;
+            for (uint32_t i = 0; i < nh; i++)
+                if (get_u32(&hv[i], &out->held[i]) < 0)
+                    return -EPROTO;
+            out->has_held = 1;
+        }
+        return 0;
     }
     case HM_DHT_MSG_STORED: {
         int64_t st;

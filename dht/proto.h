@@ -13,6 +13,13 @@
  * flags bit 0 (HM_DHT_FLAG_CLIENT) says the sender is in client mode: it
  * answers no requests and must not enter the receiver's routing table.
  * Unknown flag bits are ignored, so later versions can add some.
+ * flags bit 1 (HM_DHT_FLAG_HELD) in a GET asks for held times: a responder
+ * that knows the bit answers with a VALUE of eight elements, whose last is
+ * held, one uint per record (at most 2^32 - 1): the whole seconds the
+ * responder has held that record's value without a gap (store.h,
+ * hm_dht_store_get_held). A responder that does not know the bit ignores
+ * it and answers the seven elements as before, and a requester that does
+ * not set it never gets the eighth, so older nodes keep working.
  *
  * In a request the token is the one the receiver gave this requester in an
  * earlier reply (nil when it has none yet); a valid token proves that the
@@ -31,7 +38,7 @@
  * Replies:
  *   PONG       [16, tid, flags, token]
  *   NODES      [17, tid, flags, token, contacts]
- *   VALUE      [18, tid, flags, token, records, more bool, contacts]
+ *   VALUE      [18, tid, flags, token, records, more bool, contacts, (held)]
  *   STORED     [19, tid, flags, token, status int]
  *
  * contacts is [[pk bin32, addr bin6 | bin18], ...] with at most
@@ -78,6 +85,7 @@ enum hm_dht_msg_type {
 #define HM_DHT_MSG_REPLY 16
 
 #define HM_DHT_FLAG_CLIENT 1u
+#define HM_DHT_FLAG_HELD 2u /* -- held since -- */
 
 /* Tokens we issue are this long; we accept presented tokens of MIN..MAX bytes. */
 #define HM_DHT_TOKEN_BYTES 8
@@ -120,11 +128,14 @@ typedef struct hm_dht_msg {
     int status;
     /* VALUE. */
     int more;
+    int has_held; /* -- held since -- the held array is present (n_records entries) */
     size_t n_records;
     hm_dht_record records[HM_DHT_PROTO_MAX_RECORDS];
     /* NODES, VALUE. */
     size_t n_contacts;
     hm_rt_contact contacts[HM_DHT_PROTO_MAX_CONTACTS];
+    /* VALUE with has_held: seconds each record's value was held (filled up to n_records). */
+    uint32_t held[HM_DHT_PROTO_MAX_RECORDS];
 } hm_dht_msg;
 
 /* 1 for the four request types, 0 otherwise. */

@@ -33,6 +33,12 @@ struct slot {
     uint8_t storer[HM_NODE_ID_BYTES];
     double expiration;
     double stored_at;
+    /* -- held since -- When this store began to hold the slot's value
+     * without a gap: kept while new versions carry the same value bytes
+     * (an owner's refreshes), reset by another value, and gone with the
+     * entry (an expiry, an eviction). This store's own observation, so no
+     * storer can be told an older one. */
+    double held_since;
     double tomb_until; /* tombstones only */
     uint64_t seq;
     uint8_t *data; /* subkey bytes then value bytes; NULL when both are empty */
@@ -622,6 +628,7 @@ again:
     memcpy(ns->storer, storer, HM_NODE_ID_BYTES);
     ns->expiration = exp;
     ns->stored_at = now;
+    ns->held_since = now;
     ns->seq = r->seq;
     ns->sub_len = (uint16_t)(r->has_subkey ? r->subkey_len : 0);
     ns->val_len = (uint16_t)r->value_len;
@@ -678,6 +685,10 @@ again:
     p.pos = slot_search(k, ns->has_sub, r->subkey, ns->sub_len, &found);
     if (found) {
         struct slot *s = k->slots[p.pos];
+        /* -- held since -- the same value, refreshed before it ended */
+        if (!s->dead && s->val_len == ns->val_len &&
+            (ns->val_len == 0 || memcmp(slot_val(s), slot_val(ns), ns->val_len) == 0))
+            ns->held_since = s->held_since;
         if (s->dead)
             st->tombstones--;
         else
@@ -715,6 +726,15 @@ static void slot_view(const struct key *k, const struct slot *s, hm_dht_record *
 int hm_dht_store_get(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_BYTES],
                      double now, const uint8_t *cursor, size_t cursor_len, size_t max_bytes,
                      hm_dht_record *out, size_t out_cap, hm_dht_get_result *res)
+{
+    return hm_dht_store_get_held(st, key_id, now, cursor, cursor_len, max_bytes, out, NULL,
+                                 out_cap, res);
+}
+
+int hm_dht_store_get_held(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_BYTES],
+                          double now, const uint8_t *cursor, size_t cursor_len, size_t max_bytes,
+                          hm_dht_record *out, uint32_t *held_out, size_t out_cap,
+                          hm_dht_get_result *res)
 {
     const struct key *k;
     size_t i = 0, used = 0;
@@ -754,6 +774,10 @@ int hm_dht_store_get(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_
                 return -EMSGSIZE;
             res->more = 1;
             break;
+        }
+        if (held_out != NULL) {
+            double h = floor(now - s->held_since);
+            held_out[res->n] = h <= 0 ? 0 : h >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)h;
         }
         out[res->n++] = v;
         used += sz;

@@ -143,6 +143,22 @@ int hm_dht_store_get(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_
                      double now, const uint8_t *cursor, size_t cursor_len, size_t max_bytes,
                      hm_dht_record *out, size_t out_cap, hm_dht_get_result *res);
 
+/* -- held since --
+ * hm_dht_store_get, and for each record returned the whole seconds this
+ * store has held its value without a gap (held_out, out_cap entries; NULL:
+ * none): since the first put of the slot that carried these value bytes
+ * while no live entry of the slot carried them. An owner's refreshes (a
+ * higher seq, the same value) keep the time; another value, or a put after
+ * the entry ended (expired, evicted), starts it again. It is the store's
+ * own observation, kept in the entry (bounded and charged with it), so a
+ * storer cannot be told an older time. Readers combine the times of
+ * several replicas (dht.h, hm_dht_value.held_s).
+ */
+int hm_dht_store_get_held(const hm_dht_store *st, const uint8_t key_id[HM_DHT_KEY_ID_BYTES],
+                          double now, const uint8_t *cursor, size_t cursor_len, size_t max_bytes,
+                          hm_dht_record *out, uint32_t *held_out, size_t out_cap,
+                          hm_dht_get_result *res);
+
 /* Frees expired entries and ended tombstones; returns how many entries went. */
 size_t hm_dht_store_sweep(hm_dht_store *st, double now);
 

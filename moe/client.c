@@ -82,6 +82,7 @@ typedef struct beam_ent {
     char name[HM_MOE_UID_MAX + 1];
     double score;
     double expiration; /* the chosen declaration's */
+    int64_t held_s;    /* -- held since -- the chosen declaration's (dht.h), -1 unknown */
     unsigned n_owners; /* declarations of this name seen in the read (the chosen one too) */
     hm_moe_expert ex;  /* experts: uid, address and owner; prefixes: the owner only */
 } beam_ent;
@@ -203,9 +204,13 @@ static int decl_admit(hm_moe_client *c, const char *name, const uint8_t pk[HM_PK
     return 1;
 }
 
-/* Whether declaration a of name is preferred to b: the live holder, then the fresher. */
+/*
+ * Whether declaration a of name is preferred to b: the live holder this
+ * client knows, then (-- held since --) the one the DHT's replicas have
+ * held longer without a gap (held_s, dht.h), then the fresher.
+ */
 static int decl_better(hm_moe_client *c, const char *name, const uint8_t *pk_a, double exp_a,
-                       const uint8_t *pk_b, double exp_b)
+                       int64_t held_a, const uint8_t *pk_b, double exp_b, int64_t held_b)
 {
     if (one_holder(c, name)) {
         const uint8_t *h = holder_get(c, name);
@@ -215,6 +220,12 @@ static int decl_better(hm_moe_client *c, const char *name, const uint8_t *pk_a, 
             if (a_holds != b_holds)
                 return a_holds;
         }
+        /* A first look: the replicas' memory of who came first. Another
+         * owner cannot make its own declaration older than it is, however
+         * fresh it signs it; only the owner that keeps refreshing keeps
+         * its time. Unknown (-1, older replicas) counts as none. */
+        if (held_a != held_b)
+            return held_a > held_b;
     }
     return exp_a > exp_b;
 }
@@ -424,6 +435,7 @@ static void lookup_cb(void *ud, int status, const hm_dht_value *values, size_t n
     hm_moe_expert best;
     memset(&best, 0, sizeof(best));
     double best_exp = -INFINITY, now = wall_s();
+    int64_t best_held = -1;
     size_t found = 0;
     size_t uid_len = strlen(f->uid);
     for (size_t i = 0; i < n; i++) {
@@ -443,13 +455,15 @@ static void lookup_cb(void *ud, int status, const hm_dht_value *values, size_t n
             continue;
         if (expert_set_addr(&ex, addr) != 0)
             continue;
-        if (found > 0 && !decl_better(c, f->uid, ex.pk, r->expiration, best.pk, best_exp)) {
+        if (found > 0 && !decl_better(c, f->uid, ex.pk, r->expiration, values[i].held_s, best.pk,
+                                      best_exp, best_held)) {
             found++;
             continue;
         }
         memcpy(ex.uid, f->uid, uid_len + 1);
         best = ex;
         best_exp = r->expiration;
+        best_held = values[i].held_s;
         found++;
     }
     if (found) {
@@ -512,7 +526,8 @@ static void ent_offer(hm_moe_client *c, beam_ent *arr, size_t *n, size_t cap,
             /* Only an expert's host matters: a grid prefix entry says that
              * the coordinate exists, and every owner's entry says the same. */
             if (experts ? decl_better(c, cand->name, cand->ex.pk, cand->expiration,
-                                      arr[i].ex.pk, arr[i].expiration)
+                                      cand->held_s, arr[i].ex.pk, arr[i].expiration,
+                                      arr[i].held_s)
                         : cand->expiration > arr[i].expiration) {
                 unsigned k = arr[i].n_owners;
                 arr[i] = *cand;
@@ -595,6 +610,7 @@ static void beam_take(find_op *f, const beam_ent *parent, const hm_dht_value *va
             continue;
         cand.score = parent->score + f->scores[f->level][coord];
         cand.expiration = r->expiration;
+        cand.held_s = values[i].held_s;
         cand.n_owners = 1;
         if (last) {
             memcpy(cand.ex.uid, uid, ulen + 1);

@@ -86,10 +86,14 @@ int hm_moe_client_new(hm_node *node, hm_moe_client **out);
  *     it first saw it) is kept while its declaration is live, and another
  *     owner's declaration is passed over. A holder whose declaration is
  *     gone (withdrawn, expired, no longer refreshed) is forgotten, so a
- *     departed owner does not break the name; the next read takes the
- *     freshest live owner. What a reader has not seen before it cannot
- *     tell apart: its first read of a name believes the freshest owner, so
- *     swarms that must not be taken over by a newcomer list their hosts.
+ *     departed owner does not break the name. Where no holder is known
+ *     (a first read, or the holder left), the owner whose declaration the
+ *     DHT's replicas have held longest without a gap wins (held_s,
+ *     dht/dht.h: the storers' own times, a median over their origins),
+ *     then the freshest: an owner that declares a name later cannot take
+ *     it from one that keeps refreshing it, however fresh it signs. First
+ *     come, first served: swarms that must not be taken over by whoever
+ *     declares first list their hosts.
  *     The client remembers HM_MOE_HOLDERS names (a direct-mapped cache).
  * With any_holder set and no allow-list: the freshest declaration of any
  * owner, as before these rules.

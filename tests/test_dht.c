@@ -267,10 +267,11 @@ struct get_res {
     size_t n;
     uint8_t values[MAXV][64];
     size_t value_lens[MAXV];
-    uint8_t subkeys[MAXV][32];
+    uint8_t subkeys[MAXV][HM_DHT_SUBKEY_MAX];
     size_t subkey_lens[MAXV];
     int has_subkey[MAXV];
     uint64_t seq[MAXV];
+    int64_t held[MAXV];
     hm_dht_lookup_info info;
 };
 
@@ -288,8 +289,9 @@ static void get_cb(void *ud, int status, const hm_dht_value *v, size_t n,
         r->value_lens[i] = v[i].rec.value_len;
         r->has_subkey[i] = v[i].rec.has_subkey;
         r->seq[i] = v[i].rec.seq;
+        r->held[i] = v[i].held_s;
         if (v[i].rec.has_subkey) {
-            cr_assert(v[i].rec.subkey_len <= 32);
+            cr_assert(v[i].rec.subkey_len <= HM_DHT_SUBKEY_MAX);
             memcpy(r->subkeys[i], v[i].rec.subkey, v[i].rec.subkey_len);
             r->subkey_lens[i] = v[i].rec.subkey_len;
         }
@@ -445,6 +447,32 @@ Test(dht_proto, roundtrip_every_message)
     m.token = NULL; /* a STORE needs a token */
     cr_assert_eq(hm_dht_msg_encode(&m, 0, buf, sizeof(buf), &len), -EINVAL);
 
+    /* -- held since -- the same VALUE with its held array; without, none. */
+    cr_assert_eq(d.has_held, 0);
+    memset(&m, 0, sizeof(m));
+    m.type = HM_DHT_MSG_VALUE;
+    m.token = tok;
+    m.token_len = 8;
+    m.n_records = 2;
+    for (int i = 0; i < 2; i++) {
+        m.records[i].key = (const uint8_t *)"k";
+        m.records[i].key_len = 1;
+        m.records[i].value = (const uint8_t *)"vv";
+        m.records[i].value_len = 2;
+        m.records[i].expiration = 1e9;
+    }
+    m.records[1].has_subkey = 1;
+    m.records[1].subkey = (const uint8_t *)"s";
+    m.records[1].subkey_len = 1;
+    m.has_held = 1;
+    m.held[0] = 7;
+    m.held[1] = UINT32_MAX;
+    cr_assert_eq(hm_dht_msg_encode(&m, 0, buf, sizeof(buf), &len), 0);
+    cr_assert_eq(hm_dht_msg_decode(buf, len, &d), 0);
+    cr_assert_eq(d.has_held, 1);
+    cr_assert_eq(d.held[0], 7);
+    cr_assert_eq(d.held[1], UINT32_MAX);
+
     memset(&m, 0, sizeof(m));
     m.type = HM_DHT_MSG_STORED;
     m.token = tok;
@@ -473,6 +501,11 @@ Test(dht_proto, refuses_malformed)
         {"95100000c4080000000000000000c400", -EPROTO}, /* PONG with a pad */
         {"91919191", -EMSGSIZE},                 /* too deep */
         {"dc0001", -EINVAL},                     /* truncated */
+        /* -- held since -- VALUE's held array: one uint32 per record exactly */
+        {"98120000c4080000000000000000" "90c29091" "01", -EPROTO}, /* 1 held, 0 records */
+        {"98120000c4080000000000000000" "90c290c0", -EPROTO},      /* held nil */
+        {"99120000c4080000000000000000" "90c2909090", -EPROTO},    /* a ninth element */
+        {"98100000c4080000000000000000" "90909090", -EPROTO},      /* PONG with eight */
     };
     hm_dht_msg d;
     uint8_t buf[64];
@@ -485,6 +518,13 @@ Test(dht_proto, refuses_malformed)
     /* A valid PING decodes. */
     cr_assert_eq(hm_hex_decode("94000000c0", 10, buf, 5), 0);
     cr_assert_eq(hm_dht_msg_decode(buf, 5, &d), 0);
+    /* So do an empty VALUE with an empty held array and one without. */
+    cr_assert_eq(hm_hex_decode("98120000c4080000000000000000" "90c29090", 36, buf, 18), 0);
+    cr_assert_eq(hm_dht_msg_decode(buf, 18, &d), 0);
+    cr_assert_eq(d.has_held, 1);
+    cr_assert_eq(hm_hex_decode("97120000c4080000000000000000" "90c290", 34, buf, 17), 0);
+    cr_assert_eq(hm_dht_msg_decode(buf, 17, &d), 0);
+    cr_assert_eq(d.has_held, 0);
 
     /* More contacts than allowed. */
     {
@@ -1345,5 +1385,101 @@ Test(dht, get_many_answers_every_key_once_in_order)
     cr_assert_eq(late.calls, 1);
     for (int i = 0; i < 8; i++)
         cr_assert_eq(late.status[i], -ECANCELED);
+    net_free(net);
+}
+
+/* -- held since test -- */
+/* The index in g of the value whose subkey is sub, or -1. */
+static int find_sub(const struct get_res *g, const char *sub)
+{
+    for (size_t i = 0; i < g->n && i < MAXV; i++)
+        if (g->has_subkey[i] && g->subkey_lens[i] == strlen(sub) &&
+            memcmp(g->subkeys[i], sub, strlen(sub)) == 0)
+            return (int)i;
+    return -1;
+}
+
+/*
+ * Two owners declare one name 60 s apart, the later with the longer
+ * expiration. A reader's get says how long the replicas have held each:
+ * the first owner's for about 60 s more. A replica that lies, answering
+ * in place of one of them with the later owner's (validly signed) record
+ * held for 2^32 - 1 s and without the first owner's, does not change the
+ * order: it is one origin of several, and the reader takes the median.
+ */
+Test(dht, held_times_order_owners_and_one_forging_replica_does_not_decide)
+{
+    struct tnet *net = bootstrapped(30, NULL);
+    struct put_res pr;
+    struct get_res gr;
+    char ma[HM_DHT_OWNER_MARKER_LEN + 1], mb[HM_DHT_OWNER_MARKER_LEN + 1];
+    double t = now_s(net);
+
+    hm_dht_owner_marker(net->nodes[3].id.pk, ma);
+    hm_dht_owner_marker(net->nodes[8].id.pk, mb);
+    do_put(net, 3, "ffn.1", ma, "A", t + 600, &pr);
+    cr_assert_eq(pr.status, 0);
+    cr_assert_geq(pr.stored, 3);
+    net_run(net, 60000, NULL);
+    do_put(net, 8, "ffn.1", mb, "B", now_s(net) + 900, &pr);
+    cr_assert_eq(pr.status, 0);
+    net_run(net, 5000, NULL);
+
+    do_get(net, 20, "ffn.1", &gr);
+    cr_assert_eq(gr.n, 2);
+    int a = find_sub(&gr, ma), b = find_sub(&gr, mb);
+    cr_assert(a >= 0 && b >= 0);
+    cr_assert_geq(gr.held[a], 60, "the first owner's held %lld s", (long long)gr.held[a]);
+    cr_assert_leq(gr.held[b], 10, "the later owner's held %lld s", (long long)gr.held[b]);
+
+    /* The forger answers node 21's first GET in place of its target. */
+    uint8_t sig[HM_DHT_SIG_BYTES], buf[HM_DHT_PROTO_MAX_SIZE], swarm[HM_SWARM_ID_BYTES];
+    hm_dht_record fb = {.key = (const uint8_t *)"ffn.1", .key_len = 5, .has_subkey = 1,
+                        .subkey = (const uint8_t *)mb, .subkey_len = strlen(mb),
+                        .value = (const uint8_t *)"B", .value_len = 1,
+                        .expiration = now_s(net) + 800, .seq = 1};
+    hm_swarm_id("test", NULL, 0, swarm);
+    cr_assert_eq(hm_dht_record_sign(&fb, &net->nodes[8].id, swarm, now_s(net), 86400, sig), 0);
+    fb.sig = sig;
+    memset(&gr, 0, sizeof(gr));
+    cr_assert_eq(hm_dht_get(net->nodes[21].d, (const uint8_t *)"ffn.1", 5, net->now, 10000,
+                            get_cb, &gr, NULL),
+                 0);
+    net->nodes[21].next = net->now;
+    int forged = 0;
+    for (size_t i = 0; i < net->qlen && !forged; i++) {
+        struct pkt *p = &net->q[net->qhead + i];
+        hm_dht_msg q, m;
+        uint8_t tok[8] = {9, 9, 9, 9, 9, 9, 9, 9};
+        size_t len;
+        if (p->from != 21 || hm_dht_msg_decode(p->data, p->len, &q) < 0 ||
+            q.type != HM_DHT_MSG_GET)
+            continue;
+        cr_assert(q.flags & HM_DHT_FLAG_HELD, "a GET that does not ask for held times");
+        memset(&m, 0, sizeof(m));
+        m.type = HM_DHT_MSG_VALUE;
+        m.tid = q.tid;
+        m.token = tok;
+        m.token_len = 8;
+        m.n_records = 1;
+        m.records[0] = fb;
+        m.has_held = 1;
+        m.held[0] = UINT32_MAX;
+        cr_assert_eq(hm_dht_msg_encode(&m, 0, buf, sizeof(buf), &len), 0);
+        inject(net, 21, net->nodes[p->to].id.pk, &net->nodes[p->to].addr, buf, len);
+        forged = 1;
+    }
+    cr_assert(forged);
+    net_run(net, 15000, &gr.calls);
+    cr_assert_eq(gr.calls, 1);
+    cr_assert_eq(gr.n, 2);
+    a = find_sub(&gr, ma);
+    b = find_sub(&gr, mb);
+    cr_assert(a >= 0 && b >= 0);
+    fprintf(stderr, "held times with one forging replica: first owner %lld s, later %lld s\n",
+            (long long)gr.held[a], (long long)gr.held[b]);
+    cr_assert_gt(gr.held[a], gr.held[b], "the forger decided: %lld s against %lld s",
+                 (long long)gr.held[a], (long long)gr.held[b]);
+    cr_assert_leq(gr.held[b], 30);
     net_free(net);
 }

@@ -842,3 +842,67 @@ Test(record, largest_owned_record_fits_a_datagram)
     cr_assert_geq(vlen, 800, "an owned record holds only %zu value bytes", vlen);
     cr_assert_leq(hm_dht_record_encoded_size(&r), HM_DGRAM_MAX_PAYLOAD - 99);
 }
+
+/* -- held since test -- */
+/* The held times of key's live entries at now, in subkey order. */
+static size_t get_held(hm_dht_store *st, const char *key, double now, hm_dht_record *out,
+                       uint32_t *held, size_t cap)
+{
+    uint8_t id[HM_DHT_KEY_ID_BYTES];
+    hm_dht_get_result res;
+    hm_dht_key_id((const uint8_t *)key, strlen(key), id);
+    cr_assert_eq(hm_dht_store_get_held(st, id, now, NULL, 0, 4096, out, held, cap, &res), 0);
+    return res.n;
+}
+
+/* The held time of the entry whose subkey is sub, or -1. */
+static long held_for(hm_dht_store *st, const char *key, const char *sub, double now)
+{
+    hm_dht_record out[8];
+    uint32_t held[8];
+    size_t n = get_held(st, key, now, out, held, 8);
+    for (size_t i = 0; i < n; i++)
+        if (out[i].has_subkey && out[i].subkey_len == strlen(sub) &&
+            memcmp(out[i].subkey, sub, out[i].subkey_len) == 0)
+            return (long)held[i];
+    return -1;
+}
+
+Test(store, held_times_run_while_the_owner_refreshes_the_same_value)
+{
+    hm_dht_store *st = new_store(NULL);
+    char ma[HM_DHT_OWNER_MARKER_LEN + 1], mb[HM_DHT_OWNER_MARKER_LEN + 1];
+    hm_dht_owner_marker(alice.pk, ma);
+    hm_dht_owner_marker(bob.pk, mb);
+    hm_dht_record r;
+
+    r = owned("ffn.1", ma, "A:1", NOW + 60, 1, &alice, 0);
+    cr_assert_eq(hm_dht_store_put(st, &r, peer_a, NOW), 0);
+    cr_assert_eq(held_for(st, "ffn.1", ma, NOW), 0);
+    /* A refresh (higher seq, same value) keeps the time, from any storer. */
+    r = owned("ffn.1", ma, "A:1", NOW + 80, 2, &alice, 1);
+    cr_assert_eq(hm_dht_store_put(st, &r, peer_c, NOW + 20), 0);
+    cr_assert_eq(held_for(st, "ffn.1", ma, NOW + 30), 30);
+    /* Another owner, later and fresher, holds the name for less. */
+    r = owned("ffn.1", mb, "B:1", NOW + 300, 1, &bob, 2);
+    cr_assert_eq(hm_dht_store_put(st, &r, peer_b, NOW + 25), 0);
+    cr_assert_eq(held_for(st, "ffn.1", mb, NOW + 30), 5);
+    cr_assert_eq(held_for(st, "ffn.1", ma, NOW + 30), 30);
+    /* A refused put (a replay) changes nothing. */
+    r = owned("ffn.1", mb, "B:1", NOW + 300, 1, &bob, 2);
+    cr_assert_eq(hm_dht_store_put(st, &r, peer_b, NOW + 31), -ESTALE);
+    cr_assert_eq(held_for(st, "ffn.1", mb, NOW + 31), 6);
+    /* Another value starts the time again. */
+    r = owned("ffn.1", ma, "A:2", NOW + 100, 3, &alice, 3);
+    cr_assert_eq(hm_dht_store_put(st, &r, peer_a, NOW + 40), 0);
+    cr_assert_eq(held_for(st, "ffn.1", ma, NOW + 41), 1);
+    /* So does a gap: the entry expired before its owner came back. */
+    r = owned("ffn.1", ma, "A:2", NOW + 250, 4, &alice, 4);
+    cr_assert_eq(hm_dht_store_put(st, &r, peer_a, NOW + 200), 0);
+    cr_assert_eq(held_for(st, "ffn.1", ma, NOW + 205), 5);
+    cr_assert_eq(held_for(st, "ffn.1", mb, NOW + 205), 180);
+    /* The plain get returns the same records. */
+    hm_dht_record out[4];
+    cr_assert_eq(get(st, "ffn.1", NOW + 205, out, 4, NULL), 2);
+    hm_dht_store_free(st);
+}

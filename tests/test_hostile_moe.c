@@ -497,3 +497,89 @@ Test(hostile_moe, takeover_of_a_held_uid_fails)
     hmc_close(h2);
     hmc_close(h);
 }
+
+/* ---------------------------------------------------------- first look */
+/* -- held since test -- */
+
+/* held_s of the owner's declaration of key, as n's `dht get` reads it; -2 if absent. */
+static long held_of(struct node *n, const char *key, const char *owner_id)
+{
+    int rc;
+    long held = -2;
+    json_t *j = ctl_json(n, &rc, "dht", "get", key, NULL);
+    json_t *vals = json_object_get(json_object_get(j, "result"), "values");
+    size_t i;
+    json_t *v;
+    json_array_foreach(vals, i, v) {
+        const char *sk = json_string_value(json_object_get(v, "subkey"));
+        if (sk != NULL && strstr(sk, owner_id) != NULL) {
+            json_t *h = json_object_get(v, "held_s");
+            held = json_is_integer(h) ? (long)json_integer_value(h) : -1;
+        }
+    }
+    json_decref(j);
+    return held;
+}
+
+/*
+ * A trainer that never used ffn.1 looks it up for the first time while an
+ * attacker's declaration, fresher than the host's and refreshed every 2 s,
+ * is live. The DHT's replicas on 127.0.0.1, .3 and .4 (and the attacker's
+ * own two nodes on .2) remember since when they hold each owner's
+ * declaration; the newcomer on 127.0.0.5 takes the owner they have held
+ * longest: the honest host, and its exact output. Before the replicas kept
+ * these times, a first look took the freshest declaration: the attacker's.
+ */
+Test(hostile_moe, a_first_look_takes_the_longest_holder)
+{
+    struct node s1, s2, host, ref, fresh;
+    float y0[64], y[64];
+    start_node(&s1, "s1", NULL, "--listen", "127.0.0.3:0", NULL);
+    start_node(&s2, "s2", NULL, "--listen", "127.0.0.4:0", "--initial-peers", s1.addr, NULL);
+    start_node(&host, "host", NULL, "--host-experts", "ffn.[0:2]", "--expert-dim", "16",
+               "--initial-peers", s1.addr, NULL);
+    /* The honest output, read through another daemon before the attack. */
+    start_node(&ref, "ref", NULL, "--initial-peers", s2.addr, NULL);
+    hmc *h = attach(&ref);
+    hmc_expert ex;
+    find_ffn1(h, &ex, 30000);
+    cr_assert(peer_is(&ex, &host));
+    forward16(h, &ex, y0);
+    hmc_close(h);
+    /* The host holds the name a while before anyone else declares it. */
+    long deadline = hm_test_now_ms() + 20000;
+    while (held_of(&s2, "ffn.1", host.id) < 4 && hm_test_now_ms() < deadline)
+        usleep(500000);
+    cr_assert_geq(held_of(&s2, "ffn.1", host.id), 4, "the replicas never held the host's "
+                  "declaration for 4 s");
+
+    fork_attacker(takeover_body, s1.addr, tmpdir);
+    char *ids = wait_file(tmpdir, "evil.ids", 20000);
+    cr_assert_not_null(ids, "the attacker's declarations were not stored");
+    char id1[HM_PEER_ID_LEN + 1], id2[HM_PEER_ID_LEN + 1];
+    cr_assert_eq(sscanf(ids, "%52s %52s", id1, id2), 2);
+    free(ids);
+    deadline = hm_test_now_ms() + 10000;
+    while (!dht_lists(&s2, "ffn.1", id1, id2) && hm_test_now_ms() < deadline)
+        usleep(200000);
+    cr_assert(dht_lists(&s2, "ffn.1", id1, id2), "the forged declarations are not in the DHT");
+    usleep(2500000); /* a few refreshes of the attacker's fresher declaration */
+
+    /* A trainer that never used ffn.1, on an origin of its own. */
+    start_node(&fresh, "fresh", NULL, "--listen", "127.0.0.5:0", "--initial-peers", s1.addr,
+               NULL);
+    long hh = held_of(&fresh, "ffn.1", host.id), ha = held_of(&fresh, "ffn.1", id2);
+    fprintf(stderr, "first look: the replicas held the host's ffn.1 for %ld s, the "
+            "attacker's for %ld s\n", hh, ha);
+    cr_assert_gt(hh, ha, "the host's declaration is not the longer held (%ld s, %ld s)", hh,
+                 ha);
+    h = attach(&fresh);
+    for (int i = 0; i < 3; i++) {
+        find_ffn1(h, &ex, 10000);
+        cr_assert(peer_is(&ex, &host), "a first look took ffn.1 from %s", ex.peer);
+        forward16(h, &ex, y);
+        cr_assert_eq(memcmp(y, y0, sizeof(y)), 0, "the output is not the honest host's");
+        usleep(300000);
+    }
+    hmc_close(h);
+}

@@ -97,8 +97,11 @@ static void on_dht_get(void *ud, int status, const hm_dht_value *values, size_t 
             continue;
         char src[HM_PEER_ID_LEN + 1];
         hm_peer_id_encode(values[i].source_pk, src);
-        json_t *e = json_pack("{s:f, s:I, s:s}", "expiration", r->expiration, "seq",
-                              (json_int_t)r->seq, "source", src);
+        /* -- held since -- held_s: how long the replicas have held it, or null */
+        json_t *e = json_pack("{s:f, s:I, s:s, s:o}", "expiration", r->expiration, "seq",
+                              (json_int_t)r->seq, "source", src, "held_s",
+                              values[i].held_s >= 0 ? json_integer(values[i].held_s)
+                                                    : json_null());
         if (e == NULL || set_bytes(e, "value", r->value, r->value_len) != 0 ||
             (r->has_subkey && set_bytes(e, "subkey", r->subkey, r->subkey_len) != 0) ||
             json_array_append_new(list, e) != 0) {

@@ -11,7 +11,7 @@
  *      reach the lookup and record-checking code.
  * The node is then run past every timeout and freed; the get's callback
  * must have fired exactly once. The seed corpus holds one valid message of
- * every type.
+ * every type, and a VALUE with held times and a GET that asks for them.
  */
 #include "config.h"
 
@@ -146,6 +146,10 @@ static void check_roundtrip(const uint8_t *data, size_t size, hm_dht_msg *m, int
           again.status == m->status && again.has_cursor == m->has_cursor);
     for (size_t i = 0; i < m->n_contacts; i++)
         CHECK(memcmp(again.contacts[i].id, m->contacts[i].id, HM_RT_ID_BYTES) == 0);
+    /* -- held since -- */
+    CHECK(again.has_held == m->has_held);
+    for (size_t i = 0; m->has_held && i < m->n_records; i++)
+        CHECK(again.held[i] == m->held[i]);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
