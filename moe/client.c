@@ -241,7 +241,8 @@ static void holder_note(hm_moe_client *c, const char *name, const uint8_t pk[HM_
     if (!one_holder(c, name))
         return;
     const uint8_t *h = holder_get(c, name);
-    if (h != NULL && memcmp(h, pk, HM_PK_BYTES) == 0)
+    /* -- held since -- a first look passes the others over too (held times) */
+    if (h == NULL || memcmp(h, pk, HM_PK_BYTES) == 0)
         c->refused_holder += n_others;
     holder *slot = holder_slot(c, name, 1);
     if (slot == NULL)

@@ -581,5 +581,10 @@ Test(hostile_moe, a_first_look_takes_the_longest_holder)
         cr_assert_eq(memcmp(y, y0, sizeof(y)), 0, "the output is not the honest host's");
         usleep(300000);
     }
+    char *out, *err;
+    cr_assert_eq(ctl(fresh.sock, "metrics", 0, &out, &err), 0, "metrics: %s", err);
+    cr_assert(strstr(out, "limit=\"ExpertOneHolder\"} 0") == NULL, "%s", out);
+    free(out);
+    free(err);
     hmc_close(h);
 }
