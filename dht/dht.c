@@ -855,12 +855,9 @@ static void held_note(struct op *o, int rep, int h, uint32_t secs)
                                            .secs = secs};
 }
 
-/*
- * Builds the get result: the plain value, or the live subkeys of the
- * dictionary, whichever expires later (Hivemind's rule).
- */
 static size_t get_result_records(struct op *o, double now_s, hm_dht_value *vals);
 
+/* The get result, with the replicas' held times. */
 static size_t get_result(struct op *o, double now_s, hm_dht_value *vals)
 {
     size_t n = get_result_records(o, now_s, vals);
@@ -868,6 +865,10 @@ static size_t get_result(struct op *o, double now_s, hm_dht_value *vals)
     return n;
 }
 
+/*
+ * Builds the get result: the plain value, or the live subkeys of the
+ * dictionary, whichever expires later (Hivemind's rule).
+ */
 static size_t get_result_records(struct op *o, double now_s, hm_dht_value *vals)
 {
     const struct held *plain = NULL;
@@ -1317,9 +1318,9 @@ static int start_find(hm_dht *d, const uint8_t target[HM_RT_ID_BYTES], int join,
  * expired ones, and any whose owner's signature does not verify are
  * dropped, so a forged record cannot win. Per slot (the plain value or one
  * subkey) the freshest stays: for owned records the highest seq, otherwise
- * the latest expiration.
+ * the latest expiration. Returns the index of the held entry of r's slot
+ * (whether r replaced it or not), or -1 (dropped, no room).
  */
-/* Returns the index of the held entry of r's slot, or -1 (refused, no room). */
 static int get_offer(hm_dht *d, struct op *o, const hm_dht_record *r,
                      const uint8_t src_pk[HM_PK_BYTES], double now_s)
 {
