@@ -685,11 +685,12 @@ int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const
         beam_size = k_best;
     if (beam_size > BEAM_MAX)
         return -EINVAL;
-    /* The prefix is valid exactly when "PREFIX.0" is a uid. */
-    size_t plen = strnlen(prefix, HM_MOE_PREFIX_MAX + 1);
-    if (plen > HM_MOE_PREFIX_MAX)
+    /* A grid name, or Hivemind's form of it with the dot ("ffn."). */
+    int nl = hm_moe_name_check(prefix, strnlen(prefix, HM_MOE_PREFIX_MAX + 2), NULL, 0);
+    if (nl < 0)
         return -EINVAL;
-    snprintf(probe, sizeof(probe), "%s.0", prefix);
+    size_t plen = (size_t)nl;
+    snprintf(probe, sizeof(probe), "%.*s.0", nl, prefix);
     if (hm_moe_uid_parse(probe, strlen(probe), &u) != 0)
         return -EINVAL;
     for (size_t d = 0; d < ndims; d++) {
@@ -706,7 +707,8 @@ int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const
     f->kind = FIND_BEAM;
     f->cb = cb;
     f->ud = ud;
-    memcpy(f->prefix, prefix, plen + 1);
+    memcpy(f->prefix, prefix, plen);
+    f->prefix[plen] = '\0';
     f->ndims = ndims;
     f->k_best = k_best;
     f->beam_size = beam_size;
@@ -729,7 +731,7 @@ int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const
         result = -ENOMEM;
         goto out;
     }
-    snprintf(f->beam[0].name, sizeof(f->beam[0].name), "%s.", prefix);
+    snprintf(f->beam[0].name, sizeof(f->beam[0].name), "%s.", f->prefix);
     f->beam[0].score = 0;
     f->n_beam = 1;
     f->c = c;

@@ -3,13 +3,20 @@
  * Pure encode/decode over caller memory; every decoder goes through the
  * bounded wire validator (wire.h) and trusts no declared shape.
  *
- * UIDs. "PREFIX.i.j..." : a prefix of 1..32 characters of [A-Za-z0-9_-]
- * followed by 1..HM_MOE_MAX_GRID_DIMS grid coordinates, each a decimal
- * integer in [0, HM_MOE_MAX_GRID) without leading zeros (so that an expert
- * has exactly one uid, which is also its DHT key); at most HM_MOE_UID_MAX
- * bytes. A hosting
- * pattern is a uid whose coordinates may be ranges "[a:b]" (b exclusive),
- * e.g. "ffn.[0:16].[0:4]" names 64 experts.
+ * UIDs follow Hivemind's grammar: "NAME.i.j...", a grid name followed by
+ * 1..HM_MOE_MAX_GRID_DIMS grid coordinates. The name may hold any character
+ * but '.' (so "transformer::encoder.2" and non-ASCII names are uids), within
+ * these bounds: 1..HM_MOE_PREFIX_MAX bytes of well-formed UTF-8, no control
+ * character (U+0000..U+001F, U+007F..U+009F: uids reach logs, terminals and
+ * JSON) and no "[owner:" (a DHT key holding it is malformed, dht/record.h).
+ * Each coordinate is a decimal integer in [0, HM_MOE_MAX_GRID) without
+ * leading zeros (so that an expert has exactly one uid, which is also its
+ * DHT key); the whole uid is at most HM_MOE_UID_MAX bytes. Hivemind bounds
+ * none of these; hivemindd keeps every one, with a sentence naming the rule
+ * a bad uid breaks (hm_moe_uid_check). A hosting pattern is a uid whose
+ * coordinates may be ranges "[a:b]" (b exclusive), e.g. "ffn.[0:16].[0:4]"
+ * names 64 experts; at most HM_MOE_PATTERN_MAX bytes, and every uid it
+ * names within the uid bounds.
  *
  * RPC methods (rpc.h, HM_RPC_STREAM; bodies are msgpack maps):
  *   "moe.fwd"   {"uid": str, "x": tensor f32 [batch, dim]}
@@ -53,7 +60,8 @@
  *
  * Allow-list (ExpertHostsFile). Text, one rule a line:
  *   PREFIX PEERID [PEERID...]
- * PREFIX is 1..HM_MOE_UID_MAX characters of [A-Za-z0-9_.-] ("ffn." for a
+ * PREFIX is 1..HM_MOE_UID_MAX bytes of UTF-8 free of control characters
+ * (a uid whose name holds a space cannot be named here) ("ffn." for a
  * whole grid, "ffn.3." for a row; matching is by text, so "ffn.3.5" covers
  * ffn.3.5 and also ffn.3.50 to ffn.3.59); the longest
  * PREFIX that begins a uid or grid prefix decides who may declare it; the
@@ -71,9 +79,10 @@
 #include "src/base/crypto.h"
 #include "src/base/wire.h"
 
-#define HM_MOE_UID_MAX 96
-#define HM_MOE_PREFIX_MAX 32
-#define HM_MOE_MAX_GRID_DIMS 4
+#define HM_MOE_UID_MAX 128
+#define HM_MOE_PREFIX_MAX 126 /* the longest name that leaves room for ".0" */
+#define HM_MOE_MAX_GRID_DIMS 16
+#define HM_MOE_PATTERN_MAX 384
 #define HM_MOE_MAX_GRID 65536
 #define HM_MOE_MAX_BATCH 4096
 #define HM_MOE_MAX_DIM 8192
@@ -107,6 +116,15 @@ typedef struct hm_moe_uid {
 
 /* Parses a uid (len bytes, need not be NUL-terminated). 0 or -EINVAL. */
 int hm_moe_uid_parse(const char *s, size_t len, hm_moe_uid *out);
+/* The same, with the rule a bad uid breaks in err ("bad expert uid: ..."). */
+int hm_moe_uid_check(const char *s, size_t len, hm_moe_uid *out, char *err, size_t errlen);
+/*
+ * Checks a grid name as beam searches and listings take it: a uid's name,
+ * optionally with its trailing dot as Hivemind writes prefixes ("ffn." is
+ * "ffn"). Returns the name's length without the dot, or -EINVAL with the
+ * rule in err.
+ */
+int hm_moe_name_check(const char *s, size_t len, char *err, size_t errlen);
 /* Formats "prefix.c0.c1..." ; returns bytes written or -EMSGSIZE. */
 int hm_moe_uid_format(const hm_moe_uid *u, char *buf, size_t len);
 /*
@@ -163,7 +181,7 @@ int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch
 int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
                        size_t *dim_out, size_t *hidden_out);
 
-#define HM_MOE_ERR_MAX 160
+#define HM_MOE_ERR_MAX 320 /* room for a sentence naming a 128-byte uid */
 /*
  * An error reply's reason, made safe to print: cut to HM_MOE_ERR_MAX
  * bytes, every byte outside printable ASCII (controls, escapes, UTF-8)

@@ -1598,6 +1598,48 @@ out:
     return r;
 }
 
+/*
+ * The file name of a uid's checkpoint. A uid's name may hold any character
+ * but '.' ('/' included), so the bytes outside [A-Za-z0-9_.-] are written as
+ * %XX: the name stays inside experts/, one uid has one file, and the uids
+ * of that old alphabet keep the names they always had. A name that would
+ * pass CKPT_NAME_MAX bytes (room left for ".ckpt.prev" and ".tmp" under
+ * NAME_MAX) is "h-" and the hex of the uid's BLAKE2b-128 instead; it holds
+ * no '.', so it is never the name of another uid.
+ */
+#define CKPT_NAME_MAX 200
+
+static void ckpt_name(const char *uid, char out[CKPT_NAME_MAX + 1])
+{
+    static const char hex[] = "0123456789ABCDEF";
+    size_t n = 0;
+
+    for (const unsigned char *p = (const unsigned char *)uid; *p != '\0'; p++) {
+        unsigned char c = *p;
+        int keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                   c == '_' || c == '.' || c == '-';
+        if (n + (keep ? 1 : 3) > CKPT_NAME_MAX) {
+            uint8_t h[16];
+            crypto_generichash(h, sizeof(h), (const uint8_t *)uid, strlen(uid), NULL, 0);
+            memcpy(out, "h-", 2);
+            for (size_t i = 0; i < sizeof(h); i++) {
+                out[2 + 2 * i] = hex[h[i] >> 4];
+                out[3 + 2 * i] = hex[h[i] & 15];
+            }
+            out[2 + 2 * sizeof(h)] = '\0';
+            return;
+        }
+        if (keep) {
+            out[n++] = (char)c;
+        } else {
+            out[n++] = '%';
+            out[n++] = hex[c >> 4];
+            out[n++] = hex[c & 15];
+        }
+    }
+    out[n] = '\0';
+}
+
 static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
                       const hm_ffn_config *cfg, expert **out, char *err, size_t errlen)
 {
@@ -1622,14 +1664,15 @@ static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
     hm_strlcpy(e->type, type, sizeof(e->type));
     c.seed = expert_seed(cfg->seed, e->uid);
     if (s->state_dir != NULL) {
-        size_t pl = strlen(s->state_dir) + strlen("/experts/") + strlen(e->uid) + 6;
+        char name[CKPT_NAME_MAX + 1];
+        ckpt_name(e->uid, name);
+        size_t pl = strlen(s->state_dir) + strlen("/experts/") + strlen(name) + 6;
         e->path = malloc(pl);
         if (e->path == NULL) {
             result = -ENOMEM;
             goto out;
         }
-        /* The uid grammar admits no '/' nor "..", so the name stays inside experts/. */
-        snprintf(e->path, pl, "%s/experts/%s.ckpt", s->state_dir, e->uid);
+        snprintf(e->path, pl, "%s/experts/%s.ckpt", s->state_dir, name);
         if ((result = expert_resume(e, &c, ckpt_max_len(cfg), err, errlen)) < 0)
             goto out;
     }

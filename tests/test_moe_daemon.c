@@ -381,6 +381,74 @@ Test(moe_daemon, bad_arguments_are_answered_once_and_survived)
     stop_node(&n);
 }
 
+/*
+ * Uids as Hivemind writes them, through the daemon: hosted from the command
+ * line, listed and found by their grid names (with and without the dot,
+ * five dimensions), and bad ones refused with the rule they break.
+ */
+Test(moe_daemon, hivemind_uids_are_hosted_found_and_bad_ones_named)
+{
+    struct node n;
+    start_node(&n, "solo", NULL, "--host-experts",
+               "transformer::encoder.[0:2],\xe4\xb8\x93\xe5\xae\xb6.0.1.2.3.[0:2]",
+               "--expert-dim", "16", NULL);
+    hmc *h = attach(&n);
+    char *res = NULL;
+    int r = hmc_request(h, "experts.list", "{\"prefix\":\"transformer::encoder.\"}", &res);
+    cr_assert_eq(r, 0, "%s", hmc_last_error(h));
+    json_t *j = json_loads(res, 0, NULL);
+    hmc_free_string(res);
+    cr_assert_not_null(j);
+    json_t *hosted = json_object_get(j, "hosted");
+    cr_assert_eq(json_array_size(hosted), 2u);
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(hosted, 1), "uid")),
+                     "transformer::encoder.1");
+    json_decref(j);
+
+    /* Five dimensions under a non-ASCII name: the one's own experts, best first. */
+    long deadline = hm_test_now_ms() + 20000;
+    size_t found = 0;
+    do {
+        r = hmc_request(h, "experts.find",
+                        "{\"prefix\":\"\\u4e13\\u5bb6\",\"k_best\":2,\"scores\":[[1],[0,1],"
+                        "[0,0,1],[0,0,0,1],[0.5,2]]}",
+                        &res);
+        cr_assert_eq(r, 0, "%s", hmc_last_error(h));
+        j = json_loads(res, 0, NULL);
+        hmc_free_string(res);
+        found = json_array_size(json_object_get(j, "experts"));
+        if (found == 2) {
+            json_t *e0 = json_array_get(json_object_get(j, "experts"), 0);
+            cr_assert_str_eq(json_string_value(json_object_get(e0, "uid")),
+                             "\xe4\xb8\x93\xe5\xae\xb6.0.1.2.3.1");
+            cr_assert_float_eq(json_number_value(json_object_get(e0, "score")), 6.0, 1e-9);
+        }
+        json_decref(j);
+        if (found < 2)
+            usleep(300000);
+    } while (found < 2 && hm_test_now_ms() < deadline);
+    cr_assert_eq(found, 2u);
+
+    static const char *const bad[][3] = {
+        {"experts.call", "{\"uid\":\"ffn.01\",\"in\":\"/x\",\"out\":\"/y\"}", "leading zeros"},
+        {"experts.call", "{\"uid\":\"a\\tb.1\",\"in\":\"/x\",\"out\":\"/y\"}",
+         "control characters"},
+        {"experts.find", "{\"prefix\":\"a.b\",\"k_best\":1,\"scores\":[[1]]}", "holds a '.'"},
+        {"experts.list", "{\"prefix\":\"a[owner:b]\"}", "[owner:"},
+        {"experts.host", "{\"pattern\":\"g.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15.16.17\"}",
+         "more than 16 grid coordinates"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        r = hmc_request(h, bad[i][0], bad[i][1], NULL);
+        cr_assert_eq(r, -EREMOTEIO, "%s %s: %d", bad[i][0], bad[i][1], r);
+        cr_assert_str_eq(hmc_last_error_code(h), "bad_args", "%s", hmc_last_error(h));
+        cr_assert_not_null(strstr(hmc_last_error(h), bad[i][2]), "%s: %s", bad[i][1],
+                           hmc_last_error(h));
+    }
+    hmc_close(h);
+    stop_node(&n);
+}
+
 /* How many entries a directory holds besides . and .. */
 static size_t count_entries(const char *dir)
 {

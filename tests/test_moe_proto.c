@@ -85,6 +85,15 @@ Test(moe_proto, uid_accepts_and_formats_back)
         {"expert_layer-10.12.0", 2, 12, 0},
         {"abcdefghijklmnopqrstuvwxyz012345.7", 1, 7, 7}, /* 32-character prefix */
         {"ffn.65535.65535.65535.65535", 4, 65535, 65535},
+        /* Hivemind's grammar: any name without '.', any number of dimensions. */
+        {"transformer::encoder.2", 1, 2, 2},
+        {"ffn.1.2.3.4.5", 5, 1, 5},
+        {"g.0.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15", 16, 0, 15},
+        {"f\xc3\xa9.1", 1, 1, 1},                         /* fé */
+        {"\xe4\xb8\x93\xe5\xae\xb6.3.4", 2, 3, 4},        /* 专家 */
+        {"\xf0\x9f\xa7\xa0 brain/layer,1.7", 1, 7, 7},  /* emoji, space, '/', ',' */
+        {"ff n.1", 1, 1, 1},
+        {"a[b]:c.0", 1, 0, 0},
     };
     for (size_t i = 0; i < HM_ARRAY_LEN(ok); i++) {
         hm_moe_uid u;
@@ -103,15 +112,29 @@ Test(moe_proto, uid_rejects)
 {
     static const char *const bad[] = {
         "", "ffn", "ffn.", ".1", "ffn.01", "ffn.00", "ffn.65536", "ffn.1.", "ffn..1",
-        "ffn.1.2.3.4.5", "ff n.1", "ffn.-1", "ffn.+1", "ffn.1a", "ffn.1 ", " ffn.1",
-        "abcdefghijklmnopqrstuvwxyz0123456.1", /* 33-character prefix */
+        "ffn.-1", "ffn.+1", "ffn.1a", "ffn.1 ", "ffn.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15.16.17",
         "ffn[owner:x].1", "ffn.[0:2]", "ffn.1e3", "ffn.0x10", "ffn.99999999999999999999",
-        "f/n.1", "f\xc3\xa9.1",
+        "f\tn.1", "f\x7fn.1", "f\nn.1", "\xc3.1", "\xc0\xaf.1", "\xed\xa0\x80.1",
+        "\xc2\x85.1", "\xf4\x90\x80\x80.1", "\xff.1",
     };
     for (size_t i = 0; i < HM_ARRAY_LEN(bad); i++) {
         hm_moe_uid u;
         cr_assert_eq(hm_moe_uid_parse(bad[i], strlen(bad[i]), &u), -EINVAL, "'%s'", bad[i]);
     }
+    /* 128 bytes is a uid, 129 is not; a 126-byte name is, 127 is not. */
+    char lim[HM_MOE_UID_MAX + 2];
+    memset(lim, 'n', sizeof(lim));
+    memcpy(lim + 124, ".1.2", 4);
+    cr_assert_eq(hm_moe_uid_parse(lim, 128, NULL), 0);
+    memcpy(lim + 124, ".1.23", 5);
+    cr_assert_eq(hm_moe_uid_parse(lim, 129, NULL), -EINVAL);
+    memset(lim, 'n', sizeof(lim));
+    memcpy(lim + 126, ".1", 2);
+    cr_assert_eq(hm_moe_uid_parse(lim, 128, NULL), 0);
+    memcpy(lim + 127, ".1", 2);
+    cr_assert_eq(hm_moe_uid_parse(lim, 129, NULL), -EINVAL);
+    lim[HM_MOE_UID_MAX] = '\0';
+    cr_assert_eq(hm_moe_uid_parse(lim, 128, NULL), -EINVAL); /* no dot: 128 bytes of name */
     /* The length is what counts: an embedded NUL is a bad character, not an end. */
     cr_assert_eq(hm_moe_uid_parse("ffn.1\0", 6, NULL), -EINVAL);
     cr_assert_eq(hm_moe_uid_parse("ffn.12", 5, NULL), 0);
@@ -119,6 +142,48 @@ Test(moe_proto, uid_rejects)
     memset(big, '1', sizeof(big));
     memcpy(big, "ffn.", 4);
     cr_assert_eq(hm_moe_uid_parse(big, sizeof(big), NULL), -EINVAL);
+}
+
+/* A bad uid is refused with the rule it breaks, in words. */
+Test(moe_proto, uid_errors_name_the_rule)
+{
+    static const struct {
+        const char *s, *rule;
+    } cases[] = {
+        {"ffn", "no grid coordinates"},
+        {".1", "grid name before the first '.' is empty"},
+        {"ffn.01", "without leading zeros"},
+        {"ffn.65536", "below 65536"},
+        {"ffn.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15.16.17", "more than 16 grid coordinates"},
+        {"f\tn.1", "control characters"},
+        {"\xc3.1", "not UTF-8"},
+        {"a[owner:b].1", "'[owner:'"},
+        {"", "empty"},
+    };
+    for (size_t i = 0; i < HM_ARRAY_LEN(cases); i++) {
+        char err[160] = "";
+        cr_assert_eq(hm_moe_uid_check(cases[i].s, strlen(cases[i].s), NULL, err, sizeof(err)),
+                     -EINVAL, "'%s'", cases[i].s);
+        cr_assert(strncmp(err, "bad expert uid: ", 16) == 0, "%s", err);
+        cr_assert(strstr(err, cases[i].rule) != NULL, "'%s': %s", cases[i].s, err);
+    }
+    char big[HM_MOE_UID_MAX + 8], err[160];
+    memset(big, 'x', sizeof(big));
+    big[3] = '.';
+    cr_assert_eq(hm_moe_uid_check(big, sizeof(big), NULL, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "longer than 128 bytes") != NULL, "%s", err);
+    hm_moe_uid u;
+    cr_assert_eq(hm_moe_uid_check("transformer::encoder.2", 22, &u, err, sizeof(err)), 0);
+    cr_assert_str_eq(u.prefix, "transformer::encoder");
+
+    /* Grid names as beam searches take them, with or without Hivemind's dot. */
+    cr_assert_eq(hm_moe_name_check("ffn", 3, err, sizeof(err)), 3);
+    cr_assert_eq(hm_moe_name_check("ffn.", 4, err, sizeof(err)), 3);
+    cr_assert_eq(hm_moe_name_check("\xe4\xb8\x93\xe5\xae\xb6", 6, err, sizeof(err)), 6);
+    cr_assert_eq(hm_moe_name_check("ffn.3", 5, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "holds a '.'") != NULL, "%s", err);
+    cr_assert_eq(hm_moe_name_check(".", 1, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "empty") != NULL, "%s", err);
 }
 
 Test(moe_proto, uid_prefixes_and_small_buffers)
@@ -188,6 +253,39 @@ Test(moe_proto, pattern_expands_in_row_major_order)
     free(u);
 }
 
+/* Patterns of Hivemind's uids: any grid name, many dimensions, within the uid bounds. */
+Test(moe_proto, pattern_of_hivemind_uids)
+{
+    hm_moe_uid u[64];
+    char err[160] = "", buf[HM_MOE_UID_MAX + 1];
+    cr_assert_eq(hm_moe_pattern_expand("transformer::encoder.[0:3]", u, 64, err, sizeof(err)), 3,
+                 "%s", err);
+    hm_moe_uid_format(&u[2], buf, sizeof(buf));
+    cr_assert_str_eq(buf, "transformer::encoder.2");
+    cr_assert_eq(hm_moe_pattern_expand("\xe4\xb8\x93.[0:2].1.[0:2].3.[0:2].5", u, 64, err,
+                                       sizeof(err)),
+                 8, "%s", err);
+    hm_moe_uid_format(&u[7], buf, sizeof(buf));
+    cr_assert_str_eq(buf, "\xe4\xb8\x93.1.1.1.3.1.5");
+    cr_assert_eq(u[7].ndims, 6);
+    /* 16 dimensions of two coordinates would be 65536 experts: over the cap, said so. */
+    cr_assert_eq(hm_moe_pattern_expand("g.[0:2].[0:2].[0:2].[0:2].[0:2].[0:2].[0:2].[0:2].[0:2]."
+                                       "[0:2].[0:2].[0:2].[0:2].[0:2].[0:2].[0:2]",
+                                       u, 64, err, sizeof(err)),
+                 -EMSGSIZE);
+    /* A uid the pattern names would pass 128 bytes: refused, with the rule. */
+    char longp[HM_MOE_PATTERN_MAX];
+    memset(longp, 'n', 123);
+    strcpy(longp + 123, ".[0:2].[99:101]");
+    cr_assert_eq(hm_moe_pattern_expand(longp, u, 64, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "longer than 128 bytes") != NULL, "%s", err);
+    strcpy(longp + 123, ".[0:2].[9:11]");
+    cr_assert_eq(hm_moe_pattern_expand(longp, u, 64, err, sizeof(err)), 4, "%s", err);
+    /* Naming the rule for a bad name, too. */
+    cr_assert_eq(hm_moe_pattern_expand("a[owner:b].[0:2]", u, 64, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "[owner:") != NULL, "%s", err);
+}
+
 Test(moe_proto, pattern_over_cap)
 {
     hm_moe_uid u[8];
@@ -208,8 +306,8 @@ Test(moe_proto, pattern_rejects_with_a_position)
 {
     static const char *const bad[] = {
         "", "ffn", "ffn.", "ffn.[2:2]", "ffn.[3:1]", "ffn.[0:65537]", "ffn.[0:2", "ffn.[a:b]",
-        "ffn.[0:2]x", "ffn.[0:2].", "ffn.1.2.3.4.5", "ffn.[0-2]", "ffn.[:2]", "ffn.[0:]",
-        "ffn.[01:2]", "ffn.[65536:65537]", "ffn.[0:2]]", "ffn..1", ".[0:2]", "f n.[0:2]",
+        "ffn.[0:2]x", "ffn.[0:2].", "ffn.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15.16.17", "ffn.[0-2]", "ffn.[:2]", "ffn.[0:]",
+        "ffn.[01:2]", "ffn.[65536:65537]", "ffn.[0:2]]", "ffn..1", ".[0:2]", "f\tn.[0:2]",
         "ffn.[0:655360]",
     };
     for (size_t i = 0; i < HM_ARRAY_LEN(bad); i++) {
@@ -612,7 +710,16 @@ Test(moe_proto, allow_list_parses_matches_longest_and_refuses_bad_lines)
     cr_assert_null(hm_moe_allow_find(al, "ff"));
     hm_moe_allow_free(al);
 
-    const char *bad[] = {"ffn.\n", "ffn. notakey\n", "ff/n. x\n", "ffn.\x01 a\n"};
+    /* Rules for Hivemind's uids: any name without '.', in UTF-8. */
+    snprintf(text, sizeof(text), "\xe4\xb8\x93\xe5\xae\xb6. %s\ntransformer::enc. %s\n", ida, idb);
+    cr_assert_eq(hm_moe_allow_parse(text, strlen(text), &al, err, sizeof(err)), 0, "%s", err);
+    cr_assert(hm_moe_allow_permits(al, "\xe4\xb8\x93\xe5\xae\xb6.1.2", a.pk));
+    cr_assert(!hm_moe_allow_permits(al, "\xe4\xb8\x93\xe5\xae\xb6.1.2", b.pk));
+    cr_assert(!hm_moe_allow_permits(al, "transformer::enc.0", a.pk));
+    hm_moe_allow_free(al);
+
+    const char *bad[] = {"ffn.\n", "ffn. notakey\n", "ff/n. x\n", "ffn.\x01 a\n",
+                         "\xc3. x\n"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         al = (hm_moe_allow *)1;
         cr_assert_eq(hm_moe_allow_parse(bad[i], strlen(bad[i]), &al, err, sizeof(err)), -EINVAL,

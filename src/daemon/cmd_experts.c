@@ -178,7 +178,11 @@ static int host_list(hm_cmd_experts *m, const char *list, const char *type,
     const char *p = list;
     *added_out = 0;
     while (*p != '\0') {
-        const char *comma = strchr(p, ',');
+        /* A grid name may hold commas (uids follow Hivemind's grammar); the
+         * coordinates and ranges after its first '.' cannot, so only a comma
+         * there ends a pattern. */
+        const char *dot = strchr(p, '.');
+        const char *comma = dot != NULL ? strchr(dot, ',') : NULL;
         size_t n = comma != NULL ? (size_t)(comma - p) : strlen(p);
         if (n == 0 || n >= sizeof(one)) {
             snprintf(err, errlen, "empty or overlong pattern in '%s'", list);
@@ -459,20 +463,23 @@ static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
     if (hm_daemon_life_refuse(&m->life, req))
         return;
     const char *prefix;
-    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 1, &prefix) != 0)
+    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX + 1, 1, &prefix) != 0)
         return;
     double timeout;
     if (hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S, &timeout) != 0)
         return;
+    char name[HM_MOE_PREFIX_MAX + 1];
     if (prefix != NULL) {
-        for (const char *p = prefix; *p; p++) {
-            if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
-                  (*p >= '0' && *p <= '9') || *p == '_' || *p == '-')) {
-                hm_control_reply_error(req, "bad_args", "args.prefix must be a grid name of "
-                                       "[A-Za-z0-9_-], such as ffn");
-                return;
-            }
+        char why[160];
+        int nl = hm_moe_name_check(prefix, strlen(prefix), why, sizeof(why));
+        if (nl < 0) {
+            hm_control_reply_error(req, "bad_args", why);
+            return;
         }
+        /* "ffn." and "ffn" name the same grid. */
+        memcpy(name, prefix, (size_t)nl);
+        name[nl] = '\0';
+        prefix = name;
         hm_strlcpy(grids[n_grids++], prefix, sizeof(grids[0]));
     }
     j = calloc(1, sizeof(*j));
@@ -601,8 +608,13 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
     if (hm_daemon_life_refuse(&m->life, req))
         return;
     const char *prefix;
-    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 0, &prefix) != 0)
+    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX + 1, 0, &prefix) != 0)
         return;
+    char why[160];
+    if (hm_moe_name_check(prefix, strlen(prefix), why, sizeof(why)) < 0) {
+        hm_control_reply_error(req, "bad_args", why);
+        return;
+    }
     long long k_best;
     if (hm_daemon_arg_int(req, args, "k_best", -1, 1, HM_MOE_MAX_K, &k_best) != 0)
         return;
@@ -615,7 +627,7 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
     const json_t *sv = json_object_get(args, "scores");
     if (!json_is_array(sv) || json_array_size(sv) < 1 ||
         json_array_size(sv) > HM_MOE_MAX_GRID_DIMS) {
-        hm_control_reply_error(req, "bad_args", "args.scores must be a list of 1 to 4 lists of "
+        hm_control_reply_error(req, "bad_args", "args.scores must be a list of 1 to 16 lists of "
                                "gate scores, one per grid dimension");
         return;
     }
@@ -1128,8 +1140,9 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
     const char *uid;
     if (hm_daemon_arg_string(req, args, "uid", HM_MOE_UID_MAX, 0, &uid) != 0)
         return;
-    if (hm_moe_uid_parse(uid, strlen(uid), &u) != 0) {
-        hm_control_reply_error(req, "bad_args", "args.uid is not an expert uid such as ffn.3.5");
+    char why[160];
+    if (hm_moe_uid_check(uid, strlen(uid), &u, why, sizeof(why)) != 0) {
+        hm_control_reply_error(req, "bad_args", why);
         return;
     }
     double timeout;

@@ -658,6 +658,19 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
             hm_strlcpy(field_str(c, o), v, o->size);
             return 0;
         }
+        /* -- uid grammar -- HostExperts: expert uids follow Hivemind's grammar, whose
+         * grid names may hold any character but '.'; the patterns are checked
+         * in full (and their errors named) when the daemon starts. */
+        if (o->off == offsetof(hm_config, host_experts)) {
+            for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
+                if (*p <= 0x20 || *p == 0x7f) {
+                    hm_errf(why, whylen, "a space or control character (byte 0x%02x)", *p);
+                    return -EINVAL;
+                }
+            }
+            hm_strlcpy(field_str(c, o), v, o->size);
+            return 0;
+        }
         for (const char *p = v; *p; p++) {
             if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
                   (*p >= '0' && *p <= '9') || strchr("._:,[]-", *p) != NULL)) {

@@ -189,13 +189,19 @@ static void check_values(const uint8_t *data, size_t size)
 static void check_grammar(const uint8_t *data, size_t size)
 {
     static hm_moe_uid uids[HM_MOE_MAX_PATTERN_EXPERTS];
-    char buf[HM_MOE_UID_MAX + 1], err[128], pat[320];
+    char buf[HM_MOE_UID_MAX + 1], err[192], pat[HM_MOE_PATTERN_MAX + 8];
     hm_moe_uid u;
     uint32_t coord;
     uint8_t pk[HM_PK_BYTES];
 
     int r = hm_moe_uid_parse((const char *)data, size, &u);
     CHECK(r == 0 || r == -EINVAL);
+    /* The checking form agrees, and names a rule whenever it refuses. */
+    char why[160] = "";
+    CHECK(hm_moe_uid_check((const char *)data, size, NULL, why, sizeof(why)) == r);
+    CHECK(r == 0 || strncmp(why, "bad expert uid: ", 16) == 0);
+    int nl = hm_moe_name_check((const char *)data, size, why, sizeof(why));
+    CHECK(nl == -EINVAL || (nl >= 1 && nl <= HM_MOE_PREFIX_MAX && memchr(data, '.', (size_t)nl) == NULL));
     if (r == 0) {
         int n = hm_moe_uid_format(&u, buf, sizeof(buf));
         CHECK(n >= 0 && (size_t)n == size && memcmp(buf, data, size) == 0);
