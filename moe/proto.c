@@ -409,18 +409,25 @@ int hm_moe_pattern_expand(const char *pattern, hm_moe_uid *out, size_t max, char
 
 /* ------------------------------------------------------------ rpc bodies */
 
-static void wr_tensor2(hm_wire_wr *w, const float *t, size_t batch, size_t dim)
+/* A float32 tensor [batch, dim], or [batch, seq, dim] when seq is not 0. */
+static void wr_tensor(hm_wire_wr *w, const float *t, size_t batch, size_t seq, size_t dim)
 {
     hm_wire_tensor tt;
+    size_t rows = seq != 0 ? batch * seq : batch;
 
     memset(&tt, 0, sizeof(tt));
     tt.dtype = HM_DTYPE_F32;
-    tt.ndim = 2;
+    tt.ndim = seq != 0 ? 3 : 2;
     tt.shape[0] = batch;
-    tt.shape[1] = dim;
+    if (seq != 0) {
+        tt.shape[1] = seq;
+        tt.shape[2] = dim;
+    } else {
+        tt.shape[1] = dim;
+    }
     tt.data = (const uint8_t *)t;
-    tt.nbytes = batch * dim * sizeof(float);
-    if (batch != 0 && tt.nbytes / batch / sizeof(float) != dim) {
+    tt.nbytes = rows * dim * sizeof(float);
+    if ((seq != 0 && rows / seq != batch) || (rows != 0 && tt.nbytes / rows / sizeof(float) != dim)) {
         if (w->err == 0)
             w->err = -EINVAL;
         return;
@@ -438,7 +445,8 @@ static int uid_arg_ok(hm_wire_wr *w, const char *uid)
     return 0;
 }
 
-void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t batch, size_t dim)
+void hm_moe_encode_fwd_seq(hm_wire_wr *w, const char *uid, const float *x, size_t batch,
+                           size_t seq, size_t dim)
 {
     if (!uid_arg_ok(w, uid))
         return;
@@ -446,11 +454,11 @@ void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t ba
     hm_wire_wr_cstr(w, "uid");
     hm_wire_wr_cstr(w, uid);
     hm_wire_wr_cstr(w, "x");
-    wr_tensor2(w, x, batch, dim);
+    wr_tensor(w, x, batch, seq, dim);
 }
 
-void hm_moe_encode_bwd(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
-                       size_t batch, size_t dim)
+void hm_moe_encode_bwd_seq(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
+                           size_t batch, size_t seq, size_t dim)
 {
     if (!uid_arg_ok(w, uid))
         return;
@@ -458,9 +466,20 @@ void hm_moe_encode_bwd(hm_wire_wr *w, const char *uid, const float *x, const flo
     hm_wire_wr_cstr(w, "uid");
     hm_wire_wr_cstr(w, uid);
     hm_wire_wr_cstr(w, "x");
-    wr_tensor2(w, x, batch, dim);
+    wr_tensor(w, x, batch, seq, dim);
     hm_wire_wr_cstr(w, "gy");
-    wr_tensor2(w, gy, batch, dim);
+    wr_tensor(w, gy, batch, seq, dim);
+}
+
+void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t batch, size_t dim)
+{
+    hm_moe_encode_fwd_seq(w, uid, x, batch, 0, dim);
+}
+
+void hm_moe_encode_bwd(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
+                       size_t batch, size_t dim)
+{
+    hm_moe_encode_bwd_seq(w, uid, x, gy, batch, 0, dim);
 }
 
 void hm_moe_encode_info_req(hm_wire_wr *w, const char *uid)
@@ -472,24 +491,42 @@ void hm_moe_encode_info_req(hm_wire_wr *w, const char *uid)
     hm_wire_wr_cstr(w, uid);
 }
 
-void hm_moe_encode_out(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t dim)
+void hm_moe_encode_out_seq(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t seq,
+                           size_t dim)
 {
     hm_wire_wr_map(w, 1);
     hm_wire_wr_cstr(w, backward ? "gx" : "y");
-    wr_tensor2(w, t, batch, dim);
+    wr_tensor(w, t, batch, seq, dim);
 }
 
-void hm_moe_encode_info(hm_wire_wr *w, const char *type, size_t dim, size_t hidden)
+void hm_moe_encode_out(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t dim)
+{
+    hm_moe_encode_out_seq(w, backward, t, batch, 0, dim);
+}
+
+void hm_moe_encode_info_seq(hm_wire_wr *w, const char *type, size_t dim, size_t hidden,
+                            size_t heads, size_t max_seq)
 {
     if (!uid_arg_ok(w, type))
         return;
-    hm_wire_wr_map(w, 3);
+    hm_wire_wr_map(w, max_seq != 0 ? 5 : 3);
     hm_wire_wr_cstr(w, "type");
     hm_wire_wr_cstr(w, type);
     hm_wire_wr_cstr(w, "dim");
     hm_wire_wr_uint(w, dim);
     hm_wire_wr_cstr(w, "hidden");
     hm_wire_wr_uint(w, hidden);
+    if (max_seq != 0) {
+        hm_wire_wr_cstr(w, "heads");
+        hm_wire_wr_uint(w, heads);
+        hm_wire_wr_cstr(w, "max_seq");
+        hm_wire_wr_uint(w, max_seq);
+    }
+}
+
+void hm_moe_encode_info(hm_wire_wr *w, const char *type, size_t dim, size_t hidden)
+{
+    hm_moe_encode_info_seq(w, type, dim, hidden, 0, 0);
 }
 
 /* Reads the "uid" field of a request map: a str that parses as a uid. */
@@ -509,11 +546,12 @@ static int get_uid(const msgpack_object *map, char uid[HM_MOE_UID_MAX + 1])
 }
 
 /*
- * Reads a float32 [batch, dim] tensor under the protocol's caps. The wire
- * layer checks the element count against the bin before anything else, so
- * a declared shape larger than the bytes sent is refused here.
+ * Reads a float32 [batch, dim] or [batch, seq, dim] tensor under the
+ * protocol's caps. The wire layer checks the element count against the bin
+ * before anything else, so a declared shape larger than the bytes sent is
+ * refused here.
  */
-static int get_f32_2d(const msgpack_object *o, hm_wire_tensor *t)
+static int get_f32(const msgpack_object *o, hm_wire_tensor *t)
 {
     int r;
 
@@ -521,14 +559,19 @@ static int get_f32_2d(const msgpack_object *o, hm_wire_tensor *t)
         return -EINVAL;
     if ((r = hm_wire_get_tensor(o, HM_MOE_MAX_ELEMS, t)) < 0)
         return r;
-    if (t->dtype != HM_DTYPE_F32 || t->ndim != 2)
+    if (t->dtype != HM_DTYPE_F32 || (t->ndim != 2 && t->ndim != 3))
         return -EPROTO;
-    if (t->shape[0] == 0 || t->shape[1] == 0)
-        return -EINVAL;
-    if (t->shape[0] > HM_MOE_MAX_BATCH || t->shape[1] > HM_MOE_MAX_DIM)
+    for (unsigned i = 0; i < t->ndim; i++)
+        if (t->shape[i] == 0)
+            return -EINVAL;
+    if (t->shape[0] > HM_MOE_MAX_BATCH || t->shape[t->ndim - 1] > HM_MOE_MAX_DIM ||
+        (t->ndim == 3 && t->shape[1] > HM_MOE_MAX_SEQ))
         return -EMSGSIZE;
     return 0;
 }
+
+/* The tensor's sequence length: 0 for [batch, dim]. */
+static size_t seq_of(const hm_wire_tensor *t) { return t->ndim == 3 ? (size_t)t->shape[1] : 0; }
 
 /*
  * Opens a request or reply, which is a map. The expert protocol has always
@@ -555,15 +598,17 @@ int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *
         goto out;
     if ((result = get_uid(&m.root, req.uid)) < 0)
         goto out;
-    if ((result = get_f32_2d(hm_wire_map_get(&m.root, "x"), &x)) < 0)
+    if ((result = get_f32(hm_wire_map_get(&m.root, "x"), &x)) < 0)
         goto out;
     req.batch = (size_t)x.shape[0];
-    req.dim = (size_t)x.shape[1];
+    req.seq = seq_of(&x);
+    req.dim = (size_t)x.shape[x.ndim - 1];
     req.x = x.data;
     if (backward) {
-        if ((result = get_f32_2d(hm_wire_map_get(&m.root, "gy"), &gy)) < 0)
+        if ((result = get_f32(hm_wire_map_get(&m.root, "gy"), &gy)) < 0)
             goto out;
-        if (gy.shape[0] != x.shape[0] || gy.shape[1] != x.shape[1]) {
+        if (gy.ndim != x.ndim || gy.shape[0] != x.shape[0] || gy.shape[1] != x.shape[1] ||
+            gy.shape[x.ndim - 1] != x.shape[x.ndim - 1]) {
             result = -EPROTO;
             goto out;
         }
@@ -603,33 +648,40 @@ static int all_finite_bytes(const uint8_t *p, size_t n)
     return bad == 0;
 }
 
-int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch, size_t dim,
-                      float *out)
+int hm_moe_decode_out_seq(const uint8_t *buf, size_t len, int backward, size_t batch, size_t seq,
+                          size_t dim, float *out)
 {
     hm_wire_msg m;
     hm_wire_tensor t;
+    size_t rows = seq != 0 ? batch * seq : batch;
     int result;
 
     if (out == NULL || batch == 0 || dim == 0 || batch > HM_MOE_MAX_BATCH ||
-        dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS)
+        dim > HM_MOE_MAX_DIM || seq > HM_MOE_MAX_SEQ || rows * dim > HM_MOE_MAX_ELEMS)
         return -EINVAL;
     if ((result = open_map(&m, buf, len, &frame_limits)) < 0)
         goto out;
-    if ((result = get_f32_2d(hm_wire_map_get(&m.root, backward ? "gx" : "y"), &t)) < 0)
+    if ((result = get_f32(hm_wire_map_get(&m.root, backward ? "gx" : "y"), &t)) < 0)
         goto out;
-    if (t.shape[0] != batch || t.shape[1] != dim) {
+    if (t.shape[0] != batch || seq_of(&t) != seq || t.shape[t.ndim - 1] != dim) {
         result = -EPROTO;
         goto out;
     }
-    if (!all_finite_bytes(t.data, batch * dim)) {
+    if (!all_finite_bytes(t.data, rows * dim)) {
         result = -EDOM;
         goto out;
     }
-    memcpy(out, t.data, batch * dim * sizeof(float));
+    memcpy(out, t.data, rows * dim * sizeof(float));
     result = 0;
 out:
     hm_wire_decode_close(&m);
     return result;
+}
+
+int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch, size_t dim,
+                      float *out)
+{
+    return hm_moe_decode_out_seq(buf, len, backward, batch, 0, dim, out);
 }
 
 /* Type names are short printable words, so that listings and logs can show them as they are. */
@@ -661,6 +713,14 @@ void hm_moe_decode_error(const uint8_t *buf, size_t len, char msg[HM_MOE_ERR_MAX
 int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
                        size_t *dim_out, size_t *hidden_out)
 {
+    return hm_moe_decode_info_seq(buf, len, type, dim_out, hidden_out, NULL, NULL);
+}
+
+int hm_moe_decode_info_seq(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
+                           size_t *dim_out, size_t *hidden_out, size_t *heads_out,
+                           size_t *max_seq_out)
+{
+    uint64_t heads = 0, max_seq = 0;
     hm_wire_msg m;
     const msgpack_object *o;
     char ty[HM_MOE_TYPE_MAX + 1];
@@ -680,6 +740,23 @@ int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX
         result = -EMSGSIZE;
         goto out;
     }
+    /* Experts over sequences say how long a sequence may be; both keys or neither. */
+    const msgpack_object *ho = hm_wire_map_get(&m.root, "heads");
+    const msgpack_object *so = hm_wire_map_get(&m.root, "max_seq");
+    if ((ho == NULL) != (so == NULL))
+        goto out;
+    if (so != NULL) {
+        if (hm_wire_get_uint(ho, &heads) < 0 || hm_wire_get_uint(so, &max_seq) < 0)
+            goto out;
+        if (heads == 0 || heads > dim || max_seq == 0 || max_seq > HM_MOE_MAX_SEQ) {
+            result = -EMSGSIZE;
+            goto out;
+        }
+    }
+    if (heads_out != NULL)
+        *heads_out = (size_t)heads;
+    if (max_seq_out != NULL)
+        *max_seq_out = (size_t)max_seq;
     if (type != NULL)
         memcpy(type, ty, sizeof(ty));
     if (dim_out != NULL)

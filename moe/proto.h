@@ -25,7 +25,16 @@
  *                "gy": tensor f32 [batch, dim]}
  *               -> {"gx": tensor f32 [batch, dim]}
  *   "moe.info"  {"uid": str}
- *               -> {"type": str, "dim": uint, "hidden": uint}
+ *               -> {"type": str, "dim": uint, "hidden": uint
+ *                   [, "heads": uint, "max_seq": uint]}
+ * Revision 2 of the bodies (experts over sequences, type "transformer"):
+ * the tensors may be [batch, seq, dim] (rank 3), and the reply has the
+ * request's shape; moe.info adds heads and max_seq for such experts. A
+ * rank-2 request to a transformer, or a rank-3 one to an ffn, is refused
+ * with -EPROTO and the shape the expert takes; a revision-1 server refuses
+ * every rank-3 request as malformed. Nothing else changed: rank-2 bodies
+ * are those of revision 1, so old and new peers call each other's ffn
+ * experts as before.
  * Errors travel as the rpc status: -ENOENT (no such expert here), -EINVAL
  * (malformed), -EMSGSIZE (over a cap), -EPROTO (dim is not the expert's),
  * -EDOM (non-finite input), -ENOBUFS (the server's queue is full). The
@@ -33,8 +42,9 @@
  * HM_MOE_ERR_MAX bytes, e.g. "ffn.3 takes inputs of width 16, not 8"), so
  * that the caller hears what was wrong; an empty body is allowed.
  *
- * Caps: batch <= HM_MOE_MAX_BATCH, dim <= HM_MOE_MAX_DIM, batch * dim <=
- * HM_MOE_MAX_ELEMS; a request frame is at most HM_MOE_MAX_FRAME bytes.
+ * Caps: batch <= HM_MOE_MAX_BATCH, seq <= HM_MOE_MAX_SEQ, dim <=
+ * HM_MOE_MAX_DIM, batch * seq * dim <= HM_MOE_MAX_ELEMS; a request frame is
+ * at most HM_MOE_MAX_FRAME bytes.
  *
  * DHT declarations (owned records, signed by the host; dht/record.h). For
  * an expert uid "ffn.3.5" hosted by PEERID at HOST:PORT:
@@ -85,6 +95,7 @@
 #define HM_MOE_PATTERN_MAX 384
 #define HM_MOE_MAX_GRID 65536
 #define HM_MOE_MAX_BATCH 4096
+#define HM_MOE_MAX_SEQ 2048
 #define HM_MOE_MAX_DIM 8192
 /*
  * 32 MiB of float32 per tensor. A backward request carries two tensors, so
@@ -148,10 +159,12 @@ int hm_moe_pattern_expand(const char *pattern, hm_moe_uid *out, size_t max, char
 #define HM_MOE_METHOD_INFO "moe.info"
 
 /* A decoded request; pointers point into the frame. x and gy are
- * little-endian float32 [batch, dim], possibly unaligned: copy with memcpy. */
+ * little-endian float32 [batch, dim] (or [batch, seq, dim]), possibly
+ * unaligned: copy with memcpy. */
 typedef struct hm_moe_req {
     char uid[HM_MOE_UID_MAX + 1];
     size_t batch, dim;
+    size_t seq;        /* 0: x is [batch, dim]; else [batch, seq, dim] */
     const uint8_t *x;  /* batch*dim*4 bytes */
     const uint8_t *gy; /* backward only, else NULL */
 } hm_moe_req;
@@ -164,6 +177,16 @@ void hm_moe_encode_info_req(hm_wire_wr *w, const char *uid);
 /* Replies: the output tensor "y" (forward) or "gx" (backward). */
 void hm_moe_encode_out(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t dim);
 void hm_moe_encode_info(hm_wire_wr *w, const char *type, size_t dim, size_t hidden);
+/* Revision 2: the same with [batch, seq, dim] tensors when seq is not 0, and
+ * an info reply with heads and max_seq when max_seq is not 0. */
+void hm_moe_encode_fwd_seq(hm_wire_wr *w, const char *uid, const float *x, size_t batch,
+                           size_t seq, size_t dim);
+void hm_moe_encode_bwd_seq(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
+                           size_t batch, size_t seq, size_t dim);
+void hm_moe_encode_out_seq(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t seq,
+                           size_t dim);
+void hm_moe_encode_info_seq(hm_wire_wr *w, const char *type, size_t dim, size_t hidden,
+                            size_t heads, size_t max_seq);
 
 /*
  * Decoders. backward selects which request/reply is expected. 0, -EINVAL
@@ -180,6 +203,13 @@ int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch
                       float *out);
 int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
                        size_t *dim_out, size_t *hidden_out);
+/* The reply's shape as asked, [batch, seq, dim] when seq is not 0. */
+int hm_moe_decode_out_seq(const uint8_t *buf, size_t len, int backward, size_t batch, size_t seq,
+                          size_t dim, float *out);
+/* Also heads and max_seq (0 and 0 from an expert that takes [batch, dim]). */
+int hm_moe_decode_info_seq(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
+                           size_t *dim_out, size_t *hidden_out, size_t *heads_out,
+                           size_t *max_seq_out);
 
 #define HM_MOE_ERR_MAX 320 /* room for a sentence naming a 128-byte uid */
 /*
