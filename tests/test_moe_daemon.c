@@ -39,6 +39,7 @@
 
 #include "moe/checkpoint.h"
 #include "moe/ffn.h"
+#include "moe/transformer.h"
 #include "lib/hivemind.h"
 #include "tests/proc.h"
 
@@ -519,6 +520,87 @@ Test(moe_daemon, call_on_files_writes_the_output_atomically)
     cr_assert_eq(count_entries(files), 2);
 
     hm_ffn_free(p0);
+    stop_node(&tr);
+    stop_node(&host);
+}
+
+/*
+ * A transformer expert hosted with --expert-type transformer answers
+ * `hivemindctl experts call --seq` on a [batch, seq, dim] file with
+ * exactly the local block of its checkpoint; without --seq, or with one
+ * past its max_seq, the call is refused with the shape it takes.
+ */
+Test(moe_daemon, transformer_expert_call_equals_local)
+{
+    struct node host, tr;
+    char files[128], in[192], outp[192], *out = NULL, *err = NULL;
+    enum { B = 3, S = 4 };
+    float x[B * S * DIM], want[B * S * DIM], y[B * S * DIM];
+    const char *fl[] = {"--host-experts", "enc::layer.[0:2]", "--expert-dim", "16",
+                        "--expert-type", "transformer", "--expert-heads", "4",
+                        "--expert-max-seq", "6"};
+
+    start_node(&host, "host", NULL, fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8],
+               fl[9], NULL);
+    stop_node(&host);
+    char path[512];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_xf *t = NULL;
+    snprintf(path, sizeof(path), "%s/experts/enc%%3A%%3Alayer.1.ckpt", host.dir);
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 30, &buf, &len, NULL), 0, "%s", path);
+    cr_assert_eq(hm_xf_load(buf, len, NULL, &t), 0);
+    free(buf);
+    cr_assert_eq(hm_xf_config_of(t)->heads, 4u);
+
+    start_node(&host, "host", NULL, fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8],
+               fl[9], NULL);
+    json_t *e = hosted_entry(&host, "enc::layer.1");
+    cr_assert_str_eq(json_string_value(json_object_get(e, "type")), "transformer");
+    cr_assert_eq(json_integer_value(json_object_get(e, "max_seq")), 6);
+    json_decref(e);
+    start_node(&tr, "trainer", NULL, "--initial-peers", host.addr, NULL);
+    snprintf(files, sizeof(files), "%s/xfiles", tmpdir);
+    cr_assert_eq(mkdir(files, 0700), 0);
+    snprintf(in, sizeof(in), "%s/x.f32", files);
+    snprintf(outp, sizeof(outp), "%s/y.f32", files);
+    fill(x, B * S * DIM, 9);
+    cr_assert_eq(hm_test_write_file(in, x, sizeof(x), 0600), 0);
+    char *argv[] = {bin_ctl, "-s", tr.sock, "experts", "call", "enc::layer.1", "--in", in,
+                    "--out", outp, "--seq", "4", "--timeout", "10", NULL};
+    int r = -1;
+    long deadline = hm_test_now_ms() + 30000;
+    do {
+        free(out);
+        free(err);
+        r = run_prog(bin_ctl, argv, &out, &err);
+        if (r != 0)
+            usleep(300000);
+    } while (r != 0 && hm_test_now_ms() < deadline);
+    cr_assert_eq(r, 0, "experts call: %s", err);
+    free(out);
+    free(err);
+    FILE *f = fopen(outp, "rb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fread(y, 1, sizeof(y) + 1, f), sizeof(y));
+    fclose(f);
+    cr_assert_eq(hm_xf_forward(t, x, B, S, want), 0);
+    double d = rel_err(y, want, B * S * DIM);
+    cr_assert(d <= 1e-5, "the remote transformer differs from local by %g", d);
+
+    /* Without --seq, or past max_seq: refused, naming the shape. */
+    char *argv2[] = {bin_ctl, "-s", tr.sock, "experts", "call", "enc::layer.1", "--in", in,
+                     "--out", outp, "--timeout", "10", NULL};
+    cr_assert_eq(run_prog(bin_ctl, argv2, &out, &err), 1);
+    cr_assert(strstr(err, "[batch, seq, 16]") != NULL, "%s", err);
+    free(out);
+    free(err);
+    argv[11] = "12";
+    cr_assert_eq(run_prog(bin_ctl, argv, &out, &err), 1);
+    cr_assert(strstr(err, "at most 6") != NULL, "%s", err);
+    free(out);
+    free(err);
+    hm_xf_free(t);
     stop_node(&tr);
     stop_node(&host);
 }
