@@ -454,7 +454,7 @@ Test(moe_proto, replies_check_shape_and_finiteness)
 
 Test(moe_proto, hostile_request_shapes)
 {
-    uint64_t s[3];
+    uint64_t s[4];
     /* A shape much larger than the bytes sent. */
     s[0] = 4;
     s[1] = 16;
@@ -489,8 +489,12 @@ Test(moe_proto, hostile_request_shapes)
     cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_U8, s, 2, 8), -EPROTO);
     cr_assert_eq(decode_raw("ffn.1", 99, s, 2, 32), -EPROTO);
     cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_F32, s, 1, 8), -EPROTO);
+    /* Rank 3 is revision 2's [batch, seq, dim] (the server decides who takes it); rank 4 is
+     * nothing. */
     s[2] = 1;
-    cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_F32, s, 3, 32), -EPROTO);
+    cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_F32, s, 3, 32), 0);
+    s[3] = 1;
+    cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_F32, s, 4, 32), -EPROTO);
     /* A bad uid. */
     cr_assert_eq(decode_raw("ffn.01", HM_DTYPE_F32, s, 2, 32), -EINVAL);
     cr_assert_eq(decode_raw("../../etc/passwd.1", HM_DTYPE_F32, s, 2, 32), -EINVAL);
@@ -733,4 +737,90 @@ Test(moe_proto, allow_list_parses_matches_longest_and_refuses_bad_lines)
     cr_assert_eq(hm_moe_allow_parse("", 0, &al, err, sizeof(err)), 0);
     cr_assert_eq(al->n, 0u);
     hm_moe_allow_free(al);
+}
+
+/* ---- revision 2: tensors over sequences ---- */
+
+Test(moe_proto, sequence_requests_and_replies_round_trip)
+{
+    enum { B = 2, S = 3, D = 4 };
+    float x[B * S * D], gy[B * S * D], back[B * S * D];
+    hm_wire_wr w;
+    hm_moe_req req;
+    size_t len;
+    fill(x, B * S * D, 0.5f);
+    fill(gy, B * S * D, -1.0f);
+
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_moe_encode_bwd_seq(&w, "transformer::enc.1", x, gy, B, S, D);
+    uint8_t *b = hm_wire_wr_steal(&w, &len);
+    cr_assert_not_null(b);
+    cr_assert_eq(hm_moe_decode_req(b, len, 1, &req), 0);
+    cr_assert_str_eq(req.uid, "transformer::enc.1");
+    cr_assert_eq(req.batch, B);
+    cr_assert_eq(req.seq, S);
+    cr_assert_eq(req.dim, D);
+    memcpy(back, req.gy, sizeof(back));
+    cr_assert_eq(memcmp(back, gy, sizeof(back)), 0);
+    free(b);
+    /* Rank 2 says seq 0, as revision 1 bodies always were. */
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_moe_encode_fwd(&w, "ffn.1", x, B, D);
+    b = hm_wire_wr_steal(&w, &len);
+    cr_assert_eq(hm_moe_decode_req(b, len, 0, &req), 0);
+    cr_assert_eq(req.seq, 0u);
+    free(b);
+
+    /* Replies: the shape asked, rank included. */
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_moe_encode_out_seq(&w, 0, x, B, S, D);
+    b = hm_wire_wr_steal(&w, &len);
+    cr_assert_eq(hm_moe_decode_out_seq(b, len, 0, B, S, D, back), 0);
+    cr_assert_eq(memcmp(back, x, sizeof(back)), 0);
+    cr_assert_eq(hm_moe_decode_out_seq(b, len, 0, B, 2, D, back), -EPROTO);
+    cr_assert_eq(hm_moe_decode_out(b, len, 0, B * S, D, back), -EPROTO);
+    cr_assert_eq(hm_moe_decode_out_seq(b, len, 0, B, HM_MOE_MAX_SEQ + 1, D, back), -EINVAL);
+    free(b);
+
+    /* x and gy of different ranks, a seq over the cap: refused. */
+    uint64_t s3[3] = {1, HM_MOE_MAX_SEQ + 1, 1};
+    cr_assert_eq(decode_raw("t.1", HM_DTYPE_F32, s3, 3, (HM_MOE_MAX_SEQ + 1) * 4), -EMSGSIZE);
+    uint64_t s4[4] = {1, 1, 1, 1};
+    cr_assert_eq(decode_raw("t.1", HM_DTYPE_F32, s4, 4, 4), -EPROTO);
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_wire_wr_map(&w, 3);
+    hm_wire_wr_cstr(&w, "uid");
+    hm_wire_wr_cstr(&w, "t.1");
+    hm_wire_wr_cstr(&w, "x");
+    hm_wire_tensor t3 = {.dtype = HM_DTYPE_F32, .ndim = 3, .shape = {B, S, D},
+                         .data = (const uint8_t *)x, .nbytes = sizeof(x)};
+    hm_wire_wr_tensor(&w, &t3);
+    hm_wire_wr_cstr(&w, "gy");
+    hm_wire_tensor t2 = {.dtype = HM_DTYPE_F32, .ndim = 2, .shape = {B * S, D},
+                         .data = (const uint8_t *)gy, .nbytes = sizeof(gy)};
+    hm_wire_wr_tensor(&w, &t2);
+    b = hm_wire_wr_steal(&w, &len);
+    cr_assert_eq(hm_moe_decode_req(b, len, 1, &req), -EPROTO);
+    free(b);
+
+    /* Info: heads and max_seq for experts over sequences; a revision-1 reader skips them. */
+    uint8_t ib[256];
+    char type[HM_MOE_TYPE_MAX + 1];
+    size_t dim, hidden, heads = 9, max_seq = 9;
+    hm_wire_wr_init_fixed(&w, ib, sizeof(ib));
+    hm_moe_encode_info_seq(&w, "transformer", 16, 64, 4, 512);
+    cr_assert_eq(hm_moe_decode_info_seq(ib, w.len, type, &dim, &hidden, &heads, &max_seq), 0);
+    cr_assert_eq(heads, 4u);
+    cr_assert_eq(max_seq, 512u);
+    cr_assert_eq(hm_moe_decode_info(ib, w.len, type, &dim, &hidden), 0);
+    cr_assert_str_eq(type, "transformer");
+    hm_wire_wr_init_fixed(&w, ib, sizeof(ib));
+    hm_moe_encode_info(&w, "ffn", 16, 64);
+    cr_assert_eq(hm_moe_decode_info_seq(ib, w.len, type, &dim, &hidden, &heads, &max_seq), 0);
+    cr_assert_eq(heads, 0u);
+    cr_assert_eq(max_seq, 0u);
+    hm_wire_wr_init_fixed(&w, ib, sizeof(ib));
+    hm_moe_encode_info_seq(&w, "transformer", 16, 64, 4, HM_MOE_MAX_SEQ + 1);
+    cr_assert_eq(hm_moe_decode_info_seq(ib, w.len, type, &dim, &hidden, &heads, &max_seq),
+                 -EMSGSIZE);
 }
