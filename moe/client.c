@@ -702,11 +702,12 @@ int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const
         beam_size = k_best;
     if (beam_size > BEAM_MAX)
         return -EINVAL;
-    /* The prefix is valid exactly when "PREFIX.0" is a uid. */
-    size_t plen = strnlen(prefix, HM_MOE_PREFIX_MAX + 1);
-    if (plen > HM_MOE_PREFIX_MAX)
+    /* A grid name, or Hivemind's form of it with the dot ("ffn."). */
+    int nl = hm_moe_name_check(prefix, strnlen(prefix, HM_MOE_PREFIX_MAX + 2), NULL, 0);
+    if (nl < 0)
         return -EINVAL;
-    snprintf(probe, sizeof(probe), "%s.0", prefix);
+    size_t plen = (size_t)nl;
+    snprintf(probe, sizeof(probe), "%.*s.0", nl, prefix);
     if (hm_moe_uid_parse(probe, strlen(probe), &u) != 0)
         return -EINVAL;
     for (size_t d = 0; d < ndims; d++) {
@@ -723,7 +724,8 @@ int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const
     f->kind = FIND_BEAM;
     f->cb = cb;
     f->ud = ud;
-    memcpy(f->prefix, prefix, plen + 1);
+    memcpy(f->prefix, prefix, plen);
+    f->prefix[plen] = '\0';
     f->ndims = ndims;
     f->k_best = k_best;
     f->beam_size = beam_size;
@@ -746,7 +748,7 @@ int hm_moe_beam_search(hm_moe_client *c, const char *prefix, const double *const
         result = -ENOMEM;
         goto out;
     }
-    snprintf(f->beam[0].name, sizeof(f->beam[0].name), "%s.", prefix);
+    snprintf(f->beam[0].name, sizeof(f->beam[0].name), "%s.", f->prefix);
     f->beam[0].score = 0;
     f->n_beam = 1;
     f->c = c;
@@ -784,6 +786,7 @@ struct call {
     int backward;
     int done;
     size_t k, k_min, batch, dim;
+    size_t seq; /* 0: x is [batch, dim]; else batch rows are batch / seq sequences */
     uint64_t timeout_after_k_min_ms;
     float *out; /* [k, batch, dim] */
     hm_moe_call_cb cb;
@@ -836,7 +839,12 @@ static int slot_send(call *k, size_t e, const hm_moe_expert *ex, uint64_t timeou
     if (backoff_state(c, ex->pk, now) == HOST_DUE)
         backoff_probe(c, ex->pk, now, timeout_ms);
     hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
-    if (k->backward)
+    if (k->seq != 0 && k->backward)
+        hm_moe_encode_bwd_seq(&w, ex->uid, k->x, k->gy + e * block, k->batch / k->seq, k->seq,
+                              k->dim);
+    else if (k->seq != 0)
+        hm_moe_encode_fwd_seq(&w, ex->uid, k->x, k->batch / k->seq, k->seq, k->dim);
+    else if (k->backward)
         hm_moe_encode_bwd(&w, ex->uid, k->x, k->gy + e * block, k->batch, k->dim);
     else
         hm_moe_encode_fwd(&w, ex->uid, k->x, k->batch, k->dim);
@@ -965,7 +973,9 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
         k->n_cancelled++;
     if (status == 0) {
         float *block = k->out + s->e * k->batch * k->dim;
-        int r = hm_moe_decode_out(body, len, k->backward, k->batch, k->dim, block);
+        int r = k->seq != 0 ? hm_moe_decode_out_seq(body, len, k->backward, k->batch / k->seq,
+                                                    k->seq, k->dim, block)
+                            : hm_moe_decode_out(body, len, k->backward, k->batch, k->dim, block);
         if (r == 0) {
             k->answered[s->e] = 1;
             k->n_answered++;
@@ -1029,7 +1039,10 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
      * Over the protocol's caps the frame could not be sent (or would be
      * refused): say so now, rather than as a timeout when every send fails.
      */
-    if (batch > HM_MOE_MAX_BATCH || dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS)
+    if (o->seq != 0 && batch % o->seq != 0)
+        return -EINVAL;
+    if ((o->seq == 0 ? batch : batch / o->seq) > HM_MOE_MAX_BATCH || o->seq > HM_MOE_MAX_SEQ ||
+        dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS)
         return -EMSGSIZE;
     for (size_t e = 0; e < k_n; e++)
         if (strnlen(experts[e].uid, sizeof(experts[e].uid)) > HM_MOE_UID_MAX)
@@ -1042,6 +1055,7 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     k->k = k_n;
     k->k_min = o->k_min;
     k->batch = batch;
+    k->seq = o->seq;
     k->dim = dim;
     k->timeout_after_k_min_ms = o->timeout_after_k_min_ms;
     k->out = out;

@@ -178,6 +178,10 @@ typedef struct hm_moe_call_opts {
     uint64_t timeout_after_k_min_ms;
     hm_moe_call_error *errors_out;  /* NULL or k entries, filled when the callback fires;
                                        must stay valid until then */
+    size_t seq;                     /* 0: [batch, dim] calls; else the batch rows are
+                                       batch / seq sequences of seq rows, sent as
+                                       [batch / seq, seq, dim] to experts over sequences
+                                       (transformers; proto.h revision 2) */
 } hm_moe_call_opts;
 
 /*

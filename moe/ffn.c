@@ -477,12 +477,11 @@ struct step_k {
     float step_size, bc2_sqrt, b1, b2, eps; /* Adam */
 };
 
-static struct step_k step_constants(const hm_ffn *f)
+static struct step_k step_constants(const hm_ffn_config *c, uint64_t steps)
 {
-    const hm_ffn_config *c = &f->cfg;
     struct step_k k;
     /* torch.optim.Adam: bias-corrected moments, eps added after the correction. */
-    const double t = (double)(f->steps + 1);
+    const double t = (double)(steps + 1);
     const double bc1 = 1.0 - pow(c->beta1, t), bc2 = 1.0 - pow(c->beta2, t);
 
     k.keep = c->weight_decay != 0 ? (float)(1.0 - c->lr * c->weight_decay) : 1.0f;
@@ -504,22 +503,23 @@ static struct step_k step_constants(const hm_ffn *f)
  * gives too); weight decay is decoupled (AdamW-style: it shrinks the
  * weights, not the gradient).
  */
-static inline void step_one(const hm_ffn *f, const struct step_k *k, size_t i, float g,
-                            float *p_out, float *m1_out, float *m2_out)
+static inline void step_one(const hm_ffn_config *c, const struct step_k *k, const float *params,
+                            const float *m1, const float *m2, size_t i, float g, float *p_out,
+                            float *m1_out, float *m2_out)
 {
-    float p = f->params[i] * k->keep;
+    float p = params[i] * k->keep;
 
-    if (f->cfg.optimizer == HM_FFN_SGD) {
-        if (f->m1 != NULL) {
-            float b = k->mom * f->m1[i] + g;
+    if (c->optimizer == HM_FFN_SGD) {
+        if (m1 != NULL) {
+            float b = k->mom * m1[i] + g;
             *m1_out = b;
             p -= k->lr * b;
         } else {
             p -= k->lr * g;
         }
     } else {
-        float m = k->b1 * f->m1[i] + (1.0f - k->b1) * g;
-        float v = k->b2 * f->m2[i] + (1.0f - k->b2) * g * g;
+        float m = k->b1 * m1[i] + (1.0f - k->b1) * g;
+        float v = k->b2 * m2[i] + (1.0f - k->b2) * g * g;
         *m1_out = m;
         *m2_out = v;
         p -= k->step_size * m / (sqrtf(v) / k->bc2_sqrt + k->eps);
@@ -527,41 +527,65 @@ static inline void step_one(const hm_ffn *f, const struct step_k *k, size_t i, f
     *p_out = p;
 }
 
-int hm_ffn_apply(hm_ffn *f, const float *grad_params)
+int hm_ffn_moments(const hm_ffn_config *c) { return c != NULL ? moments_of(c) : 0; }
+
+int hm_ffn_opt_check(const hm_ffn_config *c, uint64_t steps, const float *params,
+                     const float *m1, const float *m2, const float *grad, size_t n)
 {
     struct step_k k;
-    size_t i, n;
+    size_t i;
 
-    if (f == NULL || grad_params == NULL)
+    if (c == NULL || (n > 0 && (params == NULL || grad == NULL)) ||
+        (moments_of(c) >= 1 && n > 0 && m1 == NULL) || (moments_of(c) >= 2 && n > 0 && m2 == NULL))
         return -EINVAL;
-    n = f->nparams;
     /* A non-finite gradient would poison every parameter it touches: refuse it whole. */
-    if (!finite_all(grad_params, n))
+    if (!finite_all(grad, n))
         return -EDOM;
-    k = step_constants(f);
+    k = step_constants(c, steps);
     /*
      * A finite but huge gradient can still overflow a moment (Adam squares
      * it) or a parameter: the expert would then stop learning for good and
-     * its checkpoints could not be loaded. So a first, read-only pass checks
-     * that every new value would be finite, and only then are they written.
-     * The pass costs a few flops per parameter, little next to the matrix
-     * products of the gradient.
+     * its checkpoints could not be loaded. So this read-only pass checks
+     * that every new value would be finite before anything is written. It
+     * costs a few flops per parameter, little next to the matrix products
+     * of the gradient.
      */
     for (i = 0; i < n; i++) {
-        float p, m1 = 0, m2 = 0;
-        step_one(f, &k, i, grad_params[i], &p, &m1, &m2);
-        if (!isfinite(p) || !isfinite(m1) || !isfinite(m2))
+        float p, nm1 = 0, nm2 = 0;
+        step_one(c, &k, params, m1, m2, i, grad[i], &p, &nm1, &nm2);
+        if (!isfinite(p) || !isfinite(nm1) || !isfinite(nm2))
             return -EDOM;
     }
+    return 0;
+}
+
+void hm_ffn_opt_step(const hm_ffn_config *c, uint64_t steps, float *params, float *m1,
+                     float *m2, const float *grad, size_t n)
+{
+    struct step_k k = step_constants(c, steps);
+    size_t i;
+
     for (i = 0; i < n; i++) {
-        float p, m1 = 0, m2 = 0;
-        step_one(f, &k, i, grad_params[i], &p, &m1, &m2);
-        f->params[i] = p;
-        if (f->m1 != NULL)
-            f->m1[i] = m1;
-        if (f->m2 != NULL)
-            f->m2[i] = m2;
+        float p, nm1 = 0, nm2 = 0;
+        step_one(c, &k, params, m1, m2, i, grad[i], &p, &nm1, &nm2);
+        params[i] = p;
+        if (m1 != NULL)
+            m1[i] = nm1;
+        if (m2 != NULL)
+            m2[i] = nm2;
     }
+}
+
+int hm_ffn_apply(hm_ffn *f, const float *grad_params)
+{
+    int r;
+
+    if (f == NULL || grad_params == NULL)
+        return -EINVAL;
+    r = hm_ffn_opt_check(&f->cfg, f->steps, f->params, f->m1, f->m2, grad_params, f->nparams);
+    if (r < 0)
+        return r;
+    hm_ffn_opt_step(&f->cfg, f->steps, f->params, f->m1, f->m2, grad_params, f->nparams);
     f->steps++;
     return 0;
 }

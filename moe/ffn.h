@@ -92,6 +92,22 @@ int hm_ffn_grad(const hm_ffn *f, const float *x, const float *grad_y, size_t bat
  */
 int hm_ffn_apply(hm_ffn *f, const float *grad_params);
 
+/*
+ * The same optimizer over any flat vector, for experts that hold an ffn and
+ * parameters of their own (transformer.h) and step both as one. c is a
+ * config as hm_ffn_config_of returns it (defaults filled in); the vector has
+ * n parameters and hm_ffn_moments(c) moment vectors m1, m2 (NULL when the
+ * optimizer keeps fewer); steps is the number of steps taken before this
+ * one. hm_ffn_opt_check writes nothing: 0, -EDOM (a non-finite gradient,
+ * or a step that would make a value non-finite) or -EINVAL. hm_ffn_opt_step
+ * then writes the step; it checks nothing.
+ */
+int hm_ffn_moments(const hm_ffn_config *c);
+int hm_ffn_opt_check(const hm_ffn_config *c, uint64_t steps, const float *params,
+                     const float *m1, const float *m2, const float *grad, size_t n);
+void hm_ffn_opt_step(const hm_ffn_config *c, uint64_t steps, float *params, float *m1,
+                     float *m2, const float *grad, size_t n);
+
 /* hm_ffn_grad then hm_ffn_apply, as the server does on each backward call. */
 int hm_ffn_backward(hm_ffn *f, const float *x, const float *grad_y, size_t batch,
                     float *grad_x);

@@ -42,10 +42,94 @@ static const char owner_open[] = "[owner:";
 
 /* ------------------------------------------------------------ uids */
 
+/*
+ * Type names (and nothing else since uids follow Hivemind's grammar) are
+ * short words of [A-Za-z0-9_-].
+ */
 static int prefix_char(char c)
 {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
            c == '_' || c == '-';
+}
+
+/*
+ * The length of the UTF-8 character at s[0..n) when it is well formed
+ * (shortest form, no surrogate, at most U+10FFFF) and not a control
+ * character (U+0000..U+001F, U+007F..U+009F); 0 otherwise. Control
+ * characters are refused because uids end up in logs, terminals and JSON,
+ * where they could move a cursor or split a line.
+ */
+static size_t utf8_char(const unsigned char *s, size_t n)
+{
+    unsigned char c = s[0];
+    uint32_t cp;
+    size_t len;
+
+    if (c < 0x80)
+        return c >= 0x20 && c != 0x7f ? 1 : 0;
+    if (c >= 0xc2 && c <= 0xdf) {
+        len = 2;
+        cp = c & 0x1f;
+    } else if (c >= 0xe0 && c <= 0xef) {
+        len = 3;
+        cp = c & 0x0f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+        len = 4;
+        cp = c & 0x07;
+    } else {
+        return 0;
+    }
+    if (n < len)
+        return 0;
+    for (size_t i = 1; i < len; i++) {
+        if ((s[i] & 0xc0) != 0x80)
+            return 0;
+        cp = (cp << 6) | (s[i] & 0x3f);
+    }
+    if ((len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
+        (cp >= 0xd800 && cp <= 0xdfff) || (cp >= 0x80 && cp <= 0x9f))
+        return 0;
+    return len;
+}
+
+/* The rules below name these numbers in words. */
+_Static_assert(HM_MOE_UID_MAX == 128 && HM_MOE_PREFIX_MAX == 126 && HM_MOE_MAX_GRID_DIMS == 16 &&
+                   HM_MOE_MAX_GRID == 65536,
+               "update the rules' wording");
+
+static int has_owner_open(const char *s, size_t n)
+{
+    const size_t ol = sizeof(owner_open) - 1;
+    for (size_t i = 0; i + ol <= n; i++)
+        if (memcmp(s + i, owner_open, ol) == 0)
+            return 1;
+    return 0;
+}
+
+/*
+ * Checks a grid name (a uid's prefix, without its dot): 1..HM_MOE_PREFIX_MAX
+ * bytes of UTF-8 holding no '.', no control character and no owner marker
+ * opening. NULL when it is good, else the rule it breaks.
+ */
+static const char *name_rule(const char *s, size_t n)
+{
+    if (n == 0)
+        return "the grid name before the first '.' is empty";
+    if (n > HM_MOE_PREFIX_MAX)
+        return "the grid name is longer than 126 bytes";
+    for (size_t i = 0; i < n;) {
+        size_t l;
+        if (s[i] == '.')
+            return "the grid name holds a '.'";
+        if ((l = utf8_char((const unsigned char *)s + i, n - i)) == 0)
+            return "the grid name is not UTF-8 free of control characters";
+        i += l;
+    }
+    /* A DHT key holding "[owner:" anywhere but as its owner marker is malformed
+     * (dht/record.h): such a grid could never be declared. */
+    if (has_owner_open(s, n))
+        return "the grid name holds '[owner:', which marks DHT record owners";
+    return NULL;
 }
 
 /*
@@ -73,46 +157,92 @@ static int read_coord(const char *s, size_t len, size_t *pos, uint32_t *out)
     return 0;
 }
 
-/* The prefix up to the first dot; returns its length or -EINVAL. */
-static int read_prefix(const char *s, size_t len)
+/* The prefix up to the first dot; returns its length, or -EINVAL with the rule in *why. */
+static int read_prefix(const char *s, size_t len, const char **why)
 {
-    size_t i = 0;
-    while (i < len && s[i] != '.') {
-        if (!prefix_char(s[i]))
-            return -EINVAL;
-        i++;
-    }
-    if (i == 0 || i > HM_MOE_PREFIX_MAX || i >= len)
+    const char *dot = memchr(s, '.', len);
+    size_t n = dot != NULL ? (size_t)(dot - s) : len;
+
+    if ((*why = name_rule(s, n)) != NULL)
         return -EINVAL;
-    return (int)i;
+    if (dot == NULL) {
+        *why = "no grid coordinates: a uid is NAME.i[.j...]";
+        return -EINVAL;
+    }
+    return (int)n;
 }
 
-int hm_moe_uid_parse(const char *s, size_t len, hm_moe_uid *out)
+#define COORD_RULE "each grid coordinate is a decimal integer below 65536 without leading zeros"
+
+static int uid_parse(const char *s, size_t len, hm_moe_uid *out, const char **why)
 {
     hm_moe_uid u;
     size_t pos;
     int pl;
 
-    if (s == NULL || len == 0 || len > HM_MOE_UID_MAX)
+    *why = NULL;
+    if (s == NULL || len == 0) {
+        *why = "the uid is empty";
         return -EINVAL;
+    }
+    if (len > HM_MOE_UID_MAX) {
+        *why = "the uid is longer than 128 bytes";
+        return -EINVAL;
+    }
     memset(&u, 0, sizeof(u));
-    if ((pl = read_prefix(s, len)) < 0)
+    if ((pl = read_prefix(s, len, why)) < 0)
         return pl;
     memcpy(u.prefix, s, (size_t)pl);
     pos = (size_t)pl;
     while (pos < len) {
-        if (s[pos] != '.' || u.ndims == HM_MOE_MAX_GRID_DIMS)
+        if (s[pos] != '.') {
+            *why = COORD_RULE;
             return -EINVAL;
+        }
+        if (u.ndims == HM_MOE_MAX_GRID_DIMS) {
+            *why = "more than 16 grid coordinates";
+            return -EINVAL;
+        }
         pos++;
-        if (read_coord(s, len, &pos, &u.coords[u.ndims]) < 0)
+        if (read_coord(s, len, &pos, &u.coords[u.ndims]) < 0) {
+            *why = COORD_RULE;
             return -EINVAL;
+        }
         u.ndims++;
     }
-    if (u.ndims == 0)
-        return -EINVAL;
     if (out != NULL)
         *out = u;
     return 0;
+}
+
+int hm_moe_uid_parse(const char *s, size_t len, hm_moe_uid *out)
+{
+    const char *why;
+    return uid_parse(s, len, out, &why);
+}
+
+int hm_moe_uid_check(const char *s, size_t len, hm_moe_uid *out, char *err, size_t errlen)
+{
+    const char *why;
+    int r = uid_parse(s, len, out, &why);
+    if (r < 0 && err != NULL && errlen > 0)
+        snprintf(err, errlen, "bad expert uid: %s", why);
+    return r;
+}
+
+int hm_moe_name_check(const char *s, size_t len, char *err, size_t errlen)
+{
+    const char *why;
+    /* Hivemind writes grid prefixes with their dot ("ffn."); both forms name the grid. */
+    if (s != NULL && len > 0 && s[len - 1] == '.')
+        len--;
+    why = s != NULL ? name_rule(s, len) : "no grid name";
+    if (why != NULL) {
+        if (err != NULL && errlen > 0)
+            snprintf(err, errlen, "bad expert grid name: %s", why);
+        return -EINVAL;
+    }
+    return (int)len;
 }
 
 /* Checks a uid struct a caller filled in, so that formatting it yields a parseable uid. */
@@ -122,11 +252,8 @@ static int uid_ok(const hm_moe_uid *u)
     if (u == NULL || u->ndims == 0 || u->ndims > HM_MOE_MAX_GRID_DIMS)
         return 0;
     pl = strnlen(u->prefix, sizeof(u->prefix));
-    if (pl == 0 || pl > HM_MOE_PREFIX_MAX)
+    if (pl > HM_MOE_PREFIX_MAX || name_rule(u->prefix, pl) != NULL)
         return 0;
-    for (size_t i = 0; i < pl; i++)
-        if (!prefix_char(u->prefix[i]))
-            return 0;
     for (unsigned i = 0; i < u->ndims; i++)
         if (u->coords[i] >= HM_MOE_MAX_GRID)
             return 0;
@@ -189,28 +316,28 @@ int hm_moe_pattern_expand(const char *pattern, hm_moe_uid *out, size_t max, char
     uint32_t lo[HM_MOE_MAX_GRID_DIMS], hi[HM_MOE_MAX_GRID_DIMS];
     hm_moe_uid u;
     unsigned nd = 0;
-    size_t len, pos, total = 1, cap;
+    size_t len, pos, total = 1, cap, longest;
+    const char *why;
     int pl;
 
     if (err != NULL && errlen > 0)
         err[0] = '\0';
     if (pattern == NULL)
         return pattern_fail(err, errlen, -EINVAL, 0, "no pattern");
-    /* A pattern is longer than a uid only by its brackets: 4 * "[65535:65536]". */
-    len = strnlen(pattern, 256);
-    if (len == 256)
-        return pattern_fail(err, errlen, -EINVAL, 0, "pattern too long");
+    /* A pattern is longer than a uid only by its brackets: 16 * "[65535:65536]". */
+    len = strnlen(pattern, HM_MOE_PATTERN_MAX + 1);
+    if (len > HM_MOE_PATTERN_MAX)
+        return pattern_fail(err, errlen, -EINVAL, 0, "pattern longer than 384 bytes");
     memset(&u, 0, sizeof(u));
-    if ((pl = read_prefix(pattern, len)) < 0)
-        return pattern_fail(err, errlen, -EINVAL, 0,
-                            "expected a prefix of 1..32 characters of [A-Za-z0-9_-] and a dot");
+    if ((pl = read_prefix(pattern, len, &why)) < 0)
+        return pattern_fail(err, errlen, -EINVAL, 0, why);
     memcpy(u.prefix, pattern, (size_t)pl);
     pos = (size_t)pl;
     while (pos < len) {
         if (pattern[pos] != '.')
             return pattern_fail(err, errlen, -EINVAL, pos, "expected '.'");
         if (nd == HM_MOE_MAX_GRID_DIMS)
-            return pattern_fail(err, errlen, -EINVAL, pos, "more than 4 grid coordinates");
+            return pattern_fail(err, errlen, -EINVAL, pos, "more than 16 grid coordinates");
         pos++;
         if (pos < len && pattern[pos] == '[') {
             pos++;
@@ -245,6 +372,15 @@ int hm_moe_pattern_expand(const char *pattern, hm_moe_uid *out, size_t max, char
     }
     if (nd == 0)
         return pattern_fail(err, errlen, -EINVAL, pos, "no grid coordinates");
+    /* Every uid named must be a uid: the longest has each range's last coordinate. */
+    longest = (size_t)pl;
+    for (unsigned d = 0; d < nd; d++) {
+        char digits[8];
+        longest += 1 + (size_t)snprintf(digits, sizeof(digits), "%u", (unsigned)(hi[d] - 1));
+    }
+    if (longest > HM_MOE_UID_MAX)
+        return pattern_fail(err, errlen, -EINVAL, 0,
+                            "the uids it names would be longer than 128 bytes");
     cap = HM_MIN(max, (size_t)HM_MOE_MAX_PATTERN_EXPERTS);
     for (unsigned d = 0; d < nd; d++) {
         total *= hi[d] - lo[d];
@@ -273,18 +409,25 @@ int hm_moe_pattern_expand(const char *pattern, hm_moe_uid *out, size_t max, char
 
 /* ------------------------------------------------------------ rpc bodies */
 
-static void wr_tensor2(hm_wire_wr *w, const float *t, size_t batch, size_t dim)
+/* A float32 tensor [batch, dim], or [batch, seq, dim] when seq is not 0. */
+static void wr_tensor(hm_wire_wr *w, const float *t, size_t batch, size_t seq, size_t dim)
 {
     hm_wire_tensor tt;
+    size_t rows = seq != 0 ? batch * seq : batch;
 
     memset(&tt, 0, sizeof(tt));
     tt.dtype = HM_DTYPE_F32;
-    tt.ndim = 2;
+    tt.ndim = seq != 0 ? 3 : 2;
     tt.shape[0] = batch;
-    tt.shape[1] = dim;
+    if (seq != 0) {
+        tt.shape[1] = seq;
+        tt.shape[2] = dim;
+    } else {
+        tt.shape[1] = dim;
+    }
     tt.data = (const uint8_t *)t;
-    tt.nbytes = batch * dim * sizeof(float);
-    if (batch != 0 && tt.nbytes / batch / sizeof(float) != dim) {
+    tt.nbytes = rows * dim * sizeof(float);
+    if ((seq != 0 && rows / seq != batch) || (rows != 0 && tt.nbytes / rows / sizeof(float) != dim)) {
         if (w->err == 0)
             w->err = -EINVAL;
         return;
@@ -302,7 +445,8 @@ static int uid_arg_ok(hm_wire_wr *w, const char *uid)
     return 0;
 }
 
-void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t batch, size_t dim)
+void hm_moe_encode_fwd_seq(hm_wire_wr *w, const char *uid, const float *x, size_t batch,
+                           size_t seq, size_t dim)
 {
     if (!uid_arg_ok(w, uid))
         return;
@@ -310,11 +454,11 @@ void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t ba
     hm_wire_wr_cstr(w, "uid");
     hm_wire_wr_cstr(w, uid);
     hm_wire_wr_cstr(w, "x");
-    wr_tensor2(w, x, batch, dim);
+    wr_tensor(w, x, batch, seq, dim);
 }
 
-void hm_moe_encode_bwd(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
-                       size_t batch, size_t dim)
+void hm_moe_encode_bwd_seq(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
+                           size_t batch, size_t seq, size_t dim)
 {
     if (!uid_arg_ok(w, uid))
         return;
@@ -322,9 +466,20 @@ void hm_moe_encode_bwd(hm_wire_wr *w, const char *uid, const float *x, const flo
     hm_wire_wr_cstr(w, "uid");
     hm_wire_wr_cstr(w, uid);
     hm_wire_wr_cstr(w, "x");
-    wr_tensor2(w, x, batch, dim);
+    wr_tensor(w, x, batch, seq, dim);
     hm_wire_wr_cstr(w, "gy");
-    wr_tensor2(w, gy, batch, dim);
+    wr_tensor(w, gy, batch, seq, dim);
+}
+
+void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t batch, size_t dim)
+{
+    hm_moe_encode_fwd_seq(w, uid, x, batch, 0, dim);
+}
+
+void hm_moe_encode_bwd(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
+                       size_t batch, size_t dim)
+{
+    hm_moe_encode_bwd_seq(w, uid, x, gy, batch, 0, dim);
 }
 
 void hm_moe_encode_info_req(hm_wire_wr *w, const char *uid)
@@ -336,24 +491,42 @@ void hm_moe_encode_info_req(hm_wire_wr *w, const char *uid)
     hm_wire_wr_cstr(w, uid);
 }
 
-void hm_moe_encode_out(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t dim)
+void hm_moe_encode_out_seq(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t seq,
+                           size_t dim)
 {
     hm_wire_wr_map(w, 1);
     hm_wire_wr_cstr(w, backward ? "gx" : "y");
-    wr_tensor2(w, t, batch, dim);
+    wr_tensor(w, t, batch, seq, dim);
 }
 
-void hm_moe_encode_info(hm_wire_wr *w, const char *type, size_t dim, size_t hidden)
+void hm_moe_encode_out(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t dim)
+{
+    hm_moe_encode_out_seq(w, backward, t, batch, 0, dim);
+}
+
+void hm_moe_encode_info_seq(hm_wire_wr *w, const char *type, size_t dim, size_t hidden,
+                            size_t heads, size_t max_seq)
 {
     if (!uid_arg_ok(w, type))
         return;
-    hm_wire_wr_map(w, 3);
+    hm_wire_wr_map(w, max_seq != 0 ? 5 : 3);
     hm_wire_wr_cstr(w, "type");
     hm_wire_wr_cstr(w, type);
     hm_wire_wr_cstr(w, "dim");
     hm_wire_wr_uint(w, dim);
     hm_wire_wr_cstr(w, "hidden");
     hm_wire_wr_uint(w, hidden);
+    if (max_seq != 0) {
+        hm_wire_wr_cstr(w, "heads");
+        hm_wire_wr_uint(w, heads);
+        hm_wire_wr_cstr(w, "max_seq");
+        hm_wire_wr_uint(w, max_seq);
+    }
+}
+
+void hm_moe_encode_info(hm_wire_wr *w, const char *type, size_t dim, size_t hidden)
+{
+    hm_moe_encode_info_seq(w, type, dim, hidden, 0, 0);
 }
 
 /* Reads the "uid" field of a request map: a str that parses as a uid. */
@@ -373,11 +546,12 @@ static int get_uid(const msgpack_object *map, char uid[HM_MOE_UID_MAX + 1])
 }
 
 /*
- * Reads a float32 [batch, dim] tensor under the protocol's caps. The wire
- * layer checks the element count against the bin before anything else, so
- * a declared shape larger than the bytes sent is refused here.
+ * Reads a float32 [batch, dim] or [batch, seq, dim] tensor under the
+ * protocol's caps. The wire layer checks the element count against the bin
+ * before anything else, so a declared shape larger than the bytes sent is
+ * refused here.
  */
-static int get_f32_2d(const msgpack_object *o, hm_wire_tensor *t)
+static int get_f32(const msgpack_object *o, hm_wire_tensor *t)
 {
     int r;
 
@@ -385,14 +559,19 @@ static int get_f32_2d(const msgpack_object *o, hm_wire_tensor *t)
         return -EINVAL;
     if ((r = hm_wire_get_tensor(o, HM_MOE_MAX_ELEMS, t)) < 0)
         return r;
-    if (t->dtype != HM_DTYPE_F32 || t->ndim != 2)
+    if (t->dtype != HM_DTYPE_F32 || (t->ndim != 2 && t->ndim != 3))
         return -EPROTO;
-    if (t->shape[0] == 0 || t->shape[1] == 0)
-        return -EINVAL;
-    if (t->shape[0] > HM_MOE_MAX_BATCH || t->shape[1] > HM_MOE_MAX_DIM)
+    for (unsigned i = 0; i < t->ndim; i++)
+        if (t->shape[i] == 0)
+            return -EINVAL;
+    if (t->shape[0] > HM_MOE_MAX_BATCH || t->shape[t->ndim - 1] > HM_MOE_MAX_DIM ||
+        (t->ndim == 3 && t->shape[1] > HM_MOE_MAX_SEQ))
         return -EMSGSIZE;
     return 0;
 }
+
+/* The tensor's sequence length: 0 for [batch, dim]. */
+static size_t seq_of(const hm_wire_tensor *t) { return t->ndim == 3 ? (size_t)t->shape[1] : 0; }
 
 /*
  * Opens a request or reply, which is a map. The expert protocol has always
@@ -419,15 +598,17 @@ int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *
         goto out;
     if ((result = get_uid(&m.root, req.uid)) < 0)
         goto out;
-    if ((result = get_f32_2d(hm_wire_map_get(&m.root, "x"), &x)) < 0)
+    if ((result = get_f32(hm_wire_map_get(&m.root, "x"), &x)) < 0)
         goto out;
     req.batch = (size_t)x.shape[0];
-    req.dim = (size_t)x.shape[1];
+    req.seq = seq_of(&x);
+    req.dim = (size_t)x.shape[x.ndim - 1];
     req.x = x.data;
     if (backward) {
-        if ((result = get_f32_2d(hm_wire_map_get(&m.root, "gy"), &gy)) < 0)
+        if ((result = get_f32(hm_wire_map_get(&m.root, "gy"), &gy)) < 0)
             goto out;
-        if (gy.shape[0] != x.shape[0] || gy.shape[1] != x.shape[1]) {
+        if (gy.ndim != x.ndim || gy.shape[0] != x.shape[0] || gy.shape[1] != x.shape[1] ||
+            gy.shape[x.ndim - 1] != x.shape[x.ndim - 1]) {
             result = -EPROTO;
             goto out;
         }
@@ -467,33 +648,40 @@ static int all_finite_bytes(const uint8_t *p, size_t n)
     return bad == 0;
 }
 
-int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch, size_t dim,
-                      float *out)
+int hm_moe_decode_out_seq(const uint8_t *buf, size_t len, int backward, size_t batch, size_t seq,
+                          size_t dim, float *out)
 {
     hm_wire_msg m;
     hm_wire_tensor t;
+    size_t rows = seq != 0 ? batch * seq : batch;
     int result;
 
     if (out == NULL || batch == 0 || dim == 0 || batch > HM_MOE_MAX_BATCH ||
-        dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS)
+        dim > HM_MOE_MAX_DIM || seq > HM_MOE_MAX_SEQ || rows * dim > HM_MOE_MAX_ELEMS)
         return -EINVAL;
     if ((result = open_map(&m, buf, len, &frame_limits)) < 0)
         goto out;
-    if ((result = get_f32_2d(hm_wire_map_get(&m.root, backward ? "gx" : "y"), &t)) < 0)
+    if ((result = get_f32(hm_wire_map_get(&m.root, backward ? "gx" : "y"), &t)) < 0)
         goto out;
-    if (t.shape[0] != batch || t.shape[1] != dim) {
+    if (t.shape[0] != batch || seq_of(&t) != seq || t.shape[t.ndim - 1] != dim) {
         result = -EPROTO;
         goto out;
     }
-    if (!all_finite_bytes(t.data, batch * dim)) {
+    if (!all_finite_bytes(t.data, rows * dim)) {
         result = -EDOM;
         goto out;
     }
-    memcpy(out, t.data, batch * dim * sizeof(float));
+    memcpy(out, t.data, rows * dim * sizeof(float));
     result = 0;
 out:
     hm_wire_decode_close(&m);
     return result;
+}
+
+int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch, size_t dim,
+                      float *out)
+{
+    return hm_moe_decode_out_seq(buf, len, backward, batch, 0, dim, out);
 }
 
 /* Type names are short printable words, so that listings and logs can show them as they are. */
@@ -525,6 +713,14 @@ void hm_moe_decode_error(const uint8_t *buf, size_t len, char msg[HM_MOE_ERR_MAX
 int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
                        size_t *dim_out, size_t *hidden_out)
 {
+    return hm_moe_decode_info_seq(buf, len, type, dim_out, hidden_out, NULL, NULL);
+}
+
+int hm_moe_decode_info_seq(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
+                           size_t *dim_out, size_t *hidden_out, size_t *heads_out,
+                           size_t *max_seq_out)
+{
+    uint64_t heads = 0, max_seq = 0;
     hm_wire_msg m;
     const msgpack_object *o;
     char ty[HM_MOE_TYPE_MAX + 1];
@@ -544,6 +740,23 @@ int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX
         result = -EMSGSIZE;
         goto out;
     }
+    /* Experts over sequences say how long a sequence may be; both keys or neither. */
+    const msgpack_object *ho = hm_wire_map_get(&m.root, "heads");
+    const msgpack_object *so = hm_wire_map_get(&m.root, "max_seq");
+    if ((ho == NULL) != (so == NULL))
+        goto out;
+    if (so != NULL) {
+        if (hm_wire_get_uint(ho, &heads) < 0 || hm_wire_get_uint(so, &max_seq) < 0)
+            goto out;
+        if (heads == 0 || heads > dim || max_seq == 0 || max_seq > HM_MOE_MAX_SEQ) {
+            result = -EMSGSIZE;
+            goto out;
+        }
+    }
+    if (heads_out != NULL)
+        *heads_out = (size_t)heads;
+    if (max_seq_out != NULL)
+        *max_seq_out = (size_t)max_seq;
     if (type != NULL)
         memcpy(type, ty, sizeof(ty));
     if (dim_out != NULL)
@@ -726,10 +939,16 @@ int hm_moe_parse_prefix_subkey(const uint8_t *sk, size_t len, uint32_t *coord_ou
 
 /* ------------------------------------------------------------ host allow-list */
 
-static int allow_prefix_char(char c)
+/* A rule's prefix is text that begins uids: UTF-8 free of control characters. */
+static int allow_prefix_ok(const char *s, size_t n)
 {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-           c == '_' || c == '-' || c == '.';
+    for (size_t i = 0; i < n;) {
+        size_t l = utf8_char((const unsigned char *)s + i, n - i);
+        if (l == 0)
+            return 0;
+        i += l;
+    }
+    return 1;
 }
 
 static int allow_space(char c) { return c == ' ' || c == '\t' || c == '\r'; }
@@ -754,11 +973,10 @@ static int allow_line(hm_moe_allow *a, const char *s, size_t n, size_t lineno, c
                  HM_MOE_UID_MAX);
         return -EINVAL;
     }
-    for (size_t k = 0; k < tok_len; k++) {
-        if (!allow_prefix_char(s[tok_start + k])) {
-            snprintf(err, errlen, "line %zu: the prefix may hold only [A-Za-z0-9_.-]", lineno);
-            return -EINVAL;
-        }
+    if (!allow_prefix_ok(s + tok_start, tok_len)) {
+        snprintf(err, errlen, "line %zu: the prefix is not UTF-8 free of control characters",
+                 lineno);
+        return -EINVAL;
     }
     for (size_t k = 0; k < a->n; k++) {
         if (strlen(a->rules[k].prefix) == tok_len &&

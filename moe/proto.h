@@ -3,13 +3,20 @@
  * Pure encode/decode over caller memory; every decoder goes through the
  * bounded wire validator (wire.h) and trusts no declared shape.
  *
- * UIDs. "PREFIX.i.j..." : a prefix of 1..32 characters of [A-Za-z0-9_-]
- * followed by 1..HM_MOE_MAX_GRID_DIMS grid coordinates, each a decimal
- * integer in [0, HM_MOE_MAX_GRID) without leading zeros (so that an expert
- * has exactly one uid, which is also its DHT key); at most HM_MOE_UID_MAX
- * bytes. A hosting
- * pattern is a uid whose coordinates may be ranges "[a:b]" (b exclusive),
- * e.g. "ffn.[0:16].[0:4]" names 64 experts.
+ * UIDs follow Hivemind's grammar: "NAME.i.j...", a grid name followed by
+ * 1..HM_MOE_MAX_GRID_DIMS grid coordinates. The name may hold any character
+ * but '.' (so "transformer::encoder.2" and non-ASCII names are uids), within
+ * these bounds: 1..HM_MOE_PREFIX_MAX bytes of well-formed UTF-8, no control
+ * character (U+0000..U+001F, U+007F..U+009F: uids reach logs, terminals and
+ * JSON) and no "[owner:" (a DHT key holding it is malformed, dht/record.h).
+ * Each coordinate is a decimal integer in [0, HM_MOE_MAX_GRID) without
+ * leading zeros (so that an expert has exactly one uid, which is also its
+ * DHT key); the whole uid is at most HM_MOE_UID_MAX bytes. Hivemind bounds
+ * none of these; hivemindd keeps every one, with a sentence naming the rule
+ * a bad uid breaks (hm_moe_uid_check). A hosting pattern is a uid whose
+ * coordinates may be ranges "[a:b]" (b exclusive), e.g. "ffn.[0:16].[0:4]"
+ * names 64 experts; at most HM_MOE_PATTERN_MAX bytes, and every uid it
+ * names within the uid bounds.
  *
  * RPC methods (rpc.h, HM_RPC_STREAM; bodies are msgpack maps):
  *   "moe.fwd"   {"uid": str, "x": tensor f32 [batch, dim]}
@@ -18,7 +25,16 @@
  *                "gy": tensor f32 [batch, dim]}
  *               -> {"gx": tensor f32 [batch, dim]}
  *   "moe.info"  {"uid": str}
- *               -> {"type": str, "dim": uint, "hidden": uint}
+ *               -> {"type": str, "dim": uint, "hidden": uint
+ *                   [, "heads": uint, "max_seq": uint]}
+ * Revision 2 of the bodies (experts over sequences, type "transformer"):
+ * the tensors may be [batch, seq, dim] (rank 3), and the reply has the
+ * request's shape; moe.info adds heads and max_seq for such experts. A
+ * rank-2 request to a transformer, or a rank-3 one to an ffn, is refused
+ * with -EPROTO and the shape the expert takes; a revision-1 server refuses
+ * every rank-3 request as malformed. Nothing else changed: rank-2 bodies
+ * are those of revision 1, so old and new peers call each other's ffn
+ * experts as before.
  * Errors travel as the rpc status: -ENOENT (no such expert here), -EINVAL
  * (malformed), -EMSGSIZE (over a cap), -EPROTO (dim is not the expert's),
  * -EDOM (non-finite input), -ENOBUFS (the server's queue is full). The
@@ -26,8 +42,9 @@
  * HM_MOE_ERR_MAX bytes, e.g. "ffn.3 takes inputs of width 16, not 8"), so
  * that the caller hears what was wrong; an empty body is allowed.
  *
- * Caps: batch <= HM_MOE_MAX_BATCH, dim <= HM_MOE_MAX_DIM, batch * dim <=
- * HM_MOE_MAX_ELEMS; a request frame is at most HM_MOE_MAX_FRAME bytes.
+ * Caps: batch <= HM_MOE_MAX_BATCH, seq <= HM_MOE_MAX_SEQ, dim <=
+ * HM_MOE_MAX_DIM, batch * seq * dim <= HM_MOE_MAX_ELEMS; a request frame is
+ * at most HM_MOE_MAX_FRAME bytes.
  *
  * DHT declarations (owned records, signed by the host; dht/record.h). For
  * an expert uid "ffn.3.5" hosted by PEERID at HOST:PORT:
@@ -53,7 +70,8 @@
  *
  * Allow-list (ExpertHostsFile). Text, one rule a line:
  *   PREFIX PEERID [PEERID...]
- * PREFIX is 1..HM_MOE_UID_MAX characters of [A-Za-z0-9_.-] ("ffn." for a
+ * PREFIX is 1..HM_MOE_UID_MAX bytes of UTF-8 free of control characters
+ * (a uid whose name holds a space cannot be named here) ("ffn." for a
  * whole grid, "ffn.3." for a row; matching is by text, so "ffn.3.5" covers
  * ffn.3.5 and also ffn.3.50 to ffn.3.59); the longest
  * PREFIX that begins a uid or grid prefix decides who may declare it; the
@@ -71,11 +89,13 @@
 #include "src/base/crypto.h"
 #include "src/base/wire.h"
 
-#define HM_MOE_UID_MAX 96
-#define HM_MOE_PREFIX_MAX 32
-#define HM_MOE_MAX_GRID_DIMS 4
+#define HM_MOE_UID_MAX 128
+#define HM_MOE_PREFIX_MAX 126 /* the longest name that leaves room for ".0" */
+#define HM_MOE_MAX_GRID_DIMS 16
+#define HM_MOE_PATTERN_MAX 384
 #define HM_MOE_MAX_GRID 65536
 #define HM_MOE_MAX_BATCH 4096
+#define HM_MOE_MAX_SEQ 2048
 #define HM_MOE_MAX_DIM 8192
 /*
  * 32 MiB of float32 per tensor. A backward request carries two tensors, so
@@ -107,6 +127,15 @@ typedef struct hm_moe_uid {
 
 /* Parses a uid (len bytes, need not be NUL-terminated). 0 or -EINVAL. */
 int hm_moe_uid_parse(const char *s, size_t len, hm_moe_uid *out);
+/* The same, with the rule a bad uid breaks in err ("bad expert uid: ..."). */
+int hm_moe_uid_check(const char *s, size_t len, hm_moe_uid *out, char *err, size_t errlen);
+/*
+ * Checks a grid name as beam searches and listings take it: a uid's name,
+ * optionally with its trailing dot as Hivemind writes prefixes ("ffn." is
+ * "ffn"). Returns the name's length without the dot, or -EINVAL with the
+ * rule in err.
+ */
+int hm_moe_name_check(const char *s, size_t len, char *err, size_t errlen);
 /* Formats "prefix.c0.c1..." ; returns bytes written or -EMSGSIZE. */
 int hm_moe_uid_format(const hm_moe_uid *u, char *buf, size_t len);
 /*
@@ -130,10 +159,12 @@ int hm_moe_pattern_expand(const char *pattern, hm_moe_uid *out, size_t max, char
 #define HM_MOE_METHOD_INFO "moe.info"
 
 /* A decoded request; pointers point into the frame. x and gy are
- * little-endian float32 [batch, dim], possibly unaligned: copy with memcpy. */
+ * little-endian float32 [batch, dim] (or [batch, seq, dim]), possibly
+ * unaligned: copy with memcpy. */
 typedef struct hm_moe_req {
     char uid[HM_MOE_UID_MAX + 1];
     size_t batch, dim;
+    size_t seq;        /* 0: x is [batch, dim]; else [batch, seq, dim] */
     const uint8_t *x;  /* batch*dim*4 bytes */
     const uint8_t *gy; /* backward only, else NULL */
 } hm_moe_req;
@@ -146,6 +177,16 @@ void hm_moe_encode_info_req(hm_wire_wr *w, const char *uid);
 /* Replies: the output tensor "y" (forward) or "gx" (backward). */
 void hm_moe_encode_out(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t dim);
 void hm_moe_encode_info(hm_wire_wr *w, const char *type, size_t dim, size_t hidden);
+/* Revision 2: the same with [batch, seq, dim] tensors when seq is not 0, and
+ * an info reply with heads and max_seq when max_seq is not 0. */
+void hm_moe_encode_fwd_seq(hm_wire_wr *w, const char *uid, const float *x, size_t batch,
+                           size_t seq, size_t dim);
+void hm_moe_encode_bwd_seq(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
+                           size_t batch, size_t seq, size_t dim);
+void hm_moe_encode_out_seq(hm_wire_wr *w, int backward, const float *t, size_t batch, size_t seq,
+                           size_t dim);
+void hm_moe_encode_info_seq(hm_wire_wr *w, const char *type, size_t dim, size_t hidden,
+                            size_t heads, size_t max_seq);
 
 /*
  * Decoders. backward selects which request/reply is expected. 0, -EINVAL
@@ -162,8 +203,15 @@ int hm_moe_decode_out(const uint8_t *buf, size_t len, int backward, size_t batch
                       float *out);
 int hm_moe_decode_info(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
                        size_t *dim_out, size_t *hidden_out);
+/* The reply's shape as asked, [batch, seq, dim] when seq is not 0. */
+int hm_moe_decode_out_seq(const uint8_t *buf, size_t len, int backward, size_t batch, size_t seq,
+                          size_t dim, float *out);
+/* Also heads and max_seq (0 and 0 from an expert that takes [batch, dim]). */
+int hm_moe_decode_info_seq(const uint8_t *buf, size_t len, char type[HM_MOE_TYPE_MAX + 1],
+                           size_t *dim_out, size_t *hidden_out, size_t *heads_out,
+                           size_t *max_seq_out);
 
-#define HM_MOE_ERR_MAX 160
+#define HM_MOE_ERR_MAX 320 /* room for a sentence naming a 128-byte uid */
 /*
  * An error reply's reason, made safe to print: cut to HM_MOE_ERR_MAX
  * bytes, every byte outside printable ASCII (controls, escapes, UTF-8)

@@ -33,6 +33,7 @@
 #include <uv.h>
 
 #include "moe/checkpoint.h"
+#include "moe/transformer.h"
 #include "dht/record.h"
 #include "src/base/origin.h"
 #include "src/base/util.h"
@@ -103,7 +104,8 @@ struct pending {
     STAILQ_ENTRY(pending) link; /* in a queue or a job */
     hm_rpc_req *req;
     hm_origin_ent *oe; /* its origin's entry: v[OV_BYTES] and v[OV_REQS] count it */
-    size_t batch;
+    size_t batch;      /* rows of dim: samples, or samples * seq for a transformer */
+    size_t seq;        /* a transformer request's sequence length; 0 for an ffn's */
     size_t bytes; /* of the copies, for the server-wide bound */
     uint64_t arrived_ms;
     float *x;
@@ -156,8 +158,10 @@ struct expert {
     hm_moe_uid u;
     char type[HM_MOE_TYPE_MAX + 1];
     size_t dim, hidden;
-    hm_ffn *ffn;
-    uv_mutex_t lock; /* guards ffn between the loop and a worker */
+    size_t heads, max_seq; /* a transformer's; 0 for an ffn */
+    hm_ffn *ffn;           /* exactly one of ffn and xf is set */
+    hm_xf *xf;
+    uv_mutex_t lock; /* guards ffn and xf between the loop and a worker */
     char *path;      /* checkpoint file, NULL without a state_dir */
 
     queue q[2];
@@ -204,6 +208,7 @@ struct hm_moe_server {
     hm_origin_tab origins;   /* request bytes and requests held, per origin */
     uint64_t refused_queued; /* refused or shed by the per-expert sample bound */
     uint64_t refused_bytes;  /* refused or shed by the server-wide byte bound */
+    uint64_t refused_seq;    /* sequences longer than their transformer's max_seq */
     uint64_t retry_after_ms; /* a job allocation failed: no batch before this (0: none) */
     uint64_t batch_wait_ms, ckpt_interval_ms;
     double ttl_s;
@@ -360,6 +365,73 @@ static void lat_add(expert *e, double ms)
         e->lat_n++;
 }
 
+/* ------------------------------------------------------------ the expert's model */
+
+/* The calls below dispatch on what an expert holds: an ffn or a transformer. */
+static uint64_t model_steps(const expert *e)
+{
+    return e->xf != NULL ? hm_xf_steps(e->xf) : hm_ffn_steps(e->ffn);
+}
+
+static int model_save(const expert *e, uint8_t **buf, size_t *len)
+{
+    return e->xf != NULL ? hm_xf_save(e->xf, buf, len) : hm_ffn_save(e->ffn, buf, len);
+}
+
+/* One request's rows alone, as its own optimizer step. */
+static int model_backward(expert *e, const pending *p, float *out)
+{
+    if (e->xf != NULL)
+        return hm_xf_backward(e->xf, p->x, p->gy, p->batch / p->seq, p->seq, out);
+    return hm_ffn_backward(e->ffn, p->x, p->gy, p->batch, out);
+}
+
+/*
+ * A transformer's batch: the requests' rows in order, computed in runs of
+ * requests with the same sequence length; backward sums the runs'
+ * gradients into one step, as an ffn's batch is one step.
+ */
+static int xf_batch(expert *e, job *j, const float *x, const float *gy, float *out)
+{
+    const size_t np = hm_xf_nparams(e->xf), dim = e->dim;
+    int backward = j->kind == JOB_BWD;
+    float *gsum = NULL, *g = NULL;
+    size_t off = 0;
+    pending *p = STAILQ_FIRST(&j->reqs);
+    int r = 0;
+
+    if (backward) {
+        gsum = calloc(np, sizeof(float));
+        g = malloc(np * sizeof(float));
+        if (gsum == NULL || g == NULL) {
+            r = -ENOMEM;
+            goto out;
+        }
+    }
+    while (p != NULL && r == 0) {
+        size_t seq = p->seq, rows = 0;
+        while (p != NULL && p->seq == seq) {
+            rows += p->batch;
+            p = STAILQ_NEXT(p, link);
+        }
+        if (backward) {
+            r = hm_xf_grad(e->xf, x + off * dim, gy + off * dim, rows / seq, seq,
+                           out + off * dim, g);
+            for (size_t i = 0; r == 0 && i < np; i++)
+                gsum[i] += g[i];
+        } else {
+            r = hm_xf_forward(e->xf, x + off * dim, rows / seq, seq, out + off * dim);
+        }
+        off += rows;
+    }
+    if (r == 0 && backward)
+        r = hm_xf_apply(e->xf, gsum);
+out:
+    free(gsum);
+    free(g);
+    return r;
+}
+
 /* ------------------------------------------------------------ workers */
 
 /*
@@ -374,8 +446,8 @@ static int write_checkpoint(expert *e, uint64_t *steps_out)
     int result;
 
     uv_mutex_lock(&e->lock);
-    *steps_out = hm_ffn_steps(e->ffn);
-    result = hm_ffn_save(e->ffn, &buf, &len);
+    *steps_out = model_steps(e);
+    result = model_save(e, &buf, &len);
     if (result == 0)
         result = hm_ckpt_write(e->path, buf, len);
     uv_mutex_unlock(&e->lock);
@@ -395,7 +467,7 @@ static void backward_each(expert *e, job *j, float *out)
     pending *p;
 
     STAILQ_FOREACH(p, &j->reqs, link) {
-        p->status = hm_ffn_backward(e->ffn, p->x, p->gy, p->batch, out + off * e->dim);
+        p->status = model_backward(e, p, out + off * e->dim);
         off += p->batch;
     }
 }
@@ -426,15 +498,17 @@ static void run_batch(job *j)
         off += p->batch;
     }
     uv_mutex_lock(&e->lock);
-    if (backward) {
+    if (e->xf != NULL)
+        r = xf_batch(e, j, x, gy, out);
+    else if (backward)
         r = hm_ffn_backward(e->ffn, x, gy, j->samples, out);
-        if (r == -EDOM && STAILQ_NEXT(STAILQ_FIRST(&j->reqs), link) != NULL) {
-            backward_each(e, j, out);
-            r = 0;
-        }
-    } else
+    else
         r = hm_ffn_forward(e->ffn, x, j->samples, out);
-    j->steps = hm_ffn_steps(e->ffn);
+    if (backward && r == -EDOM && STAILQ_NEXT(STAILQ_FIRST(&j->reqs), link) != NULL) {
+        backward_each(e, j, out);
+        r = 0;
+    }
+    j->steps = model_steps(e);
     uv_mutex_unlock(&e->lock);
     if (r < 0) {
         j->status = r;
@@ -448,7 +522,10 @@ static void run_batch(job *j)
             continue;
         }
         hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
-        hm_moe_encode_out(&w, backward, out + off * dim, p->batch, dim);
+        if (p->seq != 0)
+            hm_moe_encode_out_seq(&w, backward, out + off * dim, p->batch / p->seq, p->seq, dim);
+        else
+            hm_moe_encode_out(&w, backward, out + off * dim, p->batch, dim);
         if ((r = hm_wire_wr_error(&w)) < 0) {
             hm_wire_wr_free(&w);
             p->status = r;
@@ -1008,6 +1085,27 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
                  mr.dim);
         goto fail;
     }
+    /* An ffn takes [batch, dim], a transformer [batch, seq, dim] (proto.h, revision 2). */
+    if ((e->xf != NULL) != (mr.seq != 0)) {
+        r = -EPROTO;
+        if (e->xf != NULL)
+            snprintf(why, sizeof(why), "%s is a transformer: it takes inputs [batch, seq, %zu], "
+                     "not [%zu, %zu]", e->uid, e->dim, mr.batch, mr.dim);
+        else
+            snprintf(why, sizeof(why), "%s takes inputs [batch, %zu], not [%zu, %zu, %zu]",
+                     e->uid, e->dim, mr.batch, mr.seq, mr.dim);
+        goto fail;
+    }
+    if (e->xf != NULL && mr.seq > e->max_seq) {
+        r = -EPROTO;
+        s->refused_seq++;
+        snprintf(why, sizeof(why), "refused by limit ExpertMaxSeq: %s takes sequences of at "
+                 "most %zu, not %zu", e->uid, e->max_seq, mr.seq);
+        goto fail;
+    }
+    /* Queues, batches and their bounds count rows of dim. */
+    if (mr.seq != 0)
+        mr.batch *= mr.seq;
     n = mr.batch * mr.dim;
     bytes = n * sizeof(float) * (backward ? 2 : 1);
     hm_origin_of(from, &o);
@@ -1056,6 +1154,7 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
     }
     p->req = req;
     p->batch = mr.batch;
+    p->seq = mr.seq;
     p->bytes = bytes;
     p->arrived_ms = hm_now_ms();
     p->oe = oe;
@@ -1082,6 +1181,7 @@ void hm_moe_server_limits(hm_moe_server *s, hm_limit_emit_fn emit, void *ud)
         return;
     emit(ud, "ExpertMaxQueued", s->refused_queued);
     emit(ud, "ExpertMaxQueuedBytes", s->refused_bytes);
+    emit(ud, "ExpertMaxSeq", s->refused_seq);
 }
 
 static void on_fwd(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
@@ -1121,7 +1221,7 @@ static void on_info(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES
         goto fail;
     }
     hm_wire_wr_init_fixed(&w, out, sizeof(out));
-    hm_moe_encode_info(&w, e->type, e->dim, e->hidden);
+    hm_moe_encode_info_seq(&w, e->type, e->dim, e->hidden, e->heads, e->max_seq);
     if ((r = hm_wire_wr_error(&w)) < 0)
         goto fail;
     hm_rpc_respond(req, 0, out, w.len);
@@ -1470,7 +1570,7 @@ int hm_moe_server_checkpoint(hm_moe_server *s)
         int r;
         /* The lock also waits for a batch running on a worker; its step is saved too. */
         uv_mutex_lock(&e->lock);
-        steps = hm_ffn_steps(e->ffn);
+        steps = model_steps(e);
         uv_mutex_unlock(&e->lock);
         /*
          * An expert that never stepped is still written once (unless its
@@ -1497,17 +1597,56 @@ static void expert_free(expert *e)
     if (e == NULL)
         return;
     hm_ffn_free(e->ffn);
+    hm_xf_free(e->xf);
     uv_mutex_destroy(&e->lock);
     free(e->path);
     free(e);
 }
 
 /* Room for a checkpoint of this config: the parameters and at most two moment vectors. */
-static size_t ckpt_max_len(const hm_ffn_config *cfg)
+/* What a hosted expert is made of: an ffn, or a transformer (whose xf.ffn is ffn). */
+typedef struct model_cfg {
+    int transformer;
+    hm_ffn_config ffn;
+    hm_xf_config xf;
+} model_cfg;
+
+static size_t ckpt_max_len(const model_cfg *mc)
 {
+    const hm_ffn_config *cfg = &mc->ffn;
     size_t d = cfg->dim, h = cfg->hidden ? cfg->hidden : 4 * cfg->dim;
     size_t np = 2 * d + h * d + h + d * h + d;
-    return np * sizeof(float) * 3 + CKPT_SLACK;
+    if (mc->transformer)
+        np += 4 * d * d + 6 * d; /* the attention's parameters, and its header below */
+    return np * sizeof(float) * 3 + CKPT_SLACK * (mc->transformer ? 2 : 1);
+}
+
+/*
+ * Loads a state of the model c asks for into e. A well-formed state of the
+ * other kind (an ffn's where a transformer is hosted, or the other way
+ * round) is -EPROTO with *other_kind set: the file is not corrupt, it is
+ * another expert's.
+ */
+static int load_model(expert *e, const model_cfg *c, const uint8_t *buf, size_t len,
+                      int *other_kind)
+{
+    *other_kind = 0;
+    if (c->transformer) {
+        if (!hm_xf_is_state(buf, len)) {
+            hm_ffn *tmp = NULL;
+            if (hm_ffn_load(buf, len, NULL, &tmp) == 0) {
+                hm_ffn_free(tmp);
+                *other_kind = 1;
+                return -EPROTO;
+            }
+        }
+        return hm_xf_load(buf, len, &c->xf, &e->xf);
+    }
+    if (hm_xf_is_state(buf, len)) {
+        *other_kind = 1;
+        return -EPROTO;
+    }
+    return hm_ffn_load(buf, len, &c->ffn, &e->ffn);
 }
 
 /* Why a checkpoint was unusable, in words: -EBADMSG here is corruption, not authentication. */
@@ -1525,13 +1664,13 @@ static const char *ckpt_why(int r)
  * size or optimizer refuses the expert (-EPROTO, with err set); -ENOMEM
  * and -EINVAL (a config hm_ffn cannot take) are returned as they are.
  */
-static int expert_resume(expert *e, const hm_ffn_config *c, size_t max_len, char *err,
+static int expert_resume(expert *e, const model_cfg *c, size_t max_len, char *err,
                          size_t errlen)
 {
     uint8_t *buf = NULL;
     size_t len = 0;
     char *prev = NULL;
-    int used_prev = 0, r;
+    int used_prev = 0, other_kind = 0, r;
 
     r = hm_ckpt_read(e->path, max_len, &buf, &len, &used_prev);
     if (r == -ENOENT)
@@ -1548,7 +1687,7 @@ static int expert_resume(expert *e, const hm_ffn_config *c, size_t max_len, char
                  ckpt_why(r));
         return 0;
     }
-    r = hm_ffn_load(buf, len, c, &e->ffn);
+    r = load_model(e, c, buf, len, &other_kind);
     if (r == -EBADMSG && !used_prev) {
         size_t pl = strlen(e->path) + sizeof(".prev");
         hm_warn(MOD, "%s: %s verifies but holds a malformed state; trying %s.prev", e->uid,
@@ -1563,15 +1702,21 @@ static int expert_resume(expert *e, const hm_ffn_config *c, size_t max_len, char
         int rp = hm_ckpt_read_file(prev, max_len, &buf, &len);
         if (rp == 0) {
             used_prev = 1;
-            r = hm_ffn_load(buf, len, c, &e->ffn);
+            r = load_model(e, c, buf, len, &other_kind);
         } else if (rp == -ENOMEM) {
             r = rp;
         }
     }
+    if (r == -EPROTO && other_kind) {
+        snprintf(err, errlen, "the checkpoint %s%s holds %s expert, not %s", e->path,
+                 used_prev ? ".prev" : "", c->transformer ? "an ffn" : "a transformer",
+                 c->transformer ? "a transformer" : "an ffn");
+        goto out;
+    }
     if (r == -EPROTO) {
         snprintf(err, errlen,
-                 "the checkpoint %s%s does not match the requested dim, hidden size or optimizer",
-                 e->path, used_prev ? ".prev" : "");
+                 "the checkpoint %s%s does not match the requested dim, hidden size, %soptimizer",
+                 e->path, used_prev ? ".prev" : "", c->transformer ? "heads or " : "or ");
         goto out;
     }
     if (r == -ENOMEM)
@@ -1584,6 +1729,7 @@ static int expert_resume(expert *e, const hm_ffn_config *c, size_t max_len, char
         hm_error(MOD, "%s: checkpoint %s%s holds no usable state (%s); starting afresh", e->uid,
                  e->path, used_prev ? " and its .prev" : "", ckpt_why(r));
         e->ffn = NULL;
+        e->xf = NULL;
         r = 0;
         goto out;
     }
@@ -1591,17 +1737,59 @@ static int expert_resume(expert *e, const hm_ffn_config *c, size_t max_len, char
         hm_warn(MOD, "%s: %s was missing, corrupt or malformed; resumed from %s.prev", e->uid,
                 e->path, e->path);
     e->resumed = 1;
-    e->steps = e->steps_at_ckpt = hm_ffn_steps(e->ffn);
+    e->steps = e->steps_at_ckpt = model_steps(e);
 out:
     free(prev);
     free(buf);
     return r;
 }
 
-static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
-                      const hm_ffn_config *cfg, expert **out, char *err, size_t errlen)
+/*
+ * The file name of a uid's checkpoint. A uid's name may hold any character
+ * but '.' ('/' included), so the bytes outside [A-Za-z0-9_.-] are written as
+ * %XX: the name stays inside experts/, one uid has one file, and the uids
+ * of that old alphabet keep the names they always had. A name that would
+ * pass CKPT_NAME_MAX bytes (room left for ".ckpt.prev" and ".tmp" under
+ * NAME_MAX) is "h-" and the hex of the uid's BLAKE2b-128 instead; it holds
+ * no '.', so it is never the name of another uid.
+ */
+#define CKPT_NAME_MAX 200
+
+static void ckpt_name(const char *uid, char out[CKPT_NAME_MAX + 1])
 {
-    hm_ffn_config c = *cfg;
+    static const char hex[] = "0123456789ABCDEF";
+    size_t n = 0;
+
+    for (const unsigned char *p = (const unsigned char *)uid; *p != '\0'; p++) {
+        unsigned char c = *p;
+        int keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                   c == '_' || c == '.' || c == '-';
+        if (n + (keep ? 1 : 3) > CKPT_NAME_MAX) {
+            uint8_t h[16];
+            crypto_generichash(h, sizeof(h), (const uint8_t *)uid, strlen(uid), NULL, 0);
+            memcpy(out, "h-", 2);
+            for (size_t i = 0; i < sizeof(h); i++) {
+                out[2 + 2 * i] = hex[h[i] >> 4];
+                out[3 + 2 * i] = hex[h[i] & 15];
+            }
+            out[2 + 2 * sizeof(h)] = '\0';
+            return;
+        }
+        if (keep) {
+            out[n++] = (char)c;
+        } else {
+            out[n++] = '%';
+            out[n++] = hex[c >> 4];
+            out[n++] = hex[c & 15];
+        }
+    }
+    out[n] = '\0';
+}
+
+static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
+                      const model_cfg *cfg, expert **out, char *err, size_t errlen)
+{
+    model_cfg c = *cfg;
     expert *e;
     int result;
 
@@ -1620,27 +1808,38 @@ static int expert_new(hm_moe_server *s, const hm_moe_uid *u, const char *type,
     if ((result = hm_moe_uid_format(u, e->uid, sizeof(e->uid))) < 0)
         goto out;
     hm_strlcpy(e->type, type, sizeof(e->type));
-    c.seed = expert_seed(cfg->seed, e->uid);
+    c.ffn.seed = expert_seed(cfg->ffn.seed, e->uid);
+    c.xf.ffn = c.ffn;
     if (s->state_dir != NULL) {
-        size_t pl = strlen(s->state_dir) + strlen("/experts/") + strlen(e->uid) + 6;
+        char name[CKPT_NAME_MAX + 1];
+        ckpt_name(e->uid, name);
+        size_t pl = strlen(s->state_dir) + strlen("/experts/") + strlen(name) + 6;
         e->path = malloc(pl);
         if (e->path == NULL) {
             result = -ENOMEM;
             goto out;
         }
-        /* The uid grammar admits no '/' nor "..", so the name stays inside experts/. */
-        snprintf(e->path, pl, "%s/experts/%s.ckpt", s->state_dir, e->uid);
+        snprintf(e->path, pl, "%s/experts/%s.ckpt", s->state_dir, name);
         if ((result = expert_resume(e, &c, ckpt_max_len(cfg), err, errlen)) < 0)
             goto out;
     }
-    if (e->ffn == NULL) {
-        if ((result = hm_ffn_new(&c, &e->ffn)) < 0) {
+    if (e->ffn == NULL && e->xf == NULL) {
+        result = c.transformer ? hm_xf_new(&c.xf, &e->xf) : hm_ffn_new(&c.ffn, &e->ffn);
+        if (result < 0) {
             snprintf(err, errlen, "cannot create expert %s: %s", e->uid, hm_strerror(result));
             goto out;
         }
     }
-    e->dim = hm_ffn_dim(e->ffn);
-    e->hidden = hm_ffn_config_of(e->ffn)->hidden;
+    if (e->xf != NULL) {
+        const hm_xf_config *xc = hm_xf_config_of(e->xf);
+        e->dim = xc->ffn.dim;
+        e->hidden = xc->ffn.hidden;
+        e->heads = xc->heads;
+        e->max_seq = xc->max_seq;
+    } else {
+        e->dim = hm_ffn_dim(e->ffn);
+        e->hidden = hm_ffn_config_of(e->ffn)->hidden;
+    }
     result = 0;
 out:
     if (result < 0) {
@@ -1679,9 +1878,10 @@ out:
     return result;
 }
 
-int hm_moe_server_host(hm_moe_server *s, const char *pattern, const char *type,
-                       const hm_ffn_config *cfg, size_t *n_added_out, char *err, size_t errlen)
+static int host_common(hm_moe_server *s, const char *pattern, const char *type,
+                       const model_cfg *mc, size_t *n_added_out, char *err, size_t errlen)
 {
+    const hm_ffn_config *cfg = mc != NULL ? &mc->ffn : NULL;
     hm_moe_uid *uids = NULL;
     expert **fresh = NULL;
     expert **grown;
@@ -1758,7 +1958,7 @@ int hm_moe_server_host(hm_moe_server *s, const char *pattern, const char *type,
             dup = strcmp(fresh[k]->uid, uid) == 0;
         if (dup)
             continue;
-        if ((result = expert_new(s, &uids[i], type, cfg, &fresh[nfresh], err, errlen)) < 0) {
+        if ((result = expert_new(s, &uids[i], type, mc, &fresh[nfresh], err, errlen)) < 0) {
             if (err[0] == '\0')
                 snprintf(err, errlen, "cannot host %s: %s", uid, hm_strerror(result));
             goto out;
@@ -1788,6 +1988,52 @@ out:
     return result;
 }
 
+int hm_moe_server_host(hm_moe_server *s, const char *pattern, const char *type,
+                       const hm_ffn_config *cfg, size_t *n_added_out, char *err, size_t errlen)
+{
+    model_cfg mc;
+
+    if (type != NULL && strcmp(type, HM_MOE_TYPE_TRANSFORMER) == 0) {
+        if (err != NULL && errlen > 0)
+            snprintf(err, errlen, "transformer experts take a transformer config "
+                     "(hm_moe_server_host_xf)");
+        if (n_added_out != NULL)
+            *n_added_out = 0;
+        return -EINVAL;
+    }
+    memset(&mc, 0, sizeof(mc));
+    if (cfg != NULL)
+        mc.ffn = *cfg;
+    return host_common(s, pattern, type, cfg != NULL ? &mc : NULL, n_added_out, err, errlen);
+}
+
+int hm_moe_server_host_xf(hm_moe_server *s, const char *pattern, const hm_xf_config *cfg,
+                          size_t *n_added_out, char *err, size_t errlen)
+{
+    model_cfg mc;
+    hm_xf_config probe;
+
+    if (n_added_out != NULL)
+        *n_added_out = 0;
+    if (cfg == NULL)
+        return host_common(s, pattern, HM_MOE_TYPE_TRANSFORMER, NULL, n_added_out, err, errlen);
+    probe = *cfg;
+    /* The shape is checked once here, with defaults filled in, before any expert is made. */
+    if (probe.max_seq > HM_MOE_MAX_SEQ || probe.heads > HM_XF_MAX_HEADS ||
+        (probe.heads != 0 && probe.ffn.dim % probe.heads != 0) ||
+        probe.max_seq > HM_XF_MAX_SEQ) {
+        if (err != NULL && errlen > 0)
+            snprintf(err, errlen, "a transformer's heads must divide its dim (at most %d heads) "
+                     "and its max_seq be at most %d", HM_XF_MAX_HEADS, HM_XF_MAX_SEQ);
+        return -EINVAL;
+    }
+    memset(&mc, 0, sizeof(mc));
+    mc.transformer = 1;
+    mc.ffn = cfg->ffn;
+    mc.xf = *cfg;
+    return host_common(s, pattern, HM_MOE_TYPE_TRANSFORMER, &mc, n_added_out, err, errlen);
+}
+
 /* ------------------------------------------------------------ listing */
 
 static int dbl_cmp(const void *a, const void *b)
@@ -1810,6 +2056,8 @@ size_t hm_moe_server_list(hm_moe_server *s, hm_moe_hosted *out, size_t max)
         hm_strlcpy(h->type, e->type, sizeof(h->type));
         h->dim = e->dim;
         h->hidden = e->hidden;
+        h->heads = e->heads;
+        h->max_seq = e->max_seq;
         h->fwd_requests = e->fwd_requests;
         h->bwd_requests = e->bwd_requests;
         h->batches = e->batches;

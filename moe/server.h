@@ -74,6 +74,7 @@
 #include <stdint.h>
 
 #include "moe/ffn.h"
+#include "moe/transformer.h"
 #include "src/node/node.h"
 #include "moe/proto.h"
 #include "src/base/origin.h"
@@ -111,10 +112,25 @@ int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_serv
 int hm_moe_server_host(hm_moe_server *s, const char *pattern, const char *type,
                        const hm_ffn_config *cfg, size_t *n_added_out, char *err, size_t errlen);
 
+/*
+ * Hosts every expert a pattern names as a transformer (transformer.h) with
+ * cfg, declared with type HM_MOE_TYPE_TRANSFORMER so that callers know it
+ * takes [batch, seq, dim] (proto.h, revision 2); otherwise as
+ * hm_moe_server_host, whose checkpoint rules it follows (a checkpoint of
+ * an ffn, or of other heads, is refused with -EPROTO). Its queue bounds
+ * and max_batch_size count rows (batch * seq) as samples; a request whose
+ * seq passes the expert's max_seq is refused (-EPROTO, limit
+ * ExpertMaxSeq). hm_moe_server_host refuses the type "transformer".
+ */
+#define HM_MOE_TYPE_TRANSFORMER "transformer"
+int hm_moe_server_host_xf(hm_moe_server *s, const char *pattern, const hm_xf_config *cfg,
+                          size_t *n_added_out, char *err, size_t errlen);
+
 typedef struct hm_moe_hosted {
     char uid[HM_MOE_UID_MAX + 1];
     char type[HM_MOE_TYPE_MAX + 1];
     size_t dim, hidden;
+    size_t heads, max_seq;               /* a transformer's; 0 for an ffn */
     uint64_t fwd_requests, bwd_requests; /* answered with results */
     uint64_t batches;
     double mean_batch_size;              /* samples per batch */
@@ -130,7 +146,8 @@ size_t hm_moe_server_list(hm_moe_server *s, hm_moe_hosted *out, size_t max);
 /*
  * What the queue bounds refused or shed, under their config keywords
  * (ExpertMaxQueued: max_queued_samples; ExpertMaxQueuedBytes:
- * max_queued_bytes). Calls emit once per limit.
+ * max_queued_bytes; ExpertMaxSeq: sequences longer than a transformer's
+ * max_seq). Calls emit once per limit.
  */
 void hm_moe_server_limits(hm_moe_server *s, hm_limit_emit_fn emit, void *ud);
 

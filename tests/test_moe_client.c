@@ -1207,3 +1207,118 @@ Test(moe_client, stalled_host_is_skipped_then_probed)
     set_stall(&sw, 1, 0);
     swarm_stop(&sw);
 }
+
+/*
+ * Uids as Hivemind takes them: a grid name with spaces, '/', ',' and
+ * non-ASCII characters over six dimensions, and "transformer::encoder.N".
+ * Declared, found by beam search (exactly the brute-force top k, with the
+ * name given with or without Hivemind's trailing dot), called, and
+ * checkpointed under a file name that stays inside experts/.
+ */
+#define HM_NAME "\xe4\xb8\x93\xe5\xae\xb6 net/x,y" /* 专家 net/x,y */
+
+Test(moe_client, hivemind_uids_six_dimensions)
+{
+    swarm sw;
+    swarm_start(&sw, 3);
+    const char *p1[] = {HM_NAME ".[0:2].1.[0:2].0.[0:2].[0:2]"};
+    const char *p2[] = {"transformer::encoder.[0:3]"};
+    host(&sw, 1, p1, 1);
+    host(&sw, 2, p2, 1);
+
+    enum { ND = 6 };
+    static const size_t sizes[ND] = {2, 3, 2, 1, 2, 2};
+    static const double sc[ND][3] = {{0.5, -0.25}, {0.0, 1.0, 3.0}, {-1.0, 0.125},
+                                     {0.0},       {2.0, -0.5},     {0.0625, 0.75}};
+    const double *scores[ND];
+    for (size_t d = 0; d < ND; d++)
+        scores[d] = sc[d];
+    /* Brute force over the hosted experts (d1 = 1, d3 = 0), best first. */
+    struct {
+        unsigned c[ND];
+        double s;
+    } all[16], tmp;
+    size_t n = 0;
+    for (unsigned a = 0; a < 2; a++)
+        for (unsigned b = 0; b < 2; b++)
+            for (unsigned e = 0; e < 2; e++)
+                for (unsigned f = 0; f < 2; f++) {
+                    unsigned c[ND] = {a, 1, b, 0, e, f};
+                    memcpy(all[n].c, c, sizeof(c));
+                    all[n].s = 0;
+                    for (size_t d = 0; d < ND; d++)
+                        all[n].s += sc[d][c[d]];
+                    n++;
+                }
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = i + 1; j < n; j++)
+            if (all[j].s > all[i].s) {
+                tmp = all[i];
+                all[i] = all[j];
+                all[j] = tmp;
+            }
+
+    findres f;
+    uint64_t end = hm_now_ms() + 20000;
+    do {
+        memset(&f, 0, sizeof(f));
+        cr_assert_eq(hm_moe_beam_search(sw.client, HM_NAME, scores, sizes, ND, 16, 16, 5000,
+                                        on_find, &f),
+                     0);
+        cr_assert(hm_test_run_until(&sw.loop, find_done, &f, 10000));
+        if (f.status == 0 && f.n == 16)
+            break;
+        run_for(&sw.loop, 300);
+    } while (hm_now_ms() < end);
+    cr_assert_eq(f.status, 0, "beam search: %s", hm_strerror(f.status));
+    cr_assert_eq(f.n, 16u, "found %zu of the 16 experts", f.n);
+    for (size_t k = 0; k < 4; k++) {
+        char want[HM_MOE_UID_MAX + 1];
+        snprintf(want, sizeof(want), HM_NAME ".%u.%u.%u.%u.%u.%u", all[k].c[0], all[k].c[1],
+                 all[k].c[2], all[k].c[3], all[k].c[4], all[k].c[5]);
+        cr_assert_str_eq(f.ex[k].uid, want, "rank %zu", k);
+        cr_assert_float_eq(f.ex[k].score, all[k].s, 1e-9);
+    }
+    /* Top 4 with a narrow beam and Hivemind's "NAME." form: the same four. */
+    findres g;
+    memset(&g, 0, sizeof(g));
+    cr_assert_eq(hm_moe_beam_search(sw.client, HM_NAME ".", scores, sizes, ND, 4, 8, 5000,
+                                    on_find, &g),
+                 0);
+    cr_assert(hm_test_run_until(&sw.loop, find_done, &g, 10000));
+    cr_assert_eq(g.status, 0);
+    cr_assert_eq(g.n, 4u);
+    for (size_t k = 0; k < 4; k++)
+        cr_assert_str_eq(g.ex[k].uid, f.ex[k].uid, "rank %zu", k);
+    /* Seventeen dimensions, or a name with a dot or a control character: refused. */
+    const double *many[17];
+    size_t many_sizes[17];
+    for (size_t d = 0; d < 17; d++) {
+        many[d] = sc[0];
+        many_sizes[d] = 1;
+    }
+    cr_assert_eq(hm_moe_beam_search(sw.client, "g", many, many_sizes, 17, 4, 0, 1000, on_find,
+                                    &g),
+                 -EINVAL);
+    cr_assert_eq(hm_moe_beam_search(sw.client, "a\tb", scores, sizes, ND, 4, 0, 1000, on_find,
+                                    &g),
+                 -EINVAL);
+
+    /* transformer::encoder.2 is found and answers a call. */
+    hm_moe_expert ex = lookup_wait(&sw, "transformer::encoder.2");
+    hm_moe_call_opts o = {.k_min = 1, .timeout_ms = 5000};
+    callres c = forward_once(&sw, &ex, 1, DIM, &o);
+    cr_assert_eq(c.status, 0, "%s: %s", hm_strerror(c.status), call_errs[0].msg);
+
+    /* Checkpoints: the name's other bytes as %XX, inside experts/. */
+    cr_assert_eq(hm_moe_server_checkpoint(sw.servers[1]), 0);
+    cr_assert_eq(hm_moe_server_checkpoint(sw.servers[2]), 0);
+    char path[512];
+    struct stat st;
+    snprintf(path, sizeof(path), "%s/experts/%%E4%%B8%%93%%E5%%AE%%B6%%20net%%2Fx%%2Cy.1.1.0.0.1.1"
+             ".ckpt", sw.dirs[1]);
+    cr_assert_eq(stat(path, &st), 0, "no %s", path);
+    snprintf(path, sizeof(path), "%s/experts/transformer%%3A%%3Aencoder.2.ckpt", sw.dirs[2]);
+    cr_assert_eq(stat(path, &st), 0, "no %s", path);
+    swarm_stop(&sw);
+}

@@ -39,6 +39,7 @@
 
 #include "moe/checkpoint.h"
 #include "moe/ffn.h"
+#include "moe/transformer.h"
 #include "lib/hivemind.h"
 #include "tests/proc.h"
 
@@ -381,6 +382,74 @@ Test(moe_daemon, bad_arguments_are_answered_once_and_survived)
     stop_node(&n);
 }
 
+/*
+ * Uids as Hivemind writes them, through the daemon: hosted from the command
+ * line, listed and found by their grid names (with and without the dot,
+ * five dimensions), and bad ones refused with the rule they break.
+ */
+Test(moe_daemon, hivemind_uids_are_hosted_found_and_bad_ones_named)
+{
+    struct node n;
+    start_node(&n, "solo", NULL, "--host-experts",
+               "transformer::encoder.[0:2],\xe4\xb8\x93\xe5\xae\xb6.0.1.2.3.[0:2]",
+               "--expert-dim", "16", NULL);
+    hmc *h = attach(&n);
+    char *res = NULL;
+    int r = hmc_request(h, "experts.list", "{\"prefix\":\"transformer::encoder.\"}", &res);
+    cr_assert_eq(r, 0, "%s", hmc_last_error(h));
+    json_t *j = json_loads(res, 0, NULL);
+    hmc_free_string(res);
+    cr_assert_not_null(j);
+    json_t *hosted = json_object_get(j, "hosted");
+    cr_assert_eq(json_array_size(hosted), 2u);
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(hosted, 1), "uid")),
+                     "transformer::encoder.1");
+    json_decref(j);
+
+    /* Five dimensions under a non-ASCII name: the one's own experts, best first. */
+    long deadline = hm_test_now_ms() + 20000;
+    size_t found = 0;
+    do {
+        r = hmc_request(h, "experts.find",
+                        "{\"prefix\":\"\\u4e13\\u5bb6\",\"k_best\":2,\"scores\":[[1],[0,1],"
+                        "[0,0,1],[0,0,0,1],[0.5,2]]}",
+                        &res);
+        cr_assert_eq(r, 0, "%s", hmc_last_error(h));
+        j = json_loads(res, 0, NULL);
+        hmc_free_string(res);
+        found = json_array_size(json_object_get(j, "experts"));
+        if (found == 2) {
+            json_t *e0 = json_array_get(json_object_get(j, "experts"), 0);
+            cr_assert_str_eq(json_string_value(json_object_get(e0, "uid")),
+                             "\xe4\xb8\x93\xe5\xae\xb6.0.1.2.3.1");
+            cr_assert_float_eq(json_number_value(json_object_get(e0, "score")), 6.0, 1e-9);
+        }
+        json_decref(j);
+        if (found < 2)
+            usleep(300000);
+    } while (found < 2 && hm_test_now_ms() < deadline);
+    cr_assert_eq(found, 2u);
+
+    static const char *const bad[][3] = {
+        {"experts.call", "{\"uid\":\"ffn.01\",\"in\":\"/x\",\"out\":\"/y\"}", "leading zeros"},
+        {"experts.call", "{\"uid\":\"a\\tb.1\",\"in\":\"/x\",\"out\":\"/y\"}",
+         "control characters"},
+        {"experts.find", "{\"prefix\":\"a.b\",\"k_best\":1,\"scores\":[[1]]}", "holds a '.'"},
+        {"experts.list", "{\"prefix\":\"a[owner:b]\"}", "[owner:"},
+        {"experts.host", "{\"pattern\":\"g.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15.16.17\"}",
+         "more than 16 grid coordinates"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        r = hmc_request(h, bad[i][0], bad[i][1], NULL);
+        cr_assert_eq(r, -EREMOTEIO, "%s %s: %d", bad[i][0], bad[i][1], r);
+        cr_assert_str_eq(hmc_last_error_code(h), "bad_args", "%s", hmc_last_error(h));
+        cr_assert_not_null(strstr(hmc_last_error(h), bad[i][2]), "%s: %s", bad[i][1],
+                           hmc_last_error(h));
+    }
+    hmc_close(h);
+    stop_node(&n);
+}
+
 /* How many entries a directory holds besides . and .. */
 static size_t count_entries(const char *dir)
 {
@@ -451,6 +520,87 @@ Test(moe_daemon, call_on_files_writes_the_output_atomically)
     cr_assert_eq(count_entries(files), 2);
 
     hm_ffn_free(p0);
+    stop_node(&tr);
+    stop_node(&host);
+}
+
+/*
+ * A transformer expert hosted with --expert-type transformer answers
+ * `hivemindctl experts call --seq` on a [batch, seq, dim] file with
+ * exactly the local block of its checkpoint; without --seq, or with one
+ * past its max_seq, the call is refused with the shape it takes.
+ */
+Test(moe_daemon, transformer_expert_call_equals_local)
+{
+    struct node host, tr;
+    char files[128], in[192], outp[192], *out = NULL, *err = NULL;
+    enum { B = 3, S = 4 };
+    float x[B * S * DIM], want[B * S * DIM], y[B * S * DIM];
+    const char *fl[] = {"--host-experts", "enc::layer.[0:2]", "--expert-dim", "16",
+                        "--expert-type", "transformer", "--expert-heads", "4",
+                        "--expert-max-seq", "6"};
+
+    start_node(&host, "host", NULL, fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8],
+               fl[9], NULL);
+    stop_node(&host);
+    char path[512];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_xf *t = NULL;
+    snprintf(path, sizeof(path), "%s/experts/enc%%3A%%3Alayer.1.ckpt", host.dir);
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 30, &buf, &len, NULL), 0, "%s", path);
+    cr_assert_eq(hm_xf_load(buf, len, NULL, &t), 0);
+    free(buf);
+    cr_assert_eq(hm_xf_config_of(t)->heads, 4u);
+
+    start_node(&host, "host", NULL, fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8],
+               fl[9], NULL);
+    json_t *e = hosted_entry(&host, "enc::layer.1");
+    cr_assert_str_eq(json_string_value(json_object_get(e, "type")), "transformer");
+    cr_assert_eq(json_integer_value(json_object_get(e, "max_seq")), 6);
+    json_decref(e);
+    start_node(&tr, "trainer", NULL, "--initial-peers", host.addr, NULL);
+    snprintf(files, sizeof(files), "%s/xfiles", tmpdir);
+    cr_assert_eq(mkdir(files, 0700), 0);
+    snprintf(in, sizeof(in), "%s/x.f32", files);
+    snprintf(outp, sizeof(outp), "%s/y.f32", files);
+    fill(x, B * S * DIM, 9);
+    cr_assert_eq(hm_test_write_file(in, x, sizeof(x), 0600), 0);
+    char *argv[] = {bin_ctl, "-s", tr.sock, "experts", "call", "enc::layer.1", "--in", in,
+                    "--out", outp, "--seq", "4", "--timeout", "10", NULL};
+    int r = -1;
+    long deadline = hm_test_now_ms() + 30000;
+    do {
+        free(out);
+        free(err);
+        r = run_prog(bin_ctl, argv, &out, &err);
+        if (r != 0)
+            usleep(300000);
+    } while (r != 0 && hm_test_now_ms() < deadline);
+    cr_assert_eq(r, 0, "experts call: %s", err);
+    free(out);
+    free(err);
+    FILE *f = fopen(outp, "rb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fread(y, 1, sizeof(y) + 1, f), sizeof(y));
+    fclose(f);
+    cr_assert_eq(hm_xf_forward(t, x, B, S, want), 0);
+    double d = rel_err(y, want, B * S * DIM);
+    cr_assert(d <= 1e-5, "the remote transformer differs from local by %g", d);
+
+    /* Without --seq, or past max_seq: refused, naming the shape. */
+    char *argv2[] = {bin_ctl, "-s", tr.sock, "experts", "call", "enc::layer.1", "--in", in,
+                     "--out", outp, "--timeout", "10", NULL};
+    cr_assert_eq(run_prog(bin_ctl, argv2, &out, &err), 1);
+    cr_assert(strstr(err, "[batch, seq, 16]") != NULL, "%s", err);
+    free(out);
+    free(err);
+    argv[11] = "12";
+    cr_assert_eq(run_prog(bin_ctl, argv, &out, &err), 1);
+    cr_assert(strstr(err, "at most 6") != NULL, "%s", err);
+    free(out);
+    free(err);
+    hm_xf_free(t);
     stop_node(&tr);
     stop_node(&host);
 }

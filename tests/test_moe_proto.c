@@ -85,6 +85,15 @@ Test(moe_proto, uid_accepts_and_formats_back)
         {"expert_layer-10.12.0", 2, 12, 0},
         {"abcdefghijklmnopqrstuvwxyz012345.7", 1, 7, 7}, /* 32-character prefix */
         {"ffn.65535.65535.65535.65535", 4, 65535, 65535},
+        /* Hivemind's grammar: any name without '.', any number of dimensions. */
+        {"transformer::encoder.2", 1, 2, 2},
+        {"ffn.1.2.3.4.5", 5, 1, 5},
+        {"g.0.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15", 16, 0, 15},
+        {"f\xc3\xa9.1", 1, 1, 1},                         /* fé */
+        {"\xe4\xb8\x93\xe5\xae\xb6.3.4", 2, 3, 4},        /* 专家 */
+        {"\xf0\x9f\xa7\xa0 brain/layer,1.7", 1, 7, 7},  /* emoji, space, '/', ',' */
+        {"ff n.1", 1, 1, 1},
+        {"a[b]:c.0", 1, 0, 0},
     };
     for (size_t i = 0; i < HM_ARRAY_LEN(ok); i++) {
         hm_moe_uid u;
@@ -103,15 +112,29 @@ Test(moe_proto, uid_rejects)
 {
     static const char *const bad[] = {
         "", "ffn", "ffn.", ".1", "ffn.01", "ffn.00", "ffn.65536", "ffn.1.", "ffn..1",
-        "ffn.1.2.3.4.5", "ff n.1", "ffn.-1", "ffn.+1", "ffn.1a", "ffn.1 ", " ffn.1",
-        "abcdefghijklmnopqrstuvwxyz0123456.1", /* 33-character prefix */
+        "ffn.-1", "ffn.+1", "ffn.1a", "ffn.1 ", "ffn.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15.16.17",
         "ffn[owner:x].1", "ffn.[0:2]", "ffn.1e3", "ffn.0x10", "ffn.99999999999999999999",
-        "f/n.1", "f\xc3\xa9.1",
+        "f\tn.1", "f\x7fn.1", "f\nn.1", "\xc3.1", "\xc0\xaf.1", "\xed\xa0\x80.1",
+        "\xc2\x85.1", "\xf4\x90\x80\x80.1", "\xff.1",
     };
     for (size_t i = 0; i < HM_ARRAY_LEN(bad); i++) {
         hm_moe_uid u;
         cr_assert_eq(hm_moe_uid_parse(bad[i], strlen(bad[i]), &u), -EINVAL, "'%s'", bad[i]);
     }
+    /* 128 bytes is a uid, 129 is not; a 126-byte name is, 127 is not. */
+    char lim[HM_MOE_UID_MAX + 2];
+    memset(lim, 'n', sizeof(lim));
+    memcpy(lim + 124, ".1.2", 4);
+    cr_assert_eq(hm_moe_uid_parse(lim, 128, NULL), 0);
+    memcpy(lim + 124, ".1.23", 5);
+    cr_assert_eq(hm_moe_uid_parse(lim, 129, NULL), -EINVAL);
+    memset(lim, 'n', sizeof(lim));
+    memcpy(lim + 126, ".1", 2);
+    cr_assert_eq(hm_moe_uid_parse(lim, 128, NULL), 0);
+    memcpy(lim + 127, ".1", 2);
+    cr_assert_eq(hm_moe_uid_parse(lim, 129, NULL), -EINVAL);
+    lim[HM_MOE_UID_MAX] = '\0';
+    cr_assert_eq(hm_moe_uid_parse(lim, 128, NULL), -EINVAL); /* no dot: 128 bytes of name */
     /* The length is what counts: an embedded NUL is a bad character, not an end. */
     cr_assert_eq(hm_moe_uid_parse("ffn.1\0", 6, NULL), -EINVAL);
     cr_assert_eq(hm_moe_uid_parse("ffn.12", 5, NULL), 0);
@@ -119,6 +142,48 @@ Test(moe_proto, uid_rejects)
     memset(big, '1', sizeof(big));
     memcpy(big, "ffn.", 4);
     cr_assert_eq(hm_moe_uid_parse(big, sizeof(big), NULL), -EINVAL);
+}
+
+/* A bad uid is refused with the rule it breaks, in words. */
+Test(moe_proto, uid_errors_name_the_rule)
+{
+    static const struct {
+        const char *s, *rule;
+    } cases[] = {
+        {"ffn", "no grid coordinates"},
+        {".1", "grid name before the first '.' is empty"},
+        {"ffn.01", "without leading zeros"},
+        {"ffn.65536", "below 65536"},
+        {"ffn.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15.16.17", "more than 16 grid coordinates"},
+        {"f\tn.1", "control characters"},
+        {"\xc3.1", "not UTF-8"},
+        {"a[owner:b].1", "'[owner:'"},
+        {"", "empty"},
+    };
+    for (size_t i = 0; i < HM_ARRAY_LEN(cases); i++) {
+        char err[160] = "";
+        cr_assert_eq(hm_moe_uid_check(cases[i].s, strlen(cases[i].s), NULL, err, sizeof(err)),
+                     -EINVAL, "'%s'", cases[i].s);
+        cr_assert(strncmp(err, "bad expert uid: ", 16) == 0, "%s", err);
+        cr_assert(strstr(err, cases[i].rule) != NULL, "'%s': %s", cases[i].s, err);
+    }
+    char big[HM_MOE_UID_MAX + 8], err[160];
+    memset(big, 'x', sizeof(big));
+    big[3] = '.';
+    cr_assert_eq(hm_moe_uid_check(big, sizeof(big), NULL, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "longer than 128 bytes") != NULL, "%s", err);
+    hm_moe_uid u;
+    cr_assert_eq(hm_moe_uid_check("transformer::encoder.2", 22, &u, err, sizeof(err)), 0);
+    cr_assert_str_eq(u.prefix, "transformer::encoder");
+
+    /* Grid names as beam searches take them, with or without Hivemind's dot. */
+    cr_assert_eq(hm_moe_name_check("ffn", 3, err, sizeof(err)), 3);
+    cr_assert_eq(hm_moe_name_check("ffn.", 4, err, sizeof(err)), 3);
+    cr_assert_eq(hm_moe_name_check("\xe4\xb8\x93\xe5\xae\xb6", 6, err, sizeof(err)), 6);
+    cr_assert_eq(hm_moe_name_check("ffn.3", 5, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "holds a '.'") != NULL, "%s", err);
+    cr_assert_eq(hm_moe_name_check(".", 1, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "empty") != NULL, "%s", err);
 }
 
 Test(moe_proto, uid_prefixes_and_small_buffers)
@@ -188,6 +253,39 @@ Test(moe_proto, pattern_expands_in_row_major_order)
     free(u);
 }
 
+/* Patterns of Hivemind's uids: any grid name, many dimensions, within the uid bounds. */
+Test(moe_proto, pattern_of_hivemind_uids)
+{
+    hm_moe_uid u[64];
+    char err[160] = "", buf[HM_MOE_UID_MAX + 1];
+    cr_assert_eq(hm_moe_pattern_expand("transformer::encoder.[0:3]", u, 64, err, sizeof(err)), 3,
+                 "%s", err);
+    hm_moe_uid_format(&u[2], buf, sizeof(buf));
+    cr_assert_str_eq(buf, "transformer::encoder.2");
+    cr_assert_eq(hm_moe_pattern_expand("\xe4\xb8\x93.[0:2].1.[0:2].3.[0:2].5", u, 64, err,
+                                       sizeof(err)),
+                 8, "%s", err);
+    hm_moe_uid_format(&u[7], buf, sizeof(buf));
+    cr_assert_str_eq(buf, "\xe4\xb8\x93.1.1.1.3.1.5");
+    cr_assert_eq(u[7].ndims, 6);
+    /* 16 dimensions of two coordinates would be 65536 experts: over the cap, said so. */
+    cr_assert_eq(hm_moe_pattern_expand("g.[0:2].[0:2].[0:2].[0:2].[0:2].[0:2].[0:2].[0:2].[0:2]."
+                                       "[0:2].[0:2].[0:2].[0:2].[0:2].[0:2].[0:2]",
+                                       u, 64, err, sizeof(err)),
+                 -EMSGSIZE);
+    /* A uid the pattern names would pass 128 bytes: refused, with the rule. */
+    char longp[HM_MOE_PATTERN_MAX];
+    memset(longp, 'n', 123);
+    strcpy(longp + 123, ".[0:2].[99:101]");
+    cr_assert_eq(hm_moe_pattern_expand(longp, u, 64, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "longer than 128 bytes") != NULL, "%s", err);
+    strcpy(longp + 123, ".[0:2].[9:11]");
+    cr_assert_eq(hm_moe_pattern_expand(longp, u, 64, err, sizeof(err)), 4, "%s", err);
+    /* Naming the rule for a bad name, too. */
+    cr_assert_eq(hm_moe_pattern_expand("a[owner:b].[0:2]", u, 64, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "[owner:") != NULL, "%s", err);
+}
+
 Test(moe_proto, pattern_over_cap)
 {
     hm_moe_uid u[8];
@@ -208,8 +306,8 @@ Test(moe_proto, pattern_rejects_with_a_position)
 {
     static const char *const bad[] = {
         "", "ffn", "ffn.", "ffn.[2:2]", "ffn.[3:1]", "ffn.[0:65537]", "ffn.[0:2", "ffn.[a:b]",
-        "ffn.[0:2]x", "ffn.[0:2].", "ffn.1.2.3.4.5", "ffn.[0-2]", "ffn.[:2]", "ffn.[0:]",
-        "ffn.[01:2]", "ffn.[65536:65537]", "ffn.[0:2]]", "ffn..1", ".[0:2]", "f n.[0:2]",
+        "ffn.[0:2]x", "ffn.[0:2].", "ffn.1.2.3.4.5.6.7.8.9.10.11.12.13.14.15.16.17", "ffn.[0-2]", "ffn.[:2]", "ffn.[0:]",
+        "ffn.[01:2]", "ffn.[65536:65537]", "ffn.[0:2]]", "ffn..1", ".[0:2]", "f\tn.[0:2]",
         "ffn.[0:655360]",
     };
     for (size_t i = 0; i < HM_ARRAY_LEN(bad); i++) {
@@ -356,7 +454,7 @@ Test(moe_proto, replies_check_shape_and_finiteness)
 
 Test(moe_proto, hostile_request_shapes)
 {
-    uint64_t s[3];
+    uint64_t s[4];
     /* A shape much larger than the bytes sent. */
     s[0] = 4;
     s[1] = 16;
@@ -391,8 +489,12 @@ Test(moe_proto, hostile_request_shapes)
     cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_U8, s, 2, 8), -EPROTO);
     cr_assert_eq(decode_raw("ffn.1", 99, s, 2, 32), -EPROTO);
     cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_F32, s, 1, 8), -EPROTO);
+    /* Rank 3 is revision 2's [batch, seq, dim] (the server decides who takes it); rank 4 is
+     * nothing. */
     s[2] = 1;
-    cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_F32, s, 3, 32), -EPROTO);
+    cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_F32, s, 3, 32), 0);
+    s[3] = 1;
+    cr_assert_eq(decode_raw("ffn.1", HM_DTYPE_F32, s, 4, 32), -EPROTO);
     /* A bad uid. */
     cr_assert_eq(decode_raw("ffn.01", HM_DTYPE_F32, s, 2, 32), -EINVAL);
     cr_assert_eq(decode_raw("../../etc/passwd.1", HM_DTYPE_F32, s, 2, 32), -EINVAL);
@@ -612,7 +714,16 @@ Test(moe_proto, allow_list_parses_matches_longest_and_refuses_bad_lines)
     cr_assert_null(hm_moe_allow_find(al, "ff"));
     hm_moe_allow_free(al);
 
-    const char *bad[] = {"ffn.\n", "ffn. notakey\n", "ff/n. x\n", "ffn.\x01 a\n"};
+    /* Rules for Hivemind's uids: any name without '.', in UTF-8. */
+    snprintf(text, sizeof(text), "\xe4\xb8\x93\xe5\xae\xb6. %s\ntransformer::enc. %s\n", ida, idb);
+    cr_assert_eq(hm_moe_allow_parse(text, strlen(text), &al, err, sizeof(err)), 0, "%s", err);
+    cr_assert(hm_moe_allow_permits(al, "\xe4\xb8\x93\xe5\xae\xb6.1.2", a.pk));
+    cr_assert(!hm_moe_allow_permits(al, "\xe4\xb8\x93\xe5\xae\xb6.1.2", b.pk));
+    cr_assert(!hm_moe_allow_permits(al, "transformer::enc.0", a.pk));
+    hm_moe_allow_free(al);
+
+    const char *bad[] = {"ffn.\n", "ffn. notakey\n", "ff/n. x\n", "ffn.\x01 a\n",
+                         "\xc3. x\n"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         al = (hm_moe_allow *)1;
         cr_assert_eq(hm_moe_allow_parse(bad[i], strlen(bad[i]), &al, err, sizeof(err)), -EINVAL,
@@ -626,4 +737,90 @@ Test(moe_proto, allow_list_parses_matches_longest_and_refuses_bad_lines)
     cr_assert_eq(hm_moe_allow_parse("", 0, &al, err, sizeof(err)), 0);
     cr_assert_eq(al->n, 0u);
     hm_moe_allow_free(al);
+}
+
+/* ---- revision 2: tensors over sequences ---- */
+
+Test(moe_proto, sequence_requests_and_replies_round_trip)
+{
+    enum { B = 2, S = 3, D = 4 };
+    float x[B * S * D], gy[B * S * D], back[B * S * D];
+    hm_wire_wr w;
+    hm_moe_req req;
+    size_t len;
+    fill(x, B * S * D, 0.5f);
+    fill(gy, B * S * D, -1.0f);
+
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_moe_encode_bwd_seq(&w, "transformer::enc.1", x, gy, B, S, D);
+    uint8_t *b = hm_wire_wr_steal(&w, &len);
+    cr_assert_not_null(b);
+    cr_assert_eq(hm_moe_decode_req(b, len, 1, &req), 0);
+    cr_assert_str_eq(req.uid, "transformer::enc.1");
+    cr_assert_eq(req.batch, B);
+    cr_assert_eq(req.seq, S);
+    cr_assert_eq(req.dim, D);
+    memcpy(back, req.gy, sizeof(back));
+    cr_assert_eq(memcmp(back, gy, sizeof(back)), 0);
+    free(b);
+    /* Rank 2 says seq 0, as revision 1 bodies always were. */
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_moe_encode_fwd(&w, "ffn.1", x, B, D);
+    b = hm_wire_wr_steal(&w, &len);
+    cr_assert_eq(hm_moe_decode_req(b, len, 0, &req), 0);
+    cr_assert_eq(req.seq, 0u);
+    free(b);
+
+    /* Replies: the shape asked, rank included. */
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_moe_encode_out_seq(&w, 0, x, B, S, D);
+    b = hm_wire_wr_steal(&w, &len);
+    cr_assert_eq(hm_moe_decode_out_seq(b, len, 0, B, S, D, back), 0);
+    cr_assert_eq(memcmp(back, x, sizeof(back)), 0);
+    cr_assert_eq(hm_moe_decode_out_seq(b, len, 0, B, 2, D, back), -EPROTO);
+    cr_assert_eq(hm_moe_decode_out(b, len, 0, B * S, D, back), -EPROTO);
+    cr_assert_eq(hm_moe_decode_out_seq(b, len, 0, B, HM_MOE_MAX_SEQ + 1, D, back), -EINVAL);
+    free(b);
+
+    /* x and gy of different ranks, a seq over the cap: refused. */
+    uint64_t s3[3] = {1, HM_MOE_MAX_SEQ + 1, 1};
+    cr_assert_eq(decode_raw("t.1", HM_DTYPE_F32, s3, 3, (HM_MOE_MAX_SEQ + 1) * 4), -EMSGSIZE);
+    uint64_t s4[4] = {1, 1, 1, 1};
+    cr_assert_eq(decode_raw("t.1", HM_DTYPE_F32, s4, 4, 4), -EPROTO);
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_wire_wr_map(&w, 3);
+    hm_wire_wr_cstr(&w, "uid");
+    hm_wire_wr_cstr(&w, "t.1");
+    hm_wire_wr_cstr(&w, "x");
+    hm_wire_tensor t3 = {.dtype = HM_DTYPE_F32, .ndim = 3, .shape = {B, S, D},
+                         .data = (const uint8_t *)x, .nbytes = sizeof(x)};
+    hm_wire_wr_tensor(&w, &t3);
+    hm_wire_wr_cstr(&w, "gy");
+    hm_wire_tensor t2 = {.dtype = HM_DTYPE_F32, .ndim = 2, .shape = {B * S, D},
+                         .data = (const uint8_t *)gy, .nbytes = sizeof(gy)};
+    hm_wire_wr_tensor(&w, &t2);
+    b = hm_wire_wr_steal(&w, &len);
+    cr_assert_eq(hm_moe_decode_req(b, len, 1, &req), -EPROTO);
+    free(b);
+
+    /* Info: heads and max_seq for experts over sequences; a revision-1 reader skips them. */
+    uint8_t ib[256];
+    char type[HM_MOE_TYPE_MAX + 1];
+    size_t dim, hidden, heads = 9, max_seq = 9;
+    hm_wire_wr_init_fixed(&w, ib, sizeof(ib));
+    hm_moe_encode_info_seq(&w, "transformer", 16, 64, 4, 512);
+    cr_assert_eq(hm_moe_decode_info_seq(ib, w.len, type, &dim, &hidden, &heads, &max_seq), 0);
+    cr_assert_eq(heads, 4u);
+    cr_assert_eq(max_seq, 512u);
+    cr_assert_eq(hm_moe_decode_info(ib, w.len, type, &dim, &hidden), 0);
+    cr_assert_str_eq(type, "transformer");
+    hm_wire_wr_init_fixed(&w, ib, sizeof(ib));
+    hm_moe_encode_info(&w, "ffn", 16, 64);
+    cr_assert_eq(hm_moe_decode_info_seq(ib, w.len, type, &dim, &hidden, &heads, &max_seq), 0);
+    cr_assert_eq(heads, 0u);
+    cr_assert_eq(max_seq, 0u);
+    hm_wire_wr_init_fixed(&w, ib, sizeof(ib));
+    hm_moe_encode_info_seq(&w, "transformer", 16, 64, 4, HM_MOE_MAX_SEQ + 1);
+    cr_assert_eq(hm_moe_decode_info_seq(ib, w.len, type, &dim, &hidden, &heads, &max_seq),
+                 -EMSGSIZE);
 }

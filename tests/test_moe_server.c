@@ -151,7 +151,8 @@ static void on_reply(void *ud, int status, const uint8_t *body, size_t len)
     call *c = ud;
     c->done = 1;
     c->status = status;
-    if (status == 0 && len > 0) {
+    /* An error's body is the server's reason (proto.h): kept too. */
+    if (len > 0) {
         c->body = malloc(len);
         cr_assert_not_null(c->body);
         memcpy(c->body, body, len);
@@ -1294,5 +1295,189 @@ Test(moe_server, a_flooding_origin_neither_blocks_nor_delays_another)
     free(yh);
     server_close(&f, 0);
     hm_node_close(att, NULL, NULL);
+    fx_stop(&f);
+}
+
+/* ---- transformer experts ---- */
+
+static hm_xf *xf_file_copy(fx *f, const char *uid)
+{
+    char path[256];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_xf *t = NULL;
+    ckpt_path(f, uid, path, sizeof(path));
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 26, &buf, &len, NULL), 0, "%s", path);
+    cr_assert(hm_xf_is_state(buf, len), "%s does not say it holds a transformer", path);
+    cr_assert_eq(hm_xf_load(buf, len, NULL, &t), 0);
+    free(buf);
+    return t;
+}
+
+static uint8_t *enc_seq(const char *uid, const float *x, const float *gy, size_t batch,
+                        size_t seq, size_t *len)
+{
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+    if (gy != NULL)
+        hm_moe_encode_bwd_seq(&w, uid, x, gy, batch, seq, DIM);
+    else
+        hm_moe_encode_fwd_seq(&w, uid, x, batch, seq, DIM);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    uint8_t *b = hm_wire_wr_steal(&w, len);
+    cr_assert_not_null(b);
+    return b;
+}
+
+/*
+ * Transformer experts through the server: declared with their type, a
+ * remote forward and backward over [batch, seq, dim] (two requests of
+ * different sequence lengths batched together) equal the local
+ * computation of the checkpointed expert, and the backward is one step
+ * with the summed gradient; wrong shapes and overlong sequences are
+ * refused with the reason; a checkpoint of the other kind is refused.
+ */
+Test(moe_server, transformer_experts_equal_the_local_block)
+{
+    fx f;
+    fx_start(&f, 1);
+    hm_moe_server_opts o = {.state_dir = f.dir, .batch_wait_ms = 200};
+    cr_assert_eq(hm_moe_server_new(f.a, &o, &f.srv), 0);
+    hm_xf_config xc = {.ffn = cfg16(), .heads = 4, .max_seq = 8};
+    char err[256] = "";
+    size_t added = 0;
+    cr_assert_eq(hm_moe_server_host_xf(f.srv, "transformer::enc.[0:2]", &xc, &added, err,
+                                       sizeof(err)),
+                 0, "%s", err);
+    cr_assert_eq(added, 2u);
+    /* The plain call refuses the type: a transformer needs its config. */
+    hm_ffn_config c16 = cfg16();
+    cr_assert_eq(hm_moe_server_host(f.srv, "t.1", HM_MOE_TYPE_TRANSFORMER, &c16, &added, err,
+                                    sizeof(err)),
+                 -EINVAL);
+    hm_xf_config bad = xc;
+    bad.heads = 3;
+    cr_assert_eq(hm_moe_server_host_xf(f.srv, "t.1", &bad, &added, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "divide") != NULL, "%s", err);
+
+    hm_moe_hosted h[4];
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 4), 2u);
+    cr_assert_str_eq(h[1].uid, "transformer::enc.1");
+    cr_assert_str_eq(h[1].type, "transformer");
+    cr_assert_eq(h[1].heads, 4u);
+    cr_assert_eq(h[1].max_seq, 8u);
+
+    /* moe.info says the shape. */
+    uint8_t ib[256];
+    hm_wire_wr w;
+    hm_wire_wr_init_fixed(&w, ib, sizeof(ib));
+    hm_moe_encode_info_req(&w, "transformer::enc.1");
+    call c;
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_INFO, ib, w.len, &c), 0);
+    char type[HM_MOE_TYPE_MAX + 1];
+    size_t dim, hidden, heads, max_seq;
+    cr_assert_eq(hm_moe_decode_info_seq(c.body, c.len, type, &dim, &hidden, &heads, &max_seq), 0);
+    cr_assert_str_eq(type, "transformer");
+    cr_assert_eq(dim, (size_t)DIM);
+    cr_assert_eq(heads, 4u);
+    cr_assert_eq(max_seq, 8u);
+    free(c.body);
+
+    /* The expert as it starts, for the local computation. */
+    cr_assert_eq(hm_moe_server_checkpoint(f.srv), 0);
+    hm_xf *local = xf_file_copy(&f, "transformer%3A%3Aenc.1");
+    enum { B1 = 2, S1 = 5, B2 = 3, S2 = 3 };
+    float x1[B1 * S1 * DIM], x2[B2 * S2 * DIM], g1[B1 * S1 * DIM], g2[B2 * S2 * DIM];
+    float y[B1 * S1 * DIM], want[B1 * S1 * DIM];
+    fill(x1, B1 * S1 * DIM);
+    fill(x2, B2 * S2 * DIM);
+    fill(g1, B1 * S1 * DIM);
+    fill(g2, B2 * S2 * DIM);
+    size_t len;
+    uint8_t *b = enc_seq("transformer::enc.1", x1, NULL, B1, S1, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), 0);
+    free(b);
+    cr_assert_eq(hm_moe_decode_out_seq(c.body, c.len, 0, B1, S1, DIM, y), 0);
+    free(c.body);
+    cr_assert_eq(hm_xf_forward(local, x1, B1, S1, want), 0);
+    assert_close(y, want, B1 * S1 * DIM, "forward");
+
+    /* Two backward requests of different lengths, in one batch (batch_wait 200 ms). */
+    call c1, c2;
+    uint8_t *bb1 = enc_seq("transformer::enc.1", x1, g1, B1, S1, &len);
+    call_start(&f, HM_MOE_METHOD_BWD, bb1, len, &c1);
+    size_t len2;
+    uint8_t *bb2 = enc_seq("transformer::enc.1", x2, g2, B2, S2, &len2);
+    call_start(&f, HM_MOE_METHOD_BWD, bb2, len2, &c2);
+    cr_assert(hm_test_run_until(&f.loop, call_done, &c1, 12000));
+    cr_assert(hm_test_run_until(&f.loop, call_done, &c2, 12000));
+    free(bb1);
+    free(bb2);
+    cr_assert_eq(c1.status, 0);
+    cr_assert_eq(c2.status, 0);
+    float gx1[B1 * S1 * DIM], gx2[B2 * S2 * DIM], w1[B1 * S1 * DIM], w2[B2 * S2 * DIM];
+    cr_assert_eq(hm_moe_decode_out_seq(c1.body, c1.len, 1, B1, S1, DIM, gx1), 0);
+    cr_assert_eq(hm_moe_decode_out_seq(c2.body, c2.len, 1, B2, S2, DIM, gx2), 0);
+    free(c1.body);
+    free(c2.body);
+    const size_t np = hm_xf_nparams(local);
+    float *gp1 = calloc(np, sizeof(float)), *gp2 = calloc(np, sizeof(float));
+    cr_assert_eq(hm_xf_grad(local, x1, g1, B1, S1, w1, gp1), 0);
+    cr_assert_eq(hm_xf_grad(local, x2, g2, B2, S2, w2, gp2), 0);
+    assert_close(gx1, w1, B1 * S1 * DIM, "dL/dx of the first request");
+    assert_close(gx2, w2, B2 * S2 * DIM, "dL/dx of the second request");
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 4), 2u);
+    cr_assert_eq(h[1].steps, 1u, "two requests in one batch are one step");
+    for (size_t i = 0; i < np; i++)
+        gp1[i] += gp2[i];
+    cr_assert_eq(hm_xf_apply(local, gp1), 0);
+    cr_assert_eq(hm_moe_server_checkpoint(f.srv), 0);
+    hm_xf *after = xf_file_copy(&f, "transformer%3A%3Aenc.1");
+    for (size_t i = 0; i < np; i++)
+        cr_assert(fabsf(*hm_xf_param(after, i) - *hm_xf_param(local, i)) <= 1e-6f,
+                  "parameter %zu after the step", i);
+    hm_xf_free(after);
+    free(gp1);
+    free(gp2);
+
+    /* Shapes: [batch, dim] to a transformer, a sequence past max_seq, [b, s, d] to nothing. */
+    b = enc_fwd("transformer::enc.1", x1, 2, DIM, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -EPROTO);
+    free(b);
+    char msg[HM_MOE_ERR_MAX + 1];
+    hm_moe_decode_error(c.body, c.len, msg);
+    cr_assert(strstr(msg, "[batch, seq, 16]") != NULL, "the reason: %s", msg);
+    free(c.body);
+    float big[10 * DIM];
+    fill(big, 10 * DIM);
+    b = enc_seq("transformer::enc.1", big, NULL, 1, 10, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -EPROTO);
+    free(b);
+    hm_moe_decode_error(c.body, c.len, msg);
+    cr_assert(strstr(msg, "ExpertMaxSeq") != NULL && strstr(msg, "at most 8") != NULL, "%s",
+              msg);
+    free(c.body);
+    hm_xf_free(local);
+    server_close(&f, 0);
+
+    /* An ffn hosted over a transformer's checkpoint, and the other way round: refused. */
+    cr_assert_eq(hm_moe_server_new(f.a, &o, &f.srv), 0);
+    cr_assert_eq(hm_moe_server_host(f.srv, "transformer::enc.1", "ffn", &c16, &added, err,
+                                    sizeof(err)),
+                 -EPROTO);
+    cr_assert(strstr(err, "holds a transformer expert") != NULL, "%s", err);
+    cr_assert_eq(hm_moe_server_host(f.srv, "plain.0", "ffn", &c16, &added, err, sizeof(err)), 0);
+    cr_assert_eq(hm_moe_server_checkpoint(f.srv), 0);
+    server_close(&f, 0);
+    cr_assert_eq(hm_moe_server_new(f.a, &o, &f.srv), 0);
+    cr_assert_eq(hm_moe_server_host_xf(f.srv, "plain.0", &xc, &added, err, sizeof(err)), -EPROTO);
+    cr_assert(strstr(err, "holds an ffn expert") != NULL, "%s", err);
+    /* A transformer resumes from its own checkpoint, stepped once. */
+    cr_assert_eq(hm_moe_server_host_xf(f.srv, "transformer::enc.1", &xc, &added, err,
+                                       sizeof(err)),
+                 0, "%s", err);
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 4), 1u);
+    cr_assert(h[0].resumed);
+    cr_assert_eq(h[0].steps, 1u);
     fx_stop(&f);
 }

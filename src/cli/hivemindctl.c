@@ -71,14 +71,15 @@ static void usage(FILE *f)
             "             the experts this node hosts (requests served, mean batch size,\n"
             "             latency, optimizer steps) and those the swarm declares under\n"
             "             PREFIX (default: the grids this node hosts in): uid, host, expiry\n"
-            "  experts host PATTERN [--type ffn] [--dim D] [--hidden H]\n"
-            "          [--optimizer adam|sgd] [--lr RATE]\n"
+            "  experts host PATTERN [--type ffn|transformer] [--dim D] [--hidden H]\n"
+            "          [--optimizer adam|sgd] [--lr RATE] [--heads N] [--max-seq S]\n"
             "             host more experts, e.g. 'ffn.[0:16].[0:4]' (64 experts); the\n"
-            "             defaults are the daemon's Expert* settings\n"
-            "  experts call UID --in FILE --out FILE [--timeout S]\n"
+            "             defaults are the daemon's Expert* settings; a transformer takes\n"
+            "             [batch, seq, d] with seq at most S and N heads dividing d\n"
+            "  experts call UID --in FILE --out FILE [--seq S] [--timeout S]\n"
             "             one forward pass of expert UID, wherever it is hosted, on a raw\n"
-            "             float32 [batch, d] file; the output is written to OUT (default\n"
-            "             timeout 30 s)\n"
+            "             float32 [batch, d] file ([batch, S, d] for a transformer); the\n"
+            "             output is written to OUT (default timeout 30 s)\n"
             "  state share PREFIX --step N --in FILE [--chunk-size B] [--ttl S]\n"
             "             offer a state (a raw float32 file: parameters and optimizer state)\n"
             "             to newcomers under PREFIX, as donor for step N\n"
@@ -409,6 +410,9 @@ enum {
     OPT_HIDDEN,
     OPT_OPTIMIZER,
     OPT_LR,
+    OPT_HEADS,
+    OPT_MAX_SEQ,
+    OPT_SEQ,
     OPT_PROGRESS_TARGET,
     OPT_STEP,
     OPT_MIN_AGREE,
@@ -424,6 +428,7 @@ typedef struct avg_flags {
 
 typedef struct ex_flags {
     const char *type, *dim, *hidden, *optimizer, *lr;
+    const char *heads, *max_seq; /* transformer experts */
     int any;
 } ex_flags;
 
@@ -445,6 +450,7 @@ typedef struct cli {
     ex_flags ex;
     st_flags st;
     const char *progress_target; /* progress --target */
+    const char *seq;             /* experts call --seq (transformer experts) */
 } cli;
 
 /*
@@ -620,7 +626,9 @@ static int build_experts_host(const cli *c, request *rq)
         json_object_set_new(args, "optimizer", json_string(e->optimizer));
     if (set_num(args, "dim", "--dim", e->dim, 1, 8192, 1, NULL) < 0 ||
         set_num(args, "hidden", "--hidden", e->hidden, 0, 32768, 1, NULL) < 0 ||
-        set_num(args, "lr", "--lr", e->lr, 1e-12, 10, 0, NULL) < 0)
+        set_num(args, "lr", "--lr", e->lr, 1e-12, 10, 0, NULL) < 0 ||
+        set_num(args, "heads", "--heads", e->heads, 0, 64, 1, NULL) < 0 ||
+        set_num(args, "max_seq", "--max-seq", e->max_seq, 1, 2048, 1, NULL) < 0)
         return BUILD_BAD;
     return BUILD_OK;
 }
@@ -646,6 +654,8 @@ static int build_experts_call(const cli *c, request *rq)
     rq->wait_s = t + 5;
     rq->args = json_pack("{s:s, s:o, s:o, s:f}", "uid", c->pos[1], "in", ip, "out", op,
                          "timeout", t);
+    if (rq->args == NULL || set_num(rq->args, "seq", "--seq", c->seq, 1, 2048, 1, NULL) < 0)
+        return BUILD_BAD;
     return BUILD_OK;
 }
 
@@ -923,8 +933,8 @@ static const struct {
     {"state", "'state share PREFIX --step N --in FILE [--chunk-size B] [--ttl S]', 'state load "
               "PREFIX --out FILE [--min-agree N] [--timeout S]' or 'state info PREFIX'"},
     {"experts", "'experts list [PREFIX]', 'experts host PATTERN [--type T] [--dim D] "
-                "[--hidden H] [--optimizer O] [--lr R]' or 'experts call UID --in FILE --out "
-                "FILE [--timeout S]'"},
+                "[--hidden H] [--optimizer O] [--lr R] [--heads N] [--max-seq S]' or 'experts "
+                "call UID --in FILE --out FILE [--seq S] [--timeout S]'"},
 };
 
 static const char *shape_of(const char *name)
@@ -1070,6 +1080,9 @@ int main(int argc, char **argv)
         {"hidden", required_argument, NULL, OPT_HIDDEN},
         {"optimizer", required_argument, NULL, OPT_OPTIMIZER},
         {"lr", required_argument, NULL, OPT_LR},
+        {"heads", required_argument, NULL, OPT_HEADS},
+        {"max-seq", required_argument, NULL, OPT_MAX_SEQ},
+        {"seq", required_argument, NULL, OPT_SEQ},
         {"target", required_argument, NULL, OPT_PROGRESS_TARGET},
         {"step", required_argument, NULL, OPT_STEP},
         {"min-agree", required_argument, NULL, OPT_MIN_AGREE},
@@ -1152,6 +1165,15 @@ int main(int argc, char **argv)
         case OPT_LR:
             ex->lr = optarg, ex->any = 1;
             break;
+        case OPT_HEADS:
+            ex->heads = optarg, ex->any = 1;
+            break;
+        case OPT_MAX_SEQ:
+            ex->max_seq = optarg, ex->any = 1;
+            break;
+        case OPT_SEQ:
+            c.seq = optarg;
+            break;
         case OPT_PROGRESS_TARGET:
             c.progress_target = optarg;
             break;
@@ -1233,8 +1255,13 @@ int main(int argc, char **argv)
         return HM_EXIT_USAGE;
     }
     if (ex->any && strcmp(name, "experts") != 0) {
-        fprintf(stderr, "hivemindctl: --type, --dim, --hidden, --optimizer and --lr go with "
-                "experts host\n");
+        fprintf(stderr, "hivemindctl: --type, --dim, --hidden, --optimizer, --lr, --heads and "
+                "--max-seq go with experts host\n");
+        usage_hint();
+        return HM_EXIT_USAGE;
+    }
+    if (c.seq != NULL && strcmp(name, "experts") != 0) {
+        fprintf(stderr, "hivemindctl: --seq goes with experts call\n");
         usage_hint();
         return HM_EXIT_USAGE;
     }

@@ -62,6 +62,7 @@ typedef struct hm_cmd_experts_config {
     int one_holder;                      /* an open uid keeps its earliest live holder */
     const char *hosts_file;              /* allow-list of expert hosts, "" for none */
     unsigned backoff_s, backoff_max_s;   /* stalled hosts (moe/client.h) */
+    unsigned heads, max_seq;             /* transformer experts (moe/transformer.h) */
 } hm_cmd_experts_config;
 
 struct file_job;
@@ -75,6 +76,7 @@ struct hm_cmd_experts {
     hm_moe_allow *allow;        /* ExpertHostsFile, borrowed by cli; NULL: none */
     hm_ffn_config defcfg;       /* the configured experts' layer */
     char deftype[HM_MOE_TYPE_MAX + 1];
+    unsigned defheads, defmaxseq; /* ExpertHeads, ExpertMaxSeq */
     hm_daemon_life life;        /* jobs: commands in progress; parts: the server */
     uint64_t call_bytes;        /* frames of experts.forward/backward in flight */
     uint64_t hosted_bytes;      /* parameters and optimizer state hosted */
@@ -135,8 +137,8 @@ static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
                             size_t errlen)
 {
     memset(cfg_out, 0, sizeof(*cfg_out));
-    if (strcmp(type, "ffn") != 0) {
-        snprintf(err, errlen, "unknown expert type '%s' (known: ffn)", type);
+    if (strcmp(type, "ffn") != 0 && strcmp(type, HM_MOE_TYPE_TRANSFORMER) != 0) {
+        snprintf(err, errlen, "unknown expert type '%s' (known: ffn, transformer)", type);
         return -EINVAL;
     }
     if (dim < 1 || dim > HM_FFN_MAX_DIM || dim > HM_MOE_MAX_DIM) {
@@ -170,15 +172,21 @@ static int build_ffn_config(const char *type, unsigned dim, unsigned hidden,
     return 0;
 }
 
-/* Hosts each comma-separated pattern of list. */
+/* Hosts each comma-separated pattern of list; heads and max_seq serve transformers. */
 static int host_list(hm_cmd_experts *m, const char *list, const char *type,
-                     const hm_ffn_config *cfg, size_t *added_out, char *err, size_t errlen)
+                     const hm_ffn_config *cfg, unsigned heads, unsigned max_seq,
+                     size_t *added_out, char *err, size_t errlen)
 {
+    const int xf = strcmp(type, HM_MOE_TYPE_TRANSFORMER) == 0;
     char one[HM_MOE_UID_MAX * 4];
     const char *p = list;
     *added_out = 0;
     while (*p != '\0') {
-        const char *comma = strchr(p, ',');
+        /* A grid name may hold commas (uids follow Hivemind's grammar); the
+         * coordinates and ranges after its first '.' cannot, so only a comma
+         * there ends a pattern. */
+        const char *dot = strchr(p, '.');
+        const char *comma = dot != NULL ? strchr(dot, ',') : NULL;
         size_t n = comma != NULL ? (size_t)(comma - p) : strlen(p);
         if (n == 0 || n >= sizeof(one)) {
             snprintf(err, errlen, "empty or overlong pattern in '%s'", list);
@@ -191,8 +199,9 @@ static int host_list(hm_cmd_experts *m, const char *list, const char *type,
         /* The pattern's experts, counted as if all were new, must fit the
          * budget: each holds its parameters and up to two moments. */
         size_t h = cfg->hidden > 0 ? cfg->hidden : 4 * cfg->dim;
-        uint64_t per = ((uint64_t)3 * cfg->dim + 2 * (uint64_t)h * cfg->dim + h) * 3 *
-                       sizeof(float);
+        uint64_t per = ((uint64_t)3 * cfg->dim + 2 * (uint64_t)h * cfg->dim + h +
+                        (xf ? 4 * (uint64_t)cfg->dim * cfg->dim + 6 * (uint64_t)cfg->dim : 0)) *
+                       3 * sizeof(float);
         hm_moe_uid *uids = calloc(HM_MOE_MAX_PATTERN_EXPERTS, sizeof(*uids));
         if (uids == NULL) {
             snprintf(err, errlen, "out of memory");
@@ -206,7 +215,13 @@ static int host_list(hm_cmd_experts *m, const char *list, const char *type,
                      (unsigned long long)(MAX_HOSTED_BYTES >> 30));
             return -ENOBUFS;
         }
-        int r = hm_moe_server_host(m->srv, one, type, cfg, &added, why, sizeof(why));
+        int r;
+        if (xf) {
+            hm_xf_config xc = {.ffn = *cfg, .heads = heads, .max_seq = max_seq};
+            r = hm_moe_server_host_xf(m->srv, one, &xc, &added, why, sizeof(why));
+        } else {
+            r = hm_moe_server_host(m->srv, one, type, cfg, &added, why, sizeof(why));
+        }
         if (r != 0) {
             snprintf(err, errlen, "cannot host '%s': %s", one, why[0] ? why : hm_strerror(r));
             return r;
@@ -249,6 +264,13 @@ static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
     long long hidden;
     if (hm_daemon_arg_int(req, args, "hidden", 0, 0, HM_FFN_MAX_HIDDEN, &hidden) != 0)
         return;
+    long long heads, max_seq;
+    if (hm_daemon_arg_int(req, args, "heads", (long long)m->defheads, 0, HM_XF_MAX_HEADS,
+                          &heads) != 0)
+        return;
+    if (hm_daemon_arg_int(req, args, "max_seq", (long long)m->defmaxseq, 1, HM_XF_MAX_SEQ,
+                          &max_seq) != 0)
+        return;
     char lr[32] = "";
     const json_t *v = json_object_get(args, "lr");
     if (v != NULL) {
@@ -264,7 +286,8 @@ static void cmd_host(void *ud, hm_control_req *req, const json_t *args)
         return;
     }
     cfg.seed = m->defcfg.seed;
-    int r = host_list(m, pattern, type, &cfg, &added, err, sizeof(err));
+    int r = host_list(m, pattern, type, &cfg, (unsigned)heads, (unsigned)max_seq, &added, err,
+                      sizeof(err));
     if (r != 0) {
         hm_control_reply_error(req, r == -EPROTO ? "conflict" : r == -ENOBUFS ? "limit"
                                                                             : "bad_args",
@@ -421,6 +444,11 @@ static json_t *hosted_json(hm_cmd_experts *m)
             "latency_p99_ms", h[i].latency_p99_ms, "steps", (json_int_t)h[i].steps,
             "last_checkpoint", (double)h[i].last_checkpoint_unix_ms / 1000.0, "resumed",
             h[i].resumed != 0);
+        /* Transformers take [batch, seq, dim]: say how many heads and how long a seq. */
+        if (e != NULL && h[i].max_seq != 0) {
+            json_object_set_new(e, "heads", json_integer((json_int_t)h[i].heads));
+            json_object_set_new(e, "max_seq", json_integer((json_int_t)h[i].max_seq));
+        }
         if (e == NULL || json_array_append_new(arr, e) != 0) {
             json_decref(arr);
             arr = NULL;
@@ -459,20 +487,23 @@ static void cmd_list(void *ud, hm_control_req *req, const json_t *args)
     if (hm_daemon_life_refuse(&m->life, req))
         return;
     const char *prefix;
-    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 1, &prefix) != 0)
+    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX + 1, 1, &prefix) != 0)
         return;
     double timeout;
     if (hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S, &timeout) != 0)
         return;
+    char name[HM_MOE_PREFIX_MAX + 1];
     if (prefix != NULL) {
-        for (const char *p = prefix; *p; p++) {
-            if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
-                  (*p >= '0' && *p <= '9') || *p == '_' || *p == '-')) {
-                hm_control_reply_error(req, "bad_args", "args.prefix must be a grid name of "
-                                       "[A-Za-z0-9_-], such as ffn");
-                return;
-            }
+        char why[160];
+        int nl = hm_moe_name_check(prefix, strlen(prefix), why, sizeof(why));
+        if (nl < 0) {
+            hm_control_reply_error(req, "bad_args", why);
+            return;
         }
+        /* "ffn." and "ffn" name the same grid. */
+        memcpy(name, prefix, (size_t)nl);
+        name[nl] = '\0';
+        prefix = name;
         hm_strlcpy(grids[n_grids++], prefix, sizeof(grids[0]));
     }
     j = calloc(1, sizeof(*j));
@@ -601,8 +632,13 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
     if (hm_daemon_life_refuse(&m->life, req))
         return;
     const char *prefix;
-    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 0, &prefix) != 0)
+    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX + 1, 0, &prefix) != 0)
         return;
+    char why[160];
+    if (hm_moe_name_check(prefix, strlen(prefix), why, sizeof(why)) < 0) {
+        hm_control_reply_error(req, "bad_args", why);
+        return;
+    }
     long long k_best;
     if (hm_daemon_arg_int(req, args, "k_best", -1, 1, HM_MOE_MAX_K, &k_best) != 0)
         return;
@@ -615,7 +651,7 @@ static void cmd_find(void *ud, hm_control_req *req, const json_t *args)
     const json_t *sv = json_object_get(args, "scores");
     if (!json_is_array(sv) || json_array_size(sv) < 1 ||
         json_array_size(sv) > HM_MOE_MAX_GRID_DIMS) {
-        hm_control_reply_error(req, "bad_args", "args.scores must be a list of 1 to 4 lists of "
+        hm_control_reply_error(req, "bad_args", "args.scores must be a list of 1 to 16 lists of "
                                "gate scores, one per grid dimension");
         return;
     }
@@ -929,7 +965,9 @@ typedef struct file_job {
     char in[PATH_MAX], out[PATH_MAX];
     uint64_t deadline_ms;
     hm_moe_expert ex;
-    size_t dim, batch;
+    size_t dim, batch;          /* batch: rows of dim in the file */
+    size_t seq;                 /* args.seq: 0, or rows per sequence for a transformer */
+    size_t max_seq;             /* the expert's, from moe.info; 0: it takes [batch, dim] */
     float *x, *y;
     uint64_t started_ms;
     uint64_t info_call;
@@ -976,9 +1014,13 @@ static void on_file_written(void *ud, int status, const char *msg)
     char peer[HM_PEER_ID_LEN + 1], host[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2];
     hm_peer_id_encode(j->ex.pk, peer);
     snprintf(host, sizeof(host), "%s@%s", peer, j->ex.addr_str);
-    hm_daemon_reply(j->req, json_pack("{s:s, s:s, s:I, s:I, s:f}", "uid", j->uid, "peer", host,
-                                 "batch", (json_int_t)j->batch, "dim", (json_int_t)j->dim,
-                                 "duration", (double)(hm_now_ms() - j->started_ms) / 1000.0));
+    json_t *res = json_pack("{s:s, s:s, s:I, s:I, s:f}", "uid", j->uid, "peer", host, "batch",
+                            (json_int_t)(j->seq != 0 ? j->batch / j->seq : j->batch), "dim",
+                            (json_int_t)j->dim, "duration",
+                            (double)(hm_now_ms() - j->started_ms) / 1000.0);
+    if (res != NULL && j->seq != 0)
+        json_object_set_new(res, "seq", json_integer((json_int_t)j->seq));
+    hm_daemon_reply(j->req, res);
     file_finish(j, NULL, NULL);
 }
 
@@ -1035,7 +1077,8 @@ static void on_file_read(void *ud, int status, float *data, size_t n, const char
     hm_moe_call_opts o = {.k_min = 1,
                           .timeout_ms = remaining_ms(j),
                           .timeout_after_k_min_ms = 0,
-                          .errors_out = &j->err};
+                          .errors_out = &j->err,
+                          .seq = j->seq};
     int r = hm_moe_forward(j->m->cli, &j->ex, 1, j->x, j->batch, j->dim, j->y, &o,
                            on_file_called, j, NULL);
     if (r != 0) {
@@ -1048,12 +1091,17 @@ static void on_file_read(void *ud, int status, float *data, size_t n, const char
  * dim, at most a call's cap; on_file_read goes on from there. */
 static void read_input(file_job *j)
 {
-    char expect[128];
-    snprintf(expect, sizeof(expect), "1 to %d rows of %zu float32 (the expert's dim)",
-             HM_MOE_MAX_BATCH, j->dim);
+    char expect[160];
+    size_t per = j->seq != 0 ? j->seq : 1; /* rows of dim per sample */
+    if (j->seq != 0)
+        snprintf(expect, sizeof(expect), "1 to %d sequences of %zu rows of %zu float32 (seq, "
+                 "the expert's dim)", HM_MOE_MAX_BATCH, j->seq, j->dim);
+    else
+        snprintf(expect, sizeof(expect), "1 to %d rows of %zu float32 (the expert's dim)",
+                 HM_MOE_MAX_BATCH, j->dim);
     hm_tensor_file_read_opts ro = {
-        .row = j->dim,
-        .max_bytes = HM_MIN((size_t)HM_MOE_MAX_BATCH * j->dim, (size_t)HM_MOE_MAX_ELEMS) *
+        .row = j->dim * per,
+        .max_bytes = HM_MIN((size_t)HM_MOE_MAX_BATCH * per * j->dim, (size_t)HM_MOE_MAX_ELEMS) *
                      sizeof(float),
         .finite = 0,
         .expect = expect,
@@ -1076,10 +1124,26 @@ static void on_file_info(void *ud, int status, const uint8_t *body, size_t len)
         file_finish(j, "stopping", "the daemon is shutting down");
         return;
     }
-    if (status != 0 || hm_moe_decode_info(body, len, type, &j->dim, &hidden) != 0) {
+    size_t heads;
+    if (status != 0 ||
+        hm_moe_decode_info_seq(body, len, type, &j->dim, &hidden, &heads, &j->max_seq) != 0) {
         snprintf(msg, sizeof(msg), "expert %s at %s did not describe itself: %s", j->uid,
                  j->ex.addr_str, status != 0 ? hm_strerror(status) : "malformed reply");
         file_finish(j, status == -ETIMEDOUT ? "timeout" : "failed", msg);
+        return;
+    }
+    /* An expert over sequences reads the file as [batch, seq, dim]: it needs args.seq. */
+    if (j->max_seq != 0 && (j->seq == 0 || j->seq > j->max_seq)) {
+        snprintf(msg, sizeof(msg), "expert %s is a %s taking inputs [batch, seq, %zu] with seq "
+                 "at most %zu: give args.seq (hivemindctl: --seq) within that", j->uid, type,
+                 j->dim, j->max_seq);
+        file_finish(j, "bad_args", msg);
+        return;
+    }
+    if (j->max_seq == 0 && j->seq != 0) {
+        snprintf(msg, sizeof(msg), "expert %s takes inputs [batch, %zu]: it has no seq", j->uid,
+                 j->dim);
+        file_finish(j, "bad_args", msg);
         return;
     }
     read_input(j);
@@ -1128,12 +1192,16 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
     const char *uid;
     if (hm_daemon_arg_string(req, args, "uid", HM_MOE_UID_MAX, 0, &uid) != 0)
         return;
-    if (hm_moe_uid_parse(uid, strlen(uid), &u) != 0) {
-        hm_control_reply_error(req, "bad_args", "args.uid is not an expert uid such as ffn.3.5");
+    char why[160];
+    if (hm_moe_uid_check(uid, strlen(uid), &u, why, sizeof(why)) != 0) {
+        hm_control_reply_error(req, "bad_args", why);
         return;
     }
     double timeout;
     if (hm_daemon_arg_seconds(req, args, "timeout", 30.0, MAX_TIMEOUT_S, &timeout) != 0)
+        return;
+    long long seq;
+    if (hm_daemon_arg_int(req, args, "seq", 0, 0, HM_MOE_MAX_SEQ, &seq) != 0)
         return;
     j = calloc(1, sizeof(*j));
     if (j == NULL) {
@@ -1142,6 +1210,7 @@ static void cmd_call(void *ud, hm_control_req *req, const json_t *args)
     }
     j->m = m;
     j->req = req;
+    j->seq = (size_t)seq;
     hm_strlcpy(j->uid, uid, sizeof(j->uid));
     if (hm_daemon_arg_path(req, args, "in", j->in) != 0 ||
         hm_daemon_arg_path(req, args, "out", j->out) != 0) {
@@ -1185,6 +1254,8 @@ static void config_of(const hm_config *c, hm_cmd_experts_config *out)
         .hosts_file = c->expert_hosts_file,
         .backoff_s = c->expert_backoff_s,
         .backoff_max_s = c->expert_backoff_max_s,
+        .heads = c->expert_heads,
+        .max_seq = c->expert_max_seq,
     };
 }
 
@@ -1233,6 +1304,10 @@ static int load_hosts_file(const char *path, hm_moe_allow **out, char *err, size
 
 static int check_config(const hm_cmd_experts_config *c, char *err, size_t errlen)
 {
+    if (strcmp(c->type, HM_MOE_TYPE_TRANSFORMER) == 0 && c->heads != 0 && c->dim % c->heads != 0) {
+        snprintf(err, errlen, "ExpertHeads (%u) must divide ExpertDim (%u)", c->heads, c->dim);
+        return -EINVAL;
+    }
     if (c->backoff_max_s < c->backoff_s) {
         snprintf(err, errlen, "ExpertBackoffMax (%u s) must be at least ExpertBackoff (%u s)",
                  c->backoff_max_s, c->backoff_s);
@@ -1298,6 +1373,8 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
     if (r != 0)
         goto fail;
     hm_strlcpy(m->deftype, c->type, sizeof(m->deftype));
+    m->defheads = c->heads;
+    m->defmaxseq = c->max_seq;
     hm_moe_server_opts so = {
         .state_dir = c->state_dir,
         .workers = c->workers,
@@ -1332,7 +1409,8 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
         goto fail;
     }
     if (c->host_experts != NULL && c->host_experts[0] != '\0') {
-        r = host_list(m, c->host_experts, m->deftype, &m->defcfg, &added, err, errlen);
+        r = host_list(m, c->host_experts, m->deftype, &m->defcfg, m->defheads, m->defmaxseq,
+                      &added, err, errlen);
         if (r != 0)
             goto fail;
         hm_info(MOD, "hosting %zu experts (%s, %s, dim %u)", added, c->host_experts, c->type,

@@ -86,7 +86,8 @@ static const struct opt opts[] = {
      "experts to host, e.g. ffn.[0:16].[0:4] for 64 experts ffn.0.0 to ffn.15.3 (default none)"},
     {"ExpertType", "expert-type", T_WORD, FIELD(expert_type), 0, 0, 0, "TYPE",
      "layer of the hosted experts: ffn, LayerNorm -> Linear(d, 4d) -> GELU -> Linear(4d, d) "
-     "with a residual (default ffn)"},
+     "with a residual; or transformer, a pre-LN block of multi-head self-attention and that ffn "
+     "over inputs [batch, seq, d] (default ffn)"},
     {"ExpertDim", "expert-dim", T_UINT, FIELD(expert_dim), 1, 8192, 0, "D",
      "input and output width d of the hosted experts (default 512)"},
     {"ExpertHidden", "expert-hidden", T_UINT, FIELD(expert_hidden), 0, 32768, 0, "H",
@@ -99,6 +100,14 @@ static const struct opt opts[] = {
      "compute threads of the expert server (default 2)"},
     {"ExpertMaxBatch", "expert-max-batch", T_UINT, FIELD(expert_max_batch), 1, 4096, 0, "N",
      "samples in one expert batch (default 1024)"},
+    /* -- transformer options -- */
+    {"ExpertHeads", "expert-heads", T_UINT, FIELD(expert_heads), 0, 64, 0, "N",
+     "attention heads of hosted transformer experts, dividing ExpertDim; 0 for the largest of "
+     "8, 4, 2, 1 that does (default 0)"},
+    {"ExpertMaxSeq", "expert-max-seq", T_UINT, FIELD(expert_max_seq), 1, 2048, 0, "N",
+     "longest sequence a call may pass a hosted transformer expert; longer ones are refused "
+     "(default 512)"},
+    /* -- end transformer options -- */
     {"CheckpointInterval", "checkpoint-interval", T_UINT, FIELD(checkpoint_interval_s), 1, 86400,
      0, "SECONDS", "how often hosted experts that changed are checkpointed under "
      "STATEDIR/experts (default 60; also on shutdown)"},
@@ -663,6 +672,19 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
             hm_strlcpy(field_str(c, o), v, o->size);
             return 0;
         }
+        /* -- uid grammar -- HostExperts: expert uids follow Hivemind's grammar, whose
+         * grid names may hold any character but '.'; the patterns are checked
+         * in full (and their errors named) when the daemon starts. */
+        if (o->off == offsetof(hm_config, host_experts)) {
+            for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
+                if (*p <= 0x20 || *p == 0x7f) {
+                    hm_errf(why, whylen, "a space or control character (byte 0x%02x)", *p);
+                    return -EINVAL;
+                }
+            }
+            hm_strlcpy(field_str(c, o), v, o->size);
+            return 0;
+        }
         for (const char *p = v; *p; p++) {
             if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
                   (*p >= '0' && *p <= '9') || strchr("._:,[]-", *p) != NULL)) {
@@ -759,6 +781,8 @@ void hm_config_defaults(hm_config *c)
     c->expert_workers = 2;
     c->expert_max_batch = 1024;
     c->checkpoint_interval_s = 60;
+    /* -- transformer defaults -- */
+    c->expert_max_seq = 512;
     c->average_weight_factor = 4;
     c->average_clip_weight_factor = 1;
     c->average_bandwidth_factor = 2;

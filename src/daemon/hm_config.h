@@ -69,6 +69,9 @@ typedef struct hm_config {
     char expert_optimizer[16];
     char expert_lr[32];              /* empty: the optimizer's default */
     unsigned expert_workers, expert_max_batch;
+    /* -- transformer fields -- */
+    unsigned expert_heads;            /* 0: the largest of 8, 4, 2, 1 dividing the dim */
+    unsigned expert_max_seq;          /* longest sequence a transformer expert takes */
     unsigned checkpoint_interval_s;
     /* ---- limits against hostile members (docs/security.md), by floor ---- */
     /* transport: connections, handshakes; 0 where the default scales with

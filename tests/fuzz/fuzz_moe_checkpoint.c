@@ -15,6 +15,7 @@
 
 #include "moe/checkpoint.h"
 #include "moe/ffn.h"
+#include "moe/transformer.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -78,8 +79,49 @@ static void check_state(const uint8_t *buf, size_t len, const hm_ffn_config *exp
     hm_ffn_free(g);
 }
 
+/* The transformer expert's state (moe/transformer.h): the same promises. */
+static void check_xf_state(const uint8_t *buf, size_t len, const hm_xf_config *expect)
+{
+    hm_xf *t = NULL, *u = NULL;
+    uint8_t *s1 = NULL, *s2 = NULL;
+    size_t l1 = 0, l2 = 0;
+    int rc = hm_xf_load(buf, len, expect, &t);
+
+    CHECK(rc == 0 || rc == -EINVAL || rc == -EPROTO || rc == -EBADMSG || rc == -EMSGSIZE ||
+          rc == -ENOMEM);
+    if (rc != 0) {
+        CHECK(t == NULL);
+        return;
+    }
+    CHECK(hm_xf_is_state(buf, len));
+    if (expect != NULL)
+        CHECK(hm_xf_dim(t) == expect->ffn.dim && hm_xf_config_of(t)->heads == expect->heads);
+    CHECK(hm_xf_save(t, &s1, &l1) == 0);
+    CHECK(hm_xf_load(s1, l1, NULL, &u) == 0);
+    CHECK(hm_xf_save(u, &s2, &l2) == 0);
+    CHECK(l1 == l2 && memcmp(s1, s2, l1) == 0);
+    {
+        size_t d = hm_xf_dim(t);
+        float *x = calloc(2 * d, sizeof(float)), *y = malloc(2 * d * sizeof(float));
+        CHECK(x != NULL && y != NULL);
+        for (size_t i = 0; i < 2 * d; i++)
+            x[i] = (float)(i % 5) - 2.0f;
+        rc = hm_xf_forward(t, x, 1, 2, y);
+        CHECK(rc == 0 || (rc == -EINVAL && hm_xf_config_of(t)->max_seq < 2));
+        free(x);
+        free(y);
+    }
+    free(s1);
+    free(s2);
+    hm_xf_free(t);
+    hm_xf_free(u);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
+    static const hm_xf_config expect_xf = {.ffn = {.dim = 4, .hidden = 3,
+                                                   .optimizer = HM_FFN_ADAM},
+                                           .heads = 2, .max_seq = 4};
     static const hm_ffn_config expect_adam = {.dim = 2, .hidden = 3, .optimizer = HM_FFN_ADAM};
     const uint8_t *payload = NULL;
     size_t plen = 0;
@@ -92,11 +134,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         CHECK(plen == size - HM_CKPT_HEADER_BYTES);
         check_state(payload, plen, NULL);
         check_state(payload, plen, &expect_adam);
+        check_xf_state(payload, plen, NULL);
+        check_xf_state(payload, plen, &expect_xf);
         /* A tighter cap refuses the same image with -EMSGSIZE, never anything else. */
         if (plen > 0)
             CHECK(hm_ckpt_parse(data, size, plen - 1, NULL, NULL) == -EMSGSIZE);
     }
     check_state(data, size, NULL);
     check_state(data, size, &expect_adam);
+    check_xf_state(data, size, NULL);
+    check_xf_state(data, size, &expect_xf);
     return 0;
 }

@@ -19,6 +19,7 @@
 #include "moe/proto.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,7 +64,9 @@ static void check_request(const uint8_t *data, size_t size, int backward)
     CHECK(req_err_ok(r));
     if (r != 0)
         return;
-    size_t n = req.batch * req.dim;
+    size_t rows = req.seq != 0 ? req.batch * req.seq : req.batch;
+    size_t n = rows * req.dim;
+    CHECK(req.seq <= HM_MOE_MAX_SEQ);
     CHECK(req.batch >= 1 && req.batch <= HM_MOE_MAX_BATCH);
     CHECK(req.dim >= 1 && req.dim <= HM_MOE_MAX_DIM);
     CHECK(n <= HM_MOE_MAX_ELEMS);
@@ -81,14 +84,15 @@ static void check_request(const uint8_t *data, size_t size, int backward)
     size_t len;
     hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
     if (backward)
-        hm_moe_encode_bwd(&w, req.uid, x, gy, req.batch, req.dim);
+        hm_moe_encode_bwd_seq(&w, req.uid, x, gy, req.batch, req.seq, req.dim);
     else
-        hm_moe_encode_fwd(&w, req.uid, x, req.batch, req.dim);
+        hm_moe_encode_fwd_seq(&w, req.uid, x, req.batch, req.seq, req.dim);
     CHECK(hm_wire_wr_error(&w) == 0);
     uint8_t *b = hm_wire_wr_steal(&w, &len);
     CHECK(b != NULL);
     CHECK(hm_moe_decode_req(b, len, backward, &again) == 0);
-    CHECK(strcmp(again.uid, req.uid) == 0 && again.batch == req.batch && again.dim == req.dim);
+    CHECK(strcmp(again.uid, req.uid) == 0 && again.batch == req.batch && again.dim == req.dim &&
+          again.seq == req.seq);
     CHECK(memcmp(again.x, x, n * 4) == 0);
     if (backward)
         CHECK(memcmp(again.gy, gy, n * 4) == 0);
@@ -189,13 +193,19 @@ static void check_values(const uint8_t *data, size_t size)
 static void check_grammar(const uint8_t *data, size_t size)
 {
     static hm_moe_uid uids[HM_MOE_MAX_PATTERN_EXPERTS];
-    char buf[HM_MOE_UID_MAX + 1], err[128], pat[320];
+    char buf[HM_MOE_UID_MAX + 1], err[192], pat[HM_MOE_PATTERN_MAX + 8];
     hm_moe_uid u;
     uint32_t coord;
     uint8_t pk[HM_PK_BYTES];
 
     int r = hm_moe_uid_parse((const char *)data, size, &u);
     CHECK(r == 0 || r == -EINVAL);
+    /* The checking form agrees, and names a rule whenever it refuses. */
+    char why[160] = "";
+    CHECK(hm_moe_uid_check((const char *)data, size, NULL, why, sizeof(why)) == r);
+    CHECK(r == 0 || strncmp(why, "bad expert uid: ", 16) == 0);
+    int nl = hm_moe_name_check((const char *)data, size, why, sizeof(why));
+    CHECK(nl == -EINVAL || (nl >= 1 && nl <= HM_MOE_PREFIX_MAX && memchr(data, '.', (size_t)nl) == NULL));
     if (r == 0) {
         int n = hm_moe_uid_format(&u, buf, sizeof(buf));
         CHECK(n >= 0 && (size_t)n == size && memcmp(buf, data, size) == 0);
@@ -262,8 +272,27 @@ static void check_error(const uint8_t *data, size_t size)
     }
 }
 
+/* Revision 2: replies over sequences and info replies with heads and max_seq. */
+static void check_seq(const uint8_t *data, size_t size)
+{
+    float out[2 * 3 * 4];
+    char type[HM_MOE_TYPE_MAX + 1];
+    size_t dim = 0, hidden = 0, heads = 0, max_seq = 0;
+    int r = hm_moe_decode_out_seq(data, size, 0, 2, 3, 4, out);
+    CHECK(r == 0 || r == -EINVAL || r == -EMSGSIZE || r == -EPROTO || r == -EDOM ||
+          r == -ENOMEM);
+    if (r == 0)
+        for (size_t i = 0; i < 24; i++)
+            CHECK(isfinite(out[i]));
+    r = hm_moe_decode_info_seq(data, size, type, &dim, &hidden, &heads, &max_seq);
+    CHECK(r == 0 || r == -EINVAL || r == -EMSGSIZE || r == -ENOMEM);
+    if (r == 0)
+        CHECK((heads == 0) == (max_seq == 0) && heads <= dim && max_seq <= HM_MOE_MAX_SEQ);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
+    check_seq(data, size);
     check_request(data, size, 0);
     check_request(data, size, 1);
     check_info(data, size);
