@@ -186,6 +186,14 @@ int hmc_round_done(hmc_round *r);
  * and may be asked for again.
  */
 int hmc_round_wait(hmc_round *r, int timeout_ms, char **report_json_out);
+/*
+ * Releases this daemon's held rounds under prefix (an "average" sent with
+ * "hold": true in extra_json: matchmaking runs, the all-reduce waits) with
+ * their final weight: the all-reduce begins now, or once the group forms.
+ * Until then the daemon leaves the buffer alone. 0, -EREMOTEIO with
+ * "not_found" when none is held there (the round is over), or hmc's errors.
+ */
+int hmc_average_go(hmc *h, const char *prefix, double weight);
 const char *hmc_round_error(const hmc_round *r);
 const char *hmc_round_error_code(const hmc_round *r);
 /*
@@ -450,10 +458,15 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * foreground, so the delta rule, params += average - params at the
  * round's start, is the average itself).
  *
- * Matchmaking starts when the epoch ends, not matchmaking_time_s before
- * its estimated end: the peers of a swarm see the end within about a
- * second of each other (the daemon's progress cache), and
- * matchmaking_time_s is how long a leader waits for them.
+ * Matchmaking starts matchmaking_time_s before the epoch's estimated end
+ * (the daemon's eta_s for our epoch), as Hivemind's scheduled step: the
+ * round is started with "hold" (hmc_average_go), the group forms while
+ * the epoch's last samples come in, and at the end the all-reduce begins
+ * at once with the final weight. A schedule that fails (no group) leaves
+ * the end to an ordinary round, which then looks for a group for
+ * matchmaking_time_s. A trainer that finds itself more than an epoch
+ * behind while scheduled takes part in that round with weight 0 and an
+ * empty buffer (report.tagged_along) rather than leave its group.
  */
 typedef void (*hmc_opt_step_fn)(void *ud, float *params, const float *grads, size_t n);
 
@@ -505,6 +518,13 @@ typedef struct hmc_opt_report {
                               are then that round's) */
     int pending;           /* a delayed round is still running after this call */
     uint64_t stepped_epoch; /* the epoch whose gradients that step used */
+    /* -- scheduled rounds -- */
+    int scheduled;         /* the epoch's round was matched ahead of its end (and, at the
+                              end, released: averaged etc. are its outcome) */
+    double matchmaking_lead_s; /* at the end: how long before it that round's matchmaking
+                                  began (0 when none was scheduled) */
+    int tagged_along;      /* caught up: the scheduled round ran with weight 0 */
+    int tagged_along_group; /* its group's size */
 } hmc_opt_report;
 
 /* Sets the defaults above (everything else 0/NULL). */

@@ -56,6 +56,12 @@ struct hmc_opt {
     double last_poll_s;
     size_t others; /* other trainers in the run, as last read */
     double sps, last_step_s, opened_s;
+    double eta_s;  /* the swarm's estimate of the time to our epoch's end, < 0 unknown */
+    /* -- scheduled rounds -- */
+    hmc_round *sched;       /* this epoch's gradient round, matched ahead and held (on buf) */
+    uint64_t sched_epoch;   /* the epoch it was scheduled for */
+    int sched_tried;        /* one schedule per epoch */
+    double sched_start_s;   /* when its matchmaking began */
 };
 
 static double mono_s(void)
@@ -73,6 +79,8 @@ void hmc_opt_opts_init(hmc_opt_opts *o)
     o->target_group_size = 16;
 }
 
+static int sched_go(hmc_opt *o, double weight);
+
 uint64_t hmc_opt_local_epoch(const hmc_opt *o) { return o->epoch; }
 uint64_t hmc_opt_global_epoch(const hmc_opt *o) { return o->global_epoch; }
 
@@ -87,6 +95,13 @@ void hmc_opt_close(hmc_opt *o)
     if (o->round != NULL)
         hmc_round_wait(o->round, -1, NULL);
     hmc_round_free(o->round);
+    /* A group was found with us in it: we take part with nothing rather
+     * than leave its members to time us out (the daemon keeps the range). */
+    if (o->sched != NULL) {
+        memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
+        if (sched_go(o, 0))
+            hmc_round_free(o->sched);
+    }
     hmc_buf_free(o->buf);
     hmc_buf_free(o->pend);
     hmc_buf_free(o->state);
@@ -189,6 +204,7 @@ static int read_swarm(hmc_opt *o, uint64_t *swarm_out)
     }
     json_decref(j);
     o->global_epoch = p.global_epoch;
+    o->eta_s = p.global_epoch == o->epoch ? p.eta_s : -1;
     o->others_samples = sum - o->samples;
     *swarm_out = sum;
     return 0;
@@ -233,11 +249,111 @@ static void outcome(hmc_opt *o, hmc_buf *b, int r, const char *json, const char 
     }
 }
 
+/* -- scheduled rounds -- */
+
+/*
+ * Matchmaking ahead of the epoch's end (Hivemind's scheduled step): once
+ * the swarm's estimated time to the target is within matchmaking_time_s,
+ * the epoch's gradient round starts on the accumulator with "hold": the
+ * daemon finds the group meanwhile, and the all-reduce waits for
+ * hmc_average_go at the epoch's end, so it begins on time instead of a
+ * matchmaking time later. Until then the daemon leaves the buffer alone
+ * (the all-reduce copies its input when it begins), so accumulation goes
+ * on into it. One schedule per epoch; one that fails (no group, or not
+ * released in time) leaves the epoch's end to an ordinary round.
+ */
+static void sched_maybe_start(hmc_opt *o, uint64_t swarm)
+{
+    char prefix[RUN_MAX + 48], extra[128];
+    hmc_avg_opts ao;
+    if (o->sched != NULL || o->sched_tried || o->opts.local_updates || o->others == 0 ||
+        o->global_epoch != o->epoch || o->eta_s < 0 || o->eta_s > o->opts.matchmaking_time_s ||
+        swarm >= o->opts.target_batch_size)
+        return;
+    o->sched_tried = 1;
+    grad_opts(o, &ao, prefix, sizeof(prefix));
+    /* Long enough to find the group before the end and for one more
+     * window after it, should the estimate have been early. */
+    ao.timeout_s = 2 * o->opts.matchmaking_time_s;
+    snprintf(extra, sizeof(extra), "{\"hold\":true,\"hold_timeout\":%.3f}",
+             2 * o->opts.matchmaking_time_s + o->opts.averaging_timeout_s);
+    ao.extra_json = extra;
+    if (hmc_average_start(o->h, o->buf, 0, o->n, &ao, &o->sched) != 0) {
+        o->sched = NULL;
+        return;
+    }
+    o->sched_epoch = o->epoch;
+    o->sched_start_s = mono_s();
+}
+
+/*
+ * Releases the scheduled round with weight (the buffer holding what is to
+ * be averaged); 1 when it was released, 0 when it was over already (no
+ * group, or past its hold) and is dropped: the buffer is then untouched.
+ */
+static int sched_go(hmc_opt *o, double weight)
+{
+    char prefix[RUN_MAX + 48];
+    if (o->sched == NULL)
+        return 0;
+    snprintf(prefix, sizeof(prefix), "%s.grad.%llu", o->run, (unsigned long long)o->sched_epoch);
+    if (hmc_average_go(o->h, prefix, weight) == 0)
+        return 1;
+    /* Nothing held under that prefix: the round is over; its reply is near. */
+    hmc_round_wait(o->sched, -1, NULL);
+    hmc_round_free(o->sched);
+    o->sched = NULL;
+    return 0;
+}
+
+/*
+ * Ends a scheduled round that this epoch does not use: released with
+ * weight 0 and an emptied buffer (its group keeps a member that reduces
+ * its span and adds nothing) and waited for, since the daemon writes the
+ * buffer until it is over. 1 when it averaged with others.
+ */
+static int sched_drop(hmc_opt *o, hmc_opt_report *rep)
+{
+    int averaged = 0;
+    if (o->sched == NULL)
+        return 0;
+    memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
+    if (sched_go(o, 0)) {
+        char *json = NULL;
+        if (hmc_round_wait(o->sched, -1, &json) == 0) {
+            json_t *j = json_loads(json != NULL ? json : "", 0, NULL);
+            if (rep != NULL)
+                rep->tagged_along_group = (int)json_integer_value(json_object_get(j, "group_size"));
+            json_decref(j);
+            averaged = 1;
+        }
+        hmc_free_string(json);
+        hmc_round_free(o->sched);
+        o->sched = NULL;
+        memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
+    }
+    return averaged;
+}
+
 /* Averages the accumulated mean with the epoch's peers; fills the report. */
 static void average(hmc_opt *o, hmc_opt_report *rep)
 {
     char prefix[RUN_MAX + 48], *json = NULL;
     hmc_avg_opts ao;
+    double lead = mono_s() - o->sched_start_s;
+    if (sched_go(o, (double)o->samples)) {
+        int r = hmc_round_wait(o->sched, -1, &json);
+        if (r == -EAGAIN)
+            r = -ETIMEDOUT;
+        rep->scheduled = 1;
+        rep->matchmaking_lead_s = lead;
+        outcome(o, o->buf, r, json, hmc_round_error(o->sched), hmc_round_error_code(o->sched),
+                rep);
+        hmc_free_string(json);
+        hmc_round_free(o->sched);
+        o->sched = NULL;
+        return;
+    }
     grad_opts(o, &ao, prefix, sizeof(prefix));
     int r = hmc_average(o->h, o->buf, 0, o->n, &ao, &json);
     outcome(o, o->buf, r, json, hmc_last_error(o->h), hmc_last_error_code(o->h), rep);
@@ -294,6 +410,15 @@ static void start_pending(hmc_opt *o, int with_peers, hmc_opt_report *rep)
     memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
     if (!with_peers)
         return;
+    /* A round scheduled on that buffer (now pend) runs as the pending one. */
+    double lead = mono_s() - o->sched_start_s;
+    if (sched_go(o, (double)o->samples)) {
+        o->round = o->sched;
+        o->sched = NULL;
+        rep->scheduled = 1;
+        rep->matchmaking_lead_s = lead;
+        return;
+    }
     grad_opts(o, &ao, prefix, sizeof(prefix));
     if (hmc_average_start(o->h, o->pend, 0, o->n, &ao, &o->round) != 0) {
         o->round = NULL;
@@ -417,8 +542,11 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
     if (!polled) {
         /* Nothing new is known: the epoch goes on. */
     } else if (o->global_epoch > o->epoch + 1) {
-        /* Too far behind: these gradients belong to an epoch the swarm left. */
+        /* Too far behind: these gradients belong to an epoch the swarm left.
+         * A group already found with us in it gets us with weight 0. */
         finish_pending(o, 1, params, &rep);
+        rep.tagged_along = sched_drop(o, &rep);
+        o->sched_tried = 0;
         memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
         o->samples = 0;
         o->others_samples = 0;
@@ -453,6 +581,8 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
             rep.stepped = 1;
             rep.stepped_epoch = o->epoch;
         }
+        sched_drop(o, NULL); /* a round this end did not use (no peers left) */
+        o->sched_tried = 0;
         o->samples = 0;
         o->others_samples = 0;
         o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
@@ -463,9 +593,12 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         if (o->opts.share_state)
             share(o, params);
         r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
+    } else {
+        sched_maybe_start(o, swarm);
     }
     if (!rep.epoch_ended)
         rep.samples = o->samples;
+    rep.scheduled = rep.scheduled || o->sched != NULL;
     rep.pending = o->pending;
     rep.epoch = o->epoch;
     rep.global_epoch = o->global_epoch;

@@ -66,6 +66,8 @@ typedef struct trainer {
     double mm_s, avg_timeout_s;
     long end_call_ms;        /* how long the call that ended epoch 0 took */
     int pause_us;            /* between steps */
+    int group;               /* target_group_size; 0: N_TRAINERS */
+    const char *run;         /* NULL: "optrun" */
 } trainer;
 
 static float grad_of(int i, size_t k) { return (float)(i + 1) + (float)k * 0.001f * (float)(i + 2); }
@@ -95,12 +97,12 @@ static void *train(void *arg)
     hmc_set_timeout(h, 60000);
     hmc_opt_opts oo;
     hmc_opt_opts_init(&oo);
-    oo.run_id = "optrun";
+    oo.run_id = t->run != NULL ? t->run : "optrun";
     oo.target_batch_size = t->target;
     oo.batch_size_per_step = batch[t->i];
     oo.matchmaking_time_s = t->mm_s;
     oo.averaging_timeout_s = t->avg_timeout_s;
-    oo.target_group_size = N_TRAINERS;
+    oo.target_group_size = t->group > 0 ? t->group : N_TRAINERS;
     oo.step = local_step;
     oo.step_ud = t;
     if ((t->err = hmc_opt_open(h, &oo, N_PARAMS, &o)) != 0) {
@@ -194,6 +196,162 @@ Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
         }
     }
     free(t);
+}
+
+/* -- scheduled rounds -- */
+
+/*
+ * Matchmaking starts matchmaking_time before the epoch's estimated end.
+ * The group target is 16 and the swarm 3, so a group found only at the
+ * end would cost the leader's whole matchmaking time (4 s) after the
+ * target was reached; scheduled ahead, the group is ready when the
+ * samples are in, and the call that ends the epoch only runs the
+ * all-reduce. The weight given at the release is what counts: the step
+ * is still on the sample-weighted mean.
+ */
+Test(optimizer, matchmaking_starts_before_the_epoch_ends)
+{
+    struct node nodes[N_TRAINERS];
+    trainer *t = calloc(N_TRAINERS, sizeof(*t));
+    pthread_t th[N_TRAINERS];
+    const double mm_s = 4;
+    cr_assert_not_null(t);
+    atomic_store(&given0, 0);
+    start_swarm(nodes, N_TRAINERS);
+    for (int i = 0; i < N_TRAINERS; i++) {
+        t[i].i = i;
+        t[i].node = &nodes[i];
+        t[i].target = TARGET;
+        t[i].mm_s = mm_s;
+        t[i].avg_timeout_s = 10;
+        t[i].pause_us = 100000;
+        t[i].group = 16;
+        t[i].run = "schedrun";
+        cr_assert_eq(pthread_create(&th[i], NULL, train, &t[i]), 0);
+    }
+    for (int i = 0; i < N_TRAINERS; i++)
+        pthread_join(th[i], NULL);
+    uint64_t total = 0;
+    for (int i = 0; i < N_TRAINERS; i++) {
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+        cr_assert(t[i].end.epoch_ended, "trainer %d: no epoch end seen", i);
+        cr_log_info("trainer %d: round matched %.2f s before the end, the end took %ld ms "
+                    "(group %d)", i, t[i].end.matchmaking_lead_s, t[i].end_call_ms,
+                    t[i].end.group_size);
+        cr_assert(t[i].end.averaged, "trainer %d stepped on its own gradients: %s", i,
+                  t[i].end.error);
+        cr_assert_eq(t[i].end.group_size, N_TRAINERS);
+        cr_assert(t[i].end.scheduled, "trainer %d: the round was not matched ahead", i);
+        /* Began before the end, by about the matchmaking time. */
+        cr_assert(t[i].end.matchmaking_lead_s >= 1.0 &&
+                      t[i].end.matchmaking_lead_s <= mm_s + 4.0,
+                  "trainer %d: matched %.2f s before the end", i, t[i].end.matchmaking_lead_s);
+        /* An ordinary round would have looked for the group for mm_s now. */
+        cr_assert(t[i].end_call_ms < (long)(mm_s * 1000), "trainer %d: the end took %ld ms", i,
+                  t[i].end_call_ms);
+        total += t[i].end.samples;
+    }
+    cr_assert(total >= TARGET);
+    cr_assert_eq(total, (uint64_t)atomic_load(&given0));
+    for (int i = 0; i < N_TRAINERS; i++) {
+        for (size_t k = 0; k < N_PARAMS; k++) {
+            double want = 0;
+            for (int j = 0; j < N_TRAINERS; j++)
+                want += (double)t[j].end.samples * grad_of(j, k);
+            want /= (double)total;
+            cr_assert(fabs(t[i].stepped[k] - want) <= 1e-4 * fabs(want) + 1e-5,
+                      "trainer %d, element %zu: %.7g, the weighted mean is %.7g", i, k,
+                      t[i].stepped[k], want);
+        }
+    }
+    free(t);
+}
+
+/*
+ * The daemon's held rounds under the optimizer's schedule: two rounds
+ * started with "hold" find their group, the data written after they
+ * started and the weights given to average.go are what is averaged; a
+ * round never released fails once its hold times out; average.go with
+ * nothing held is not_found, and "hold" on files is refused.
+ */
+Test(optimizer, held_rounds_average_what_the_release_gives)
+{
+    struct node nodes[2];
+    hmc *h[2];
+    hmc_buf *b[2];
+    hmc_round *rd[2];
+    char err[256], *res = NULL;
+    const size_t n = 5000;
+    const double w[2] = {1, 3};
+    start_swarm(nodes, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(hmc_connect(nodes[i].sock, &h[i], err, sizeof(err)), 0, "%s", err);
+        cr_assert_eq(hmc_buf_alloc(h[i], n * sizeof(float), &b[i]), 0);
+        hmc_avg_opts ao;
+        hmc_avg_opts_init(&ao);
+        ao.prefix = "held.grad.0";
+        ao.weight = 100; /* replaced by the release's */
+        ao.timeout_s = 10;
+        ao.matchmaking_time_s = 1;
+        ao.target_group_size = 2;
+        ao.extra_json = "{\"hold\":true,\"hold_timeout\":20}";
+        cr_assert_eq(hmc_average_start(h[i], b[i], 0, n, &ao, &rd[i]), 0, "%s",
+                     hmc_last_error(h[i]));
+    }
+    /* The group forms meanwhile; the data is written only now. */
+    sleep(2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(!hmc_round_done(rd[i]), "round %d ended while held", i);
+        float *d = hmc_buf_data(b[i]);
+        for (size_t k = 0; k < n; k++)
+            d[k] = (float)(i + 1) * 10.0f + (float)k * 0.01f;
+    }
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(hmc_average_go(h[i], "held.grad.0", w[i]), 0, "%s", hmc_last_error(h[i]));
+    for (int i = 0; i < 2; i++) {
+        char *json = NULL;
+        cr_assert_eq(hmc_round_wait(rd[i], -1, &json), 0, "round %d: %s", i,
+                     hmc_round_error(rd[i]));
+        cr_assert_not_null(strstr(json, "\"group_size\":2"), "%s", json);
+        hmc_free_string(json);
+        const float *d = hmc_buf_data(b[i]);
+        for (size_t k = 0; k < n; k++) {
+            double want = (w[0] * (10.0 + k * 0.01) + w[1] * (20.0 + k * 0.01)) / (w[0] + w[1]);
+            cr_assert(fabs(d[k] - want) < 1e-3, "daemon %d, element %zu: %.6g, want %.6g", i, k,
+                      d[k], want);
+        }
+        hmc_round_free(rd[i]);
+    }
+    /* Nothing held now. */
+    cr_assert_eq(hmc_average_go(h[0], "held.grad.0", 1), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h[0]), "not_found");
+    /* Held and never released: the hold times out, the others' round with it. */
+    for (int i = 0; i < 2; i++) {
+        hmc_avg_opts ao;
+        hmc_avg_opts_init(&ao);
+        ao.prefix = "held.grad.1";
+        ao.timeout_s = 10;
+        ao.matchmaking_time_s = 1;
+        ao.target_group_size = 2;
+        ao.extra_json = "{\"hold\":true,\"hold_timeout\":1}";
+        cr_assert_eq(hmc_average_start(h[i], b[i], 0, n, &ao, &rd[i]), 0);
+    }
+    long t0 = hm_test_now_ms();
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(hmc_round_wait(rd[i], -1, NULL), -EREMOTEIO);
+        cr_assert_str_eq(hmc_round_error_code(rd[i]), "timeout", "%s", hmc_round_error(rd[i]));
+        hmc_round_free(rd[i]);
+    }
+    cr_assert(hm_test_now_ms() - t0 < 10000, "the held rounds lasted %ld ms",
+              hm_test_now_ms() - t0);
+    /* Files are read before a round starts: hold makes no sense there. */
+    cr_assert_eq(hmc_request(h[0], "average", "{\"prefix\":\"x\",\"in\":\"/tmp/a\","
+                             "\"out\":\"/tmp/b\",\"hold\":true}", &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h[0]), "bad_args");
+    for (int i = 0; i < 2; i++) {
+        hmc_buf_free(b[i]);
+        hmc_close(h[i]);
+    }
 }
 
 /*

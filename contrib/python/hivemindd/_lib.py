@@ -145,6 +145,10 @@ class OptReport(ctypes.Structure):
         ("stepped", c_int),
         ("pending", c_int),
         ("stepped_epoch", ctypes.c_uint64),
+        ("scheduled", c_int),
+        ("matchmaking_lead_s", c_double),
+        ("tagged_along", c_int),
+        ("tagged_along_group", c_int),
     ]
 
 

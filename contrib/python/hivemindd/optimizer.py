@@ -50,7 +50,9 @@ class Optimizer:
         step(batch_size=...)).
     scheduler: an LR scheduler over the wrapped optimizer, or a callable
         that makes one from it; stepped once per epoch, after the step.
-    matchmaking_time: seconds to look for a group at an epoch's end.
+    matchmaking_time: seconds to look for a group: matchmaking starts this
+        long before the epoch's estimated end, so that the all-reduce
+        begins when the samples are in.
     averaging_timeout: the gradient round's deadline; past it (or with no
         group) the trainer steps on its own gradients and logs a warning.
     average_state_every: the parameters are averaged with the peers every
@@ -227,7 +229,9 @@ class Optimizer:
                     pending=bool(rep.pending), epoch=int(rep.epoch),
                     global_epoch=int(rep.global_epoch), samples=int(rep.samples),
                     swarm_samples=int(rep.swarm_samples), group_size=int(rep.group_size),
-                    error=_lib.text(rep.error))
+                    error=_lib.text(rep.error), scheduled=bool(rep.scheduled),
+                    matchmaking_lead_s=float(rep.matchmaking_lead_s),
+                    tagged_along=bool(rep.tagged_along))
 
     # ---- the optimizer ----
 
@@ -258,7 +262,10 @@ class Optimizer:
         closure's loss (or None) as torch's step() does; the call's report
         is in last_report (a dict: epoch_ended, stepped, averaged,
         local_fallback, caught_up, state_loaded, state_averaged, pending,
-        epoch, global_epoch, samples, swarm_samples, group_size, error).
+        epoch, global_epoch, samples, swarm_samples, group_size, error,
+        scheduled and matchmaking_lead_s: the round was matched that long
+        before the epoch's end, tagged_along: behind the swarm, this
+        trainer took part in its scheduled round with weight 0).
         A failed round is not an exception: it is logged as a warning and
         the step uses this trainer's gradients."""
         import torch
