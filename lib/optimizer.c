@@ -14,6 +14,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,6 +63,10 @@ struct hmc_opt {
     uint64_t sched_epoch;   /* the epoch it was scheduled for */
     int sched_tried;        /* one schedule per epoch */
     double sched_start_s;   /* when its matchmaking began */
+    /* -- optimizer statistics and state -- */
+    char stat_names[HMC_OPT_STAT_NAMES_MAX + 1];
+    size_t state_off;       /* floats before the parameters in the state: header and names */
+    size_t state_elems;     /* floats of the whole state */
 };
 
 static double mono_s(void)
@@ -69,6 +74,90 @@ static double mono_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* -- optimizer statistics and state -- */
+
+static size_t pad4(size_t len) { return (len + 3) & ~(size_t)3; }
+
+/* Statistics names: 1..HMC_OPT_STAT_NAMES_MAX printable bytes. */
+static int names_ok(const char *names)
+{
+    if (names == NULL || names[0] == '\0')
+        return 0;
+    size_t len = strnlen(names, HMC_OPT_STAT_NAMES_MAX + 1);
+    if (len > HMC_OPT_STAT_NAMES_MAX)
+        return 0;
+    for (size_t i = 0; i < len; i++)
+        if ((unsigned char)names[i] < 0x20 || (unsigned char)names[i] > 0x7e)
+            return 0;
+    return 1;
+}
+
+int hmc_opt_state_check(const void *blob, size_t len, size_t n_params, size_t n_stats,
+                        const char *stat_names, uint64_t *epoch_out)
+{
+    const unsigned char *b = blob;
+    uint32_t version, names_len;
+    uint64_t np, ns, epoch;
+    const char *names = stat_names != NULL ? stat_names : "";
+    size_t want_names = strlen(names);
+    if (blob == NULL || len < HMC_OPT_STATE_HEADER || memcmp(b, "HMOPTST1", 8) != 0)
+        return -EPROTO;
+    memcpy(&version, b + 8, 4);
+    memcpy(&names_len, b + 12, 4);
+    memcpy(&np, b + 16, 8);
+    memcpy(&ns, b + 24, 8);
+    memcpy(&epoch, b + 32, 8);
+    /* Sizes are compared with ours before any arithmetic on them. */
+    if (version != 1 || names_len != want_names || np != n_params || ns != n_stats ||
+        n_params > ((size_t)1 << 30) || n_stats > ((size_t)1 << 30))
+        return -EPROTO;
+    size_t off = HMC_OPT_STATE_HEADER + pad4(names_len);
+    if (len != off + (n_params + n_stats) * sizeof(float) ||
+        memcmp(b + HMC_OPT_STATE_HEADER, names, names_len) != 0)
+        return -EPROTO;
+    for (size_t i = names_len; i < pad4(names_len); i++)
+        if (b[HMC_OPT_STATE_HEADER + i] != 0)
+            return -EPROTO;
+    for (size_t i = 0; i < n_params + n_stats; i++) {
+        float x;
+        memcpy(&x, b + off + i * sizeof(float), sizeof(x));
+        if (!isfinite(x))
+            return -EDOM;
+    }
+    if (epoch_out != NULL)
+        *epoch_out = epoch;
+    return 0;
+}
+
+/* Writes our state into the state buffer: header, names, params, statistics. */
+static void state_fill(hmc_opt *o, const float *params)
+{
+    unsigned char *b = hmc_buf_data(o->state);
+    uint32_t version = 1, names_len = (uint32_t)strlen(o->stat_names);
+    uint64_t np = o->n, ns = o->opts.n_stats, epoch = o->epoch;
+    memset(b, 0, o->state_off * sizeof(float));
+    memcpy(b, "HMOPTST1", 8);
+    memcpy(b + 8, &version, 4);
+    memcpy(b + 12, &names_len, 4);
+    memcpy(b + 16, &np, 8);
+    memcpy(b + 24, &ns, 8);
+    memcpy(b + 32, &epoch, 8);
+    memcpy(b + HMC_OPT_STATE_HEADER, o->stat_names, names_len);
+    float *f = (float *)hmc_buf_data(o->state) + o->state_off;
+    memcpy(f, params, o->n * sizeof(float));
+    if (o->opts.n_stats > 0)
+        o->opts.stats_get(o->opts.step_ud, f + o->n, o->opts.n_stats);
+}
+
+/* Takes the parameters and statistics back from the state buffer. */
+static void state_take(hmc_opt *o, float *params)
+{
+    const float *f = (const float *)hmc_buf_data(o->state) + o->state_off;
+    memcpy(params, f, o->n * sizeof(float));
+    if (o->opts.n_stats > 0)
+        o->opts.stats_set(o->opts.step_ud, f + o->n, o->opts.n_stats);
 }
 
 void hmc_opt_opts_init(hmc_opt_opts *o)
@@ -119,6 +208,9 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         n_params == 0 || n_params > ((size_t)1 << 30) || opts->matchmaking_time_s < 0 ||
         opts->averaging_timeout_s < 0 || opts->target_group_size < 0 ||
         opts->target_group_size > 64 || (opts->delay_step && opts->local_updates) ||
+        opts->n_stats > ((size_t)1 << 30) ||
+        (opts->n_stats > 0 && (opts->stats_get == NULL || opts->stats_set == NULL ||
+                               !names_ok(opts->stat_names))) ||
         (opts->compression != NULL && strcmp(opts->compression, "none") != 0 &&
          strcmp(opts->compression, "fp16") != 0 && strcmp(opts->compression, "8bit") != 0))
         return -EINVAL;
@@ -134,6 +226,11 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
              opts->compression != NULL ? opts->compression : "none");
     o->opts.run_id = o->run;
     o->opts.compression = o->compression;
+    if (o->opts.n_stats > 0)
+        snprintf(o->stat_names, sizeof(o->stat_names), "%s", opts->stat_names);
+    o->opts.stat_names = o->stat_names;
+    o->state_off = (HMC_OPT_STATE_HEADER + pad4(strlen(o->stat_names))) / sizeof(float);
+    o->state_elems = o->state_off + n_params + o->opts.n_stats;
     if (o->opts.matchmaking_time_s == 0)
         o->opts.matchmaking_time_s = 5;
     if (o->opts.averaging_timeout_s == 0)
@@ -154,7 +251,7 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
     if (o->opts.delay_step && (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->pend)) != 0)
         goto fail;
     if ((o->opts.share_state || o->opts.average_state_every > 0) &&
-        (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->state)) != 0)
+        (r = hmc_buf_alloc(h, o->state_elems * sizeof(float), &o->state)) != 0)
         goto fail;
     /* Our own record is replaced by the exact local count when reading the swarm's. */
     if ((r = hmc_info(h, &info)) != 0)
@@ -432,7 +529,7 @@ static int average_params(hmc_opt *o, float *params)
     char prefix[RUN_MAX + 48];
     hmc_avg_opts ao;
     snprintf(prefix, sizeof(prefix), "%s.params.%llu", o->run, (unsigned long long)o->epoch);
-    memcpy(hmc_buf_data(o->state), params, o->n * sizeof(float));
+    state_fill(o, params);
     hmc_avg_opts_init(&ao);
     ao.prefix = prefix;
     ao.timeout_s = o->opts.matchmaking_time_s;
@@ -442,20 +539,21 @@ static int average_params(hmc_opt *o, float *params)
     ao.min_group_size = o->opts.target_group_size > 1 ? 2 : 1;
     ao.compression = o->compression;
     ao.client_mode = o->opts.client;
-    if (hmc_average(o->h, o->state, 0, o->n, &ao, NULL) != 0)
+    /* The parameters and the statistics, in one round; not the header. */
+    if (hmc_average(o->h, o->state, o->state_off, o->n + o->opts.n_stats, &ao, NULL) != 0)
         return 0; /* a failed round leaves the parameters as they are */
-    memcpy(params, hmc_buf_data(o->state), o->n * sizeof(float));
+    state_take(o, params);
     return 1;
 }
 
-/* Shares params as the state of the epoch just reached. */
+/* Shares the state (params, statistics) of the epoch just reached. */
 static void share(hmc_opt *o, const float *params)
 {
     char args[512], *res = NULL;
-    memcpy(hmc_buf_data(o->state), params, o->n * sizeof(float));
+    state_fill(o, params);
     json_t *a = json_pack("{s:s, s:I, s:{s:I, s:i, s:I}}", "prefix", o->run, "step",
                           (json_int_t)o->epoch, "data", "shm", (json_int_t)hmc_buf_id(o->state),
-                          "offset", 0, "elems", (json_int_t)o->n);
+                          "offset", 0, "elems", (json_int_t)o->state_elems);
     char *text = a != NULL ? json_dumps(a, JSON_COMPACT) : NULL;
     json_decref(a);
     if (text != NULL && strlen(text) < sizeof(args))
@@ -464,14 +562,14 @@ static void share(hmc_opt *o, const float *params)
     hmc_free_string(res);
 }
 
-/* Loads the newest shared parameters into params; 1 when it did. */
+/* Loads the newest shared state: params, statistics, epoch; 1 when it did. */
 static int load(hmc_opt *o, float *params)
 {
     char *res = NULL;
     json_t *a = json_pack("{s:s, s:f, s:i, s:{s:I, s:i, s:I}}", "prefix", o->run, "timeout",
                           o->opts.load_timeout_s, "min_agree", 1, "data", "shm",
                           (json_int_t)hmc_buf_id(o->state), "offset", 0, "elems",
-                          (json_int_t)o->n);
+                          (json_int_t)o->state_elems);
     char *text = a != NULL ? json_dumps(a, JSON_COMPACT) : NULL;
     json_decref(a);
     int r = text != NULL ? hmc_call(o->h, "state.load", text,
@@ -480,13 +578,18 @@ static int load(hmc_opt *o, float *params)
     free(text);
     if (r == 0) {
         json_t *j = json_loads(res, 0, NULL);
-        uint64_t step = (uint64_t)json_integer_value(json_object_get(j, "step"));
         uint64_t bytes = (uint64_t)json_integer_value(json_object_get(j, "bytes"));
+        uint64_t epoch = 0;
         json_decref(j);
-        if (bytes == o->n * sizeof(float)) {
-            memcpy(params, hmc_buf_data(o->state), o->n * sizeof(float));
-            if (step > o->epoch)
-                o->epoch = step;
+        /* The donors' word: checked whole before any of it is used. */
+        if (bytes == o->state_elems * sizeof(float) &&
+            hmc_opt_state_check(hmc_buf_data(o->state), (size_t)bytes, o->n, o->opts.n_stats,
+                                o->stat_names, &epoch) == 0) {
+            state_take(o, params);
+            /* The epoch the state was shared at; a donor a step behind the
+             * swarm's leaves us at the global epoch (Hivemind's rule). */
+            if (epoch > o->epoch)
+                o->epoch = epoch;
         } else {
             r = -EPROTO;
         }

@@ -421,17 +421,51 @@ Test(optimizer, a_killed_trainer_holds_the_others_up_within_the_timeouts)
 }
 
 /*
- * A late peer: two trainers that share their parameters after each epoch
- * run ahead; a third starts at epoch 0, is more than one epoch behind, and
- * must discard its gradients, jump to the swarm's epoch and load the
- * parameters the others reached there.
+ * A late peer: two trainers that share their state after each epoch run
+ * ahead with an Adam-like local optimizer (its moments are the named
+ * statistics "exp_avg,exp_avg_sq"); a third starts at epoch 0, is more
+ * than one epoch behind, and must discard its gradients, jump to the
+ * swarm's epoch and load what a donor had there: the parameters, the
+ * moments and the epoch.
  */
 #define MAX_EPOCHS 64
+typedef struct adam {
+    float m[N_PARAMS], v[N_PARAMS];
+} adam;
+
+static void adam_step(void *ud, float *params, const float *grads, size_t n)
+{
+    adam *a = ud;
+    for (size_t k = 0; k < n; k++) {
+        a->m[k] = 0.9f * a->m[k] + 0.1f * grads[k];
+        a->v[k] = 0.999f * a->v[k] + 0.001f * grads[k] * grads[k];
+        params[k] -= 0.01f * a->m[k] / (sqrtf(a->v[k]) + 1e-8f);
+    }
+}
+
+static void adam_get(void *ud, float *stats, size_t n)
+{
+    adam *a = ud;
+    cr_assert_eq(n, 2 * N_PARAMS);
+    memcpy(stats, a->m, sizeof(a->m));
+    memcpy(stats + N_PARAMS, a->v, sizeof(a->v));
+}
+
+static void adam_set(void *ud, const float *stats, size_t n)
+{
+    adam *a = ud;
+    cr_assert_eq(n, 2 * N_PARAMS);
+    memcpy(a->m, stats, sizeof(a->m));
+    memcpy(a->v, stats + N_PARAMS, sizeof(a->v));
+}
+
 typedef struct donor {
     struct node *node;
     int i;
+    adam st;
     float params[N_PARAMS];
     float snap[MAX_EPOCHS][N_PARAMS]; /* the parameters at each epoch reached */
+    adam snap_st[MAX_EPOCHS];         /* and the moments */
     int have[MAX_EPOCHS];
     atomic_int *stop;
     int err;
@@ -445,7 +479,7 @@ static void plain_step(void *ud, float *params, const float *grads, size_t n)
         params[k] -= 0.1f * grads[k];
 }
 
-static hmc_opt *open_sharing(hmc *h, int i)
+static hmc_opt *open_sharing(hmc *h, int i, adam *st)
 {
     hmc_opt *o = NULL;
     hmc_opt_opts oo;
@@ -458,7 +492,12 @@ static hmc_opt *open_sharing(hmc *h, int i)
     oo.target_group_size = 2;
     oo.share_state = 1;
     oo.load_timeout_s = 20;
-    oo.step = plain_step;
+    oo.step = adam_step;
+    oo.step_ud = st;
+    oo.n_stats = 2 * N_PARAMS;
+    oo.stat_names = "exp_avg,exp_avg_sq";
+    oo.stats_get = adam_get;
+    oo.stats_set = adam_set;
     cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), 0, "open: %s", hmc_last_error(h));
     return o;
 }
@@ -474,7 +513,7 @@ static void *donate(void *arg)
     if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0)
         return NULL;
     hmc_set_timeout(h, 60000);
-    hmc_opt *o = open_sharing(h, t->i);
+    hmc_opt *o = open_sharing(h, t->i, &t->st);
     long deadline = hm_test_now_ms() + 90000;
     while (!atomic_load(t->stop) && hm_test_now_ms() < deadline) {
         hmc_opt_report rep;
@@ -482,8 +521,10 @@ static void *donate(void *arg)
             snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
             break;
         }
+        /* What the call shared: the state right after the epoch's step. */
         if (rep.epoch_ended && rep.epoch < MAX_EPOCHS) {
             memcpy(t->snap[rep.epoch], t->params, sizeof(t->params));
+            t->snap_st[rep.epoch] = t->st;
             t->have[rep.epoch] = 1;
         }
         usleep(20000);
@@ -497,9 +538,11 @@ Test(optimizer, a_late_peer_catches_up_through_a_state_load)
 {
     struct node nodes[N_TRAINERS];
     donor *d = calloc(2, sizeof(*d));
+    adam *st = calloc(1, sizeof(*st));
     pthread_t th[2];
     atomic_int stop = 0;
     cr_assert_not_null(d);
+    cr_assert_not_null(st);
     start_swarm(nodes, N_TRAINERS);
     for (int i = 0; i < 2; i++) {
         d[i].node = &nodes[i];
@@ -518,7 +561,7 @@ Test(optimizer, a_late_peer_catches_up_through_a_state_load)
         usleep(200000);
     }
     cr_assert_geq(p.global_epoch, 3, "the swarm never reached epoch 3");
-    hmc_opt *o = open_sharing(h, 2);
+    hmc_opt *o = open_sharing(h, 2, st);
     float params[N_PARAMS] = {0}, g[N_PARAMS];
     for (size_t k = 0; k < N_PARAMS; k++)
         g[k] = 1000.0f; /* gradients the late peer must discard */
@@ -534,19 +577,117 @@ Test(optimizer, a_late_peer_catches_up_through_a_state_load)
     cr_assert_geq(rep.epoch, 3);
     cr_assert_eq(hmc_opt_local_epoch(o), rep.epoch);
     cr_assert(rep.epoch < MAX_EPOCHS);
-    /* The parameters are those a donor had at that epoch. */
+    /* The parameters and the moments are those a donor had at that epoch. */
     int match = 0;
     for (int i = 0; i < 2; i++)
         if (d[i].have[rep.epoch] &&
-            memcmp(d[i].snap[rep.epoch], params, sizeof(params)) == 0)
+            memcmp(d[i].snap[rep.epoch], params, sizeof(params)) == 0 &&
+            memcmp(&d[i].snap_st[rep.epoch], st, sizeof(*st)) == 0)
             match = 1;
-    cr_assert(match, "the loaded parameters (%g ...) are no donor's at epoch %llu", params[0],
-              (unsigned long long)rep.epoch);
+    cr_assert(match, "the loaded state (%g, m %g, v %g ...) is no donor's at epoch %llu",
+              params[0], st->m[0], st->v[0], (unsigned long long)rep.epoch);
+    cr_assert(st->m[0] != 0 && st->v[0] != 0, "the moments were not loaded");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(d[i].err, 0, "donor %d: %s", i, d[i].msg);
     hmc_opt_close(o);
     hmc_close(h);
+    free(st);
     free(d);
+}
+
+/*
+ * A late peer already in a group: trainer L has matched its epoch-0 round
+ * ahead of the end (the swarm's records, from two reporting daemons, put
+ * the end within the matchmaking time) with a plain participant P on
+ * another daemon. Then the swarm's epoch jumps to 2: L is more than an
+ * epoch behind, discards its gradients and takes part in that round with
+ * weight 0 rather than leave P to time it out. P's result is then its own
+ * vector exactly: L helped average and contributed nothing.
+ */
+Test(optimizer, a_late_peer_joins_its_round_with_weight_0)
+{
+    struct node nodes[3];
+    hmc *rh[2], *h, *ph;
+    hmc_buf *pb;
+    hmc_round *pr = NULL;
+    char err[256];
+    const size_t pn = N_PARAMS;
+    start_swarm(nodes, 3);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(hmc_connect(nodes[i + 1].sock, &rh[i], err, sizeof(err)), 0, "%s", err);
+        cr_assert_eq(hmc_progress_report(rh[i], "tagrun", 0, 400, 100.0, 0), 0);
+    }
+    cr_assert_eq(hmc_connect(nodes[0].sock, &h, err, sizeof(err)), 0, "%s", err);
+    hmc_set_timeout(h, 60000);
+    hmc_opt *o = NULL;
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "tagrun";
+    oo.target_batch_size = 1000;
+    oo.batch_size_per_step = 2;
+    oo.matchmaking_time_s = 3;
+    oo.averaging_timeout_s = 30;
+    oo.target_group_size = 2;
+    oo.step = plain_step;
+    cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), 0, "%s", hmc_last_error(h));
+    float params[N_PARAMS] = {0}, g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = 7.0f;
+    hmc_opt_report rep;
+    memset(&rep, 0, sizeof(rep));
+    long deadline = hm_test_now_ms() + 30000;
+    while (!rep.scheduled && hm_test_now_ms() < deadline) {
+        cr_assert_eq(hmc_opt_step(o, g, 0, params, &rep), 0, "%s", hmc_last_error(h));
+        cr_assert(!rep.epoch_ended);
+        usleep(100000);
+    }
+    cr_assert(rep.scheduled, "L never matched its round ahead");
+    /* P: a plain round under L's round name. */
+    cr_assert_eq(hmc_connect(nodes[1].sock, &ph, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(hmc_buf_alloc(ph, pn * sizeof(float), &pb), 0);
+    float *pd = hmc_buf_data(pb);
+    for (size_t k = 0; k < pn; k++)
+        pd[k] = 1.0f + (float)k * 0.5f;
+    hmc_avg_opts ao;
+    hmc_avg_opts_init(&ao);
+    ao.prefix = "tagrun.grad.0";
+    ao.weight = 1;
+    ao.timeout_s = 20;
+    ao.matchmaking_time_s = 3;
+    ao.round_timeout_s = 30;
+    ao.target_group_size = 2;
+    cr_assert_eq(hmc_average_start(ph, pb, 0, pn, &ao, &pr), 0, "%s", hmc_last_error(ph));
+    sleep(1);
+    /* The swarm moves two epochs on. */
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(hmc_progress_report(rh[i], "tagrun", 2, 0, 100.0, 0), 0);
+    deadline = hm_test_now_ms() + 30000;
+    while (!rep.caught_up && hm_test_now_ms() < deadline) {
+        cr_assert_eq(hmc_opt_step(o, g, 0, params, &rep), 0, "%s", hmc_last_error(h));
+        cr_assert(!rep.epoch_ended, "L stepped on its own gradients");
+        usleep(100000);
+    }
+    cr_assert(rep.caught_up, "L never found itself behind");
+    cr_assert_eq(rep.epoch, 2);
+    cr_assert(rep.tagged_along, "L left its group instead of joining with weight 0");
+    cr_assert_eq(rep.tagged_along_group, 2);
+    char *json = NULL;
+    cr_assert_eq(hmc_round_wait(pr, -1, &json), 0, "P: %s", hmc_round_error(pr));
+    cr_assert_not_null(strstr(json, "\"group_size\":2"), "%s", json);
+    hmc_free_string(json);
+    for (size_t k = 0; k < pn; k++)
+        cr_assert(pd[k] == 1.0f + (float)k * 0.5f, "element %zu: %.7g, P's own is %.7g", k,
+                  pd[k], 1.0f + (float)k * 0.5f);
+    /* L's gradients went nowhere: its parameters never moved. */
+    for (size_t k = 0; k < N_PARAMS; k++)
+        cr_assert(params[k] == 0.0f);
+    hmc_round_free(pr);
+    hmc_buf_free(pb);
+    hmc_close(ph);
+    hmc_opt_close(o);
+    hmc_close(h);
+    for (int i = 0; i < 2; i++)
+        hmc_close(rh[i]);
 }
 
 /*

@@ -102,6 +102,7 @@ class DiLoCoReport(ctypes.Structure):
 
 # void step(void *ud, float *params, const float *grads, size_t n): hmc_opt_step_fn.
 OPT_STEP_FN = ctypes.CFUNCTYPE(None, c_void_p, P(ctypes.c_float), P(ctypes.c_float), c_size_t)
+OPT_STATS_FN = ctypes.CFUNCTYPE(None, c_void_p, P(ctypes.c_float), c_size_t)
 
 
 class OptOpts(ctypes.Structure):
@@ -123,6 +124,10 @@ class OptOpts(ctypes.Structure):
         ("step_ud", c_void_p),
         ("delay_step", c_int),
         ("local_updates", c_int),
+        ("n_stats", c_size_t),
+        ("stat_names", c_char_p),
+        ("stats_get", OPT_STATS_FN),
+        ("stats_set", OPT_STATS_FN),
     ]
 
 

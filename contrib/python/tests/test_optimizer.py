@@ -60,12 +60,17 @@ def run_all(fns, timeout=180):
 class Trainer:
     """One parameter vector under torch SGD (lr 0.1), wrapped."""
 
-    def __init__(self, client, i, run_id, start=None, **kw):
+    def __init__(self, client, i, run_id, start=None, adam=False, **kw):
         self.i = i
         self.p = torch.nn.Parameter((start if start is not None else start_of()).clone())
         self.start = self.p.detach().clone()
-        self.opt = Optimizer(params=[self.p], optimizer=torch.optim.SGD([self.p], lr=LR),
+        inner = torch.optim.Adam([self.p], lr=1e-2) if adam else torch.optim.SGD([self.p], lr=LR)
+        self.opt = Optimizer(params=[self.p], optimizer=inner,
                              run_id=run_id, batch_size_per_step=BATCH[i], client=client, **kw)
+
+    def stats(self):
+        st = self.opt.optimizer.state.get(self.p, {})
+        return {k: (v.detach().clone() if hasattr(v, "clone") else v) for k, v in st.items()}
 
     def step(self, grad):
         self.opt.zero_grad()
@@ -201,10 +206,14 @@ while True:
             t.opt.close()
 
     def test_a_late_trainer_catches_up_by_a_state_load(self):
+        # The donors train with Adam and carry its moments: the late trainer
+        # loads the parameters, exp_avg, exp_avg_sq, the step count and the
+        # epoch a donor had there.
         stop = threading.Event()
-        donors = [Trainer(self.clients[i], i, "pyoptlate", target_batch_size=30,
-                          matchmaking_time=3, averaging_timeout=10, target_group_size=2,
-                          average_state_every=0, load_state_timeout=20) for i in range(2)]
+        kw = dict(target_batch_size=30, matchmaking_time=3, averaging_timeout=10,
+                  target_group_size=2, average_state_every=0, load_state_timeout=20, adam=True,
+                  average_opt_statistics=("exp_avg", "exp_avg_sq"))
+        donors = [Trainer(self.clients[i], i, "pyoptlate", **kw) for i in range(2)]
 
         def donate(t):
             snaps = {}
@@ -212,7 +221,7 @@ while True:
             while not stop.is_set() and time.monotonic() < deadline:
                 rep = t.step(grad_of(t.i))
                 if rep["epoch_ended"]:
-                    snaps[rep["epoch"]] = t.now()
+                    snaps[rep["epoch"]] = (t.now(), t.stats())
                 time.sleep(0.02)
             return snaps
 
@@ -226,14 +235,15 @@ while True:
                     if c.request("progress", run="pyoptlate").get("global_epoch", 0) >= 3:
                         break
                     time.sleep(0.2)
-                t = Trainer(c, 2, "pyoptlate", start=torch.zeros(N), target_batch_size=30,
-                            matchmaking_time=3, averaging_timeout=10, target_group_size=2,
-                            average_state_every=0, load_state_timeout=20)
+                t = Trainer(c, 2, "pyoptlate", start=torch.zeros(N), **kw)
                 with self.assertLogs("hivemindd.optimizer", logging.WARNING) as logs:
                     late_out["rep"] = t.step(torch.full((N,), 1000.0))
                 late_out["logs"] = logs.output
                 late_out["params"] = t.now()
+                late_out["stats"] = t.stats()
                 late_out["epoch"] = t.opt.local_epoch
+                # Adam steps on the loaded moments (its state is whole).
+                t.step(grad_of(2))
                 t.opt.close()
             finally:
                 stop.set()
@@ -242,14 +252,24 @@ while True:
         rep = late_out["rep"]
         self.assertTrue(rep["caught_up"], rep)
         self.assertTrue(rep["state_loaded"], rep)
+        self.assertTrue(rep["statistics_loaded"], rep)
         self.assertFalse(rep["epoch_ended"], "the late trainer stepped on its own gradients")
         self.assertGreaterEqual(rep["epoch"], 3)
         self.assertEqual(late_out["epoch"], rep["epoch"])
         self.assertTrue(any("state loaded" in m for m in late_out["logs"]), late_out["logs"])
-        self.assertTrue(any(rep["epoch"] in s and torch.equal(s[rep["epoch"]],
-                                                               late_out["params"])
-                            for s in res[:2]),
-                        "the loaded parameters are no donor's at epoch %d" % rep["epoch"])
+        st = late_out["stats"]
+        self.assertIn("exp_avg", st)
+        self.assertGreater(st["exp_avg"].abs().sum().item(), 0)
+
+        def same(snap):
+            params, stats = snap
+            return (torch.equal(params, late_out["params"]) and
+                    torch.equal(stats["exp_avg"], st["exp_avg"]) and
+                    torch.equal(stats["exp_avg_sq"], st["exp_avg_sq"]) and
+                    float(stats["step"]) == float(st["step"]))
+
+        self.assertTrue(any(rep["epoch"] in s and same(s[rep["epoch"]]) for s in res[:2]),
+                        "the loaded state is no donor's at epoch %d" % rep["epoch"])
         for t in donors:
             t.opt.close()
 
