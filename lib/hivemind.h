@@ -461,9 +461,14 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * round over, or at the next epoch's end at the latest, so the parameters
  * are one epoch stale (report.stepped and stepped_epoch say when).
  * local_updates steps on every call's own gradients and, instead of a
- * gradient round, averages the parameters at epoch ends (in the
- * foreground, so the delta rule, params += average - params at the
- * round's start, is the average itself).
+ * gradient round, averages the state (parameters and statistics) at epoch
+ * ends in the background, as Hivemind's use_local_updates with its
+ * delayed state averaging: the round starts from the values at the
+ * epoch's end (report.state_started), the local steps go on, and the first
+ * call that finds it over (or the next epoch end at the latest) applies it
+ * by the delta rule, x += average - x at the round's start, after that
+ * call's local step (report.state_averaged), so the local progress made
+ * while the round ran is kept. A failed round changes nothing.
  *
  * Matchmaking starts matchmaking_time_s before the epoch's estimated end
  * (the daemon's eta_s for our epoch), as Hivemind's scheduled step: the
@@ -531,7 +536,9 @@ typedef struct hmc_opt_report {
     int local_fallback;    /* the round failed: the step used this trainer's gradients */
     int caught_up;         /* the trainer was behind and jumped to the global epoch */
     int state_loaded;      /* and loaded a peer's state: parameters, statistics, epoch */
-    int state_averaged;    /* the parameters were averaged after the step (average_state_every) */
+    int state_averaged;    /* the parameters (and statistics) were averaged after the step
+                              (average_state_every); local_updates: a state average was
+                              applied by the delta rule in this call */
     uint64_t epoch;        /* the local epoch after the call */
     uint64_t global_epoch; /* as last read */
     uint64_t samples;      /* this trainer's samples in the epoch (before a step: those averaged) */
@@ -550,6 +557,9 @@ typedef struct hmc_opt_report {
                                   began (0 when none was scheduled) */
     int tagged_along;      /* caught up: the scheduled round ran with weight 0 */
     int tagged_along_group; /* its group's size */
+    /* -- local updates with the delta rule -- */
+    int state_started;     /* local_updates: this epoch end started the state average */
+    int state_pending;     /* local_updates: a state average still runs after this call */
 } hmc_opt_report;
 
 /* Sets the defaults above (everything else 0/NULL). */

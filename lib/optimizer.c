@@ -67,6 +67,10 @@ struct hmc_opt {
     char stat_names[HMC_OPT_STAT_NAMES_MAX + 1];
     size_t state_off;       /* floats before the parameters in the state: header and names */
     size_t state_elems;     /* floats of the whole state */
+    /* -- local updates with the delta rule -- */
+    hmc_round *state_round; /* local_updates: the epoch end's state average, in the background */
+    float *snap;            /* what it started from: parameters then statistics */
+    float *stats_tmp;       /* the statistics now, to add the delta to */
 };
 
 static double mono_s(void)
@@ -184,6 +188,11 @@ void hmc_opt_close(hmc_opt *o)
     if (o->round != NULL)
         hmc_round_wait(o->round, -1, NULL);
     hmc_round_free(o->round);
+    if (o->state_round != NULL)
+        hmc_round_wait(o->state_round, -1, NULL);
+    hmc_round_free(o->state_round);
+    free(o->snap);
+    free(o->stats_tmp);
     /* A group was found with us in it: we take part with nothing rather
      * than leave its members to time us out (the daemon keeps the range). */
     if (o->sched != NULL) {
@@ -248,6 +257,13 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         o->opts.load_timeout_s = 30;
     if (o->opts.local_updates && o->opts.average_state_every == 0)
         o->opts.average_state_every = 1;
+    if (o->opts.local_updates &&
+        ((o->snap = malloc((n_params + o->opts.n_stats) * sizeof(float))) == NULL ||
+         (o->opts.n_stats > 0 &&
+          (o->stats_tmp = malloc(o->opts.n_stats * sizeof(float))) == NULL))) {
+        r = -ENOMEM;
+        goto fail;
+    }
     if (o->opts.delay_step && (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->pend)) != 0)
         goto fail;
     if ((o->opts.share_state || o->opts.average_state_every > 0) &&
@@ -546,6 +562,68 @@ static int average_params(hmc_opt *o, float *params)
     return 1;
 }
 
+/* -- local updates with the delta rule -- */
+
+/*
+ * local_updates: the epoch end's state average runs in the background
+ * while the local steps go on (Hivemind's use_local_updates, whose state
+ * averaging is delayed and applies the delta rule). The state buffer gets
+ * the parameters and statistics as they are now, snap keeps a copy, and
+ * once the round is over each value moves by what averaging changed:
+ *     x += average - snap
+ * so the local steps taken meanwhile are kept. 1 when a round started.
+ */
+static int delta_start(hmc_opt *o, const float *params)
+{
+    char prefix[RUN_MAX + 48];
+    hmc_avg_opts ao;
+    size_t m = o->n + o->opts.n_stats;
+    snprintf(prefix, sizeof(prefix), "%s.params.%llu", o->run, (unsigned long long)o->epoch);
+    state_fill(o, params);
+    memcpy(o->snap, (float *)hmc_buf_data(o->state) + o->state_off, m * sizeof(float));
+    hmc_avg_opts_init(&ao);
+    ao.prefix = prefix;
+    ao.timeout_s = o->opts.matchmaking_time_s;
+    ao.matchmaking_time_s = o->opts.matchmaking_time_s;
+    ao.round_timeout_s = o->opts.averaging_timeout_s;
+    ao.target_group_size = o->opts.target_group_size;
+    ao.min_group_size = o->opts.target_group_size > 1 ? 2 : 1;
+    ao.compression = o->compression;
+    ao.client_mode = o->opts.client;
+    if (hmc_average_start(o->h, o->state, o->state_off, m, &ao, &o->state_round) != 0) {
+        o->state_round = NULL;
+        return 0;
+    }
+    return 1;
+}
+
+/*
+ * Applies a finished background state average by the delta rule (at once
+ * when block, waiting at most for the round's deadline). 1 when it
+ * averaged and was applied; a failed round changes nothing.
+ */
+static int delta_finish(hmc_opt *o, int block, float *params, hmc_opt_report *rep)
+{
+    if (o->state_round == NULL || (!block && !hmc_round_done(o->state_round)))
+        return 0;
+    int r = hmc_round_wait(o->state_round, -1, NULL);
+    hmc_round_free(o->state_round);
+    o->state_round = NULL;
+    rep->state_pending = 0;
+    if (r != 0)
+        return 0;
+    const float *avg = (const float *)hmc_buf_data(o->state) + o->state_off;
+    for (size_t i = 0; i < o->n; i++)
+        params[i] += avg[i] - o->snap[i];
+    if (o->opts.n_stats > 0) {
+        o->opts.stats_get(o->opts.step_ud, o->stats_tmp, o->opts.n_stats);
+        for (size_t i = 0; i < o->opts.n_stats; i++)
+            o->stats_tmp[i] += avg[o->n + i] - o->snap[o->n + i];
+        o->opts.stats_set(o->opts.step_ud, o->stats_tmp, o->opts.n_stats);
+    }
+    return 1;
+}
+
 /* Shares the state (params, statistics) of the epoch just reached. */
 static void share(hmc_opt *o, const float *params)
 {
@@ -617,6 +695,8 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         o->opts.step(o->opts.step_ud, params, grads, o->n);
         rep.stepped = 1;
         rep.stepped_epoch = o->epoch;
+        /* After the step, so that the delta lands on what it produced. */
+        rep.state_averaged = delta_finish(o, 0, params, &rep);
     } else {
         for (size_t i = 0; i < o->n; i++)
             acc[i] += grads[i] * (float)batch_size;
@@ -691,8 +771,15 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
         rep.epoch_ended = 1;
         if (o->opts.average_state_every > 0 && o->epoch % o->opts.average_state_every == 0 &&
-            (o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S))
-            rep.state_averaged = average_params(o, params);
+            (o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S)) {
+            if (o->opts.local_updates) {
+                /* The previous epoch's average first: one round at a time. */
+                rep.state_averaged = delta_finish(o, 1, params, &rep) || rep.state_averaged;
+                rep.state_started = delta_start(o, params);
+            } else {
+                rep.state_averaged = average_params(o, params);
+            }
+        }
         if (o->opts.share_state)
             share(o, params);
         r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
@@ -703,6 +790,7 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         rep.samples = o->samples;
     rep.scheduled = rep.scheduled || o->sched != NULL;
     rep.pending = o->pending;
+    rep.state_pending = o->state_round != NULL;
     rep.epoch = o->epoch;
     rep.global_epoch = o->global_epoch;
     if (report != NULL)

@@ -794,6 +794,9 @@ typedef struct dl_trainer {
     hmc_opt_report applied;  /* delay: the report of the call that stepped on epoch 0 */
     int calls_in_epoch0;     /* local: the calls of epoch 0, each a local step */
     int steps_seen;          /* local: reports with stepped before the end */
+    float at_apply[N_PARAMS]; /* local: after the call that applied the state average */
+    hmc_opt_report apply;    /* that call's report */
+    int calls_after_end;     /* local: calls after the end, up to and with that one */
     int err;
     char msg[256];
 } dl_trainer;
@@ -848,8 +851,14 @@ static void *train_dl(void *arg)
             t->applied = rep;
             done = 1;
         }
-        if (t->local && t->end.epoch_ended)
-            done = 1;
+        if (t->local && t->end.epoch_ended && !rep.epoch_ended) {
+            t->calls_after_end++;
+            if (rep.state_averaged) {
+                t->apply = rep;
+                memcpy(t->at_apply, t->params, sizeof(t->params));
+                done = 1;
+            }
+        }
         usleep(50000);
     }
     if (!done && t->err == 0) {
@@ -909,11 +918,14 @@ Test(optimizer, delay_step_steps_on_the_average_one_epoch_late)
 }
 
 /*
- * local_updates: every call steps on its own gradients (1 everywhere,
- * so the parameters fall by 0.1 a call), and at epoch 0's end both
- * trainers hold the mean of their parameters.
+ * local_updates: every call steps on its own gradients (1 everywhere, so
+ * the parameters fall by 0.1 a call). At epoch 0's end the state average
+ * starts in the background from the parameters there, the local steps go
+ * on, and the call that finds it over applies the delta rule: both hold
+ * the mean of their epoch-end parameters minus their own steps since,
+ * the local progress made while the round ran kept.
  */
-Test(optimizer, local_updates_step_every_call_and_average_the_parameters)
+Test(optimizer, local_updates_step_every_call_and_average_by_the_delta_rule)
 {
     dl_trainer *t = calloc(2, sizeof(*t));
     cr_assert_not_null(t);
@@ -923,15 +935,27 @@ Test(optimizer, local_updates_step_every_call_and_average_the_parameters)
         cr_assert_eq(t[i].steps_seen, t[i].calls_in_epoch0 - 1,
                      "trainer %d: %d local steps in %d calls", i, t[i].steps_seen,
                      t[i].calls_in_epoch0);
-        cr_assert(t[i].end.state_averaged, "trainer %d did not average its parameters", i);
+        cr_assert(t[i].end.state_started, "trainer %d started no state average", i);
+        cr_assert(!t[i].end.state_averaged, "trainer %d averaged in the foreground", i);
+        cr_assert(t[i].apply.state_averaged && t[i].apply.stepped && !t[i].apply.state_pending);
+        cr_assert_geq(t[i].calls_after_end, 1);
+        cr_log_info("trainer %d: %d calls in epoch 0, the average applied %d calls later", i,
+                    t[i].calls_in_epoch0, t[i].calls_after_end);
     }
     for (size_t k = 0; k < N_PARAMS; k++) {
-        double want = 0;
-        for (int i = 0; i < 2; i++)
-            want += 0.5 * (t[i].start[k] - 0.1 * t[i].calls_in_epoch0);
-        for (int i = 0; i < 2; i++)
-            cr_assert(fabs(t[i].at_end[k] - want) < 1e-3,
-                      "trainer %d, element %zu: %.7g, want %.7g", i, k, t[i].at_end[k], want);
+        double mean = 0;
+        for (int i = 0; i < 2; i++) {
+            /* Nothing was averaged at the end itself. */
+            double end_i = t[i].start[k] - 0.1 * t[i].calls_in_epoch0;
+            cr_assert(fabs(t[i].at_end[k] - end_i) < 1e-3, "trainer %d, element %zu: %.7g at "
+                      "the end, want %.7g", i, k, t[i].at_end[k], end_i);
+            mean += 0.5 * t[i].at_end[k];
+        }
+        for (int i = 0; i < 2; i++) {
+            double want = mean - 0.1 * t[i].calls_after_end;
+            cr_assert(fabs(t[i].at_apply[k] - want) < 1e-3,
+                      "trainer %d, element %zu: %.7g, want %.7g", i, k, t[i].at_apply[k], want);
+        }
     }
     free(t);
 }

@@ -154,6 +154,8 @@ class OptReport(ctypes.Structure):
         ("matchmaking_lead_s", c_double),
         ("tagged_along", c_int),
         ("tagged_along_group", c_int),
+        ("state_started", c_int),
+        ("state_pending", c_int),
     ]
 
 

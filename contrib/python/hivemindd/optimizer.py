@@ -68,9 +68,11 @@ class Optimizer:
         finds the round over (at the next epoch's end at the latest): the
         parameters are one epoch stale.
     use_local_updates: the wrapped optimizer steps at every step() on that
-        step's gradients; no gradient round; the parameters are averaged at
-        epoch ends (every average_state_every epochs, 0 meaning 1). Not with
-        delay_optimizer_step.
+        step's gradients; no gradient round; at epoch ends (every
+        average_state_every epochs, 0 meaning 1) the state is averaged in
+        the background and applied by the delta rule (x += average - x at
+        the round's start) in the first step() that finds it over, so the
+        local steps taken meanwhile are kept. Not with delay_optimizer_step.
     client: a hivemindd.Client attached to the local daemon. Its lock is
         held for the whole of a step() that ends an epoch.
     client_mode: this trainer's epoch does not lead and it reduces nothing.
@@ -292,7 +294,9 @@ class Optimizer:
                     swarm_samples=int(rep.swarm_samples), group_size=int(rep.group_size),
                     error=_lib.text(rep.error), scheduled=bool(rep.scheduled),
                     matchmaking_lead_s=float(rep.matchmaking_lead_s),
-                    tagged_along=bool(rep.tagged_along))
+                    tagged_along=bool(rep.tagged_along),
+                    state_started=bool(rep.state_started),
+                    state_pending=bool(rep.state_pending))
 
     # ---- the optimizer ----
 

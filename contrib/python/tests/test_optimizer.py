@@ -312,41 +312,60 @@ while True:
         for t in trainers:
             t.opt.close()
 
-    def test_use_local_updates_steps_every_call_and_averages_the_parameters(self):
+    def test_use_local_updates_steps_every_call_and_averages_by_the_delta_rule(self):
+        # The state average starts at the epoch's end from the parameters
+        # there and is applied later by the delta rule: each trainer then
+        # holds the mean of the epoch-end parameters minus its own local
+        # steps since.
         trainers = [Trainer(self.clients[i], i, "pyoptlocal", start=start_of(i),
                             target_batch_size=100, matchmaking_time=4, averaging_timeout=10,
                             target_group_size=2, use_local_updates=True) for i in range(2)]
         ones = torch.ones(N)
 
         def train(t):
-            calls = 0
+            calls, end, at_end, after_end = 0, None, None, 0
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
                 before = t.now()
                 rep = t.step(ones)
                 calls += 1
-                if rep["epoch_ended"]:
-                    return dict(end=rep, calls=calls, after=t.now())
                 # A local step on this call's gradients, every call.
                 self.assertTrue(rep["stepped"], rep)
-                self.assertLessEqual((t.now() - (before - LR * ones)).abs().max().item(), 1e-5)
+                if end is None:
+                    self.assertLessEqual((t.now() - (before - LR * ones)).abs().max().item(),
+                                         1e-5)
+                if rep["epoch_ended"] and end is None:
+                    end, at_end = rep, t.now()
+                elif end is not None:
+                    after_end += 1
+                    if rep["state_averaged"]:
+                        return dict(end=end, calls=calls - after_end,
+                                    at_end=at_end, after_end=after_end, apply=rep,
+                                    after=t.now())
                 time.sleep(0.05)
             return {}
 
         res = run_all([lambda t=t: train(t) for t in trainers])
-        want = sum(trainers[i].start - LR * res[i]["calls"] for i in range(2)) / 2
+        mean = sum(r["at_end"] for r in res) / 2
         for i, r in enumerate(res):
-            self.assertTrue(r["end"]["state_averaged"], r["end"])
+            self.assertTrue(r["end"]["state_started"], r["end"])
+            self.assertFalse(r["end"]["state_averaged"], r["end"])
             self.assertFalse(r["end"]["averaged"], "a gradient round with local updates")
+            self.assertLessEqual((r["at_end"] - (trainers[i].start - LR * r["calls"]))
+                                 .abs().max().item(), 1e-3)
+            want = mean - LR * r["after_end"]
             self.assertLessEqual((r["after"] - want).abs().max().item(), 1e-3,
-                                 "trainer %d does not hold the mean of the parameters" % i)
+                                 "trainer %d: not the delta rule's result" % i)
         for t in trainers:
             t.opt.close()
 
     def test_average_opt_statistics_averages_adam_moments(self):
-        # Local updates with Adam on constant gradients g_i: after n_i steps
-        # a trainer's exp_avg is (1 - 0.9^n_i) g_i; at the epoch's end both
-        # hold the mean of the two.
+        # Local updates with Adam on constant gradients g_i: the moments at
+        # the epoch's end are averaged in the background and applied by
+        # the delta rule, the local steps going on meanwhile. So the
+        # applied moments are the local ones moved by (mean at the end -
+        # own at the end), which for exp_avg, with n_i steps at the end
+        # and k_i more, is checked against the closed form.
         models, opts = [], []
         for i in range(2):
             p = torch.nn.Parameter(start_of(i).clone())
@@ -360,7 +379,7 @@ while True:
                                   client=self.clients[i]))
 
         def train(i):
-            calls = 0
+            calls, end_calls = 0, None
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
                 opts[i].zero_grad()
@@ -368,17 +387,27 @@ while True:
                 opts[i].step()
                 calls += 1
                 rep = opts[i].last_report
-                if rep["epoch_ended"]:
+                if rep["epoch_ended"] and end_calls is None:
+                    end_calls = calls
+                elif end_calls is not None and rep["state_averaged"]:
                     st = opts[i].optimizer.state[models[i]]
-                    return dict(rep=rep, calls=calls, exp_avg=st["exp_avg"].clone(),
+                    return dict(rep=rep, n=end_calls, k=calls - end_calls,
+                                exp_avg=st["exp_avg"].clone(),
                                 exp_avg_sq=st["exp_avg_sq"].clone())
                 time.sleep(0.05)
             return {}
 
         res = run_all([lambda i=i: train(i) for i in range(2)])
-        want_m = sum((1 - 0.9 ** r["calls"]) * grad_of(i) for i, r in enumerate(res)) / 2
-        want_v = sum((1 - 0.999 ** r["calls"]) * grad_of(i) ** 2 for i, r in enumerate(res)) / 2
+
+        def m(n, g, beta):
+            return (1 - beta ** n) * g
+
+        mean_m = sum(m(r["n"], grad_of(i), 0.9) for i, r in enumerate(res)) / 2
+        mean_v = sum(m(r["n"], grad_of(i) ** 2, 0.999) for i, r in enumerate(res)) / 2
         for i, r in enumerate(res):
+            n, k = r["n"], r["k"]
+            want_m = m(n + k, grad_of(i), 0.9) + mean_m - m(n, grad_of(i), 0.9)
+            want_v = m(n + k, grad_of(i) ** 2, 0.999) + mean_v - m(n, grad_of(i) ** 2, 0.999)
             self.assertTrue(r["rep"]["state_averaged"], r["rep"])
             self.assertTrue(r["rep"]["statistics_averaged"], r["rep"])
             self.assertLessEqual((r["exp_avg"] - want_m).abs().max().item(), 1e-4)
