@@ -10,6 +10,11 @@
  * those callbacks either moves the round on or finishes it, so the user's
  * callback fires exactly once, and since neither fires from inside the
  * call that started it, never from inside hm_averager_round.
+ *
+ * A held round (opts.hold) has a third state between the two, HELD: the
+ * group formed and nothing is in flight; hm_averager_release starts its
+ * all-reduce, and the averager's one hold timer, set to the earliest held
+ * round's deadline, or closing, ends it.
  */
 #include "config.h"
 
@@ -52,6 +57,8 @@ struct hm_averager {
     size_t hist_head;       /* next slot to write */
     size_t hist_len;
     int closing;
+    uv_timer_t hold_timer; /* the earliest held round's deadline */
+    int closes_pending;    /* the all-reduce context and the timer */
     void (*close_cb)(void *ud);
     void *close_ud;
 };
@@ -67,6 +74,9 @@ struct avg_round {
     uint64_t search;      /* matchmaking search id */
     hm_ar_round *ar_round;
     uint64_t start_ms, mm_end_ms;
+    int released;         /* hold: hm_averager_release came */
+    int held;             /* hold: the group formed, the all-reduce waits for release */
+    uint64_t hold_until_ms;
     hm_avg_report rep;
 };
 
@@ -150,11 +160,36 @@ static void on_allreduce_done(void *ud, const hm_ar_report *rep)
     round_finish(r, rep->status);
 }
 
+static void hold_timer_arm(hm_averager *av);
+
+/* Starts the all-reduce of a round whose group formed (in rep.group). */
+static void round_allreduce(avg_round *r)
+{
+    hm_averager *av = r->av;
+    int result;
+    hm_ar_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.round_timeout_ms = r->opts.round_timeout_ms;
+    cfg.compression = r->opts.compression;
+    cfg.aggregate = r->opts.aggregate;
+    cfg.clip_tau = r->opts.clip_tau;
+    cfg.chunk_elems = r->opts.chunk_elems;
+    /* A held vector was written after the round started: checked again. */
+    result = r->opts.hold && !hm_avg_all_finite(r->data, r->n)
+                 ? -EDOM
+                 : hm_ar_start(av->ar, &r->rep.group, r->data, r->n, r->opts.weight, &cfg,
+                               on_allreduce_done, r, &r->ar_round);
+    if (result < 0) {
+        hm_warn(MOD, "round %llu: cannot start the all-reduce: %s",
+                (unsigned long long)r->rep.round, hm_strerror(result));
+        round_finish(r, result);
+    }
+}
+
 static void on_group(void *ud, int status, const hm_avg_group *group)
 {
     avg_round *r = ud;
     hm_averager *av = r->av;
-    int result;
 
     r->search = 0;
     r->mm_end_ms = hm_now_ms();
@@ -175,20 +210,86 @@ static void on_group(void *ud, int status, const hm_avg_group *group)
         round_finish(r, -ECANCELED);
         return;
     }
-    hm_ar_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.round_timeout_ms = r->opts.round_timeout_ms;
-    cfg.compression = r->opts.compression;
-    cfg.aggregate = r->opts.aggregate;
-    cfg.clip_tau = r->opts.clip_tau;
-    cfg.chunk_elems = r->opts.chunk_elems;
-    result = hm_ar_start(av->ar, group, r->data, r->n, r->opts.weight, &cfg, on_allreduce_done, r,
-                         &r->ar_round);
-    if (result < 0) {
-        hm_warn(MOD, "round %llu: cannot start the all-reduce: %s",
-                (unsigned long long)r->rep.round, hm_strerror(result));
-        round_finish(r, result);
+    if (r->opts.hold && !r->released) {
+        /* The others may start before us: their parts are refused with
+         * -EAGAIN and retried until the reducer timeout, which is what
+         * bounds how late our release may come without losing them. */
+        r->held = 1;
+        r->hold_until_ms = r->mm_end_ms + r->opts.hold_timeout_ms;
+        hm_debug(MOD, "round %llu under %s: group of %zu formed, held", 
+                 (unsigned long long)r->rep.round, r->rep.prefix, group->n);
+        hold_timer_arm(av);
+        return;
     }
+    round_allreduce(r);
+}
+
+/* Ends the held rounds past their deadline and sets the timer for the next. */
+static void on_hold_timer(uv_timer_t *t)
+{
+    hm_averager *av = t->data;
+    uint64_t now = hm_now_ms();
+    avg_round *r;
+    int again = 1;
+    while (again) {
+        again = 0;
+        LIST_FOREACH(r, &av->rounds, link) {
+            if (r->held && now >= r->hold_until_ms) {
+                hm_info(MOD, "round %llu under %s: not released within %.1f s of its group",
+                        (unsigned long long)r->rep.round, r->rep.prefix,
+                        (double)r->opts.hold_timeout_ms / 1000.0);
+                r->held = 0;
+                round_finish(r, -ETIMEDOUT);
+                again = 1; /* the list changed under the walk */
+                break;
+            }
+        }
+    }
+    hold_timer_arm(av);
+}
+
+static void hold_timer_arm(hm_averager *av)
+{
+    uint64_t next = UINT64_MAX, now = hm_now_ms();
+    const avg_round *r;
+    if (av->closing)
+        return;
+    LIST_FOREACH(r, &av->rounds, link)
+        if (r->held && r->hold_until_ms < next)
+            next = r->hold_until_ms;
+    if (next == UINT64_MAX)
+        uv_timer_stop(&av->hold_timer);
+    else
+        uv_timer_start(&av->hold_timer, on_hold_timer, next > now ? next - now : 0, 0);
+}
+
+int hm_averager_release(hm_averager *av, const char *prefix, double weight)
+{
+    avg_round *r;
+    int released = 0, result = 0, again = 1;
+    if (av == NULL || prefix == NULL || !isfinite(weight) || weight < 0)
+        return -EINVAL;
+    while (again) {
+        again = 0;
+        LIST_FOREACH(r, &av->rounds, link) {
+            if (!r->opts.hold || r->released || strcmp(r->rep.prefix, prefix) != 0)
+                continue;
+            r->released = 1;
+            r->opts.weight = weight;
+            r->rep.weight = weight;
+            released++;
+            if (!r->held)
+                continue; /* still looking: starts once its group forms */
+            r->held = 0;
+            if (!hm_avg_all_finite(r->data, r->n))
+                result = -EDOM;
+            round_allreduce(r); /* may finish r: the walk starts over */
+            again = 1;
+            break;
+        }
+    }
+    hold_timer_arm(av);
+    return result < 0 ? result : released;
 }
 
 static int check_opts(const hm_avg_opts *o, const float *data, size_t n)
@@ -246,6 +347,8 @@ int hm_averager_round(hm_averager *av, const hm_avg_opts *opts, float *data, siz
         r->opts.round_timeout_ms = 30000;
     if (r->opts.bandwidth == 0)
         r->opts.bandwidth = 1e8;
+    if (r->opts.hold && r->opts.hold_timeout_ms == 0)
+        r->opts.hold_timeout_ms = 60000;
 
     hm_avg_report *rep = &r->rep;
     rep->round = av->next_round + 1;
@@ -300,10 +403,15 @@ int hm_averager_cancel(hm_averager *av, uint64_t round)
     LIST_FOREACH(r, &av->rounds, link) {
         if (r->rep.round != round)
             continue;
-        if (r->ar_round != NULL)
+        if (r->ar_round != NULL) {
             hm_ar_cancel(r->ar_round);
-        else if (r->search != 0)
+        } else if (r->search != 0) {
             hm_mm_cancel(av->mm, r->search);
+        } else if (r->held) {
+            r->held = 0;
+            round_finish(r, -ECANCELED);
+            hold_timer_arm(av);
+        }
         return 0;
     }
     return -ENOENT;
@@ -365,6 +473,21 @@ void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud)
     }
 }
 
+/* The averager is freed once the all-reduce context and the timer are closed. */
+static void close_part_done(hm_averager *av)
+{
+    if (--av->closes_pending > 0)
+        return;
+    void (*cb)(void *) = av->close_cb;
+    void *cud = av->close_ud;
+    free(av->history);
+    free(av);
+    if (cb != NULL)
+        cb(cud);
+}
+
+static void on_timer_closed(uv_handle_t *h) { close_part_done(h->data); }
+
 int hm_averager_new(hm_node *node, hm_averager **out)
 {
     int result;
@@ -385,6 +508,8 @@ int hm_averager_new(hm_node *node, hm_averager **out)
     result = hm_ar_ctx_new(hm_node_loop(node), hm_node_rpc(node), hm_node_identity(node), &av->ar);
     if (result < 0)
         goto out;
+    uv_timer_init(hm_node_loop(node), &av->hold_timer);
+    av->hold_timer.data = av;
     *out = av;
     av = NULL;
 out:
@@ -405,28 +530,35 @@ out:
     return result;
 }
 
-static void on_ar_closed(void *ud)
-{
-    hm_averager *av = ud;
-    void (*cb)(void *) = av->close_cb;
-    void *cud = av->close_ud;
-    free(av->history);
-    free(av);
-    if (cb != NULL)
-        cb(cud);
-}
+static void on_ar_closed(void *ud) { close_part_done(ud); }
 
 void hm_averager_close(hm_averager *av, void (*cb)(void *ud), void *ud)
 {
+    avg_round *r;
     if (av == NULL || av->closing)
         return;
     av->closing = 1;
     av->close_cb = cb;
     av->close_ud = ud;
+    av->closes_pending = 2;
     /* Searches end first (their callbacks see closing and finish), then
-     * the all-reduce rounds end inside hm_ar_ctx_close. */
+     * held rounds, then the all-reduce rounds end inside hm_ar_ctx_close. */
     hm_mm_free(av->mm);
     av->mm = NULL;
+    int again = 1;
+    while (again) {
+        again = 0;
+        LIST_FOREACH(r, &av->rounds, link) {
+            if (r->held) {
+                r->held = 0;
+                round_finish(r, -ECANCELED);
+                again = 1;
+                break;
+            }
+        }
+    }
+    uv_timer_stop(&av->hold_timer);
+    uv_close((uv_handle_t *)&av->hold_timer, on_timer_closed);
     hm_ar_ctx_close(av->ar, on_ar_closed, av);
     /* The rpc layer must not hand parts to the closed context. */
     hm_rpc_unregister(hm_node_rpc(av->node), HM_AR_PART_METHOD);

@@ -78,6 +78,16 @@ typedef struct hm_avg_opts {
     int aggregate;                   /* enum hm_ar_aggregate */
     double clip_tau;                 /* with HM_AR_CENTERED_CLIP */
     size_t chunk_elems;              /* 0: the all-reduce's default */
+    /*
+     * hold: matchmaking runs at once, but the all-reduce waits for
+     * hm_averager_release (which sets the final weight; the vector may be
+     * written until then), at most hold_timeout_ms (0: 60000) after the
+     * group formed, else the round fails with -ETIMEDOUT. So a trainer
+     * can find its group before its data is ready and begin the all-reduce
+     * the moment it is (Hivemind's scheduled step).
+     */
+    int hold;
+    uint64_t hold_timeout_ms;
 } hm_avg_opts;
 
 enum hm_avg_stage {
@@ -141,6 +151,16 @@ void hm_averager_close(hm_averager *av, void (*cb)(void *ud), void *ud);
  */
 int hm_averager_round(hm_averager *av, const hm_avg_opts *opts, float *data, size_t n,
                       hm_avg_done_cb cb, void *ud, uint64_t *round_out);
+
+/*
+ * Releases the held rounds under prefix (hold above) with weight (finite,
+ * >= 0): one whose group formed begins its all-reduce now, one still
+ * looking begins it as soon as its group forms. Returns the number of
+ * rounds released (0: none held under prefix), -EINVAL, or -EDOM when a
+ * released round's vector holds NaN or infinity (that round then fails
+ * with -EDOM).
+ */
+int hm_averager_release(hm_averager *av, const char *prefix, double weight);
 
 /* Ends a round now; its callback fires with -ECANCELED (matchmaking) at
  * once or (all-reduce) from the loop soon after. 0 or -ENOENT. */

@@ -914,6 +914,11 @@ static json_t *avg_args(hmc *h, hmc_buf *b, size_t off, size_t n, const hmc_avg_
      * while the daemon still writes the buffer. */
     double wait_s = arg_seconds(json_object_get(a, "timeout")) +
                     arg_seconds(json_object_get(a, "round_timeout"));
+    /* A held round may wait that long for its release before the all-reduce. */
+    if (json_is_true(json_object_get(a, "hold"))) {
+        const json_t *ht = json_object_get(a, "hold_timeout");
+        wait_s += ht != NULL ? arg_seconds(ht) : 60;
+    }
     double ms = wait_s * 1000.0 + SLACK_MS;
     *wait_ms_out = ms > 2e9 ? 2000000000 : (int)ms;
     if (*wait_ms_out < h->timeout_ms)
@@ -964,6 +969,19 @@ int hmc_average_start(hmc *h, hmc_buf *b, size_t offset_elems, size_t n, const h
     }
     *out = rd;
     return 0;
+}
+
+int hmc_average_go(hmc *h, const char *prefix, double weight)
+{
+    char *res = NULL;
+    if (h == NULL || prefix == NULL || !isfinite(weight) || weight < 0)
+        return -EINVAL;
+    json_t *a = json_pack("{s:s, s:f}", "prefix", prefix, "weight", weight);
+    if (a == NULL)
+        return -ENOMEM;
+    int r = call_text(h, "average.go", a, h->timeout_ms, &res, NULL);
+    hmc_free_string(res);
+    return r;
 }
 
 /* Takes the reply if it has come by deadline; marks the round done when over. */

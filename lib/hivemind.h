@@ -186,6 +186,14 @@ int hmc_round_done(hmc_round *r);
  * and may be asked for again.
  */
 int hmc_round_wait(hmc_round *r, int timeout_ms, char **report_json_out);
+/*
+ * Releases this daemon's held rounds under prefix (an "average" sent with
+ * "hold": true in extra_json: matchmaking runs, the all-reduce waits) with
+ * their final weight: the all-reduce begins now, or once the group forms.
+ * Until then the daemon leaves the buffer alone. 0, -EREMOTEIO with
+ * "not_found" when none is held there (the round is over), or hmc's errors.
+ */
+int hmc_average_go(hmc *h, const char *prefix, double weight);
 const char *hmc_round_error(const hmc_round *r);
 const char *hmc_round_error_code(const hmc_round *r);
 /*
@@ -436,9 +444,16 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * gradients and the report says so. The local step runs on the result,
  * the accumulator is cleared and the epoch advances. A trainer more than
  * one epoch behind the swarm discards its gradients and jumps to the
- * global epoch; with share_state, every trainer shares its parameters
- * after each step and a late one loads the newest (a peer's step must
- * then be over the parameters only; optimizer statistics stay local).
+ * global epoch; with share_state, every trainer shares its state after
+ * each step and a late one loads the newest: the parameters, the named
+ * optimizer statistics (n_stats, stat_names, stats_get/stats_set) and the
+ * epoch it was shared at. The state's layout (HMC_OPT_STATE_HEADER bytes,
+ * then the names, then the floats; host byte order):
+ *     "HMOPTST1", u32 version (1), u32 names_len, u64 n_params,
+ *     u64 n_stats, u64 epoch; names_len bytes of stat_names, zero-padded
+ *     to a multiple of 4; n_params floats of parameters; n_stats floats
+ * of statistics. A loaded state is checked (hmc_opt_state_check) before
+ * any of it is used.
  *
  * delay_step runs the epoch's round in the background (hmc_average_start)
  * and returns at once; the next epoch accumulates meanwhile, and the
@@ -446,16 +461,33 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * round over, or at the next epoch's end at the latest, so the parameters
  * are one epoch stale (report.stepped and stepped_epoch say when).
  * local_updates steps on every call's own gradients and, instead of a
- * gradient round, averages the parameters at epoch ends (in the
- * foreground, so the delta rule, params += average - params at the
- * round's start, is the average itself).
+ * gradient round, averages the state (parameters and statistics) at epoch
+ * ends in the background, as Hivemind's use_local_updates with its
+ * delayed state averaging: the round starts from the values at the
+ * epoch's end (report.state_started), the local steps go on, and the first
+ * call that finds it over (or the next epoch end at the latest) applies it
+ * by the delta rule, x += average - x at the round's start, after that
+ * call's local step (report.state_averaged), so the local progress made
+ * while the round ran is kept. A failed round changes nothing.
  *
- * Matchmaking starts when the epoch ends, not matchmaking_time_s before
- * its estimated end: the peers of a swarm see the end within about a
- * second of each other (the daemon's progress cache), and
- * matchmaking_time_s is how long a leader waits for them.
+ * Matchmaking starts matchmaking_time_s before the epoch's estimated end
+ * (the daemon's eta_s for our epoch), as Hivemind's scheduled step: the
+ * round is started with "hold" (hmc_average_go), the group forms while
+ * the epoch's last samples come in, and at the end the all-reduce begins
+ * at once with the final weight. A schedule that fails (no group) leaves
+ * the end to an ordinary round, which then looks for a group for
+ * matchmaking_time_s. A trainer that finds itself more than an epoch
+ * behind while scheduled takes part in that round with weight 0 and an
+ * empty buffer (report.tagged_along) rather than leave its group.
  */
 typedef void (*hmc_opt_step_fn)(void *ud, float *params, const float *grads, size_t n);
+/* The local optimizer's statistics: get fills n floats, set takes them (opts.stats_*). */
+typedef void (*hmc_opt_stats_get_fn)(void *ud, float *stats, size_t n);
+typedef void (*hmc_opt_stats_set_fn)(void *ud, const float *stats, size_t n);
+
+/* The longest stat_names, and the fixed part of the shared state's header. */
+#define HMC_OPT_STAT_NAMES_MAX 256
+#define HMC_OPT_STATE_HEADER 40
 
 typedef struct hmc_opt_opts {
     const char *run_id;         /* required */
@@ -464,13 +496,14 @@ typedef struct hmc_opt_opts {
     double matchmaking_time_s;  /* 0: 5: how long to look for a group */
     double averaging_timeout_s; /* 0: 30: the all-reduce's deadline */
     unsigned average_state_every; /* 0: never; else every N epochs, after the step, the
-                                     parameters are averaged with the peers (weight 1,
-                                     in the foreground; optimizer statistics stay local) */
+                                     parameters and the statistics (n_stats) are averaged
+                                     with the peers (weight 1, in the foreground) */
     int client;                 /* a client's epoch does not lead, it reduces nothing */
     int target_group_size;      /* 0: 16 */
     const char *compression;    /* NULL: "none"; "fp16", "8bit" */
-    int share_state;            /* share the parameters after each epoch ("state.share" under
-                                   RUN, step = epoch) and load them when catching up */
+    int share_state;            /* share the state (parameters, statistics, epoch) after each
+                                   epoch ("state.share" under RUN, step = epoch) and load it
+                                   when catching up */
     double load_timeout_s;      /* 0: 30 */
     hmc_opt_step_fn step;       /* required: the local optimizer */
     void *step_ud;
@@ -483,6 +516,16 @@ typedef struct hmc_opt_opts {
                                    no gradient round; at an epoch's end the parameters are
                                    averaged (every average_state_every epochs, 0 meaning 1).
                                    Not with delay_step. */
+    /* -- optimizer statistics -- */
+    size_t n_stats;             /* floats of the local optimizer's statistics (e.g. Adam's
+                                   exp_avg and exp_avg_sq of every parameter); 0: none. They
+                                   travel with the parameters: shared and loaded with them
+                                   (share_state), averaged with them (average_state_every) */
+    const char *stat_names;     /* what they are, e.g. "exp_avg,exp_avg_sq" (1 to
+                                   HMC_OPT_STAT_NAMES_MAX printable bytes; required with
+                                   n_stats): a loaded state must name the same */
+    hmc_opt_stats_get_fn stats_get; /* required with n_stats; called with step_ud */
+    hmc_opt_stats_set_fn stats_set; /* required with n_stats: after a load or an average */
 } hmc_opt_opts;
 
 typedef struct hmc_opt hmc_opt;
@@ -492,8 +535,10 @@ typedef struct hmc_opt_report {
     int averaged;          /* the step used the swarm's average */
     int local_fallback;    /* the round failed: the step used this trainer's gradients */
     int caught_up;         /* the trainer was behind and jumped to the global epoch */
-    int state_loaded;      /* and loaded the parameters of a peer (share_state) */
-    int state_averaged;    /* the parameters were averaged after the step (average_state_every) */
+    int state_loaded;      /* and loaded a peer's state: parameters, statistics, epoch */
+    int state_averaged;    /* the parameters (and statistics) were averaged after the step
+                              (average_state_every); local_updates: a state average was
+                              applied by the delta rule in this call */
     uint64_t epoch;        /* the local epoch after the call */
     uint64_t global_epoch; /* as last read */
     uint64_t samples;      /* this trainer's samples in the epoch (before a step: those averaged) */
@@ -505,6 +550,16 @@ typedef struct hmc_opt_report {
                               are then that round's) */
     int pending;           /* a delayed round is still running after this call */
     uint64_t stepped_epoch; /* the epoch whose gradients that step used */
+    /* -- scheduled rounds -- */
+    int scheduled;         /* the epoch's round was matched ahead of its end (and, at the
+                              end, released: averaged etc. are its outcome) */
+    double matchmaking_lead_s; /* at the end: how long before it that round's matchmaking
+                                  began (0 when none was scheduled) */
+    int tagged_along;      /* caught up: the scheduled round ran with weight 0 */
+    int tagged_along_group; /* its group's size */
+    /* -- local updates with the delta rule -- */
+    int state_started;     /* local_updates: this epoch end started the state average */
+    int state_pending;     /* local_updates: a state average still runs after this call */
 } hmc_opt_report;
 
 /* Sets the defaults above (everything else 0/NULL). */
@@ -521,6 +576,15 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
                  hmc_opt_report *report);
 uint64_t hmc_opt_local_epoch(const hmc_opt *o);
 uint64_t hmc_opt_global_epoch(const hmc_opt *o);
+/*
+ * Checks a shared optimizer state of len bytes (as loaded from peers,
+ * untrusted) against this trainer's n_params, n_stats and stat_names (NULL
+ * when n_stats is 0): 0 with *epoch_out set, -EPROTO (not such a state,
+ * another version, other sizes or names, a wrong length) or -EDOM (NaN or
+ * infinity in it).
+ */
+int hmc_opt_state_check(const void *blob, size_t len, size_t n_params, size_t n_stats,
+                        const char *stat_names, uint64_t *epoch_out);
 /*
  * Frees the optimizer and its buffers (not h), waiting first for a delayed
  * round still running (at most its deadline). NULL is fine.

@@ -66,6 +66,8 @@ typedef struct trainer {
     double mm_s, avg_timeout_s;
     long end_call_ms;        /* how long the call that ended epoch 0 took */
     int pause_us;            /* between steps */
+    int group;               /* target_group_size; 0: N_TRAINERS */
+    const char *run;         /* NULL: "optrun" */
 } trainer;
 
 static float grad_of(int i, size_t k) { return (float)(i + 1) + (float)k * 0.001f * (float)(i + 2); }
@@ -95,12 +97,12 @@ static void *train(void *arg)
     hmc_set_timeout(h, 60000);
     hmc_opt_opts oo;
     hmc_opt_opts_init(&oo);
-    oo.run_id = "optrun";
+    oo.run_id = t->run != NULL ? t->run : "optrun";
     oo.target_batch_size = t->target;
     oo.batch_size_per_step = batch[t->i];
     oo.matchmaking_time_s = t->mm_s;
     oo.averaging_timeout_s = t->avg_timeout_s;
-    oo.target_group_size = N_TRAINERS;
+    oo.target_group_size = t->group > 0 ? t->group : N_TRAINERS;
     oo.step = local_step;
     oo.step_ud = t;
     if ((t->err = hmc_opt_open(h, &oo, N_PARAMS, &o)) != 0) {
@@ -196,6 +198,162 @@ Test(optimizer, three_trainers_step_on_the_sample_weighted_mean)
     free(t);
 }
 
+/* -- scheduled rounds -- */
+
+/*
+ * Matchmaking starts matchmaking_time before the epoch's estimated end.
+ * The group target is 16 and the swarm 3, so a group found only at the
+ * end would cost the leader's whole matchmaking time (4 s) after the
+ * target was reached; scheduled ahead, the group is ready when the
+ * samples are in, and the call that ends the epoch only runs the
+ * all-reduce. The weight given at the release is what counts: the step
+ * is still on the sample-weighted mean.
+ */
+Test(optimizer, matchmaking_starts_before_the_epoch_ends)
+{
+    struct node nodes[N_TRAINERS];
+    trainer *t = calloc(N_TRAINERS, sizeof(*t));
+    pthread_t th[N_TRAINERS];
+    const double mm_s = 4;
+    cr_assert_not_null(t);
+    atomic_store(&given0, 0);
+    start_swarm(nodes, N_TRAINERS);
+    for (int i = 0; i < N_TRAINERS; i++) {
+        t[i].i = i;
+        t[i].node = &nodes[i];
+        t[i].target = TARGET;
+        t[i].mm_s = mm_s;
+        t[i].avg_timeout_s = 10;
+        t[i].pause_us = 100000;
+        t[i].group = 16;
+        t[i].run = "schedrun";
+        cr_assert_eq(pthread_create(&th[i], NULL, train, &t[i]), 0);
+    }
+    for (int i = 0; i < N_TRAINERS; i++)
+        pthread_join(th[i], NULL);
+    uint64_t total = 0;
+    for (int i = 0; i < N_TRAINERS; i++) {
+        cr_assert_eq(t[i].err, 0, "trainer %d: %s", i, t[i].msg);
+        cr_assert(t[i].end.epoch_ended, "trainer %d: no epoch end seen", i);
+        cr_log_info("trainer %d: round matched %.2f s before the end, the end took %ld ms "
+                    "(group %d)", i, t[i].end.matchmaking_lead_s, t[i].end_call_ms,
+                    t[i].end.group_size);
+        cr_assert(t[i].end.averaged, "trainer %d stepped on its own gradients: %s", i,
+                  t[i].end.error);
+        cr_assert_eq(t[i].end.group_size, N_TRAINERS);
+        cr_assert(t[i].end.scheduled, "trainer %d: the round was not matched ahead", i);
+        /* Began before the end, by about the matchmaking time. */
+        cr_assert(t[i].end.matchmaking_lead_s >= 1.0 &&
+                      t[i].end.matchmaking_lead_s <= mm_s + 4.0,
+                  "trainer %d: matched %.2f s before the end", i, t[i].end.matchmaking_lead_s);
+        /* An ordinary round would have looked for the group for mm_s now. */
+        cr_assert(t[i].end_call_ms < (long)(mm_s * 1000), "trainer %d: the end took %ld ms", i,
+                  t[i].end_call_ms);
+        total += t[i].end.samples;
+    }
+    cr_assert(total >= TARGET);
+    cr_assert_eq(total, (uint64_t)atomic_load(&given0));
+    for (int i = 0; i < N_TRAINERS; i++) {
+        for (size_t k = 0; k < N_PARAMS; k++) {
+            double want = 0;
+            for (int j = 0; j < N_TRAINERS; j++)
+                want += (double)t[j].end.samples * grad_of(j, k);
+            want /= (double)total;
+            cr_assert(fabs(t[i].stepped[k] - want) <= 1e-4 * fabs(want) + 1e-5,
+                      "trainer %d, element %zu: %.7g, the weighted mean is %.7g", i, k,
+                      t[i].stepped[k], want);
+        }
+    }
+    free(t);
+}
+
+/*
+ * The daemon's held rounds under the optimizer's schedule: two rounds
+ * started with "hold" find their group, the data written after they
+ * started and the weights given to average.go are what is averaged; a
+ * round never released fails once its hold times out; average.go with
+ * nothing held is not_found, and "hold" on files is refused.
+ */
+Test(optimizer, held_rounds_average_what_the_release_gives)
+{
+    struct node nodes[2];
+    hmc *h[2];
+    hmc_buf *b[2];
+    hmc_round *rd[2];
+    char err[256], *res = NULL;
+    const size_t n = 5000;
+    const double w[2] = {1, 3};
+    start_swarm(nodes, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(hmc_connect(nodes[i].sock, &h[i], err, sizeof(err)), 0, "%s", err);
+        cr_assert_eq(hmc_buf_alloc(h[i], n * sizeof(float), &b[i]), 0);
+        hmc_avg_opts ao;
+        hmc_avg_opts_init(&ao);
+        ao.prefix = "held.grad.0";
+        ao.weight = 100; /* replaced by the release's */
+        ao.timeout_s = 10;
+        ao.matchmaking_time_s = 1;
+        ao.target_group_size = 2;
+        ao.extra_json = "{\"hold\":true,\"hold_timeout\":20}";
+        cr_assert_eq(hmc_average_start(h[i], b[i], 0, n, &ao, &rd[i]), 0, "%s",
+                     hmc_last_error(h[i]));
+    }
+    /* The group forms meanwhile; the data is written only now. */
+    sleep(2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(!hmc_round_done(rd[i]), "round %d ended while held", i);
+        float *d = hmc_buf_data(b[i]);
+        for (size_t k = 0; k < n; k++)
+            d[k] = (float)(i + 1) * 10.0f + (float)k * 0.01f;
+    }
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(hmc_average_go(h[i], "held.grad.0", w[i]), 0, "%s", hmc_last_error(h[i]));
+    for (int i = 0; i < 2; i++) {
+        char *json = NULL;
+        cr_assert_eq(hmc_round_wait(rd[i], -1, &json), 0, "round %d: %s", i,
+                     hmc_round_error(rd[i]));
+        cr_assert_not_null(strstr(json, "\"group_size\":2"), "%s", json);
+        hmc_free_string(json);
+        const float *d = hmc_buf_data(b[i]);
+        for (size_t k = 0; k < n; k++) {
+            double want = (w[0] * (10.0 + k * 0.01) + w[1] * (20.0 + k * 0.01)) / (w[0] + w[1]);
+            cr_assert(fabs(d[k] - want) < 1e-3, "daemon %d, element %zu: %.6g, want %.6g", i, k,
+                      d[k], want);
+        }
+        hmc_round_free(rd[i]);
+    }
+    /* Nothing held now. */
+    cr_assert_eq(hmc_average_go(h[0], "held.grad.0", 1), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h[0]), "not_found");
+    /* Held and never released: the hold times out, the others' round with it. */
+    for (int i = 0; i < 2; i++) {
+        hmc_avg_opts ao;
+        hmc_avg_opts_init(&ao);
+        ao.prefix = "held.grad.1";
+        ao.timeout_s = 10;
+        ao.matchmaking_time_s = 1;
+        ao.target_group_size = 2;
+        ao.extra_json = "{\"hold\":true,\"hold_timeout\":1}";
+        cr_assert_eq(hmc_average_start(h[i], b[i], 0, n, &ao, &rd[i]), 0);
+    }
+    long t0 = hm_test_now_ms();
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(hmc_round_wait(rd[i], -1, NULL), -EREMOTEIO);
+        cr_assert_str_eq(hmc_round_error_code(rd[i]), "timeout", "%s", hmc_round_error(rd[i]));
+        hmc_round_free(rd[i]);
+    }
+    cr_assert(hm_test_now_ms() - t0 < 10000, "the held rounds lasted %ld ms",
+              hm_test_now_ms() - t0);
+    /* Files are read before a round starts: hold makes no sense there. */
+    cr_assert_eq(hmc_request(h[0], "average", "{\"prefix\":\"x\",\"in\":\"/tmp/a\","
+                             "\"out\":\"/tmp/b\",\"hold\":true}", &res), -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h[0]), "bad_args");
+    for (int i = 0; i < 2; i++) {
+        hmc_buf_free(b[i]);
+        hmc_close(h[i]);
+    }
+}
+
 /*
  * A trainer SIGKILLed mid-epoch (a child process that reported and then
  * dies) holds the two others up by no more than the matchmaking time and
@@ -263,17 +421,51 @@ Test(optimizer, a_killed_trainer_holds_the_others_up_within_the_timeouts)
 }
 
 /*
- * A late peer: two trainers that share their parameters after each epoch
- * run ahead; a third starts at epoch 0, is more than one epoch behind, and
- * must discard its gradients, jump to the swarm's epoch and load the
- * parameters the others reached there.
+ * A late peer: two trainers that share their state after each epoch run
+ * ahead with an Adam-like local optimizer (its moments are the named
+ * statistics "exp_avg,exp_avg_sq"); a third starts at epoch 0, is more
+ * than one epoch behind, and must discard its gradients, jump to the
+ * swarm's epoch and load what a donor had there: the parameters, the
+ * moments and the epoch.
  */
 #define MAX_EPOCHS 64
+typedef struct adam {
+    float m[N_PARAMS], v[N_PARAMS];
+} adam;
+
+static void adam_step(void *ud, float *params, const float *grads, size_t n)
+{
+    adam *a = ud;
+    for (size_t k = 0; k < n; k++) {
+        a->m[k] = 0.9f * a->m[k] + 0.1f * grads[k];
+        a->v[k] = 0.999f * a->v[k] + 0.001f * grads[k] * grads[k];
+        params[k] -= 0.01f * a->m[k] / (sqrtf(a->v[k]) + 1e-8f);
+    }
+}
+
+static void adam_get(void *ud, float *stats, size_t n)
+{
+    adam *a = ud;
+    cr_assert_eq(n, 2 * N_PARAMS);
+    memcpy(stats, a->m, sizeof(a->m));
+    memcpy(stats + N_PARAMS, a->v, sizeof(a->v));
+}
+
+static void adam_set(void *ud, const float *stats, size_t n)
+{
+    adam *a = ud;
+    cr_assert_eq(n, 2 * N_PARAMS);
+    memcpy(a->m, stats, sizeof(a->m));
+    memcpy(a->v, stats + N_PARAMS, sizeof(a->v));
+}
+
 typedef struct donor {
     struct node *node;
     int i;
+    adam st;
     float params[N_PARAMS];
     float snap[MAX_EPOCHS][N_PARAMS]; /* the parameters at each epoch reached */
+    adam snap_st[MAX_EPOCHS];         /* and the moments */
     int have[MAX_EPOCHS];
     atomic_int *stop;
     int err;
@@ -287,7 +479,7 @@ static void plain_step(void *ud, float *params, const float *grads, size_t n)
         params[k] -= 0.1f * grads[k];
 }
 
-static hmc_opt *open_sharing(hmc *h, int i)
+static hmc_opt *open_sharing(hmc *h, int i, adam *st)
 {
     hmc_opt *o = NULL;
     hmc_opt_opts oo;
@@ -300,7 +492,12 @@ static hmc_opt *open_sharing(hmc *h, int i)
     oo.target_group_size = 2;
     oo.share_state = 1;
     oo.load_timeout_s = 20;
-    oo.step = plain_step;
+    oo.step = adam_step;
+    oo.step_ud = st;
+    oo.n_stats = 2 * N_PARAMS;
+    oo.stat_names = "exp_avg,exp_avg_sq";
+    oo.stats_get = adam_get;
+    oo.stats_set = adam_set;
     cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), 0, "open: %s", hmc_last_error(h));
     return o;
 }
@@ -316,7 +513,7 @@ static void *donate(void *arg)
     if ((t->err = hmc_connect(t->node->sock, &h, err, sizeof(err))) != 0)
         return NULL;
     hmc_set_timeout(h, 60000);
-    hmc_opt *o = open_sharing(h, t->i);
+    hmc_opt *o = open_sharing(h, t->i, &t->st);
     long deadline = hm_test_now_ms() + 90000;
     while (!atomic_load(t->stop) && hm_test_now_ms() < deadline) {
         hmc_opt_report rep;
@@ -324,8 +521,10 @@ static void *donate(void *arg)
             snprintf(t->msg, sizeof(t->msg), "step: %s", hmc_last_error(h));
             break;
         }
+        /* What the call shared: the state right after the epoch's step. */
         if (rep.epoch_ended && rep.epoch < MAX_EPOCHS) {
             memcpy(t->snap[rep.epoch], t->params, sizeof(t->params));
+            t->snap_st[rep.epoch] = t->st;
             t->have[rep.epoch] = 1;
         }
         usleep(20000);
@@ -339,9 +538,11 @@ Test(optimizer, a_late_peer_catches_up_through_a_state_load)
 {
     struct node nodes[N_TRAINERS];
     donor *d = calloc(2, sizeof(*d));
+    adam *st = calloc(1, sizeof(*st));
     pthread_t th[2];
     atomic_int stop = 0;
     cr_assert_not_null(d);
+    cr_assert_not_null(st);
     start_swarm(nodes, N_TRAINERS);
     for (int i = 0; i < 2; i++) {
         d[i].node = &nodes[i];
@@ -360,7 +561,7 @@ Test(optimizer, a_late_peer_catches_up_through_a_state_load)
         usleep(200000);
     }
     cr_assert_geq(p.global_epoch, 3, "the swarm never reached epoch 3");
-    hmc_opt *o = open_sharing(h, 2);
+    hmc_opt *o = open_sharing(h, 2, st);
     float params[N_PARAMS] = {0}, g[N_PARAMS];
     for (size_t k = 0; k < N_PARAMS; k++)
         g[k] = 1000.0f; /* gradients the late peer must discard */
@@ -376,19 +577,117 @@ Test(optimizer, a_late_peer_catches_up_through_a_state_load)
     cr_assert_geq(rep.epoch, 3);
     cr_assert_eq(hmc_opt_local_epoch(o), rep.epoch);
     cr_assert(rep.epoch < MAX_EPOCHS);
-    /* The parameters are those a donor had at that epoch. */
+    /* The parameters and the moments are those a donor had at that epoch. */
     int match = 0;
     for (int i = 0; i < 2; i++)
         if (d[i].have[rep.epoch] &&
-            memcmp(d[i].snap[rep.epoch], params, sizeof(params)) == 0)
+            memcmp(d[i].snap[rep.epoch], params, sizeof(params)) == 0 &&
+            memcmp(&d[i].snap_st[rep.epoch], st, sizeof(*st)) == 0)
             match = 1;
-    cr_assert(match, "the loaded parameters (%g ...) are no donor's at epoch %llu", params[0],
-              (unsigned long long)rep.epoch);
+    cr_assert(match, "the loaded state (%g, m %g, v %g ...) is no donor's at epoch %llu",
+              params[0], st->m[0], st->v[0], (unsigned long long)rep.epoch);
+    cr_assert(st->m[0] != 0 && st->v[0] != 0, "the moments were not loaded");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(d[i].err, 0, "donor %d: %s", i, d[i].msg);
     hmc_opt_close(o);
     hmc_close(h);
+    free(st);
     free(d);
+}
+
+/*
+ * A late peer already in a group: trainer L has matched its epoch-0 round
+ * ahead of the end (the swarm's records, from two reporting daemons, put
+ * the end within the matchmaking time) with a plain participant P on
+ * another daemon. Then the swarm's epoch jumps to 2: L is more than an
+ * epoch behind, discards its gradients and takes part in that round with
+ * weight 0 rather than leave P to time it out. P's result is then its own
+ * vector exactly: L helped average and contributed nothing.
+ */
+Test(optimizer, a_late_peer_joins_its_round_with_weight_0)
+{
+    struct node nodes[3];
+    hmc *rh[2], *h, *ph;
+    hmc_buf *pb;
+    hmc_round *pr = NULL;
+    char err[256];
+    const size_t pn = N_PARAMS;
+    start_swarm(nodes, 3);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(hmc_connect(nodes[i + 1].sock, &rh[i], err, sizeof(err)), 0, "%s", err);
+        cr_assert_eq(hmc_progress_report(rh[i], "tagrun", 0, 400, 100.0, 0), 0);
+    }
+    cr_assert_eq(hmc_connect(nodes[0].sock, &h, err, sizeof(err)), 0, "%s", err);
+    hmc_set_timeout(h, 60000);
+    hmc_opt *o = NULL;
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "tagrun";
+    oo.target_batch_size = 1000;
+    oo.batch_size_per_step = 2;
+    oo.matchmaking_time_s = 3;
+    oo.averaging_timeout_s = 30;
+    oo.target_group_size = 2;
+    oo.step = plain_step;
+    cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), 0, "%s", hmc_last_error(h));
+    float params[N_PARAMS] = {0}, g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = 7.0f;
+    hmc_opt_report rep;
+    memset(&rep, 0, sizeof(rep));
+    long deadline = hm_test_now_ms() + 30000;
+    while (!rep.scheduled && hm_test_now_ms() < deadline) {
+        cr_assert_eq(hmc_opt_step(o, g, 0, params, &rep), 0, "%s", hmc_last_error(h));
+        cr_assert(!rep.epoch_ended);
+        usleep(100000);
+    }
+    cr_assert(rep.scheduled, "L never matched its round ahead");
+    /* P: a plain round under L's round name. */
+    cr_assert_eq(hmc_connect(nodes[1].sock, &ph, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(hmc_buf_alloc(ph, pn * sizeof(float), &pb), 0);
+    float *pd = hmc_buf_data(pb);
+    for (size_t k = 0; k < pn; k++)
+        pd[k] = 1.0f + (float)k * 0.5f;
+    hmc_avg_opts ao;
+    hmc_avg_opts_init(&ao);
+    ao.prefix = "tagrun.grad.0";
+    ao.weight = 1;
+    ao.timeout_s = 20;
+    ao.matchmaking_time_s = 3;
+    ao.round_timeout_s = 30;
+    ao.target_group_size = 2;
+    cr_assert_eq(hmc_average_start(ph, pb, 0, pn, &ao, &pr), 0, "%s", hmc_last_error(ph));
+    sleep(1);
+    /* The swarm moves two epochs on. */
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(hmc_progress_report(rh[i], "tagrun", 2, 0, 100.0, 0), 0);
+    deadline = hm_test_now_ms() + 30000;
+    while (!rep.caught_up && hm_test_now_ms() < deadline) {
+        cr_assert_eq(hmc_opt_step(o, g, 0, params, &rep), 0, "%s", hmc_last_error(h));
+        cr_assert(!rep.epoch_ended, "L stepped on its own gradients");
+        usleep(100000);
+    }
+    cr_assert(rep.caught_up, "L never found itself behind");
+    cr_assert_eq(rep.epoch, 2);
+    cr_assert(rep.tagged_along, "L left its group instead of joining with weight 0");
+    cr_assert_eq(rep.tagged_along_group, 2);
+    char *json = NULL;
+    cr_assert_eq(hmc_round_wait(pr, -1, &json), 0, "P: %s", hmc_round_error(pr));
+    cr_assert_not_null(strstr(json, "\"group_size\":2"), "%s", json);
+    hmc_free_string(json);
+    for (size_t k = 0; k < pn; k++)
+        cr_assert(pd[k] == 1.0f + (float)k * 0.5f, "element %zu: %.7g, P's own is %.7g", k,
+                  pd[k], 1.0f + (float)k * 0.5f);
+    /* L's gradients went nowhere: its parameters never moved. */
+    for (size_t k = 0; k < N_PARAMS; k++)
+        cr_assert(params[k] == 0.0f);
+    hmc_round_free(pr);
+    hmc_buf_free(pb);
+    hmc_close(ph);
+    hmc_opt_close(o);
+    hmc_close(h);
+    for (int i = 0; i < 2; i++)
+        hmc_close(rh[i]);
 }
 
 /*
@@ -495,6 +794,9 @@ typedef struct dl_trainer {
     hmc_opt_report applied;  /* delay: the report of the call that stepped on epoch 0 */
     int calls_in_epoch0;     /* local: the calls of epoch 0, each a local step */
     int steps_seen;          /* local: reports with stepped before the end */
+    float at_apply[N_PARAMS]; /* local: after the call that applied the state average */
+    hmc_opt_report apply;    /* that call's report */
+    int calls_after_end;     /* local: calls after the end, up to and with that one */
     int err;
     char msg[256];
 } dl_trainer;
@@ -549,8 +851,14 @@ static void *train_dl(void *arg)
             t->applied = rep;
             done = 1;
         }
-        if (t->local && t->end.epoch_ended)
-            done = 1;
+        if (t->local && t->end.epoch_ended && !rep.epoch_ended) {
+            t->calls_after_end++;
+            if (rep.state_averaged) {
+                t->apply = rep;
+                memcpy(t->at_apply, t->params, sizeof(t->params));
+                done = 1;
+            }
+        }
         usleep(50000);
     }
     if (!done && t->err == 0) {
@@ -610,11 +918,14 @@ Test(optimizer, delay_step_steps_on_the_average_one_epoch_late)
 }
 
 /*
- * local_updates: every call steps on its own gradients (1 everywhere,
- * so the parameters fall by 0.1 a call), and at epoch 0's end both
- * trainers hold the mean of their parameters.
+ * local_updates: every call steps on its own gradients (1 everywhere, so
+ * the parameters fall by 0.1 a call). At epoch 0's end the state average
+ * starts in the background from the parameters there, the local steps go
+ * on, and the call that finds it over applies the delta rule: both hold
+ * the mean of their epoch-end parameters minus their own steps since,
+ * the local progress made while the round ran kept.
  */
-Test(optimizer, local_updates_step_every_call_and_average_the_parameters)
+Test(optimizer, local_updates_step_every_call_and_average_by_the_delta_rule)
 {
     dl_trainer *t = calloc(2, sizeof(*t));
     cr_assert_not_null(t);
@@ -624,15 +935,27 @@ Test(optimizer, local_updates_step_every_call_and_average_the_parameters)
         cr_assert_eq(t[i].steps_seen, t[i].calls_in_epoch0 - 1,
                      "trainer %d: %d local steps in %d calls", i, t[i].steps_seen,
                      t[i].calls_in_epoch0);
-        cr_assert(t[i].end.state_averaged, "trainer %d did not average its parameters", i);
+        cr_assert(t[i].end.state_started, "trainer %d started no state average", i);
+        cr_assert(!t[i].end.state_averaged, "trainer %d averaged in the foreground", i);
+        cr_assert(t[i].apply.state_averaged && t[i].apply.stepped && !t[i].apply.state_pending);
+        cr_assert_geq(t[i].calls_after_end, 1);
+        cr_log_info("trainer %d: %d calls in epoch 0, the average applied %d calls later", i,
+                    t[i].calls_in_epoch0, t[i].calls_after_end);
     }
     for (size_t k = 0; k < N_PARAMS; k++) {
-        double want = 0;
-        for (int i = 0; i < 2; i++)
-            want += 0.5 * (t[i].start[k] - 0.1 * t[i].calls_in_epoch0);
-        for (int i = 0; i < 2; i++)
-            cr_assert(fabs(t[i].at_end[k] - want) < 1e-3,
-                      "trainer %d, element %zu: %.7g, want %.7g", i, k, t[i].at_end[k], want);
+        double mean = 0;
+        for (int i = 0; i < 2; i++) {
+            /* Nothing was averaged at the end itself. */
+            double end_i = t[i].start[k] - 0.1 * t[i].calls_in_epoch0;
+            cr_assert(fabs(t[i].at_end[k] - end_i) < 1e-3, "trainer %d, element %zu: %.7g at "
+                      "the end, want %.7g", i, k, t[i].at_end[k], end_i);
+            mean += 0.5 * t[i].at_end[k];
+        }
+        for (int i = 0; i < 2; i++) {
+            double want = mean - 0.1 * t[i].calls_after_end;
+            cr_assert(fabs(t[i].at_apply[k] - want) < 1e-3,
+                      "trainer %d, element %zu: %.7g, want %.7g", i, k, t[i].at_apply[k], want);
+        }
     }
     free(t);
 }

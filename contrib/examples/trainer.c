@@ -106,6 +106,8 @@ struct trainer_opts {
     size_t min_agree;
     int collaborative;          /* train through hmc_opt_* instead */
     size_t target_batch_size;
+    double matchmaking_time_s, averaging_timeout_s; /* --collaborative; 0: the library's */
+    int delay_step, local_updates;
 };
 
 static void usage(FILE *f)
@@ -138,6 +140,14 @@ static void usage(FILE *f)
             "                           prefix)\n"
             "  --target-batch-size N    samples per swarm epoch with --collaborative\n"
             "                           (default 1024)\n"
+            "  --matchmaking-time S     --collaborative: matchmaking starts this long before\n"
+            "                           the epoch's estimated end (default 5)\n"
+            "  --averaging-timeout S    --collaborative: the gradient round's deadline, then\n"
+            "                           the local gradients (default 30)\n"
+            "  --delay-step             --collaborative: step one epoch late, the round in\n"
+            "                           the background\n"
+            "  --local-updates          --collaborative: step every batch, average the state\n"
+            "                           at epoch ends by the delta rule\n"
             "%s"
             "  -h, --help               this text\n",
             hm_train_common_usage);
@@ -446,7 +456,8 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
                                         "--k-min", "--timeout", "--timeout-after-k-min",
                                         "--find-every", "--average-every", "--group-size",
                                         "--share-every", "--state-prefix", "--load-timeout",
-                                        "--min-agree", "--target-batch-size"};
+                                        "--min-agree", "--target-batch-size",
+                                        "--matchmaking-time", "--averaging-timeout"};
     const size_t count = sizeof(names) / sizeof(names[0]);
     const char *arg = argv[*i], *val = NULL;
     size_t which = count;
@@ -465,6 +476,14 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
         }
         if (strcmp(arg, "--collaborative") == 0) {
             t->collaborative = 1;
+            return 1;
+        }
+        if (strcmp(arg, "--delay-step") == 0) {
+            t->delay_step = 1;
+            return 1;
+        }
+        if (strcmp(arg, "--local-updates") == 0) {
+            t->local_updates = 1;
             return 1;
         }
         return 0;
@@ -493,14 +512,18 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
             t->average_prefix = val;
         return 1;
     }
-    if (which == 4 || which == 5 || which == 11) {
+    if (which == 4 || which == 5 || which == 11 || which == 14 || which == 15) {
         double x = strtod(val, &end);
         if (errno != 0 || end == val || *end != '\0' || !(x > 0) || x > 3600) {
             fprintf(stderr, "%s: '%s' is not a number of seconds in (0, 3600]\n", names[which],
                     val);
             return -EINVAL;
         }
-        if (which == 11)
+        if (which == 14)
+            t->matchmaking_time_s = x;
+        else if (which == 15)
+            t->averaging_timeout_s = x;
+        else if (which == 11)
             t->load_timeout_s = x;
         else
             *(which == 4 ? &t->timeout_s : &t->after_k_min_s) = x;
@@ -630,6 +653,10 @@ int main(int argc, char **argv)
         oo.target_group_size = (int)t.group_size;
         oo.step = model_step;
         oo.step_ud = m;
+        oo.matchmaking_time_s = t.matchmaking_time_s;
+        oo.averaging_timeout_s = t.averaging_timeout_s;
+        oo.delay_step = t.delay_step;
+        oo.local_updates = t.local_updates;
         t.average_every = 0; /* the optimizer averages, at each epoch's end */
         if ((rc = hmc_opt_open(r.h, &oo, np, &opt)) < 0) {
             fprintf(stderr, "trainer: collaborative optimizer: %s (%s)\n", strerror(-rc),

@@ -379,6 +379,19 @@ static int average_args(avg_job *j, hm_control_req *req, const json_t *args, int
     }
     j->opts.client_mode = client_mode;
     j->opts.bandwidth = bandwidth;
+    /* -- held rounds -- */
+    int hold;
+    double ht;
+    if (hm_daemon_arg_bool(req, args, "hold", 0, &hold) != 0 ||
+        hm_daemon_arg_seconds(req, args, "hold_timeout", 60, AVERAGE_MAX_TIMEOUT_S, &ht) != 0)
+        return -EINVAL;
+    if (hold && !in_shm) {
+        /* A file is read before the round starts: nothing could change it later. */
+        hm_control_reply_error(req, "bad_args", "args.hold needs args.data (shared memory)");
+        return -EINVAL;
+    }
+    j->opts.hold = hold;
+    j->opts.hold_timeout_ms = (uint64_t)(ht * 1000) > 0 ? (uint64_t)(ht * 1000) : 1;
     j->opts.aggregate = agg == 1 ? HM_AR_CENTERED_CLIP : HM_AR_MEAN;
     j->opts.clip_tau = tau;
     return 0;
@@ -431,6 +444,37 @@ static void cmd_average(void *ud, hm_control_req *req, const json_t *args)
     return;
 fail:
     avg_job_free(j);
+}
+
+/*
+ * "average.go": releases the held rounds under a prefix (args.hold) with
+ * their final weight; their all-reduce begins at once, or as soon as the
+ * group forms.
+ */
+static void cmd_average_go(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_cmd_average *a = ud;
+    const char *prefix;
+    double weight;
+    if (a->d->av == NULL || a->d->stopping) {
+        hm_daemon_reply_stopping(req);
+        return;
+    }
+    if (hm_daemon_arg_string(req, args, "prefix", HM_MM_PREFIX_MAX, 0, &prefix) != 0 ||
+        hm_daemon_arg_real(req, args, "weight", 1.0, 0, 0, HUGE_VAL, "a finite number >= 0",
+                           &weight) != 0)
+        return;
+    int r = hm_averager_release(a->d->av, prefix, weight);
+    if (r == 0) {
+        hm_control_reply_error(req, "not_found", "no held round under this prefix");
+        return;
+    }
+    if (r < 0) {
+        hm_control_reply_error(req, "bad_args", r == -EDOM ? "the tensor holds NaN or infinity"
+                                                           : hm_strerror(r));
+        return;
+    }
+    hm_daemon_reply(req, json_pack("{s:s, s:i}", "prefix", prefix, "released", r));
 }
 
 static void cmd_averaging(void *ud, hm_control_req *req, const json_t *args)
@@ -490,7 +534,8 @@ int hm_cmd_average_register(hm_daemon *d, hm_control *ctl, char *err, size_t err
     }
     a->d = d;
     if ((r = hm_control_register(ctl, "average", cmd_average, a)) != 0 ||
-        (r = hm_control_register(ctl, "averaging", cmd_averaging, a)) != 0) {
+        (r = hm_control_register(ctl, "averaging", cmd_averaging, a)) != 0 ||
+        (r = hm_control_register(ctl, "average.go", cmd_average_go, a)) != 0) {
         snprintf(err, errlen, "cannot register the averaging commands: %s", hm_strerror(r));
         free(a);
         return r;

@@ -102,6 +102,7 @@ class DiLoCoReport(ctypes.Structure):
 
 # void step(void *ud, float *params, const float *grads, size_t n): hmc_opt_step_fn.
 OPT_STEP_FN = ctypes.CFUNCTYPE(None, c_void_p, P(ctypes.c_float), P(ctypes.c_float), c_size_t)
+OPT_STATS_FN = ctypes.CFUNCTYPE(None, c_void_p, P(ctypes.c_float), c_size_t)
 
 
 class OptOpts(ctypes.Structure):
@@ -123,6 +124,10 @@ class OptOpts(ctypes.Structure):
         ("step_ud", c_void_p),
         ("delay_step", c_int),
         ("local_updates", c_int),
+        ("n_stats", c_size_t),
+        ("stat_names", c_char_p),
+        ("stats_get", OPT_STATS_FN),
+        ("stats_set", OPT_STATS_FN),
     ]
 
 
@@ -145,6 +150,12 @@ class OptReport(ctypes.Structure):
         ("stepped", c_int),
         ("pending", c_int),
         ("stepped_epoch", ctypes.c_uint64),
+        ("scheduled", c_int),
+        ("matchmaking_lead_s", c_double),
+        ("tagged_along", c_int),
+        ("tagged_along_group", c_int),
+        ("state_started", c_int),
+        ("state_pending", c_int),
     ]
 
 

@@ -50,32 +50,40 @@ class Optimizer:
         step(batch_size=...)).
     scheduler: an LR scheduler over the wrapped optimizer, or a callable
         that makes one from it; stepped once per epoch, after the step.
-    matchmaking_time: seconds to look for a group at an epoch's end.
+    matchmaking_time: seconds to look for a group: matchmaking starts this
+        long before the epoch's estimated end, so that the all-reduce
+        begins when the samples are in.
     averaging_timeout: the gradient round's deadline; past it (or with no
         group) the trainer steps on its own gradients and logs a warning.
     average_state_every: the parameters are averaged with the peers every
         this many epochs, after the step (0: never).
     average_opt_statistics: names of the wrapped optimizer's per-parameter
-        state tensors (e.g. ("exp_avg", "exp_avg_sq") for Adam) averaged
-        with the peers right after each parameter average, in a round of
-        their own (RUN_ID.stats.EPOCH, weight 1); the others stay local.
+        state tensors (e.g. ("exp_avg", "exp_avg_sq") for Adam). They and
+        each parameter's "step" count travel with the parameters: averaged
+        with them (one round, weight 1; the averaged step is rounded),
+        shared with them, and loaded with them by a late trainer. The
+        others stay local.
     delay_optimizer_step: the gradient round runs in the background while
         the next epoch accumulates; its step runs in the first step() that
         finds the round over (at the next epoch's end at the latest): the
         parameters are one epoch stale.
     use_local_updates: the wrapped optimizer steps at every step() on that
-        step's gradients; no gradient round; the parameters are averaged at
-        epoch ends (every average_state_every epochs, 0 meaning 1). Not with
-        delay_optimizer_step.
+        step's gradients; no gradient round; at epoch ends (every
+        average_state_every epochs, 0 meaning 1) the state is averaged in
+        the background and applied by the delta rule (x += average - x at
+        the round's start) in the first step() that finds it over, so the
+        local steps taken meanwhile are kept. Not with delay_optimizer_step.
     client: a hivemindd.Client attached to the local daemon. Its lock is
         held for the whole of a step() that ends an epoch.
     client_mode: this trainer's epoch does not lead and it reduces nothing.
     target_group_size, grad_compression (None/"none", "fp16", "8bit"):
         the rounds'.
-    share_state: share the parameters after each epoch, and load the
+    share_state: share the state (parameters, the statistics named in
+        average_opt_statistics, the epoch) after each epoch, and load the
         newest from the peers when this trainer is more than one epoch
-        behind (it then discards its gradients and jumps to the swarm's
-        epoch). load_state_timeout: seconds for that download.
+        behind (it then discards its gradients, takes part in a round it
+        had already matched with weight 0, and jumps to the swarm's epoch).
+        load_state_timeout: seconds for that download.
     """
 
     def __init__(self, params=None, optimizer=None, run_id=None, target_batch_size=None,
@@ -121,13 +129,12 @@ class Optimizer:
         self.average_opt_statistics = tuple(average_opt_statistics or ())
         if not all(isinstance(n, str) and n for n in self.average_opt_statistics):
             raise ValueError("average_opt_statistics names the optimizer's state tensors")
-        self._stats_opts = dict(target_group_size=int(target_group_size or 0) or None,
-                                min_group_size=2, timeout=float(matchmaking_time or 5.0),
-                                round_timeout=float(averaging_timeout or 30.0),
-                                client_mode=bool(client_mode))
-        self._stats_avg = None
-        self._stats_key = None
         self.sizes = [int(np.prod(tuple(p.shape))) for p in params]
+        # The statistics as one float32 vector: each name's tensor of every
+        # parameter, then every parameter's step count.
+        self._stat_names = [n for n in self.average_opt_statistics if n != "step"]
+        if self._stat_names:
+            self._stat_names.append("step")
         self.numel = sum(self.sizes)
         if self.numel == 0:
             raise ValueError("the parameters hold no values")
@@ -140,6 +147,8 @@ class Optimizer:
         self._gp = self._grads.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         # Kept referenced: the library calls it for as long as the optimizer lives.
         self._cb = _lib.OPT_STEP_FN(self._local_step)
+        self._stats_get_cb = _lib.OPT_STATS_FN(self._stats_get)
+        self._stats_set_cb = _lib.OPT_STATS_FN(self._stats_set)
 
         L = _lib.lib()
         o = _lib.OptOpts()
@@ -161,6 +170,12 @@ class Optimizer:
         o.step = self._cb
         o.delay_step = 1 if delay_optimizer_step else 0
         o.local_updates = 1 if use_local_updates else 0
+        if self._stat_names:
+            o.n_stats = (len(self._stat_names) - 1) * self.numel + len(params)
+            keep.append(",".join(self._stat_names).encode())
+            o.stat_names = keep[-1]
+            o.stats_get = self._stats_get_cb
+            o.stats_set = self._stats_set_cb
         self._gather_params()
         h = ctypes.c_void_p()
         with client._lock:
@@ -218,6 +233,56 @@ class Optimizer:
         except BaseException as e:  # raised again once back in Python's step()
             self._cb_error = e
 
+    def _stats_get(self, ud, out, n):
+        """The library's call for the statistics (to share or average):
+        those the optimizer has not made yet are zeros, as Adam starts."""
+        try:
+            flat = np.ctypeslib.as_array(out, (n,))
+            at = 0
+            for name in self._stat_names[:-1]:
+                for p, size in zip(self.params, self.sizes):
+                    t = self.optimizer.state.get(p, {}).get(name)
+                    if hasattr(t, "numel") and t.numel() == size:
+                        flat[at:at + size] = t.detach().cpu().reshape(-1).float().numpy()
+                    else:
+                        flat[at:at + size] = 0.0
+                    at += size
+            for p in self.params:
+                step = self.optimizer.state.get(p, {}).get("step", 0)
+                flat[at] = float(step)
+                at += 1
+        except BaseException as e:
+            self._cb_error = e
+
+    def _stats_set(self, ud, data, n):
+        """The library hands statistics back (loaded or averaged): into
+        the optimizer's state, made where it is missing."""
+        import torch
+
+        try:
+            flat = np.ctypeslib.as_array(data, (n,))
+            at = 0
+            for name in self._stat_names[:-1]:
+                for p, size in zip(self.params, self.sizes):
+                    st = self.optimizer.state[p]
+                    t = torch.from_numpy(flat[at:at + size].copy()).view(p.shape)
+                    at += size
+                    old = st.get(name)
+                    if hasattr(old, "copy_") and old.shape == p.shape:
+                        with torch.no_grad():
+                            old.copy_(t.to(device=old.device, dtype=old.dtype))
+                    else:
+                        st[name] = t.to(device=p.device, dtype=p.dtype)
+            for p in self.params:
+                st = self.optimizer.state[p]
+                step = float(round(float(flat[at])))
+                at += 1
+                old = st.get("step")
+                st["step"] = (torch.tensor(step) if old is None or hasattr(old, "copy_")
+                              else type(old)(step))
+        except BaseException as e:
+            self._cb_error = e
+
     @staticmethod
     def _report(rep):
         return dict(epoch_ended=bool(rep.epoch_ended), stepped=bool(rep.stepped),
@@ -227,7 +292,11 @@ class Optimizer:
                     pending=bool(rep.pending), epoch=int(rep.epoch),
                     global_epoch=int(rep.global_epoch), samples=int(rep.samples),
                     swarm_samples=int(rep.swarm_samples), group_size=int(rep.group_size),
-                    error=_lib.text(rep.error))
+                    error=_lib.text(rep.error), scheduled=bool(rep.scheduled),
+                    matchmaking_lead_s=float(rep.matchmaking_lead_s),
+                    tagged_along=bool(rep.tagged_along),
+                    state_started=bool(rep.state_started),
+                    state_pending=bool(rep.state_pending))
 
     # ---- the optimizer ----
 
@@ -258,7 +327,10 @@ class Optimizer:
         closure's loss (or None) as torch's step() does; the call's report
         is in last_report (a dict: epoch_ended, stepped, averaged,
         local_fallback, caught_up, state_loaded, state_averaged, pending,
-        epoch, global_epoch, samples, swarm_samples, group_size, error).
+        epoch, global_epoch, samples, swarm_samples, group_size, error,
+        scheduled and matchmaking_lead_s: the round was matched that long
+        before the epoch's end, tagged_along: behind the swarm, this
+        trainer took part in its scheduled round with weight 0).
         A failed round is not an exception: it is logged as a warning and
         the step uses this trainer's gradients."""
         import torch
@@ -288,8 +360,9 @@ class Optimizer:
         if rep.state_loaded or rep.state_averaged:
             self._scatter_params()
         self.last_report = out = self._report(rep)
-        if rep.state_averaged and self.average_opt_statistics:
-            out["statistics_averaged"] = self._average_statistics(int(rep.epoch))
+        if self._stat_names:
+            out["statistics_averaged"] = bool(rep.state_averaged)
+            out["statistics_loaded"] = bool(rep.state_loaded)
         if rep.caught_up:
             log.warning("run %s: %s; now at epoch %d", self.run_id,
                         "behind the swarm: gradients discarded, state loaded from a peer"
@@ -306,39 +379,6 @@ class Optimizer:
             self.scheduler.step()
         return loss
 
-    def _average_statistics(self, epoch):
-        """Averages the named optimizer statistics with the peers that
-        averaged their parameters at this epoch; True when it did."""
-        import torch
-
-        from .averaging import Averager
-
-        tensors = []
-        for p in self.params:
-            st = self.optimizer.state.get(p, {})
-            for name in self.average_opt_statistics:
-                t = st.get(name)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
-                    tensors.append(t)
-        if not tensors:
-            return False
-        # One buffer for as long as the statistics keep their shapes.
-        key = tuple((id(t), tuple(t.shape)) for t in tensors)
-        if key != self._stats_key:
-            if self._stats_avg is not None:
-                self._stats_avg.close()
-            self._stats_avg = Averager(self.client, self.run_id + ".stats", tensors,
-                                       **self._stats_opts)
-            self._stats_key = key
-        self._stats_avg.prefix = "%s.stats.%d" % (self.run_id, epoch)
-        try:
-            self._stats_avg.step(weight=1.0)
-            return True
-        except HivemindError as e:
-            log.warning("run %s epoch %d: optimizer statistics not averaged: %s", self.run_id,
-                        epoch, e)
-            return False
-
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "local_epoch": self.local_epoch}
 
@@ -346,9 +386,6 @@ class Optimizer:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def close(self):
-        if self._stats_avg is not None:
-            self._stats_avg.close()
-            self._stats_avg = None
         if self._o is not None:
             with self.client._lock:
                 _lib.lib().hmc_opt_close(self._o)

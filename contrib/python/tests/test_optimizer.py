@@ -60,12 +60,17 @@ def run_all(fns, timeout=180):
 class Trainer:
     """One parameter vector under torch SGD (lr 0.1), wrapped."""
 
-    def __init__(self, client, i, run_id, start=None, **kw):
+    def __init__(self, client, i, run_id, start=None, adam=False, **kw):
         self.i = i
         self.p = torch.nn.Parameter((start if start is not None else start_of()).clone())
         self.start = self.p.detach().clone()
-        self.opt = Optimizer(params=[self.p], optimizer=torch.optim.SGD([self.p], lr=LR),
+        inner = torch.optim.Adam([self.p], lr=1e-2) if adam else torch.optim.SGD([self.p], lr=LR)
+        self.opt = Optimizer(params=[self.p], optimizer=inner,
                              run_id=run_id, batch_size_per_step=BATCH[i], client=client, **kw)
+
+    def stats(self):
+        st = self.opt.optimizer.state.get(self.p, {})
+        return {k: (v.detach().clone() if hasattr(v, "clone") else v) for k, v in st.items()}
 
     def step(self, grad):
         self.opt.zero_grad()
@@ -201,10 +206,14 @@ while True:
             t.opt.close()
 
     def test_a_late_trainer_catches_up_by_a_state_load(self):
+        # The donors train with Adam and carry its moments: the late trainer
+        # loads the parameters, exp_avg, exp_avg_sq, the step count and the
+        # epoch a donor had there.
         stop = threading.Event()
-        donors = [Trainer(self.clients[i], i, "pyoptlate", target_batch_size=30,
-                          matchmaking_time=3, averaging_timeout=10, target_group_size=2,
-                          average_state_every=0, load_state_timeout=20) for i in range(2)]
+        kw = dict(target_batch_size=30, matchmaking_time=3, averaging_timeout=10,
+                  target_group_size=2, average_state_every=0, load_state_timeout=20, adam=True,
+                  average_opt_statistics=("exp_avg", "exp_avg_sq"))
+        donors = [Trainer(self.clients[i], i, "pyoptlate", **kw) for i in range(2)]
 
         def donate(t):
             snaps = {}
@@ -212,7 +221,7 @@ while True:
             while not stop.is_set() and time.monotonic() < deadline:
                 rep = t.step(grad_of(t.i))
                 if rep["epoch_ended"]:
-                    snaps[rep["epoch"]] = t.now()
+                    snaps[rep["epoch"]] = (t.now(), t.stats())
                 time.sleep(0.02)
             return snaps
 
@@ -226,14 +235,15 @@ while True:
                     if c.request("progress", run="pyoptlate").get("global_epoch", 0) >= 3:
                         break
                     time.sleep(0.2)
-                t = Trainer(c, 2, "pyoptlate", start=torch.zeros(N), target_batch_size=30,
-                            matchmaking_time=3, averaging_timeout=10, target_group_size=2,
-                            average_state_every=0, load_state_timeout=20)
+                t = Trainer(c, 2, "pyoptlate", start=torch.zeros(N), **kw)
                 with self.assertLogs("hivemindd.optimizer", logging.WARNING) as logs:
                     late_out["rep"] = t.step(torch.full((N,), 1000.0))
                 late_out["logs"] = logs.output
                 late_out["params"] = t.now()
+                late_out["stats"] = t.stats()
                 late_out["epoch"] = t.opt.local_epoch
+                # Adam steps on the loaded moments (its state is whole).
+                t.step(grad_of(2))
                 t.opt.close()
             finally:
                 stop.set()
@@ -242,14 +252,24 @@ while True:
         rep = late_out["rep"]
         self.assertTrue(rep["caught_up"], rep)
         self.assertTrue(rep["state_loaded"], rep)
+        self.assertTrue(rep["statistics_loaded"], rep)
         self.assertFalse(rep["epoch_ended"], "the late trainer stepped on its own gradients")
         self.assertGreaterEqual(rep["epoch"], 3)
         self.assertEqual(late_out["epoch"], rep["epoch"])
         self.assertTrue(any("state loaded" in m for m in late_out["logs"]), late_out["logs"])
-        self.assertTrue(any(rep["epoch"] in s and torch.equal(s[rep["epoch"]],
-                                                               late_out["params"])
-                            for s in res[:2]),
-                        "the loaded parameters are no donor's at epoch %d" % rep["epoch"])
+        st = late_out["stats"]
+        self.assertIn("exp_avg", st)
+        self.assertGreater(st["exp_avg"].abs().sum().item(), 0)
+
+        def same(snap):
+            params, stats = snap
+            return (torch.equal(params, late_out["params"]) and
+                    torch.equal(stats["exp_avg"], st["exp_avg"]) and
+                    torch.equal(stats["exp_avg_sq"], st["exp_avg_sq"]) and
+                    float(stats["step"]) == float(st["step"]))
+
+        self.assertTrue(any(rep["epoch"] in s and same(s[rep["epoch"]]) for s in res[:2]),
+                        "the loaded state is no donor's at epoch %d" % rep["epoch"])
         for t in donors:
             t.opt.close()
 
@@ -292,41 +312,60 @@ while True:
         for t in trainers:
             t.opt.close()
 
-    def test_use_local_updates_steps_every_call_and_averages_the_parameters(self):
+    def test_use_local_updates_steps_every_call_and_averages_by_the_delta_rule(self):
+        # The state average starts at the epoch's end from the parameters
+        # there and is applied later by the delta rule: each trainer then
+        # holds the mean of the epoch-end parameters minus its own local
+        # steps since.
         trainers = [Trainer(self.clients[i], i, "pyoptlocal", start=start_of(i),
                             target_batch_size=100, matchmaking_time=4, averaging_timeout=10,
                             target_group_size=2, use_local_updates=True) for i in range(2)]
         ones = torch.ones(N)
 
         def train(t):
-            calls = 0
+            calls, end, at_end, after_end = 0, None, None, 0
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
                 before = t.now()
                 rep = t.step(ones)
                 calls += 1
-                if rep["epoch_ended"]:
-                    return dict(end=rep, calls=calls, after=t.now())
                 # A local step on this call's gradients, every call.
                 self.assertTrue(rep["stepped"], rep)
-                self.assertLessEqual((t.now() - (before - LR * ones)).abs().max().item(), 1e-5)
+                if end is None:
+                    self.assertLessEqual((t.now() - (before - LR * ones)).abs().max().item(),
+                                         1e-5)
+                if rep["epoch_ended"] and end is None:
+                    end, at_end = rep, t.now()
+                elif end is not None:
+                    after_end += 1
+                    if rep["state_averaged"]:
+                        return dict(end=end, calls=calls - after_end,
+                                    at_end=at_end, after_end=after_end, apply=rep,
+                                    after=t.now())
                 time.sleep(0.05)
             return {}
 
         res = run_all([lambda t=t: train(t) for t in trainers])
-        want = sum(trainers[i].start - LR * res[i]["calls"] for i in range(2)) / 2
+        mean = sum(r["at_end"] for r in res) / 2
         for i, r in enumerate(res):
-            self.assertTrue(r["end"]["state_averaged"], r["end"])
+            self.assertTrue(r["end"]["state_started"], r["end"])
+            self.assertFalse(r["end"]["state_averaged"], r["end"])
             self.assertFalse(r["end"]["averaged"], "a gradient round with local updates")
+            self.assertLessEqual((r["at_end"] - (trainers[i].start - LR * r["calls"]))
+                                 .abs().max().item(), 1e-3)
+            want = mean - LR * r["after_end"]
             self.assertLessEqual((r["after"] - want).abs().max().item(), 1e-3,
-                                 "trainer %d does not hold the mean of the parameters" % i)
+                                 "trainer %d: not the delta rule's result" % i)
         for t in trainers:
             t.opt.close()
 
     def test_average_opt_statistics_averages_adam_moments(self):
-        # Local updates with Adam on constant gradients g_i: after n_i steps
-        # a trainer's exp_avg is (1 - 0.9^n_i) g_i; at the epoch's end both
-        # hold the mean of the two.
+        # Local updates with Adam on constant gradients g_i: the moments at
+        # the epoch's end are averaged in the background and applied by
+        # the delta rule, the local steps going on meanwhile. So the
+        # applied moments are the local ones moved by (mean at the end -
+        # own at the end), which for exp_avg, with n_i steps at the end
+        # and k_i more, is checked against the closed form.
         models, opts = [], []
         for i in range(2):
             p = torch.nn.Parameter(start_of(i).clone())
@@ -340,7 +379,7 @@ while True:
                                   client=self.clients[i]))
 
         def train(i):
-            calls = 0
+            calls, end_calls = 0, None
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
                 opts[i].zero_grad()
@@ -348,17 +387,27 @@ while True:
                 opts[i].step()
                 calls += 1
                 rep = opts[i].last_report
-                if rep["epoch_ended"]:
+                if rep["epoch_ended"] and end_calls is None:
+                    end_calls = calls
+                elif end_calls is not None and rep["state_averaged"]:
                     st = opts[i].optimizer.state[models[i]]
-                    return dict(rep=rep, calls=calls, exp_avg=st["exp_avg"].clone(),
+                    return dict(rep=rep, n=end_calls, k=calls - end_calls,
+                                exp_avg=st["exp_avg"].clone(),
                                 exp_avg_sq=st["exp_avg_sq"].clone())
                 time.sleep(0.05)
             return {}
 
         res = run_all([lambda i=i: train(i) for i in range(2)])
-        want_m = sum((1 - 0.9 ** r["calls"]) * grad_of(i) for i, r in enumerate(res)) / 2
-        want_v = sum((1 - 0.999 ** r["calls"]) * grad_of(i) ** 2 for i, r in enumerate(res)) / 2
+
+        def m(n, g, beta):
+            return (1 - beta ** n) * g
+
+        mean_m = sum(m(r["n"], grad_of(i), 0.9) for i, r in enumerate(res)) / 2
+        mean_v = sum(m(r["n"], grad_of(i) ** 2, 0.999) for i, r in enumerate(res)) / 2
         for i, r in enumerate(res):
+            n, k = r["n"], r["k"]
+            want_m = m(n + k, grad_of(i), 0.9) + mean_m - m(n, grad_of(i), 0.9)
+            want_v = m(n + k, grad_of(i) ** 2, 0.999) + mean_v - m(n, grad_of(i) ** 2, 0.999)
             self.assertTrue(r["rep"]["state_averaged"], r["rep"])
             self.assertTrue(r["rep"]["statistics_averaged"], r["rep"])
             self.assertLessEqual((r["exp_avg"] - want_m).abs().max().item(), 1e-4)
