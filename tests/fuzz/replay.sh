@@ -21,6 +21,8 @@ targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuz
 [ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_status_rec"
 # -- relay --
 [ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_relay"
+# -- netlab delays --
+[ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_delay_rules"
 
 failed=0
 passed=0
