@@ -12,7 +12,9 @@
 #    nor of the output (while a plaintext datagram with the same bytes,
 #    the control, is found);
 #  - h1 dies: h2 moves to h4, declares its expert there, and h3 calls it
-#    through h4; h4 dies too: h2 says it has no relay, in info and its log.
+#    through h4, within 20 s of the kill (the figures are printed); h4 goes
+#    silent too (SIGSTOP): h2 says it has no relay, in info and its log,
+#    within 20 s.
 # Skips (77) where the lab cannot run (not root, no namespaces, no nft,
 # no tcpdump).
 #
@@ -167,19 +169,40 @@ for k in RelayMaxReservations RelayReservationsPerOrigin RelayMaxCircuits RelayC
 done
 grep -q "^hivemindd_relay_reservations 1$" <<<"$metrics" || fail "h1's metrics do not count h2's reservation"
 
-# ---- h1 dies: h2 moves to h4 and is called there ----
+# ---- h1 dies: h2 moves to h4 and is called there, within FAILOVER_MAX s ----
+# (the connection to the relay closing starts the move at once: a dial's
+# time to find h1 gone, one reservation at h4, one declaration round)
+FAILOVER_MAX=20
+ms_now() { date +%s%3N; }
+t_kill=$(ms_now)
 kill "$(cat "$LAB_DIR/h1.pid")"
 want4="$h2id@$(lab_addr h4):31400"
 wait_field h2 relay.address "$want4" 60 ||
     fail "h2 did not move to h4: $(info_field h2 relay.state), $(info_field h2 relay.reason)"
+t_moved=$(ms_now)
 call_via "$want4" "$LAB_DIR/y_relayed4.f32" || fail "h3 could not call h2's expert through h4"
+t_called=$(ms_now)
 cmp -s "$LAB_DIR/y_relayed4.f32" "$LAB_DIR/y_local.f32" ||
     fail "the output through h4 differs from h2's own computation"
+moved_s=$(awk -v a="$t_kill" -v b="$t_moved" 'BEGIN { printf "%.1f", (b - a) / 1000 }')
+called_s=$(awk -v a="$t_kill" -v b="$t_called" 'BEGIN { printf "%.1f", (b - a) / 1000 }')
 echo "ok: h1 died; h2 failed over to h4 ($(info_field h2 relay.failovers) failovers) and h3 called it there"
+echo "failover: reserved at h4 $moved_s s after h1's kill, h3's call through h4 answered at $called_s s"
+[ $((t_called - t_kill)) -lt $((FAILOVER_MAX * 1000)) ] ||
+    fail "failover took $called_s s end to end, over the ${FAILOVER_MAX} s bound"
 
-# ---- h4 dies too: h2 says it has no relay ----
-kill "$(cat "$LAB_DIR/h4.pid")"
+# ---- h4 goes silent too (SIGSTOP: no reset, no close, its connections stay
+# open): h2 notices at its next refresh, whose call times out, and says it
+# has no relay ----
+t_kill=$(ms_now)
+kill -STOP "$(cat "$LAB_DIR/h4.pid")"
 wait_field h2 relay.state none 60 || fail "h2 still reports $(info_field h2 relay.state)"
+none_s=$(awk -v a="$t_kill" -v b="$(ms_now)" 'BEGIN { printf "%.1f", (b - a) / 1000 }')
+kill -TERM "$(cat "$LAB_DIR/h4.pid")"
+kill -CONT "$(cat "$LAB_DIR/h4.pid")"
+echo "failover: with h4 silent too, h2 said it has no relay $none_s s after h4 stopped"
+awk -v s="$none_s" -v m="$FAILOVER_MAX" 'BEGIN { exit !(s < m) }' ||
+    fail "h2 took $none_s s to say it has no relay, over the ${FAILOVER_MAX} s bound"
 reason=$(info_field h2 relay.reason)
 case $reason in
     "no relay: all 2 RelayVia relays failed"*) ;;
