@@ -11,6 +11,8 @@
 #    on h1's interface finds no plaintext of the input's distinctive bytes
 #    nor of the output (while a plaintext datagram with the same bytes,
 #    the control, is found);
+#  - h2 shares a 4 MiB state; h3 loads it, through h1 (h1 relays at least
+#    its size), byte for byte the same;
 #  - h1 dies: h2 moves to h4, declares its expert there, and h3 calls it
 #    through h4, within 20 s of the kill (the figures are printed); h4 goes
 #    silent too (SIGSTOP): h2 says it has no relay, in info and its log,
@@ -168,6 +170,29 @@ for k in RelayMaxReservations RelayReservationsPerOrigin RelayMaxCircuits RelayC
         fail "h1's metrics have no refusal counter for $k"
 done
 grep -q "^hivemindd_relay_reservations 1$" <<<"$metrics" || fail "h1's metrics do not count h2's reservation"
+
+# ---- state served through the relay: h2 shares, h3 (a newcomer to it) loads ----
+st="$LAB_DIR/state.f32"
+"$PY" -c 'import numpy as np, sys
+np.random.default_rng(7).standard_normal(1 << 20, dtype=np.float32).tofile(sys.argv[1])' "$st"
+before=$(info_field h1 relay.bytes_relayed)
+lab_ctl h2 state share lab.state --step 7 --in "$st" >/dev/null || fail "h2 could not share its state"
+for t in $(seq 1 100); do
+    sinfo=$(lab_ctl h2 state info lab.state 2>/dev/null || true)
+    grep -q "ready: yes" <<<"$sinfo" && ! grep -q "declared: 0 " <<<"$sinfo" && break
+    sleep 0.2
+done
+grep -q "ready: yes" <<<"$sinfo" && ! grep -q "declared: 0 " <<<"$sinfo" ||
+    fail "h2 did not declare its state: $sinfo"
+loaded=$(lab_ctl h3 state load lab.state --out "$LAB_DIR/state_loaded.f32" --min-agree 1 \
+    --timeout 60 2>&1) || fail "h3 could not load h2's state: $loaded"
+grep -q "loaded 'lab.state' at step 7" <<<"$loaded" || fail "h3's load says: $loaded"
+grep -q "$h2id" <<<"$loaded" || fail "h3 did not load from h2: $loaded"
+cmp -s "$st" "$LAB_DIR/state_loaded.f32" || fail "the state h3 loaded differs from h2's"
+after=$(info_field h1 relay.bytes_relayed)
+[ $((after - before)) -ge $((4 << 20)) ] ||
+    fail "h1 relayed only $((after - before)) bytes of the 4 MiB state"
+echo "ok: h3 loaded h2's 4 MiB state through h1 ($((after - before)) bytes relayed), byte-identical"
 
 # ---- h1 dies: h2 moves to h4 and is called there, within FAILOVER_MAX s ----
 # (the connection to the relay closing starts the move at once: a dial's
