@@ -1538,6 +1538,15 @@ static void decl_soon(hm_moe_server *s)
         uv_timer_start(&s->decl_timer, decl_timer_cb, 0, 0);
 }
 
+/* -- relay failover -- The node's address moved (another relay, or none):
+ * declare the experts there now, not at the next refresh (ttl / 3). */
+static void on_node_address(void *ud)
+{
+    hm_moe_server *s = ud;
+    if (s->nex > 0)
+        decl_soon(s);
+}
+
 /* ------------------------------------------------------------ checkpoints */
 
 static void ckpt_timer_cb(uv_timer_t *t)
@@ -2144,6 +2153,7 @@ static void close_step(hm_moe_server *s)
     } else {
         return;
     }
+    hm_node_unwatch_address(s->node, on_node_address, s); /* -- relay failover -- */
     if (s->registered) {
         hm_rpc_unregister(s->rpc, HM_MOE_METHOD_FWD);
         hm_rpc_unregister(s->rpc, HM_MOE_METHOD_BWD);
@@ -2281,6 +2291,8 @@ int hm_moe_server_new(hm_node *node, const hm_moe_server_opts *opts, hm_moe_serv
     s->async.data = s->batch_timer.data = s->decl_timer.data = s->ckpt_timer.data = s;
     if (s->state_dir != NULL)
         uv_timer_start(&s->ckpt_timer, ckpt_timer_cb, s->ckpt_interval_ms, s->ckpt_interval_ms);
+    /* -- relay failover -- without a slot, the next refresh still moves the records */
+    (void)hm_node_watch_address(s->node, on_node_address, s);
     *out = s;
     return 0;
 fail:

@@ -671,3 +671,24 @@ Test(config, relay_options)
     }
     cr_assert_eq(load(&c, many, err, sizeof(err)), -EINVAL);
 }
+
+/* -- netlab -- */
+Test(config, test_delay_rules)
+{
+    hm_config c;
+    char err[512] = "";
+    cr_assert_eq(load(&c, "", err, sizeof(err)), 0, "%s", err);
+    cr_assert_str_eq(c.test_delay, "");
+    cr_assert_eq(load(&c, "TestDelay 10.77.1.0/24=100,10.77.1.3=10,fd00::/8=5\n", err,
+                      sizeof(err)), 0, "%s", err);
+    cr_assert_str_eq(c.test_delay, "10.77.1.0/24=100,10.77.1.3=10,fd00::/8=5");
+    char *text = hm_config_format(&c);
+    cr_assert(strstr(text, "TestDelay 10.77.1.0/24=100,10.77.1.3=10,fd00::/8=5\n") != NULL, "%s",
+              text);
+    free(text);
+    cr_assert_eq(load(&c, "\nTestDelay 10.77.1.0/33=1\n", err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "test.conf:2: bad value") != NULL, "%s", err);
+    cr_assert(strstr(err, "longer than the address") != NULL, "%s", err);
+    cr_assert_eq(load(&c, "TestDelay 10.77.1.2=20000\n", err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "0 to 10000 ms") != NULL, "%s", err);
+}

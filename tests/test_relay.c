@@ -648,3 +648,52 @@ Test(relay, found_in_the_dht_without_relay_via)
     hm_node *all[] = {d, other, n, r};
     close_all(&loop, all, 4);
 }
+
+/* -- relay failover -- */
+static int addr_changes;
+static void on_addr_change(void *ud)
+{
+    HM_UNUSED(ud);
+    addr_changes++;
+}
+
+/*
+ * With a refresh a minute apart, only the closed connection can make the
+ * NAT'd peer leave a relay that stopped: it moves to the second within 3 s
+ * and its address watchers hear of it, once per move (a refresh at the
+ * same relay is no move). Without that watch it would stay a minute on a
+ * dead relay.
+ */
+Test(relay, a_closed_relay_is_left_at_once_and_watchers_hear)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_relay_config rs = serving();
+    hm_node *r1 = make(&loop, "127.0.0.1:0", &rs);
+    hm_node *r2 = make(&loop, "127.0.0.1:0", &rs);
+    hm_relay_config rc = {.refresh_ms = 60000};
+    via(&rc, r1);
+    via(&rc, r2);
+    hm_node *n = natd(&loop, "127.0.0.3:0", &rc);
+    addr_changes = 0;
+    cr_assert_eq(hm_node_watch_address(n, on_addr_change, NULL), 0);
+    wait_state(&loop, n, HM_RELAY_RESERVED, 0, 5000);
+    int first = addr_changes;
+    /* A first reservation counts only if the watch came in time; either way, at most one. */
+    cr_assert_leq(first, 1);
+
+    uint64_t t0 = hm_now_ms();
+    hm_node_close(r1, on_closed, NULL);
+    r1 = NULL;
+    wait_state(&loop, n, HM_RELAY_RESERVED, 1, 3000);
+    cr_assert_lt(hm_now_ms() - t0, 3000);
+    cr_assert_eq(addr_changes, first + 1, "one move, one change (%d)", addr_changes - first);
+    struct sockaddr_storage r2a, ann;
+    addr_of(r2, &r2a);
+    cr_assert_eq(hm_node_announce(n, &ann), 0);
+    cr_assert(hm_addr_equal((struct sockaddr *)&ann, (struct sockaddr *)&r2a));
+    hm_node_unwatch_address(n, on_addr_change, NULL);
+
+    hm_node *all[] = {r2, n};
+    close_all(&loop, all, 2);
+}

@@ -1906,3 +1906,84 @@ Test(transport, stream_cipher_settings)
     cr_assert_eq(hm_identity_generate(&id), 0);
     cr_assert_eq(hm_rpc_new(&loop, &id, swarm, &bad, NULL, &rpc), -EINVAL);
 }
+
+/* -- netlab: per-address delays (TestDelay) -- */
+
+/*
+ * A node with rules for 127.0.0.2 (150 ms) and 127.0.0.3/32 inside a
+ * 127.0.0.0/8 rule (40 ms, the longer prefix wins) and a global delay of
+ * 0: a call to a peer on 127.0.0.1 is not held, one to 127.0.0.2 takes
+ * at least 150 ms (datagram and stream), one to 127.0.0.3 at least 40 ms
+ * and less than the 150 ms one. The rules are copies: the caller's array
+ * may go away.
+ */
+Test(transport, per_address_delay_rules_pick_the_longest_prefix)
+{
+    tnode a, near, far, mid;
+    node_start(&a);
+    node_start(&near);
+    hm_transport_config c2 = {.listen = "127.0.0.2:0"}, c3 = {.listen = "127.0.0.3:0"};
+    node_start_cfg(&far, swarm, NULL, &c2, NULL);
+    node_start_cfg(&mid, swarm, NULL, &c3, NULL);
+
+    char why[128];
+    hm_transport_delay_rule *rules = calloc(HM_TRANSPORT_DELAY_RULES_MAX, sizeof(*rules));
+    cr_assert_not_null(rules);
+    int n = hm_transport_delay_parse("127.0.0.2=150,127.0.0.0/8=90,127.0.0.3/32=40", rules,
+                                     HM_TRANSPORT_DELAY_RULES_MAX, why, sizeof(why));
+    cr_assert_eq(n, 3, "%s", why);
+    /* 127.0.0.1 is inside 127.0.0.0/8 too: a rule for it alone keeps it undelayed. */
+    cr_assert_eq(hm_transport_delay_parse("127.0.0.1=0", rules + 3, 1, why, sizeof(why)), 1);
+    hm_transport_faults f = {.delay_rules = rules, .n_delay_rules = 4};
+    hm_transport_set_faults(hm_rpc_transport(a.rpc), &f);
+    memset(rules, 0xff, HM_TRANSPORT_DELAY_RULES_MAX * sizeof(*rules));
+    free(rules);
+
+    for (int flags = HM_RPC_DGRAM; ; flags = HM_RPC_STREAM) {
+        result rn = {0}, rf = {0}, rm = {0};
+        uint64_t t0 = hm_now_ms();
+        cr_assert_eq(call(&a, &near, "echo", "n", 1, flags, 3000, &rn), 0);
+        cr_assert_eq(call(&a, &far, "echo", "f", 1, flags, 3000, &rf), 0);
+        cr_assert_eq(call(&a, &mid, "echo", "m", 1, flags, 3000, &rm), 0);
+        cr_assert(run_until(&rf.count, 1, 3000));
+        cr_assert(run_until(&rm.count, 1, 3000));
+        cr_assert(run_until(&rn.count, 1, 3000));
+        cr_assert_eq(rn.status, 0);
+        cr_assert_eq(rf.status, 0);
+        cr_assert_eq(rm.status, 0);
+        cr_assert_geq(rf.at_ms - t0, 149, "127.0.0.2 is held 150 ms (took %llu)",
+                      (unsigned long long)(rf.at_ms - t0));
+        cr_assert_geq(rm.at_ms - t0, 39, "127.0.0.3/32 beats 127.0.0.0/8");
+        cr_assert_lt(rn.order, rm.order, "the undelayed peer answers first");
+        cr_assert_lt(rm.order, rf.order, "40 ms before 150 ms");
+        result_free(&rn);
+        result_free(&rf);
+        result_free(&rm);
+        if (flags == HM_RPC_STREAM)
+            break;
+    }
+    node_stop(&a);
+    node_stop(&near);
+    node_stop(&far);
+    node_stop(&mid);
+}
+
+Test(transport, delay_rules_parser_refuses_with_reasons)
+{
+    hm_transport_delay_rule r[2];
+    char why[128];
+    cr_assert_eq(hm_transport_delay_parse("10.77.1.0/24=100", r, 2, why, sizeof(why)), 1);
+    cr_assert_eq(r[0].prefix, 24);
+    cr_assert_eq(r[0].delay_ms, 100);
+    cr_assert_eq(hm_transport_delay_parse("fd00::1=5", r, 2, why, sizeof(why)), 1);
+    cr_assert_eq(r[0].prefix, 128);
+    const char *bad[] = {"", "10.77.1.2", "10.77.1.2=", "10.77.1.2=10001", "10.77.1.2/33=1",
+                         "fd00::/129=1", "host=1", "10.77.1.2=1,", "10.77.1.2=1,,1.2.3.4=1",
+                         "1.2.3.4=1,1.2.3.5=1,1.2.3.6=1", "10.77.1.2=-1", "10.77.1.2/=1"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        why[0] = '\0';
+        cr_assert_eq(hm_transport_delay_parse(bad[i], r, 2, why, sizeof(why)), -EINVAL,
+                     "'%s' is refused", bad[i]);
+        cr_assert_neq(why[0], '\0', "with a reason");
+    }
+}

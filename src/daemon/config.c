@@ -10,6 +10,7 @@
 #include "src/base/crypto.h"
 #include "src/base/paths.h"
 #include "src/base/util.h"
+#include "src/net/delay_rules.h" /* -- netlab -- */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -261,6 +262,10 @@ static const struct opt opts[] = {
     {"TestDelayMs", "test-delay-ms", T_UINT, FIELD(test_delay_ms), 0, 10000, 0, "MS",
      "for tests only, never in production: hold every datagram and stream message this "
      "daemon sends for MS milliseconds first, a one-way delay (default 0: off)"},
+    {"TestDelay", "test-delay", T_WORD, FIELD(test_delay), 0, 0, 0, "ADDR[/BITS]=MS[,...]",
+     "for tests only, never in production: hold what this daemon sends to addresses in "
+     "ADDR/BITS for MS milliseconds first (the longest matching prefix decides; others get "
+     "TestDelayMs), at most 16 rules (default none)"},
     /* -- announce options -- */
     {"Announce", "announce", T_HOSTPORT, FIELD(announce), 0, 0, 0, "HOST:PORT",
      "address to declare to others (expert, state and group records), an IP address or a "
@@ -646,6 +651,13 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
         if (strlen(v) >= o->size) {
             hm_errf(why, whylen, "value longer than %zu bytes", o->size - 1);
             return -EINVAL;
+        }
+        /* -- netlab -- TestDelay: the transport's parser checks it. */
+        if (o->off == offsetof(hm_config, test_delay)) {
+            if (hm_transport_delay_parse(v, NULL, HM_TRANSPORT_DELAY_RULES_MAX, why, whylen) < 0)
+                return -EINVAL;
+            hm_strlcpy(field_str(c, o), v, o->size);
+            return 0;
         }
         /* -- relay -- RelayVia: peer addresses, each checked as an initial peer is. */
         if (o->off == offsetof(hm_config, relay_via)) {

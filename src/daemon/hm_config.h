@@ -123,6 +123,7 @@ typedef struct hm_config {
     int progress_epoch_majority;           /* the global epoch needs most voting origins too */
     /* -- netlab fields -- */
     unsigned test_delay_ms;              /* tests only: delay everything sent; 0: off */
+    char test_delay[1024];               /* tests only: TestDelay ADDR[/BITS]=MS,...; empty: none */
     /* -- announce fields -- */
     char announce[HM_CONFIG_PEER_LEN]; /* HOST:PORT to declare; empty: detect */
     unsigned dialback_rate_per_origin; /* dial-backs run for one origin a minute */

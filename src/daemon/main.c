@@ -567,16 +567,27 @@ static int start(daemon_t *d, char *err, size_t errlen)
     /* -- aead: StreamCipher (checked when parsed; auto is 0) -- */
     no.transport.stream_cipher =
         strcmp(d->cfg.stream_cipher, "auto") == 0 ? 0 : hm_rec_cipher_parse(d->cfg.stream_cipher);
+    /* TestDelayMs, TestDelay: the network lab's latency, where netem is missing;
+     * in force from the transport's start, so the first pings are held too. */
+    hm_transport_delay_rule rules[HM_TRANSPORT_DELAY_RULES_MAX];
+    hm_transport_faults faults = {.delay_ms = d->cfg.test_delay_ms, .delay_rules = rules};
+    if (d->cfg.test_delay_ms > 0 || d->cfg.test_delay[0] != '\0') {
+        char why[256];
+        int nr = 0;
+        if (d->cfg.test_delay[0] != '\0' &&
+            (nr = hm_transport_delay_parse(d->cfg.test_delay, rules, HM_TRANSPORT_DELAY_RULES_MAX,
+                                           why, sizeof(why))) < 0) {
+            snprintf(err, errlen, "bad TestDelay: %s", why); /* checked when read: not reached */
+            return -EINVAL;
+        }
+        faults.n_delay_rules = (size_t)nr;
+        no.transport.faults = &faults;
+        hm_warn(MOD, "TestDelayMs %u, TestDelay %s: what this daemon sends is delayed (a test "
+                "option)", d->cfg.test_delay_ms, d->cfg.test_delay[0] ? d->cfg.test_delay : "none");
+    }
     r = hm_node_new(&d->loop, &no, &d->pub.node, err, errlen);
     if (r != 0)
         return r;
-    if (d->cfg.test_delay_ms > 0) {
-        /* TestDelayMs: the network lab's latency, where netem is missing. */
-        hm_transport_faults f = {.delay_ms = d->cfg.test_delay_ms};
-        hm_transport_set_faults(hm_rpc_transport(hm_node_rpc(d->pub.node)), &f);
-        hm_warn(MOD, "TestDelayMs %u: everything sent is delayed (a test option)",
-                d->cfg.test_delay_ms);
-    }
     d->parts_open++;
     r = hm_averager_new(d->pub.node, &d->pub.av);
     if (r != 0) {

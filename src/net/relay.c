@@ -120,6 +120,10 @@ struct hm_relay {
     uint64_t backoff_ms;
     uint64_t failovers, accepts;
     char reason[HM_RELAY_REASON_LEN];
+    /* -- relay failover -- */
+    void (*notify)(void *ud); /* our relayed address changed (hm_relay_set_notify) */
+    void *notify_ud;
+    uint64_t lost_ms;         /* when the connection to our relay last went away */
 };
 
 static void maybe_free(hm_relay *r);
@@ -147,7 +151,7 @@ void hm_relay_config_defaults(hm_relay_config *c)
     if (c->accept_timeout_ms == 0)
         c->accept_timeout_ms = 10000;
     if (c->refresh_ms == 0)
-        c->refresh_ms = 15000;
+        c->refresh_ms = 5000;
     if (c->retry_min_ms == 0)
         c->retry_min_ms = 1000;
     if (c->retry_max_ms == 0)
@@ -718,13 +722,17 @@ static void reserve_cb(void *ud, int status, const uint8_t *body, size_t len)
     char who[HM_RELAY_ADDR_LEN];
     via_str(r, r->via, who, sizeof(who));
     if (status == 0) {
-        if (r->state != HM_RELAY_RESERVED)
+        int changed = r->state != HM_RELAY_RESERVED;
+        if (changed)
             hm_info(MOD, "reachable through the relay %s", who);
         r->state = HM_RELAY_RESERVED;
         r->tried = 0;
         r->backoff_ms = 0;
         snprintf(r->reason, sizeof(r->reason), "reserved with the relay %s", who);
         client_schedule(r, HM_MIN(r->cfg.refresh_ms, ttl / 2));
+        /* Last: the callback may read our status (and declare the new address). */
+        if (changed && r->notify != NULL)
+            r->notify(r->notify_ud);
         return;
     }
     hm_warn(MOD, "the relay %s failed: %s", who, hm_strerror(status));
@@ -748,6 +756,39 @@ static void reserve_cb(void *ud, int status, const uint8_t *body, size_t len)
     r->tried = 0;
     r->via = 0;
     client_schedule(r, r->backoff_ms);
+    if (r->notify != NULL)
+        r->notify(r->notify_ud);
+}
+
+/*
+ * -- relay failover -- The connection to the relay we hold a reservation
+ * with went away (the relay stopped, crashed or cut us off): refresh now
+ * instead of at the next refresh, so a dead relay is left within a dial's
+ * time, not refresh_ms later. A relay that keeps closing us is asked at
+ * most once per retry_min_ms this way.
+ */
+static void on_conn_change(void *ud, const uint8_t pk[HM_PK_BYTES], int up)
+{
+    hm_relay *r = ud;
+    if (up || r->stopped || !r->active || r->state != HM_RELAY_RESERVED || r->via < 0 ||
+        (size_t)r->via >= r->cfg.n_via || memcmp(pk, r->cfg.via[r->via].pk, HM_PK_BYTES) != 0)
+        return;
+    uint64_t now = now_ms();
+    uint64_t wait = r->lost_ms != 0 && now - r->lost_ms < r->cfg.retry_min_ms
+                        ? r->cfg.retry_min_ms - (now - r->lost_ms)
+                        : 0;
+    r->lost_ms = now;
+    char who[HM_RELAY_ADDR_LEN];
+    via_str(r, r->via, who, sizeof(who));
+    hm_info(MOD, "the connection to the relay %s went away: refreshing the reservation%s", who,
+            wait > 0 ? " shortly" : " now");
+    client_schedule(r, wait);
+}
+
+void hm_relay_set_notify(hm_relay *r, void (*cb)(void *ud), void *ud)
+{
+    r->notify = cb;
+    r->notify_ud = ud;
 }
 
 static int client_reserve(hm_relay *r)
@@ -906,6 +947,7 @@ int hm_relay_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, const hm_r
     }
     if ((result = hm_rpc_register(rpc, HM_RELAY_METHOD_CONNECT, on_connect_request, r)) < 0)
         goto fail;
+    hm_rpc_set_conn_cb(rpc, on_conn_change, r); /* -- relay failover -- */
     uv_timer_init(loop, &r->tick);
     r->tick.data = r;
     uv_timer_init(loop, &r->ctimer);
@@ -984,6 +1026,8 @@ void hm_relay_stop(hm_relay *r)
     if (r->stopped)
         return;
     r->stopped = 1;
+    hm_rpc_set_conn_cb(r->rpc, NULL, NULL);
+    r->notify = NULL;
     if (r->cfg.serve)
         hm_transport_set_divert(r->t, NULL, NULL);
     while (!LIST_EMPTY(&r->circuits))

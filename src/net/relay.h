@@ -28,8 +28,9 @@
  * Using relays (RelayVia, or relays the node found advertised in the DHT:
  * hm_relay_set_found). hm_relay_client_set_active(1) (the node calls it
  * when reach.h finds nobody dials us) reserves with the configured relays
- * in order, refreshes every refresh_ms, and on a failed reservation or
- * refresh moves to the next one; with every relay failing it says so (the
+ * in order, refreshes every refresh_ms and at once when the connection to
+ * the relay goes away, and on a failed reservation or refresh moves to
+ * the next one; with every relay failing it says so (the
  * status and the log), and tries again from the first after a back-off
  * (retry_min_ms doubling up to retry_max_ms). relay.connect is answered
  * only for the relay we hold a reservation with, and we dial only its
@@ -80,7 +81,8 @@ typedef struct hm_relay_config {
     /* ---- using relays ---- */
     size_t n_via;
     hm_relay_via via[HM_RELAY_MAX_VIA]; /* RelayVia, in order */
-    uint64_t refresh_ms;              /* default 15000 */
+    uint64_t refresh_ms;              /* default 5000: a relay gone silent is left within
+                                       * it and a call's 5 s timeout */
     uint64_t retry_min_ms;            /* default 1000 */
     uint64_t retry_max_ms;            /* default 60000 */
 } hm_relay_config;
@@ -121,6 +123,12 @@ int hm_relay_configured(const hm_relay *r);
 /* The relay's address we are reachable at: 0, or -ENOENT with no reservation. */
 int hm_relay_declared(hm_relay *r, struct sockaddr_storage *out);
 void hm_relay_get_status(hm_relay *r, hm_relay_status *out);
+/*
+ * -- relay failover -- cb runs (on the loop) whenever our relayed address
+ * changes: a reservation with another relay, or none left. The node re-declares
+ * its experts with it. One callback; NULL removes it.
+ */
+void hm_relay_set_notify(hm_relay *r, void (*cb)(void *ud), void *ud);
 void hm_relay_limits(const hm_relay *r, hm_limit_emit_fn emit, void *ud);
 /* Closes every circuit and timer and sends nothing more; before the rpc layer closes. */
 void hm_relay_stop(hm_relay *r);

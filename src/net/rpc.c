@@ -118,6 +118,8 @@ struct hm_rpc {
 
     hm_rpc_seen_cb seen_cb;
     void *seen_ud;
+    hm_rpc_conn_cb conn_cb; /* -- relay failover -- */
+    void *conn_ud;
 
     hm_rpc_oneway_handler oneway[HM_RPC_ONEWAY_CHANNELS];
     void *oneway_ud[HM_RPC_ONEWAY_CHANNELS];
@@ -812,11 +814,8 @@ static void on_refused(void *ud, const uint8_t pk[HM_PK_BYTES], const uint8_t *h
     }
 }
 
-static void on_conn(void *ud, const uint8_t pk[HM_PK_BYTES], int up)
+static void on_conn_down(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES])
 {
-    hm_rpc *rpc = ud;
-    if (up || rpc->closing)
-        return;
     hm_rpc_req *r;
     LIST_FOREACH(r, &rpc->all_reqs, alink)
         if (r->via_stream && memcmp(r->pk, pk, HM_PK_BYTES) == 0)
@@ -837,6 +836,21 @@ static void on_conn(void *ud, const uint8_t pk[HM_PK_BYTES], int up)
             return;
         call_finish(rpc, c, -ECONNRESET, NULL, 0);
     }
+}
+
+static void on_conn(void *ud, const uint8_t pk[HM_PK_BYTES], int up)
+{
+    hm_rpc *rpc = ud;
+    if (rpc->closing)
+        return;
+    if (up) {
+        if (rpc->conn_cb != NULL)
+            rpc->conn_cb(rpc->conn_ud, pk, 1);
+        return;
+    }
+    on_conn_down(rpc, pk);
+    if (!rpc->closing && rpc->conn_cb != NULL)
+        rpc->conn_cb(rpc->conn_ud, pk, 0);
 }
 
 /* ----------------------------------------------------------- lifecycle */
@@ -909,6 +923,12 @@ void hm_rpc_set_seen_cb(hm_rpc *rpc, hm_rpc_seen_cb cb, void *ud)
 {
     rpc->seen_cb = cb;
     rpc->seen_ud = ud;
+}
+
+void hm_rpc_set_conn_cb(hm_rpc *rpc, hm_rpc_conn_cb cb, void *ud)
+{
+    rpc->conn_cb = cb;
+    rpc->conn_ud = ud;
 }
 
 int hm_rpc_register(hm_rpc *rpc, const char *method_name, hm_rpc_handler h, void *ud)

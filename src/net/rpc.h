@@ -70,6 +70,10 @@ int hm_rpc_new(uv_loop_t *loop, const hm_identity *id, const uint8_t swarm_id[HM
                const hm_transport_config *tcfg, const hm_rpc_config *rcfg, hm_rpc **out);
 hm_transport *hm_rpc_transport(hm_rpc *rpc);
 void hm_rpc_set_seen_cb(hm_rpc *rpc, hm_rpc_seen_cb cb, void *ud);
+/* -- relay failover -- The last connection to pk went away (up 0) or one came
+ * up (1), after the calls it carried failed; one watcher (relay.h), optional. */
+typedef void (*hm_rpc_conn_cb)(void *ud, const uint8_t peer_pk[HM_PK_BYTES], int up);
+void hm_rpc_set_conn_cb(hm_rpc *rpc, hm_rpc_conn_cb cb, void *ud);
 
 int hm_rpc_register(hm_rpc *rpc, const char *method, hm_rpc_handler h, void *ud);
 /*

@@ -217,7 +217,7 @@ enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
 
 typedef struct delayed {
     TAILQ_ENTRY(delayed) link;
-    uint64_t due_ms;
+    uint64_t due_us; /* microseconds: a held send never leaves early, even by a tick */
     int kind;
     int prio;
     int has_to;
@@ -277,6 +277,7 @@ struct hm_transport {
 
     hm_transport_faults faults;
     uint8_t (*partitioned)[HM_PK_BYTES];
+    hm_transport_delay_rule delay_rules[HM_TRANSPORT_DELAY_RULES_MAX]; /* -- netlab -- */
     uint64_t rng;
 
     TAILQ_HEAD(delayed_queue, delayed) delayed_q; /* by due time */
@@ -378,6 +379,38 @@ static int fault_drop(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
     if (t->faults.drop_rate > 0 && rng_next(t) < t->faults.drop_rate)
         return 1;
     return 0;
+}
+
+/* -- netlab: per-address delays (TestDelay) -- */
+
+/* An address's bytes and bit count, an IPv4-mapped IPv6 address as IPv4. */
+static const uint8_t *delay_key(const struct sockaddr *sa, unsigned *bits)
+{
+    if (sa->sa_family == AF_INET) {
+        *bits = 32;
+        return (const uint8_t *)&((const struct sockaddr_in *)sa)->sin_addr;
+    }
+    if (sa->sa_family == AF_INET6) {
+        const struct in6_addr *a = &((const struct sockaddr_in6 *)sa)->sin6_addr;
+        if (IN6_IS_ADDR_V4MAPPED(a)) {
+            *bits = 32;
+            return a->s6_addr + 12;
+        }
+        *bits = 128;
+        return a->s6_addr;
+    }
+    return NULL;
+}
+
+static int prefix_match(const uint8_t *a, const uint8_t *b, unsigned prefix)
+{
+    unsigned whole = prefix / 8, rest = prefix % 8;
+    if (memcmp(a, b, whole) != 0)
+        return 0;
+    if (rest == 0)
+        return 1;
+    uint8_t mask = (uint8_t)(0xff00u >> rest);
+    return ((a[whole] ^ b[whole]) & mask) == 0;
 }
 
 /* ------------------------------------------------------------ buffer pool */
@@ -2048,6 +2081,35 @@ static void udp_recv_cb(uv_udp_t *h, ssize_t nread, const uv_buf_t *buf, const s
 
 /* ------------------------------------------------------- delayed sending */
 
+/* The delay of what goes to `to` (or to pk's connection): the longest rule
+ * matching the address, else the global delay. */
+static uint64_t fault_delay(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
+                            const struct sockaddr *to)
+{
+    if (t->faults.n_delay_rules == 0)
+        return t->faults.delay_ms;
+    if (to == NULL) {
+        conn *c = conn_find(t, pk);
+        if (c == NULL)
+            return t->faults.delay_ms;
+        to = (const struct sockaddr *)&c->addr;
+    }
+    unsigned bits, rbits;
+    const uint8_t *a = delay_key(to, &bits);
+    uint64_t delay = t->faults.delay_ms;
+    long best = -1;
+    for (size_t i = 0; a != NULL && i < t->faults.n_delay_rules; i++) {
+        const hm_transport_delay_rule *r = &t->delay_rules[i];
+        const uint8_t *b = delay_key((const struct sockaddr *)&r->addr, &rbits);
+        if (b != NULL && rbits == bits && (long)r->prefix > best &&
+            prefix_match(a, b, r->prefix)) {
+            best = r->prefix;
+            delay = r->delay_ms;
+        }
+    }
+    return delay;
+}
+
 static int stream_send_now(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                            const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio)
 {
@@ -2087,9 +2149,9 @@ static void arm_delay_timer(hm_transport *t)
     }
     if (TAILQ_EMPTY(&t->delayed_q))
         return;
-    uint64_t now = hm_now_ms();
-    uint64_t due = TAILQ_FIRST(&t->delayed_q)->due_ms;
-    uv_timer_start(&t->delay_timer, delay_timer_cb, due > now ? due - now : 0, 0);
+    uint64_t now = hm_now_us();
+    uint64_t due = TAILQ_FIRST(&t->delayed_q)->due_us;
+    uv_timer_start(&t->delay_timer, delay_timer_cb, due > now ? (due - now + 999) / 1000 : 0, 0);
 }
 
 static void delay_timer_cb(uv_timer_t *h)
@@ -2109,9 +2171,9 @@ static void delay_timer_cb(uv_timer_t *h)
             conn_pump(c);
         }
     }
-    uint64_t now = hm_now_ms();
+    uint64_t now = hm_now_us();
     delayed *d;
-    while ((d = TAILQ_FIRST(&t->delayed_q)) != NULL && d->due_ms <= now && !t->closing) {
+    while ((d = TAILQ_FIRST(&t->delayed_q)) != NULL && d->due_us <= now && !t->closing) {
         TAILQ_REMOVE(&t->delayed_q, d, link);
         t->delayed_bytes -= d->len;
         const struct sockaddr *to = d->has_to ? (const struct sockaddr *)&d->to : NULL;
@@ -2131,7 +2193,7 @@ static void delay_timer_cb(uv_timer_t *h)
 
 static int delay_push(hm_transport *t, int kind, const uint8_t pk[HM_PK_BYTES],
                       const struct sockaddr *to, const uv_buf_t *bufs, unsigned nbufs, size_t len,
-                      int prio)
+                      int prio, uint64_t delay_ms)
 {
     if (t->delayed_bytes + len > t->cfg.max_queued_bytes)
         return -ENOBUFS;
@@ -2139,7 +2201,7 @@ static int delay_push(hm_transport *t, int kind, const uint8_t pk[HM_PK_BYTES],
     if (d == NULL)
         return -ENOMEM;
     memset(d, 0, sizeof(*d));
-    d->due_ms = hm_now_ms() + t->faults.delay_ms;
+    d->due_us = hm_now_us() + delay_ms * 1000u;
     d->kind = kind;
     d->prio = prio;
     memcpy(d->pk, pk, HM_PK_BYTES);
@@ -2151,7 +2213,7 @@ static int delay_push(hm_transport *t, int kind, const uint8_t pk[HM_PK_BYTES],
     bufs_copy(d->data, bufs, nbufs);
     /* Keep the list sorted by due time; equal times keep their send order. */
     delayed *after = TAILQ_LAST(&t->delayed_q, delayed_queue);
-    while (after != NULL && after->due_ms > d->due_ms)
+    while (after != NULL && after->due_us > d->due_us)
         after = TAILQ_PREV(after, delayed_queue, link);
     if (after != NULL)
         TAILQ_INSERT_AFTER(&t->delayed_q, after, d, link);
@@ -2528,6 +2590,10 @@ int hm_transport_new(uv_loop_t *loop, const hm_identity *id,
         hm_format_addr((struct sockaddr *)&t->local, a, sizeof(a));
         hm_debug(MOD, "listening on %s (tcp and udp)", a);
     }
+    /* -- netlab -- before anyone can send: the first pings are delayed too */
+    if (t->cfg.faults != NULL)
+        hm_transport_set_faults(t, t->cfg.faults);
+    t->cfg.faults = NULL;
     *out = t;
     return 0;
 
@@ -2570,9 +2636,10 @@ int hm_transport_send_dgram(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
         return -EINVAL;
     if (t->faults.stall || fault_drop(t, pk))
         return 0;
-    if (t->faults.delay_ms > 0) {
+    uint64_t delay = fault_delay(t, pk, to);
+    if (delay > 0) {
         uv_buf_t b = uv_buf_init((char *)msg, (unsigned)len);
-        return delay_push(t, DELAY_DGRAM, pk, to, &b, 1, len, 0);
+        return delay_push(t, DELAY_DGRAM, pk, to, &b, 1, len, 0, delay);
     }
     return dgram_send_now(t, pk, to, msg, len);
 }
@@ -2642,10 +2709,11 @@ int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
         return self_send(t, bufs, n, len);
     if (fault_drop(t, pk))
         return 0;
-    if (t->faults.delay_ms > 0) {
+    uint64_t delay = fault_delay(t, pk, to);
+    if (delay > 0) {
         if (to == NULL && conn_find(t, pk) == NULL)
             return -ENOTCONN;
-        return delay_push(t, DELAY_STREAM, pk, to, bufs, n, len, prio);
+        return delay_push(t, DELAY_STREAM, pk, to, bufs, n, len, prio, delay);
     }
     return stream_send_now(t, pk, to, bufs, n, len, prio);
 }
@@ -2801,6 +2869,13 @@ void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f)
         t->faults.drop_rate = 0;
     if (t->faults.drop_rate > 1)
         t->faults.drop_rate = 1;
+    /* -- netlab -- the rules are copied, as the partition list is */
+    t->faults.n_delay_rules = 0;
+    if (f->delay_rules != NULL)
+        t->faults.n_delay_rules = HM_MIN(f->n_delay_rules, (size_t)HM_TRANSPORT_DELAY_RULES_MAX);
+    if (t->faults.n_delay_rules > 0)
+        memcpy(t->delay_rules, f->delay_rules, t->faults.n_delay_rules * sizeof(*f->delay_rules));
+    t->faults.delay_rules = t->delay_rules;
 
     conn *c;
     if (t->faults.stall && !was_stalled) {

@@ -58,6 +58,7 @@
 
 #include "src/base/crypto.h"
 #include "src/base/origin.h"
+#include "src/net/delay_rules.h" /* -- netlab -- */
 
 #define HM_TRANSPORT_CHUNK 16000
 
@@ -113,6 +114,8 @@ typedef struct hm_transport_config {
                         * offered and accepted, so a peer without it is refused (-ENOPROTOOPT) */
     uint64_t rekey_records; /* tests only: records per key (both ends must agree); 0: the
                              * protocol's HM_REC_REKEY_RECORDS */
+    /* -- netlab -- tests only: faults in force from the first send (copied; NULL: none) */
+    const struct hm_transport_faults *faults;
 } hm_transport_config;
 
 /* Fills defaults for every zero field. */
@@ -139,10 +142,14 @@ typedef struct hm_transport_cbs {
 
 typedef struct hm_transport_faults {
     double drop_rate;     /* 0..1, applied to each outgoing datagram/message */
-    uint64_t delay_ms;    /* added before each outgoing datagram/message */
+    uint64_t delay_ms;    /* added before each outgoing datagram/message no rule matches */
     int stall;            /* nonzero: neither read nor write anything */
     size_t n_partitioned; /* peers whose traffic is dropped both ways */
     const uint8_t (*partitioned)[HM_PK_BYTES];
+    /* -- netlab -- per-address delays: the longest matching prefix decides, by the
+     * address the bytes go to (a stream's connection: a relayed peer's is its relay) */
+    size_t n_delay_rules; /* at most HM_TRANSPORT_DELAY_RULES_MAX */
+    const hm_transport_delay_rule *delay_rules;
 } hm_transport_faults;
 
 typedef struct hm_transport_stats {

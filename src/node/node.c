@@ -99,6 +99,10 @@ struct hm_node {
     char relay_adv_addr[HM_ADDRSTRLEN];
     uint64_t relay_find_ms;     /* our last read of the advertised relays */
     int relay_find_inflight;
+    struct addr_watch {         /* -- relay failover -- hm_node_watch_address */
+        void (*cb)(void *ud);
+        void *ud;
+    } addr_watch[HM_NODE_ADDR_WATCHERS];
 };
 
 typedef struct ping_ctx {
@@ -295,6 +299,7 @@ static void on_ping_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
 
 static void maybe_finish_close(hm_node *n);
 static void on_reach_mode(void *ud, int client_mode, const char *reason);
+static void on_relay_change(void *ud); /* -- relay failover -- */
 
 static int send_ping(hm_node *n, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                      int via_stream, int bootstrap_idx);
@@ -895,6 +900,7 @@ int hm_node_new(uv_loop_t *loop, const hm_node_options *opts, hm_node **out, cha
         snprintf(err, errlen, "cannot start the relay: %s", hm_strerror(r));
         goto fail_rpc;
     }
+    hm_relay_set_notify(n->relay, on_relay_change, n);
 
     uv_timer_init(loop, &n->ping_timer);
     n->ping_timer.data = n;
@@ -978,6 +984,36 @@ static void on_reach_mode(void *ud, int client_mode, const char *reason)
         hm_warn(MOD, "client mode: %s", reason);
     else
         hm_info(MOD, "server mode again: %s", reason);
+}
+
+/* -- relay failover -- */
+static void on_relay_change(void *ud)
+{
+    hm_node *n = ud;
+    /* A copy: a callback may unwatch. */
+    struct addr_watch w[HM_NODE_ADDR_WATCHERS];
+    memcpy(w, n->addr_watch, sizeof(w));
+    for (size_t i = 0; i < HM_NODE_ADDR_WATCHERS && !n->closing; i++)
+        if (w[i].cb != NULL)
+            w[i].cb(w[i].ud);
+}
+
+int hm_node_watch_address(hm_node *n, void (*cb)(void *ud), void *ud)
+{
+    for (size_t i = 0; i < HM_NODE_ADDR_WATCHERS; i++)
+        if (n->addr_watch[i].cb == NULL) {
+            n->addr_watch[i].cb = cb;
+            n->addr_watch[i].ud = ud;
+            return 0;
+        }
+    return -ENOSPC;
+}
+
+void hm_node_unwatch_address(hm_node *n, void (*cb)(void *ud), void *ud)
+{
+    for (size_t i = 0; i < HM_NODE_ADDR_WATCHERS; i++)
+        if (n->addr_watch[i].cb == cb && n->addr_watch[i].ud == ud)
+            n->addr_watch[i].cb = NULL;
 }
 
 int hm_node_announce(hm_node *n, struct sockaddr_storage *out)

@@ -104,6 +104,15 @@ int hm_node_announce(hm_node *n, struct sockaddr_storage *out);
  */
 void hm_node_relay(hm_node *n, hm_relay_status *out);
 void hm_node_relay_set_active(hm_node *n, int active);
+/*
+ * -- relay failover -- cb(ud) runs on the loop when hm_node_announce's answer
+ * may have changed because the relay changed (another relay, or none left),
+ * so declarations can be redone at once instead of at their next refresh.
+ * At most HM_NODE_ADDR_WATCHERS; -ENOSPC past that. Unwatch before ud goes.
+ */
+#define HM_NODE_ADDR_WATCHERS 4
+int hm_node_watch_address(hm_node *n, void (*cb)(void *ud), void *ud);
+void hm_node_unwatch_address(hm_node *n, void (*cb)(void *ud), void *ud);
 typedef struct hm_node_reach_info {
     int reachable;                    /* HM_REACH_UNKNOWN, _YES, _NO */
     char source[16];                  /* "config", "observed", "listen", "none" */

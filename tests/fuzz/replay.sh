@@ -23,6 +23,8 @@ targets=${HM_FUZZ_TARGETS:-"fuzz_wire fuzz_dgram fuzz_handshake fuzz_control fuz
 [ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_relay"
 # -- optimizer state --
 [ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_opt_state"
+# -- netlab delays --
+[ -n "${HM_FUZZ_TARGETS:-}" ] || targets="$targets fuzz_delay_rules"
 
 failed=0
 passed=0

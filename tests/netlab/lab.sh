@@ -12,6 +12,9 @@
 #   lab_loss h2 5          # the switch drops 5% of what h2 sends (nftables)
 #   lab_nat h4             # h4 moves behind a masquerading router: it can dial
 #                          # out, nobody can dial it (its address: 10.77.104.2)
+#   lab_rtt h1 h2 20       # round trips of 20 ms between h1's and h2's daemons:
+#                          # each holds what it sends to the other 10 ms
+#                          # (TestDelay); call it before lab_hivemindd
 #   lab_exec h1 cmd ...    # run cmd in h1's namespace (foreground)
 #   lab_spawn h1 NAME cmd ...  # run cmd in h1 in the background, output in
 #                          # $LAB_DIR/NAME.log, pid in $LAB_DIR/NAME.pid
@@ -34,7 +37,8 @@
 # state, after lab_down).
 #
 # Latency is not made here: netem is not in every kernel. The daemon delays
-# what it sends itself (TestDelayMs, a test-only option: hivemindd.conf(5)).
+# what it sends itself (TestDelayMs for everyone, TestDelay per address:
+# test-only options, hivemindd.conf(5)); lab_rtt writes the latter.
 
 LAB_ID="hmlab$$"
 LAB_N=0
@@ -351,6 +355,34 @@ EOF
     lab_wait_links
 }
 
+# Round trips of MS milliseconds (even) between two hosts' daemons: each
+# holds what it sends to the other's address MS/2 ms (TestDelay, given by
+# lab_hivemindd). Pairs without one have no delay, unless the daemon's
+# flags give --test-delay-ms. Call it after lab_nat and before the daemons
+# start.
+lab_rtt() {
+    local a=$1 b=$2 ms=$3
+    case $ms in
+        '' | *[!0-9]*) lab_die "lab_rtt: MS must be an even whole number" ;;
+    esac
+    [ $((ms % 2)) = 0 ] && [ "$ms" -le 20000 ] || lab_die "lab_rtt: MS must be even, at most 20000"
+    [ "$a" != "$b" ] || lab_die "lab_rtt: two different hosts"
+    echo "$(lab_seen_addr "$b")=$((ms / 2))" >>"$LAB_DIR/$a.delay"
+    echo "$(lab_seen_addr "$a")=$((ms / 2))" >>"$LAB_DIR/$b.delay"
+}
+
+# The address the other hosts see a host's traffic come from: its own, or
+# its router's behind NAT.
+lab_seen_addr() {
+    local i
+    i=$(lab_idx "$1")
+    if [ -e "$LAB_DIR/$1.nat" ]; then
+        echo "$LAB_NET.1.$((100 + i))"
+    else
+        echo "$LAB_NET.1.$i"
+    fi
+}
+
 lab_builddir() { echo "${HM_BUILDDIR:-$PWD}"; }
 
 # Starts a hivemindd on a host, listening on the host's address (port
@@ -364,6 +396,10 @@ lab_hivemindd() {
     bin="$(lab_builddir)/src/hivemindd"
     [ -x "$bin" ] || lab_die "$bin is not built"
     mkdir -p "$dir"
+    # lab_rtt's delays come first, so the caller's own --test-delay wins.
+    if [ -s "$LAB_DIR/$h.delay" ]; then
+        set -- --test-delay "$(paste -sd, "$LAB_DIR/$h.delay")" "$@"
+    fi
     lab_spawn "$h" "$h" "$bin" --listen "$(lab_addr "$h"):31400" --state-dir "$dir" \
         --control-socket "$dir/control.sock" "$@"
     for t in $(seq 1 200); do
