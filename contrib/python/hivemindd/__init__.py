@@ -37,8 +37,8 @@ __all__ = ["Client", "SharedBuffer", "HivemindError", "ExpertInfo", "Averager", 
 
 def __getattr__(name):
     # torch is imported only by those who use the experts layer.
-    if name == "RemoteMixtureOfExperts":
-        from .moe import RemoteMixtureOfExperts
+    if name in ("RemoteMixtureOfExperts",):
+        from . import moe
 
-        return RemoteMixtureOfExperts
+        return getattr(moe, name)
     raise AttributeError("module 'hivemindd' has no attribute %r" % name)
