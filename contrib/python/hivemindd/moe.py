@@ -1,5 +1,6 @@
-"""RemoteMixtureOfExperts: a torch layer whose experts live on hivemindd
-hosts anywhere in the swarm, chosen by a local gate.
+"""RemoteMixtureOfExperts and RemoteSwitchMixtureOfExperts: torch layers
+whose experts live on hivemindd hosts anywhere in the swarm, chosen by a
+local gate.
 
 The experts form a grid "PREFIX.i.j" (grid_size (G0, G1)); the gate is a
 local nn.Linear(in_features, G0 + G1) giving each sample one score per grid
@@ -31,6 +32,12 @@ gradient is the sum of those plus what flows through the gate. An expert
 that does not answer the backward contributes nothing; fewer than
 backward_k_min raises.
 
+RemoteSwitchMixtureOfExperts is the Switch Transformer's layer: k_best 1,
+k_min 0 with zero outputs allowed (the caller's residual carries a sample
+whose expert did not answer), the expert's output scaled by its gate
+probability, multiplicative jitter on the gate's input in training, and a
+load-balancing loss returned with the output.
+
 Experts compute dim -> dim (hivemindd's ffn expert), so in_features must be
 the hosts' --expert-dim.
 """
@@ -43,7 +50,7 @@ from torch import nn
 
 from .client import Client, HivemindError
 
-__all__ = ["RemoteMixtureOfExperts"]
+__all__ = ["RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"]
 
 
 class _Call:
@@ -361,3 +368,94 @@ class RemoteMixtureOfExperts(nn.Module):
         self.last_scores = logits.detach()
         return out.reshape(lead + (self.in_features,))
 
+class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
+    """A Switch Transformer layer (Fedus et al., 2021) over the swarm's
+    experts: each sample goes to its one best expert (k_best 1, routed per
+    sample); a sample whose expert did not answer gets zeros
+    (allow_zero_outputs, k_min 0), so use it inside a residual block
+    (x + layer(x)[0]).
+
+    forward(x) returns ``(output, balancing_loss)``:
+      - output[b] = p_b(e_b) * y_b, the expert's output scaled by the gate's
+        probability of that expert, p_b(e) = prod_d softmax(s_bd)[e_d] over
+        the grid, so that the task's loss trains the gate;
+      - balancing_loss = n_experts * sum_e f_e * P_e, with n_experts the
+        grid's size, f_e the fraction of the batch's samples routed to e
+        (constant in the backward) and P_e the batch mean of p_b(e): it is
+        1 when the routing is uniform and grows as it concentrates, and its
+        gradient reaches the gate through P. Add it to the loss with a
+        small factor (the paper uses 0.01).
+    In training, the gate's input is multiplied by uniform noise in
+    [1 - jitter_eps, 1 + jitter_eps] (the experts get x as it is).
+    """
+
+    def __init__(self, in_features, grid_size=(4, 4), uid_prefix="ffn", k_min=0,
+                 forward_timeout=10.0, timeout_after_k_min=1.0, backward_k_min=0,
+                 backward_timeout=10.0, client=None, find_timeout=5.0, beam_size=0,
+                 jitter_eps=1e-2, allow_zero_outputs=True):
+        super().__init__(in_features, grid_size=grid_size, uid_prefix=uid_prefix, k_best=1,
+                         k_min=k_min, forward_timeout=forward_timeout,
+                         timeout_after_k_min=timeout_after_k_min, backward_k_min=backward_k_min,
+                         backward_timeout=backward_timeout, client=client,
+                         find_timeout=find_timeout, routing="sample", beam_size=beam_size,
+                         allow_zero_outputs=allow_zero_outputs)
+        if not 0 <= jitter_eps < 1:
+            raise ValueError("jitter_eps must be in [0, 1)")
+        self.jitter_eps = float(jitter_eps)
+        self.n_experts = int(np.prod(self.grid_size))
+        self.last_balancing_loss = None
+
+    def _gate_scores(self, x2):
+        if self.training and self.jitter_eps > 0:
+            noise = torch.empty_like(x2).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+            x2 = x2 * noise
+        return self.gate(x2)
+
+    def _probs(self, scores, coords):
+        """p_b(e) [batch, n] for the experts with grid coordinates coords [n, ndims]."""
+        p = None
+        for d, g in enumerate(self.grid_size):
+            at = int(self._offsets[d])
+            sm = torch.softmax(scores[:, at:at + g], dim=1)[:, coords[:, d]]
+            p = sm if p is None else p * sm
+        return p
+
+    def balancing_loss(self, scores, experts, routes):
+        """n_experts * sum_e f_e * P_e for a batch's gate scores and routes."""
+        first = routes[:, 0]
+        used = np.unique(first[first >= 0])
+        if used.size == 0:
+            return scores.sum() * 0.0
+        coords = torch.as_tensor(np.array([self._coords(experts[i].uid) for i in used]),
+                                 device=scores.device)
+        f = torch.as_tensor([(first == i).mean() for i in used], dtype=scores.dtype,
+                            device=scores.device)
+        P = self._probs(scores, coords).mean(0)
+        return self.n_experts * (f * P).sum()
+
+    def forward(self, x):
+        if x.shape[-1] != self.in_features:
+            raise ValueError("expected inputs of width %d, got %s" % (self.in_features,
+                                                                      tuple(x.shape)))
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            raise ValueError("an empty batch")
+        scores = self._gate_scores(x2)
+        out, y, routes, live = self._forward_sample(x2, scores)
+        if y is not None:
+            coords = np.zeros((len(self.last_experts), len(self.grid_size)), dtype=np.int64)
+            for i, e in enumerate(self.last_experts):
+                coords[i] = self._coords(e.uid)
+            r0 = np.maximum(routes[:, 0], 0)
+            sm = None
+            for d, g in enumerate(self.grid_size):
+                at = int(self._offsets[d])
+                c = torch.as_tensor(coords[r0, d], device=scores.device)[:, None]
+                p = torch.softmax(scores[:, at:at + g], dim=1).gather(1, c)[:, 0]
+                sm = p if sm is None else sm * p
+            gate_p = sm * torch.as_tensor(live[:, 0], dtype=sm.dtype, device=sm.device)
+            out = gate_p[:, None].to(y.dtype) * y[:, 0]
+        loss = self.balancing_loss(scores, self.last_experts, routes)
+        self.last_balancing_loss = loss.detach()
+        return out.reshape(lead + (self.in_features,)), loss

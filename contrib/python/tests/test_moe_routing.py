@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 import swarm
-from hivemindd import Client, RemoteMixtureOfExperts
+from hivemindd import (Client, HivemindError, RemoteMixtureOfExperts,
+                       RemoteSwitchMixtureOfExperts, SharedBuffer)
 
 D = swarm.DIM
 G = (3, 3)
@@ -210,6 +211,35 @@ class RoutingTest(unittest.TestCase):
         # The experts' part of dL/dx matters, and so does the gate's.
         self.assertGreater(gate.weight.grad.abs().max().item(), 1e-3)
 
+    def test_daemon_checks_routed_arguments(self):
+        """A route index out of range, k_min 0 without allow_zero_outputs and
+        slots without routes are refused with bad_args, before any call."""
+        experts, routes = self.moe().route(torch.randn(2, 6))
+        B, K = routes.shape
+        with SharedBuffer(self.client, 4 * B * K * D + 4 * B * D + 4 * B * K) as buf:
+            x = {"shm": buf.id, "offset": 0, "elems": B * D}
+            y = {"shm": buf.id, "offset": 4 * B * D, "elems": B * K * D}
+            rt = {"shm": buf.id, "offset": 4 * B * D + 4 * B * K * D, "elems": B * K}
+            view = buf.numpy(np.int32, B * K, 4 * B * D + 4 * B * K * D)
+            ex = [{"uid": e.uid, "peer": e.peer} for e in experts]
+            base = dict(experts=ex, x=x, y=y, routes=rt, slots=K, batch=B, dim=D)
+            view[:] = routes.ravel()
+            view[0] = len(experts)
+            with self.assertRaises(HivemindError) as cm:
+                self.client.request("experts.forward", **base)
+            self.assertEqual(cm.exception.code, "bad_args")
+            self.assertIn("args.routes", cm.exception.message)
+            view[:] = routes.ravel()
+            with self.assertRaises(HivemindError) as cm:
+                self.client.request("experts.forward", k_min=0, **base)
+            self.assertEqual(cm.exception.code, "bad_args")
+            r = self.client.request("experts.forward", k_min=0, allow_zero_outputs=True, **base)
+            self.assertEqual(len(r["answered"]), len(experts))
+            del base["routes"]
+            with self.assertRaises(HivemindError) as cm:
+                self.client.request("experts.forward", **base)
+            self.assertEqual(cm.exception.code, "bad_args")
+
     def test_backward_goes_only_to_experts_that_answered(self):
         """d2 (route.2.*) stopped: k_min 1 per sample still holds, route.2.*
         slots are left out of the mixture and of the backward."""
@@ -233,6 +263,119 @@ class RoutingTest(unittest.TestCase):
             self.assertTrue(np.isfinite(x.grad.numpy()).all())
         finally:
             os.kill(d2.proc.pid, signal.SIGCONT)
+
+
+class SwitchTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.swarm = swarm.get()
+        d0, d1, d2 = cls.swarm.daemons
+        for d, pat in ((d1, "route.[0:2].[0:3]"), (d2, "route.2.[0:3]"),
+                       (d1, "sw.0.[0:2]"), (d2, "sw.1.[0:2]")):
+            with Client(d.sock) as c:
+                c.request("experts.host", pattern=pat, dim=D,
+                          optimizer="adam" if pat.startswith("sw") else "sgd",
+                          lr=0.01 if pat.startswith("sw") else 1e-30)
+        cls.client = Client(d0.sock)
+        cls.trainer1 = Client(d1.sock)
+        wait_grid(cls.client, "route", G, 9)
+        wait_grid(cls.trainer1, "sw", (2, 2), 4)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.trainer1.close()
+
+    def test_balancing_loss_moves_the_gate(self):
+        torch.manual_seed(20)
+        sw = RemoteSwitchMixtureOfExperts(D, grid_size=G, uid_prefix="route", beam_size=3,
+                                          jitter_eps=0.0, client=self.client)
+        with torch.no_grad():
+            sw.gate.bias[0] += 4.0
+            sw.gate.bias[3] += 4.0  # nearly every sample to route.0.0
+        x = torch.randn(32, D)
+        out, loss = sw(x)
+        self.assertEqual(out.shape, (32, D))
+        # The loss as defined: n_experts * sum_e f_e * P_e.
+        scores = sw.gate(x).detach()
+        p = torch.softmax(scores[:, :3], 1)[:, :, None] * torch.softmax(scores[:, 3:], 1)[:, None]
+        first = sw.last_routes[:, 0]
+        f = torch.zeros(3, 3, dtype=p.dtype)
+        for r in first:
+            i, j = map(int, sw.last_experts[r].uid.split(".")[1:])
+            f[i, j] += 1.0 / len(first)
+        self.assertAlmostEqual(loss.item(), 9 * (f * p.mean(0)).sum().item(), places=5)
+        self.assertGreater(loss.item(), 3.0, "the routing is concentrated")
+        loss.backward()
+        self.assertGreater(sw.gate.weight.grad.abs().sum().item(), 0.0)
+        self.assertGreater(sw.gate.bias.grad.abs().sum().item(), 0.0)
+
+        opt = torch.optim.Adam(sw.gate.parameters(), lr=0.1)
+        losses = []
+        for _ in range(25):
+            _, loss = sw(x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        self.assertLess(losses[-1], 0.6 * losses[0], "balancing loss %s" % losses)
+
+    def test_jitter_only_in_training(self):
+        sw = RemoteSwitchMixtureOfExperts(D, grid_size=G, uid_prefix="route", jitter_eps=0.1,
+                                          client=self.client)
+        x = torch.randn(8, D)
+        a, b = sw._gate_scores(x), sw._gate_scores(x)
+        self.assertGreater((a - b).abs().max().item(), 0.0)
+        sw.eval()
+        torch.testing.assert_close(sw._gate_scores(x), sw.gate(x))
+
+    def test_trains_with_one_host_dead(self):
+        d2 = self.swarm.daemons[2]
+        torch.manual_seed(21)
+        rng = np.random.default_rng(21)
+        n_in = 8
+        teacher = torch.from_numpy(rng.standard_normal((n_in, 1)).astype(np.float32))
+        X = torch.from_numpy(rng.standard_normal((256, n_in)).astype(np.float32))
+        Y = torch.tanh(X @ teacher) + 0.5 * torch.sin(X[:, :1] * 2)
+        sw = RemoteSwitchMixtureOfExperts(D, grid_size=(2, 2), uid_prefix="sw", beam_size=2,
+                                          forward_timeout=3.0, timeout_after_k_min=0.5,
+                                          backward_timeout=3.0, client=self.trainer1)
+        inp, head = torch.nn.Linear(n_in, D), torch.nn.Linear(D, 1)
+        params = list(inp.parameters()) + list(head.parameters()) + list(sw.parameters())
+        opt = torch.optim.Adam(params, lr=0.01)
+
+        os.kill(d2.proc.pid, signal.SIGSTOP)
+        try:
+            # The first batch: samples routed to d2's experts get zeros.
+            with torch.no_grad():
+                h = inp(X[:32])
+                out, _ = sw(h)
+            uids = [e.uid for e in sw.last_experts]
+            dead = np.array([uids[r].startswith("sw.1.") for r in sw.last_routes[:, 0]])
+            # (Once d2 is backed off, only samples whose two best experts
+            # both sit on d2 still go there; the others go to d1.)
+            self.assertTrue(dead.any(), "no sample was routed to the stopped host")
+            self.assertFalse(dead.all(), "every sample was routed to the stopped host")
+            self.assertEqual(out[torch.from_numpy(dead)].abs().max().item(), 0.0)
+            self.assertGreater(out[torch.from_numpy(~dead)].abs().max().item(), 0.0)
+
+            losses = []
+            t0 = time.monotonic()
+            for step in range(30):
+                idx = torch.from_numpy(rng.choice(256, 32, replace=False))
+                h = inp(X[idx])
+                y, aux = sw(h)
+                loss = torch.nn.functional.mse_loss(head(h + y), Y[idx])
+                opt.zero_grad()
+                (loss + 0.01 * aux).backward()
+                opt.step()
+                losses.append(loss.item())
+            took = time.monotonic() - t0
+        finally:
+            os.kill(d2.proc.pid, signal.SIGCONT)
+        first, last = np.mean(losses[:5]), np.mean(losses[-5:])
+        self.assertLess(last, 0.7 * first, "loss went from %.4f to %.4f" % (first, last))
+        print("switch with one host stopped: 30 steps in %.1f s" % took)
 
 
 if __name__ == "__main__":
