@@ -7,8 +7,11 @@
  * in flight, the mixture's softmax, and which owner's declaration of a uid
  * is believed (a day-long or a newcomer's declaration does not take a held
  * uid; an allow-list; a holder that leaves passes the uid on), servers'
- * refusals reaching the caller with their reason, and stalled hosts
- * skipped for a back-off, then probed.
+ * refusals reaching the caller with their reason, stalled hosts
+ * skipped for a back-off, then probed, and per-sample routing (every
+ * sample's brute-force top k from one batched walk, one request per
+ * expert with its rows, outputs and gradients per slot equal to the
+ * experts' own math, k_min per sample, the routed mixture).
  */
 #include "config.h"
 
