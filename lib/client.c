@@ -1275,3 +1275,237 @@ int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *x
     json_decref(res);
     return r;
 }
+
+/* ---- per-sample routing ---- */
+
+/*
+ * The experts of a routed call as {hosts, experts: [{uid, host}]}: each
+ * host once, so that a call to many experts fits a request line.
+ */
+static int routed_experts_args(hmc *h, const hmc_expert *experts, size_t n, json_t *args)
+{
+    json_t *hosts = json_array(), *list = json_array();
+    int result = -ENOMEM;
+    if (hosts == NULL || list == NULL)
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        if (memchr(experts[i].uid, '\0', HMC_UID_MAX) == NULL ||
+            memchr(experts[i].peer, '\0', HMC_PEER_MAX) == NULL || experts[i].uid[0] == '\0' ||
+            experts[i].peer[0] == '\0') {
+            fmt(h->err, sizeof(h->err), "expert %zu has no uid or peer", i);
+            result = -EINVAL;
+            goto out;
+        }
+        /* Hosts are few: a linear look through the ones seen is enough. */
+        size_t at = 0, nh = json_array_size(hosts);
+        while (at < nh && strcmp(json_string_value(json_array_get(hosts, at)), experts[i].peer))
+            at++;
+        if (at == nh && json_array_append_new(hosts, json_string(experts[i].peer)) != 0)
+            goto text;
+        json_t *e = json_pack("{s:s, s:I}", "uid", experts[i].uid, "host", (json_int_t)at);
+        if (e == NULL || json_array_append_new(list, e) != 0)
+            goto text;
+    }
+    json_object_set_new(args, "hosts", hosts);
+    json_object_set_new(args, "experts", list);
+    return 0;
+text:
+    fmt(h->err, sizeof(h->err), "out of memory, or an expert's text is not UTF-8");
+    result = -EINVAL;
+out:
+    if (result == -ENOMEM)
+        fmt(h->err, sizeof(h->err), "out of memory");
+    json_decref(hosts);
+    json_decref(list);
+    return result;
+}
+
+int hmc_experts_route(hmc *h, const char *prefix, const size_t *grid, size_t n_dims,
+                      hmc_buf *scoresb, size_t scores_off, size_t batch, size_t k_best,
+                      size_t beam_size, double timeout_s, hmc_buf *routesb, size_t routes_off,
+                      hmc_expert *out, size_t max_out, size_t *n_out, char **result_json_out)
+{
+    json_t *res = NULL, *g = NULL;
+    size_t total = 0, bk;
+    int result;
+    *n_out = 0;
+    if (result_json_out != NULL)
+        *result_json_out = NULL;
+    h->code[0] = '\0';
+    if (prefix == NULL || prefix[0] == '\0' || grid == NULL || n_dims == 0 || batch == 0 ||
+        k_best == 0 || !(timeout_s > 0) || !isfinite(timeout_s) || !mul_ok(batch, k_best, &bk)) {
+        fmt(h->err, sizeof(h->err), "experts_route needs a prefix, a grid, a batch >= 1, "
+            "k_best >= 1 and a positive timeout");
+        return -EINVAL;
+    }
+    g = json_array();
+    for (size_t d = 0; g != NULL && d < n_dims; d++) {
+        if (grid[d] == 0 || total + grid[d] < total) {
+            fmt(h->err, sizeof(h->err), "grid dimension %zu has no coordinates", d);
+            json_decref(g);
+            return -EINVAL;
+        }
+        total += grid[d];
+        json_array_append_new(g, json_integer((json_int_t)grid[d]));
+    }
+    size_t bt;
+    if (g == NULL || !mul_ok(batch, total, &bt)) {
+        json_decref(g);
+        fmt(h->err, sizeof(h->err), "out of memory, or batch * sum(grid) overflows");
+        return g == NULL ? -ENOMEM : -EINVAL;
+    }
+    json_t *sc = shm_ref(h, "scores", scoresb, scores_off, bt);
+    json_t *rt = sc != NULL ? shm_ref(h, "routes", routesb, routes_off, bk) : NULL;
+    if (rt == NULL) {
+        json_decref(g);
+        json_decref(sc);
+        return -EINVAL;
+    }
+    json_t *args = json_pack("{s:s, s:o, s:o, s:o, s:I, s:I, s:I, s:f}", "prefix", prefix,
+                             "grid", g, "scores", sc, "routes", rt, "batch", (json_int_t)batch,
+                             "k_best", (json_int_t)k_best, "beam_size", (json_int_t)beam_size,
+                             "timeout", timeout_s);
+    result = call(h, "experts.route", args, wait_for(h, timeout_s), &res, NULL);
+    if (result != 0)
+        goto out;
+    const json_t *ex = json_object_get(res, "experts");
+    if (!json_is_array(ex)) {
+        fmt(h->err, sizeof(h->err), "the daemon's experts.route reply has no \"experts\" list");
+        result = -EPROTO;
+        goto out;
+    }
+    if (json_array_size(ex) > max_out) {
+        /* The routes index the whole list: a part of it would be useless. */
+        fmt(h->err, sizeof(h->err), "the batch is routed to %zu experts, more than the %zu "
+            "the caller has room for", json_array_size(ex), max_out);
+        result = -ENOBUFS;
+        goto out;
+    }
+    for (size_t i = 0; i < json_array_size(ex); i++) {
+        const json_t *e = json_array_get(ex, i);
+        const char *uid = json_string_value(json_object_get(e, "uid"));
+        const char *peer = json_string_value(json_object_get(e, "peer"));
+        if (uid == NULL || peer == NULL || strlen(uid) >= HMC_UID_MAX ||
+            strlen(peer) >= HMC_PEER_MAX || out == NULL) {
+            fmt(h->err, sizeof(h->err), "expert %zu of the daemon's reply is malformed", i);
+            result = -EPROTO;
+            goto out;
+        }
+        hmc_expert *o = &out[(*n_out)++];
+        memset(o, 0, sizeof(*o));
+        memcpy(o->uid, uid, strlen(uid) + 1);
+        memcpy(o->peer, peer, strlen(peer) + 1);
+    }
+    /* The routes the daemon wrote must index that list. */
+    const int32_t *routes = (const int32_t *)((const char *)hmc_buf_data(routesb) +
+                                              routes_off * sizeof(float));
+    for (size_t i = 0; i < bk; i++) {
+        if (routes[i] < -1 || routes[i] >= (int32_t)*n_out) {
+            fmt(h->err, sizeof(h->err), "route %zu of the daemon's reply is out of range", i);
+            result = -EPROTO;
+            goto out;
+        }
+    }
+    result = give_json(h, res, result_json_out);
+out:
+    json_decref(res);
+    return result;
+}
+
+/* The arguments routed forward and backward share. */
+static json_t *routed_args(hmc *h, const hmc_expert *experts, size_t n_experts, hmc_buf *routesb,
+                           size_t routes_off, size_t slots, hmc_buf *xb, size_t x_off,
+                           size_t batch, size_t dim, size_t k_min, int allow_zero_outputs,
+                           double timeout_s, size_t *sbd_out)
+{
+    size_t bd, bs;
+    h->code[0] = '\0';
+    if (n_experts == 0 || slots == 0 || batch == 0 || dim == 0 || k_min > slots ||
+        (k_min == 0 && !allow_zero_outputs) || !(timeout_s > 0) || !isfinite(timeout_s) ||
+        !mul_ok(batch, dim, &bd) || !mul_ok(batch, slots, &bs) || !mul_ok(bs, dim, sbd_out)) {
+        fmt(h->err, sizeof(h->err), "a routed call needs experts, slots >= 1, a batch and a "
+            "dimension >= 1, k_min <= slots (0 only with allow_zero_outputs) and a positive "
+            "timeout");
+        return NULL;
+    }
+    json_t *args = json_object();
+    json_t *x = args != NULL ? shm_ref(h, "x", xb, x_off, bd) : NULL;
+    json_t *rt = x != NULL ? shm_ref(h, "routes", routesb, routes_off, bs) : NULL;
+    if (rt == NULL || routed_experts_args(h, experts, n_experts, args) != 0) {
+        json_decref(args);
+        json_decref(x);
+        json_decref(rt);
+        return NULL;
+    }
+    json_object_set_new(args, "x", x);
+    json_object_set_new(args, "routes", rt);
+    json_object_set_new(args, "slots", json_integer((json_int_t)slots));
+    json_object_set_new(args, "batch", json_integer((json_int_t)batch));
+    json_object_set_new(args, "dim", json_integer((json_int_t)dim));
+    json_object_set_new(args, "k_min", json_integer((json_int_t)k_min));
+    json_object_set_new(args, "allow_zero_outputs", json_boolean(allow_zero_outputs));
+    json_object_set_new(args, "timeout", json_real(timeout_s));
+    return args;
+}
+
+int hmc_experts_forward_routed(hmc *h, const hmc_expert *experts, size_t n_experts,
+                               hmc_buf *routesb, size_t routes_off, size_t slots, hmc_buf *xb,
+                               size_t x_off, hmc_buf *yb, size_t y_off, size_t batch, size_t dim,
+                               size_t k_min, int allow_zero_outputs, double timeout_s,
+                               double timeout_after_k_min_s, int *answered_out,
+                               size_t *n_answered_out)
+{
+    size_t sbd;
+    json_t *res = NULL;
+    if (n_answered_out != NULL)
+        *n_answered_out = 0;
+    if (!(timeout_after_k_min_s >= 0) || !isfinite(timeout_after_k_min_s)) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "timeout_after_k_min must be >= 0");
+        return -EINVAL;
+    }
+    json_t *args = routed_args(h, experts, n_experts, routesb, routes_off, slots, xb, x_off,
+                               batch, dim, k_min, allow_zero_outputs, timeout_s, &sbd);
+    json_t *y = args != NULL ? shm_ref(h, "y", yb, y_off, sbd) : NULL;
+    if (y == NULL) {
+        json_decref(args);
+        return -EINVAL;
+    }
+    json_object_set_new(args, "y", y);
+    json_object_set_new(args, "timeout_after_k_min", json_real(timeout_after_k_min_s));
+    int r = call(h, "experts.forward", args, wait_for(h, timeout_s + timeout_after_k_min_s),
+                 &res, NULL);
+    if (r == 0)
+        r = take_answered(h, res, n_experts, answered_out, n_answered_out);
+    json_decref(res);
+    return r;
+}
+
+int hmc_experts_backward_routed(hmc *h, const hmc_expert *experts, size_t n_experts,
+                                hmc_buf *routesb, size_t routes_off, size_t slots, hmc_buf *xb,
+                                size_t x_off, hmc_buf *gyb, size_t gy_off, hmc_buf *gxb,
+                                size_t gx_off, size_t batch, size_t dim, size_t k_min,
+                                int allow_zero_outputs, double timeout_s, int *answered_out,
+                                size_t *n_answered_out)
+{
+    size_t sbd;
+    json_t *res = NULL;
+    if (n_answered_out != NULL)
+        *n_answered_out = 0;
+    json_t *args = routed_args(h, experts, n_experts, routesb, routes_off, slots, xb, x_off,
+                               batch, dim, k_min, allow_zero_outputs, timeout_s, &sbd);
+    json_t *gy = args != NULL ? shm_ref(h, "gy", gyb, gy_off, sbd) : NULL;
+    json_t *gx = gy != NULL ? shm_ref(h, "gx", gxb, gx_off, sbd) : NULL;
+    if (gx == NULL) {
+        json_decref(args);
+        json_decref(gy);
+        return -EINVAL;
+    }
+    json_object_set_new(args, "gy", gy);
+    json_object_set_new(args, "gx", gx);
+    int r = call(h, "experts.backward", args, wait_for(h, timeout_s), &res, NULL);
+    if (r == 0)
+        r = take_answered(h, res, n_experts, answered_out, n_answered_out);
+    json_decref(res);
+    return r;
+}

@@ -252,6 +252,59 @@ int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *x
                          size_t dim, size_t k_min, double timeout_s, int *answered_out,
                          size_t *n_answered_out);
 
+/*
+ * Per-sample routing (Hivemind's RemoteMixtureOfExperts): every sample of a
+ * batch has its own gate scores and its own beam search; the daemon runs
+ * the batch's searches as one walk of the DHT ("experts.route").
+ *
+ * scores: batch rows of sum(grid) floats in scoresb from element
+ * scores_off, each row the scores of grid dimension 0, then 1, ...
+ * routes: batch * k_best int32 in routesb from element routes_off (an
+ * element is 4 bytes), written by the daemon: row b the experts of sample
+ * b, best first, as indices into out, -1 past the ones found. out gets
+ * every expert some sample was routed to (each once; more than max_out is
+ * -ENOBUFS), *n_out their number. beam_size 0: k_best.
+ */
+int hmc_experts_route(hmc *h, const char *prefix, const size_t *grid, size_t n_dims,
+                      hmc_buf *scoresb, size_t scores_off, size_t batch, size_t k_best,
+                      size_t beam_size, double timeout_s, hmc_buf *routesb, size_t routes_off,
+                      hmc_expert *out, size_t max_out, size_t *n_out, char **result_json_out);
+
+/*
+ * Forward with the rows grouped by expert: each of the n_experts gets one
+ * request holding the rows of the samples routed to it. routes: batch *
+ * slots int32 (as hmc_experts_route writes them with slots = k_best; -1:
+ * none); y: batch * slots * dim floats, slot j of sample b the output of
+ * expert routes[b][j] on x[b] (slots whose expert did not answer are left
+ * as they were). k_min and timeout_after_k_min count per sample: sample b
+ * needs min(k_min, the experts routed to it) answers; the call ends when
+ * every expert answered or timeout_after_k_min after the last sample got
+ * its k_min, and fails (-EREMOTEIO, "timeout" or a refusal's code) when
+ * at timeout some sample has fewer. k_min 0 needs allow_zero_outputs (a
+ * Switch layer: a sample without answers gets zeros from the mixture; the
+ * call then waits at most timeout_after_k_min). answered_out: n_experts
+ * ints.
+ */
+int hmc_experts_forward_routed(hmc *h, const hmc_expert *experts, size_t n_experts,
+                               hmc_buf *routesb, size_t routes_off, size_t slots, hmc_buf *xb,
+                               size_t x_off, hmc_buf *yb, size_t y_off, size_t batch, size_t dim,
+                               size_t k_min, int allow_zero_outputs, double timeout_s,
+                               double timeout_after_k_min_s, int *answered_out,
+                               size_t *n_answered_out);
+
+/*
+ * Backward of a routed forward: gy and gx are batch * slots * dim. Give it
+ * the forward's routes with -1 in every slot whose expert did not answer
+ * the forward, so that backward goes only to the experts that produced
+ * those rows; experts left with no rows are not called.
+ */
+int hmc_experts_backward_routed(hmc *h, const hmc_expert *experts, size_t n_experts,
+                                hmc_buf *routesb, size_t routes_off, size_t slots, hmc_buf *xb,
+                                size_t x_off, hmc_buf *gyb, size_t gy_off, hmc_buf *gxb,
+                                size_t gx_off, size_t batch, size_t dim, size_t k_min,
+                                int allow_zero_outputs, double timeout_s, int *answered_out,
+                                size_t *n_answered_out);
+
 /* ---- DiLoCo ---- */
 
 /*

@@ -36,6 +36,7 @@
 
 typedef struct find_op find_op;
 typedef struct call call;
+typedef struct route_op route_op;
 
 /* A name's remembered holder (policy in client.h); name[0] == 0: a free slot. */
 typedef struct holder {
@@ -71,6 +72,7 @@ struct hm_moe_client {
     uint64_t next_call_id;
     LIST_HEAD(, find_op) finds; /* active find operations */
     LIST_HEAD(, call) calls;    /* active expert calls */
+    LIST_HEAD(, route_op) routes; /* active per-sample searches */
 };
 
 /* ------------------------------------------------------------ find ops */
@@ -763,6 +765,530 @@ out:
     return result;
 }
 
+/* ----------------------------------------------------- per-sample routing */
+
+/*
+ * A routed search keeps one beam per sample but reads the DHT once per
+ * level for all of them: the level's keys are the union of the prefixes
+ * in the samples' beams, fetched in get_many's of up to BEAM_MAX keys that
+ * run at once. Each key's dictionary is read once into its children (one
+ * per coordinate, the declaration the policy believes); every sample then
+ * scores the children of its own beam with its own gate scores.
+ */
+
+/* Keys one level of a routed search may read (checked from the grid before it starts). */
+#define ROUTE_MAX_KEYS 4096
+
+typedef struct route_child {
+    beam_ent ent;
+    uint32_t coord;
+} route_child;
+
+/* A beam entry of one sample: ref is a key (beam) or a child (next) of the level. */
+typedef struct route_pick {
+    uint32_t ref;
+    double score;
+} route_pick;
+
+typedef struct route_chunk {
+    route_op *op;
+    size_t first, n; /* keys[first .. first + n) */
+} route_chunk;
+
+struct route_op {
+    hm_moe_client *c; /* NULL once detached */
+    LIST_ENTRY(route_op) link;
+    hm_moe_route_cb cb;
+    void *ud;
+    size_t ndims, batch, k_best, beam_size, cap;
+    size_t grid[HM_MOE_MAX_GRID_DIMS], off[HM_MOE_MAX_GRID_DIMS], total;
+    double *scores; /* [batch, total] */
+    uint64_t deadline_ms;
+    unsigned level;
+    int failed_gets;
+    char (*keys)[HM_MOE_UID_MAX + 1]; /* this level's keys */
+    size_t n_keys;
+    route_chunk *chunks;
+    size_t chunks_left;  /* get_many's in flight */
+    route_child **kids;  /* [n_keys]: each key's children */
+    size_t *n_kids;      /* [n_keys] */
+    size_t *kid_base;    /* [n_keys]: the global index of each key's first child */
+    route_pick *beam, *next; /* [batch * cap] */
+    size_t *n_beam, *n_next; /* [batch] */
+};
+
+static void route_kids_free(route_op *r)
+{
+    for (size_t i = 0; r->kids != NULL && i < r->n_keys; i++)
+        free(r->kids[i]);
+    free(r->kids);
+    free(r->n_kids);
+    free(r->kid_base);
+    r->kids = NULL;
+    r->n_kids = NULL;
+    r->kid_base = NULL;
+}
+
+static void route_free(route_op *r)
+{
+    if (r == NULL)
+        return;
+    route_kids_free(r);
+    free(r->scores);
+    free(r->keys);
+    free(r->chunks);
+    free(r->beam);
+    free(r->next);
+    free(r->n_beam);
+    free(r->n_next);
+    free(r);
+}
+
+static void route_unlink(route_op *r)
+{
+    if (r->c == NULL)
+        return;
+    LIST_REMOVE(r, link);
+    r->c = NULL;
+}
+
+static void route_report(route_op *r, int status, const hm_moe_expert *ex, size_t n,
+                         const int32_t *routes)
+{
+    route_unlink(r);
+    r->cb(r->ud, status, ex, n, routes, r->batch, r->k_best);
+    route_free(r);
+}
+
+/* Reads key kk's dictionary into its children, one per coordinate. */
+static void route_take(route_op *r, size_t kk, const hm_dht_value *values, size_t n)
+{
+    int last = r->level + 1 == r->ndims;
+    const char *parent = r->keys[kk];
+    size_t plen = strlen(parent);
+    double now = wall_s();
+    route_child *kids = n > 0 ? calloc(n, sizeof(*kids)) : NULL;
+    size_t nk = 0;
+    if (n > 0 && kids == NULL) {
+        r->failed_gets = 1; /* no memory for the key's entries: as if it failed */
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const hm_dht_record *rec = &values[i].rec;
+        route_child cand;
+        char uid[HM_MOE_UID_MAX + 1], addr[HM_MOE_ADDR_MAX + 1];
+        hm_moe_uid u;
+
+        if (!rec->has_subkey || rec->key_len != plen || memcmp(rec->key, parent, plen) != 0)
+            continue;
+        memset(&cand, 0, sizeof(cand));
+        if (hm_moe_parse_prefix_subkey(rec->subkey, rec->subkey_len, &cand.coord,
+                                       cand.ent.ex.pk) != 0)
+            continue;
+        if (cand.coord >= r->grid[r->level])
+            continue;
+        if (hm_moe_decode_prefix_value(rec->value, rec->value_len, uid, addr) != 0)
+            continue; /* withdrawn or malformed */
+        int w = snprintf(cand.ent.name, sizeof(cand.ent.name), "%s%" PRIu32 "%s", parent,
+                         cand.coord, last ? "" : ".");
+        if (w < 0 || (size_t)w >= sizeof(cand.ent.name))
+            continue;
+        size_t ulen = strlen(uid);
+        if (hm_moe_uid_parse(uid, ulen, &u) != 0 || u.ndims != r->ndims)
+            continue;
+        if (last ? strcmp(uid, cand.ent.name) != 0 : strncmp(uid, cand.ent.name, (size_t)w) != 0)
+            continue;
+        if (!decl_admit(r->c, cand.ent.name, cand.ent.ex.pk, rec->expiration, now))
+            continue;
+        cand.ent.expiration = rec->expiration;
+        cand.ent.n_owners = 1;
+        if (last) {
+            memcpy(cand.ent.ex.uid, uid, ulen + 1);
+            if (expert_set_addr(&cand.ent.ex, addr) != 0)
+                continue;
+        }
+        size_t j = 0;
+        while (j < nk && kids[j].coord != cand.coord)
+            j++;
+        if (j == nk) {
+            kids[nk++] = cand;
+            continue;
+        }
+        /* Another owner's entry of the same name (as ent_offer decides). */
+        kids[j].ent.n_owners++;
+        if (last ? decl_better(r->c, cand.ent.name, cand.ent.ex.pk, cand.ent.expiration,
+                               kids[j].ent.ex.pk, kids[j].ent.expiration)
+                 : cand.ent.expiration > kids[j].ent.expiration) {
+            unsigned owners = kids[j].ent.n_owners;
+            kids[j] = cand;
+            kids[j].ent.n_owners = owners;
+        }
+    }
+    if (last)
+        for (size_t j = 0; j < nk; j++)
+            holder_note(r->c, kids[j].ent.name, kids[j].ent.ex.pk, kids[j].ent.n_owners - 1);
+    r->kids[kk] = kids;
+    r->n_kids[kk] = nk;
+}
+
+/* The child with global index g. */
+static const route_child *route_kid(const route_op *r, uint32_t g)
+{
+    /* kid_base is ascending: a binary search finds g's key. */
+    size_t lo = 0, hi = r->n_keys;
+    while (hi - lo > 1) {
+        size_t mid = (lo + hi) / 2;
+        if (r->kid_base[mid] <= g)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return &r->kids[lo][g - r->kid_base[lo]];
+}
+
+/* Whether a ranks before b: higher score, then the smaller name. */
+static int pick_better(const route_op *r, const route_pick *a, const route_pick *b)
+{
+    if (a->score != b->score)
+        return a->score > b->score;
+    return strcmp(route_kid(r, a->ref)->ent.name, route_kid(r, b->ref)->ent.name) < 0;
+}
+
+/* Offers a candidate to a sample's sorted list of at most cap picks. */
+static void pick_offer(const route_op *r, route_pick *arr, size_t *n, size_t cap,
+                       const route_pick *cand)
+{
+    if (*n == cap && !pick_better(r, cand, &arr[cap - 1]))
+        return;
+    size_t pos = *n < cap ? *n : cap - 1;
+    while (pos > 0 && pick_better(r, cand, &arr[pos - 1])) {
+        arr[pos] = arr[pos - 1];
+        pos--;
+    }
+    arr[pos] = *cand;
+    if (*n < cap)
+        (*n)++;
+}
+
+static int route_request(route_op *r);
+
+/*
+ * The experts of every sample, from the last level's picks: those on hosts
+ * in good standing first, then the backed-off ones (client.h), k_best at
+ * most; each distinct expert once in the list, routes indexing it.
+ */
+static void route_finish(route_op *r)
+{
+    size_t n_total = r->n_keys > 0 ? r->kid_base[r->n_keys - 1] + r->n_kids[r->n_keys - 1] : 0;
+    int32_t *map = n_total > 0 ? malloc(n_total * sizeof(int32_t)) : NULL;
+    int32_t *routes = malloc(r->batch * r->k_best * sizeof(int32_t));
+    hm_moe_expert *ex = NULL;
+    size_t n_ex = 0;
+    uint64_t now = hm_now_ms();
+    if ((n_total > 0 && map == NULL) || routes == NULL) {
+        free(map);
+        free(routes);
+        route_report(r, -ENOMEM, NULL, 0, NULL);
+        return;
+    }
+    for (size_t i = 0; i < n_total; i++)
+        map[i] = -1;
+    for (size_t i = 0; i < r->batch * r->k_best; i++)
+        routes[i] = -1;
+    ex = calloc(HM_MIN(r->batch * r->k_best, (size_t)HM_MOE_MAX_ROUTED), sizeof(*ex));
+    if (ex == NULL) {
+        free(map);
+        free(routes);
+        route_report(r, -ENOMEM, NULL, 0, NULL);
+        return;
+    }
+    size_t cap_ex = HM_MIN(r->batch * r->k_best, (size_t)HM_MOE_MAX_ROUTED);
+    for (size_t b = 0; b < r->batch; b++) {
+        const route_pick *p = r->next + b * r->cap;
+        size_t got = 0;
+        for (int pass = 0; pass < 2 && r->c != NULL; pass++) {
+            for (size_t i = 0; i < r->n_next[b] && got < r->k_best; i++) {
+                const route_child *kid = route_kid(r, p[i].ref);
+                int off = backoff_state(r->c, kid->ent.ex.pk, now) == HOST_BACKED_OFF;
+                if (off != pass)
+                    continue;
+                if (map[p[i].ref] < 0) {
+                    if (n_ex == cap_ex)
+                        continue; /* cannot happen under the checks at the start */
+                    ex[n_ex] = kid->ent.ex;
+                    ex[n_ex].score = 0;
+                    map[p[i].ref] = (int32_t)n_ex++;
+                }
+                routes[b * r->k_best + got++] = map[p[i].ref];
+            }
+        }
+    }
+    int status = 0;
+    if (n_ex == 0)
+        status = r->failed_gets ? -ETIMEDOUT : -ENOENT;
+    route_report(r, status, ex, n_ex, routes);
+    free(ex);
+    free(map);
+    free(routes);
+}
+
+/* Every key of the level has been read: score, then go down a level or finish. */
+static void route_level_done(route_op *r)
+{
+    int last = r->level + 1 == r->ndims;
+    size_t lim = last ? 2 * r->k_best : r->beam_size;
+    r->kid_base = malloc((r->n_keys > 0 ? r->n_keys : 1) * sizeof(size_t));
+    if (r->kid_base == NULL) {
+        route_report(r, -ENOMEM, NULL, 0, NULL);
+        return;
+    }
+    size_t base = 0;
+    for (size_t kk = 0; kk < r->n_keys; kk++) {
+        r->kid_base[kk] = base;
+        base += r->n_kids[kk];
+    }
+    for (size_t b = 0; b < r->batch; b++) {
+        const double *sc = r->scores + b * r->total + r->off[r->level];
+        route_pick *nx = r->next + b * r->cap;
+        r->n_next[b] = 0;
+        for (size_t i = 0; i < r->n_beam[b]; i++) {
+            const route_pick *p = &r->beam[b * r->cap + i];
+            for (size_t j = 0; j < r->n_kids[p->ref]; j++) {
+                route_pick cand = {
+                    .ref = (uint32_t)(r->kid_base[p->ref] + j),
+                    .score = p->score + sc[r->kids[p->ref][j].coord],
+                };
+                pick_offer(r, nx, &r->n_next[b], lim, &cand);
+            }
+        }
+    }
+    if (last) {
+        route_finish(r);
+        return;
+    }
+    /* The picked children become the next level's keys (each once). */
+    int32_t *map = base > 0 ? malloc(base * sizeof(int32_t)) : NULL;
+    char(*keys)[HM_MOE_UID_MAX + 1] = calloc(ROUTE_MAX_KEYS, sizeof(*keys));
+    if ((base > 0 && map == NULL) || keys == NULL) {
+        free(map);
+        free(keys);
+        route_report(r, -ENOMEM, NULL, 0, NULL);
+        return;
+    }
+    for (size_t i = 0; i < base; i++)
+        map[i] = -1;
+    size_t n_keys = 0;
+    for (size_t b = 0; b < r->batch; b++) {
+        size_t kept = 0;
+        for (size_t i = 0; i < r->n_next[b]; i++) {
+            route_pick p = r->next[b * r->cap + i];
+            if (map[p.ref] < 0) {
+                if (n_keys == ROUTE_MAX_KEYS) {
+                    r->failed_gets = 1; /* cannot happen under the checks at the start */
+                    continue;
+                }
+                hm_strlcpy(keys[n_keys], route_kid(r, p.ref)->ent.name, sizeof(keys[0]));
+                map[p.ref] = (int32_t)n_keys++;
+            }
+            r->beam[b * r->cap + kept].ref = (uint32_t)map[p.ref];
+            r->beam[b * r->cap + kept].score = p.score;
+            kept++;
+        }
+        r->n_beam[b] = kept;
+    }
+    free(map);
+    route_kids_free(r);
+    free(r->keys);
+    r->keys = keys;
+    r->n_keys = n_keys;
+    r->level++;
+    if (n_keys == 0 || hm_now_ms() >= r->deadline_ms) {
+        if (n_keys > 0)
+            r->failed_gets = 1;
+        /* Nothing reached the last level: no sample has an expert. */
+        r->n_keys = 0;
+        for (size_t b = 0; b < r->batch; b++)
+            r->n_next[b] = 0;
+        route_finish(r);
+        return;
+    }
+    if (route_request(r) < 0) {
+        r->failed_gets = 1;
+        r->n_keys = 0;
+        for (size_t b = 0; b < r->batch; b++)
+            r->n_next[b] = 0;
+        route_finish(r);
+    }
+}
+
+static void route_chunk_cb(void *ud, const hm_dht_many_result *results, size_t n_keys)
+{
+    route_chunk *ch = ud;
+    route_op *r = ch->op;
+    r->chunks_left--;
+    if (r->c == NULL) {
+        if (r->chunks_left == 0)
+            route_free(r); /* detached: the caller has heard -ECANCELED already */
+        return;
+    }
+    for (size_t i = 0; i < ch->n && i < n_keys; i++) {
+        if (results[i].status < 0) {
+            r->failed_gets = 1;
+            continue;
+        }
+        route_take(r, ch->first + i, results[i].values, results[i].n);
+    }
+    if (r->chunks_left == 0)
+        route_level_done(r);
+}
+
+/* Starts the get_many's of the level's keys. 0 or an error (nothing started then). */
+static int route_request(route_op *r)
+{
+    const uint8_t *keys[BEAM_MAX];
+    size_t lens[BEAM_MAX];
+    size_t n_chunks = (r->n_keys + BEAM_MAX - 1) / BEAM_MAX;
+    uint64_t now = hm_now_ms();
+    uint64_t left = r->deadline_ms > now ? r->deadline_ms - now : 1;
+
+    free(r->chunks);
+    r->kids = calloc(r->n_keys, sizeof(*r->kids));
+    r->n_kids = calloc(r->n_keys, sizeof(*r->n_kids));
+    r->chunks = calloc(n_chunks, sizeof(*r->chunks));
+    if (r->kids == NULL || r->n_kids == NULL || r->chunks == NULL)
+        return -ENOMEM;
+    /*
+     * Every chunk counts as in flight before the first is sent, so that a
+     * chunk answered at once cannot end the level early; a chunk that
+     * cannot be sent ends its count and marks the search as having failed
+     * a read, as a failed get would.
+     */
+    r->chunks_left = n_chunks + 1;
+    size_t started = 0;
+    for (size_t ci = 0; ci < n_chunks; ci++) {
+        route_chunk *ch = &r->chunks[ci];
+        ch->op = r;
+        ch->first = ci * BEAM_MAX;
+        ch->n = HM_MIN((size_t)BEAM_MAX, r->n_keys - ch->first);
+        for (size_t i = 0; i < ch->n; i++) {
+            keys[i] = (const uint8_t *)r->keys[ch->first + i];
+            lens[i] = strlen(r->keys[ch->first + i]);
+        }
+        if (hm_node_dht_get_many(r->c->node, keys, lens, ch->n, left, route_chunk_cb, ch) == 0) {
+            started++;
+        } else {
+            r->failed_gets = 1;
+            r->chunks_left--;
+        }
+    }
+    if (started == 0) {
+        r->chunks_left = 0;
+        return -EHOSTUNREACH;
+    }
+    /* The extra count: the level ends here if every chunk came back already. */
+    if (--r->chunks_left == 0)
+        route_level_done(r);
+    return 0;
+}
+
+int hm_moe_route(hm_moe_client *c, const char *prefix, const float *scores, size_t batch,
+                 const size_t *grid_sizes, size_t ndims, size_t k_best, size_t beam_size,
+                 uint64_t timeout_ms, hm_moe_route_cb cb, void *ud)
+{
+    int result = 0;
+    route_op *r = NULL;
+    char probe[HM_MOE_PREFIX_MAX + 8];
+    hm_moe_uid u;
+
+    if (c == NULL || prefix == NULL || scores == NULL || grid_sizes == NULL || cb == NULL ||
+        timeout_ms == 0)
+        return -EINVAL;
+    if (ndims < 1 || ndims > HM_MOE_MAX_GRID_DIMS || k_best < 1 || k_best > HM_MOE_MAX_K ||
+        batch < 1 || batch > HM_MOE_MAX_BATCH)
+        return -EINVAL;
+    if (beam_size == 0)
+        beam_size = k_best;
+    if (beam_size > BEAM_MAX)
+        return -EINVAL;
+    size_t plen = strnlen(prefix, HM_MOE_PREFIX_MAX + 1);
+    if (plen > HM_MOE_PREFIX_MAX)
+        return -EINVAL;
+    snprintf(probe, sizeof(probe), "%s.0", prefix);
+    if (hm_moe_uid_parse(probe, strlen(probe), &u) != 0)
+        return -EINVAL;
+    size_t total = 0;
+    for (size_t d = 0; d < ndims; d++) {
+        if (grid_sizes[d] < 1 || grid_sizes[d] > HM_MOE_MAX_GRID)
+            return -EINVAL;
+        total += grid_sizes[d];
+    }
+    /*
+     * The keys of a level are at most the prefixes the grid has there and
+     * at most one per beam entry of every sample; the experts chosen at
+     * most the grid's and k_best per sample. Both are bounded up front so
+     * that a search never has to drop what it found.
+     */
+    double prefixes = 1;
+    for (size_t d = 0; d < ndims; d++) {
+        if (HM_MIN(prefixes, (double)batch * (double)beam_size) > ROUTE_MAX_KEYS)
+            return -E2BIG;
+        prefixes *= (double)grid_sizes[d];
+    }
+    if (HM_MIN(prefixes, (double)batch * (double)k_best) > HM_MOE_MAX_ROUTED)
+        return -E2BIG;
+    for (size_t i = 0; i < batch * total; i++)
+        if (!isfinite(scores[i]))
+            return -EINVAL;
+
+    r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return -ENOMEM;
+    r->cb = cb;
+    r->ud = ud;
+    r->ndims = ndims;
+    r->batch = batch;
+    r->k_best = k_best;
+    r->beam_size = beam_size;
+    r->cap = HM_MAX(beam_size, 2 * k_best);
+    r->total = total;
+    for (size_t d = 0, at = 0; d < ndims; d++) {
+        r->grid[d] = grid_sizes[d];
+        r->off[d] = at;
+        at += grid_sizes[d];
+    }
+    r->deadline_ms = hm_now_ms() + timeout_ms;
+    r->scores = malloc(batch * total * sizeof(double));
+    r->keys = calloc(1, sizeof(*r->keys));
+    r->beam = calloc(batch * r->cap, sizeof(*r->beam));
+    r->next = calloc(batch * r->cap, sizeof(*r->next));
+    r->n_beam = calloc(batch, sizeof(size_t));
+    r->n_next = calloc(batch, sizeof(size_t));
+    if (r->scores == NULL || r->keys == NULL || r->beam == NULL || r->next == NULL ||
+        r->n_beam == NULL || r->n_next == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    for (size_t i = 0; i < batch * total; i++)
+        r->scores[i] = scores[i];
+    snprintf(r->keys[0], sizeof(r->keys[0]), "%s.", prefix);
+    r->n_keys = 1;
+    for (size_t b = 0; b < batch; b++) {
+        r->beam[b * r->cap].ref = 0;
+        r->beam[b * r->cap].score = 0;
+        r->n_beam[b] = 1;
+    }
+    r->c = c;
+    LIST_INSERT_HEAD(&c->routes, r, link);
+    if ((result = route_request(r)) < 0) {
+        route_unlink(r);
+        goto out;
+    }
+    r = NULL;
+out:
+    route_free(r);
+    return result;
+}
+
 /* ---------------------------------------------------------- expert calls */
 
 /* The largest request (a backward at HM_MOE_MAX_ELEMS) must fit the transport's default frame. */
@@ -777,33 +1303,69 @@ typedef struct slot {
     int status;  /* how it ended (hm_moe_call_error.status) */
     int refused; /* the server answered with an error and its reason */
     uint8_t pk[HM_PK_BYTES]; /* the host, for its back-off */
+    size_t n_rows; /* rows sent to the expert (0: routed to no sample, not called) */
+    size_t row0;   /* routed calls: its first row in the call's row tables */
 } slot;
 
+/*
+ * An expert call. A per-batch call sends the whole batch to each of its k
+ * experts and counts answers for the batch as one; a routed call sends
+ * each expert only the rows routed to it (gathered into xg, gyg, grouped
+ * by expert) and counts answers per sample. Both count through the same
+ * tables: need[s] answers are wanted for sample s (a per-batch call has
+ * one "sample", the batch), got[s] came, and n_short samples still lack
+ * theirs.
+ */
 struct call {
     hm_moe_client *c; /* NULL once the call has left c->calls */
     LIST_ENTRY(call) link;
     uint64_t id;
     int backward;
+    int routed;
     int done;
     size_t k, k_min, batch, dim;
     size_t seq; /* 0: x is [batch, dim]; else batch rows are batch / seq sequences */
+    size_t per;  /* routed: slots per sample in the caller's out */
     uint64_t timeout_after_k_min_ms;
-    float *out; /* [k, batch, dim] */
+    float *out; /* per batch: [k, batch, dim]; routed: [batch, per, dim] */
     hm_moe_call_cb cb;
     void *ud;
     size_t n_pending, n_answered;
     size_t n_cancelled; /* slots the rpc layer ended with -ECANCELED (the node closing) */
-    uint8_t answered[HM_MOE_MAX_K];
+    uint8_t *answered;  /* [k] */
     hm_moe_call_error *errs; /* the caller's, or NULL */
     const float *x, *gy;     /* the caller's, for experts called late */
     uint64_t deadline_ms;
     hm_moe_expert *skipped;  /* [k] copies, where some expert was left out; else NULL */
     size_t n_skipped;        /* experts left out and not called since */
-    slot slots[HM_MOE_MAX_K];
+    slot *slots;             /* [k] */
+    size_t n_samples;        /* 1 for a per-batch call, batch for a routed one */
+    uint32_t *need, *got;    /* [n_samples] */
+    size_t n_short;          /* samples with got < need */
+    uint32_t *row_src;       /* routed: [rows] the sample of each row, grouped by expert */
+    uint32_t *row_dst;       /* routed: [rows] its row in out (b * per + j) */
+    float *xg, *gyg, *outg;  /* routed: [rows, dim] gathered inputs and the replies */
     uv_timer_t timer;      /* the overall timeout (or a deferred finish) */
     uv_timer_t kmin_timer; /* timeout_after_k_min, from the k_min-th answer */
     int handles_open;
 };
+
+static void call_free(call *k)
+{
+    if (k == NULL)
+        return;
+    free(k->skipped);
+    free(k->slots);
+    free(k->answered);
+    free(k->need);
+    free(k->got);
+    free(k->row_src);
+    free(k->row_dst);
+    free(k->xg);
+    free(k->gyg);
+    free(k->outg);
+    free(k);
+}
 
 static void call_unlink(call *k)
 {
@@ -816,9 +1378,43 @@ static void call_unlink(call *k)
 static void call_handle_closed(uv_handle_t *h)
 {
     call *k = h->data;
-    if (--k->handles_open == 0) {
-        free(k->skipped);
-        free(k);
+    if (--k->handles_open == 0)
+        call_free(k);
+}
+
+/* Expert e's input rows, gradients (backward) and reply block. */
+static const float *slot_x(const call *k, size_t e)
+{
+    return k->routed ? k->xg + k->slots[e].row0 * k->dim : k->x;
+}
+
+static const float *slot_gy(const call *k, size_t e)
+{
+    return k->routed ? k->gyg + k->slots[e].row0 * k->dim : k->gy + e * k->batch * k->dim;
+}
+
+static float *slot_out(const call *k, size_t e)
+{
+    return k->routed ? k->outg + k->slots[e].row0 * k->dim : k->out + e * k->batch * k->dim;
+}
+
+/* Counts expert e's answer for its samples; a routed reply goes to its rows of out. */
+static void slot_answered(call *k, size_t e)
+{
+    slot *s = &k->slots[e];
+    k->answered[e] = 1;
+    k->n_answered++;
+    if (!k->routed) {
+        if (++k->got[0] == k->need[0])
+            k->n_short--;
+        return;
+    }
+    for (size_t r = s->row0; r < s->row0 + s->n_rows; r++) {
+        memcpy(k->out + (size_t)k->row_dst[r] * k->dim, k->outg + r * k->dim,
+               k->dim * sizeof(float));
+        uint32_t b = k->row_src[r];
+        if (++k->got[b] == k->need[b])
+            k->n_short--;
     }
 }
 
@@ -834,20 +1430,19 @@ static int slot_send(call *k, size_t e, const hm_moe_expert *ex, uint64_t timeou
     hm_moe_client *c = k->c;
     slot *s = &k->slots[e];
     hm_wire_wr w;
-    size_t block = k->batch * k->dim;
 
     if (backoff_state(c, ex->pk, now) == HOST_DUE)
         backoff_probe(c, ex->pk, now, timeout_ms);
     hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
     if (k->seq != 0 && k->backward)
-        hm_moe_encode_bwd_seq(&w, ex->uid, k->x, k->gy + e * block, k->batch / k->seq, k->seq,
+        hm_moe_encode_bwd_seq(&w, ex->uid, slot_x(k, e), slot_gy(k, e), k->batch / k->seq, k->seq,
                               k->dim);
     else if (k->seq != 0)
-        hm_moe_encode_fwd_seq(&w, ex->uid, k->x, k->batch / k->seq, k->seq, k->dim);
+        hm_moe_encode_fwd_seq(&w, ex->uid, slot_x(k, e), k->batch / k->seq, k->seq, k->dim);
     else if (k->backward)
-        hm_moe_encode_bwd(&w, ex->uid, k->x, k->gy + e * block, k->batch, k->dim);
+        hm_moe_encode_bwd(&w, ex->uid, slot_x(k, e), slot_gy(k, e), s->n_rows, k->dim);
     else
-        hm_moe_encode_fwd(&w, ex->uid, k->x, k->batch, k->dim);
+        hm_moe_encode_fwd(&w, ex->uid, slot_x(k, e), s->n_rows, k->dim);
     int r = hm_wire_wr_error(&w);
     if (r == 0)
         r = hm_rpc_call(c->rpc, ex->pk, (const struct sockaddr *)&ex->addr,
@@ -931,7 +1526,7 @@ static void call_finish(call *k, int status)
 static void call_timeout_cb(uv_timer_t *t)
 {
     call *k = t->data;
-    call_finish_waited(k, k->n_answered >= k->k_min ? 0 : -ETIMEDOUT, k->n_pending > 0);
+    call_finish_waited(k, k->n_short == 0 ? 0 : -ETIMEDOUT, k->n_pending > 0);
 }
 
 static void call_kmin_cb(uv_timer_t *t)
@@ -949,7 +1544,7 @@ static int call_failure(const call *k)
     int first = 0;
     for (size_t e = 0; e < k->k; e++) {
         const slot *s = &k->slots[e];
-        if (k->answered[e])
+        if (k->answered[e] || s->n_rows == 0)
             continue;
         if (s->status == -ETIMEDOUT)
             return -ETIMEDOUT;
@@ -968,17 +1563,17 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
     if (k->done)
         return;
     hm_moe_client *c = k->c;
+    size_t short_before = k->n_short;
     s->status = status;
     if (status == -ECANCELED)
         k->n_cancelled++;
     if (status == 0) {
-        float *block = k->out + s->e * k->batch * k->dim;
         int r = k->seq != 0 ? hm_moe_decode_out_seq(body, len, k->backward, k->batch / k->seq,
-                                                    k->seq, k->dim, block)
-                            : hm_moe_decode_out(body, len, k->backward, k->batch, k->dim, block);
+                                                    k->seq, k->dim, slot_out(k, s->e))
+                            : hm_moe_decode_out(body, len, k->backward, s->n_rows, k->dim,
+                                                slot_out(k, s->e));
         if (r == 0) {
-            k->answered[s->e] = 1;
-            k->n_answered++;
+            slot_answered(k, s->e);
         } else {
             s->status = r;
             if (k->errs != NULL)
@@ -1000,8 +1595,8 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
     } else {
         backoff_unprobe(c, s->pk, hm_now_ms());
     }
-    if (k->n_pending == 0 && k->n_answered < k->k_min && k->n_cancelled == 0 &&
-        k->n_skipped > 0 && call_unskip(k) > 0)
+    if (k->n_pending == 0 && k->n_short > 0 && k->n_cancelled == 0 && k->n_skipped > 0 &&
+        call_unskip(k) > 0)
         return;
     if (k->n_pending == 0) {
         /*
@@ -1010,10 +1605,10 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
          * a timeout.
          */
         int fail = k->n_cancelled > 0 ? -ECANCELED : call_failure(k);
-        call_finish(k, k->n_answered >= k->k_min ? 0 : fail);
+        call_finish(k, k->n_short == 0 ? 0 : fail);
         return;
     }
-    if (status == 0 && k->answered[s->e] && k->n_answered == k->k_min) {
+    if (short_before > 0 && k->n_short == 0) {
         if (k->timeout_after_k_min_ms == 0)
             call_finish(k, 0);
         else
@@ -1021,28 +1616,109 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
     }
 }
 
+/*
+ * Routed calls: groups the rows by expert (counting sort over the routes),
+ * gathers each expert's inputs, and sets what each sample needs:
+ * min(k_min, the experts routed to it). 0, -EINVAL (an index out of range)
+ * or -EMSGSIZE (one expert's rows over a frame's caps), -ENOMEM.
+ */
+static int call_route_copied(call *k, const int32_t *routes)
+{
+    size_t per = k->per, dim = k->dim, rows = 0;
+    for (size_t i = 0; i < k->batch * per; i++) {
+        if (routes[i] < 0)
+            continue;
+        if ((size_t)routes[i] >= k->k)
+            return -EINVAL;
+        k->slots[routes[i]].n_rows++;
+        rows++;
+    }
+    for (size_t e = 0; e < k->k; e++) {
+        size_t n = k->slots[e].n_rows;
+        if (n > HM_MOE_MAX_BATCH || n * dim > HM_MOE_MAX_ELEMS)
+            return -EMSGSIZE;
+    }
+    size_t alloc = rows > 0 ? rows : 1;
+    k->row_src = malloc(alloc * sizeof(uint32_t));
+    k->row_dst = malloc(alloc * sizeof(uint32_t));
+    k->xg = malloc(alloc * dim * sizeof(float));
+    k->outg = malloc(alloc * dim * sizeof(float));
+    if (k->backward)
+        k->gyg = malloc(alloc * dim * sizeof(float));
+    if (k->row_src == NULL || k->row_dst == NULL || k->xg == NULL || k->outg == NULL ||
+        (k->backward && k->gyg == NULL))
+        return -ENOMEM;
+    size_t at = 0;
+    for (size_t e = 0; e < k->k; e++) {
+        k->slots[e].row0 = at;
+        at += k->slots[e].n_rows;
+    }
+    size_t *fill = calloc(k->k, sizeof(size_t));
+    if (fill == NULL)
+        return -ENOMEM;
+    for (size_t b = 0; b < k->batch; b++) {
+        uint32_t live = 0;
+        for (size_t j = 0; j < per; j++) {
+            int32_t e = routes[b * per + j];
+            if (e < 0)
+                continue;
+            size_t r = k->slots[e].row0 + fill[e]++;
+            k->row_src[r] = (uint32_t)b;
+            k->row_dst[r] = (uint32_t)(b * per + j);
+            memcpy(k->xg + r * dim, k->x + b * dim, dim * sizeof(float));
+            if (k->backward)
+                memcpy(k->gyg + r * dim, k->gy + (b * per + j) * dim, dim * sizeof(float));
+            live++;
+        }
+        k->need[b] = (uint32_t)HM_MIN((size_t)live, k->k_min);
+        k->n_short += k->need[b] > 0;
+    }
+    free(fill);
+    return 0;
+}
+
+static int call_route(call *k, const int32_t *caller_routes)
+{
+    size_t per = k->per;
+    /* The caller's routes may sit in memory a trainer shares: read them
+     * once, so that the count and the fill below agree. */
+    int32_t *routes = malloc(k->batch * per * sizeof(int32_t));
+    if (routes == NULL)
+        return -ENOMEM;
+    memcpy(routes, caller_routes, k->batch * per * sizeof(int32_t));
+    int r = call_route_copied(k, routes);
+    free(routes);
+    return r;
+}
+
 static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n,
-                      const float *x, const float *gy, size_t batch, size_t dim, float *out,
-                      const hm_moe_call_opts *o, hm_moe_call_cb cb, void *ud,
-                      uint64_t *call_out)
+                      const int32_t *routes, size_t per, const float *x, const float *gy,
+                      size_t batch, size_t dim, float *out, const hm_moe_call_opts *o,
+                      hm_moe_call_cb cb, void *ud, uint64_t *call_out)
 {
     int result = 0;
     call *k = NULL;
+    int routed = routes != NULL;
 
     if (c == NULL || experts == NULL || x == NULL || out == NULL || o == NULL || cb == NULL)
         return -EINVAL;
-    if (k_n < 1 || k_n > HM_MOE_MAX_K || o->k_min < 1 || o->k_min > k_n || o->timeout_ms == 0)
+    if (k_n < 1 || k_n > (routed ? HM_MOE_MAX_ROUTED : HM_MOE_MAX_K) || o->timeout_ms == 0)
         return -EINVAL;
-    if (batch < 1 || dim < 1)
+    /* A routed call may need no answer at all (a Switch layer's zero outputs). */
+    if (routed ? o->k_min > per : o->k_min < 1 || o->k_min > k_n)
+        return -EINVAL;
+    if (batch < 1 || dim < 1 || (routed && (per < 1 || per > HM_MOE_MAX_K)))
         return -EINVAL;
     /*
      * Over the protocol's caps the frame could not be sent (or would be
      * refused): say so now, rather than as a timeout when every send fails.
      */
-    if (o->seq != 0 && batch % o->seq != 0)
+    /* Routed calls carry rows of [batch, dim]; sequences go per batch only. */
+    if (o->seq != 0 && (routed || batch % o->seq != 0))
         return -EINVAL;
     if ((o->seq == 0 ? batch : batch / o->seq) > HM_MOE_MAX_BATCH || o->seq > HM_MOE_MAX_SEQ ||
-        dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS)
+        dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS ||
+        (routed && batch * per * dim > HM_MOE_MAX_ROUTED_ELEMS))
         return -EMSGSIZE;
     for (size_t e = 0; e < k_n; e++)
         if (strnlen(experts[e].uid, sizeof(experts[e].uid)) > HM_MOE_UID_MAX)
@@ -1052,11 +1728,13 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     if (k == NULL)
         return -ENOMEM;
     k->backward = gy != NULL;
+    k->routed = routed;
     k->k = k_n;
     k->k_min = o->k_min;
     k->batch = batch;
     k->seq = o->seq;
     k->dim = dim;
+    k->per = per;
     k->timeout_after_k_min_ms = o->timeout_after_k_min_ms;
     k->out = out;
     k->cb = cb;
@@ -1068,36 +1746,79 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     k->x = x;
     k->gy = gy;
     k->deadline_ms = hm_now_ms() + o->timeout_ms;
+    k->n_samples = routed ? batch : 1;
+    k->slots = calloc(k_n, sizeof(*k->slots));
+    k->answered = calloc(k_n, 1);
+    k->need = calloc(k->n_samples, sizeof(uint32_t));
+    k->got = calloc(k->n_samples, sizeof(uint32_t));
+    if (k->slots == NULL || k->answered == NULL || k->need == NULL || k->got == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
+    if (routed) {
+        if ((result = call_route(k, routes)) != 0)
+            goto out;
+    } else {
+        for (size_t e = 0; e < k_n; e++)
+            k->slots[e].n_rows = batch;
+        k->need[0] = (uint32_t)o->k_min;
+        k->n_short = 1;
+    }
 
     /*
      * Experts on backed-off hosts are left out, unless that would leave
-     * fewer than k_min: then the call is made to all, as without the
-     * back-off, since it cannot succeed otherwise. They are also called
-     * late should the others fail to make k_min (call_unskip).
+     * some sample fewer than it needs: then the call is made to all, as
+     * without the back-off, since it cannot succeed otherwise. They are
+     * also called late should the others fail to make k_min (call_unskip).
      */
     uint64_t now = hm_now_ms();
-    uint8_t skip[HM_MOE_MAX_K] = {0};
+    uint8_t *skip = calloc(k_n, 1);
+    if (skip == NULL) {
+        result = -ENOMEM;
+        goto out;
+    }
     size_t n_skip = 0;
     for (size_t e = 0; e < k_n; e++) {
         k->slots[e].call = k;
         k->slots[e].e = e;
         memcpy(k->slots[e].pk, experts[e].pk, HM_PK_BYTES);
-        if (backoff_state(c, experts[e].pk, now) == HOST_BACKED_OFF) {
+        if (k->slots[e].n_rows > 0 && backoff_state(c, experts[e].pk, now) == HOST_BACKED_OFF) {
             skip[e] = 1;
             n_skip++;
         }
     }
-    if (k_n - n_skip < o->k_min)
-        n_skip = 0;
     if (n_skip > 0) {
-        if ((k->skipped = malloc(k_n * sizeof(*k->skipped))) == NULL) {
-            result = -ENOMEM;
-            goto out;
+        /* What each sample would still have: got[] serves as the tally. */
+        int enough = 1;
+        if (!routed) {
+            enough = k_n - n_skip >= o->k_min;
+        } else {
+            for (size_t e = 0; e < k_n; e++)
+                for (size_t r = 0; !skip[e] && r < k->slots[e].n_rows; r++)
+                    k->got[k->row_src[k->slots[e].row0 + r]]++;
+            for (size_t b = 0; b < batch && enough; b++)
+                enough = k->got[b] >= k->need[b];
+            memset(k->got, 0, batch * sizeof(uint32_t));
         }
-        memcpy(k->skipped, experts, k_n * sizeof(*k->skipped));
+        if (!enough)
+            n_skip = 0;
     }
+    if (n_skip > 0 && (k->skipped = malloc(k_n * sizeof(*k->skipped))) == NULL) {
+        free(skip);
+        result = -ENOMEM;
+        goto out;
+    }
+    if (n_skip > 0)
+        memcpy(k->skipped, experts, k_n * sizeof(*k->skipped));
 
     for (size_t e = 0; e < k_n; e++) {
+        if (k->slots[e].n_rows == 0) {
+            /* Routed to no sample: not called at all. */
+            k->slots[e].status = -ENODATA;
+            if (k->errs != NULL)
+                snprintf(k->errs[e].msg, sizeof(k->errs[e].msg), "no rows were routed to it");
+            continue;
+        }
         if (n_skip > 0 && skip[e]) {
             k->slots[e].status = -EAGAIN;
             if (k->errs != NULL)
@@ -1108,11 +1829,13 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
             continue;
         }
         if (slot_send(k, e, &experts[e], o->timeout_ms, now) == -ENOMEM) {
+            free(skip);
             result = -ENOMEM;
             goto out;
         }
     }
-    if (k->n_pending == 0 && k->n_skipped > 0)
+    free(skip);
+    if (k->n_pending == 0 && k->n_skipped > 0 && k->n_short > 0)
         (void)call_unskip(k);
 
     uv_loop_t *loop = hm_node_loop(c->node);
@@ -1128,6 +1851,10 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     /* With nothing in flight the call is over, but the callback must not
      * fire from inside this function: a zero timer reports it. */
     uv_timer_start(&k->timer, call_timeout_cb, k->n_pending == 0 ? 0 : o->timeout_ms, 0);
+    /* No sample needs an answer (k_min 0): as after the k_min-th answer,
+     * the rest get timeout_after_k_min from the start. */
+    if (k->n_short == 0 && k->n_pending > 0)
+        uv_timer_start(&k->kmin_timer, call_kmin_cb, k->timeout_after_k_min_ms, 0);
 
     k->id = ++c->next_call_id;
     LIST_INSERT_HEAD(&c->calls, k, link);
@@ -1138,11 +1865,10 @@ out:
     if (k != NULL) {
         /* Abandon what was started; those callbacks see done and return. */
         k->done = 1;
-        for (size_t e = 0; e < k_n; e++)
+        for (size_t e = 0; k->slots != NULL && e < k_n; e++)
             if (k->slots[e].pending)
                 (void)hm_rpc_cancel(c->rpc, k->slots[e].rpc_id);
-        free(k->skipped);
-        free(k);
+        call_free(k);
     }
     return result;
 }
@@ -1151,7 +1877,7 @@ int hm_moe_forward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, con
                    size_t batch, size_t dim, float *y_out, const hm_moe_call_opts *o,
                    hm_moe_call_cb cb, void *ud, uint64_t *call_out)
 {
-    return call_start(c, experts, k, x, NULL, batch, dim, y_out, o, cb, ud, call_out);
+    return call_start(c, experts, k, NULL, 0, x, NULL, batch, dim, y_out, o, cb, ud, call_out);
 }
 
 int hm_moe_backward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, const float *x,
@@ -1160,7 +1886,29 @@ int hm_moe_backward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, co
 {
     if (gy == NULL)
         return -EINVAL;
-    return call_start(c, experts, k, x, gy, batch, dim, gx_out, o, cb, ud, call_out);
+    return call_start(c, experts, k, NULL, 0, x, gy, batch, dim, gx_out, o, cb, ud, call_out);
+}
+
+int hm_moe_forward_routed(hm_moe_client *c, const hm_moe_expert *experts, size_t n_experts,
+                          const int32_t *routes, size_t per, const float *x, size_t batch,
+                          size_t dim, float *y_out, const hm_moe_call_opts *o, hm_moe_call_cb cb,
+                          void *ud, uint64_t *call_out)
+{
+    if (routes == NULL)
+        return -EINVAL;
+    return call_start(c, experts, n_experts, routes, per, x, NULL, batch, dim, y_out, o, cb, ud,
+                      call_out);
+}
+
+int hm_moe_backward_routed(hm_moe_client *c, const hm_moe_expert *experts, size_t n_experts,
+                           const int32_t *routes, size_t per, const float *x, const float *gy,
+                           size_t batch, size_t dim, float *gx_out, const hm_moe_call_opts *o,
+                           hm_moe_call_cb cb, void *ud, uint64_t *call_out)
+{
+    if (routes == NULL || gy == NULL)
+        return -EINVAL;
+    return call_start(c, experts, n_experts, routes, per, x, gy, batch, dim, gx_out, o, cb, ud,
+                      call_out);
 }
 
 int hm_moe_cancel(hm_moe_client *c, uint64_t id)
@@ -1224,6 +1972,56 @@ int hm_moe_combine(const float *y, const float *logits, const uint8_t *answered,
     return 0;
 }
 
+int hm_moe_combine_routed(const float *y, const float *logits, const int32_t *routes,
+                          const uint8_t *answered, size_t n_experts, size_t batch, size_t per,
+                          size_t dim, float *out, float *weights_out)
+{
+    if (y == NULL || logits == NULL || routes == NULL || answered == NULL || out == NULL ||
+        batch < 1 || per < 1 || per > HM_MOE_MAX_K || dim < 1)
+        return -EINVAL;
+    for (size_t b = 0; b < batch; b++) {
+        const float *lg = logits + b * per;
+        const int32_t *rt = routes + b * per;
+        double w[HM_MOE_MAX_K];
+        uint8_t live[HM_MOE_MAX_K];
+        double mx = -INFINITY;
+        for (size_t j = 0; j < per; j++) {
+            if (rt[j] >= 0 && (size_t)rt[j] >= n_experts)
+                return -EINVAL;
+            live[j] = rt[j] >= 0 && answered[rt[j]];
+            if (live[j] && lg[j] > mx)
+                mx = lg[j];
+        }
+        double sum = 0;
+        for (size_t j = 0; j < per; j++) {
+            w[j] = live[j] ? exp((double)lg[j] - mx) : 0.0;
+            sum += w[j];
+        }
+        float *o = out + b * dim;
+        for (size_t i = 0; i < dim; i++)
+            o[i] = 0.0f;
+        /* A sample none of whose experts answered gets zeros (client.h). */
+        if (sum == 0 && mx == -INFINITY) {
+            for (size_t j = 0; weights_out != NULL && j < per; j++)
+                weights_out[b * per + j] = 0.0f;
+            continue;
+        }
+        if (!(sum > 0) || !isfinite(sum))
+            return -EINVAL; /* a non-finite logit */
+        for (size_t j = 0; j < per; j++) {
+            w[j] /= sum;
+            if (weights_out != NULL)
+                weights_out[b * per + j] = (float)w[j];
+            if (!live[j])
+                continue;
+            const float *yj = y + (b * per + j) * dim;
+            for (size_t i = 0; i < dim; i++)
+                o[i] += (float)(w[j] * yj[i]);
+        }
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------- lifetime */
 
 int hm_moe_client_new(hm_node *node, hm_moe_client **out)
@@ -1235,6 +2033,7 @@ int hm_moe_client_new(hm_node *node, hm_moe_client **out)
         return -ENOMEM;
     LIST_INIT(&c->finds);
     LIST_INIT(&c->calls);
+    LIST_INIT(&c->routes);
     c->node = node;
     c->max_ttl_s = HM_MOE_RECORD_MAX_TTL_S;
     c->backoff_ms = HM_MOE_BACKOFF_MS;
@@ -1256,6 +2055,11 @@ void hm_moe_client_free(hm_moe_client *c)
     while ((f = LIST_FIRST(&c->finds)) != NULL) {
         find_unlink(f);
         f->cb(f->ud, -ECANCELED, NULL, 0);
+    }
+    route_op *ro;
+    while ((ro = LIST_FIRST(&c->routes)) != NULL) {
+        route_unlink(ro);
+        ro->cb(ro->ud, -ECANCELED, NULL, 0, NULL, ro->batch, ro->k_best);
     }
     free(c->holders);
     free(c->backoffs);

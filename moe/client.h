@@ -206,6 +206,75 @@ int hm_moe_forward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, con
 int hm_moe_backward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, const float *x,
                     const float *gy, size_t batch, size_t dim, float *gx_out,
                     const hm_moe_call_opts *o, hm_moe_call_cb cb, void *ud, uint64_t *call_out);
+/*
+ * Per-sample routing (Hivemind's RemoteMixtureOfExperts). Each sample runs
+ * its own beam search over its own gate scores; the batch's searches share
+ * one walk of the DHT, one level at a time: a level reads the union of the
+ * prefixes the samples' beams hold (in get_many's of up to HM_DHT_MANY_MAX
+ * keys that run at once), and every sample scores the children of its own
+ * beam. With a beam at least as wide as the declared prefixes of each
+ * level, every sample gets exactly its top k_best of the grid.
+ *
+ * A routed call groups the rows by expert: each expert that some sample
+ * was routed to gets one request holding exactly those samples' rows.
+ * k_min and timeout_after_k_min count per sample: sample b needs
+ * min(k_min, the experts routed to it) answers; the call succeeds as soon
+ * as every expert answered, or timeout_after_k_min after the last sample
+ * got what it needs, and fails with -ETIMEDOUT (or a server's code, as
+ * above) when at timeout some sample has fewer. k_min 0 is allowed (a
+ * Switch layer: a sample whose expert did not answer gets zeros); the
+ * call then waits at most timeout_after_k_min from its start. The back-off
+ * leaves an expert out only while every sample keeps what it needs.
+ * Experts no sample was routed to are not called (errors_out: -ENODATA).
+ */
+
+/* Distinct experts in one routed search or call, and the elements of its output. */
+#define HM_MOE_MAX_ROUTED 1024
+#define HM_MOE_MAX_ROUTED_ELEMS ((size_t)1 << 25)
+
+/*
+ * routes: [batch, k_best], row b the experts of sample b, best first, as
+ * indices into experts (-1 past the ones found). Both are valid during
+ * the callback only.
+ */
+typedef void (*hm_moe_route_cb)(void *ud, int status, const hm_moe_expert *experts, size_t n,
+                                const int32_t *routes, size_t batch, size_t k_best);
+
+/*
+ * scores: [batch, sum(grid_sizes)] finite gate scores, sample b's row the
+ * scores of grid dimension 0, then 1, ... (copied). batch 1..
+ * HM_MOE_MAX_BATCH, the other bounds as hm_moe_beam_search; -E2BIG when a
+ * level could need more than 4096 keys (min(batch * beam_size, the grid's
+ * prefixes there)) or the result more than HM_MOE_MAX_ROUTED experts
+ * (min(batch * k_best, the grid's size)). status 0 when some sample has
+ * an expert (samples with none have a row of -1), -ENOENT, -ETIMEDOUT,
+ * -ECANCELED as hm_moe_beam_search.
+ */
+int hm_moe_route(hm_moe_client *c, const char *prefix, const float *scores, size_t batch,
+                 const size_t *grid_sizes, size_t ndims, size_t k_best, size_t beam_size,
+                 uint64_t timeout_ms, hm_moe_route_cb cb, void *ud);
+
+/*
+ * x: [batch, dim]; routes: [batch, per] indices into experts (n_experts
+ * 1..HM_MOE_MAX_ROUTED) or -1 (copied at the call); y_out: [batch, per,
+ * dim], slot j of sample b the output of expert routes[b][j] on x[b]
+ * (slots of experts that did not answer are left as they were). k_min
+ * 0..per. answered in the callback is per expert. 0, -EINVAL, -EMSGSIZE
+ * (batch * per * dim over HM_MOE_MAX_ROUTED_ELEMS, or one expert's rows
+ * over a frame's caps), -ENOMEM.
+ */
+int hm_moe_forward_routed(hm_moe_client *c, const hm_moe_expert *experts, size_t n_experts,
+                          const int32_t *routes, size_t per, const float *x, size_t batch,
+                          size_t dim, float *y_out, const hm_moe_call_opts *o, hm_moe_call_cb cb,
+                          void *ud, uint64_t *call_out);
+/* gy: [batch, per, dim] (dL/dy of each slot); gx_out likewise. Pass the
+ * routes of the forward with -1 in the slots whose expert did not answer
+ * it, so that backward goes only to the experts that gave those rows. */
+int hm_moe_backward_routed(hm_moe_client *c, const hm_moe_expert *experts, size_t n_experts,
+                           const int32_t *routes, size_t per, const float *x, const float *gy,
+                           size_t batch, size_t dim, float *gx_out, const hm_moe_call_opts *o,
+                           hm_moe_call_cb cb, void *ud, uint64_t *call_out);
+
 /* Ends a call now: its callback fires with -ECANCELED. 0 or -ENOENT. */
 int hm_moe_cancel(hm_moe_client *c, uint64_t call);
 
@@ -217,5 +286,15 @@ int hm_moe_cancel(hm_moe_client *c, uint64_t call);
  */
 int hm_moe_combine(const float *y, const float *logits, const uint8_t *answered, size_t k,
                    size_t batch, size_t dim, float *out, float *weights_out);
+
+/*
+ * The routed mixture: out[b] = sum over the answered slots j of sample b of
+ * w[b][j] * y[b][j], w[b] the softmax of logits[b] ([batch, per]) over
+ * those slots; a sample with none gets zeros (weights 0). -EINVAL on a
+ * non-finite logit or an index out of range.
+ */
+int hm_moe_combine_routed(const float *y, const float *logits, const int32_t *routes,
+                          const uint8_t *answered, size_t n_experts, size_t batch, size_t per,
+                          size_t dim, float *out, float *weights_out);
 
 #endif

@@ -7,8 +7,11 @@
  * in flight, the mixture's softmax, and which owner's declaration of a uid
  * is believed (a day-long or a newcomer's declaration does not take a held
  * uid; an allow-list; a holder that leaves passes the uid on), servers'
- * refusals reaching the caller with their reason, and stalled hosts
- * skipped for a back-off, then probed.
+ * refusals reaching the caller with their reason, stalled hosts
+ * skipped for a back-off, then probed, and per-sample routing (every
+ * sample's brute-force top k from one batched walk, one request per
+ * expert with its rows, outputs and gradients per slot equal to the
+ * experts' own math, k_min per sample, the routed mixture).
  */
 #include "config.h"
 
@@ -1320,5 +1323,268 @@ Test(moe_client, hivemind_uids_six_dimensions)
     cr_assert_eq(stat(path, &st), 0, "no %s", path);
     snprintf(path, sizeof(path), "%s/experts/transformer%%3A%%3Aencoder.2.ckpt", sw.dirs[2]);
     cr_assert_eq(stat(path, &st), 0, "no %s", path);
+    swarm_stop(&sw);
+}
+
+/* ------------------------------------------------- per-sample routing */
+
+typedef struct routeres {
+    int calls;
+    int status;
+    hm_moe_expert ex[64];
+    size_t n;
+    int32_t routes[64 * 8];
+    size_t batch, k_best;
+} routeres;
+
+static void on_route(void *ud, int status, const hm_moe_expert *ex, size_t n,
+                     const int32_t *routes, size_t batch, size_t k_best)
+{
+    routeres *r = ud;
+    r->calls++;
+    r->status = status;
+    r->n = n;
+    r->batch = batch;
+    r->k_best = k_best;
+    cr_assert_leq(n, 64u);
+    cr_assert_leq(batch * k_best, 64u * 8u);
+    if (n > 0)
+        memcpy(r->ex, ex, n * sizeof(*ex));
+    if (routes != NULL)
+        memcpy(r->routes, routes, batch * k_best * sizeof(int32_t));
+}
+
+static int route_done(void *ud) { return ((routeres *)ud)->calls > 0; }
+
+static void route(swarm *sw, const float *scores, size_t batch, size_t k, size_t beam_size,
+                  routeres *r)
+{
+    size_t sizes[2] = {4, 4};
+    memset(r, 0, sizeof(*r));
+    cr_assert_eq(hm_moe_route(sw->client, "ffn", scores, batch, sizes, 2, k, beam_size, 5000,
+                              on_route, r),
+                 0);
+    cr_assert_eq(r->calls, 0, "the callback fired inside hm_moe_route");
+    cr_assert(hm_test_run_until(&sw->loop, route_done, r, 10000));
+    cr_assert_eq(r->calls, 1);
+}
+
+/* Whether every sample's route is its own brute-force top k over the grid. */
+static int routes_exact(const routeres *r, const float *scores, size_t batch, size_t k,
+                        int report)
+{
+    if (r->status != 0)
+        return 0;
+    for (size_t b = 0; b < batch; b++) {
+        double s0[4], s1[4];
+        scored want[16];
+        for (int i = 0; i < 4; i++) {
+            s0[i] = scores[b * 8 + (size_t)i];
+            s1[i] = scores[b * 8 + 4 + (size_t)i];
+        }
+        size_t nw = expect_top(s0, s1, 4, k, want);
+        for (size_t j = 0; j < k; j++) {
+            int32_t e = r->routes[b * k + j];
+            int ok = j < nw ? e >= 0 && (size_t)e < r->n && strcmp(r->ex[e].uid, want[j].uid) == 0
+                            : e == -1;
+            if (!ok) {
+                if (report)
+                    cr_assert_fail("sample %zu rank %zu: %s, want %s", b, j,
+                                   e >= 0 ? r->ex[e].uid : "none", j < nw ? want[j].uid : "none");
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+static uint64_t requests_of(swarm *sw, size_t node, const char *uid, int backward)
+{
+    hm_moe_hosted h[16];
+    size_t n = HM_MIN(hm_moe_server_list(sw->servers[node], h, 16), (size_t)16);
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(h[i].uid, uid) == 0)
+            return backward ? h[i].bwd_requests : h[i].fwd_requests;
+    cr_assert_fail("%s is not hosted on node %zu", uid, node);
+    return 0;
+}
+
+static size_t owner_of(const char *uid)
+{
+    unsigned i = (unsigned)(uid[4] - '0'), j = (unsigned)(uid[6] - '0');
+    return i == 0 || (i == 1 && j < 3) ? 1 : i == 3 ? 3 : 2;
+}
+
+Test(moe_client, routed_per_sample_matches_brute_force_and_local_experts)
+{
+    swarm sw;
+    swarm_start(&sw, 4);
+    host(&sw, 1, (const char *const *)grid_node1, HM_ARRAY_LEN(grid_node1));
+    host(&sw, 2, (const char *const *)grid_node2, HM_ARRAY_LEN(grid_node2));
+    host(&sw, 3, (const char *const *)grid_node3, HM_ARRAY_LEN(grid_node3));
+
+    /* Each sample its own scores (4 + 4 per row), distinct sums. */
+    enum { B = 7, K = 3, S = 8 };
+    float scores[B * S];
+    for (size_t i = 0; i < B * S; i++)
+        scores[i] = (float)(sin(1.7 * (double)i + 0.3) * 2.0 + 0.001 * (double)i);
+    routeres r;
+    uint64_t end = hm_now_ms() + 20000;
+    do {
+        route(&sw, scores, B, K, 4, &r);
+        if (routes_exact(&r, scores, B, K, 0))
+            break;
+        run_for(&sw.loop, 300);
+    } while (hm_now_ms() < end);
+    routes_exact(&r, scores, B, K, 1);
+    /* The samples do not all want the same experts, or this would be the
+     * per-batch case. */
+    cr_assert_gt(r.n, (size_t)K, "only %zu distinct experts", r.n);
+    for (size_t e = 0; e < r.n; e++) {
+        size_t owner = owner_of(r.ex[e].uid);
+        cr_assert_eq(memcmp(r.ex[e].pk, hm_node_identity(sw.nodes[owner])->pk, HM_PK_BYTES), 0);
+    }
+    /* A beam of 1 is still per sample: a sample's best row first. */
+    routeres r1;
+    route(&sw, scores, B, 1, 4, &r1);
+    routes_exact(&r1, scores, B, 1, 1);
+
+    /* Forward and backward: one request per expert, holding its rows. */
+    float x[B * DIM], y[B * K * DIM], gy[B * K * DIM], gx[B * K * DIM];
+    fill(x, B * DIM, 4);
+    fill(gy, B * K * DIM, 5);
+    for (size_t i = 0; i < B * K * DIM; i++)
+        y[i] = gx[i] = NAN;
+    uint64_t fwd_before[64], bwd_before[64];
+    for (size_t e = 0; e < r.n; e++) {
+        fwd_before[e] = requests_of(&sw, owner_of(r.ex[e].uid), r.ex[e].uid, 0);
+        bwd_before[e] = requests_of(&sw, owner_of(r.ex[e].uid), r.ex[e].uid, 1);
+    }
+    hm_moe_call_opts o = {.k_min = K, .timeout_ms = 10000, .timeout_after_k_min_ms = 0};
+    callres c = {.k = r.n};
+    cr_assert_eq(hm_moe_forward_routed(sw.client, r.ex, r.n, r.routes, K, x, B, DIM, y, &o,
+                                       on_call, &c, NULL),
+                 0);
+    cr_assert_eq(c.calls, 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &c, 12000));
+    cr_assert_eq(c.status, 0, "forward: %s", hm_strerror(c.status));
+    cr_assert_eq(c.n_answered, r.n);
+    callres cb = {.k = r.n};
+    cr_assert_eq(hm_moe_backward_routed(sw.client, r.ex, r.n, r.routes, K, x, gy, B, DIM, gx, &o,
+                                        on_call, &cb, NULL),
+                 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &cb, 12000));
+    cr_assert_eq(cb.status, 0, "backward: %s", hm_strerror(cb.status));
+    for (size_t e = 0; e < r.n; e++) {
+        size_t owner = owner_of(r.ex[e].uid);
+        cr_assert_eq(requests_of(&sw, owner, r.ex[e].uid, 0), fwd_before[e] + 1, "%s",
+                     r.ex[e].uid);
+        cr_assert_eq(requests_of(&sw, owner, r.ex[e].uid, 1), bwd_before[e] + 1, "%s",
+                     r.ex[e].uid);
+    }
+    /* Slot j of sample b is its expert's own output on x[b], and its
+     * gradient for gy[b][j]. */
+    for (size_t s = 1; s <= 3; s++)
+        cr_assert_eq(hm_moe_server_checkpoint(sw.servers[s]), 0);
+    for (size_t b = 0; b < B; b++) {
+        for (size_t j = 0; j < K; j++) {
+            const hm_moe_expert *ex = &r.ex[r.routes[b * K + j]];
+            hm_ffn *f = load_expert(&sw, owner_of(ex->uid), ex->uid);
+            float ly[DIM], lgx[DIM];
+            cr_assert_eq(hm_ffn_forward(f, x + b * DIM, 1, ly), 0);
+            cr_assert_eq(hm_ffn_grad(f, x + b * DIM, gy + (b * K + j) * DIM, 1, lgx, NULL), 0);
+            assert_close(y + (b * K + j) * DIM, ly, DIM, 1e-4, ex->uid);
+            assert_close(gx + (b * K + j) * DIM, lgx, DIM, 1e-4, ex->uid);
+            hm_ffn_free(f);
+        }
+    }
+
+    /* The mixture per sample: softmax over the sample's answered slots. */
+    float logits[B * K], mix[B * DIM], w[B * K];
+    uint8_t ans[64];
+    fill(logits, B * K, 6);
+    memset(ans, 1, sizeof(ans));
+    ans[r.routes[0]] = 0; /* sample 0's best expert did not answer */
+    cr_assert_eq(hm_moe_combine_routed(y, logits, r.routes, ans, r.n, B, K, DIM, mix, w), 0);
+    for (size_t b = 0; b < B; b++) {
+        double mx = -INFINITY, sum = 0, ww[K];
+        for (size_t j = 0; j < K; j++)
+            if (ans[r.routes[b * K + j]])
+                mx = fmax(mx, logits[b * K + j]);
+        for (size_t j = 0; j < K; j++) {
+            ww[j] = ans[r.routes[b * K + j]] ? exp(logits[b * K + j] - mx) : 0;
+            sum += ww[j];
+        }
+        for (size_t i = 0; i < DIM; i++) {
+            double want = 0;
+            for (size_t j = 0; j < K; j++)
+                want += ww[j] / sum * y[(b * K + j) * DIM + i];
+            cr_assert_float_eq(mix[b * DIM + i], want, 1e-5);
+        }
+    }
+    cr_assert_float_eq(w[0], 0.0, 0.0);
+
+    /*
+     * k_min per sample. Node 3 (ffn.3.*) stalls. With k_min K every sample
+     * routed there lacks an answer: a timeout. With k_min 1 every sample
+     * still has one (node 3 hosts two experts, K is 3): success after
+     * timeout_after_k_min, node 3's slots left as they were.
+     */
+    int uses3 = 0;
+    for (size_t i = 0; i < B * K; i++)
+        uses3 |= owner_of(r.ex[r.routes[i]].uid) == 3;
+    cr_assert(uses3, "no sample is routed to node 3");
+    set_stall(&sw, 3, 1);
+    o.timeout_ms = 1500;
+    callres ct = {.k = r.n};
+    cr_assert_eq(hm_moe_forward_routed(sw.client, r.ex, r.n, r.routes, K, x, B, DIM, y, &o,
+                                       on_call, &ct, NULL),
+                 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &ct, 10000));
+    cr_assert_eq(ct.status, -ETIMEDOUT, "%s", hm_strerror(ct.status));
+    int both = 0;
+    for (size_t b = 0; b < B; b++) {
+        size_t on3 = 0;
+        for (size_t j = 0; j < K; j++)
+            on3 += owner_of(r.ex[r.routes[b * K + j]].uid) == 3;
+        both |= on3 == 2;
+    }
+    /* A per-batch k_min of 2 could hold while this sample has one answer. */
+    cr_assert(both, "no sample has both of node 3's experts");
+    for (size_t i = 0; i < B * K * DIM; i++)
+        y[i] = NAN;
+    o.k_min = 1;
+    o.timeout_ms = 20000;
+    o.timeout_after_k_min_ms = 300;
+    callres c2 = {.k = r.n, .start_ms = hm_now_ms()};
+    cr_assert_eq(hm_moe_forward_routed(sw.client, r.ex, r.n, r.routes, K, x, B, DIM, y, &o,
+                                       on_call, &c2, NULL),
+                 0);
+    cr_assert(hm_test_run_until(&sw.loop, call_done, &c2, 25000));
+    cr_assert_eq(c2.status, 0, "%s", hm_strerror(c2.status));
+    cr_assert_lt(c2.done_ms - c2.start_ms, 10000u);
+    for (size_t b = 0; b < B; b++)
+        for (size_t j = 0; j < K; j++) {
+            int32_t e = r.routes[b * K + j];
+            int on3 = owner_of(r.ex[e].uid) == 3;
+            cr_assert_eq(c2.answered[e], !on3, "%s", r.ex[e].uid);
+            cr_assert_eq(isnan(y[(b * K + j) * DIM]) != 0, on3, "sample %zu slot %zu", b, j);
+        }
+    set_stall(&sw, 3, 0);
+
+    /* Bad routes: -EINVAL at the start, no callback. */
+    int32_t bad[B * K];
+    memcpy(bad, r.routes, sizeof(bad));
+    bad[4] = (int32_t)r.n;
+    callres cbad = {.k = r.n};
+    cr_assert_eq(hm_moe_forward_routed(sw.client, r.ex, r.n, bad, K, x, B, DIM, y, &o, on_call,
+                                       &cbad, NULL),
+                 -EINVAL);
+    o.k_min = K + 1;
+    cr_assert_eq(hm_moe_forward_routed(sw.client, r.ex, r.n, r.routes, K, x, B, DIM, y, &o,
+                                       on_call, &cbad, NULL),
+                 -EINVAL);
+    run_for(&sw.loop, 50);
+    cr_assert_eq(cbad.calls, 0);
     swarm_stop(&sw);
 }

@@ -27,6 +27,11 @@
  *  - stalled hosts: after one wait for a SIGSTOPped host the trainer's
  *    daemon skips it (its metrics count one stall, the rest skipped), and
  *    after SIGCONT and the back-off a probe brings it back.
+ *  - per-sample routing through libhivemind: every sample's routes are its
+ *    brute-force top k; routed forward and backward equal the experts'
+ *    local computation per slot; a Switch call (k_best 1, k_min 0 with
+ *    zero outputs) with one host stopped succeeds after
+ *    timeout_after_k_min, that host's experts not answering.
  */
 #include "config.h"
 
@@ -868,4 +873,149 @@ Test(moe_daemon, a_thousand_experts, .timeout = 240)
     }
     double refused = metric_value(&tr, "hivemindd_limit_refused_total{limit=\"DhtRequestRate\"}");
     cr_assert_eq(refused, 0, "the trainer's rate limiter refused %g requests", refused);
+}
+
+/* The uid ffn.I.J's coordinates. */
+static void uid_coords(const char *uid, int *i, int *j)
+{
+    cr_assert_eq(sscanf(uid, "ffn.%d.%d", i, j), 2, "%s", uid);
+}
+
+Test(moe_daemon, routed_per_sample_through_the_library_and_zero_outputs)
+{
+    struct node a, b, tr;
+    const char *opt[] = {"--expert-dim", "16", "--expert-optimizer", "sgd", "--expert-lr",
+                         "1e-30"};
+    /* First lives write the initial checkpoints (on SIGTERM); SGD at 1e-30
+     * leaves the experts as they are, so those checkpoints stay exact. */
+    start_node(&a, "a", NULL, "--host-experts", "ffn.0.[0:3]", opt[0], opt[1], opt[2], opt[3],
+               opt[4], opt[5], NULL);
+    start_node(&b, "b", NULL, "--host-experts", "ffn.1.[0:3]", opt[0], opt[1], opt[2], opt[3],
+               opt[4], opt[5], NULL);
+    stop_node(&a);
+    stop_node(&b);
+    hm_ffn *local[2][3];
+    char uid[32];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 3; j++) {
+            snprintf(uid, sizeof(uid), "ffn.%d.%d", i, j);
+            local[i][j] = load_expert(i == 0 ? a.dir : b.dir, uid);
+        }
+    start_node(&tr, "trainer", NULL, NULL);
+    start_node(&a, "a", NULL, "--host-experts", "ffn.0.[0:3]", opt[0], opt[1], opt[2], opt[3],
+               opt[4], opt[5], "--initial-peers", tr.addr, NULL);
+    start_node(&b, "b", NULL, "--host-experts", "ffn.1.[0:3]", opt[0], opt[1], opt[2], opt[3],
+               opt[4], opt[5], "--initial-peers", tr.addr, NULL);
+    hmc *h = attach(&tr);
+    hmc_expert all[6];
+    cr_assert_eq(find_experts(h, 2, 3, 6, all, 30000), 6, "not every expert is declared");
+
+    enum { B = 8, K = 2, S = 5 };
+    hmc_buf *sb, *rb, *xb, *yb, *gyb, *gxb;
+    cr_assert_eq(hmc_buf_alloc(h, B * S * sizeof(float), &sb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, B * K * sizeof(int32_t), &rb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, B * DIM * sizeof(float), &xb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, B * K * DIM * sizeof(float), &yb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, B * K * DIM * sizeof(float), &gyb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, B * K * DIM * sizeof(float), &gxb), 0);
+    float *sc = hmc_buf_data(sb), *x = hmc_buf_data(xb), *y = hmc_buf_data(yb),
+          *gy = hmc_buf_data(gyb), *gx = hmc_buf_data(gxb);
+    int32_t *routes = hmc_buf_data(rb);
+    fill(sc, B * S, 5);
+    for (size_t i = 0; i < B * S; i++)
+        sc[i] *= 8.0f;
+    fill(x, B * DIM, 6);
+    fill(gy, B * K * DIM, 7);
+
+    /* Every sample's own top 2 of the 2 x 3 grid, brute force. */
+    size_t grid[2] = {2, 3}, n = 0;
+    hmc_expert ex[16];
+    int r = hmc_experts_route(h, "ffn", grid, 2, sb, 0, B, K, 3, 10.0, rb, 0, ex, 16, &n, NULL);
+    cr_assert_eq(r, 0, "route: %s", hmc_last_error(h));
+    cr_assert_gt(n, (size_t)K, "the samples were all routed to the same %zu experts", n);
+    for (size_t s = 0; s < B; s++) {
+        int used[6] = {0};
+        for (size_t k = 0; k < K; k++) {
+            int best = -1;
+            double bs = -INFINITY;
+            for (int c = 0; c < 6; c++) {
+                double v = (double)sc[s * S + c / 3] + (double)sc[s * S + 2 + c % 3];
+                if (!used[c] && v > bs) {
+                    bs = v;
+                    best = c;
+                }
+            }
+            used[best] = 1;
+            snprintf(uid, sizeof(uid), "ffn.%d.%d", best / 3, best % 3);
+            cr_assert_geq(routes[s * K + k], 0);
+            cr_assert_str_eq(ex[routes[s * K + k]].uid, uid, "sample %zu rank %zu", s, k);
+        }
+    }
+
+    /* Forward and backward: slot j of sample b is its expert on x[b]. */
+    int answered[16];
+    size_t n_ans = 0;
+    r = hmc_experts_forward_routed(h, ex, n, rb, 0, K, xb, 0, yb, 0, B, DIM, K, 0, 10.0, 1.0,
+                                   answered, &n_ans);
+    cr_assert_eq(r, 0, "forward: %s", hmc_last_error(h));
+    cr_assert_eq(n_ans, n);
+    r = hmc_experts_backward_routed(h, ex, n, rb, 0, K, xb, 0, gyb, 0, gxb, 0, B, DIM, K, 0, 10.0,
+                                    answered, &n_ans);
+    cr_assert_eq(r, 0, "backward: %s", hmc_last_error(h));
+    for (size_t s = 0; s < B; s++)
+        for (size_t k = 0; k < K; k++) {
+            int i, j;
+            uid_coords(ex[routes[s * K + k]].uid, &i, &j);
+            float ly[DIM], lgx[DIM];
+            cr_assert_eq(hm_ffn_forward(local[i][j], x + s * DIM, 1, ly), 0);
+            cr_assert_eq(hm_ffn_grad(local[i][j], x + s * DIM, gy + (s * K + k) * DIM, 1, lgx,
+                                     NULL),
+                         0);
+            double e1 = rel_err(y + (s * K + k) * DIM, ly, DIM);
+            double e2 = rel_err(gx + (s * K + k) * DIM, lgx, DIM);
+            cr_assert(e1 <= 1e-5 && e2 <= 1e-5, "sample %zu slot %zu: %g %g", s, k, e1, e2);
+        }
+
+    /*
+     * A Switch layer's call: k_best 1, host b stopped. Without zero outputs
+     * k_min 0 is refused here; with them the call succeeds after
+     * timeout_after_k_min, b's experts not answering.
+     */
+    r = hmc_experts_route(h, "ffn", grid, 2, sb, 0, B, 1, 3, 10.0, rb, 0, ex, 16, &n, NULL);
+    cr_assert_eq(r, 0, "route: %s", hmc_last_error(h));
+    int on_b = 0, on_a = 0;
+    for (size_t s = 0; s < B; s++) {
+        int i, j;
+        uid_coords(ex[routes[s]].uid, &i, &j);
+        on_b += i == 1;
+        on_a += i == 0;
+    }
+    cr_assert(on_a > 0 && on_b > 0, "samples on a %d, on b %d", on_a, on_b);
+    cr_assert_eq(kill(b.pid, SIGSTOP), 0);
+    r = hmc_experts_forward_routed(h, ex, n, rb, 0, 1, xb, 0, yb, 0, B, DIM, 0, 0, 10.0, 0.5,
+                                   answered, &n_ans);
+    cr_assert_eq(r, -EINVAL);
+    long t0 = hm_test_now_ms();
+    r = hmc_experts_forward_routed(h, ex, n, rb, 0, 1, xb, 0, yb, 0, B, DIM, 0, 1, 10.0, 0.5,
+                                   answered, &n_ans);
+    long took = hm_test_now_ms() - t0;
+    cr_assert_eq(r, 0, "zero outputs: %s", hmc_last_error(h));
+    cr_assert(took < 500 + 3000, "took %ld ms (timeout_after_k_min 0.5 s)", took);
+    for (size_t e = 0; e < n; e++) {
+        int i, j;
+        uid_coords(ex[e].uid, &i, &j);
+        cr_assert_eq(answered[e] != 0, i == 0, "%s answered=%d", ex[e].uid, answered[e]);
+    }
+    kill(b.pid, SIGCONT);
+
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 3; j++)
+            hm_ffn_free(local[i][j]);
+    hmc_buf_free(sb);
+    hmc_buf_free(rb);
+    hmc_buf_free(xb);
+    hmc_buf_free(yb);
+    hmc_buf_free(gyb);
+    hmc_buf_free(gxb);
+    hmc_close(h);
 }

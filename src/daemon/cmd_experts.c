@@ -711,12 +711,22 @@ typedef struct call_job {
     uint64_t pins[4];
     size_t n_pins;
     int backward;
+    int routed;                 /* args.routes: rows routed per sample */
     size_t k, k_min;
     uint64_t bytes;             /* counted in hm_cmd_experts.call_bytes */
     double timeout_s;
-    hm_moe_expert experts[HM_MOE_MAX_K];
-    hm_moe_call_error errs[HM_MOE_MAX_K];
+    hm_moe_expert *experts;     /* [k] */
+    hm_moe_call_error *errs;    /* [k] */
 } call_job;
+
+static void call_job_free(call_job *j)
+{
+    if (j == NULL)
+        return;
+    free(j->experts);
+    free(j->errs);
+    free(j);
+}
 
 static void call_release(call_job *j)
 {
@@ -754,6 +764,8 @@ static json_t *failures_json(const call_job *j, const uint8_t *answered)
         if (answered != NULL && answered[i])
             continue;
         const hm_moe_call_error *e = &j->errs[i];
+        if (e->status == -ENODATA)
+            continue; /* routed to no sample: not called */
         const char *st = e->status == -ETIMEDOUT   ? "timeout"
                          : e->status == -EAGAIN    ? "skipped"
                          : e->status == -ECANCELED ? "not_waited_for"
@@ -774,6 +786,11 @@ static void on_called(void *ud, int status, const uint8_t *answered, size_t n_an
     m->call_bytes -= j->bytes;
     if (status == -ECANCELED) {
         hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
+    } else if (status == -ETIMEDOUT && j->routed) {
+        snprintf(msg, sizeof(msg), "some samples had fewer than %s %zu answers within %g s "
+                 "(%zu of %zu experts answered)", j->backward ? "backward_k_min" : "k_min",
+                 j->k_min, j->timeout_s, n_answered, j->k);
+        hm_control_reply_error(j->req, "timeout", msg);
     } else if (status == -ETIMEDOUT) {
         snprintf(msg, sizeof(msg), "only %zu of %zu experts answered within %g s (%s needs %zu)",
                  n_answered, j->k, j->timeout_s, j->backward ? "backward_k_min" : "k_min",
@@ -807,34 +824,57 @@ static void on_called(void *ud, int status, const uint8_t *answered, size_t n_an
                                               (json_int_t)n_answered, "failed", fails));
         }
     }
-    free(j);
+    call_job_free(j);
     job_done(m);
 }
 
-/* args.experts: [{uid, peer}, ...] into j->experts. */
-static int parse_experts(hm_control_req *req, const json_t *args, call_job *j)
+/*
+ * args.experts: [{uid, peer}, ...] into j->experts, at most max of them.
+ * With args.hosts (a list of "PEERID@HOST:PORT"), an expert may name its
+ * host by index instead, {uid, host: I}, so that the many experts of a
+ * routed call fit a request line.
+ */
+static int parse_experts(hm_control_req *req, const json_t *args, call_job *j, size_t max)
 {
     const json_t *ev = json_object_get(args, "experts");
+    const json_t *hosts = json_object_get(args, "hosts");
     char msg[200];
-    if (!json_is_array(ev) || json_array_size(ev) < 1 || json_array_size(ev) > HM_MOE_MAX_K) {
-        snprintf(msg, sizeof(msg), "args.experts must be a list of 1 to %d experts "
+    if (!json_is_array(ev) || json_array_size(ev) < 1 || json_array_size(ev) > max) {
+        snprintf(msg, sizeof(msg), "args.experts must be a list of 1 to %zu experts "
                  "{\"uid\": ..., \"peer\": \"PEERID@HOST:PORT\"} (as experts.find returns)",
-                 HM_MOE_MAX_K);
+                 max);
+        hm_control_reply_error(req, "bad_args", msg);
+        return -EINVAL;
+    }
+    if (hosts != NULL && (!json_is_array(hosts) || json_array_size(hosts) > max)) {
+        snprintf(msg, sizeof(msg), "args.hosts must be a list of at most %zu "
+                 "\"PEERID@HOST:PORT\"", max);
         hm_control_reply_error(req, "bad_args", msg);
         return -EINVAL;
     }
     j->k = json_array_size(ev);
+    j->experts = calloc(j->k, sizeof(*j->experts));
+    j->errs = calloc(j->k, sizeof(*j->errs));
+    if (j->experts == NULL || j->errs == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        return -ENOMEM;
+    }
     for (size_t i = 0; i < j->k; i++) {
         const json_t *e = json_array_get(ev, i);
         const char *uid = json_string_value(json_object_get(e, "uid"));
         const char *peer = json_string_value(json_object_get(e, "peer"));
+        const json_t *hi = json_object_get(e, "host");
+        if (peer == NULL && hosts != NULL && json_is_integer(hi) && json_integer_value(hi) >= 0 &&
+            (size_t)json_integer_value(hi) < json_array_size(hosts))
+            peer = json_string_value(json_array_get(hosts, (size_t)json_integer_value(hi)));
         hm_moe_uid u;
         const char *at = peer != NULL ? strchr(peer, '@') : NULL;
         if (uid == NULL || hm_moe_uid_parse(uid, strlen(uid), &u) != 0 || at == NULL ||
             strlen(at + 1) > HM_MOE_ADDR_MAX ||
             hm_peer_addr_parse(peer, j->experts[i].pk, &j->experts[i].addr) != 0) {
             snprintf(msg, sizeof(msg), "args.experts[%zu] must be {\"uid\": UID, \"peer\": "
-                     "\"PEERID@HOST:PORT\"} with a valid uid and peer", i);
+                     "\"PEERID@HOST:PORT\"} (or {\"uid\": UID, \"host\": INDEX into "
+                     "args.hosts}) with a valid uid and peer", i);
             hm_control_reply_error(req, "bad_args", msg);
             return -EINVAL;
         }
@@ -847,8 +887,8 @@ static int parse_experts(hm_control_req *req, const json_t *args, call_job *j)
 static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *args, int backward)
 {
     call_job *j = NULL;
-    float *x = NULL, *gy = NULL, *out = NULL;
-    char msg[200];
+    float *x = NULL, *gy = NULL, *out = NULL, *routes = NULL;
+    char msg[240];
 
     if (hm_daemon_life_refuse(&m->life, req))
         return;
@@ -866,7 +906,8 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     j->req = req;
     j->shm = shm;
     j->backward = backward;
-    if (parse_experts(req, args, j) != 0)
+    j->routed = json_object_get(args, "routes") != NULL;
+    if (parse_experts(req, args, j, j->routed ? HM_MOE_MAX_ROUTED : HM_MOE_MAX_K) != 0)
         goto fail;
     long long batch;
     if (hm_daemon_arg_int(req, args, "batch", -1, 1, HM_MOE_MAX_BATCH, &batch) != 0)
@@ -879,24 +920,59 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
         hm_control_reply_error(req, "bad_args", msg);
         goto fail;
     }
+    /* Routed: slots per sample; the outputs are [batch, slots, dim]. */
+    long long slots = 0;
+    if (j->routed) {
+        if (hm_daemon_arg_int(req, args, "slots", -1, 1, HM_MOE_MAX_K, &slots) != 0)
+            goto fail;
+        if ((size_t)batch * (size_t)slots * (size_t)dim > HM_MOE_MAX_ROUTED_ELEMS) {
+            snprintf(msg, sizeof(msg), "batch * slots * dim is over %zu values",
+                     (size_t)HM_MOE_MAX_ROUTED_ELEMS);
+            hm_control_reply_error(req, "bad_args", msg);
+            goto fail;
+        }
+    } else if (json_object_get(args, "slots") != NULL) {
+        hm_control_reply_error(req, "bad_args", "args.slots goes with args.routes");
+        goto fail;
+    }
     /* backward_k_min and backward_timeout, when given, win over k_min and timeout. */
     const char *kname =
         backward && json_object_get(args, "backward_k_min") != NULL ? "backward_k_min" : "k_min";
     const char *tname = backward && json_object_get(args, "backward_timeout") != NULL
                             ? "backward_timeout"
                             : "timeout";
-    long long k_min;
-    if (hm_daemon_arg_int(req, args, kname, (long long)j->k, 1, (long long)j->k, &k_min) != 0)
+    int zero_ok;
+    if (hm_daemon_arg_bool(req, args, "allow_zero_outputs", 0, &zero_ok) != 0)
         goto fail;
+    if (zero_ok && !j->routed) {
+        hm_control_reply_error(req, "bad_args", "args.allow_zero_outputs goes with args.routes "
+                               "(a sample without answers gets zeros)");
+        goto fail;
+    }
+    long long k_min;
+    if (j->routed) {
+        /* Per sample: k_min 0 only where the caller takes zero outputs. */
+        if (hm_daemon_arg_int(req, args, kname, 1, zero_ok ? 0 : 1, slots, &k_min) != 0)
+            goto fail;
+    } else if (hm_daemon_arg_int(req, args, kname, (long long)j->k, 1, (long long)j->k,
+                                 &k_min) != 0) {
+        goto fail;
+    }
     double timeout;
     if (hm_daemon_arg_seconds(req, args, tname, 10.0, MAX_TIMEOUT_S, &timeout) != 0)
         goto fail;
     double after;
     if (hm_daemon_arg_seconds(req, args, "timeout_after_k_min", 1.0, MAX_TIMEOUT_S, &after) != 0)
         goto fail;
-    size_t n = (size_t)batch * (size_t)dim, kn = j->k * n;
-    /* Each expert gets a frame of its own: x (and gy) plus an envelope. */
-    j->bytes = (uint64_t)j->k * ((uint64_t)n * sizeof(float) * (backward ? 2 : 1) + 4096);
+    size_t n = (size_t)batch * (size_t)dim;
+    size_t kn = j->routed ? n * (size_t)slots : j->k * n;
+    if (j->routed) {
+        /* The rows gathered per expert, their replies and (backward) gradients. */
+        j->bytes = (uint64_t)kn * sizeof(float) * (backward ? 3 : 2) + (uint64_t)j->k * 4096;
+    } else {
+        /* Each expert gets a frame of its own: x (and gy) plus an envelope. */
+        j->bytes = (uint64_t)j->k * ((uint64_t)n * sizeof(float) * (backward ? 2 : 1) + 4096);
+    }
     if (m->call_bytes + j->bytes > MAX_CALL_BYTES) {
         snprintf(msg, sizeof(msg), "expert calls in flight already hold %llu MiB, and this one "
                  "needs %llu MiB more (at most %llu MiB at once): retry later",
@@ -910,6 +986,13 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
                           &j->pins[j->n_pins]) != 0)
         goto fail;
     j->n_pins++;
+    if (j->routed) {
+        /* int32 expert indices (-1: none), in place of floats of the same size. */
+        if (hm_daemon_shm_ref(shm, req, json_object_get(args, "routes"), "routes",
+                              (size_t)batch * (size_t)slots, &routes, &j->pins[j->n_pins]) != 0)
+            goto fail;
+        j->n_pins++;
+    }
     if (backward) {
         if (hm_daemon_shm_ref(shm, req, json_object_get(args, "gy"), "gy", kn, &gy,
                               &j->pins[j->n_pins]) != 0)
@@ -927,13 +1010,29 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
                           .timeout_ms = ms_of(timeout),
                           .timeout_after_k_min_ms = ms_of(after),
                           .errors_out = j->errs};
-    int r = backward ? hm_moe_backward(m->cli, j->experts, j->k, x, gy, (size_t)batch,
+    int r;
+    if (j->routed) {
+        const int32_t *rt = (const int32_t *)(void *)routes;
+        r = backward ? hm_moe_backward_routed(m->cli, j->experts, j->k, rt, (size_t)slots, x, gy,
+                                              (size_t)batch, (size_t)dim, out, &o, on_called, j,
+                                              NULL)
+                     : hm_moe_forward_routed(m->cli, j->experts, j->k, rt, (size_t)slots, x,
+                                             (size_t)batch, (size_t)dim, out, &o, on_called, j,
+                                             NULL);
+    } else {
+        r = backward ? hm_moe_backward(m->cli, j->experts, j->k, x, gy, (size_t)batch,
                                        (size_t)dim, out, &o, on_called, j, NULL)
                      : hm_moe_forward(m->cli, j->experts, j->k, x, (size_t)batch, (size_t)dim,
                                       out, &o, on_called, j, NULL);
+    }
     if (r != 0) {
-        snprintf(msg, sizeof(msg), "cannot start the call: %s", hm_strerror(r));
-        hm_control_reply_error(req, r == -EINVAL ? "bad_args" : "internal", msg);
+        if (r == -EINVAL && j->routed)
+            snprintf(msg, sizeof(msg), "cannot start the call: args.routes holds an index that "
+                     "is neither -1 nor one of the %zu experts", j->k);
+        else
+            snprintf(msg, sizeof(msg), "cannot start the call: %s", hm_strerror(r));
+        hm_control_reply_error(req, r == -EINVAL || r == -EMSGSIZE ? "bad_args" : "internal",
+                               msg);
         goto fail;
     }
     m->call_bytes += j->bytes;
@@ -941,6 +1040,181 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     return;
 fail:
     call_release(j);
+    call_job_free(j);
+}
+
+/* ---- experts.route: per-sample beam search over a batch's gate scores ---- */
+
+typedef struct route_job {
+    hm_cmd_experts *m;
+    hm_control_req *req;
+    hm_shm *shm;
+    uint64_t pins[2];
+    size_t n_pins;
+    int32_t *routes_out; /* [batch, k_best] in shared memory */
+} route_job;
+
+static void route_job_release(route_job *j)
+{
+    for (size_t i = 0; i < j->n_pins; i++)
+        hm_shm_put(j->shm, j->pins[i]);
+    j->n_pins = 0;
+}
+
+/* The experts as {hosts: [...], experts: [{uid, host, peer}]}: each host once. */
+static json_t *routed_experts_json(const hm_moe_expert *e, size_t n, json_t **hosts_out)
+{
+    json_t *arr = json_array(), *hosts = json_array();
+    char (*seen)[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2] = n > 0 ? calloc(n, sizeof(*seen)) : NULL;
+    size_t n_hosts = 0;
+    if (arr == NULL || hosts == NULL || (n > 0 && seen == NULL))
+        goto fail;
+    for (size_t i = 0; i < n; i++) {
+        char peer[HM_PEER_ID_LEN + 1], host[HM_PEER_ID_LEN + HM_MOE_ADDR_MAX + 2];
+        hm_peer_id_encode(e[i].pk, peer);
+        snprintf(host, sizeof(host), "%s@%s", peer, e[i].addr_str);
+        size_t h = 0;
+        while (h < n_hosts && strcmp(seen[h], host) != 0)
+            h++;
+        if (h == n_hosts) {
+            memcpy(seen[n_hosts++], host, sizeof(host));
+            if (json_array_append_new(hosts, json_string(host)) != 0)
+                goto fail;
+        }
+        if (json_array_append_new(arr, json_pack("{s:s, s:I, s:s}", "uid", e[i].uid, "host",
+                                                 (json_int_t)h, "peer", host)) != 0)
+            goto fail;
+    }
+    free(seen);
+    *hosts_out = hosts;
+    return arr;
+fail:
+    free(seen);
+    json_decref(arr);
+    json_decref(hosts);
+    return NULL;
+}
+
+static void on_routed(void *ud, int status, const hm_moe_expert *experts, size_t n,
+                      const int32_t *routes, size_t batch, size_t k_best)
+{
+    route_job *j = ud;
+    hm_cmd_experts *m = j->m;
+    if (status == -ECANCELED) {
+        hm_control_reply_error(j->req, "stopping", "the daemon is shutting down");
+    } else if (status != 0 && status != -ENOENT) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "per-sample beam search failed: %s", hm_strerror(status));
+        hm_control_reply_error(j->req, status == -ETIMEDOUT ? "timeout" : "failed", msg);
+    } else {
+        size_t short_samples = 0;
+        for (size_t b = 0; b < batch; b++) {
+            for (size_t i = 0; i < k_best; i++)
+                j->routes_out[b * k_best + i] = status == 0 ? routes[b * k_best + i] : -1;
+            short_samples += status != 0 || routes[b * k_best + k_best - 1] < 0;
+        }
+        json_t *hosts = NULL;
+        json_t *arr = routed_experts_json(experts, status == 0 ? n : 0, &hosts);
+        hm_daemon_reply(j->req, arr != NULL ? json_pack("{s:o, s:o, s:I}", "experts", arr,
+                                                        "hosts", hosts, "short_samples",
+                                                        (json_int_t)short_samples)
+                                            : NULL);
+    }
+    route_job_release(j);
+    free(j);
+    job_done(m);
+}
+
+static void cmd_route(void *ud, hm_control_req *req, const json_t *args)
+{
+    hm_cmd_experts *m = ud;
+    size_t sizes[HM_MOE_MAX_GRID_DIMS] = {0};
+    size_t ndims = 0, total = 0;
+    float *scores = NULL, *routes = NULL;
+    route_job *j = NULL;
+    char msg[200];
+
+    if (hm_daemon_life_refuse(&m->life, req))
+        return;
+    hm_shm *shm = hm_daemon_shm(m->d);
+    if (shm == NULL) {
+        hm_control_reply_error(req, "stopping", "the daemon is shutting down");
+        return;
+    }
+    const char *prefix;
+    if (hm_daemon_arg_string(req, args, "prefix", HM_MOE_PREFIX_MAX, 0, &prefix) != 0)
+        return;
+    long long k_best;
+    if (hm_daemon_arg_int(req, args, "k_best", -1, 1, HM_MOE_MAX_K, &k_best) != 0)
+        return;
+    long long beam;
+    if (hm_daemon_arg_int(req, args, "beam_size", 0, 0, HM_DHT_MANY_MAX, &beam) != 0)
+        return;
+    long long batch;
+    if (hm_daemon_arg_int(req, args, "batch", -1, 1, HM_MOE_MAX_BATCH, &batch) != 0)
+        return;
+    double timeout;
+    if (hm_daemon_arg_seconds(req, args, "timeout", 5.0, MAX_TIMEOUT_S, &timeout) != 0)
+        return;
+    const json_t *gv = json_object_get(args, "grid");
+    if (!json_is_array(gv) || json_array_size(gv) < 1 ||
+        json_array_size(gv) > HM_MOE_MAX_GRID_DIMS) {
+        hm_control_reply_error(req, "bad_args", "args.grid must be a list of 1 to 4 grid sizes");
+        return;
+    }
+    ndims = json_array_size(gv);
+    for (size_t d = 0; d < ndims; d++) {
+        const json_t *g = json_array_get(gv, d);
+        if (!json_is_integer(g) || json_integer_value(g) < 1 ||
+            json_integer_value(g) > HM_MOE_MAX_GRID) {
+            hm_control_reply_error(req, "bad_args", "each size in args.grid must be an integer "
+                                   "from 1 to 65536");
+            return;
+        }
+        sizes[d] = (size_t)json_integer_value(g);
+        total += sizes[d];
+    }
+    if ((size_t)batch * total > HM_MOE_MAX_ROUTED_ELEMS) {
+        hm_control_reply_error(req, "bad_args", "batch * sum(grid) is over 2^25 scores");
+        return;
+    }
+    j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        hm_control_reply_error(req, "internal", "out of memory");
+        return;
+    }
+    j->m = m;
+    j->req = req;
+    j->shm = shm;
+    if (hm_daemon_shm_ref(shm, req, json_object_get(args, "scores"), "scores",
+                          (size_t)batch * total, &scores, &j->pins[j->n_pins]) != 0)
+        goto fail;
+    j->n_pins++;
+    if (hm_daemon_shm_ref(shm, req, json_object_get(args, "routes"), "routes",
+                          (size_t)batch * (size_t)k_best, &routes, &j->pins[j->n_pins]) != 0)
+        goto fail;
+    j->n_pins++;
+    j->routes_out = (int32_t *)(void *)routes;
+    /* The search copies the scores before it returns. */
+    int r = hm_moe_route(m->cli, prefix, scores, (size_t)batch, sizes, ndims, (size_t)k_best,
+                         (size_t)beam, ms_of(timeout), on_routed, j);
+    if (r != 0) {
+        if (r == -E2BIG)
+            snprintf(msg, sizeof(msg), "the search is too wide: a level could read over 4096 "
+                     "prefixes, or the batch choose over %d experts; use a smaller batch, "
+                     "beam_size or k_best", HM_MOE_MAX_ROUTED);
+        else if (r == -EINVAL)
+            snprintf(msg, sizeof(msg), "cannot search under '%s': a bad prefix or a score "
+                     "that is not finite", prefix);
+        else
+            snprintf(msg, sizeof(msg), "cannot search under '%s': %s", prefix, hm_strerror(r));
+        hm_control_reply_error(req, r == -ENOMEM ? "internal" : "bad_args", msg);
+        goto fail;
+    }
+    m->life.jobs++;
+    return;
+fail:
+    route_job_release(j);
     free(j);
 }
 
@@ -1419,6 +1693,7 @@ static int experts_new(hm_daemon *d, hm_node *node, hm_control *ctl,
     if ((r = hm_control_register(ctl, "experts.host", cmd_host, m)) != 0 ||
         (r = hm_control_register(ctl, "experts.list", cmd_list, m)) != 0 ||
         (r = hm_control_register(ctl, "experts.find", cmd_find, m)) != 0 ||
+        (r = hm_control_register(ctl, "experts.route", cmd_route, m)) != 0 ||
         (r = hm_control_register(ctl, "experts.forward", cmd_forward, m)) != 0 ||
         (r = hm_control_register(ctl, "experts.backward", cmd_backward, m)) != 0 ||
         (r = hm_control_register(ctl, "experts.call", cmd_call, m)) != 0) {

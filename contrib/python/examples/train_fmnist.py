@@ -3,6 +3,7 @@
 experts hosted by the swarm, through the local hivemindd.
 
     image (784) -> Linear(784, dim) -> GELU -> RemoteMixtureOfExperts(dim)
+                   (each sample routed on its own; --routing batch: per batch)
                 -> Linear(dim, 10)
 
 The input projection, the gate and the classifier are local; every
@@ -91,6 +92,9 @@ def main():
     ap.add_argument("--uid-prefix", default="ffn")
     ap.add_argument("--k-best", type=int, default=4)
     ap.add_argument("--k-min", type=int, default=1)
+    ap.add_argument("--routing", choices=("sample", "batch"), default="sample",
+                    help="each sample's own beam search (as Hivemind) or one per batch")
+    ap.add_argument("--beam-size", type=int, default=0, help="per-sample beam (0: k_best)")
     ap.add_argument("--forward-timeout", type=float, default=10.0)
     ap.add_argument("--backward-timeout", type=float, default=10.0)
     ap.add_argument("--steps", type=int, default=500)
@@ -128,6 +132,7 @@ def main():
     print("attached to %s" % client.info()["address"], flush=True)
     moe = RemoteMixtureOfExperts(args.dim, grid_size=grid, uid_prefix=args.uid_prefix,
                                  k_best=args.k_best, k_min=args.k_min,
+                                 routing=args.routing, beam_size=args.beam_size,
                                  forward_timeout=args.forward_timeout,
                                  backward_timeout=args.backward_timeout, client=client)
     proj = nn.Sequential(nn.Linear(784, args.dim), nn.GELU())

@@ -32,13 +32,13 @@ from .optimizer import Optimizer
 from ._lib import library_path
 
 __all__ = ["Client", "SharedBuffer", "HivemindError", "ExpertInfo", "Averager", "DiLoCo",
-           "Optimizer", "RemoteMixtureOfExperts", "library_path"]
+           "Optimizer", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts", "library_path"]
 
 
 def __getattr__(name):
     # torch is imported only by those who use the experts layer.
-    if name == "RemoteMixtureOfExperts":
-        from .moe import RemoteMixtureOfExperts
+    if name in ("RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"):
+        from . import moe
 
-        return RemoteMixtureOfExperts
+        return getattr(moe, name)
     raise AttributeError("module 'hivemindd' has no attribute %r" % name)

@@ -346,3 +346,132 @@ class Client:
                 raise self._error(r)
             gx = gxb.numpy(np.float32, gy.size).reshape(gy.shape).copy()
         return gx, [bool(a) for a in answered]
+
+    # ---- per-sample routing (numpy level) ----
+
+    MAX_ROUTED = 1024  # distinct experts of one routed search or call (moe/client.h)
+
+    def route_experts(self, prefix, grid_size, scores, k_best, beam_size=0, timeout=5.0):
+        """Per-sample beam search: ``scores`` [batch, sum(grid_size)] holds
+        each sample's grid scores (dimension 0, then 1, ...); the daemon
+        runs every sample's search in one walk of the DHT. Returns
+        ``(experts, routes)``: the ExpertInfo (score 0) of every expert some
+        sample was routed to, each once, and routes [batch, k_best] int32,
+        row b sample b's experts best first as indices into experts, -1
+        past the ones found."""
+        grid = [int(g) for g in grid_size]
+        sc = np.ascontiguousarray(scores, dtype=np.float32)
+        if sc.ndim != 2 or sc.shape[1] != sum(grid) or sc.shape[0] == 0:
+            raise ValueError("scores must be [batch, sum(grid_size)]")
+        batch, k_best = sc.shape[0], int(k_best)
+        sizes = (ctypes.c_size_t * len(grid))(*grid)
+        cap = min(self.MAX_ROUTED, batch * k_best)
+        out = (_lib.Expert * cap)()
+        n = ctypes.c_size_t(0)
+        with self._lock:
+            sb = self._scratch_buffer("scores", sc.nbytes)
+            rb = self._scratch_buffer("routes", batch * k_best * 4)
+            sb.numpy(np.float32, sc.size)[:] = sc.ravel()
+            r = _lib.lib().hmc_experts_route(
+                self._handle(), prefix.encode(), sizes, len(grid), sb.handle, 0, batch, k_best,
+                int(beam_size), float(timeout), rb.handle, 0, out, cap, ctypes.byref(n), None)
+            if r != 0:
+                raise self._error(r)
+            routes = rb.numpy(np.int32, batch * k_best).reshape(batch, k_best).copy()
+        experts = [ExpertInfo(out[i].uid.decode(), out[i].peer.decode(), 0.0)
+                   for i in range(n.value)]
+        return experts, routes
+
+    @staticmethod
+    def _routes_array(routes, n_experts):
+        rt = np.ascontiguousarray(routes, dtype=np.int32)
+        if rt.ndim != 2 or rt.shape[1] == 0:
+            raise ValueError("routes must be [batch, slots]")
+        if rt.size and (rt.min() < -1 or rt.max() >= n_experts):
+            raise ValueError("routes must hold -1 or indices into experts")
+        return rt
+
+    def experts_forward_routed(self, experts, routes, x, k_min=1, allow_zero_outputs=False,
+                               timeout=10.0, timeout_after_k_min=1.0):
+        """Forward with the rows grouped by expert: each expert gets one
+        request with the rows of the samples routed to it (``routes``
+        [batch, slots] as route_experts gives it). Returns ``(y,
+        answered)``: y [batch, slots, dim] float32 (slot j of sample b the
+        output of expert routes[b, j] on x[b]; zeros where the expert did
+        not answer or there is none) and a boolean per expert. ``k_min``
+        counts per sample (min(k_min, its experts)); 0 needs
+        ``allow_zero_outputs``. Some sample with fewer answers at
+        ``timeout`` raises HivemindError ("timeout")."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2:
+            raise ValueError("x must be [batch, dim]")
+        k = len(experts)
+        if k == 0:
+            raise ValueError("no experts to call")
+        rt = self._routes_array(routes, k)
+        if rt.shape[0] != x.shape[0]:
+            raise ValueError("routes and x must have a row per sample")
+        batch, dim = x.shape
+        slots = rt.shape[1]
+        arr = self._experts_array(experts)
+        answered = (ctypes.c_int * k)()
+        n = ctypes.c_size_t(0)
+        with self._lock:
+            xb = self._scratch_buffer("x", x.nbytes)
+            rb = self._scratch_buffer("call_routes", rt.nbytes)
+            yb = self._scratch_buffer("y", slots * x.nbytes)
+            xb.numpy(np.float32, x.size)[:] = x.ravel()
+            rb.numpy(np.int32, rt.size)[:] = rt.ravel()
+            r = _lib.lib().hmc_experts_forward_routed(
+                self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, yb.handle, 0, batch,
+                dim, int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
+                float(timeout_after_k_min), answered, ctypes.byref(n))
+            if r != 0:
+                raise self._error(r)
+            y = yb.numpy(np.float32, slots * x.size).reshape(batch, slots, dim).copy()
+        ans = np.array([bool(a) for a in answered])
+        live = (rt >= 0) & ans[np.maximum(rt, 0)]
+        y[~live] = 0.0
+        return y, [bool(a) for a in answered]
+
+    def experts_backward_routed(self, experts, routes, x, grad_y, k_min=1,
+                                allow_zero_outputs=False, timeout=10.0):
+        """Backward of a routed forward: ``grad_y`` [batch, slots, dim];
+        pass the forward's routes with -1 where the expert did not answer,
+        so that backward goes only to the experts that gave those rows.
+        Returns ``(grad_x, answered)``: [batch, slots, dim] (zeros where no
+        expert answered) and a boolean per expert."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        gy = np.ascontiguousarray(grad_y, dtype=np.float32)
+        k = len(experts)
+        if k == 0:
+            raise ValueError("no experts to call")
+        rt = self._routes_array(routes, k)
+        if x.ndim != 2 or gy.shape != (x.shape[0], rt.shape[1], x.shape[1]) or \
+                rt.shape[0] != x.shape[0]:
+            raise ValueError("x must be [batch, dim], routes [batch, slots] and grad_y "
+                             "[batch, slots, dim]")
+        batch, dim = x.shape
+        slots = rt.shape[1]
+        arr = self._experts_array(experts)
+        answered = (ctypes.c_int * k)()
+        n = ctypes.c_size_t(0)
+        with self._lock:
+            xb = self._scratch_buffer("x", x.nbytes)
+            rb = self._scratch_buffer("call_routes", rt.nbytes)
+            gyb = self._scratch_buffer("gy", gy.nbytes)
+            gxb = self._scratch_buffer("gx", gy.nbytes)
+            xb.numpy(np.float32, x.size)[:] = x.ravel()
+            rb.numpy(np.int32, rt.size)[:] = rt.ravel()
+            gyb.numpy(np.float32, gy.size)[:] = gy.ravel()
+            r = _lib.lib().hmc_experts_backward_routed(
+                self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, gyb.handle, 0,
+                gxb.handle, 0, batch, dim, int(k_min), 1 if allow_zero_outputs else 0,
+                float(timeout), answered, ctypes.byref(n))
+            if r != 0:
+                raise self._error(r)
+            gx = gxb.numpy(np.float32, gy.size).reshape(gy.shape).copy()
+        ans = np.array([bool(a) for a in answered])
+        live = (rt >= 0) & ans[np.maximum(rt, 0)]
+        gx[~live] = 0.0
+        return gx, [bool(a) for a in answered]

@@ -3,6 +3,7 @@ temporary directory, started once per test run on first use and torn down
 at exit (and killed with this process if it dies: PR_SET_PDEATHSIG).
 
     d0: a plain node; the others join through it.
+    d1, d2 checkpoint their experts every second.
     d1: hosts the experts "ffn.[0:2].[0:2]" of dim 16 with SGD at a learning
         rate of 1e-30 (hosted through the control socket, experts.host), so that backward calls leave them as they are and
         results can be compared exactly across calls.
@@ -83,8 +84,12 @@ class Swarm:
         self.daemons = []
         try:
             d0 = self._start("d0", [])
-            d1 = self._start("d1", ["--initial-peers", d0.addr, "--expert-dim", str(DIM)])
-            d2 = self._start("d2", ["--initial-peers", d0.addr, "--expert-dim", str(DIM)])
+            # Checkpoints every second, so that tests can read the experts'
+            # weights back (contrib/python/tests/test_moe_routing.py).
+            d1 = self._start("d1", ["--initial-peers", d0.addr, "--expert-dim", str(DIM),
+                                    "--checkpoint-interval", "1"])
+            d2 = self._start("d2", ["--initial-peers", d0.addr, "--expert-dim", str(DIM),
+                                    "--checkpoint-interval", "1"])
             # Hosted once the nodes know each other (experts.host declares at
             # once), rather than with --host-experts, whose first declaration
             # runs before the node has peers and is then only repeated at the

@@ -3,7 +3,11 @@
 The exactness tests use the grid "ffn" of the test swarm, whose experts
 step with a learning rate of 1e-30, so a backward leaves them as they were
 and the same call may be made again by hand for reference. The training
-test uses the grid "train" (Adam at 0.01)."""
+test uses the grid "train" (Adam at 0.01).
+
+These are the per-batch routing's tests (routing="batch": one beam search
+on the batch-mean scores, every expert gets the whole batch); per-sample
+routing, the default, is tested in test_moe_routing.py."""
 
 import copy
 import os
@@ -34,7 +38,8 @@ class MoETest(unittest.TestCase):
 
     def moe(self, **kw):
         args = dict(grid_size=(2, 2), uid_prefix="ffn", k_best=4, k_min=1, forward_timeout=10.0,
-                    timeout_after_k_min=2.0, backward_timeout=10.0, client=self.client)
+                    timeout_after_k_min=2.0, backward_timeout=10.0, client=self.client,
+                    routing="batch")
         args.update(kw)
         return RemoteMixtureOfExperts(D, **args)
 
@@ -175,6 +180,14 @@ class MoETest(unittest.TestCase):
         with self.assertRaises(HivemindError) as cm:
             moe(torch.randn(2, D))
         self.assertEqual(cm.exception.code, "not_enough_experts")
+        # Per sample too; with zero outputs allowed the layer gives zeros instead.
+        moe = self.moe(uid_prefix="nobody", k_min=1, find_timeout=2.0, routing="sample")
+        with self.assertRaises(HivemindError) as cm:
+            moe(torch.randn(2, D))
+        self.assertEqual(cm.exception.code, "not_enough_experts")
+        moe = self.moe(uid_prefix="nobody", k_min=0, backward_k_min=0, find_timeout=2.0,
+                       routing="sample", allow_zero_outputs=True)
+        self.assertEqual(moe(torch.randn(2, D)).abs().max().item(), 0.0)
         with self.assertRaises(ValueError):
             self.moe()(torch.randn(2, D + 1))
 
@@ -191,13 +204,18 @@ class MoETest(unittest.TestCase):
         self.assertIsNot(moe._cache, cached)
 
     def test_training_reduces_loss(self):
+        for routing in ("batch", "sample"):
+            with self.subTest(routing=routing):
+                self.train_once(routing)
+
+    def train_once(self, routing):
         torch.manual_seed(5)
         rng = np.random.default_rng(5)
         n_in = 8
         teacher = torch.from_numpy(rng.standard_normal((n_in, 1)).astype(np.float32))
         X = torch.from_numpy(rng.standard_normal((256, n_in)).astype(np.float32))
         Y = torch.tanh(X @ teacher) + 0.5 * torch.sin(X[:, :1] * 2)
-        moe = self.moe(uid_prefix="train", k_best=2)
+        moe = self.moe(uid_prefix="train", k_best=2, routing=routing)
         model = torch.nn.Sequential(torch.nn.Linear(n_in, D), moe, torch.nn.Linear(D, 1))
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         losses = []
