@@ -160,6 +160,8 @@ struct hm_ar_ctx {
     hm_ar_limit_cfg lim;
     /* What the bounds changed (hm_ar_limits). */
     uint64_t weights_clamped, clip_weights_clamped, bandwidths_clamped;
+    /* Messages of another protocol version since the last warning. */
+    uint64_t old_version_count, old_version_last_ms;
 };
 
 /* Inputs at least this large get their rollback copy in huge pages where the kernel allows. */
@@ -190,6 +192,36 @@ static void apply_view(hm_ar_round *r, uint64_t dead_add, uint64_t bad_add, int 
 
 static inline uint64_t bit(size_t i) { return (uint64_t)1 << i; }
 
+/*
+ * A member of another averaging protocol version (most likely an older
+ * hivemindd) cannot average with us, and its operator needs to hear that
+ * in words that say so rather than as a "bad member"; once a minute.
+ * Returns 1 when the body was of another version (and counted).
+ */
+static int complain_version(hm_ar_ctx *ctx, const uint8_t *body, size_t len,
+                            const struct sockaddr *from, const char *what)
+{
+    int version = hm_ar_msg_version(body, len);
+    uint64_t now = hm_now_ms();
+    char addr[HM_ADDRSTRLEN];
+
+    if (version < 0 || version == HM_AR_VERSION)
+        return 0;
+    ctx->old_version_count++;
+    if (ctx->old_version_last_ms != 0 && now - ctx->old_version_last_ms < 60000)
+        return 1;
+    if (from == NULL || hm_format_addr(from, addr, sizeof(addr)) != 0)
+        hm_strlcpy(addr, "a member", sizeof(addr));
+    hm_warn(MOD, "refused %llu averaging message%s %s of protocol version %d (the latest, %s "
+            "from %s); this hivemindd speaks averaging version %d only: upgrade the peer",
+            (unsigned long long)ctx->old_version_count, ctx->old_version_count == 1 ? "" : "s",
+            ctx->old_version_last_ms == 0 ? "so far" : "in the last minute", version, what, addr,
+            HM_AR_VERSION);
+    ctx->old_version_last_ms = now;
+    ctx->old_version_count = 0;
+    return 1;
+}
+
 /* ================================================================ messages */
 
 static const hm_wire_limits *msg_limits(size_t max_elems, hm_wire_limits *lim)
@@ -210,6 +242,24 @@ static int check_chunk(const uint8_t *p, size_t len, size_t max_elems)
     if (rc < 0)
         return rc;
     return n > max_elems ? -EMSGSIZE : 0;
+}
+
+int hm_ar_msg_version(const uint8_t *buf, size_t len)
+{
+    size_t at;
+    if (buf == NULL || len < 2)
+        return -1;
+    if (buf[0] >= 0x91 && buf[0] <= 0x9f) /* fixarray, at least one element */
+        at = 1;
+    else if (buf[0] == 0xdc && len >= 4) /* array 16 */
+        at = 3;
+    else
+        return -1;
+    if (buf[at] <= 0x7f) /* positive fixint: every version so far */
+        return buf[at];
+    if (buf[at] == 0xcc && len > at + 1) /* uint 8 */
+        return buf[at + 1];
+    return -1;
 }
 
 void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m)
@@ -280,7 +330,7 @@ out:
 
 void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m)
 {
-    hm_wire_wr_array(w, 5);
+    hm_wire_wr_array(w, 7);
     hm_wire_wr_uint(w, HM_AR_VERSION);
     hm_wire_wr_uint(w, m->dead_mask);
     hm_wire_wr_uint(w, m->bad_mask);
@@ -289,6 +339,8 @@ void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m)
         hm_wire_wr_bin(w, m->data, m->data_len);
     else
         hm_wire_wr_nil(w);
+    hm_wire_wr_uint(w, m->form);
+    hm_wire_wr_double(w, m->share);
 }
 
 int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_reply_msg *out)
@@ -298,15 +350,26 @@ int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_r
     hm_wire_limits lim;
     int result;
 
+    uint64_t form;
+
     memset(out, 0, sizeof(*out));
-    if ((result = hm_wire_decode_open_array(&m, buf, len, msg_limits(max_elems, &lim), 5, 5,
+    if ((result = hm_wire_decode_open_array(&m, buf, len, msg_limits(max_elems, &lim), 7, 7,
                                             HM_AR_VERSION)) < 0)
         goto out;
     it = m.items;
     if ((result = get_mask(&it[1], &out->dead_mask)) < 0 ||
         (result = get_mask(&it[2], &out->bad_mask)) < 0 ||
-        (result = get_mask(&it[3], &out->contrib_mask)) < 0)
+        (result = get_mask(&it[3], &out->contrib_mask)) < 0 ||
+        (result = hm_wire_get_uint(&it[5], &form)) < 0 ||
+        (result = hm_wire_get_double(&it[6], &out->share)) < 0)
         goto out;
+    /* A difference needs its data; a share is a fraction of the total weight. */
+    if (form > HM_AR_FORM_DELTA || !(out->share >= 0.0 && out->share <= 1.0) ||
+        (form == HM_AR_FORM_DELTA && it[4].type == MSGPACK_OBJECT_NIL)) {
+        result = -EPROTO;
+        goto out;
+    }
+    out->form = (uint32_t)form;
     if (it[4].type != MSGPACK_OBJECT_NIL) {
         const uint8_t *d;
         uint32_t dlen;
@@ -570,6 +633,71 @@ static uint8_t *encode_chunk(const hm_ar_round *r, const float *x, size_t n, siz
     return buf;
 }
 
+/*
+ * One reply body with status 0: vals encoded with the round's compression,
+ * as an average (form 0) or as a sender's difference from it (form 1).
+ */
+static uint8_t *answer_body(const hm_ar_round *r, const float *vals, size_t cnt, uint64_t contrib,
+                            int form, double share, size_t *len_out, int *err)
+{
+    size_t clen;
+    uint8_t *enc = encode_chunk(r, vals, cnt, &clen, err);
+    if (enc == NULL)
+        return NULL;
+    hm_wire_wr w;
+    hm_ar_reply_msg m = {.dead_mask = r->dead, .bad_mask = r->bad, .contrib_mask = contrib,
+                         .data = enc, .data_len = clen, .form = (uint32_t)form, .share = share};
+    hm_wire_wr_init_dynamic(&w, clen + MSG_SLACK);
+    hm_ar_reply_encode(&w, &m);
+    uint8_t *body = hm_wire_wr_steal(&w, len_out);
+    free(enc);
+    if (body == NULL)
+        *err = -ENOMEM;
+    return body;
+}
+
+/*
+ * What encoding a chunk costs in precision, up to a factor common to the
+ * values one chunk may carry: fp16 rounds each value relative to itself
+ * (so the sum of squares), 8 bits round to a step of the chunk's range.
+ */
+static double coding_cost(int comp, const float *v, size_t n)
+{
+    double acc = 0;
+    float mn = n > 0 ? v[0] : 0.0f, mx = mn;
+    if (comp == HM_AVG_COMP_FP16) {
+        for (size_t i = 0; i < n; i++)
+            acc += (double)v[i] * (double)v[i];
+        return acc;
+    }
+    for (size_t i = 0; i < n; i++) {
+        mn = HM_MIN(mn, v[i]);
+        mx = HM_MAX(mx, v[i]);
+    }
+    return (double)mx - (double)mn;
+}
+
+/*
+ * Sender j's answer in a compressed round (allreduce.h, "Compressed
+ * rounds"): the average minus j's part as we decoded it, or the average
+ * itself where that rounds better (members far apart: the difference is
+ * larger than the average), with j's share of the weight either way.
+ * diff is scratch of cnt floats; ans_cost is coding_cost of the average.
+ * A difference that is not finite (two parts near FLT_MAX of opposite
+ * signs) never wins.
+ */
+static uint8_t *compressed_body(const hm_ar_round *r, const float *ans, double ans_cost,
+                                const float *part, float *diff, size_t cnt, uint64_t contrib,
+                                double share, size_t *len_out, int *err)
+{
+    for (size_t i = 0; i < cnt; i++)
+        diff[i] = (float)((double)ans[i] - (double)part[i]);
+    double cost = coding_cost(r->cfg.compression, diff, cnt);
+    if (isfinite(cost) && cost < ans_cost && hm_avg_all_finite(diff, cnt))
+        return answer_body(r, diff, cnt, contrib, HM_AR_FORM_DELTA, share, len_out, err);
+    return answer_body(r, ans, cnt, contrib, HM_AR_FORM_AVERAGE, share, len_out, err);
+}
+
 static void task_complete(hm_ar_round *r, size_t ti, const float *vals, uint64_t contrib)
 {
     task *t = &r->tasks[ti];
@@ -597,10 +725,13 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
     float *out = NULL;
     const float *ans = NULL;
     uint64_t contrib = 0;
+    double share[HM_AVG_MAX_GROUP] = {0};
+    int clip = r->cfg.aggregate == HM_AR_CENTERED_CLIP;
 
     if (o->have != 0) {
         const float *xs[HM_AVG_MAX_GROUP];
         double w[HM_AVG_MAX_GROUP];
+        size_t who[HM_AVG_MAX_GROUP];
         size_t m = 0;
         double total = 0;
         for (size_t j = 0; j < r->g.n; j++) {
@@ -608,6 +739,7 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
                 continue;
             xs[m] = o->part[j] != NULL ? o->part[j] : r->data + off;
             w[m] = o->w[j];
+            who[m] = j;
             m++;
         }
         /*
@@ -616,7 +748,6 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
          * neither one member's share nor the accumulator can run away
          * (allreduce.h, "Bounds").
          */
-        int clip = r->cfg.aggregate == HM_AR_CENTERED_CLIP;
         double cap = hm_ar_weight_cap(w, m, clip ? r->lim.clip_weight_factor
                                                  : r->lim.weight_factor);
         double wmax = 0;
@@ -639,6 +770,9 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
                 w[j] = 1.0;
         if (total <= 0)
             total = (double)m;
+        /* CenteredClip is not linear in the parts: no share corrects it. */
+        for (size_t j = 0; j < m && !clip; j++)
+            share[who[j]] = HM_MIN(1.0, w[j] / total);
         out = malloc(cnt ? cnt * sizeof(float) : sizeof(float));
         if (out != NULL) {
             int clipped = 0;
@@ -659,33 +793,42 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
         }
     }
 
+    /*
+     * Uncompressed rounds hand everyone the same average; compressed ones
+     * hand each sender its own difference from it (allreduce.h,
+     * "Compressed rounds").
+     */
+    int compressed = r->cfg.compression != HM_AVG_COMP_NONE;
     uint8_t *body = NULL;
+    float *diff = NULL;
+    double ans_cost = 0;
     size_t blen = 0;
     int err = -ENOMEM;
     if (ans != NULL && o->held != 0) {
-        size_t clen;
-        uint8_t *enc = encode_chunk(r, ans, cnt, &clen, &err);
-        if (enc != NULL) {
-            hm_wire_wr w;
-            hm_ar_reply_msg m = {.dead_mask = r->dead, .bad_mask = r->bad, .contrib_mask = contrib,
-                                 .data = enc, .data_len = clen};
-            hm_wire_wr_init_dynamic(&w, clen + MSG_SLACK);
-            hm_ar_reply_encode(&w, &m);
-            body = hm_wire_wr_steal(&w, &blen);
-            free(enc);
+        if (compressed) {
+            diff = malloc(cnt ? cnt * sizeof(float) : sizeof(float));
+            ans_cost = coding_cost(r->cfg.compression, ans, cnt);
+        } else {
+            body = answer_body(r, ans, cnt, contrib, HM_AR_FORM_AVERAGE, 0.0, &blen, &err);
         }
     }
     for (size_t j = 0; j < r->g.n; j++) {
         if (!(o->held & bit(j)))
             continue;
-        if (body != NULL) {
-            if (hm_rpc_respond(o->req[j], 0, body, blen) == 0)
+        uint8_t *mine = NULL;
+        if (compressed && diff != NULL && o->part[j] != NULL)
+            mine = compressed_body(r, ans, ans_cost, o->part[j], diff, cnt, contrib, share[j],
+                                   &blen, &err);
+        if (mine != NULL || body != NULL) {
+            if (hm_rpc_respond(o->req[j], 0, mine != NULL ? mine : body, blen) == 0)
                 r->bytes_sent += blen;
         } else {
             reply_status(r, o->req[j], ans == NULL ? -ETIME : err);
         }
+        free(mine);
         o->req[j] = NULL;
     }
+    free(diff);
     free(body);
     if (o->self_task != SIZE_MAX) {
         if (ans != NULL) {
@@ -973,6 +1116,32 @@ static void task_retry(task *t)
     t->gen++;
 }
 
+/*
+ * A compressed round's answer (allreduce.h, "Compressed rounds"): vals
+ * holds what the reducer sent, decoded (form 1: the average minus our part
+ * as the reducer decoded it; form 0: the average), and becomes our result,
+ * with our share of our own rounding taken out. -ENOMEM, or -EDOM when the
+ * result is not finite (a hostile answer near FLT_MAX).
+ */
+static int apply_answer(hm_ar_round *r, const task *t, float *vals, int form, double share)
+{
+    const float *x = r->orig + t->off;
+    float *qx = malloc(t->cnt ? t->cnt * sizeof(float) : sizeof(float));
+    int rc;
+    if (qx == NULL)
+        return -ENOMEM;
+    /* The same choice as encode_chunk: a chunk fp16 cannot hold went uncompressed. */
+    rc = hm_avg_chunk_roundtrip(r->cfg.compression, x, t->cnt, qx);
+    if (rc == -ERANGE)
+        rc = hm_avg_chunk_roundtrip(HM_AVG_COMP_NONE, x, t->cnt, qx);
+    if (rc == 0) {
+        hm_avg_answer_apply(vals, x, qx, vals, t->cnt, form == HM_AR_FORM_DELTA, share);
+        rc = hm_avg_all_finite(vals, t->cnt) ? 0 : -EDOM;
+    }
+    free(qx);
+    return rc;
+}
+
 static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
 {
     callctx *cc = ud;
@@ -1007,6 +1176,22 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
             hm_avg_chunk_decode(rep.data, rep.data_len, vals, t->cnt, &got) < 0 || got != t->cnt ||
             (rep.contrib_mask & ~r->all_mask) != 0 || !(rep.contrib_mask & r->self_bit)) {
             free(vals);
+            if (rc < 0)
+                complain_version(r->ctx, body, len, (const struct sockaddr *)&r->g.members[red].addr,
+                                 "a reply");
+            t->state = T_QUEUED;
+            t->gen++;
+            found_out(r, red, HM_AR_BAD);
+            break;
+        }
+        /* An average with no share (uncompressed rounds) is taken as it is, exactly. */
+        if ((rep.form == HM_AR_FORM_DELTA || rep.share > 0) &&
+            (rc = apply_answer(r, t, vals, (int)rep.form, rep.share)) < 0) {
+            free(vals);
+            if (rc == -ENOMEM) {
+                task_retry(t);
+                break;
+            }
             t->state = T_QUEUED;
             t->gen++;
             found_out(r, red, HM_AR_BAD);
@@ -1135,7 +1320,8 @@ static void send_task(hm_ar_round *r, size_t ti)
         t->first_try_ms = now;
 
     size_t clen;
-    uint8_t *enc = encode_chunk(r, r->data + t->off, t->cnt, &clen, &err);
+    /* From our input as it came in, which a compressed answer is relative to. */
+    uint8_t *enc = encode_chunk(r, r->orig + t->off, t->cnt, &clen, &err);
     if (enc == NULL) {
         if (err == -EDOM) {
             /* Our own values are not finite (changed during the round): we cannot take part. */
@@ -1400,9 +1586,9 @@ static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     hm_ar_part_msg m;
     hm_ar_round *r;
     int rc;
-    HM_UNUSED(from);
 
     if ((rc = hm_ar_part_decode(body, len, HM_AR_MAX_CHUNK_ELEMS, &m)) < 0) {
+        complain_version(ctx, body, len, from, "a part");
         reply_status(NULL, req, rc == -EMSGSIZE ? -EMSGSIZE : -EPROTO);
         return;
     }
@@ -1487,9 +1673,9 @@ static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     hm_ar_dead_msg m;
     hm_ar_round *r;
     int rc;
-    HM_UNUSED(from);
 
     if ((rc = hm_ar_dead_decode(body, len, &m)) < 0) {
+        complain_version(ctx, body, len, from, "a notice");
         hm_rpc_respond(req, -EPROTO, NULL, 0);
         return;
     }

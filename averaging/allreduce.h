@@ -19,7 +19,11 @@
  *
  * Messages (stream calls, bodies msgpack, decoded with wire.h's bounded
  * validator; sizes checked against the layout):
- *   "avg.part" request: [1, group_id(bin 32), sender, n_total, span, chunk,
+ *   Every message opens with the averaging protocol version, 2
+ *   (HM_AR_VERSION; version 1 returned the average itself under
+ *   compression, see "Compressed rounds"). A message of another version is
+ *   refused (-EPROTO) and logged as a peer to upgrade, once a minute.
+ *   "avg.part" request: [2, group_id(bin 32), sender, n_total, span, chunk,
  *        kind, weight, dead_mask, bad_mask, contrib_mask, data(bin)]
  *     kind 0 (DATA): the sender's own values, always. Kind 1 (RESULT, a
  *     chunk average handed on with its contributors in contrib_mask) is
@@ -27,8 +31,13 @@
  *     from DATA: the codec still parses it, and a reducer refuses it
  *     (-EPROTO, the sender marked bad). data is one chunk in codec.h's
  *     self-describing format (none, fp16 or 8-bit).
- *   reply (any status): [1, dead_mask, bad_mask, contrib_mask, data(bin)|nil]
- *     status 0 carries the chunk's average and who is in it. Refusals:
+ *   reply (any status): [2, dead_mask, bad_mask, contrib_mask, data(bin)|nil,
+ *        form, share]
+ *     status 0 carries the chunk's answer and who is in it: form 0, the
+ *     average itself (rounds without compression); form 1, the average
+ *     minus the sender's part as the reducer decoded it, with share the
+ *     sender's weight over the chunk's total weight in [0, 1] (compressed
+ *     rounds, below). Refusals carry form 0, share 0 and no data:
  *     -EAGAIN    this node has not started that group (yet): retry shortly;
  *     -EXDEV     not this node's span in its view (the masks say why);
  *     -EPERM     the sender is not a member or is left out of the round;
@@ -37,7 +46,7 @@
  *     -ETIME     the chunk was final before the part arrived (late sender);
  *     -ESTALE    the sender's view names the receiver dead;
  *     -ESRCH     this node's round is over.
- *   "avg.dead" request: [1, group_id, sender, n_total, dead_mask, bad_mask,
+ *   "avg.dead" request: [2, group_id, sender, n_total, dead_mask, bad_mask,
  *        done]: a member tells the others whom it found dead or bad
  *     (done 0, a notice) or that it holds every result under that view
  *     (done 1, the end-of-round barrier below); done may be absent (0).
@@ -131,6 +140,39 @@
  * there: those keep their local values and the round reports -ETIMEDOUT).
  * Each member's report still says exactly whom its values include.
  *
+ * Compressed rounds. With fp16 or 8 bits on the wire, a sender's part is
+ * rounded once on its way to the reducer, and what comes back is rounded
+ * again. Write x_j for sender j's exact values, p_j for its part as the
+ * reducer decodes it (the sender computes the same p_j itself with
+ * hm_avg_chunk_roundtrip), e_j = p_j - x_j (0 for the reducer's own part,
+ * which never goes through the codec), w_k for the clamped weights, W
+ * their total and m = sum_k w_k x_k / W the exact mean. The reducer's
+ * average is
+ *     a = sum_k w_k p_k / W = m + sum_k w_k e_k / W.
+ * Version 1 sent a back encoded, so a sender ended with a + E(a): the
+ * inputs' errors plus a second rounding of a full-size value (half an
+ * fp16 ulp of |a|, or half an 8-bit step of the average's range). Now the
+ * reducer sends, per sender, the difference d_j = a - p_j encoded, and the
+ * share s_j = w_j / W; the sender decodes d_j + E(d_j) and computes
+ * (hm_avg_delta_apply)
+ *     y_j = p_j + (d_j + E(d_j)) + s_j (x_j - p_j)
+ *         = a - s_j e_j + E(d_j)
+ *         = m + sum_{k != j} w_k e_k / W + E(d_j).
+ * So the one input error a sender knows exactly, its own, leaves its
+ * result; the return trip's error E(d_j) is relative to the distance from
+ * the average, not to the average (members of one model are close to
+ * each other, so |d_j| is much smaller than |a|); what remains is the
+ * other senders' rounding, by their share. In a pair the member that does
+ * not reduce a span ends with m + E(d_j) there, and the reducer with
+ * m + s_j e_j. Hivemind's reducers send the same difference and a sender
+ * adds it to x_j: y = m + sum_{k != j} w_k e_k / W - (1 - s_j) e_j +
+ * E(d_j); the share term removes that -(1 - s_j) e_j, the largest term in
+ * groups of more than two. CenteredClip is not linear in the parts, so
+ * under it the share is 0 and y_j = a + E(d_j). Rounds without
+ * compression keep form 0: p_j = x_j and the average comes back exact.
+ * A reducer is trusted with its span's answer anyway; a share outside
+ * [0, 1] or a difference that does not decode marks it bad.
+ *
  * Memory. Per round: the caller's vector (written in place) and one copy
  * of it (our input, for rollback), so twice the vector; at most `window`
  * outgoing chunk bodies per member (each copied once into the transport's
@@ -188,11 +230,14 @@ typedef struct hm_ar_round hm_ar_round;
 
 #define HM_AR_PART_METHOD "avg.part"
 #define HM_AR_DEAD_METHOD "avg.dead"
-#define HM_AR_VERSION 1
+/* 2: compressed answers are differences from the sender's part (form 1). */
+#define HM_AR_VERSION 2
 /* Largest chunk a part may carry; matches codec.h's cap. */
 #define HM_AR_MAX_CHUNK_ELEMS (1u << 24)
 
 enum hm_ar_kind { HM_AR_DATA = 0, HM_AR_RESULT = 1 };
+/* What a reply's data holds (allreduce.h, "Compressed rounds"). */
+enum hm_ar_form { HM_AR_FORM_AVERAGE = 0, HM_AR_FORM_DELTA = 1 };
 enum hm_ar_aggregate { HM_AR_MEAN = 0, HM_AR_CENTERED_CLIP = 1 };
 
 /* Why a member was left out, per member in the report. */
@@ -341,6 +386,8 @@ typedef struct hm_ar_reply_msg {
     uint64_t dead_mask, bad_mask, contrib_mask;
     const uint8_t *data; /* NULL when absent */
     size_t data_len;
+    uint32_t form;       /* enum hm_ar_form */
+    double share;        /* the sender's share of the average, in [0, 1] */
 } hm_ar_reply_msg;
 
 typedef struct hm_ar_dead_msg {
@@ -355,10 +402,15 @@ typedef struct hm_ar_dead_msg {
  * Encoders write into a bounded writer (see wire.h). Decoders validate the
  * whole buffer with the bounded validator (one object, no trailing bytes),
  * check types and ranges (version, group id length, member indices below
- * HM_AVG_MAX_GROUP, kind, weight finite and >= 0, the chunk's codec header
- * and length, at most max_elems elements) and return 0, -EPROTO, -EINVAL,
- * -EMSGSIZE or -ENOMEM. Checks against a round's layout are the caller's.
+ * HM_AVG_MAX_GROUP, kind, weight finite and >= 0, a reply's form known and
+ * its share finite in [0, 1], form 1 only with data, the chunk's codec
+ * header and length, at most max_elems elements) and return 0, -EPROTO,
+ * -EINVAL, -EMSGSIZE or -ENOMEM. Checks against a round's layout are the
+ * caller's. hm_ar_msg_version says which version a body claims (its first
+ * element), or -1 when it does not look like an averaging message, so
+ * that a peer of another version can be named as such.
  */
+int hm_ar_msg_version(const uint8_t *buf, size_t len);
 void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m);
 int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_part_msg *out);
 void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m);
