@@ -35,6 +35,13 @@
 #define RETRY_MAX_MS 200u
 #define WINDOW_MAX 32u
 #define SHARE_BITS 20
+/* Vectors up to this many elements (1 MiB of float32) go as one chunk per span. */
+#define SMALL_ELEMS ((size_t)1 << 18)
+/* How long a message for a round not started yet is held (allreduce.h, "Early parts"). */
+#define EARLY_HOLD_MS 2000u
+/* Bookkeeping charged per held message on top of its body. */
+#define EARLY_OVERHEAD 512u
+#define EARLY_MAX_ORIGINS 4096u
 /* Header bytes of a part or reply around its chunk data (generous). */
 #define MSG_SLACK 256u
 
@@ -140,6 +147,21 @@ struct hm_ar_round {
     int finished;  /* inside finish: callbacks only clean up */
 };
 
+/* A message held for a round this node has not started yet. */
+typedef struct early {
+    TAILQ_ENTRY(early) link;
+    int is_dead; /* "avg.dead", else "avg.part" */
+    hm_rpc_req *req;
+    uint8_t pk[HM_PK_BYTES];
+    struct sockaddr_storage from;
+    uint8_t gid[HM_AVG_GROUP_ID_BYTES];
+    hm_origin origin;
+    uint64_t until_ms;
+    size_t charge;
+    size_t len;
+    uint8_t body[];
+} early;
+
 typedef struct tombstone {
     uint8_t gid[HM_AVG_GROUP_ID_BYTES];
     uint64_t until_ms;
@@ -162,6 +184,11 @@ struct hm_ar_ctx {
     uint64_t weights_clamped, clip_weights_clamped, bandwidths_clamped;
     /* Messages of another protocol version since the last warning. */
     uint64_t old_version_count, old_version_last_ms;
+    /* Held for rounds not started yet (allreduce.h, "Early parts"). */
+    TAILQ_HEAD(, early) early;
+    size_t early_bytes;
+    hm_origin_tab early_origins; /* v[0]: bytes held per origin */
+    uint64_t early_refused, early_origin_refused;
 };
 
 /* Inputs at least this large get their rollback copy in huge pages where the kernel allows. */
@@ -1579,6 +1606,135 @@ static int check_sender(hm_ar_round *r, uint32_t sender, const uint8_t pk[HM_PK_
     return 0;
 }
 
+/* ============================================================ early parts */
+
+/*
+ * Holds a message for a group with no round here yet (allreduce.h, "Early
+ * parts"): 0, or -ENOBUFS past a bound (the caller refuses it as before).
+ */
+static int early_hold(hm_ar_ctx *ctx, int is_dead, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
+                      const struct sockaddr *from, const uint8_t *gid, const uint8_t *body,
+                      size_t len)
+{
+    size_t charge = len + EARLY_OVERHEAD;
+    hm_origin o;
+    hm_origin_ent *oe;
+    early *e;
+
+    if (ctx->closing || ctx->lim.early_bytes == 0)
+        return -ENOBUFS;
+    if (ctx->early_bytes + charge > ctx->lim.early_bytes) {
+        ctx->early_refused++;
+        return -ENOBUFS;
+    }
+    hm_origin_of(from, &o);
+    if ((oe = hm_origin_tab_get(&ctx->early_origins, &o, 1)) == NULL) {
+        ctx->early_origin_refused++;
+        return -ENOBUFS;
+    }
+    if (oe->v[0] + charge > ctx->lim.early_origin_bytes) {
+        ctx->early_origin_refused++;
+        if (oe->v[0] == 0)
+            hm_origin_tab_release(&ctx->early_origins, oe);
+        return -ENOBUFS;
+    }
+    if ((e = malloc(sizeof(*e) + len)) == NULL) {
+        if (oe->v[0] == 0)
+            hm_origin_tab_release(&ctx->early_origins, oe);
+        return -ENOBUFS;
+    }
+    memset(e, 0, sizeof(*e));
+    e->is_dead = is_dead;
+    e->req = req;
+    memcpy(e->pk, pk, HM_PK_BYTES);
+    if (from != NULL)
+        memcpy(&e->from, from, hm_addr_len(from));
+    memcpy(e->gid, gid, HM_AVG_GROUP_ID_BYTES);
+    e->origin = o;
+    e->until_ms = hm_now_ms() + EARLY_HOLD_MS;
+    e->charge = charge;
+    e->len = len;
+    memcpy(e->body, body, len);
+    oe->v[0] += charge;
+    ctx->early_bytes += charge;
+    TAILQ_INSERT_TAIL(&ctx->early, e, link);
+    /* The tick expires it even while no round runs here. */
+    if (!ctx->timer_on)
+        schedule_tick(ctx, TICK_MS);
+    return 0;
+}
+
+static void early_free(hm_ar_ctx *ctx, early *e)
+{
+    hm_origin_ent *oe = hm_origin_tab_get(&ctx->early_origins, &e->origin, 0);
+    TAILQ_REMOVE(&ctx->early, e, link);
+    ctx->early_bytes -= e->charge;
+    if (oe != NULL) {
+        oe->v[0] -= HM_MIN(oe->v[0], e->charge);
+        if (oe->v[0] == 0)
+            hm_origin_tab_release(&ctx->early_origins, oe);
+    }
+    free(e);
+}
+
+static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
+                    const struct sockaddr *from, const uint8_t *body, size_t len);
+static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
+                    const struct sockaddr *from, const uint8_t *body, size_t len);
+
+/*
+ * Hands held messages to the rounds that have started since, as if they
+ * had just arrived, and refuses those held too long (-EAGAIN: the sender
+ * retries with backoff) or all of them when closing (-ESRCH).
+ */
+static void early_run(hm_ar_ctx *ctx)
+{
+    uint64_t now = hm_now_ms();
+    early *e, *next;
+    for (e = TAILQ_FIRST(&ctx->early); e != NULL; e = next) {
+        next = TAILQ_NEXT(e, link);
+        int ready = !ctx->closing && round_find(ctx, e->gid) != NULL;
+        if (!ready && !ctx->closing && now < e->until_ms && tomb_find(ctx, e->gid) == 0)
+            continue;
+        if (ready) {
+            /*
+             * The handlers may hold new messages (at the tail) but free
+             * none, so next stays valid.
+             */
+            hm_rpc_req *req = e->req;
+            uint8_t pk[HM_PK_BYTES];
+            struct sockaddr_storage from = e->from;
+            int is_dead = e->is_dead;
+            memcpy(pk, e->pk, HM_PK_BYTES);
+            uint8_t *body = malloc(e->len ? e->len : 1);
+            size_t len = e->len;
+            if (body == NULL) {
+                early_free(ctx, e);
+                reply_status(NULL, req, -EAGAIN);
+                continue;
+            }
+            memcpy(body, e->body, len);
+            early_free(ctx, e);
+            if (is_dead)
+                on_dead(ctx, req, pk, (const struct sockaddr *)&from, body, len);
+            else
+                on_part(ctx, req, pk, (const struct sockaddr *)&from, body, len);
+            free(body);
+        } else {
+            hm_rpc_req *req = e->req;
+            int is_dead = e->is_dead;
+            int st = ctx->closing || tomb_find(ctx, e->gid) ? -ESRCH : -EAGAIN;
+            early_free(ctx, e);
+            if (st == -EAGAIN)
+                ctx->early_refused++;
+            if (is_dead)
+                hm_rpc_respond(req, st, NULL, 0);
+            else
+                reply_status(NULL, req, st);
+        }
+    }
+}
+
 static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
                     const struct sockaddr *from, const uint8_t *body, size_t len)
 {
@@ -1594,7 +1750,10 @@ static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     }
     r = round_find(ctx, m.group_id);
     if (r == NULL || r->finishing || r->finished) {
-        reply_status(r, req, r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH);
+        int st = r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH;
+        if (st == -EAGAIN && early_hold(ctx, 0, req, pk, from, m.group_id, body, len) == 0)
+            return;
+        reply_status(r, req, st);
         return;
     }
     r->bytes_recv += len;
@@ -1681,7 +1840,10 @@ static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     }
     r = round_find(ctx, m.group_id);
     if (r == NULL || r->finishing || r->finished) {
-        hm_rpc_respond(req, r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH, NULL, 0);
+        int st = r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH;
+        if (st == -EAGAIN && early_hold(ctx, 1, req, pk, from, m.group_id, body, len) == 0)
+            return;
+        hm_rpc_respond(req, st, NULL, 0);
         return;
     }
     r->bytes_recv += len;
@@ -1821,6 +1983,9 @@ static void finish(hm_ar_round *r)
 static void tick(uv_timer_t *h)
 {
     hm_ar_ctx *ctx = h->data;
+    ctx->timer_on = 0;
+    /* Messages held for rounds that have started since come first. */
+    early_run(ctx);
     uint64_t now = hm_now_ms();
     hm_ar_round *r = LIST_FIRST(&ctx->rounds);
     while (r != NULL) {
@@ -1838,10 +2003,11 @@ static void tick(uv_timer_t *h)
         }
         r = next;
     }
-    if (LIST_EMPTY(&ctx->rounds) && ctx->timer_on) {
-        uv_timer_stop(&ctx->timer);
+    if (LIST_EMPTY(&ctx->rounds) && TAILQ_EMPTY(&ctx->early)) {
+        if (ctx->timer_on)
+            uv_timer_stop(&ctx->timer);
         ctx->timer_on = 0;
-    } else if (!LIST_EMPTY(&ctx->rounds)) {
+    } else if (!ctx->timer_on) {
         schedule_tick(ctx, TICK_MS);
     }
 }
@@ -1863,9 +2029,9 @@ void hm_ar_config_defaults(hm_ar_config *cfg)
     if (cfg->reducer_timeout_ms == 0)
         cfg->reducer_timeout_ms = cfg->round_timeout_ms * 2 / 5;
     if (cfg->chunk_elems == 0)
-        cfg->chunk_elems = 131072;
+        cfg->chunk_elems = 65536; /* chosen by measurement: docs/benchmarks.md */
     if (cfg->window == 0)
-        cfg->window = 8;
+        cfg->window = 16; /* 4 MiB in flight per member, as with 8 chunks of twice the size */
     if (cfg->clip_iters == 0)
         cfg->clip_iters = 20;
 }
@@ -1887,6 +2053,7 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
     memset(&cfg, 0, sizeof(cfg));
     if (cfg_in != NULL)
         cfg = *cfg_in;
+    int chunk_default = cfg.chunk_elems == 0;
     hm_ar_config_defaults(&cfg);
     if (cfg.window > WINDOW_MAX || cfg.chunk_elems > HM_AR_MAX_CHUNK_ELEMS ||
         cfg.compression < 0 || cfg.compression >= HM_AVG_COMP_COUNT ||
@@ -1920,6 +2087,15 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
     if ((result = shares(group, r->lim.bandwidth_factor, r->share, &bw_clamped)) < 0)
         goto out;
     ctx->bandwidths_clamped += bw_clamped;
+    /*
+     * A small vector (gradients of a small model) goes as one chunk per
+     * span: one round trip each, all at once, instead of a chunk's
+     * pipeline. Every member applies the same rule to the same layout; a
+     * chunk size the caller chose is kept.
+     */
+    if (n <= SMALL_ELEMS && chunk_default)
+        for (size_t s = 0; s < group->n; s++)
+            r->cfg.chunk_elems = cfg.chunk_elems = HM_MAX(cfg.chunk_elems, r->cnt[s]);
     size_t max_ch = 0;
     for (size_t s = 0; s < group->n; s++) {
         r->nch[s] = (r->cnt[s] + cfg.chunk_elems - 1) / cfg.chunk_elems;
@@ -1982,11 +2158,17 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
     if (ctx == NULL)
         return -ENOMEM;
     LIST_INIT(&ctx->rounds);
+    TAILQ_INIT(&ctx->early);
+    if (hm_origin_tab_init(&ctx->early_origins, EARLY_MAX_ORIGINS) < 0) {
+        free(ctx);
+        return -ENOMEM;
+    }
     hm_ar_limit_defaults(&ctx->lim);
     ctx->loop = loop;
     ctx->rpc = rpc;
     memcpy(ctx->pk, id->pk, HM_PK_BYTES);
     if ((result = hm_rpc_register(rpc, HM_AR_PART_METHOD, on_part, ctx)) < 0) {
+        hm_origin_tab_free(&ctx->early_origins);
         free(ctx);
         return result;
     }
@@ -2010,6 +2192,8 @@ void hm_ar_limit_defaults(hm_ar_limit_cfg *lim)
     lim->weight_factor = HM_AR_WEIGHT_FACTOR_DEFAULT;
     lim->clip_weight_factor = HM_AR_CLIP_WEIGHT_FACTOR_DEFAULT;
     lim->bandwidth_factor = HM_AR_BANDWIDTH_FACTOR_DEFAULT;
+    lim->early_bytes = (size_t)HM_AR_EARLY_MIB_DEFAULT << 20;
+    lim->early_origin_bytes = (size_t)HM_AR_EARLY_ORIGIN_MIB_DEFAULT << 20;
 }
 
 int hm_ar_set_limits(hm_ar_ctx *ctx, const hm_ar_limit_cfg *lim)
@@ -2025,6 +2209,8 @@ void hm_ar_limits(const hm_ar_ctx *ctx, hm_limit_emit_fn emit, void *ud)
 {
     emit(ud, "AverageWeightFactor", ctx->weights_clamped);
     emit(ud, "AverageClipWeightFactor", ctx->clip_weights_clamped);
+    emit(ud, "AverageEarlyPartsMiB", ctx->early_refused);
+    emit(ud, "AverageEarlyPartsOriginMiB", ctx->early_origin_refused);
 }
 
 static void ctx_timer_closed(uv_handle_t *h)
@@ -2032,6 +2218,7 @@ static void ctx_timer_closed(uv_handle_t *h)
     hm_ar_ctx *ctx = h->data;
     void (*cb)(void *) = ctx->close_cb;
     void *ud = ctx->close_ud;
+    hm_origin_tab_free(&ctx->early_origins);
     free(ctx);
     if (cb != NULL)
         cb(ud);
@@ -2050,6 +2237,7 @@ void hm_ar_ctx_close(hm_ar_ctx *ctx, void (*cb)(void *ud), void *ud)
         r->finishing = 1;
         finish(r);
     }
+    early_run(ctx); /* closing: every held message is refused */
     uv_timer_stop(&ctx->timer);
     uv_close((uv_handle_t *)&ctx->timer, ctx_timer_closed);
 }

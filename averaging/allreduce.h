@@ -13,7 +13,9 @@
  * floor(n * S_{i+1} / S)) with S_i the sum of the shares before i, all in
  * integers, so that every member computes the same layout bit for bit.
  * Members with bandwidth 0 (client mode) get empty spans and reduce nothing.
- * A span is cut into chunks of chunk_elems elements; chunk k of span s is
+ * A span is cut into chunks of chunk_elems elements (with the default
+ * chunk size, a vector of at most 2^18 elements, 1 MiB, is one chunk per
+ * span: one round trip each); chunk k of span s is
  * the task (k, s), and tasks are ordered chunk-major (all spans' chunk 0,
  * then all chunk 1, ...), so that every reducer is kept busy at once.
  *
@@ -75,8 +77,8 @@
  * open chunks count). The reducer then answers every held call with the
  * weighted average (in double precision; weights summing to 0 give the
  * plain mean) or CenteredClip, and frees the chunk. Parts for a group the
- * node has not started are refused with -EAGAIN and retried with backoff;
- * nothing is buffered for them.
+ * node has not started are held for a while (see "Early parts" below),
+ * else refused with -EAGAIN and retried with backoff.
  *
  * Failures. A reducer whose call fails (transport error, connection reset,
  * no answer within reducer_timeout_ms, "not ready" for as long, a reply
@@ -139,6 +141,23 @@
  * the ones that did not wait ended (the others cannot reopen chunks held
  * there: those keep their local values and the round reports -ETIMEDOUT).
  * Each member's report still says exactly whom its values include.
+ *
+ * Early parts. Members start a round when matchmaking tells each of them,
+ * so the first parts of a fast member often reach one that has not
+ * started yet. Refusing them with -EAGAIN made the sender retry after at
+ * least 10 ms, far longer than a whole round of a small tensor takes. A
+ * part or notice for a group this node has not started (and has not
+ * ended) is instead held, its call unanswered, for at most
+ * EARLY_HOLD_MS; when the round starts, the next tick hands every held
+ * message to the round as if it had just arrived, so the sender's call is
+ * answered when its chunk is final, with no retry. What is held is
+ * bounded in bytes (body plus bookkeeping), in total (early_bytes,
+ * AverageEarlyPartsMiB) and per network origin (early_origin_bytes,
+ * AverageEarlyPartsOriginMiB), since nothing about the sender can be
+ * checked before the group is known; past either bound, or once the hold
+ * expires, the message is refused with -EAGAIN as before (the sender
+ * retries with backoff) and the refusal is counted. The rpc layer's bound
+ * on unanswered inbound requests per peer applies to held calls too.
  *
  * Compressed rounds. With fp16 or 8 bits on the wire, a sender's part is
  * rounded once on its way to the reducer, and what comes back is rounded
@@ -252,8 +271,9 @@ typedef struct hm_ar_config {
     uint64_t round_timeout_ms;   /* hard end of the round, default 30000 */
     uint64_t part_timeout_ms;    /* reducer's wait for missing senders, default round/5 */
     uint64_t reducer_timeout_ms; /* sender's wait for a reducer's answer, default round*2/5 */
-    size_t chunk_elems;          /* default 131072 (512 KiB of float32) */
-    size_t window;               /* tasks in flight per member, default 8, at most 32 */
+    size_t chunk_elems;          /* default 65536 (256 KiB of float32); by default a
+                                    vector of <= 2^18 elements goes as one chunk per span */
+    size_t window;               /* tasks in flight per member, default 16, at most 32 */
     int compression;             /* enum hm_avg_comp, default none */
     int aggregate;               /* enum hm_ar_aggregate */
     double clip_tau;             /* CenteredClip radius, required when aggregate is clip */
@@ -300,6 +320,8 @@ void hm_ar_config_defaults(hm_ar_config *cfg);
 #define HM_AR_WEIGHT_FACTOR_DEFAULT 4.0
 #define HM_AR_CLIP_WEIGHT_FACTOR_DEFAULT 1.0
 #define HM_AR_BANDWIDTH_FACTOR_DEFAULT 2.0
+#define HM_AR_EARLY_MIB_DEFAULT 64
+#define HM_AR_EARLY_ORIGIN_MIB_DEFAULT 16
 typedef struct hm_ar_limit_cfg {
     double weight_factor;      /* mean: weight <= this x the chunk's median weight */
     double clip_weight_factor; /* centered_clip: the same */
@@ -308,6 +330,11 @@ typedef struct hm_ar_limit_cfg {
      * cap. Loopback origins are capped only with cap_loopback. */
     unsigned members_per_origin;
     int cap_loopback;
+    /* -- early parts options -- */
+    /* Bytes of messages held for rounds not started yet (allreduce.h,
+     * "Early parts"), in total and per origin; 0 holds nothing. */
+    size_t early_bytes;
+    size_t early_origin_bytes;
 } hm_ar_limit_cfg;
 
 void hm_ar_limit_defaults(hm_ar_limit_cfg *lim);
@@ -319,7 +346,8 @@ int hm_ar_set_limits(hm_ar_ctx *ctx, const hm_ar_limit_cfg *lim);
 /*
  * Reports what the weight bounds changed, by config keyword:
  * AverageWeightFactor and AverageClipWeightFactor (parts whose weight a
- * reducer here clamped). The bandwidth bound is reported by the averager,
+ * reducer here clamped), AverageEarlyPartsMiB and AverageEarlyPartsOriginMiB
+ * (early messages refused at once, and held ones that expired). The bandwidth bound is reported by the averager,
  * which adds matchmaking's count to hm_ar_bandwidths_clamped.
  */
 void hm_ar_limits(const hm_ar_ctx *ctx, hm_limit_emit_fn emit, void *ud);

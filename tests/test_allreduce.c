@@ -1042,3 +1042,112 @@ Test(allreduce, version_1_messages_are_refused_and_named)
               "no warning naming both versions: %s", log);
     nodes_stop();
 }
+
+static uint64_t early_seen[2];
+static void early_emit(void *ud, const char *kw, uint64_t v)
+{
+    HM_UNUSED(ud);
+    if (strcmp(kw, "AverageEarlyPartsMiB") == 0)
+        early_seen[0] = v;
+    else if (strcmp(kw, "AverageEarlyPartsOriginMiB") == 0)
+        early_seen[1] = v;
+}
+
+/*
+ * One pair where member 1 starts 300 ms after member 0, with the given
+ * bounds on early parts at member 1 (0: the defaults). Returns member 0's
+ * bytes sent; both end with the exact mean.
+ */
+static uint64_t late_pair(size_t early_bytes, size_t early_origin_bytes, uint64_t counts[2])
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 5000, .chunk_elems = 4096};
+    size_t len = 20000;
+    double bw[2] = {1, 1};
+    setup();
+    nodes_start(2);
+    if (early_bytes != 0) {
+        hm_ar_limit_cfg lim;
+        hm_ar_limit_defaults(&lim);
+        lim.early_bytes = early_bytes == SIZE_MAX ? 0 : early_bytes;
+        lim.early_origin_bytes = early_origin_bytes;
+        cr_assert_eq(hm_ar_set_limits(nodes[1].ctx, &lim), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        fill(i, len, 1.0);
+    make_group(&g, 2, bw, 0x7c);
+    start(0, &g, len, &cfg);
+    run_for(300);
+    cr_assert_eq(count_done(), 0);
+    start(1, &g, len, &cfg);
+    cr_assert(run_until_done(2, 5000));
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d: %d", i, nodes[i].rep.status);
+        check_exact(i, 0x3);
+    }
+    uint64_t sent = nodes[0].rep.bytes_sent;
+    memset(early_seen, 0, sizeof(early_seen));
+    hm_ar_limits(nodes[1].ctx, early_emit, NULL);
+    counts[0] = early_seen[0];
+    counts[1] = early_seen[1];
+    nodes_stop();
+    return sent;
+}
+
+/*
+ * Parts that reach a member before it starts the round are held and
+ * answered once it does (allreduce.h, "Early parts"): each goes once.
+ * Without holding (bound 0) they are refused and sent again and again
+ * with backoff; past the per-origin bound they are refused and counted,
+ * and the round still ends exact.
+ */
+Test(allreduce, early_parts_are_held_and_bounded)
+{
+    uint64_t held[2], refused[2], capped[2];
+    uint64_t sent_held = late_pair(0, 0, held);
+    uint64_t sent_refused = late_pair(SIZE_MAX, 0, refused);
+    uint64_t sent_capped = late_pair((size_t)64 << 20, 1024, capped);
+    cr_log_info("member 0 sent %llu bytes with early parts held, %llu refused, %llu capped",
+                (unsigned long long)sent_held, (unsigned long long)sent_refused,
+                (unsigned long long)sent_capped);
+    cr_assert_eq(held[0] + held[1], 0, "nothing refused while held");
+    cr_assert_lt(2 * sent_held, sent_refused, "held parts are not sent again");
+    cr_assert_gt(capped[1], 0, "the per-origin bound refused and counted");
+    cr_assert_lt(2 * sent_held, sent_capped);
+}
+
+/*
+ * With the default chunk size a vector of at most 1 MiB goes as one chunk
+ * per span, one round trip each (a client leaves the other member all of
+ * it, 2^18 elements, several default chunks' worth); one element more is
+ * cut into chunks as before.
+ */
+Test(allreduce, small_vectors_go_as_one_chunk_per_span)
+{
+    static const size_t lens[2] = {(size_t)1 << 18, ((size_t)1 << 18) + 1};
+    hm_ar_config dflt = {0};
+    hm_ar_config_defaults(&dflt);
+    const size_t chunks[2] = {1, (lens[1] + dflt.chunk_elems - 1) / dflt.chunk_elems};
+    cr_assert_gt(chunks[1], 1);
+    for (int c = 0; c < 2; c++) {
+        hm_avg_group g;
+        hm_ar_config cfg = {.round_timeout_ms = 10000};
+        double bw[2] = {1, 0};
+        if (c > 0)
+            setup();
+        nodes_start(2);
+        for (int i = 0; i < 2; i++)
+            fill(i, lens[c], 1.0 + i);
+        make_group(&g, 2, bw, (uint8_t)(0x7d + c));
+        for (int i = 0; i < 2; i++)
+            start(i, &g, lens[c], &cfg);
+        cr_assert(run_until_done(2, 10000));
+        for (int i = 0; i < 2; i++) {
+            cr_assert_eq(nodes[i].rep.status, 0);
+            cr_assert_eq(nodes[i].rep.spans[0].n_chunks, chunks[c], "%zu elements: %zu chunks",
+                         lens[c], nodes[i].rep.spans[0].n_chunks);
+            check_exact(i, 0x3);
+        }
+        nodes_stop();
+    }
+}
