@@ -1627,6 +1627,8 @@ static int early_hold(hm_ar_ctx *ctx, int is_dead, hm_rpc_req *req, const uint8_
         ctx->early_refused++;
         return -ENOBUFS;
     }
+    if (from == NULL)
+        return -ENOBUFS; /* no origin to charge */
     hm_origin_of(from, &o);
     if ((oe = hm_origin_tab_get(&ctx->early_origins, &o, 1)) == NULL) {
         ctx->early_origin_refused++;
@@ -1647,8 +1649,7 @@ static int early_hold(hm_ar_ctx *ctx, int is_dead, hm_rpc_req *req, const uint8_
     e->is_dead = is_dead;
     e->req = req;
     memcpy(e->pk, pk, HM_PK_BYTES);
-    if (from != NULL)
-        memcpy(&e->from, from, hm_addr_len(from));
+    memcpy(&e->from, from, hm_addr_len(from));
     memcpy(e->gid, gid, HM_AVG_GROUP_ID_BYTES);
     e->origin = o;
     e->until_ms = hm_now_ms() + EARLY_HOLD_MS;
