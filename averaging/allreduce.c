@@ -35,6 +35,13 @@
 #define RETRY_MAX_MS 200u
 #define WINDOW_MAX 32u
 #define SHARE_BITS 20
+/* Vectors up to this many elements (1 MiB of float32) go as one chunk per span. */
+#define SMALL_ELEMS ((size_t)1 << 18)
+/* How long a message for a round not started yet is held (allreduce.h, "Early parts"). */
+#define EARLY_HOLD_MS 2000u
+/* Bookkeeping charged per held message on top of its body. */
+#define EARLY_OVERHEAD 512u
+#define EARLY_MAX_ORIGINS 4096u
 /* Header bytes of a part or reply around its chunk data (generous). */
 #define MSG_SLACK 256u
 
@@ -140,6 +147,21 @@ struct hm_ar_round {
     int finished;  /* inside finish: callbacks only clean up */
 };
 
+/* A message held for a round this node has not started yet. */
+typedef struct early {
+    TAILQ_ENTRY(early) link;
+    int is_dead; /* "avg.dead", else "avg.part" */
+    hm_rpc_req *req;
+    uint8_t pk[HM_PK_BYTES];
+    struct sockaddr_storage from;
+    uint8_t gid[HM_AVG_GROUP_ID_BYTES];
+    hm_origin origin;
+    uint64_t until_ms;
+    size_t charge;
+    size_t len;
+    uint8_t body[];
+} early;
+
 typedef struct tombstone {
     uint8_t gid[HM_AVG_GROUP_ID_BYTES];
     uint64_t until_ms;
@@ -160,6 +182,13 @@ struct hm_ar_ctx {
     hm_ar_limit_cfg lim;
     /* What the bounds changed (hm_ar_limits). */
     uint64_t weights_clamped, clip_weights_clamped, bandwidths_clamped;
+    /* Messages of another protocol version since the last warning. */
+    uint64_t old_version_count, old_version_last_ms;
+    /* Held for rounds not started yet (allreduce.h, "Early parts"). */
+    TAILQ_HEAD(, early) early;
+    size_t early_bytes;
+    hm_origin_tab early_origins; /* v[0]: bytes held per origin */
+    uint64_t early_refused, early_origin_refused;
 };
 
 /* Inputs at least this large get their rollback copy in huge pages where the kernel allows. */
@@ -190,6 +219,36 @@ static void apply_view(hm_ar_round *r, uint64_t dead_add, uint64_t bad_add, int 
 
 static inline uint64_t bit(size_t i) { return (uint64_t)1 << i; }
 
+/*
+ * A member of another averaging protocol version (most likely an older
+ * hivemindd) cannot average with us, and its operator needs to hear that
+ * in words that say so rather than as a "bad member"; once a minute.
+ * Returns 1 when the body was of another version (and counted).
+ */
+static int complain_version(hm_ar_ctx *ctx, const uint8_t *body, size_t len,
+                            const struct sockaddr *from, const char *what)
+{
+    int version = hm_ar_msg_version(body, len);
+    uint64_t now = hm_now_ms();
+    char addr[HM_ADDRSTRLEN];
+
+    if (version < 0 || version == HM_AR_VERSION)
+        return 0;
+    ctx->old_version_count++;
+    if (ctx->old_version_last_ms != 0 && now - ctx->old_version_last_ms < 60000)
+        return 1;
+    if (from == NULL || hm_format_addr(from, addr, sizeof(addr)) != 0)
+        hm_strlcpy(addr, "a member", sizeof(addr));
+    hm_warn(MOD, "refused %llu averaging message%s %s of protocol version %d (the latest, %s "
+            "from %s); this hivemindd speaks averaging version %d only: upgrade the peer",
+            (unsigned long long)ctx->old_version_count, ctx->old_version_count == 1 ? "" : "s",
+            ctx->old_version_last_ms == 0 ? "so far" : "in the last minute", version, what, addr,
+            HM_AR_VERSION);
+    ctx->old_version_last_ms = now;
+    ctx->old_version_count = 0;
+    return 1;
+}
+
 /* ================================================================ messages */
 
 static const hm_wire_limits *msg_limits(size_t max_elems, hm_wire_limits *lim)
@@ -210,6 +269,24 @@ static int check_chunk(const uint8_t *p, size_t len, size_t max_elems)
     if (rc < 0)
         return rc;
     return n > max_elems ? -EMSGSIZE : 0;
+}
+
+int hm_ar_msg_version(const uint8_t *buf, size_t len)
+{
+    size_t at;
+    if (buf == NULL || len < 2)
+        return -1;
+    if (buf[0] >= 0x91 && buf[0] <= 0x9f) /* fixarray, at least one element */
+        at = 1;
+    else if (buf[0] == 0xdc && len >= 4) /* array 16 */
+        at = 3;
+    else
+        return -1;
+    if (buf[at] <= 0x7f) /* positive fixint: every version so far */
+        return buf[at];
+    if (buf[at] == 0xcc && len > at + 1) /* uint 8 */
+        return buf[at + 1];
+    return -1;
 }
 
 void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m)
@@ -280,7 +357,7 @@ out:
 
 void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m)
 {
-    hm_wire_wr_array(w, 5);
+    hm_wire_wr_array(w, 7);
     hm_wire_wr_uint(w, HM_AR_VERSION);
     hm_wire_wr_uint(w, m->dead_mask);
     hm_wire_wr_uint(w, m->bad_mask);
@@ -289,6 +366,8 @@ void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m)
         hm_wire_wr_bin(w, m->data, m->data_len);
     else
         hm_wire_wr_nil(w);
+    hm_wire_wr_uint(w, m->form);
+    hm_wire_wr_double(w, m->share);
 }
 
 int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_reply_msg *out)
@@ -298,15 +377,26 @@ int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_r
     hm_wire_limits lim;
     int result;
 
+    uint64_t form;
+
     memset(out, 0, sizeof(*out));
-    if ((result = hm_wire_decode_open_array(&m, buf, len, msg_limits(max_elems, &lim), 5, 5,
+    if ((result = hm_wire_decode_open_array(&m, buf, len, msg_limits(max_elems, &lim), 7, 7,
                                             HM_AR_VERSION)) < 0)
         goto out;
     it = m.items;
     if ((result = get_mask(&it[1], &out->dead_mask)) < 0 ||
         (result = get_mask(&it[2], &out->bad_mask)) < 0 ||
-        (result = get_mask(&it[3], &out->contrib_mask)) < 0)
+        (result = get_mask(&it[3], &out->contrib_mask)) < 0 ||
+        (result = hm_wire_get_uint(&it[5], &form)) < 0 ||
+        (result = hm_wire_get_double(&it[6], &out->share)) < 0)
         goto out;
+    /* A difference needs its data; a share is a fraction of the total weight. */
+    if (form > HM_AR_FORM_DELTA || !(out->share >= 0.0 && out->share <= 1.0) ||
+        (form == HM_AR_FORM_DELTA && it[4].type == MSGPACK_OBJECT_NIL)) {
+        result = -EPROTO;
+        goto out;
+    }
+    out->form = (uint32_t)form;
     if (it[4].type != MSGPACK_OBJECT_NIL) {
         const uint8_t *d;
         uint32_t dlen;
@@ -570,6 +660,71 @@ static uint8_t *encode_chunk(const hm_ar_round *r, const float *x, size_t n, siz
     return buf;
 }
 
+/*
+ * One reply body with status 0: vals encoded with the round's compression,
+ * as an average (form 0) or as a sender's difference from it (form 1).
+ */
+static uint8_t *answer_body(const hm_ar_round *r, const float *vals, size_t cnt, uint64_t contrib,
+                            int form, double share, size_t *len_out, int *err)
+{
+    size_t clen;
+    uint8_t *enc = encode_chunk(r, vals, cnt, &clen, err);
+    if (enc == NULL)
+        return NULL;
+    hm_wire_wr w;
+    hm_ar_reply_msg m = {.dead_mask = r->dead, .bad_mask = r->bad, .contrib_mask = contrib,
+                         .data = enc, .data_len = clen, .form = (uint32_t)form, .share = share};
+    hm_wire_wr_init_dynamic(&w, clen + MSG_SLACK);
+    hm_ar_reply_encode(&w, &m);
+    uint8_t *body = hm_wire_wr_steal(&w, len_out);
+    free(enc);
+    if (body == NULL)
+        *err = -ENOMEM;
+    return body;
+}
+
+/*
+ * What encoding a chunk costs in precision, up to a factor common to the
+ * values one chunk may carry: fp16 rounds each value relative to itself
+ * (so the sum of squares), 8 bits round to a step of the chunk's range.
+ */
+static double coding_cost(int comp, const float *v, size_t n)
+{
+    double acc = 0;
+    float mn = n > 0 ? v[0] : 0.0f, mx = mn;
+    if (comp == HM_AVG_COMP_FP16) {
+        for (size_t i = 0; i < n; i++)
+            acc += (double)v[i] * (double)v[i];
+        return acc;
+    }
+    for (size_t i = 0; i < n; i++) {
+        mn = HM_MIN(mn, v[i]);
+        mx = HM_MAX(mx, v[i]);
+    }
+    return (double)mx - (double)mn;
+}
+
+/*
+ * Sender j's answer in a compressed round (allreduce.h, "Compressed
+ * rounds"): the average minus j's part as we decoded it, or the average
+ * itself where that rounds better (members far apart: the difference is
+ * larger than the average), with j's share of the weight either way.
+ * diff is scratch of cnt floats; ans_cost is coding_cost of the average.
+ * A difference that is not finite (two parts near FLT_MAX of opposite
+ * signs) never wins.
+ */
+static uint8_t *compressed_body(const hm_ar_round *r, const float *ans, double ans_cost,
+                                const float *part, float *diff, size_t cnt, uint64_t contrib,
+                                double share, size_t *len_out, int *err)
+{
+    for (size_t i = 0; i < cnt; i++)
+        diff[i] = (float)((double)ans[i] - (double)part[i]);
+    double cost = coding_cost(r->cfg.compression, diff, cnt);
+    if (isfinite(cost) && cost < ans_cost && hm_avg_all_finite(diff, cnt))
+        return answer_body(r, diff, cnt, contrib, HM_AR_FORM_DELTA, share, len_out, err);
+    return answer_body(r, ans, cnt, contrib, HM_AR_FORM_AVERAGE, share, len_out, err);
+}
+
 static void task_complete(hm_ar_round *r, size_t ti, const float *vals, uint64_t contrib)
 {
     task *t = &r->tasks[ti];
@@ -597,10 +752,13 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
     float *out = NULL;
     const float *ans = NULL;
     uint64_t contrib = 0;
+    double share[HM_AVG_MAX_GROUP] = {0};
+    int clip = r->cfg.aggregate == HM_AR_CENTERED_CLIP;
 
     if (o->have != 0) {
         const float *xs[HM_AVG_MAX_GROUP];
         double w[HM_AVG_MAX_GROUP];
+        size_t who[HM_AVG_MAX_GROUP];
         size_t m = 0;
         double total = 0;
         for (size_t j = 0; j < r->g.n; j++) {
@@ -608,6 +766,7 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
                 continue;
             xs[m] = o->part[j] != NULL ? o->part[j] : r->data + off;
             w[m] = o->w[j];
+            who[m] = j;
             m++;
         }
         /*
@@ -616,7 +775,6 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
          * neither one member's share nor the accumulator can run away
          * (allreduce.h, "Bounds").
          */
-        int clip = r->cfg.aggregate == HM_AR_CENTERED_CLIP;
         double cap = hm_ar_weight_cap(w, m, clip ? r->lim.clip_weight_factor
                                                  : r->lim.weight_factor);
         double wmax = 0;
@@ -639,6 +797,9 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
                 w[j] = 1.0;
         if (total <= 0)
             total = (double)m;
+        /* CenteredClip is not linear in the parts: no share corrects it. */
+        for (size_t j = 0; j < m && !clip; j++)
+            share[who[j]] = HM_MIN(1.0, w[j] / total);
         out = malloc(cnt ? cnt * sizeof(float) : sizeof(float));
         if (out != NULL) {
             int clipped = 0;
@@ -659,33 +820,42 @@ static void finalize(hm_ar_round *r, size_t s, size_t k)
         }
     }
 
+    /*
+     * Uncompressed rounds hand everyone the same average; compressed ones
+     * hand each sender its own difference from it (allreduce.h,
+     * "Compressed rounds").
+     */
+    int compressed = r->cfg.compression != HM_AVG_COMP_NONE;
     uint8_t *body = NULL;
+    float *diff = NULL;
+    double ans_cost = 0;
     size_t blen = 0;
     int err = -ENOMEM;
     if (ans != NULL && o->held != 0) {
-        size_t clen;
-        uint8_t *enc = encode_chunk(r, ans, cnt, &clen, &err);
-        if (enc != NULL) {
-            hm_wire_wr w;
-            hm_ar_reply_msg m = {.dead_mask = r->dead, .bad_mask = r->bad, .contrib_mask = contrib,
-                                 .data = enc, .data_len = clen};
-            hm_wire_wr_init_dynamic(&w, clen + MSG_SLACK);
-            hm_ar_reply_encode(&w, &m);
-            body = hm_wire_wr_steal(&w, &blen);
-            free(enc);
+        if (compressed) {
+            diff = malloc(cnt ? cnt * sizeof(float) : sizeof(float));
+            ans_cost = coding_cost(r->cfg.compression, ans, cnt);
+        } else {
+            body = answer_body(r, ans, cnt, contrib, HM_AR_FORM_AVERAGE, 0.0, &blen, &err);
         }
     }
     for (size_t j = 0; j < r->g.n; j++) {
         if (!(o->held & bit(j)))
             continue;
-        if (body != NULL) {
-            if (hm_rpc_respond(o->req[j], 0, body, blen) == 0)
+        uint8_t *mine = NULL;
+        if (compressed && diff != NULL && o->part[j] != NULL)
+            mine = compressed_body(r, ans, ans_cost, o->part[j], diff, cnt, contrib, share[j],
+                                   &blen, &err);
+        if (mine != NULL || body != NULL) {
+            if (hm_rpc_respond(o->req[j], 0, mine != NULL ? mine : body, blen) == 0)
                 r->bytes_sent += blen;
         } else {
             reply_status(r, o->req[j], ans == NULL ? -ETIME : err);
         }
+        free(mine);
         o->req[j] = NULL;
     }
+    free(diff);
     free(body);
     if (o->self_task != SIZE_MAX) {
         if (ans != NULL) {
@@ -973,6 +1143,32 @@ static void task_retry(task *t)
     t->gen++;
 }
 
+/*
+ * A compressed round's answer (allreduce.h, "Compressed rounds"): vals
+ * holds what the reducer sent, decoded (form 1: the average minus our part
+ * as the reducer decoded it; form 0: the average), and becomes our result,
+ * with our share of our own rounding taken out. -ENOMEM, or -EDOM when the
+ * result is not finite (a hostile answer near FLT_MAX).
+ */
+static int apply_answer(hm_ar_round *r, const task *t, float *vals, int form, double share)
+{
+    const float *x = r->orig + t->off;
+    float *qx = malloc(t->cnt ? t->cnt * sizeof(float) : sizeof(float));
+    int rc;
+    if (qx == NULL)
+        return -ENOMEM;
+    /* The same choice as encode_chunk: a chunk fp16 cannot hold went uncompressed. */
+    rc = hm_avg_chunk_roundtrip(r->cfg.compression, x, t->cnt, qx);
+    if (rc == -ERANGE)
+        rc = hm_avg_chunk_roundtrip(HM_AVG_COMP_NONE, x, t->cnt, qx);
+    if (rc == 0) {
+        hm_avg_answer_apply(vals, x, qx, vals, t->cnt, form == HM_AR_FORM_DELTA, share);
+        rc = hm_avg_all_finite(vals, t->cnt) ? 0 : -EDOM;
+    }
+    free(qx);
+    return rc;
+}
+
 static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
 {
     callctx *cc = ud;
@@ -1007,6 +1203,22 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
             hm_avg_chunk_decode(rep.data, rep.data_len, vals, t->cnt, &got) < 0 || got != t->cnt ||
             (rep.contrib_mask & ~r->all_mask) != 0 || !(rep.contrib_mask & r->self_bit)) {
             free(vals);
+            if (rc < 0)
+                complain_version(r->ctx, body, len, (const struct sockaddr *)&r->g.members[red].addr,
+                                 "a reply");
+            t->state = T_QUEUED;
+            t->gen++;
+            found_out(r, red, HM_AR_BAD);
+            break;
+        }
+        /* An average with no share (uncompressed rounds) is taken as it is, exactly. */
+        if ((rep.form == HM_AR_FORM_DELTA || rep.share > 0) &&
+            (rc = apply_answer(r, t, vals, (int)rep.form, rep.share)) < 0) {
+            free(vals);
+            if (rc == -ENOMEM) {
+                task_retry(t);
+                break;
+            }
             t->state = T_QUEUED;
             t->gen++;
             found_out(r, red, HM_AR_BAD);
@@ -1135,7 +1347,8 @@ static void send_task(hm_ar_round *r, size_t ti)
         t->first_try_ms = now;
 
     size_t clen;
-    uint8_t *enc = encode_chunk(r, r->data + t->off, t->cnt, &clen, &err);
+    /* From our input as it came in, which a compressed answer is relative to. */
+    uint8_t *enc = encode_chunk(r, r->orig + t->off, t->cnt, &clen, &err);
     if (enc == NULL) {
         if (err == -EDOM) {
             /* Our own values are not finite (changed during the round): we cannot take part. */
@@ -1393,6 +1606,136 @@ static int check_sender(hm_ar_round *r, uint32_t sender, const uint8_t pk[HM_PK_
     return 0;
 }
 
+/* ============================================================ early parts */
+
+/*
+ * Holds a message for a group with no round here yet (allreduce.h, "Early
+ * parts"): 0, or -ENOBUFS past a bound (the caller refuses it as before).
+ */
+static int early_hold(hm_ar_ctx *ctx, int is_dead, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
+                      const struct sockaddr *from, const uint8_t *gid, const uint8_t *body,
+                      size_t len)
+{
+    size_t charge = len + EARLY_OVERHEAD;
+    hm_origin o;
+    hm_origin_ent *oe;
+    early *e;
+
+    if (ctx->closing || ctx->lim.early_bytes == 0)
+        return -ENOBUFS;
+    if (ctx->early_bytes + charge > ctx->lim.early_bytes) {
+        ctx->early_refused++;
+        return -ENOBUFS;
+    }
+    if (from == NULL)
+        return -ENOBUFS; /* no origin to charge */
+    hm_origin_of(from, &o);
+    if ((oe = hm_origin_tab_get(&ctx->early_origins, &o, 1)) == NULL) {
+        ctx->early_origin_refused++;
+        return -ENOBUFS;
+    }
+    if (oe->v[0] + charge > ctx->lim.early_origin_bytes) {
+        ctx->early_origin_refused++;
+        if (oe->v[0] == 0)
+            hm_origin_tab_release(&ctx->early_origins, oe);
+        return -ENOBUFS;
+    }
+    if ((e = malloc(sizeof(*e) + len)) == NULL) {
+        if (oe->v[0] == 0)
+            hm_origin_tab_release(&ctx->early_origins, oe);
+        return -ENOBUFS;
+    }
+    memset(e, 0, sizeof(*e));
+    e->is_dead = is_dead;
+    e->req = req;
+    memcpy(e->pk, pk, HM_PK_BYTES);
+    memcpy(&e->from, from, hm_addr_len(from));
+    memcpy(e->gid, gid, HM_AVG_GROUP_ID_BYTES);
+    e->origin = o;
+    e->until_ms = hm_now_ms() + EARLY_HOLD_MS;
+    e->charge = charge;
+    e->len = len;
+    memcpy(e->body, body, len);
+    oe->v[0] += charge;
+    ctx->early_bytes += charge;
+    TAILQ_INSERT_TAIL(&ctx->early, e, link);
+    /* The tick expires it even while no round runs here. */
+    if (!ctx->timer_on)
+        schedule_tick(ctx, TICK_MS);
+    return 0;
+}
+
+static void early_free(hm_ar_ctx *ctx, early *e)
+{
+    hm_origin_ent *oe = hm_origin_tab_get(&ctx->early_origins, &e->origin, 0);
+    TAILQ_REMOVE(&ctx->early, e, link);
+    ctx->early_bytes -= e->charge;
+    if (oe != NULL) {
+        oe->v[0] -= HM_MIN(oe->v[0], e->charge);
+        if (oe->v[0] == 0)
+            hm_origin_tab_release(&ctx->early_origins, oe);
+    }
+    free(e);
+}
+
+static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
+                    const struct sockaddr *from, const uint8_t *body, size_t len);
+static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
+                    const struct sockaddr *from, const uint8_t *body, size_t len);
+
+/*
+ * Hands held messages to the rounds that have started since, as if they
+ * had just arrived, and refuses those held too long (-EAGAIN: the sender
+ * retries with backoff) or all of them when closing (-ESRCH).
+ */
+static void early_run(hm_ar_ctx *ctx)
+{
+    uint64_t now = hm_now_ms();
+    early *e, *next;
+    for (e = TAILQ_FIRST(&ctx->early); e != NULL; e = next) {
+        next = TAILQ_NEXT(e, link);
+        int ready = !ctx->closing && round_find(ctx, e->gid) != NULL;
+        if (!ready && !ctx->closing && now < e->until_ms && tomb_find(ctx, e->gid) == 0)
+            continue;
+        if (ready) {
+            /*
+             * The handlers may hold new messages (at the tail) but free
+             * none, so next stays valid.
+             */
+            hm_rpc_req *req = e->req;
+            uint8_t pk[HM_PK_BYTES];
+            struct sockaddr_storage from = e->from;
+            int is_dead = e->is_dead;
+            memcpy(pk, e->pk, HM_PK_BYTES);
+            uint8_t *body = malloc(e->len ? e->len : 1);
+            size_t len = e->len;
+            if (body == NULL) {
+                early_free(ctx, e);
+                reply_status(NULL, req, -EAGAIN);
+                continue;
+            }
+            memcpy(body, e->body, len);
+            early_free(ctx, e);
+            if (is_dead)
+                on_dead(ctx, req, pk, (const struct sockaddr *)&from, body, len);
+            else
+                on_part(ctx, req, pk, (const struct sockaddr *)&from, body, len);
+            free(body);
+        } else {
+            hm_rpc_req *req = e->req;
+            int is_dead = e->is_dead;
+            int st = ctx->closing || tomb_find(ctx, e->gid) ? -ESRCH : -EAGAIN;
+            early_free(ctx, e);
+            if (st == -EAGAIN)
+                ctx->early_refused++;
+            if (is_dead)
+                hm_rpc_respond(req, st, NULL, 0);
+            else
+                reply_status(NULL, req, st);
+        }
+    }
+}
+
 static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
                     const struct sockaddr *from, const uint8_t *body, size_t len)
 {
@@ -1400,15 +1743,18 @@ static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     hm_ar_part_msg m;
     hm_ar_round *r;
     int rc;
-    HM_UNUSED(from);
 
     if ((rc = hm_ar_part_decode(body, len, HM_AR_MAX_CHUNK_ELEMS, &m)) < 0) {
+        complain_version(ctx, body, len, from, "a part");
         reply_status(NULL, req, rc == -EMSGSIZE ? -EMSGSIZE : -EPROTO);
         return;
     }
     r = round_find(ctx, m.group_id);
     if (r == NULL || r->finishing || r->finished) {
-        reply_status(r, req, r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH);
+        int st = r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH;
+        if (st == -EAGAIN && early_hold(ctx, 0, req, pk, from, m.group_id, body, len) == 0)
+            return;
+        reply_status(r, req, st);
         return;
     }
     r->bytes_recv += len;
@@ -1487,15 +1833,18 @@ static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     hm_ar_dead_msg m;
     hm_ar_round *r;
     int rc;
-    HM_UNUSED(from);
 
     if ((rc = hm_ar_dead_decode(body, len, &m)) < 0) {
+        complain_version(ctx, body, len, from, "a notice");
         hm_rpc_respond(req, -EPROTO, NULL, 0);
         return;
     }
     r = round_find(ctx, m.group_id);
     if (r == NULL || r->finishing || r->finished) {
-        hm_rpc_respond(req, r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH, NULL, 0);
+        int st = r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH;
+        if (st == -EAGAIN && early_hold(ctx, 1, req, pk, from, m.group_id, body, len) == 0)
+            return;
+        hm_rpc_respond(req, st, NULL, 0);
         return;
     }
     r->bytes_recv += len;
@@ -1635,6 +1984,9 @@ static void finish(hm_ar_round *r)
 static void tick(uv_timer_t *h)
 {
     hm_ar_ctx *ctx = h->data;
+    ctx->timer_on = 0;
+    /* Messages held for rounds that have started since come first. */
+    early_run(ctx);
     uint64_t now = hm_now_ms();
     hm_ar_round *r = LIST_FIRST(&ctx->rounds);
     while (r != NULL) {
@@ -1652,10 +2004,11 @@ static void tick(uv_timer_t *h)
         }
         r = next;
     }
-    if (LIST_EMPTY(&ctx->rounds) && ctx->timer_on) {
-        uv_timer_stop(&ctx->timer);
+    if (LIST_EMPTY(&ctx->rounds) && TAILQ_EMPTY(&ctx->early)) {
+        if (ctx->timer_on)
+            uv_timer_stop(&ctx->timer);
         ctx->timer_on = 0;
-    } else if (!LIST_EMPTY(&ctx->rounds)) {
+    } else if (!ctx->timer_on) {
         schedule_tick(ctx, TICK_MS);
     }
 }
@@ -1677,9 +2030,9 @@ void hm_ar_config_defaults(hm_ar_config *cfg)
     if (cfg->reducer_timeout_ms == 0)
         cfg->reducer_timeout_ms = cfg->round_timeout_ms * 2 / 5;
     if (cfg->chunk_elems == 0)
-        cfg->chunk_elems = 131072;
+        cfg->chunk_elems = 65536; /* chosen by measurement: docs/benchmarks.md */
     if (cfg->window == 0)
-        cfg->window = 8;
+        cfg->window = 16; /* 4 MiB in flight per member, as with 8 chunks of twice the size */
     if (cfg->clip_iters == 0)
         cfg->clip_iters = 20;
 }
@@ -1701,6 +2054,7 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
     memset(&cfg, 0, sizeof(cfg));
     if (cfg_in != NULL)
         cfg = *cfg_in;
+    int chunk_default = cfg.chunk_elems == 0;
     hm_ar_config_defaults(&cfg);
     if (cfg.window > WINDOW_MAX || cfg.chunk_elems > HM_AR_MAX_CHUNK_ELEMS ||
         cfg.compression < 0 || cfg.compression >= HM_AVG_COMP_COUNT ||
@@ -1734,6 +2088,15 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
     if ((result = shares(group, r->lim.bandwidth_factor, r->share, &bw_clamped)) < 0)
         goto out;
     ctx->bandwidths_clamped += bw_clamped;
+    /*
+     * A small vector (gradients of a small model) goes as one chunk per
+     * span: one round trip each, all at once, instead of a chunk's
+     * pipeline. Every member applies the same rule to the same layout; a
+     * chunk size the caller chose is kept.
+     */
+    if (n <= SMALL_ELEMS && chunk_default)
+        for (size_t s = 0; s < group->n; s++)
+            r->cfg.chunk_elems = cfg.chunk_elems = HM_MAX(cfg.chunk_elems, r->cnt[s]);
     size_t max_ch = 0;
     for (size_t s = 0; s < group->n; s++) {
         r->nch[s] = (r->cnt[s] + cfg.chunk_elems - 1) / cfg.chunk_elems;
@@ -1796,11 +2159,17 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
     if (ctx == NULL)
         return -ENOMEM;
     LIST_INIT(&ctx->rounds);
+    TAILQ_INIT(&ctx->early);
+    if (hm_origin_tab_init(&ctx->early_origins, EARLY_MAX_ORIGINS) < 0) {
+        free(ctx);
+        return -ENOMEM;
+    }
     hm_ar_limit_defaults(&ctx->lim);
     ctx->loop = loop;
     ctx->rpc = rpc;
     memcpy(ctx->pk, id->pk, HM_PK_BYTES);
     if ((result = hm_rpc_register(rpc, HM_AR_PART_METHOD, on_part, ctx)) < 0) {
+        hm_origin_tab_free(&ctx->early_origins);
         free(ctx);
         return result;
     }
@@ -1824,6 +2193,8 @@ void hm_ar_limit_defaults(hm_ar_limit_cfg *lim)
     lim->weight_factor = HM_AR_WEIGHT_FACTOR_DEFAULT;
     lim->clip_weight_factor = HM_AR_CLIP_WEIGHT_FACTOR_DEFAULT;
     lim->bandwidth_factor = HM_AR_BANDWIDTH_FACTOR_DEFAULT;
+    lim->early_bytes = (size_t)HM_AR_EARLY_MIB_DEFAULT << 20;
+    lim->early_origin_bytes = (size_t)HM_AR_EARLY_ORIGIN_MIB_DEFAULT << 20;
 }
 
 int hm_ar_set_limits(hm_ar_ctx *ctx, const hm_ar_limit_cfg *lim)
@@ -1839,6 +2210,8 @@ void hm_ar_limits(const hm_ar_ctx *ctx, hm_limit_emit_fn emit, void *ud)
 {
     emit(ud, "AverageWeightFactor", ctx->weights_clamped);
     emit(ud, "AverageClipWeightFactor", ctx->clip_weights_clamped);
+    emit(ud, "AverageEarlyPartsMiB", ctx->early_refused);
+    emit(ud, "AverageEarlyPartsOriginMiB", ctx->early_origin_refused);
 }
 
 static void ctx_timer_closed(uv_handle_t *h)
@@ -1846,6 +2219,7 @@ static void ctx_timer_closed(uv_handle_t *h)
     hm_ar_ctx *ctx = h->data;
     void (*cb)(void *) = ctx->close_cb;
     void *ud = ctx->close_ud;
+    hm_origin_tab_free(&ctx->early_origins);
     free(ctx);
     if (cb != NULL)
         cb(ud);
@@ -1864,6 +2238,7 @@ void hm_ar_ctx_close(hm_ar_ctx *ctx, void (*cb)(void *ud), void *ud)
         r->finishing = 1;
         finish(r);
     }
+    early_run(ctx); /* closing: every held message is refused */
     uv_timer_stop(&ctx->timer);
     uv_close((uv_handle_t *)&ctx->timer, ctx_timer_closed);
 }

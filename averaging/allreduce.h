@@ -13,13 +13,19 @@
  * floor(n * S_{i+1} / S)) with S_i the sum of the shares before i, all in
  * integers, so that every member computes the same layout bit for bit.
  * Members with bandwidth 0 (client mode) get empty spans and reduce nothing.
- * A span is cut into chunks of chunk_elems elements; chunk k of span s is
+ * A span is cut into chunks of chunk_elems elements (with the default
+ * chunk size, a vector of at most 2^18 elements, 1 MiB, is one chunk per
+ * span: one round trip each); chunk k of span s is
  * the task (k, s), and tasks are ordered chunk-major (all spans' chunk 0,
  * then all chunk 1, ...), so that every reducer is kept busy at once.
  *
  * Messages (stream calls, bodies msgpack, decoded with wire.h's bounded
  * validator; sizes checked against the layout):
- *   "avg.part" request: [1, group_id(bin 32), sender, n_total, span, chunk,
+ *   Every message opens with the averaging protocol version, 2
+ *   (HM_AR_VERSION; version 1 returned the average itself under
+ *   compression, see "Compressed rounds"). A message of another version is
+ *   refused (-EPROTO) and logged as a peer to upgrade, once a minute.
+ *   "avg.part" request: [2, group_id(bin 32), sender, n_total, span, chunk,
  *        kind, weight, dead_mask, bad_mask, contrib_mask, data(bin)]
  *     kind 0 (DATA): the sender's own values, always. Kind 1 (RESULT, a
  *     chunk average handed on with its contributors in contrib_mask) is
@@ -27,8 +33,13 @@
  *     from DATA: the codec still parses it, and a reducer refuses it
  *     (-EPROTO, the sender marked bad). data is one chunk in codec.h's
  *     self-describing format (none, fp16 or 8-bit).
- *   reply (any status): [1, dead_mask, bad_mask, contrib_mask, data(bin)|nil]
- *     status 0 carries the chunk's average and who is in it. Refusals:
+ *   reply (any status): [2, dead_mask, bad_mask, contrib_mask, data(bin)|nil,
+ *        form, share]
+ *     status 0 carries the chunk's answer and who is in it: form 0, the
+ *     average itself (rounds without compression); form 1, the average
+ *     minus the sender's part as the reducer decoded it, with share the
+ *     sender's weight over the chunk's total weight in [0, 1] (compressed
+ *     rounds, below). Refusals carry form 0, share 0 and no data:
  *     -EAGAIN    this node has not started that group (yet): retry shortly;
  *     -EXDEV     not this node's span in its view (the masks say why);
  *     -EPERM     the sender is not a member or is left out of the round;
@@ -37,7 +48,7 @@
  *     -ETIME     the chunk was final before the part arrived (late sender);
  *     -ESTALE    the sender's view names the receiver dead;
  *     -ESRCH     this node's round is over.
- *   "avg.dead" request: [1, group_id, sender, n_total, dead_mask, bad_mask,
+ *   "avg.dead" request: [2, group_id, sender, n_total, dead_mask, bad_mask,
  *        done]: a member tells the others whom it found dead or bad
  *     (done 0, a notice) or that it holds every result under that view
  *     (done 1, the end-of-round barrier below); done may be absent (0).
@@ -66,8 +77,8 @@
  * open chunks count). The reducer then answers every held call with the
  * weighted average (in double precision; weights summing to 0 give the
  * plain mean) or CenteredClip, and frees the chunk. Parts for a group the
- * node has not started are refused with -EAGAIN and retried with backoff;
- * nothing is buffered for them.
+ * node has not started are held for a while (see "Early parts" below),
+ * else refused with -EAGAIN and retried with backoff.
  *
  * Failures. A reducer whose call fails (transport error, connection reset,
  * no answer within reducer_timeout_ms, "not ready" for as long, a reply
@@ -131,6 +142,56 @@
  * there: those keep their local values and the round reports -ETIMEDOUT).
  * Each member's report still says exactly whom its values include.
  *
+ * Early parts. Members start a round when matchmaking tells each of them,
+ * so the first parts of a fast member often reach one that has not
+ * started yet. Refusing them with -EAGAIN made the sender retry after at
+ * least 10 ms, far longer than a whole round of a small tensor takes. A
+ * part or notice for a group this node has not started (and has not
+ * ended) is instead held, its call unanswered, for at most
+ * EARLY_HOLD_MS; when the round starts, the next tick hands every held
+ * message to the round as if it had just arrived, so the sender's call is
+ * answered when its chunk is final, with no retry. What is held is
+ * bounded in bytes (body plus bookkeeping), in total (early_bytes,
+ * AverageEarlyPartsMiB) and per network origin (early_origin_bytes,
+ * AverageEarlyPartsOriginMiB), since nothing about the sender can be
+ * checked before the group is known; past either bound, or once the hold
+ * expires, the message is refused with -EAGAIN as before (the sender
+ * retries with backoff) and the refusal is counted. The rpc layer's bound
+ * on unanswered inbound requests per peer applies to held calls too.
+ *
+ * Compressed rounds. With fp16 or 8 bits on the wire, a sender's part is
+ * rounded once on its way to the reducer, and what comes back is rounded
+ * again. Write x_j for sender j's exact values, p_j for its part as the
+ * reducer decodes it (the sender computes the same p_j itself with
+ * hm_avg_chunk_roundtrip), e_j = p_j - x_j (0 for the reducer's own part,
+ * which never goes through the codec), w_k for the clamped weights, W
+ * their total and m = sum_k w_k x_k / W the exact mean. The reducer's
+ * average is
+ *     a = sum_k w_k p_k / W = m + sum_k w_k e_k / W.
+ * Version 1 sent a back encoded, so a sender ended with a + E(a): the
+ * inputs' errors plus a second rounding of a full-size value (half an
+ * fp16 ulp of |a|, or half an 8-bit step of the average's range). Now the
+ * reducer sends, per sender, the difference d_j = a - p_j encoded, and the
+ * share s_j = w_j / W; the sender decodes d_j + E(d_j) and computes
+ * (hm_avg_delta_apply)
+ *     y_j = p_j + (d_j + E(d_j)) + s_j (x_j - p_j)
+ *         = a - s_j e_j + E(d_j)
+ *         = m + sum_{k != j} w_k e_k / W + E(d_j).
+ * So the one input error a sender knows exactly, its own, leaves its
+ * result; the return trip's error E(d_j) is relative to the distance from
+ * the average, not to the average (members of one model are close to
+ * each other, so |d_j| is much smaller than |a|); what remains is the
+ * other senders' rounding, by their share. In a pair the member that does
+ * not reduce a span ends with m + E(d_j) there, and the reducer with
+ * m + s_j e_j. Hivemind's reducers send the same difference and a sender
+ * adds it to x_j: y = m + sum_{k != j} w_k e_k / W - (1 - s_j) e_j +
+ * E(d_j); the share term removes that -(1 - s_j) e_j, the largest term in
+ * groups of more than two. CenteredClip is not linear in the parts, so
+ * under it the share is 0 and y_j = a + E(d_j). Rounds without
+ * compression keep form 0: p_j = x_j and the average comes back exact.
+ * A reducer is trusted with its span's answer anyway; a share outside
+ * [0, 1] or a difference that does not decode marks it bad.
+ *
  * Memory. Per round: the caller's vector (written in place) and one copy
  * of it (our input, for rollback), so twice the vector; at most `window`
  * outgoing chunk bodies per member (each copied once into the transport's
@@ -188,11 +249,14 @@ typedef struct hm_ar_round hm_ar_round;
 
 #define HM_AR_PART_METHOD "avg.part"
 #define HM_AR_DEAD_METHOD "avg.dead"
-#define HM_AR_VERSION 1
+/* 2: compressed answers are differences from the sender's part (form 1). */
+#define HM_AR_VERSION 2
 /* Largest chunk a part may carry; matches codec.h's cap. */
 #define HM_AR_MAX_CHUNK_ELEMS (1u << 24)
 
 enum hm_ar_kind { HM_AR_DATA = 0, HM_AR_RESULT = 1 };
+/* What a reply's data holds (allreduce.h, "Compressed rounds"). */
+enum hm_ar_form { HM_AR_FORM_AVERAGE = 0, HM_AR_FORM_DELTA = 1 };
 enum hm_ar_aggregate { HM_AR_MEAN = 0, HM_AR_CENTERED_CLIP = 1 };
 
 /* Why a member was left out, per member in the report. */
@@ -207,8 +271,9 @@ typedef struct hm_ar_config {
     uint64_t round_timeout_ms;   /* hard end of the round, default 30000 */
     uint64_t part_timeout_ms;    /* reducer's wait for missing senders, default round/5 */
     uint64_t reducer_timeout_ms; /* sender's wait for a reducer's answer, default round*2/5 */
-    size_t chunk_elems;          /* default 131072 (512 KiB of float32) */
-    size_t window;               /* tasks in flight per member, default 8, at most 32 */
+    size_t chunk_elems;          /* default 65536 (256 KiB of float32); by default a
+                                    vector of <= 2^18 elements goes as one chunk per span */
+    size_t window;               /* tasks in flight per member, default 16, at most 32 */
     int compression;             /* enum hm_avg_comp, default none */
     int aggregate;               /* enum hm_ar_aggregate */
     double clip_tau;             /* CenteredClip radius, required when aggregate is clip */
@@ -255,6 +320,8 @@ void hm_ar_config_defaults(hm_ar_config *cfg);
 #define HM_AR_WEIGHT_FACTOR_DEFAULT 4.0
 #define HM_AR_CLIP_WEIGHT_FACTOR_DEFAULT 1.0
 #define HM_AR_BANDWIDTH_FACTOR_DEFAULT 2.0
+#define HM_AR_EARLY_MIB_DEFAULT 64
+#define HM_AR_EARLY_ORIGIN_MIB_DEFAULT 16
 typedef struct hm_ar_limit_cfg {
     double weight_factor;      /* mean: weight <= this x the chunk's median weight */
     double clip_weight_factor; /* centered_clip: the same */
@@ -263,6 +330,11 @@ typedef struct hm_ar_limit_cfg {
      * cap. Loopback origins are capped only with cap_loopback. */
     unsigned members_per_origin;
     int cap_loopback;
+    /* -- early parts options -- */
+    /* Bytes of messages held for rounds not started yet (allreduce.h,
+     * "Early parts"), in total and per origin; 0 holds nothing. */
+    size_t early_bytes;
+    size_t early_origin_bytes;
 } hm_ar_limit_cfg;
 
 void hm_ar_limit_defaults(hm_ar_limit_cfg *lim);
@@ -274,7 +346,8 @@ int hm_ar_set_limits(hm_ar_ctx *ctx, const hm_ar_limit_cfg *lim);
 /*
  * Reports what the weight bounds changed, by config keyword:
  * AverageWeightFactor and AverageClipWeightFactor (parts whose weight a
- * reducer here clamped). The bandwidth bound is reported by the averager,
+ * reducer here clamped), AverageEarlyPartsMiB and AverageEarlyPartsOriginMiB
+ * (early messages refused at once, and held ones that expired). The bandwidth bound is reported by the averager,
  * which adds matchmaking's count to hm_ar_bandwidths_clamped.
  */
 void hm_ar_limits(const hm_ar_ctx *ctx, hm_limit_emit_fn emit, void *ud);
@@ -341,6 +414,8 @@ typedef struct hm_ar_reply_msg {
     uint64_t dead_mask, bad_mask, contrib_mask;
     const uint8_t *data; /* NULL when absent */
     size_t data_len;
+    uint32_t form;       /* enum hm_ar_form */
+    double share;        /* the sender's share of the average, in [0, 1] */
 } hm_ar_reply_msg;
 
 typedef struct hm_ar_dead_msg {
@@ -355,10 +430,15 @@ typedef struct hm_ar_dead_msg {
  * Encoders write into a bounded writer (see wire.h). Decoders validate the
  * whole buffer with the bounded validator (one object, no trailing bytes),
  * check types and ranges (version, group id length, member indices below
- * HM_AVG_MAX_GROUP, kind, weight finite and >= 0, the chunk's codec header
- * and length, at most max_elems elements) and return 0, -EPROTO, -EINVAL,
- * -EMSGSIZE or -ENOMEM. Checks against a round's layout are the caller's.
+ * HM_AVG_MAX_GROUP, kind, weight finite and >= 0, a reply's form known and
+ * its share finite in [0, 1], form 1 only with data, the chunk's codec
+ * header and length, at most max_elems elements) and return 0, -EPROTO,
+ * -EINVAL, -EMSGSIZE or -ENOMEM. Checks against a round's layout are the
+ * caller's. hm_ar_msg_version says which version a body claims (its first
+ * element), or -1 when it does not look like an averaging message, so
+ * that a peer of another version can be named as such.
  */
+int hm_ar_msg_version(const uint8_t *buf, size_t len);
 void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m);
 int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_part_msg *out);
 void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m);

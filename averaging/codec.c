@@ -303,9 +303,9 @@ static int encode_none(const float *x, size_t n, uint8_t *p)
     return 0;
 }
 
-static int encode_fp16(const float *x, size_t n, uint8_t *p)
+/* Whether x fits fp16: 0, -EDOM (NaN or infinity) or -ERANGE (over 65504). */
+static int fp16_check(const float *x, size_t n)
 {
-    uint16_t h[BLOCK];
     uint32_t max_abs = 0;
     size_t i = 0;
 
@@ -319,6 +319,17 @@ static int encode_fp16(const float *x, size_t n, uint8_t *p)
         return -EDOM;
     if (max_abs > F16_MAX_BITS)
         return -ERANGE;
+    return 0;
+}
+
+static int encode_fp16(const float *x, size_t n, uint8_t *p)
+{
+    uint16_t h[BLOCK];
+    size_t i;
+    int rc;
+
+    if ((rc = fp16_check(x, n)) < 0)
+        return rc;
     for (i = 0; i < n; i += BLOCK) {
         size_t len = HM_MIN(BLOCK, n - i);
         f32_to_f16_n(h, x + i, len);
@@ -358,12 +369,11 @@ static void quantize_n(uint8_t *restrict q, const float *restrict x, size_t n, f
         q[i] = quantize(x[i], mn, inv);
 }
 
-static int encode_uint8(const float *restrict x, size_t n, uint8_t *restrict p)
+/* The chunk's extremes (0 and 0 when empty); -EDOM when some value is not finite. */
+static int u8_range(const float *restrict x, size_t n, float *mn_out, float *mx_out)
 {
     uint32_t max_abs = 0;
     int32_t kmin = INT32_MAX, kmax = INT32_MIN;
-    float mn = 0.0f, mx = 0.0f;
-    double spread, inv;
     size_t i = 0;
 
     for (; i + LANES <= n; i += LANES) {
@@ -382,10 +392,19 @@ static int encode_uint8(const float *restrict x, size_t n, uint8_t *restrict p)
     }
     if (max_abs >= F32_EXP_MASK)
         return -EDOM;
-    if (n > 0) {
-        mn = key_to_f32(kmin);
-        mx = key_to_f32(kmax);
-    }
+    *mn_out = n > 0 ? key_to_f32(kmin) : 0.0f;
+    *mx_out = n > 0 ? key_to_f32(kmax) : 0.0f;
+    return 0;
+}
+
+static int encode_uint8(const float *restrict x, size_t n, uint8_t *restrict p)
+{
+    float mn, mx;
+    double spread, inv;
+    int rc;
+
+    if ((rc = u8_range(x, n, &mn, &mx)) < 0)
+        return rc;
     put_le32(p, f32_bits(mn));
     put_le32(p + 4, f32_bits(mx));
     spread = (double)mx - (double)mn;
@@ -551,6 +570,73 @@ int hm_avg_chunk_decode(const uint8_t *buf, size_t len, float *out, size_t out_c
     if (result == 0)
         *n_out = n;
     return result;
+}
+
+/*
+ * The values a receiver decodes from hm_avg_chunk_encode(comp, x, n), bit
+ * for bit, computed without the bytes: the same conversions and the same
+ * quantization run block by block through the stack.
+ */
+int hm_avg_chunk_roundtrip(int comp, const float *x, size_t n, float *out)
+{
+    uint16_t h[BLOCK];
+    uint8_t q[BLOCK];
+    float mn, mx;
+    double spread, inv;
+    int rc;
+
+    if (elem_bytes(comp) == 0)
+        return -EINVAL;
+    if (n > HM_AVG_CHUNK_MAX_ELEMS)
+        return -EMSGSIZE;
+    switch (comp) {
+    case HM_AVG_COMP_NONE:
+        if (!hm_avg_all_finite(x, n))
+            return -EDOM;
+        if (n > 0 && out != x)
+            memmove(out, x, n * sizeof(float));
+        return 0;
+    case HM_AVG_COMP_FP16:
+        if ((rc = fp16_check(x, n)) < 0)
+            return rc;
+        for (size_t i = 0; i < n; i += BLOCK) {
+            size_t len = HM_MIN(BLOCK, n - i);
+            f32_to_f16_n(h, x + i, len);
+            f16_to_f32_n(out + i, h, len);
+        }
+        return 0;
+    default:
+        if ((rc = u8_range(x, n, &mn, &mx)) < 0)
+            return rc;
+        spread = (double)mx - (double)mn;
+        inv = spread > 0.0 ? 255.0 / spread : 0.0;
+        for (size_t i = 0; i < n; i += BLOCK) {
+            size_t len = HM_MIN(BLOCK, n - i);
+            quantize_n(q, x + i, len, mn, inv);
+            for (size_t k = 0; k < len; k++)
+                out[i + k] = dequantize(q[k], mn, mx);
+        }
+        return 0;
+    }
+}
+
+void hm_avg_answer_apply(float *out, const float *x, const float *qx, const float *ans, size_t n,
+                         int is_delta, double share)
+{
+    /* 0 or 1 times the part: one loop for both forms, still branch-free inside. */
+    double part = is_delta ? 1.0 : 0.0;
+    size_t i = 0;
+
+    /* Each element is read before it is written, so out may be x or ans. */
+    for (; i + LANES <= n; i += LANES)
+        for (size_t k = 0; k < LANES; k++) {
+            double v = (double)qx[i + k];
+            out[i + k] = (float)(part * v + (double)ans[i + k] + share * ((double)x[i + k] - v));
+        }
+    for (; i < n; i++) {
+        double v = (double)qx[i];
+        out[i] = (float)(part * v + (double)ans[i] + share * ((double)x[i] - v));
+    }
 }
 
 /* ---- weighted accumulation ---- */

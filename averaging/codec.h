@@ -141,6 +141,28 @@ int hm_avg_chunk_peek(const uint8_t *buf, size_t len, int *comp, size_t *n);
 int hm_avg_chunk_decode(const uint8_t *buf, size_t len, float *out, size_t out_cap,
                         size_t *n_out);
 
+/*
+ * Stores in out[0..n) exactly what a receiver decodes from the chunk that
+ * hm_avg_chunk_encode(comp, x, n, ...) writes, without writing the chunk:
+ * the sender's view of its own part at the reducer (allreduce.h,
+ * "Compressed rounds"). Returns 0 or encode's errors (-EINVAL, -EMSGSIZE,
+ * -EDOM, -ERANGE). out may be x.
+ */
+int hm_avg_chunk_roundtrip(int comp, const float *x, size_t n, float *out);
+
+/*
+ * A sender's result from a reducer's answer (allreduce.h, "Compressed
+ * rounds" has the derivation), element by element in double, rounded once:
+ *   is_delta:  out[i] = qx[i] + ans[i] + share * (x[i] - qx[i])
+ *   otherwise: out[i] =         ans[i] + share * (x[i] - qx[i])
+ * with ans the decoded answer (the average minus the sender's part, or the
+ * average), x the sender's exact values, qx its part as the reducer
+ * decoded it, and share its weight's share of the average in [0, 1].
+ * out may be x or ans.
+ */
+void hm_avg_answer_apply(float *out, const float *x, const float *qx, const float *ans, size_t n,
+                         int is_delta, double share);
+
 /* ---- weighted accumulation ---- */
 
 /*

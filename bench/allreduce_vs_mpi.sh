@@ -12,7 +12,8 @@
 # bench/mpi_allreduce.c is compiled here with mpicc into a temporary
 # directory; without mpicc or mpirun only our figures are printed.
 # Environment: RUNS (measured rounds per case, default 5), PEERS (default
-# "2 4 8"), SIZES (MiB, default "4 16 64"), COMPRESSION (default none).
+# "2 4 8"), SIZES (MiB, or KiB with a k suffix as in "64k"; default
+# "4 16 64"), COMPRESSION (default none).
 # MPI runs with the ob1 messaging layer and only the tcp and self
 # transports, restricted to the loopback interface, so that neither side
 # uses shared memory.
@@ -65,7 +66,7 @@ fi
 echo "machine: $NPROC CPUs; every peer is a process, so more peers than CPUs oversubscribe" \
     "the machine for both systems alike"
 echo
-printf '%-6s %-6s %10s %10s %8s %10s %10s %s\n' peers MiB "ours s" "MPI s" "MPI/ours" \
+printf '%-6s %-6s %10s %10s %8s %10s %10s %s\n' peers size "ours s" "MPI s" "MPI/ours" \
     "mem ours" "mem MPI" note
 status=0
 for n in $PEERS; do
@@ -74,10 +75,15 @@ for n in $PEERS; do
         if [ "$NPROC" != "?" ] && [ "$n" -gt "$NPROC" ]; then
             note="oversubscribed ($n processes on $NPROC CPUs)"
         fi
-        if ! out=$("$OURS" --peers "$n" --mb "$mb" --runs "$RUNS" --compression "$COMPRESSION" \
+        case $mb in
+        *k) size_flag="--kb ${mb%k}" ;;
+        *) size_flag="--mb $mb" ;;
+        esac
+        # shellcheck disable=SC2086 # size_flag is two words on purpose
+        if ! out=$("$OURS" --peers "$n" $size_flag --runs "$RUNS" --compression "$COMPRESSION" \
             2>"$TMP/ours.err"); then
             status=1
-            echo "$0: bench_allreduce --peers $n --mb $mb failed:" >&2
+            echo "$0: bench_allreduce --peers $n $size_flag failed:" >&2
             cat "$TMP/ours.err" >&2
         fi
         res=$(echo "$out" | grep '^RESULT' || true)
@@ -89,12 +95,12 @@ for n in $PEERS; do
         if [ "$HAVE_MPI" = 1 ]; then
             if mout=$(mpirun --oversubscribe --allow-run-as-root --mca pml ob1 \
                 --mca btl tcp,self --mca btl_tcp_if_include lo -np "$n" \
-                "$TMP/mpi_allreduce" --mb "$mb" --runs "$RUNS" 2>"$TMP/mpi.err"); then
+                "$TMP/mpi_allreduce" $size_flag --runs "$RUNS" 2>"$TMP/mpi.err"); then
                 mres=$(echo "$mout" | grep '^RESULT' || true)
                 mpi=$(field "$mres" median_s)
                 mpi_mem=$(field "$mres" peak_ratio)
             else
-                echo "$0: mpirun -np $n mpi_allreduce --mb $mb failed:" >&2
+                echo "$0: mpirun -np $n mpi_allreduce $size_flag failed:" >&2
                 cat "$TMP/mpi.err" >&2
             fi
         fi

@@ -62,7 +62,7 @@
 
 typedef struct options {
     int peers;
-    int mb;
+    int kb; /* tensor size in KiB (--mb M is M * 1024) */
     int runs;
     int compression;
     uint64_t timeout_ms;
@@ -298,7 +298,7 @@ static void run_peer(const options *o, int idx, int up_fd, int down_fd,
 
     /* What the process holds before the tensor exists: libraries, loop, rpc. */
     p->base_kb = hm_bench_proc_status_kb("VmRSS:");
-    p->n = (size_t)o->mb * (1024u * 1024u / sizeof(float));
+    p->n = (size_t)o->kb * (1024u / sizeof(float));
     p->data = malloc(p->n * sizeof(float));
     if (p->data == NULL)
         hm_bench_die("tensor", -ENOMEM);
@@ -406,9 +406,10 @@ static const char *comp_name(int c)
 static void usage(void)
 {
     fprintf(stderr,
-            "usage: bench_allreduce --peers N --mb M [--runs R] [--compression none|fp16|8bit]\n"
+            "usage: bench_allreduce --peers N --mb M|--kb K [--runs R]\n"
+            "                       [--compression none|fp16|8bit]\n"
             "                       [--timeout S] [--chunk-elems E] [--window W]\n"
-            "  N peers (2..%d) each average M MiB of float32 (1..1024) over R rounds\n"
+            "  N peers (2..%d) each average M MiB (1..1024) or K KiB of float32 over R rounds\n"
             "  (default 5) after one warm-up round; --timeout is the round timeout\n"
             "  (default 60 s); --chunk-elems and --window default to the all-reduce's.\n",
             MAX_PEERS);
@@ -422,8 +423,10 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--peers") == 0 && i + 1 < argc)
             o.peers = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--mb") == 0 && i + 1 < argc)
-            o.mb = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--mb") == 0 && i + 1 < argc && atoi(argv[i + 1]) <= 1024)
+            o.kb = atoi(argv[++i]) * 1024;
+        else if (strcmp(argv[i], "--kb") == 0 && i + 1 < argc)
+            o.kb = atoi(argv[++i]);
         else if (strcmp(argv[i], "--runs") == 0 && i + 1 < argc)
             o.runs = atoi(argv[++i]);
         else if (strcmp(argv[i], "--compression") == 0 && i + 1 < argc)
@@ -437,7 +440,7 @@ int main(int argc, char **argv)
         else
             usage();
     }
-    if (o.peers < 2 || o.peers > MAX_PEERS || o.mb < 1 || o.mb > 1024 || o.runs < 1 ||
+    if (o.peers < 2 || o.peers > MAX_PEERS || o.kb < 1 || o.kb > 1024 * 1024 || o.runs < 1 ||
         o.runs > MAX_RUNS || o.compression < 0 || o.timeout_ms < 100 ||
         o.timeout_ms > 3600000 || o.chunk_elems > HM_AR_MAX_CHUNK_ELEMS || o.window > 32)
         usage();
@@ -507,7 +510,7 @@ int main(int argc, char **argv)
     int total = o.runs + 1;
     round_stats *rs = calloc((size_t)total, sizeof(*rs));
     for (int round = -1; round < total; round++) {
-        uint64_t dl = hm_now_ms() + o.timeout_ms + 30000 + (uint64_t)o.mb * 200;
+        uint64_t dl = hm_now_ms() + o.timeout_ms + 30000 + (uint64_t)o.kb / 5;
         for (int got = 0; got < o.peers; got++) {
             int i, rr;
             size_t bad;
@@ -568,12 +571,12 @@ int main(int argc, char **argv)
     }
 
     /* ---- report ---- */
-    double tensor_mib = (double)o.mb;
+    double tensor_mib = (double)o.kb / 1024.0;
     long nproc = sysconf(_SC_NPROCESSORS_ONLN);
-    printf("bench_allreduce: %d peers, %d MiB of float32 each (%zu elements), compression %s,\n"
+    printf("bench_allreduce: %d peers, %g MiB of float32 each (%zu elements), compression %s,\n"
            "  encrypted streams on 127.0.0.1, equal bandwidths, weight 1 each; %d rounds after a "
            "warm-up round\n",
-           o.peers, o.mb, (size_t)o.mb * 262144u, comp_name(o.compression), o.runs);
+           o.peers, tensor_mib, (size_t)o.kb * 256u, comp_name(o.compression), o.runs);
     if (nproc > 0 && o.peers > nproc)
         printf("  note: %d peer processes on %ld CPUs: the machine is oversubscribed\n", o.peers,
                nproc);
@@ -623,9 +626,9 @@ int main(int argc, char **argv)
     printf("check: %s (%zu elements off, largest error %.3g)\n",
            failed_rounds == 0 && bad_total == 0 ? "every round averaged correctly" : "FAILED",
            bad_total, worst_err);
-    printf("RESULT peers=%d mb=%d comp=%s median_s=%.6f max_s=%.6f warmup_s=%.6f "
+    printf("RESULT peers=%d mb=%g comp=%s median_s=%.6f max_s=%.6f warmup_s=%.6f "
            "cpu_s=%.6f peak_mib=%.1f peak_ratio=%.3f extra_ratio=%.3f ok=%d\n",
-           o.peers, o.mb, comp_name(o.compression), med, mx, rs[0].max_s, med_cpu, peak_mib,
+           o.peers, tensor_mib, comp_name(o.compression), med, mx, rs[0].max_s, med_cpu, peak_mib,
            peak_mib / tensor_mib, extra_mib / tensor_mib, failed_rounds == 0 && bad_total == 0);
     free(times);
     free(cpus);

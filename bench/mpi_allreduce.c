@@ -3,7 +3,7 @@
  * the tree (MPI is an optional benchmark dependency): the script compiles
  * it with mpicc and runs it under mpirun over the TCP transport.
  *
- *   mpirun -np N mpi_allreduce --mb M [--runs R]
+ *   mpirun -np N mpi_allreduce --mb M|--kb K [--runs R]
  *
  * Every rank fills M MiB of float32 with the same values as
  * bench_allreduce's peers (value(rank, k) = base(k) + rank / 4), then runs
@@ -55,24 +55,27 @@ static int cmp_double(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
-    int rank, size, mb = 0, runs = 5;
+    int rank, size, kb = 0, runs = 5;
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--mb") == 0 && i + 1 < argc)
-            mb = atoi(argv[++i]);
+        if (strcmp(argv[i], "--mb") == 0 && i + 1 < argc && atoi(argv[i + 1]) <= 1024)
+            kb = atoi(argv[++i]) * 1024;
+        else if (strcmp(argv[i], "--kb") == 0 && i + 1 < argc)
+            kb = atoi(argv[++i]);
         else if (strcmp(argv[i], "--runs") == 0 && i + 1 < argc)
             runs = atoi(argv[++i]);
     }
-    if (mb < 1 || mb > 1024 || runs < 1 || runs > 1000) {
+    if (kb < 1 || kb > 1024 * 1024 || runs < 1 || runs > 1000) {
         if (rank == 0)
-            fprintf(stderr, "usage: mpirun -np N mpi_allreduce --mb M [--runs R]\n");
+            fprintf(stderr, "usage: mpirun -np N mpi_allreduce --mb M|--kb K [--runs R]\n");
         MPI_Finalize();
         return 64;
     }
     long base_kb = proc_status_kb("VmRSS:");
-    size_t n = (size_t)mb * (1024u * 1024u / sizeof(float));
+    size_t n = (size_t)kb * (1024u / sizeof(float));
+    double mb = (double)kb / 1024.0;
     float *data = malloc(n * sizeof(float));
     double *times = calloc((size_t)runs + 1, sizeof(double));
     if (data == NULL || times == NULL)
@@ -108,7 +111,7 @@ int main(int argc, char **argv)
     MPI_Reduce(&extra, &extra_max, 1, MPI_LONG, MPI_MAX, 0, MPI_COMM_WORLD);
     MPI_Reduce(&bad, &bad_all, 1, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
     if (rank == 0) {
-        printf("mpi_allreduce: %d ranks, %d MiB of float32 each, MPI_Allreduce SUM then / N; "
+        printf("mpi_allreduce: %d ranks, %g MiB of float32 each, MPI_Allreduce SUM then / N; "
                "%d rounds after a warm-up round\n",
                size, mb, runs);
         for (int r = 0; r <= runs; r++)
@@ -120,7 +123,7 @@ int main(int argc, char **argv)
         printf("median of the slowest rank: %.4f s (max %.4f s); peak RSS per rank %.1f MiB = "
                "%.2fx the tensor (%.2fx above what it held before); %ld elements off\n",
                med, times[runs], pm, pm / mb, em / mb, bad_all);
-        printf("RESULT peers=%d mb=%d median_s=%.6f max_s=%.6f warmup_s=%.6f peak_mib=%.1f "
+        printf("RESULT peers=%d mb=%g median_s=%.6f max_s=%.6f warmup_s=%.6f peak_mib=%.1f "
                "peak_ratio=%.3f extra_ratio=%.3f ok=%d\n",
                size, mb, med, times[runs], warm, pm, pm / mb, em / mb, bad_all == 0);
     }

@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "averaging/allreduce.h"
@@ -326,6 +327,161 @@ Test(allreduce, fp16_and_8bit_within_bounds)
         }
         nodes_stop();
     }
+}
+
+static double gauss(void)
+{
+    double u = rnd(), v = rnd();
+    if (u < 1e-300)
+        u = 1e-300;
+    return sqrt(-2.0 * log(u)) * cos(2.0 * M_PI * v);
+}
+
+/* torch.linspace(a, b, n) ** 0.5, in float32 as torch computes it. */
+static void sqrt_linspace(float *x, size_t n, float a, float b)
+{
+    float step = (b - a) / (float)(n - 1);
+    for (size_t i = 0; i < n; i++)
+        x[i] = sqrtf(a + step * (float)i);
+}
+
+typedef struct prec {
+    double mse[MAXN][2];  /* per node, per tensor */
+    double maxabs[MAXN][2];
+    float orig0[2000], data0[2000]; /* member 0's input and result */
+    double mean[2000];              /* the exact mean */
+} prec;
+
+/*
+ * One round over Hivemind's test_allreduce_compression data: every member
+ * holds two tensors of 1000 values, sqrt(linspace(...)) (members close to
+ * each other, as parameters of one model are) and randn(1000); member 0
+ * has sqrt(linspace(0, 500)), member 1 sqrt(linspace(300, 800)), further
+ * members linspaces in between. Records each member's mean square and
+ * largest error per tensor against the exact mean.
+ */
+static void hivemind_round(int n, const double *bw, int comp, prec *out)
+{
+    const size_t T = 1000, len = 2 * T;
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 10000, .compression = comp};
+    nodes_start(n);
+    for (int i = 0; i < n; i++) {
+        tnode *t = &nodes[i];
+        t->data = malloc(len * sizeof(float));
+        t->orig = malloc(len * sizeof(float));
+        float lo = (float)(300.0 * i / (n - 1)), hi = lo + 500.0f;
+        sqrt_linspace(t->orig, T, lo, hi);
+        for (size_t k = 0; k < T; k++)
+            t->orig[T + k] = (float)gauss();
+        memcpy(t->data, t->orig, len * sizeof(float));
+        t->weight = 1.0;
+    }
+    make_group(&g, n, bw, (uint8_t)(0x38 + comp + 4 * n));
+    for (int i = 0; i < n; i++)
+        start(i, &g, len, &cfg);
+    cr_assert(run_until_done(n, 10000));
+    uint64_t all = (1ull << n) - 1;
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d: %d", i, nodes[i].rep.status);
+        for (int k = 0; k < 2; k++) {
+            double se = 0, mx = 0;
+            for (size_t e = k * T; e < (k + 1) * T; e++) {
+                double d = (double)nodes[i].data[e] - expect(all, e);
+                se += d * d;
+                mx = HM_MAX(mx, fabs(d));
+            }
+            out->mse[i][k] = se / (double)T;
+            out->maxabs[i][k] = mx;
+        }
+    }
+    for (size_t e = 0; e < len; e++)
+        out->mean[e] = expect(all, e);
+    memcpy(out->orig0, nodes[0].orig, sizeof(out->orig0));
+    memcpy(out->data0, nodes[0].data, sizeof(out->data0));
+    nodes_stop();
+}
+
+static void hivemind_case(int n, const double *bw, const char *what)
+{
+    static const char *names[] = {"none", "fp16", "8-bit"};
+    for (int comp = HM_AVG_COMP_FP16; comp <= HM_AVG_COMP_UINT8; comp++) {
+        prec p;
+        setup();
+        hivemind_round(n, bw, comp, &p);
+        for (int i = 0; i < n; i++)
+            for (int k = 0; k < 2; k++) {
+                cr_log_info("%s, %s: member %d tensor %d: mean square error %.3g, largest %.3g",
+                            what, names[comp], i, k, p.mse[i][k], p.maxabs[i][k]);
+                /*
+                 * Hivemind's own bounds on this data (its
+                 * test_allreduce_compression): fp16 within 1e-5 mean square,
+                 * 8 bits within 1e-2; and above 0, or nothing was rounded.
+                 */
+                cr_assert_gt(p.mse[i][k], 0, "compression was applied");
+                if (comp == HM_AVG_COMP_FP16)
+                    cr_assert_leq(p.mse[i][k], 1e-5, "%s fp16 member %d tensor %d: %.3g", what, i,
+                                  k, p.mse[i][k]);
+                else
+                    cr_assert_leq(p.mse[i][k], 1e-2, "%s 8-bit member %d tensor %d: %.3g", what,
+                                  i, k, p.mse[i][k]);
+            }
+        /*
+         * A member whose whole vector another reduced (the reducer's own
+         * part is exact) has its own rounding taken out and only the
+         * difference's rounding left: with fp16, element by element, half
+         * an ulp of the difference from the mean (2^-11 of it), not of
+         * the value (the old answer, the average rounded, was off by up to
+         * half an ulp of 28 on top of the member's own rounding).
+         */
+        if (bw[0] == 0 && comp == HM_AVG_COMP_FP16) {
+            for (size_t e = 0; e < 2000; e++) {
+                double m = p.mean[e];
+                double d = fabs(m - (double)p.orig0[e]);
+                double err = fabs((double)p.data0[e] - m);
+                cr_assert_leq(err, d * (1.0 / 2048) * 1.01 + 1e-6,
+                              "client fp16 element %zu: error %.3g, difference %.3g", e, err, d);
+            }
+        }
+        /*
+         * The same with 8 bits: the client's error is the rounding of the
+         * difference alone, a step of the difference's range (one chunk
+         * here), so its mean square is about step^2 / 12; the old answer
+         * rounded the average, whose range (-3 to 28) is about 3 times
+         * larger, on top of the client's own rounding.
+         */
+        if (bw[0] == 0 && comp == HM_AVG_COMP_UINT8) {
+            double lo = INFINITY, hi = -INFINITY, se = 0;
+            for (size_t e = 0; e < 2000; e++) {
+                double d = p.mean[e] - (double)p.orig0[e];
+                lo = HM_MIN(lo, d);
+                hi = HM_MAX(hi, d);
+                se += ((double)p.data0[e] - p.mean[e]) * ((double)p.data0[e] - p.mean[e]);
+            }
+            double step = (hi - lo) / 255.0;
+            cr_assert_leq(se / 2000, 2.0 * step * step / 12.0, "client 8-bit: %.3g vs step %.3g",
+                          se / 2000, step);
+        }
+    }
+}
+
+/* Hivemind's case: a client and a reducer (its test runs averager 1 in client mode). */
+Test(allreduce, compressed_pair_with_client_keeps_hivemind_precision)
+{
+    static const double bw[2] = {0, 1};
+    hivemind_case(2, bw, "client+reducer");
+}
+
+Test(allreduce, compressed_pair_keeps_hivemind_precision)
+{
+    static const double bw[2] = {1, 1};
+    hivemind_case(2, bw, "pair");
+}
+
+Test(allreduce, compressed_four_keep_hivemind_precision)
+{
+    static const double bw[4] = {1, 1, 1, 1};
+    hivemind_case(4, bw, "four");
 }
 
 /* A member that never starts its round (it never sends, and answers "not ready"). */
@@ -799,4 +955,199 @@ Test(allreduce, group_bandwidth_bound_is_clamped_by_the_leader_and_checked_by_fo
     cr_assert_not(hm_avg_bandwidths_bounded(&strict, 2.0), "a negative bandwidth is refused");
     hm_avg_clamp_bandwidths(&strict, 2.0);
     cr_assert_float_eq(strict.members[2].bandwidth, 0.0, 0, "and clamped to 0");
+}
+
+static void status_cb(void *ud, int status, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    *(int *)ud = status == 0 ? 1 : status;
+}
+
+/*
+ * Version 2 of the messages (allreduce.h): a reply carries its form and the
+ * sender's share; a version 1 message is refused, and the log names both
+ * versions and the peer, so that its operator knows to upgrade.
+ */
+Test(allreduce, version_1_messages_are_refused_and_named)
+{
+    uint8_t buf[256], chunk[64];
+    hm_wire_wr w;
+    size_t clen;
+    float vals[4] = {1, 2, 3, 4};
+    cr_assert_eq(hm_avg_chunk_encode(HM_AVG_COMP_FP16, vals, 4, chunk, sizeof(chunk), &clen), 0);
+
+    /* Replies round-trip form and share; a share outside [0, 1] or a bodiless difference is refused. */
+    hm_ar_reply_msg rm = {.contrib_mask = 3, .data = chunk, .data_len = clen,
+                          .form = HM_AR_FORM_DELTA, .share = 0.25}, rm2;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_ar_reply_encode(&w, &rm);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    cr_assert_eq(hm_ar_reply_decode(buf, w.len, 16, &rm2), 0);
+    cr_assert_eq(rm2.form, HM_AR_FORM_DELTA);
+    cr_assert_eq(rm2.share, 0.25);
+    cr_assert_eq(hm_ar_msg_version(buf, w.len), 2);
+    buf[1] = 1; /* the same reply under version 1 */
+    cr_assert_eq(hm_ar_reply_decode(buf, w.len, 16, &rm2), -EPROTO);
+    cr_assert_eq(hm_ar_msg_version(buf, w.len), 1);
+    static const double bad_share[] = {-0.1, 1.5, NAN};
+    for (size_t i = 0; i < 3; i++) {
+        rm.share = bad_share[i];
+        hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+        hm_ar_reply_encode(&w, &rm);
+        cr_assert_eq(hm_ar_reply_decode(buf, w.len, 16, &rm2), -EPROTO, "share %g", rm.share);
+    }
+    rm.share = 0;
+    rm.data = NULL;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_ar_reply_encode(&w, &rm);
+    cr_assert_eq(hm_ar_reply_decode(buf, w.len, 16, &rm2), -EPROTO, "a difference needs data");
+
+    /* A version 1 part sent to a node: refused, and logged as a peer to upgrade. */
+    char path[] = "/tmp/test_allreduce_log.XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    unlink(path);
+    fflush(stderr);
+    int saved = dup(2);
+    cr_assert_eq(dup2(fd, 2), 2);
+    hm_log_set_level(HM_LOG_WARN);
+    nodes_start(2);
+    hm_ar_part_msg pm = {.sender = 1, .n_total = 4, .span = 0, .chunk = 0, .kind = HM_AR_DATA,
+                         .weight = 1.0, .data = chunk, .data_len = clen};
+    memset(pm.group_id, 0x61, sizeof(pm.group_id));
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_ar_part_encode(&w, &pm);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    cr_assert_eq(buf[1], HM_AR_VERSION);
+    buf[1] = 1;
+    int got = 0;
+    uint64_t call_id;
+    cr_assert_eq(hm_rpc_call(nodes[1].rpc, nodes[0].id.pk, (const struct sockaddr *)&nodes[0].addr,
+                             HM_AR_PART_METHOD, buf, w.len, HM_RPC_STREAM, 5000, status_cb, &got,
+                             &call_id),
+                 0);
+    uint64_t end = hm_now_ms() + 5000;
+    while (got == 0 && hm_now_ms() < end)
+        run_for(10);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    cr_assert_eq(got, -EPROTO, "refused: %d", got);
+    char log[4096] = {0};
+    cr_assert_geq(pread(fd, log, sizeof(log) - 1, 0), 0);
+    close(fd);
+    cr_assert(strstr(log, "protocol version 1") != NULL && strstr(log, "127.0.0.1") != NULL &&
+                  strstr(log, "averaging version 2 only") != NULL,
+              "no warning naming both versions: %s", log);
+    nodes_stop();
+}
+
+static uint64_t early_seen[2];
+static void early_emit(void *ud, const char *kw, uint64_t v)
+{
+    HM_UNUSED(ud);
+    if (strcmp(kw, "AverageEarlyPartsMiB") == 0)
+        early_seen[0] = v;
+    else if (strcmp(kw, "AverageEarlyPartsOriginMiB") == 0)
+        early_seen[1] = v;
+}
+
+/*
+ * One pair where member 1 starts 300 ms after member 0, with the given
+ * bounds on early parts at member 1 (0: the defaults). Returns member 0's
+ * bytes sent; both end with the exact mean.
+ */
+static uint64_t late_pair(size_t early_bytes, size_t early_origin_bytes, uint64_t counts[2])
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 5000, .chunk_elems = 4096};
+    size_t len = 20000;
+    double bw[2] = {1, 1};
+    setup();
+    nodes_start(2);
+    if (early_bytes != 0) {
+        hm_ar_limit_cfg lim;
+        hm_ar_limit_defaults(&lim);
+        lim.early_bytes = early_bytes == SIZE_MAX ? 0 : early_bytes;
+        lim.early_origin_bytes = early_origin_bytes;
+        cr_assert_eq(hm_ar_set_limits(nodes[1].ctx, &lim), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        fill(i, len, 1.0);
+    make_group(&g, 2, bw, 0x7c);
+    start(0, &g, len, &cfg);
+    run_for(300);
+    cr_assert_eq(count_done(), 0);
+    start(1, &g, len, &cfg);
+    cr_assert(run_until_done(2, 5000));
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d: %d", i, nodes[i].rep.status);
+        check_exact(i, 0x3);
+    }
+    uint64_t sent = nodes[0].rep.bytes_sent;
+    memset(early_seen, 0, sizeof(early_seen));
+    hm_ar_limits(nodes[1].ctx, early_emit, NULL);
+    counts[0] = early_seen[0];
+    counts[1] = early_seen[1];
+    nodes_stop();
+    return sent;
+}
+
+/*
+ * Parts that reach a member before it starts the round are held and
+ * answered once it does (allreduce.h, "Early parts"): each goes once.
+ * Without holding (bound 0) they are refused and sent again and again
+ * with backoff; past the per-origin bound they are refused and counted,
+ * and the round still ends exact.
+ */
+Test(allreduce, early_parts_are_held_and_bounded)
+{
+    uint64_t held[2], refused[2], capped[2];
+    uint64_t sent_held = late_pair(0, 0, held);
+    uint64_t sent_refused = late_pair(SIZE_MAX, 0, refused);
+    uint64_t sent_capped = late_pair((size_t)64 << 20, 1024, capped);
+    cr_log_info("member 0 sent %llu bytes with early parts held, %llu refused, %llu capped",
+                (unsigned long long)sent_held, (unsigned long long)sent_refused,
+                (unsigned long long)sent_capped);
+    cr_assert_eq(held[0] + held[1], 0, "nothing refused while held");
+    cr_assert_lt(2 * sent_held, sent_refused, "held parts are not sent again");
+    cr_assert_gt(capped[1], 0, "the per-origin bound refused and counted");
+    cr_assert_lt(2 * sent_held, sent_capped);
+}
+
+/*
+ * With the default chunk size a vector of at most 1 MiB goes as one chunk
+ * per span, one round trip each (a client leaves the other member all of
+ * it, 2^18 elements, several default chunks' worth); one element more is
+ * cut into chunks as before.
+ */
+Test(allreduce, small_vectors_go_as_one_chunk_per_span)
+{
+    static const size_t lens[2] = {(size_t)1 << 18, ((size_t)1 << 18) + 1};
+    hm_ar_config dflt = {0};
+    hm_ar_config_defaults(&dflt);
+    const size_t chunks[2] = {1, (lens[1] + dflt.chunk_elems - 1) / dflt.chunk_elems};
+    cr_assert_gt(chunks[1], 1);
+    for (int c = 0; c < 2; c++) {
+        hm_avg_group g;
+        hm_ar_config cfg = {.round_timeout_ms = 10000};
+        double bw[2] = {1, 0};
+        if (c > 0)
+            setup();
+        nodes_start(2);
+        for (int i = 0; i < 2; i++)
+            fill(i, lens[c], 1.0 + i);
+        make_group(&g, 2, bw, (uint8_t)(0x7d + c));
+        for (int i = 0; i < 2; i++)
+            start(i, &g, lens[c], &cfg);
+        cr_assert(run_until_done(2, 10000));
+        for (int i = 0; i < 2; i++) {
+            cr_assert_eq(nodes[i].rep.status, 0);
+            cr_assert_eq(nodes[i].rep.spans[0].n_chunks, chunks[c], "%zu elements: %zu chunks",
+                         lens[c], nodes[i].rep.spans[0].n_chunks);
+            check_exact(i, 0x3);
+        }
+        nodes_stop();
+    }
 }

@@ -387,6 +387,93 @@ Test(avg_codec, round_trips_stay_within_documented_error)
     free(x);
 }
 
+/*
+ * A sender computes its part as the reducer decodes it without the bytes
+ * (allreduce.h, "Compressed rounds"): that must be what the decoder gives,
+ * bit for bit, or the sender's correction would be off.
+ */
+Test(avg_codec, roundtrip_equals_encode_then_decode_bit_for_bit)
+{
+    static const size_t lens[] = {0, 1, 2, 15, 16, 17, 1023, 1024, 1025, 5000};
+    static const double scales[] = {1e-42, 1e-6, 1.0, 3e2, 6e4};
+    struct rng r = {11};
+    float *x = alloc_floats(5000), *a = alloc_floats(5000), *b = alloc_floats(5000);
+    uint8_t *buf = malloc(hm_avg_chunk_size(HM_AVG_COMP_NONE, 5000));
+    cr_assert_not_null(buf);
+
+    for (int comp = 0; comp < HM_AVG_COMP_COUNT; comp++)
+        for (size_t si = 0; si < sizeof(scales) / sizeof(scales[0]); si++)
+            for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+                size_t n = lens[li], len = 0, got = 0;
+                if (comp == HM_AVG_COMP_FP16 && scales[si] > 1e4)
+                    continue; /* out of fp16's range: the refusal is checked below */
+                for (size_t i = 0; i < n; i++)
+                    x[i] = (float)(scales[si] * (rng_unit(&r) < 0.5 ? rng_normal(&r)
+                                                                     : 3.0 + rng_unit(&r)));
+                cr_assert_eq(hm_avg_chunk_encode(comp, x, n, buf, hm_avg_chunk_size(comp, n),
+                                                 &len), 0);
+                cr_assert_eq(hm_avg_chunk_decode(buf, len, a, 5000, &got), 0);
+                cr_assert_eq(got, n);
+                cr_assert_eq(hm_avg_chunk_roundtrip(comp, x, n, b), 0);
+                cr_assert(n == 0 || memcmp(a, b, n * sizeof(float)) == 0,
+                          "comp %d scale %g n %zu: the roundtrip differs from the decoder", comp,
+                          scales[si], n);
+                /* In place too. */
+                memcpy(b, x, n * sizeof(float));
+                cr_assert_eq(hm_avg_chunk_roundtrip(comp, b, n, b), 0);
+                cr_assert(n == 0 || memcmp(a, b, n * sizeof(float)) == 0);
+            }
+    /* The encoder's refusals, the same way. */
+    x[0] = 70000.0f;
+    cr_assert_eq(hm_avg_chunk_roundtrip(HM_AVG_COMP_FP16, x, 3, b), -ERANGE);
+    cr_assert_eq(hm_avg_chunk_roundtrip(HM_AVG_COMP_UINT8, x, 3, b), 0);
+    x[1] = NAN;
+    for (int comp = 0; comp < HM_AVG_COMP_COUNT; comp++)
+        cr_assert_eq(hm_avg_chunk_roundtrip(comp, x, 3, b), -EDOM);
+    cr_assert_eq(hm_avg_chunk_roundtrip(7, x, 3, b), -EINVAL);
+    free(buf);
+    free(x);
+    free(a);
+    free(b);
+}
+
+/* The sender's side of a compressed answer, against the formula in double. */
+Test(avg_codec, answer_apply_takes_out_the_senders_share_of_its_rounding)
+{
+    struct rng r = {12};
+    const size_t n = 37;
+    float x[37], qx[37], ans[37], out[37];
+    for (size_t i = 0; i < n; i++) {
+        x[i] = (float)rng_normal(&r);
+        cr_assert_eq(hm_avg_chunk_roundtrip(HM_AVG_COMP_FP16, &x[i], 1, &qx[i]), 0);
+        ans[i] = (float)rng_normal(&r);
+    }
+    for (int is_delta = 0; is_delta <= 1; is_delta++) {
+        hm_avg_answer_apply(out, x, qx, ans, n, is_delta, 0.25);
+        for (size_t i = 0; i < n; i++) {
+            double want = (is_delta ? (double)qx[i] : 0.0) + (double)ans[i] +
+                          0.25 * ((double)x[i] - (double)qx[i]);
+            cr_assert_eq(out[i], (float)want, "element %zu (delta %d)", i, is_delta);
+        }
+    }
+    /*
+     * Two members, equal weights, member 1 reduces exactly: member 0's
+     * result from the difference is the exact mean but for the
+     * difference's own rounding, here none (difference sent uncompressed).
+     */
+    float x1[37], d[37];
+    for (size_t i = 0; i < n; i++) {
+        x1[i] = (float)rng_normal(&r);
+        float a = (float)(((double)qx[i] + (double)x1[i]) / 2);
+        d[i] = (float)((double)a - (double)qx[i]);
+    }
+    hm_avg_answer_apply(out, x, qx, d, n, 1, 0.5);
+    for (size_t i = 0; i < n; i++) {
+        double m = ((double)x[i] + (double)x1[i]) / 2;
+        cr_assert_leq(fabs(out[i] - m), 4e-7 * (fabs(m) + fabs(x[i]) + 1), "element %zu", i);
+    }
+}
+
 Test(avg_codec, uint8_constant_chunk_and_extremes_are_exact)
 {
     static const float values[] = {0.0f, 3.14159265f, -2.5e-30f, 1.7e38f, -FLT_MAX, 0x1p-149f};

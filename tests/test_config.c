@@ -566,6 +566,22 @@ Test(config, averaging_and_state_limits)
     cr_assert_neq(load(&c, "StateTrustedDonors a b\n", err, sizeof(err)), 0);
 }
 
+/* -- early parts -- */
+Test(config, average_early_parts_bounds)
+{
+    hm_config c;
+    char err[256];
+    hm_config_defaults(&c);
+    cr_assert_eq(c.average_early_parts_mib, 64);
+    cr_assert_eq(c.average_early_parts_origin_mib, 16);
+    cr_assert_eq(load(&c, "AverageEarlyPartsMiB 0\nAverageEarlyPartsOriginMiB 4\n", err,
+                      sizeof(err)),
+                 0, "%s", err);
+    cr_assert_eq(c.average_early_parts_mib, 0);
+    cr_assert_eq(c.average_early_parts_origin_mib, 4);
+    cr_assert_neq(load(&c, "AverageEarlyPartsMiB 70000\n", err, sizeof(err)), 0);
+}
+
 Test(config, host_names_are_kept_as_written_and_resolved_on_request)
 {
     /* A name passes the syntax check and stays in the configuration as it

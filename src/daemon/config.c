@@ -228,6 +228,14 @@ static const struct opt opts[] = {
     {"AverageCapLoopback", "average-cap-loopback", T_BOOL, FIELD(average_cap_loopback), 0, 0, 0,
      "[yes|no]", "apply AverageMembersPerOrigin to loopback origins too, where one machine "
      "runs several daemons (default no)"},
+    /* -- early parts options -- */
+    {"AverageEarlyPartsMiB", "average-early-parts-mib", T_UINT, FIELD(average_early_parts_mib), 0,
+     65536, 0, "MIB", "all-reduce parts and notices held for rounds this node has not started "
+     "yet (answered once it starts, instead of refused and sent again), in all; 0 holds none "
+     "(default 64)"},
+    {"AverageEarlyPartsOriginMiB", "average-early-parts-origin-mib", T_UINT,
+     FIELD(average_early_parts_origin_mib), 0, 65536, 0, "MIB",
+     "the same, from one network origin (default 16)"},
     {"StateDonorsPerOrigin", "state-donors-per-origin", T_UINT, FIELD(state_donors_per_origin),
      1, 32, 0, "N", "donors of one network origin that count toward a state download's "
      "min_agree (default 1)"},
@@ -799,6 +807,9 @@ void hm_config_defaults(hm_config *c)
     c->average_clip_weight_factor = 1;
     c->average_bandwidth_factor = 2;
     c->average_members_per_origin = 1;
+    /* -- early parts defaults -- */
+    c->average_early_parts_mib = 64;
+    c->average_early_parts_origin_mib = 16;
     c->state_donors_per_origin = 1;
     c->progress_max_runs = 64;
     c->progress_runs_per_connection = 4;

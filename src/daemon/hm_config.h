@@ -109,6 +109,9 @@ typedef struct hm_config {
     unsigned average_bandwidth_factor;   /* bandwidth <= this x the group's median */
     unsigned average_members_per_origin; /* 0: no cap */
     int average_cap_loopback;
+    /* -- early parts fields -- */
+    unsigned average_early_parts_mib;        /* held for rounds not started, in all */
+    unsigned average_early_parts_origin_mib; /* the same, per origin */
     unsigned state_donors_per_origin;    /* donors of one origin counted toward min_agree */
     char state_trusted_donors[HM_CONFIG_TRUSTED_LEN]; /* comma-separated peer ids; empty: none */
     unsigned state_max_step_lead;        /* steps ahead of the most-vouched state; 0: none */

@@ -599,7 +599,11 @@ static int start(daemon_t *d, char *err, size_t errlen)
                            .clip_weight_factor = d->cfg.average_clip_weight_factor,
                            .bandwidth_factor = d->cfg.average_bandwidth_factor,
                            .members_per_origin = d->cfg.average_members_per_origin,
-                           .cap_loopback = d->cfg.average_cap_loopback};
+                           .cap_loopback = d->cfg.average_cap_loopback,
+                           /* -- early parts limits -- */
+                           .early_bytes = (size_t)d->cfg.average_early_parts_mib << 20,
+                           .early_origin_bytes =
+                               (size_t)d->cfg.average_early_parts_origin_mib << 20};
     if ((r = hm_averager_set_limits(d->pub.av, &lim)) != 0) {
         snprintf(err, errlen, "cannot set the averaging limits: %s", hm_strerror(r));
         return r;

@@ -7,7 +7,7 @@
  * length and the element cap), decode its chunk values without trouble,
  * encode again and decode to the same message (an oracle: a mismatch
  * aborts). The seed corpus holds one valid message of each kind, with every
- * compression.
+ * compression and both reply forms, and a version 1 part (refused).
  */
 #include "config.h"
 
@@ -89,6 +89,9 @@ static void fuzz_reply(const uint8_t *data, size_t size, size_t max_elems)
 
     if (hm_ar_reply_decode(data, size, max_elems, &m) != 0)
         return;
+    CHECK(m.form == HM_AR_FORM_AVERAGE || m.form == HM_AR_FORM_DELTA);
+    CHECK(m.share >= 0.0 && m.share <= 1.0);
+    CHECK(m.form == HM_AR_FORM_AVERAGE || m.data != NULL);
     if (m.data != NULL) {
         CHECK(inside(data, size, m.data, m.data_len));
         check_chunk(m.data, m.data_len, max_elems);
@@ -100,6 +103,7 @@ static void fuzz_reply(const uint8_t *data, size_t size, size_t max_elems)
     CHECK(hm_ar_reply_decode(buf, len, max_elems, &again) == 0);
     CHECK(again.dead_mask == m.dead_mask && again.bad_mask == m.bad_mask &&
           again.contrib_mask == m.contrib_mask);
+    CHECK(again.form == m.form && again.share == m.share);
     CHECK((again.data == NULL) == (m.data == NULL));
     if (m.data != NULL)
         CHECK(again.data_len == m.data_len && memcmp(again.data, m.data, m.data_len) == 0);
@@ -126,6 +130,9 @@ static void fuzz_dead(const uint8_t *data, size_t size)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
+    /* The version peek reads within the input, and only a version a decoder could take. */
+    int version = hm_ar_msg_version(data, size);
+    CHECK(version >= -1 && version <= 255);
     fuzz_part(data, size, SMALL_ELEMS);
     fuzz_part(data, size, HM_AR_MAX_CHUNK_ELEMS);
     fuzz_reply(data, size, SMALL_ELEMS);
