@@ -901,6 +901,7 @@ static void route_take(route_op *r, size_t kk, const hm_dht_value *values, size_
         if (!decl_admit(r->c, cand.ent.name, cand.ent.ex.pk, rec->expiration, now))
             continue;
         cand.ent.expiration = rec->expiration;
+        cand.ent.held_s = values[i].held_s;
         cand.ent.n_owners = 1;
         if (last) {
             memcpy(cand.ent.ex.uid, uid, ulen + 1);
@@ -917,7 +918,8 @@ static void route_take(route_op *r, size_t kk, const hm_dht_value *values, size_
         /* Another owner's entry of the same name (as ent_offer decides). */
         kids[j].ent.n_owners++;
         if (last ? decl_better(r->c, cand.ent.name, cand.ent.ex.pk, cand.ent.expiration,
-                               kids[j].ent.ex.pk, kids[j].ent.expiration)
+                               cand.ent.held_s, kids[j].ent.ex.pk, kids[j].ent.expiration,
+                               kids[j].ent.held_s)
                  : cand.ent.expiration > kids[j].ent.expiration) {
             unsigned owners = kids[j].ent.n_owners;
             kids[j] = cand;

@@ -781,7 +781,7 @@ static void on_called(void *ud, int status, const uint8_t *answered, size_t n_an
 {
     call_job *j = ud;
     hm_cmd_experts *m = j->m;
-    char msg[512];
+    char msg[1024]; /* a 128-byte uid and a 320-byte server reason fit */
     call_release(j);
     m->call_bytes -= j->bytes;
     if (status == -ECANCELED) {
