@@ -365,7 +365,8 @@ int hm_ffn_forward(const hm_ffn *f, const float *x, size_t batch, float *y)
         goto out;
     }
     forward_into(f, x, batch, &s, y);
-    result = 0;
+    /* Finite but huge weights can overflow: an error, never inf handed back. */
+    result = finite_all(y, batch * f->cfg.dim) ? 0 : -EDOM;
 out:
     scratch_free(&s);
     return result;

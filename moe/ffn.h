@@ -73,7 +73,8 @@ size_t hm_ffn_nparams(const hm_ffn *f);
 float *hm_ffn_params(hm_ffn *f);
 uint64_t hm_ffn_steps(const hm_ffn *f); /* optimizer steps taken */
 
-/* y[batch*dim] from x[batch*dim]; y must not alias x. */
+/* y[batch*dim] from x[batch*dim]; y must not alias x. -EDOM when x, or the
+ * output (finite but huge weights overflow), is not finite. */
 int hm_ffn_forward(const hm_ffn *f, const float *x, size_t batch, float *y);
 
 /*

@@ -73,7 +73,8 @@ size_t hm_xf_nparams(const hm_xf *t);
 float *hm_xf_param(hm_xf *t, size_t i);
 uint64_t hm_xf_steps(const hm_xf *t);
 
-/* y[batch*seq*dim] from x; y must not alias x. */
+/* y[batch*seq*dim] from x; y must not alias x. -EDOM when x or the output is
+ * not finite. */
 int hm_xf_forward(const hm_xf *t, const float *x, size_t batch, size_t seq, float *y);
 
 /* dL/dx into grad_x and, when grad_params is not NULL, dL/dparams (summed
