@@ -470,6 +470,7 @@ void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud)
         emit(ud, "AverageBandwidthFactor",
              hm_ar_bandwidths_clamped(av->ar) + (av->mm != NULL ? hm_mm_bandwidth_refused(av->mm) : 0));
         emit(ud, "AverageMembersPerOrigin", av->mm != NULL ? hm_mm_origin_refused(av->mm) : 0);
+        emit(ud, "AverageProtocolVersion", av->mm != NULL ? hm_mm_old_version(av->mm) : 0);
     }
 }
 

@@ -16,11 +16,13 @@
 #include "averaging/matchmaking.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "averaging/allreduce.h"
 #include "dht/record.h"
 #include "src/base/origin.h"
 #include "src/base/util.h"
@@ -29,7 +31,15 @@
 
 #define M_JOIN "avg.mm.join"
 #define M_WAIT "avg.mm.wait"
-#define WIRE_VERSION 1
+/*
+ * Version 2: the members of a group this forms speak averaging protocol 2
+ * (allreduce.h). Matchmaking carries the version so that peers that could
+ * not average together never form a group: a version 1 node (an older
+ * hivemindd) and a version 2 one refuse each other's declarations and joins
+ * here, with a log line, instead of meeting in a round that then fails.
+ */
+#define WIRE_VERSION 2
+_Static_assert(HM_AR_VERSION == 2, "bump the matchmaking version with the averaging one");
 /* Candidates kept from one DHT read (the earliest ones). */
 #define MAX_CANDIDATES 128
 /* Leaders that recently refused us, remembered per search. */
@@ -133,10 +143,13 @@ struct hm_mm {
     uint64_t next_id;
     uint64_t bandwidth_refused;
     uint64_t origin_refused;
+    uint64_t old_version;                  /* refused, in all */
+    uint64_t old_version_count, old_version_last_ms; /* for the log's rate */
 };
 
 uint64_t hm_mm_bandwidth_refused(const hm_mm *mm) { return mm->bandwidth_refused; }
 uint64_t hm_mm_origin_refused(const hm_mm *mm) { return mm->origin_refused; }
+uint64_t hm_mm_old_version(const hm_mm *mm) { return mm->old_version; }
 
 static void step(search *s);
 static void finish(search *s, int status, const hm_avg_group *g);
@@ -167,6 +180,57 @@ static int get_key(const msgpack_object *o, uint8_t *key, size_t *len)
     memcpy(key, p, n);
     *len = n;
     return 0;
+}
+
+int hm_mm_msg_version(const void *buf, size_t len)
+{
+    hm_wire_msg m;
+    uint64_t v = 0;
+    int result = hm_wire_decode_open_array(&m, buf, len, &mm_limits, 1, 64, HM_WIRE_ANY_VERSION);
+
+    if (result == 0 && (hm_wire_get_uint(&m.items[0], &v) < 0 || v > INT_MAX))
+        result = -EPROTO;
+    hm_wire_decode_close(&m);
+    return result < 0 ? result : (int)v;
+}
+
+/*
+ * A join, wait or declaration of another matchmaking version (most likely
+ * from an older hivemindd, which speaks averaging version 1) is refused,
+ * and the operator hears it in words that say so, once a minute. Returns 1
+ * when the body was of another version (and counted).
+ */
+static int complain_version(hm_mm *mm, const void *body, size_t len, const struct sockaddr *from,
+                            const uint8_t *pk, const char *what)
+{
+    int version = hm_mm_msg_version(body, len);
+    uint64_t now = hm_now_ms();
+    char who[HM_ADDRSTRLEN];
+
+    if (version < 0 || version == WIRE_VERSION)
+        return 0;
+    mm->old_version++;
+    mm->old_version_count++;
+    if (mm->old_version_last_ms != 0 && now - mm->old_version_last_ms < 60000)
+        return 1;
+    if (from == NULL || hm_format_addr(from, who, sizeof(who)) != 0) {
+        static const char hex[] = "0123456789abcdef";
+        size_t k = 0;
+        for (size_t i = 0; pk != NULL && i < 8; i++) {
+            who[k++] = hex[pk[i] >> 4];
+            who[k++] = hex[pk[i] & 15];
+        }
+        memcpy(who + k, pk != NULL ? "..." : "a peer", pk != NULL ? 4 : 7);
+    }
+    hm_warn(MOD, "refused %llu matchmaking message%s %s of version %d (the latest, a %s from "
+            "%s); this hivemindd forms groups of matchmaking version %d (averaging version %d) "
+            "only: upgrade the peer",
+            (unsigned long long)mm->old_version_count, mm->old_version_count == 1 ? "" : "s",
+            mm->old_version_last_ms == 0 ? "so far" : "in the last minute", version, what, who,
+            WIRE_VERSION, HM_AR_VERSION);
+    mm->old_version_last_ms = now;
+    mm->old_version_count = 0;
+    return 1;
 }
 
 void hm_mm_encode_join(hm_wire_wr *w, const hm_mm_join *j)
@@ -831,7 +895,11 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
             continue;
         if (memcmp(p.pk, s->mm->pk, HM_PK_BYTES) == 0)
             continue;
-        if (hm_mm_decode_decl(rec->value, rec->value_len, &d) < 0 || !d.looking || d.client)
+        if (hm_mm_decode_decl(rec->value, rec->value_len, &d) < 0) {
+            (void)complain_version(s->mm, rec->value, rec->value_len, NULL, p.pk, "declaration");
+            continue;
+        }
+        if (!d.looking || d.client)
             continue;
         /* A leader whose deadline is long past has finished or moved on. */
         if (d.deadline_ms + 2 * s->req_ms < now)
@@ -1347,6 +1415,8 @@ static void on_join_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_
     int rc;
 
     if ((rc = hm_mm_decode_join(body, len, &j)) < 0) {
+        if (complain_version(mm, body, len, from, peer_pk, "join"))
+            rc = -EPROTONOSUPPORT;
         (void)hm_rpc_respond(req, rc, NULL, 0);
         return;
     }
@@ -1432,12 +1502,13 @@ reply:
 static void on_wait_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                             const struct sockaddr *from, const uint8_t *body, size_t len)
 {
-    HM_UNUSED(from);
     hm_mm *mm = ud;
     hm_mm_wait m = {.leave = 0};
     int rc;
 
     if ((rc = hm_mm_decode_wait(body, len, &m)) < 0) {
+        if (complain_version(mm, body, len, from, peer_pk, "wait"))
+            rc = -EPROTONOSUPPORT;
         (void)hm_rpc_respond(req, rc, NULL, 0);
         return;
     }

@@ -163,6 +163,12 @@ uint64_t hm_mm_bandwidth_refused(const hm_mm *mm);
 /* Joins refused as leader plus groups refused as follower for the
  * per-origin member cap (AverageMembersPerOrigin). */
 uint64_t hm_mm_origin_refused(const hm_mm *mm);
+/* Joins, waits and declarations refused for another matchmaking version
+ * (AverageProtocolVersion). */
+uint64_t hm_mm_old_version(const hm_mm *mm);
+/* The version a join, wait or declaration body claims (its first element),
+ * or -EPROTO when it claims none. */
+int hm_mm_msg_version(const void *buf, size_t len);
 
 /* Registers the handlers on the node's rpc. 0, -ENOMEM or -EEXIST. */
 int hm_mm_new(hm_node *node, hm_mm **out);

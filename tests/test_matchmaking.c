@@ -453,8 +453,9 @@ Test(matchmaking, messages_round_trip_and_bad_ones_are_refused)
     cr_assert_lt(hm_mm_decode_join(buf, w.len - 1, &j2), 0);
     buf[w.len] = 0xc0;
     cr_assert_lt(hm_mm_decode_join(buf, w.len + 1, &j2), 0);
-    buf[1] = 2;
+    buf[1] = 1;
     cr_assert_eq(hm_mm_decode_join(buf, w.len, &j2), -EPROTO);
+    cr_assert_eq(hm_mm_msg_version(buf, w.len), 1);
 
     /* A negative bandwidth is refused. */
     j.bandwidth = -1;
@@ -524,6 +525,78 @@ Test(matchmaking, messages_round_trip_and_bad_ones_are_refused)
     cr_assert_eq(hm_mm_decode_decl(buf, w.len, &d2), 0);
     cr_assert_eq(d2.looking, 1);
     cr_assert_eq(d2.deadline_ms, 5);
+}
+
+typedef struct rawcall {
+    int done, status;
+} rawcall;
+
+static void on_raw(void *ud, int status, const uint8_t *body, size_t len)
+{
+    HM_UNUSED(body);
+    HM_UNUSED(len);
+    rawcall *c = ud;
+    c->done = 1;
+    c->status = status;
+}
+
+static int raw_done(void *ud) { return ((rawcall *)ud)->done; }
+
+/*
+ * A node of matchmaking version 1 (an older hivemindd, averaging version 1)
+ * cannot average with us: its join and wait are refused as of another
+ * version, counted, and never let into a group, while a join of our version
+ * from the same peer is taken.
+ */
+Test(matchmaking, a_peer_of_another_version_is_refused_by_name, .timeout = 30)
+{
+    swarm sw;
+    swarm_start(&sw, 2);
+    hm_mm_config c = cfg_of("ver", "", 2, 2, 5000);
+    start(&sw.p[0], &c, 8000);
+    char key[HM_MM_KEY_MAX + 1];
+    cr_assert_gt(hm_mm_group_key("ver", "", key, sizeof(key)), 0);
+    struct sockaddr_storage to, from;
+    cr_assert_eq(hm_transport_local_addr(hm_rpc_transport(hm_node_rpc(sw.p[0].node)), &to), 0);
+    cr_assert_eq(hm_transport_local_addr(hm_rpc_transport(hm_node_rpc(sw.p[1].node)), &from), 0);
+    hm_mm_join j = {.key_len = strlen(key), .bandwidth = 1e8, .deadline_ms = hm_now_ms() + 60000};
+    memcpy(j.key, key, j.key_len);
+    memcpy(&j.addr, &from, sizeof(from));
+    uint8_t buf[512];
+    hm_wire_wr w;
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_mm_encode_join(&w, &j);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    cr_assert_eq(buf[1], 2, "joins are of matchmaking version 2");
+    buf[1] = 1;
+    hm_mm_wait wt = {.key_len = j.key_len};
+    memcpy(wt.key, key, j.key_len);
+    uint8_t wbuf[256];
+    hm_wire_wr ww;
+    hm_wire_wr_init_fixed(&ww, wbuf, sizeof(wbuf));
+    hm_mm_encode_wait(&ww, &wt);
+    wbuf[1] = 1;
+    const char *methods[2] = {"avg.mm.join", "avg.mm.wait"};
+    const uint8_t *bodies[2] = {buf, wbuf};
+    size_t lens[2] = {w.len, ww.len};
+    for (int i = 0; i < 2; i++) {
+        rawcall rc = {0};
+        cr_assert_eq(hm_rpc_call(hm_node_rpc(sw.p[1].node), pk_of(&sw.p[0]),
+                                 (const struct sockaddr *)&to, methods[i], bodies[i], lens[i],
+                                 HM_RPC_STREAM,
+                                 5000, on_raw, &rc, NULL), 0);
+        cr_assert(run_until(&sw.loop, raw_done, &rc, 6000));
+        cr_assert_eq(rc.status, -EPROTONOSUPPORT, "%s of version 1: %d", methods[i], rc.status);
+        cr_assert_eq(hm_mm_old_version(sw.p[0].mm), (uint64_t)i + 1);
+    }
+    /* The same peer at our version is taken: the search ends in a pair. */
+    start(&sw.p[1], &c, 8000);
+    range all = {&sw, 0, 2};
+    cr_assert(run_until(&sw.loop, all_done, &all, 10000));
+    cr_assert_eq(sw.p[0].status, 0);
+    cr_assert_eq(sw.p[0].g.n, 2);
+    cr_assert_eq(hm_mm_old_version(sw.p[0].mm), 2);
+    swarm_stop(&sw);
 }
 
 Test(matchmaking, bad_configs_are_refused)
