@@ -640,24 +640,32 @@ static int is_refused(const search *s, const peer *p, uint64_t now)
 }
 
 /*
+ * The refusal entry of p, made (nothing refused yet) when there is none;
+ * the oldest entry goes when full.
+ */
+static refusal *refusal_of(search *s, const peer *p)
+{
+    for (size_t i = 0; i < s->n_refused; i++)
+        if (memcmp(s->refused[i].pk, p->pk, HM_PK_BYTES) == 0)
+            return &s->refused[i];
+    if (s->n_refused == MAX_REFUSED) {
+        memmove(&s->refused[0], &s->refused[1], (MAX_REFUSED - 1) * sizeof(refusal));
+        s->n_refused--;
+    }
+    refusal *f = &s->refused[s->n_refused++];
+    memcpy(f->pk, p->pk, HM_PK_BYTES);
+    f->deadline_ms = 0; /* no attempt refused */
+    f->until_ms = 0;
+    return f;
+}
+
+/*
  * Remembers a refusal: of the leader's current attempt (transient_ms 0) or
- * of the leader for transient_ms. The oldest entry goes when full.
+ * of the leader for transient_ms.
  */
 static void refuse(search *s, const peer *p, uint64_t transient_ms, uint64_t now)
 {
-    refusal *f = NULL;
-    for (size_t i = 0; i < s->n_refused; i++)
-        if (memcmp(s->refused[i].pk, p->pk, HM_PK_BYTES) == 0)
-            f = &s->refused[i];
-    if (f == NULL) {
-        if (s->n_refused == MAX_REFUSED) {
-            memmove(&s->refused[0], &s->refused[1], (MAX_REFUSED - 1) * sizeof(refusal));
-            s->n_refused--;
-        }
-        f = &s->refused[s->n_refused++];
-        memcpy(f->pk, p->pk, HM_PK_BYTES);
-        f->until_ms = 0;
-    }
+    refusal *f = refusal_of(s, p);
     f->deadline_ms = p->deadline_ms;
     if (transient_ms > 0)
         f->until_ms = HM_MAX(f->until_ms, now + transient_ms);
@@ -669,20 +677,7 @@ static void refuse(search *s, const peer *p, uint64_t transient_ms, uint64_t now
  */
 static void refuse_briefly(search *s, const peer *p, uint64_t ms, uint64_t now)
 {
-    refusal *f = NULL;
-    for (size_t i = 0; i < s->n_refused; i++)
-        if (memcmp(s->refused[i].pk, p->pk, HM_PK_BYTES) == 0)
-            f = &s->refused[i];
-    if (f == NULL) {
-        if (s->n_refused == MAX_REFUSED) {
-            memmove(&s->refused[0], &s->refused[1], (MAX_REFUSED - 1) * sizeof(refusal));
-            s->n_refused--;
-        }
-        f = &s->refused[s->n_refused++];
-        memcpy(f->pk, p->pk, HM_PK_BYTES);
-        f->deadline_ms = 0; /* no attempt refused */
-        f->until_ms = 0;
-    }
+    refusal *f = refusal_of(s, p);
     f->until_ms = HM_MAX(f->until_ms, now + ms);
 }
 
