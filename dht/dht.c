@@ -1775,7 +1775,13 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
             suspect_add(d, q->id, now_ms);
         }
         if (q->deadline_ms <= now_ms) {
-            if (q->pkt != NULL && !q->resent && (qo = op_find_active(d, q->op_id)) != NULL) {
+            /* The second try goes out whether or not its operation still
+             * runs: a lookup that finished without this contact (it was
+             * slow, others answered) would otherwise count one lost
+             * datagram as the contact's failure, and a burst of lost
+             * replies would drop live contacts from the table, and with
+             * them the values they hold. */
+            if (q->pkt != NULL && !q->resent) {
                 q->resent = 1;
                 q->deadline_ms = now_ms + d->cfg.request_timeout_ms;
                 if (d->io.send(d->io.ud, q->pk, (const struct sockaddr *)&q->addr, q->pkt,
