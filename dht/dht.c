@@ -1040,7 +1040,7 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
     for (unsigned p = 0; p < o->npaths; p++) {
         struct lpath *lp = &o->paths[p];
         size_t answered = 0;
-        int pending = 0, slow = 0;
+        int pending = 0, slow = 0, suspect = 0;
 
         if (lp->done)
             continue;
@@ -1050,17 +1050,22 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
                 answered++;
             } else if (c->state == C_SLOW) {
                 slow = 1;
-            } else if (c->state == C_INFLIGHT || c->state == C_SUSPECT) {
+            } else if (c->state == C_INFLIGHT) {
                 pending = 1;
+            } else if (c->state == C_SUSPECT) {
+                suspect = 1;
             } else if (c->state == C_NEW) {
-                pending = 1;
-                if (lp->inflight >= (lp->stalled ? d->cfg.k : d->cfg.alpha))
+                if (lp->inflight >= (lp->stalled ? d->cfg.k : d->cfg.alpha)) {
+                    pending = 1;
                     continue;
+                }
                 if (send_lookup_request(d, o, p, c, NULL, 0, 0, now_ms) == 0) {
                     if (suspect_find(d, c->c.id, now_ms) != NULL) {
                         /* Waited for until its adaptive timeout, but
                          * without a slot of alpha: the next is asked too. */
                         c->state = C_SUSPECT;
+                        suspect = 1;
+                        continue;
                     } else {
                         c->state = C_INFLIGHT;
                         lp->inflight++;
@@ -1068,12 +1073,21 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
                 } else {
                     c->state = C_FAILED;
                 }
+                pending = 1;
             }
         }
         /* Slow candidates hold the end only of a path with fewer answers
          * than a put stores replicas: then one of them may be the one that
          * holds the value (a small swarm, a busy peer). */
         if (slow && answered < d->cfg.num_replicas)
+            pending = 1;
+        /* -- churn -- Suspects (their last request timed out, nothing
+         * answered since) hold the end of a get until it has found the
+         * value and as many answers as a put stores replicas, every other
+         * candidate among the k closest having answered or failed: after
+         * churn a get then costs the dead nodes nothing, and one that has
+         * not found the value still waits for them (it may be theirs). */
+        if (suspect && !(o->kind == OP_GET && o->found && answered >= d->cfg.num_replicas))
             pending = 1;
         if (!pending)
             lp->done = 1;

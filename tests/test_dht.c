@@ -73,6 +73,7 @@ struct tnet {
     int lossy, lose_from, lose_to;
     uint32_t lost_tids[64];
     size_t n_lost;
+    uint64_t to_dead; /* datagrams sent to dead nodes */
 };
 
 static uint64_t xorshift(uint64_t *s)
@@ -201,6 +202,8 @@ static void deliver(struct tnet *net, struct pkt *p)
         return;
     }
     struct tnode *tn = &net->nodes[p->to];
+    if (tn->dead)
+        net->to_dead++;
     if (tn->dead || (p->from >= 0 && net->nodes[p->from].dead))
         return;
     if (net->lossy && p->from == net->lose_from && p->to == net->lose_to) {
@@ -967,6 +970,73 @@ Test(dht, a_lost_request_of_a_finished_lookup_costs_no_live_contact)
     cr_assert_eq(hm_rt_find(hm_dht_routing(net->nodes[x].d), closest[0].id, NULL), 0,
                  "the live contact is still in the table");
     cr_assert(!hm_rt_is_banned(hm_dht_routing(net->nodes[x].d), closest[0].id, net->now));
+    net_free(net);
+}
+
+Test(dht, a_get_that_found_the_value_does_not_wait_for_suspects)
+{
+    /* The first get after the key's closest nodes died waits for them
+     * until its adaptive timeout, which makes them suspects. The next get
+     * asks them again (other nodes still list them) but, once it has found
+     * the value and num_replicas answers, finishes without them: before
+     * any adaptive timeout could pass (request_timeout_min_ms of virtual
+     * time). A get that finds nothing still waits for them. */
+    hm_dht_config cfg;
+    struct tnet *net;
+    struct put_res pr;
+    struct get_res gr;
+    uint8_t kid[32];
+    hm_rt_contact closest[4];
+    const int x = 20;
+
+    hm_dht_config_default(&cfg);
+    net = bootstrapped(40, &cfg);
+    do_put(net, 1, "churned", NULL, "kept", now_s(net) + 600, &pr);
+    cr_assert_eq(pr.stored, 5);
+    hm_dht_key_id((const uint8_t *)"churned", 7, kid);
+    size_t n = hm_rt_closest(hm_dht_routing(net->nodes[x].d), kid, 4, closest, 0);
+    cr_assert_eq(n, 4);
+    for (size_t i = 0; i < n; i++)
+        for (int j = 0; j < net->n; j++)
+            if (j != x && memcmp(net->nodes[j].id.pk, closest[i].pk, 32) == 0)
+                net->nodes[j].dead = 1;
+
+    uint64_t t0 = net->now;
+    do_get(net, x, "churned", &gr);
+    cr_assert(gr.status == 0 && gr.n == 1 && value_is(&gr, 0, "kept"));
+    cr_assert_gt(gr.info.timeouts, 0, "the first get met the dead nodes");
+    cr_assert_geq(net->now - t0, cfg.request_timeout_min_ms, "and waited for them");
+
+    uint64_t dead0 = net->to_dead;
+    t0 = net->now;
+    do_get(net, x, "churned", &gr);
+    uint64_t took = net->now - t0;
+    cr_assert_eq(gr.status, 0);
+    cr_assert(gr.n == 1 && value_is(&gr, 0, "kept"), "the value is found");
+    cr_assert_gt(net->to_dead, dead0, "the suspects were asked");
+    cr_assert_lt(took, cfg.request_timeout_min_ms,
+                 "the get took %llu ms of virtual time (%u requests)", (unsigned long long)took,
+                 gr.info.requests);
+
+    /* A key nobody holds, with a dead node among its closest: the get
+     * waits for the suspects, since one of them might hold it. */
+    char absent[32];
+    int found_key = 0;
+    for (int k = 0; k < 1000 && !found_key; k++) {
+        hm_rt_contact c3[3];
+        snprintf(absent, sizeof(absent), "absent-%d", k);
+        hm_dht_key_id((const uint8_t *)absent, strlen(absent), kid);
+        size_t m = hm_rt_closest(hm_dht_routing(net->nodes[x].d), kid, 3, c3, 0);
+        for (size_t i = 0; i < m; i++)
+            for (size_t j = 0; j < n; j++)
+                found_key |= memcmp(c3[i].id, closest[j].id, HM_RT_ID_BYTES) == 0;
+    }
+    cr_assert(found_key);
+    t0 = net->now;
+    do_get(net, x, absent, &gr);
+    cr_assert_eq(gr.status, 0);
+    cr_assert_eq(gr.n, 0);
+    cr_assert_geq(net->now - t0, cfg.request_timeout_min_ms, "it waited for the suspects");
     net_free(net);
 }
 /* -- end churn -- */
