@@ -156,7 +156,8 @@ struct peer_token {
  * contact that died costs a lookup one adaptive timeout, not the two tries
  * of the fixed one; a path with fewer answers (a small swarm) still waits.
  * C_SUSPECT: asked while a suspect (its last request timed out): waited for
- * until its adaptive timeout, but without a slot of alpha.
+ * until its adaptive timeout, but without a slot of alpha, and by a get
+ * only until it has found the value and num_replicas answers.
  */
 enum cand_state { C_NEW, C_INFLIGHT, C_ANSWERED, C_FAILED, C_SLOW, C_SUSPECT };
 
