@@ -31,7 +31,7 @@ for i in $(seq 1 "$runs"); do
         { cat "$out/od.$i"; exit 1; }
     for s in hm od; do
         printf '%s run %d: ' "$([ $s = hm ] && echo hivemindd || echo OpenDHT)" "$i"
-        grep -E '^(get|put|get after churn) latency|ok:' "$out/$s.$i" | tr -s ' ' | paste -sd';' -
+        grep -E '^(get|put|get after churn) latency|ok:|^UDP datagrams dropped' "$out/$s.$i" | tr -s ' ' | paste -sd';' -
     done
 done
 

@@ -156,7 +156,8 @@ struct peer_token {
  * contact that died costs a lookup one adaptive timeout, not the two tries
  * of the fixed one; a path with fewer answers (a small swarm) still waits.
  * C_SUSPECT: asked while a suspect (its last request timed out): waited for
- * until its adaptive timeout, but without a slot of alpha.
+ * until its adaptive timeout, but without a slot of alpha, and by a get
+ * only until it has found the value and num_replicas answers.
  */
 enum cand_state { C_NEW, C_INFLIGHT, C_ANSWERED, C_FAILED, C_SLOW, C_SUSPECT };
 
@@ -1040,7 +1041,7 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
     for (unsigned p = 0; p < o->npaths; p++) {
         struct lpath *lp = &o->paths[p];
         size_t answered = 0;
-        int pending = 0, slow = 0;
+        int pending = 0, slow = 0, suspect = 0;
 
         if (lp->done)
             continue;
@@ -1050,17 +1051,22 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
                 answered++;
             } else if (c->state == C_SLOW) {
                 slow = 1;
-            } else if (c->state == C_INFLIGHT || c->state == C_SUSPECT) {
+            } else if (c->state == C_INFLIGHT) {
                 pending = 1;
+            } else if (c->state == C_SUSPECT) {
+                suspect = 1;
             } else if (c->state == C_NEW) {
-                pending = 1;
-                if (lp->inflight >= (lp->stalled ? d->cfg.k : d->cfg.alpha))
+                if (lp->inflight >= (lp->stalled ? d->cfg.k : d->cfg.alpha)) {
+                    pending = 1;
                     continue;
+                }
                 if (send_lookup_request(d, o, p, c, NULL, 0, 0, now_ms) == 0) {
                     if (suspect_find(d, c->c.id, now_ms) != NULL) {
                         /* Waited for until its adaptive timeout, but
                          * without a slot of alpha: the next is asked too. */
                         c->state = C_SUSPECT;
+                        suspect = 1;
+                        continue;
                     } else {
                         c->state = C_INFLIGHT;
                         lp->inflight++;
@@ -1068,12 +1074,21 @@ static void lookup_step(hm_dht *d, struct op *o, uint64_t now_ms)
                 } else {
                     c->state = C_FAILED;
                 }
+                pending = 1;
             }
         }
         /* Slow candidates hold the end only of a path with fewer answers
          * than a put stores replicas: then one of them may be the one that
          * holds the value (a small swarm, a busy peer). */
         if (slow && answered < d->cfg.num_replicas)
+            pending = 1;
+        /* -- churn -- Suspects (their last request timed out, nothing
+         * answered since) hold the end of a get until it has found the
+         * value and as many answers as a put stores replicas, every other
+         * candidate among the k closest having answered or failed: after
+         * churn a get then costs the dead nodes nothing, and one that has
+         * not found the value still waits for them (it may be theirs). */
+        if (suspect && !(o->kind == OP_GET && o->found && answered >= d->cfg.num_replicas))
             pending = 1;
         if (!pending)
             lp->done = 1;
@@ -1775,7 +1790,13 @@ uint64_t hm_dht_periodic(hm_dht *d, uint64_t now_ms)
             suspect_add(d, q->id, now_ms);
         }
         if (q->deadline_ms <= now_ms) {
-            if (q->pkt != NULL && !q->resent && (qo = op_find_active(d, q->op_id)) != NULL) {
+            /* The second try goes out whether or not its operation still
+             * runs: a lookup that finished without this contact (it was
+             * slow, others answered) would otherwise count one lost
+             * datagram as the contact's failure, and a burst of lost
+             * replies would drop live contacts from the table, and with
+             * them the values they hold. */
+            if (q->pkt != NULL && !q->resent) {
                 q->resent = 1;
                 q->deadline_ms = now_ms + d->cfg.request_timeout_ms;
                 if (d->io.send(d->io.ud, q->pk, (const struct sockaddr *)&q->addr, q->pkt,

@@ -33,9 +33,13 @@
  * XOR distance to the target, finished when the k closest candidates seen
  * have answered (or failed), or at the operation's deadline. A lookup's or
  * a put's request that times out is sent once more (the same body, the
- * same transaction id) before its contact counts as failed, so that one
- * lost datagram on a lossy link costs a second, not a replica or a
- * contact. With
+ * same transaction id) before its contact counts as failed, even when its
+ * operation has finished meanwhile, so that one lost datagram on a lossy
+ * link costs a second, not a replica or a contact. A contact whose last
+ * request timed out is a suspect for 60 s: asked without a slot of alpha,
+ * and a get that has found the value and num_replicas answers (every
+ * other of the k closest having answered or failed) does not wait for it.
+ * With
  * disjoint_paths = d > 1, d lookups run side by side over disjoint sets of
  * nodes (S/Kademlia), so nodes that return wrong contacts on one path
  * cannot capture the others; a get succeeds if any path finds the value.

@@ -67,6 +67,13 @@ struct tnet {
     /* Every request with no token, and the largest reply it got. */
     size_t amp_violations;
     uint64_t delivered;
+    /* -- churn -- With lossy set, the first copy of every GET from node
+     * lose_from to node lose_to is lost (its transaction id noted); a
+     * second copy of the same request gets through. */
+    int lossy, lose_from, lose_to;
+    uint32_t lost_tids[64];
+    size_t n_lost;
+    uint64_t to_dead; /* datagrams sent to dead nodes */
 };
 
 static uint64_t xorshift(uint64_t *s)
@@ -195,8 +202,22 @@ static void deliver(struct tnet *net, struct pkt *p)
         return;
     }
     struct tnode *tn = &net->nodes[p->to];
+    if (tn->dead)
+        net->to_dead++;
     if (tn->dead || (p->from >= 0 && net->nodes[p->from].dead))
         return;
+    if (net->lossy && p->from == net->lose_from && p->to == net->lose_to) {
+        hm_dht_msg q;
+        if (hm_dht_msg_decode(p->data, p->len, &q) == 0 && q.type == HM_DHT_MSG_GET) {
+            size_t i = 0;
+            while (i < net->n_lost && net->lost_tids[i] != q.tid)
+                i++;
+            if (i == net->n_lost && i < HM_ARRAY_LEN(net->lost_tids)) {
+                net->lost_tids[net->n_lost++] = q.tid;
+                return;
+            }
+        }
+    }
     net->delivered++;
     hm_dht_input(tn->d, p->pk, (const struct sockaddr *)&p->from_addr, p->data, p->len, net->now);
     tn->next = hm_dht_periodic(tn->d, net->now);
@@ -888,6 +909,137 @@ Test(dht, a_dead_contact_costs_one_adaptive_timeout)
                  (unsigned long long)took, gr.info.requests, gr.info.timeouts);
     net_free(net);
 }
+
+/* -- churn -- */
+Test(dht, a_lost_request_of_a_finished_lookup_costs_no_live_contact)
+{
+    /* Three gets at once each ask the key's closest node, whose first copy
+     * of every request is lost (a burst of replies overflowing a buffer
+     * does that). The gets finish without it, before the fixed timeout;
+     * the requests are still sent a second time, which it answers, so the
+     * live contact stays in the table. Counted as three failures in a row,
+     * they would remove and blacklist it, and with it a replica. */
+    hm_dht_config cfg;
+    struct tnet *net;
+    struct put_res pr;
+    struct get_res gr[3];
+    uint8_t kid[32];
+    hm_rt_contact closest[1];
+    const int x = 20;
+    int y = -1;
+
+    hm_dht_config_default(&cfg);
+    net = bootstrapped(40, &cfg);
+    do_put(net, 1, "lossy", NULL, "kept", now_s(net) + 600, &pr);
+    cr_assert_eq(pr.stored, 5);
+    hm_dht_key_id((const uint8_t *)"lossy", 5, kid);
+    cr_assert_eq(hm_rt_closest(hm_dht_routing(net->nodes[x].d), kid, 1, closest, 0), 1);
+    for (int j = 0; j < net->n; j++)
+        if (memcmp(net->nodes[j].id.pk, closest[0].pk, 32) == 0)
+            y = j;
+    cr_assert(y >= 0 && y != x);
+    cr_assert_eq(hm_rt_find(hm_dht_routing(net->nodes[x].d), closest[0].id, NULL), 0);
+    net->lossy = 1;
+    net->lose_from = x;
+    net->lose_to = y;
+
+    uint64_t t0 = net->now;
+    int calls = 0;
+    memset(gr, 0, sizeof(gr));
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(hm_dht_get(net->nodes[x].d, (const uint8_t *)"lossy", 5, net->now, 10000,
+                                get_cb, &gr[i], NULL),
+                     0);
+    net->nodes[x].next = net->now;
+    while (calls < 3 && net->now < t0 + 15000) {
+        net_run(net, 10, NULL);
+        calls = gr[0].calls + gr[1].calls + gr[2].calls;
+    }
+    cr_assert_eq(calls, 3);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(gr[i].status, 0);
+        cr_assert(gr[i].n == 1 && value_is(&gr[i], 0, "kept"), "get %d found the value", i);
+    }
+    uint64_t took = net->now - t0;
+    cr_assert_eq(net->n_lost, 3, "each get asked the closest node once");
+    cr_assert_lt(took, cfg.request_timeout_ms, "the gets did not wait for it (%llu ms)",
+                 (unsigned long long)took);
+    /* Past both tries of every request. */
+    net_run(net, 3 * cfg.request_timeout_ms, NULL);
+    cr_assert_eq(net->n_lost, 3);
+    cr_assert_eq(hm_rt_find(hm_dht_routing(net->nodes[x].d), closest[0].id, NULL), 0,
+                 "the live contact is still in the table");
+    cr_assert(!hm_rt_is_banned(hm_dht_routing(net->nodes[x].d), closest[0].id, net->now));
+    net_free(net);
+}
+
+Test(dht, a_get_that_found_the_value_does_not_wait_for_suspects)
+{
+    /* The first get after the key's closest nodes died waits for them
+     * until its adaptive timeout, which makes them suspects. The next get
+     * asks them again (other nodes still list them) but, once it has found
+     * the value and num_replicas answers, finishes without them: before
+     * any adaptive timeout could pass (request_timeout_min_ms of virtual
+     * time). A get that finds nothing still waits for them. */
+    hm_dht_config cfg;
+    struct tnet *net;
+    struct put_res pr;
+    struct get_res gr;
+    uint8_t kid[32];
+    hm_rt_contact closest[4];
+    const int x = 20;
+
+    hm_dht_config_default(&cfg);
+    net = bootstrapped(40, &cfg);
+    do_put(net, 1, "churned", NULL, "kept", now_s(net) + 600, &pr);
+    cr_assert_eq(pr.stored, 5);
+    hm_dht_key_id((const uint8_t *)"churned", 7, kid);
+    size_t n = hm_rt_closest(hm_dht_routing(net->nodes[x].d), kid, 4, closest, 0);
+    cr_assert_eq(n, 4);
+    for (size_t i = 0; i < n; i++)
+        for (int j = 0; j < net->n; j++)
+            if (j != x && memcmp(net->nodes[j].id.pk, closest[i].pk, 32) == 0)
+                net->nodes[j].dead = 1;
+
+    uint64_t t0 = net->now;
+    do_get(net, x, "churned", &gr);
+    cr_assert(gr.status == 0 && gr.n == 1 && value_is(&gr, 0, "kept"));
+    cr_assert_gt(gr.info.timeouts, 0, "the first get met the dead nodes");
+    cr_assert_geq(net->now - t0, cfg.request_timeout_min_ms, "and waited for them");
+
+    uint64_t dead0 = net->to_dead;
+    t0 = net->now;
+    do_get(net, x, "churned", &gr);
+    uint64_t took = net->now - t0;
+    cr_assert_eq(gr.status, 0);
+    cr_assert(gr.n == 1 && value_is(&gr, 0, "kept"), "the value is found");
+    cr_assert_gt(net->to_dead, dead0, "the suspects were asked");
+    cr_assert_lt(took, cfg.request_timeout_min_ms,
+                 "the get took %llu ms of virtual time (%u requests)", (unsigned long long)took,
+                 gr.info.requests);
+
+    /* A key nobody holds, with a dead node among its closest: the get
+     * waits for the suspects, since one of them might hold it. */
+    char absent[32];
+    int found_key = 0;
+    for (int k = 0; k < 1000 && !found_key; k++) {
+        hm_rt_contact c3[3];
+        snprintf(absent, sizeof(absent), "absent-%d", k);
+        hm_dht_key_id((const uint8_t *)absent, strlen(absent), kid);
+        size_t m = hm_rt_closest(hm_dht_routing(net->nodes[x].d), kid, 3, c3, 0);
+        for (size_t i = 0; i < m; i++)
+            for (size_t j = 0; j < n; j++)
+                found_key |= memcmp(c3[i].id, closest[j].id, HM_RT_ID_BYTES) == 0;
+    }
+    cr_assert(found_key);
+    t0 = net->now;
+    do_get(net, x, absent, &gr);
+    cr_assert_eq(gr.status, 0);
+    cr_assert_eq(gr.n, 0);
+    cr_assert_geq(net->now - t0, cfg.request_timeout_min_ms, "it waited for the suspects");
+    net_free(net);
+}
+/* -- end churn -- */
 
 Test(dht, disjoint_paths_lookup_works)
 {
