@@ -15,6 +15,10 @@
 # Skips (77) when the dataset or the trainer is missing.
 #
 #   HM_SRCDIR=.. HM_BUILDDIR=. bash ../tests/trainer_diloco_test.sh
+# make check runs it with sh.
+if [ -z "${BASH_VERSION:-}" ]; then
+    exec bash "$0" "$@"
+fi
 set -euo pipefail
 
 BUILD="$(cd "${HM_BUILDDIR:-.}" && pwd)"
