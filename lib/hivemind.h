@@ -568,7 +568,12 @@ typedef struct hmc_opt_opts {
     int local_updates;          /* the local step runs every call on that call's gradients;
                                    no gradient round; at an epoch's end the parameters are
                                    averaged (every average_state_every epochs, 0 meaning 1).
-                                   Not with delay_step. */
+                                   Not with delay_step (-EINVAL, hmc_last_error says
+                                   why): Hivemind's delay_optimizer_step with
+                                   use_local_updates runs every local step in a
+                                   background thread on an offloaded copy of the
+                                   parameters; here step is the caller's own, on the
+                                   params that its next gradients are taken at. */
     /* -- optimizer statistics -- */
     size_t n_stats;             /* floats of the local optimizer's statistics (e.g. Adam's
                                    exp_avg and exp_avg_sq of every parameter); 0: none. They

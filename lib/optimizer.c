@@ -20,6 +20,9 @@
 #include <string.h>
 #include <time.h>
 
+/* client.c: sets hmc_last_error(h) for a local failure. */
+void hm_lib_set_error(hmc *h, const char *msg);
+
 #define RUN_MAX 128
 /*
  * How long after opening the optimizer trusts an empty view of the run: a
@@ -212,6 +215,16 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
     char *info = NULL;
     int r;
     *out = NULL;
+    if (h != NULL && opts != NULL && opts->delay_step && opts->local_updates) {
+        /* Hivemind takes the pair: its local step then runs in a background
+         * thread on the optimizer's offloaded copy of the parameters and is
+         * copied back at a later step. Ours is the caller's step function on
+         * the caller's own parameters, which its next forward and backward
+         * read, so it cannot run beside them. */
+        hm_lib_set_error(h, "delay_step and local_updates exclude each other: the local "
+                            "step is the caller's, on the parameters its next gradients use");
+        return -EINVAL;
+    }
     if (h == NULL || opts == NULL || opts->run_id == NULL || opts->run_id[0] == '\0' ||
         strlen(opts->run_id) > RUN_MAX || opts->target_batch_size == 0 || opts->step == NULL ||
         n_params == 0 || n_params > ((size_t)1 << 30) || opts->matchmaking_time_s < 0 ||

@@ -959,3 +959,39 @@ Test(optimizer, local_updates_step_every_call_and_average_by_the_delta_rule)
     }
     free(t);
 }
+
+/*
+ * delay_step with local_updates is refused with a sentence: the local step
+ * is the caller's, on the parameters its next gradients are taken at, so
+ * it cannot run in the background as Hivemind's offloaded one does. Each
+ * alone opens.
+ */
+Test(optimizer, delay_step_with_local_updates_is_refused_with_a_reason)
+{
+    struct node n;
+    char err[256];
+    hmc *h = NULL;
+    hmc_opt *o = NULL;
+    hmc_opt_opts oo;
+    start_node(&n, "n0", NULL, NULL);
+    cr_assert_eq(hmc_connect(n.sock, &h, err, sizeof(err)), 0, "%s", err);
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "refused";
+    oo.target_batch_size = 10;
+    oo.step = local_step;
+    oo.delay_step = 1;
+    oo.local_updates = 1;
+    cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), -EINVAL);
+    cr_assert_null(o);
+    cr_assert(strstr(hmc_last_error(h), "exclude each other") != NULL, "error: '%s'",
+              hmc_last_error(h));
+    for (int which = 0; which < 2; which++) {
+        oo.delay_step = which == 0;
+        oo.local_updates = which == 1;
+        cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), 0, "delay_step %d local_updates %d: %s",
+                     oo.delay_step, oo.local_updates, hmc_last_error(h));
+        hmc_opt_close(o);
+        o = NULL;
+    }
+    hmc_close(h);
+}

@@ -72,7 +72,11 @@ class Optimizer:
         average_state_every epochs, 0 meaning 1) the state is averaged in
         the background and applied by the delta rule (x += average - x at
         the round's start) in the first step() that finds it over, so the
-        local steps taken meanwhile are kept. Not with delay_optimizer_step.
+        local steps taken meanwhile are kept. Not with delay_optimizer_step:
+        Hivemind's delay_optimizer_step with use_local_updates runs each
+        local step in a background thread on an offloaded copy of the
+        parameters (offload_optimizer); here the wrapped optimizer steps
+        the model's own tensors, which the next forward and backward read.
     client: a hivemindd.Client attached to the local daemon. Its lock is
         held for the whole of a step() that ends an epoch.
     client_mode: this trainer's epoch does not lead and it reduces nothing.
@@ -103,7 +107,11 @@ class Optimizer:
         if not target_batch_size or target_batch_size <= 0:
             raise ValueError("target_batch_size must be a positive number of samples")
         if delay_optimizer_step and use_local_updates:
-            raise ValueError("delay_optimizer_step and use_local_updates exclude each other")
+            raise ValueError(
+                "delay_optimizer_step and use_local_updates exclude each other: with local "
+                "updates the wrapped optimizer steps the model's own tensors at every step(), "
+                "which cannot run in the background beside the next forward and backward "
+                "(Hivemind does so on an offloaded copy; not implemented here)")
         if params is not None:
             params = [p for p in params]
         if callable(optimizer) and not hasattr(optimizer, "param_groups"):
