@@ -31,6 +31,17 @@
  * the update is params += averaged - snapshot, so the steps taken during
  * the round are kept. A failed round (no group, timeout) changes nothing.
  *
+ * DiLoCo (--diloco). The model's own Adam takes --inner-steps steps, then
+ * hmc_diloco_step averages the pseudo-gradients (outer parameters minus
+ * local ones) with the run's other trainers and takes the outer Nesterov
+ * step; the parameters become the new outer ones. Every trainer must
+ * start from the same outer parameters, so the initial weights come from
+ * --init-seed (1 unless given) rather than --seed. The library shares the
+ * outer state after each outer step, and --load-state makes a newcomer
+ * load it at hmc_diloco_begin. Each outer step prints an "outer" line
+ * whose params= sum (FNV-1a over the parameters' bytes) lets a script see
+ * that the trainers of a round hold the same parameters.
+ *
  * State for newcomers. Every --share-every steps the trainer publishes its
  * local parameters with the daemon's state.share under --state-prefix,
  * so that a trainer that joins later can start from the swarm's state
@@ -55,6 +66,10 @@
  *   avg t=SECONDS step=N status=ok|CODE group=SIZE
  *   share t=SECONDS step=N status=CODE
  *   load t=SECONDS status=ok|CODE step=SWARM_STEP donors=N bytes=B acc=TEST_ACCURACY
+ *   begin t=SECONDS round=R loaded=0|1 inner_steps=0            (--diloco)
+ *   outer t=SECONDS step=N round=R status=ok|CODE group=SIZE caught_up=0|1
+ *         norm=PSEUDO_GRADIENT_NORM avg_s=SECONDS params=HEX    (--diloco)
+ * (with --diloco the load line's step is the outer round and donors 0).
  * SIGINT or SIGTERM ends training after the current step with a done line.
  *
  * Exit status: 0 when it trained to the end or was stopped by a signal, 64
