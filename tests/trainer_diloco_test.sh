@@ -83,6 +83,7 @@ start_daemon() {
     local n="$1" line=""
     shift
     mkdir -m 0700 "$DIR/$n"
+    : >"$DIR/$n/stdout" # read below before the daemon's shell may have opened it
     "$HIVEMINDD" --listen 127.0.0.1:0 --state-dir "$DIR/$n" --control-socket "$DIR/$n/ctl.sock" \
         --log-level info "$@" >"$DIR/$n/stdout" 2>"$DIR/$n/stderr" &
     PIDS+=($!)
