@@ -27,8 +27,8 @@ HIVEMINDD="$BUILD/src/hivemindd"
 HIVEMINDCTL="$BUILD/src/hivemindctl"
 TRAINER="$BUILD/contrib/examples/trainer"
 SECS="${HM_DILOCO_TEST_SECS:-40}"
-# Two short runs on the loaded 2-core build machine ended at 0.78 and 0.80;
-# chance is 0.10.
+# Three 40 s runs on the loaded 2-core build machine (one under ASan) ended
+# at 0.866 to 0.876, with 59 to 67 outer rounds; chance is 0.10.
 ACC_FLOOR=0.6
 
 for f in "$HIVEMINDD" "$HIVEMINDCTL" "$TRAINER"; do
