@@ -551,10 +551,9 @@ static int check_modes(const struct trainer_opts *t)
         return -EINVAL;
     }
     if (t->delay_step && t->local_updates) {
-        /* Hivemind's delay_optimizer_step with use_local_updates runs each
-         * local step on the optimizer's own offloaded copy of the
-         * parameters in a background thread; here the local step is the
-         * model's own, on the parameters the next batch reads. */
+        /* The library would run each local step on a thread of its own, on
+         * its copy of the parameters; the model's step (model_step) updates
+         * the model's own parameters, which the next batch reads. */
         fprintf(stderr, "trainer: --delay-step and --local-updates exclude each other (the "
                         "local step is the model's own, on the parameters the next batch "
                         "uses; see lib/README.md)\n");

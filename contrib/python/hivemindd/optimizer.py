@@ -75,8 +75,10 @@ class Optimizer:
         local steps taken meanwhile are kept. Not with delay_optimizer_step:
         Hivemind's delay_optimizer_step with use_local_updates runs each
         local step in a background thread on an offloaded copy of the
-        parameters (offload_optimizer); here the wrapped optimizer steps
-        the model's own tensors, which the next forward and backward read.
+        parameters (offload_optimizer), as libhivemind can for a C step
+        function; here the wrapped optimizer steps the model's own
+        tensors, which the next forward and backward read, and no
+        offloaded copy is implemented.
     client: a hivemindd.Client attached to the local daemon. Its lock is
         held for the whole of a step() that ends an epoch.
     client_mode: this trainer's epoch does not lead and it reduces nothing.
@@ -111,7 +113,8 @@ class Optimizer:
                 "delay_optimizer_step and use_local_updates exclude each other: with local "
                 "updates the wrapped optimizer steps the model's own tensors at every step(), "
                 "which cannot run in the background beside the next forward and backward "
-                "(Hivemind does so on an offloaded copy; not implemented here)")
+                "(Hivemind and libhivemind's C step functions do so on an offloaded copy, "
+                "which this binding does not implement)")
         if params is not None:
             params = [p for p in params]
         if callable(optimizer) and not hasattr(optimizer, "param_groups"):
