@@ -342,6 +342,18 @@ class Optimizer:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none=True):
+        if self._bg:
+            # The model's gradients only: the wrapped optimizer's copy may be
+            # stepping on its own on the library's thread right now.
+            for p in self.params:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+            return
         try:
             self.optimizer.zero_grad(set_to_none=set_to_none)
         except TypeError:  # optimizers without the argument
