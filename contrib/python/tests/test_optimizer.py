@@ -446,6 +446,8 @@ while True:
         self.assertIsNot(opt.optimizer.param_groups[0]["params"][0], p)
         ones = torch.ones(N)
         for call in range(1, 6):
+            # Inside the running step's sleep: zero_grad must not reach it.
+            time.sleep(0.01)
             opt.zero_grad()
             p.grad = ones.clone()
             opt.step()
