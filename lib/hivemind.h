@@ -614,7 +614,9 @@ typedef struct hmc_opt_report {
     int stepped;           /* this call ran the local step (with delay_step, the previous
                               epoch's: averaged, local_fallback, group_size and error
                               are then that round's) */
-    int pending;           /* a delayed round is still running after this call */
+    int pending;           /* a delayed round is still running after this call (delay_step
+                              with local_updates: this call's local step runs; stepped
+                              then says the previous call's landed in params) */
     uint64_t stepped_epoch; /* the epoch whose gradients that step used */
     /* -- scheduled rounds -- */
     int scheduled;         /* the epoch's round was matched ahead of its end (and, at the
