@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # quickstart.sh: sets hivemindd up on a fresh Debian 12 machine and runs it.
 #
-#   contrib/quickstart.sh demo [--short] [--no-failures]
+#   contrib/quickstart.sh demo [--short] [--no-failures] [--mode MODE]
 #                                   build, then train a model with a local swarm
 #   contrib/quickstart.sh baseline [--short]
 #                                   build, then train the same model in one process
@@ -28,7 +28,13 @@
 # survived, that the newcomer started far above chance and that every
 # process exited cleanly; any failed check makes the exit status 1.
 # --no-failures runs the same swarm without the kill, the stop and the
-# newcomer (for comparison). `baseline` trains the same model in one process
+# newcomer (for comparison). --mode picks how the trainers combine their
+# work: periodic (the default: local steps, the parameters averaged in the
+# background every 50 steps), collaborative (the collaborative optimizer:
+# gradients accumulated to a swarm-wide batch of 1,024 samples, averaged,
+# then one step) or diloco (DiLoCo: 50 local steps, then the averaged
+# pseudo-gradient's outer Nesterov step; the newcomer loads the run's outer
+# state). `baseline` trains the same model in one process
 # (train_local) for the same time; the full demo runs it first.
 #
 # Environment: HM_BUILD_DIR (default: build/ in the repository),
@@ -56,8 +62,11 @@ die() { printf 'quickstart: %s\n' "$*" >&2; exit 1; }
 
 usage() {
     cat <<EOF
-usage: $0 demo [--short] [--no-failures]
-                    build hivemindd and train a model with a local swarm
+usage: $0 demo [--short] [--no-failures] [--mode periodic|collaborative|diloco]
+                    build hivemindd and train a model with a local swarm; the
+                    mode is how the trainers combine their work (default
+                    periodic: parameter averaging every 50 steps;
+                    collaborative: the collaborative optimizer; diloco: DiLoCo)
        $0 baseline [--short]
                     build and train the same model in one process, no swarm
        $0 test      build hivemindd and run the test suite (make check)
@@ -335,8 +344,9 @@ baseline() {
 }
 
 demo() {
-    local short="$1" failures="$2" n i t0 secs kill_at stop_at cont_at join_at
-    local -a tr_args=() step_at_fail=()
+    local short="$1" failures="$2" mode="$3" n i t0 secs kill_at stop_at cont_at join_at
+    local -a tr_args=() mode_args=() step_at_fail=()
+    local round_word
     local rc final eval_every
     HIVEMINDD="$BUILD/src/hivemindd"
     HIVEMINDCTL="$BUILD/src/hivemindctl"
@@ -393,10 +403,28 @@ demo() {
     # stopped host's experts are waited for at most --timeout-after-k-min
     # once one expert answered), its parameters averaged every 50 steps in
     # groups of up to 3, and shared every 50 steps for newcomers.
+    # -- quickstart modes -- How the trainers combine their work, and the
+    # line each round prints (checked below).
+    case "$mode" in
+    periodic)
+        mode_args=(--average-every 50 --share-every 50)
+        round_word=avg ;;
+    collaborative)
+        # An epoch of 1,024 samples is about 5 steps per trainer; matchmaking
+        # starts 2 s before its estimated end.
+        mode_args=(--collaborative --target-batch-size 1024 --matchmaking-time 2
+                   --averaging-timeout 10 --share-every 50)
+        round_word=epoch ;;
+    diloco)
+        # The newcomer's --load-state loads the outer state that DiLoCo
+        # shares after every outer step.
+        mode_args=(--diloco --inner-steps 50 --matchmaking-time 2 --averaging-timeout 10)
+        round_word=outer ;;
+    esac
     tr_args=(--steps 0 --time-limit 3600 --dim "$DIM" --experts 4x4 --k-best 4 --k-min 1 --timeout 3
-             --timeout-after-k-min 0.3 --find-every 100 --average-every 50 --group-size 3
-             --share-every 50 --eval-every "$eval_every" --print-every 50)
-    say "starting 3 trainers (trainer ${tr_args[*]})"
+             --timeout-after-k-min 0.3 --find-every 100 --group-size 3 "${mode_args[@]}"
+             --eval-every "$eval_every" --print-every 50)
+    say "starting 3 trainers, mode $mode (trainer ${tr_args[*]})"
     for i in 1 2 3; do
         start_trainer "t$i" "${tr_args[@]}" --seed "$i"
     done
@@ -483,8 +511,8 @@ demo() {
         [ -f "$DEMO_DIR/$n/trainer.out" ] || continue
         printf '  %s: %d rounds ok, %d failed; %s steps skipped; %s experts left out as silent\n' \
             "$n" \
-            "$(grep -c '^avg .*status=ok' "$DEMO_DIR/$n/trainer.out" || true)" \
-            "$(grep '^avg ' "$DEMO_DIR/$n/trainer.out" | grep -vc 'status=ok' || true)" \
+            "$(grep -c "^$round_word .*status=ok" "$DEMO_DIR/$n/trainer.out" || true)" \
+            "$(grep "^$round_word " "$DEMO_DIR/$n/trainer.out" | grep -vc 'status=ok' || true)" \
             "$(last_field "$DEMO_DIR/$n/trainer.out" "done" failed | grep . || echo '?')" \
             "$(grep '^train ' "$DEMO_DIR/$n/trainer.out" | sed -n 's/.*silent=//p' | sort -n \
                | tail -n 1 | grep . || echo 0)"
@@ -510,8 +538,10 @@ demo() {
         final="$(last_field "$DEMO_DIR/$n/trainer.out" "done" acc)"
         check "trainer $n's final test accuracy ${final:-none} >= $ACC_FLOOR" ge "${final:-0}" "$ACC_FLOOR"
     done
-    check "trainers t1 and t2 averaged (an ok round each)" \
-        grep -q '^avg .*status=ok' "$DEMO_DIR/t1/trainer.out" "$DEMO_DIR/t2/trainer.out"
+    for n in t1 t2; do
+        check "trainer $n averaged with the others (an ok '$round_word' round)" \
+            grep -q "^$round_word .*status=ok" "$DEMO_DIR/$n/trainer.out"
+    done
     if [ "$failures" -eq 1 ]; then
         for i in 1 2; do
             check "trainer t$i kept training after the failures (step ${step_at_fail[i]:-0} -> $(last_field "$DEMO_DIR/t$i/trainer.out" "done" step))" \
@@ -536,14 +566,31 @@ demo() {
 # ---- main -----------------------------------------------------------------
 
 main() {
-    local cmd="${1:-}" short=0 failures=1 arg
+    local cmd="${1:-}" short=0 failures=1 mode=periodic arg
     case "$cmd" in
     demo | baseline)
         shift
-        for arg in "$@"; do
+        while [ $# -gt 0 ]; do
+            arg="$1"
+            shift
             case "$arg" in
             --short) short=1 ;;
             --no-failures) [ "$cmd" = demo ] || { usage >&2; exit 64; }; failures=0 ;;
+            --mode | --mode=*)
+                [ "$cmd" = demo ] || { usage >&2; exit 64; }
+                if [ "$arg" = --mode ]; then
+                    [ $# -gt 0 ] || { echo "quickstart: --mode needs a value" >&2; exit 64; }
+                    mode="$1"
+                    shift
+                else
+                    mode="${arg#--mode=}"
+                fi
+                case "$mode" in
+                periodic | collaborative | diloco) ;;
+                *) echo "quickstart: --mode '$mode': periodic, collaborative or diloco" >&2
+                   exit 64 ;;
+                esac
+                ;;
             *) usage >&2; exit 64 ;;
             esac
         done
@@ -557,7 +604,7 @@ main() {
         fi
         # The full demo first shows what one process reaches alone.
         [ "$short" -eq 1 ] || baseline 0
-        demo "$short" "$failures"
+        demo "$short" "$failures" "$mode"
         ;;
     test)
         [ $# -eq 1 ] || { usage >&2; exit 64; }

@@ -521,7 +521,9 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * call that finds it over (or the next epoch end at the latest) applies it
  * by the delta rule, x += average - x at the round's start, after that
  * call's local step (report.state_averaged), so the local progress made
- * while the round ran is kept. A failed round changes nothing.
+ * while the round ran is kept. A failed round changes nothing. Both
+ * together run each local step in the background as well (see
+ * local_updates below).
  *
  * Matchmaking starts matchmaking_time_s before the epoch's estimated end
  * (the daemon's eta_s for our epoch), as Hivemind's scheduled step: the
@@ -568,7 +570,18 @@ typedef struct hmc_opt_opts {
     int local_updates;          /* the local step runs every call on that call's gradients;
                                    no gradient round; at an epoch's end the parameters are
                                    averaged (every average_state_every epochs, 0 meaning 1).
-                                   Not with delay_step. */
+                                   With delay_step too (Hivemind's delay_optimizer_step
+                                   with use_local_updates), each call's step runs on a
+                                   thread of its own, on the optimizer's copy of the
+                                   parameters and of the gradients, while the caller
+                                   computes its next gradients; the next call waits
+                                   for it and copies its result into params, so
+                                   gradients are taken one local step late
+                                   (report.stepped: a step landed; report.pending: one
+                                   runs). step must then change only the params it is
+                                   given and its own statistics (stats_get/stats_set
+                                   run only while no step does); close waits for it
+                                   and drops its result. */
     /* -- optimizer statistics -- */
     size_t n_stats;             /* floats of the local optimizer's statistics (e.g. Adam's
                                    exp_avg and exp_avg_sq of every parameter); 0: none. They
@@ -601,7 +614,9 @@ typedef struct hmc_opt_report {
     int stepped;           /* this call ran the local step (with delay_step, the previous
                               epoch's: averaged, local_fallback, group_size and error
                               are then that round's) */
-    int pending;           /* a delayed round is still running after this call */
+    int pending;           /* a delayed round is still running after this call (delay_step
+                              with local_updates: this call's local step runs; stepped
+                              then says the previous call's landed in params) */
     uint64_t stepped_epoch; /* the epoch whose gradients that step used */
     /* -- scheduled rounds -- */
     int scheduled;         /* the epoch's round was matched ahead of its end (and, at the

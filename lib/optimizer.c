@@ -15,10 +15,14 @@
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* client.c: sets hmc_last_error(h) for a local failure. */
+void hm_lib_set_error(hmc *h, const char *msg);
 
 #define RUN_MAX 128
 /*
@@ -71,6 +75,13 @@ struct hmc_opt {
     hmc_round *state_round; /* local_updates: the epoch end's state average, in the background */
     float *snap;            /* what it started from: parameters then statistics */
     float *stats_tmp;       /* the statistics now, to add the delta to */
+    /* -- delayed local steps (delay_step with local_updates) -- */
+    int bg;                 /* the local step runs on a thread of its own */
+    int bg_running;         /* one runs now: step(off, gcopy) */
+    pthread_t bg_thread;
+    float *off;             /* its own copy of the parameters */
+    float *gcopy;           /* the gradients it steps on */
+    uint64_t bg_epoch;      /* the epoch of those gradients */
 };
 
 static double mono_s(void)
@@ -177,10 +188,15 @@ static int sched_go(hmc_opt *o, double weight);
 uint64_t hmc_opt_local_epoch(const hmc_opt *o) { return o->epoch; }
 uint64_t hmc_opt_global_epoch(const hmc_opt *o) { return o->global_epoch; }
 
+static void bg_wait(hmc_opt *o);
+
 void hmc_opt_close(hmc_opt *o)
 {
     if (o == NULL)
         return;
+    bg_wait(o); /* its result is dropped: nobody takes it any more */
+    free(o->off);
+    free(o->gcopy);
     /*
      * A round still running reads and writes pend: it is waited for (at
      * most its own deadline) so that the segment is not released under it.
@@ -216,7 +232,7 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         strlen(opts->run_id) > RUN_MAX || opts->target_batch_size == 0 || opts->step == NULL ||
         n_params == 0 || n_params > ((size_t)1 << 30) || opts->matchmaking_time_s < 0 ||
         opts->averaging_timeout_s < 0 || opts->target_group_size < 0 ||
-        opts->target_group_size > 64 || (opts->delay_step && opts->local_updates) ||
+        opts->target_group_size > 64 ||
         opts->n_stats > ((size_t)1 << 30) ||
         (opts->n_stats > 0 && (opts->stats_get == NULL || opts->stats_set == NULL ||
                                !names_ok(opts->stat_names))) ||
@@ -264,7 +280,14 @@ int hmc_opt_open(hmc *h, const hmc_opt_opts *opts, size_t n_params, hmc_opt **ou
         r = -ENOMEM;
         goto fail;
     }
-    if (o->opts.delay_step && (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->pend)) != 0)
+    o->bg = o->opts.delay_step && o->opts.local_updates;
+    if (o->bg && ((o->off = malloc(n_params * sizeof(float))) == NULL ||
+                  (o->gcopy = malloc(n_params * sizeof(float))) == NULL)) {
+        r = -ENOMEM;
+        goto fail;
+    }
+    if (o->opts.delay_step && !o->opts.local_updates &&
+        (r = hmc_buf_alloc(h, n_params * sizeof(float), &o->pend)) != 0)
         goto fail;
     if ((o->opts.share_state || o->opts.average_state_every > 0) &&
         (r = hmc_buf_alloc(h, o->state_elems * sizeof(float), &o->state)) != 0)
@@ -676,6 +699,62 @@ static int load(hmc_opt *o, float *params)
     return r == 0;
 }
 
+/* -- delayed local steps (delay_step with local_updates) -- */
+
+/*
+ * Hivemind's delay_optimizer_step with use_local_updates: each call's local
+ * step runs on a thread of its own, on the optimizer's copy of the
+ * parameters (Hivemind's offloaded ones), while the caller computes its
+ * next gradients; the next call waits for it and hands its result to the
+ * caller's parameters, so gradients are taken one local step late. Only
+ * the step runs on that thread; everything else (rounds, statistics,
+ * loads) runs between a wait and the next start, when none runs.
+ */
+static void *bg_main(void *arg)
+{
+    hmc_opt *o = arg;
+    o->opts.step(o->opts.step_ud, o->off, o->gcopy, o->n);
+    return NULL;
+}
+
+static void bg_wait(hmc_opt *o)
+{
+    if (o->bg_running) {
+        pthread_join(o->bg_thread, NULL);
+        o->bg_running = 0;
+    }
+}
+
+/* The step started by the previous call, into params; 1 when there was one. */
+static int bg_take(hmc_opt *o, float *params, hmc_opt_report *rep)
+{
+    if (!o->bg_running)
+        return 0;
+    bg_wait(o);
+    memcpy(params, o->off, o->n * sizeof(float));
+    rep->stepped = 1;
+    rep->stepped_epoch = o->bg_epoch;
+    return 1;
+}
+
+/* This call's step, from params as the call leaves them. */
+static void bg_start(hmc_opt *o, float *params, const float *grads, uint64_t epoch,
+                     hmc_opt_report *rep)
+{
+    memcpy(o->off, params, o->n * sizeof(float));
+    memcpy(o->gcopy, grads, o->n * sizeof(float));
+    o->bg_epoch = epoch;
+    if (pthread_create(&o->bg_thread, NULL, bg_main, o) == 0) {
+        o->bg_running = 1;
+        return;
+    }
+    /* No thread to be had: the step runs now, as without delay_step. */
+    bg_main(o);
+    memcpy(params, o->off, o->n * sizeof(float));
+    rep->stepped = 1;
+    rep->stepped_epoch = epoch;
+}
+
 int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *params,
                  hmc_opt_report *report)
 {
@@ -691,7 +770,12 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         return -EINVAL;
     /* A delayed step whose round is over runs before this call's gradients count. */
     finish_pending(o, 0, params, &rep);
-    if (o->opts.local_updates) {
+    uint64_t grads_epoch = o->epoch;
+    if (o->bg) {
+        /* The previous call's step; this call's starts at the end. */
+        bg_take(o, params, &rep);
+        rep.state_averaged = delta_finish(o, 0, params, &rep);
+    } else if (o->opts.local_updates) {
         o->opts.step(o->opts.step_ud, params, grads, o->n);
         rep.stepped = 1;
         rep.stepped_epoch = o->epoch;
@@ -712,10 +796,12 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
     int polled = now - o->last_poll_s >= POLL_S || o->samples >= o->opts.target_batch_size;
     if (polled) {
         if ((r = hmc_progress_report(o->h, o->run, o->epoch, o->samples, o->sps,
-                                     o->opts.client)) != 0)
+                                     o->opts.client)) != 0 ||
+            (r = read_swarm(o, &swarm)) != 0) {
+            if (o->bg)
+                bg_start(o, params, grads, grads_epoch, &rep);
             return r;
-        if ((r = read_swarm(o, &swarm)) != 0)
-            return r;
+        }
         o->last_poll_s = now;
     } else {
         swarm = o->others_samples + o->samples;
@@ -788,8 +874,13 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
     }
     if (!rep.epoch_ended)
         rep.samples = o->samples;
+    /* After the epoch's end and any load: the step works on what they left.
+     * Gradients of an epoch the swarm left are dropped, as Hivemind drops
+     * them after a catch-up load (they were taken at the old parameters). */
+    if (o->bg && !rep.caught_up)
+        bg_start(o, params, grads, grads_epoch, &rep);
     rep.scheduled = rep.scheduled || o->sched != NULL;
-    rep.pending = o->pending;
+    rep.pending = o->pending || o->bg_running;
     rep.state_pending = o->state_round != NULL;
     rep.epoch = o->epoch;
     rep.global_epoch = o->global_epoch;

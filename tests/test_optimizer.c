@@ -817,7 +817,7 @@ static void *train_dl(void *arg)
     hmc_set_timeout(h, 60000);
     hmc_opt_opts oo;
     hmc_opt_opts_init(&oo);
-    oo.run_id = t->delay ? "delayrun" : "localrun";
+    oo.run_id = t->delay ? (t->local ? "bglocalrun" : "delayrun") : "localrun";
     oo.target_batch_size = 100;
     oo.batch_size_per_step = batch[t->i];
     oo.matchmaking_time_s = 4;
@@ -847,7 +847,7 @@ static void *train_dl(void *arg)
             t->end = rep;
             memcpy(t->at_end, t->params, sizeof(t->params));
         }
-        if (t->delay && rep.stepped && rep.stepped_epoch == 0) {
+        if (t->delay && !t->local && rep.stepped && rep.stepped_epoch == 0) {
             t->applied = rep;
             done = 1;
         }
@@ -947,6 +947,116 @@ Test(optimizer, local_updates_step_every_call_and_average_by_the_delta_rule)
         for (int i = 0; i < 2; i++) {
             /* Nothing was averaged at the end itself. */
             double end_i = t[i].start[k] - 0.1 * t[i].calls_in_epoch0;
+            cr_assert(fabs(t[i].at_end[k] - end_i) < 1e-3, "trainer %d, element %zu: %.7g at "
+                      "the end, want %.7g", i, k, t[i].at_end[k], end_i);
+            mean += 0.5 * t[i].at_end[k];
+        }
+        for (int i = 0; i < 2; i++) {
+            double want = mean - 0.1 * t[i].calls_after_end;
+            cr_assert(fabs(t[i].at_apply[k] - want) < 1e-3,
+                      "trainer %d, element %zu: %.7g, want %.7g", i, k, t[i].at_apply[k], want);
+        }
+    }
+    free(t);
+}
+
+/*
+ * delay_step with local_updates (Hivemind's delay_optimizer_step with
+ * use_local_updates): each call's local step runs on a thread of its own,
+ * on the optimizer's copy of the parameters, and the next call hands its
+ * result to the caller's: after call k the parameters hold k - 1 steps
+ * (SGD lr 0.1 on gradients of 1: start - 0.1 (k - 1)), the caller's array
+ * is never the one stepped, and close waits for a step still running.
+ */
+struct bg_probe {
+    pthread_t caller;
+    const float *callers_params;
+    atomic_int calls, on_caller, on_callers_array;
+};
+
+static void bg_probe_step(void *ud, float *params, const float *grads, size_t n)
+{
+    struct bg_probe *p = ud;
+    atomic_fetch_add(&p->calls, 1);
+    if (pthread_equal(pthread_self(), p->caller))
+        atomic_fetch_add(&p->on_caller, 1);
+    if (params == p->callers_params)
+        atomic_fetch_add(&p->on_callers_array, 1);
+    usleep(20000); /* long enough that the caller would see a race */
+    for (size_t i = 0; i < n; i++)
+        params[i] -= 0.1f * grads[i];
+}
+
+Test(optimizer, delay_step_with_local_updates_steps_in_the_background_one_call_late)
+{
+    struct node n;
+    struct bg_probe probe;
+    char err[256];
+    hmc *h = NULL;
+    hmc_opt *o = NULL;
+    hmc_opt_opts oo;
+    hmc_opt_report rep;
+    static float params[N_PARAMS], grads[N_PARAMS];
+    memset(&probe, 0, sizeof(probe));
+    probe.caller = pthread_self();
+    probe.callers_params = params;
+    for (size_t k = 0; k < N_PARAMS; k++) {
+        params[k] = (float)k * 0.01f;
+        grads[k] = 1.0f;
+    }
+    start_node(&n, "n0", NULL, NULL);
+    cr_assert_eq(hmc_connect(n.sock, &h, err, sizeof(err)), 0, "%s", err);
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "bgsteps";
+    oo.target_batch_size = 100000; /* no epoch ends: the steps alone */
+    oo.step = bg_probe_step;
+    oo.step_ud = &probe;
+    oo.delay_step = 1;
+    oo.local_updates = 1;
+    cr_assert_eq(hmc_opt_open(h, &oo, N_PARAMS, &o), 0, "%s", hmc_last_error(h));
+    for (int call = 1; call <= 5; call++) {
+        cr_assert_eq(hmc_opt_step(o, grads, 1, params, &rep), 0, "call %d: %s", call,
+                     hmc_last_error(h));
+        cr_assert_eq(rep.stepped, call > 1, "call %d stepped %d", call, rep.stepped);
+        cr_assert(rep.pending, "call %d left no step running", call);
+        for (size_t k = 0; k < N_PARAMS; k++) {
+            float want = (float)k * 0.01f - 0.1f * (float)(call - 1);
+            cr_assert(fabsf(params[k] - want) < 1e-4f, "call %d, element %zu: %.7g, want %.7g",
+                      call, k, params[k], want);
+        }
+    }
+    hmc_opt_close(o); /* the fifth step still runs: waited for, its result dropped */
+    cr_assert_eq(atomic_load(&probe.calls), 5);
+    cr_assert_eq(atomic_load(&probe.on_caller), 0, "a step ran on the caller's thread");
+    cr_assert_eq(atomic_load(&probe.on_callers_array), 0, "a step ran on the caller's array");
+    hmc_close(h);
+}
+
+/*
+ * delay_step with local_updates between two trainers: the same delta rule
+ * as local_updates alone, with every local step landing one call late. At
+ * epoch 0's end a trainer holds the steps of all its calls but the last
+ * (start - 0.1 (calls - 1)), the state average starts from there, and the
+ * call that applies it leaves the mean of those minus the steps that
+ * landed since, one per call after the end.
+ */
+Test(optimizer, delay_step_with_local_updates_average_by_the_delta_rule)
+{
+    dl_trainer *t = calloc(2, sizeof(*t));
+    cr_assert_not_null(t);
+    run_dl(t, 1, 1);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(t[i].end.epoch_ended && t[i].end.stepped && t[i].end.pending);
+        cr_assert_eq(t[i].steps_seen, t[i].calls_in_epoch0 - 2,
+                     "trainer %d: %d steps landed in %d calls", i, t[i].steps_seen,
+                     t[i].calls_in_epoch0);
+        cr_assert(t[i].end.state_started, "trainer %d started no state average", i);
+        cr_assert(t[i].apply.state_averaged && t[i].apply.stepped);
+    }
+    for (size_t k = 0; k < N_PARAMS; k++) {
+        double mean = 0;
+        for (int i = 0; i < 2; i++) {
+            double end_i = t[i].start[k] - 0.1 * (t[i].calls_in_epoch0 - 1);
             cr_assert(fabs(t[i].at_end[k] - end_i) < 1e-3, "trainer %d, element %zu: %.7g at "
                       "the end, want %.7g", i, k, t[i].at_end[k], end_i);
             mean += 0.5 * t[i].at_end[k];

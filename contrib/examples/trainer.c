@@ -31,6 +31,17 @@
  * the update is params += averaged - snapshot, so the steps taken during
  * the round are kept. A failed round (no group, timeout) changes nothing.
  *
+ * DiLoCo (--diloco). The model's own Adam takes --inner-steps steps, then
+ * hmc_diloco_step averages the pseudo-gradients (outer parameters minus
+ * local ones) with the run's other trainers and takes the outer Nesterov
+ * step; the parameters become the new outer ones. Every trainer must
+ * start from the same outer parameters, so the initial weights come from
+ * --init-seed (1 unless given) rather than --seed. The library shares the
+ * outer state after each outer step, and --load-state makes a newcomer
+ * load it at hmc_diloco_begin. Each outer step prints an "outer" line
+ * whose params= sum (FNV-1a over the parameters' bytes) lets a script see
+ * that the trainers of a round hold the same parameters.
+ *
  * State for newcomers. Every --share-every steps the trainer publishes its
  * local parameters with the daemon's state.share under --state-prefix,
  * so that a trainer that joins later can start from the swarm's state
@@ -55,6 +66,10 @@
  *   avg t=SECONDS step=N status=ok|CODE group=SIZE
  *   share t=SECONDS step=N status=CODE
  *   load t=SECONDS status=ok|CODE step=SWARM_STEP donors=N bytes=B acc=TEST_ACCURACY
+ *   begin t=SECONDS round=R loaded=0|1 inner_steps=0            (--diloco)
+ *   outer t=SECONDS step=N round=R status=ok|CODE group=SIZE caught_up=0|1
+ *         norm=PSEUDO_GRADIENT_NORM avg_s=SECONDS params=HEX    (--diloco)
+ * (with --diloco the load line's step is the outer round and donors 0).
  * SIGINT or SIGTERM ends training after the current step with a done line.
  *
  * Exit status: 0 when it trained to the end or was stopped by a signal, 64
@@ -68,6 +83,8 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,6 +125,13 @@ struct trainer_opts {
     size_t target_batch_size;
     double matchmaking_time_s, averaging_timeout_s; /* --collaborative; 0: the library's */
     int delay_step, local_updates;
+    /* -- DiLoCo options -- */
+    int diloco;                 /* train through hmc_diloco_* instead */
+    unsigned inner_steps;       /* H */
+    double outer_lr, outer_momentum;
+    const char *compression;    /* --collaborative, --diloco: the rounds' wire form */
+    int init_seed_set;
+    uint64_t init_seed;         /* the initial weights' seed (default --seed; --diloco: 1) */
 };
 
 static void usage(FILE *f)
@@ -147,7 +171,26 @@ static void usage(FILE *f)
             "  --delay-step             --collaborative: step one epoch late, the round in\n"
             "                           the background\n"
             "  --local-updates          --collaborative: step every batch, average the state\n"
-            "                           at epoch ends by the delta rule\n"
+            "                           at epoch ends by the delta rule (not with\n"
+            "                           --delay-step)\n"
+            "  --diloco                 train with DiLoCo: --inner-steps local Adam steps, then\n"
+            "                           the swarm averages the pseudo-gradients (outer\n"
+            "                           parameters minus local ones) and every trainer takes\n"
+            "                           the same outer Nesterov step (replaces --average-every;\n"
+            "                           run id: the state prefix; --load-state loads the run's\n"
+            "                           outer state; --matchmaking-time and --averaging-timeout\n"
+            "                           apply to its rounds)\n"
+            "  --inner-steps H          --diloco: local steps per outer step, 1 to 1000000\n"
+            "                           (default 500)\n"
+            "  --outer-lr X             --diloco: the outer learning rate, in (0, 10]\n"
+            "                           (default 0.7)\n"
+            "  --outer-momentum X       --diloco: the outer Nesterov momentum, in [0, 1)\n"
+            "                           (default 0.9; 0: plain SGD)\n"
+            "  --compression C          --collaborative, --diloco: the rounds' wire form:\n"
+            "                           none, fp16 or 8bit (default none)\n"
+            "  --init-seed S            the initial weights' seed (default: --seed; with\n"
+            "                           --diloco 1, since trainers that start together must\n"
+            "                           start from the same outer parameters)\n"
             "%s"
             "  -h, --help               this text\n",
             hm_train_common_usage);
@@ -450,6 +493,95 @@ static void model_step(void *ud, float *params, const float *grads, size_t n)
     hm_model_step(m);
 }
 
+/* -- DiLoCo options -- */
+/* --inner-steps (0), --outer-lr (1), --outer-momentum (2), --compression (3), --init-seed (4). */
+static int parse_diloco(struct trainer_opts *t, const char *name, size_t which, const char *val)
+{
+    char *end;
+    errno = 0;
+    if (which == 3) {
+        if (strcmp(val, "none") != 0 && strcmp(val, "fp16") != 0 && strcmp(val, "8bit") != 0) {
+            fprintf(stderr, "%s: '%s' is not one of none, fp16, 8bit\n", name, val);
+            return -EINVAL;
+        }
+        t->compression = val;
+        return 1;
+    }
+    if (which == 1 || which == 2) {
+        double x = strtod(val, &end);
+        if (errno != 0 || end == val || *end != '\0' || !isfinite(x) ||
+            (which == 1 && !(x > 0 && x <= 10)) || (which == 2 && !(x >= 0 && x < 1))) {
+            fprintf(stderr, "%s: '%s' is not a number in %s\n", name, val,
+                    which == 1 ? "(0, 10]" : "[0, 1)");
+            return -EINVAL;
+        }
+        *(which == 1 ? &t->outer_lr : &t->outer_momentum) = x;
+        return 1;
+    }
+    unsigned long long x = strtoull(val, &end, 10);
+    unsigned long long max = which == 0 ? 1000000ull : UINT64_MAX;
+    if (errno != 0 || end == val || *end != '\0' || val[0] == '-' || x > max ||
+        (which == 0 && x < 1)) {
+        fprintf(stderr, "%s: '%s' is not a whole number in [%d, %llu]\n", name, val,
+                which == 0 ? 1 : 0, max);
+        return -EINVAL;
+    }
+    if (which == 0) {
+        t->inner_steps = (unsigned)x;
+    } else {
+        t->init_seed = (uint64_t)x;
+        t->init_seed_set = 1;
+    }
+    return 1;
+}
+
+/*
+ * The options that only make sense together, checked once all are read:
+ * 0, or -EINVAL after saying which.
+ */
+static int check_modes(const struct trainer_opts *t)
+{
+    int inner_set = t->inner_steps != 0, outer_set = t->outer_lr != 0 || t->outer_momentum >= 0;
+    if (t->diloco && t->collaborative) {
+        fprintf(stderr, "trainer: --diloco and --collaborative are two ways to train; pick one\n");
+        return -EINVAL;
+    }
+    if (!t->collaborative && (t->delay_step || t->local_updates)) {
+        fprintf(stderr, "trainer: --delay-step and --local-updates need --collaborative\n");
+        return -EINVAL;
+    }
+    if (t->delay_step && t->local_updates) {
+        /* The library would run each local step on a thread of its own, on
+         * its copy of the parameters; the model's step (model_step) updates
+         * the model's own parameters, which the next batch reads. */
+        fprintf(stderr, "trainer: --delay-step and --local-updates exclude each other (the "
+                        "local step is the model's own, on the parameters the next batch "
+                        "uses; see lib/README.md)\n");
+        return -EINVAL;
+    }
+    if (!t->diloco && (inner_set || outer_set)) {
+        fprintf(stderr, "trainer: --inner-steps, --outer-lr and --outer-momentum need --diloco\n");
+        return -EINVAL;
+    }
+    if (!t->diloco && !t->collaborative && t->compression != NULL) {
+        fprintf(stderr, "trainer: --compression needs --collaborative or --diloco\n");
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* FNV-1a over the parameters' bytes: equal parameters print equal sums. */
+static uint64_t params_sum(const float *p, size_t n)
+{
+    const unsigned char *b = (const unsigned char *)p;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n * sizeof(float); i++) {
+        h ^= b[i];
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
 static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
 {
     static const char *const names[] = {"--socket", "--expert-prefix", "--average-prefix",
@@ -457,7 +589,10 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
                                         "--find-every", "--average-every", "--group-size",
                                         "--share-every", "--state-prefix", "--load-timeout",
                                         "--min-agree", "--target-batch-size",
-                                        "--matchmaking-time", "--averaging-timeout"};
+                                        "--matchmaking-time", "--averaging-timeout",
+                                        /* -- DiLoCo options -- */
+                                        "--inner-steps", "--outer-lr", "--outer-momentum",
+                                        "--compression", "--init-seed"};
     const size_t count = sizeof(names) / sizeof(names[0]);
     const char *arg = argv[*i], *val = NULL;
     size_t which = count;
@@ -486,6 +621,10 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
             t->local_updates = 1;
             return 1;
         }
+        if (strcmp(arg, "--diloco") == 0) {
+            t->diloco = 1;
+            return 1;
+        }
         return 0;
     }
     if (val == NULL) {
@@ -497,6 +636,8 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
     }
     char *end;
     errno = 0;
+    if (which >= 16)
+        return parse_diloco(t, names[which], which - 16, val);
     if (which <= 2 || which == 10) {
         if (val[0] == '\0' || strlen(val) > 128) {
             fprintf(stderr, "%s: 1 to 128 characters\n", names[which]);
@@ -564,13 +705,14 @@ int main(int argc, char **argv)
                              .k_min = 1, .timeout_s = 5, .after_k_min_s = 1,
                              .find_every = 200, .average_every = 100, .group_size = 16,
                              .state_prefix = "fmnist", .load_timeout_s = 60, .min_agree = 1,
-                             .target_batch_size = 1024};
+                             .target_batch_size = 1024, .outer_momentum = -1};
     hm_train_data d;
     hm_model *m = NULL;
     struct remote r;
     hmc_buf *pb = NULL, *sb = NULL;
     hmc_round *round = NULL;
     hmc_opt *opt = NULL;
+    hmc_diloco *dl = NULL;
     float *snapshot = NULL;
     sigset_t sigs;
     char err[HMC_ERROR_MAX];
@@ -595,7 +737,7 @@ int main(int argc, char **argv)
             return 64;
         }
     }
-    if (hm_train_opts_check(&o) < 0)
+    if (hm_train_opts_check(&o) < 0 || check_modes(&t) < 0)
         return 64;
     if (t.socket == NULL) {
         fprintf(stderr, "trainer: --socket PATH is required\n");
@@ -615,6 +757,10 @@ int main(int argc, char **argv)
         goto out;
     hm_model_config mc;
     hm_train_model_config(&o, &mc);
+    if (t.init_seed_set)
+        mc.seed = t.init_seed;
+    else if (t.diloco)
+        mc.seed = 1; /* the same outer parameters for every trainer of the run */
     rc = hm_model_new(&mc, &m);
     if (rc < 0) {
         fprintf(stderr, "trainer: model: %s\n", strerror(-rc));
@@ -657,6 +803,7 @@ int main(int argc, char **argv)
         oo.averaging_timeout_s = t.averaging_timeout_s;
         oo.delay_step = t.delay_step;
         oo.local_updates = t.local_updates;
+        oo.compression = t.compression;
         t.average_every = 0; /* the optimizer averages, at each epoch's end */
         if ((rc = hmc_opt_open(r.h, &oo, np, &opt)) < 0) {
             fprintf(stderr, "trainer: collaborative optimizer: %s (%s)\n", strerror(-rc),
@@ -664,11 +811,39 @@ int main(int argc, char **argv)
             goto out;
         }
     }
+    if (t.diloco) {
+        hmc_diloco_opts dopts;
+        hmc_diloco_opts_init(&dopts);
+        dopts.run_id = t.state_prefix;
+        if (t.inner_steps != 0)
+            dopts.inner_steps = t.inner_steps;
+        if (t.outer_lr != 0)
+            dopts.outer_lr = t.outer_lr;
+        if (t.outer_momentum >= 0)
+            dopts.outer_momentum = t.outer_momentum;
+        dopts.compression = t.compression;
+        dopts.target_group_size = (int)t.group_size;
+        dopts.min_group_size = t.group_size > 1 ? 2 : 1;
+        dopts.timeout_s = t.averaging_timeout_s;
+        dopts.round_timeout_s = t.averaging_timeout_s;
+        dopts.matchmaking_time_s = t.matchmaking_time_s;
+        /* Trainers that start together start from the same seed; a newcomer
+         * asks for the run's outer state. */
+        dopts.load_state = t.load_state;
+        dopts.load_timeout_s = t.load_timeout_s;
+        dopts.state_min_agree = (int)t.min_agree;
+        t.average_every = 0; /* the outer step averages, every H steps */
+        if ((rc = hmc_diloco_open(r.h, &dopts, np, &dl)) < 0) {
+            fprintf(stderr, "trainer: DiLoCo: %s (%s)\n", strerror(-rc), hmc_last_error(r.h));
+            goto out;
+        }
+    }
 
     printf("config batch=%zu dim=%zu experts=%zux%zu k_best=%zu k_min=%zu params=%zu "
-           "expert_prefix=%s average_prefix=%s average_every=%zu\n",
+           "expert_prefix=%s average_prefix=%s average_every=%zu mode=%s\n",
            o.batch, o.dim, o.grid[0], o.grid[1], o.k_best, t.k_min, np, t.expert_prefix,
-           t.average_prefix, t.average_every);
+           t.average_prefix, t.average_every,
+           dl != NULL ? "diloco" : opt != NULL ? "collaborative" : "periodic");
     fflush(stdout);
 
     uint64_t start = hm_train_now_us();
@@ -677,7 +852,27 @@ int main(int argc, char **argv)
     int loaded = 0;
     char load_status[64] = "ok";
     size_t load_donors = 0, load_bytes = 0;
-    if (t.load_state) {
+    if (dl != NULL) {
+        hmc_diloco_report drep;
+        rc = hmc_diloco_begin(dl, hm_model_params(m), &drep);
+        if (rc < 0) {
+            fprintf(stderr, "trainer: DiLoCo begin: %s\n", strerror(-rc));
+            goto out;
+        }
+        loaded = drep.loaded;
+        base_step = drep.round;
+        if (t.load_state && !loaded) {
+            snprintf(load_status, sizeof(load_status), "%s",
+                     drep.code[0] != '\0' ? drep.code : "none");
+            fprintf(stderr, "trainer: DiLoCo outer state: %s\n",
+                    drep.error[0] != '\0' ? drep.error : "nobody shares one");
+        }
+        if (loaded)
+            load_bytes = HMC_DILOCO_STATE_HEADER + 2 * np * sizeof(float);
+        printf("begin t=%.2f round=%llu loaded=%d inner_steps=%u\n", hm_train_seconds(start),
+               (unsigned long long)drep.round, drep.loaded, hmc_diloco_inner_count(dl));
+        fflush(stdout);
+    } else if (t.load_state) {
         rc = load_state(r.h, sb, hm_model_params(m), np, t.state_prefix, t.load_timeout_s,
                         t.min_agree, &base_step, &load_donors, &load_bytes);
         if (rc == -EPIPE) {
@@ -770,6 +965,26 @@ int main(int argc, char **argv)
             }
         } else {
             rc = hm_model_train_step(m, &ex, d.x, d.y, o.batch, &res);
+        }
+        if (rc >= 0 && dl != NULL) {
+            hmc_diloco_report drep;
+            int drc = hmc_diloco_step(dl, hm_model_params(m), &drep);
+            if (drc < 0) {
+                /* -EDOM: the inner steps diverged to NaN or infinity. */
+                fprintf(stderr, "trainer: DiLoCo outer step: %s\n", strerror(-drc));
+                r.fatal = 1;
+            } else if (drc == 1) {
+                rounds++;
+                rounds_ok += drep.averaged != 0;
+                printf("outer t=%.2f step=%zu round=%llu status=%s group=%d caught_up=%d "
+                       "norm=%.4g avg_s=%.2f params=%016llx\n",
+                       hm_train_seconds(start), step + 1, (unsigned long long)drep.round,
+                       drep.averaged ? "ok"
+                                     : (drep.code[0] != '\0' ? drep.code : "local"),
+                       drep.group_size, drep.caught_up, drep.pseudo_grad_norm, drep.average_s,
+                       (unsigned long long)params_sum(hm_model_params(m), np));
+                fflush(stdout);
+            }
         }
         if (rc < 0) {
             skipped++;
@@ -882,6 +1097,7 @@ int main(int argc, char **argv)
     fflush(stdout);
     result = r.fatal ? 1 : 0;
 out:
+    hmc_diloco_close(dl);
     hmc_opt_close(opt);
     hmc_round_free(round);
     hmc_buf_free(pb);

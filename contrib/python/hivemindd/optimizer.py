@@ -72,7 +72,15 @@ class Optimizer:
         average_state_every epochs, 0 meaning 1) the state is averaged in
         the background and applied by the delta rule (x += average - x at
         the round's start) in the first step() that finds it over, so the
-        local steps taken meanwhile are kept. Not with delay_optimizer_step.
+        local steps taken meanwhile are kept. With delay_optimizer_step too
+        (Hivemind's pair, with its offload_optimizer): each step()'s local
+        step runs in the library's background thread on a copy of the
+        parameters that the wrapped optimizer owns (optimizer must then be
+        a factory, optimizer=lambda params: ..., given params), and the
+        next step() waits for it and copies its result into the model, so
+        gradients are taken one local step late (last_report["stepped"]: a
+        step landed; ["pending"]: one runs). The optimizer's state and
+        param_groups are the copy's.
     client: a hivemindd.Client attached to the local daemon. Its lock is
         held for the whole of a step() that ends an epoch.
     client_mode: this trainer's epoch does not lead and it reduces nothing.
@@ -92,7 +100,7 @@ class Optimizer:
                  use_local_updates=False, client=None, client_mode=False, target_group_size=16,
                  grad_compression=None, share_state=True, load_state_timeout=30.0,
                  average_opt_statistics=()):
-        import torch  # noqa: F401  (parameters are torch tensors)
+        import torch
 
         if client is None:
             raise ValueError("Optimizer needs a client (hivemindd.Client)")
@@ -102,20 +110,33 @@ class Optimizer:
             raise ValueError("Optimizer needs a run_id")
         if not target_batch_size or target_batch_size <= 0:
             raise ValueError("target_batch_size must be a positive number of samples")
-        if delay_optimizer_step and use_local_updates:
-            raise ValueError("delay_optimizer_step and use_local_updates exclude each other")
+        # Both: every local step runs in the library's background thread, so
+        # the wrapped optimizer steps a copy of the parameters of its own
+        # (Hivemind's offload_optimizer), never the model's tensors, which
+        # the next forward and backward read meanwhile.
+        self._bg = bool(delay_optimizer_step and use_local_updates)
         if params is not None:
             params = [p for p in params]
+        if self._bg and (not callable(optimizer) or hasattr(optimizer, "param_groups") or
+                         params is None):
+            raise ValueError(
+                "delay_optimizer_step with use_local_updates steps an offloaded copy of the "
+                "parameters: pass params and optimizer as a factory, "
+                "optimizer=lambda params: torch.optim.SGD(params, ...)")
+        opt_params = params
+        if self._bg:
+            opt_params = [torch.nn.Parameter(p.detach().cpu().float().clone()) for p in params]
         if callable(optimizer) and not hasattr(optimizer, "param_groups"):
             if params is None:
                 raise ValueError("an optimizer factory needs params")
-            optimizer = optimizer(params)
+            optimizer = optimizer(opt_params)
         if params is None:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
+            params = opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         if not params:
             raise ValueError("Optimizer needs at least one parameter")
         self.optimizer = optimizer
         self.params = params
+        self._opt_params = opt_params  # what the wrapped optimizer steps
         if scheduler is not None and callable(scheduler) and not hasattr(scheduler, "step"):
             scheduler = scheduler(optimizer)
         self.scheduler = scheduler
@@ -189,10 +210,10 @@ class Optimizer:
 
     # ---- packing ----
 
-    def _gather_params(self, into=None):
+    def _gather_params(self, into=None, src=None):
         flat = self._params if into is None else into
         at = 0
-        for p, n in zip(self.params, self.sizes):
+        for p, n in zip(self.params if src is None else src, self.sizes):
             flat[at:at + n] = p.detach().cpu().reshape(-1).float().numpy()
             at += n
 
@@ -223,13 +244,19 @@ class Optimizer:
 
         try:
             g = np.ctypeslib.as_array(grads, (n,))
+            x = np.ctypeslib.as_array(params, (n,))
             at = 0
-            for p, size in zip(self.params, self.sizes):
+            for p, size in zip(self._opt_params, self.sizes):
                 t = torch.from_numpy(g[at:at + size].copy()).view(p.shape)
+                if self._bg:
+                    # The library's copy: where the delta rule or a load
+                    # may have moved the parameters since the last step.
+                    with torch.no_grad():
+                        p.copy_(torch.from_numpy(x[at:at + size].copy()).view(p.shape))
                 at += size
                 p.grad = t.to(device=p.device, dtype=p.dtype)
             self.optimizer.step()
-            self._gather_params(np.ctypeslib.as_array(params, (n,)))
+            self._gather_params(x, self._opt_params)
         except BaseException as e:  # raised again once back in Python's step()
             self._cb_error = e
 
@@ -240,14 +267,14 @@ class Optimizer:
             flat = np.ctypeslib.as_array(out, (n,))
             at = 0
             for name in self._stat_names[:-1]:
-                for p, size in zip(self.params, self.sizes):
+                for p, size in zip(self._opt_params, self.sizes):
                     t = self.optimizer.state.get(p, {}).get(name)
                     if hasattr(t, "numel") and t.numel() == size:
                         flat[at:at + size] = t.detach().cpu().reshape(-1).float().numpy()
                     else:
                         flat[at:at + size] = 0.0
                     at += size
-            for p in self.params:
+            for p in self._opt_params:
                 step = self.optimizer.state.get(p, {}).get("step", 0)
                 flat[at] = float(step)
                 at += 1
@@ -263,7 +290,7 @@ class Optimizer:
             flat = np.ctypeslib.as_array(data, (n,))
             at = 0
             for name in self._stat_names[:-1]:
-                for p, size in zip(self.params, self.sizes):
+                for p, size in zip(self._opt_params, self.sizes):
                     st = self.optimizer.state[p]
                     t = torch.from_numpy(flat[at:at + size].copy()).view(p.shape)
                     at += size
@@ -273,7 +300,7 @@ class Optimizer:
                             old.copy_(t.to(device=old.device, dtype=old.dtype))
                     else:
                         st[name] = t.to(device=p.device, dtype=p.dtype)
-            for p in self.params:
+            for p in self._opt_params:
                 st = self.optimizer.state[p]
                 step = float(round(float(flat[at])))
                 at += 1
@@ -315,6 +342,18 @@ class Optimizer:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none=True):
+        if self._bg:
+            # The model's gradients only: the wrapped optimizer's copy may be
+            # stepping on its own on the library's thread right now.
+            for p in self.params:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+            return
         try:
             self.optimizer.zero_grad(set_to_none=set_to_none)
         except TypeError:  # optimizers without the argument
@@ -356,8 +395,9 @@ class Optimizer:
         if self._cb_error is not None:
             e, self._cb_error = self._cb_error, None
             raise e
-        # The library wrote the parameters itself (a load, an average): hand them to torch.
-        if rep.state_loaded or rep.state_averaged:
+        # The library wrote the parameters itself (a load, an average, or
+        # with both delays a background step landing): hand them to torch.
+        if rep.state_loaded or rep.state_averaged or (self._bg and rep.stepped):
             self._scatter_params()
         self.last_report = out = self._report(rep)
         if self._stat_names:
