@@ -76,6 +76,9 @@
 struct remote {
     hmc *h;
     hmc_buf *xb, *yb, *gyb, *gxb;
+    hmc_buf *rb;          /* per-sample routes, [batch, k_best] int32 */
+    hmc_expert *rlist;    /* [G0 * G1]: a routed call's experts */
+    int *rans;            /* [G0 * G1]: their answers */
     size_t G1;
     hmc_expert *by_index; /* [G0 * G1]: found experts at their grid index */
     uint8_t *live;        /* [G0 * G1]: found in the last lookup */
@@ -256,6 +259,65 @@ static int remote_backward(void *ud, const size_t *experts, size_t k, const floa
         return note_failure(r, rc, "experts backward");
     map_answered(ans, k, answered);
     memcpy(gh_out, hmc_buf_data(r->gxb), k * batch * dim * sizeof(float));
+    return 0;
+}
+
+/*
+ * Per-sample routing: one call per expert with the rows routed to it
+ * (hmc_experts_forward_routed). k_min counts per sample, as the library
+ * does; a Switch layer (allow_zero) asks for none and waits at most
+ * --timeout-after-k-min. An expert that did not answer is left out until
+ * the next lookup, as in the per-batch path.
+ */
+static int remote_forward_routed(void *ud, const size_t *experts, size_t n,
+                                 const int32_t *routes, size_t slots, const float *h,
+                                 size_t batch, size_t dim, int allow_zero, float *y_out,
+                                 uint8_t *answered)
+{
+    struct remote *r = ud;
+    size_t n_ans = 0;
+    for (size_t e = 0; e < n; e++)
+        r->rlist[e] = r->by_index[experts[e]];
+    memcpy(hmc_buf_data(r->xb), h, batch * dim * sizeof(float));
+    memcpy(hmc_buf_data(r->rb), routes, batch * slots * sizeof(int32_t));
+    size_t k_min = allow_zero ? 0 : (r->k_min < slots ? r->k_min : slots);
+    int rc = hmc_experts_forward_routed(r->h, r->rlist, n, r->rb, 0, slots, r->xb, 0, r->yb, 0,
+                                        batch, dim, k_min, allow_zero, r->timeout_s,
+                                        r->after_k_min_s, r->rans, &n_ans);
+    if (rc < 0) {
+        if (rc == -EREMOTEIO || rc == -ETIMEDOUT) {
+            mark_silent(r, experts, n, NULL);
+            apply_avail(r);
+        }
+        return note_failure(r, rc, "experts forward");
+    }
+    map_answered(r->rans, n, answered);
+    mark_silent(r, experts, n, r->rans);
+    apply_avail(r);
+    memcpy(y_out, hmc_buf_data(r->yb), batch * slots * dim * sizeof(float));
+    return 0;
+}
+
+static int remote_backward_routed(void *ud, const size_t *experts, size_t n,
+                                  const int32_t *routes, size_t slots, const float *h,
+                                  const float *gy, size_t batch, size_t dim, int allow_zero,
+                                  float *gh_out, uint8_t *answered)
+{
+    struct remote *r = ud;
+    size_t n_ans = 0;
+    for (size_t e = 0; e < n; e++)
+        r->rlist[e] = r->by_index[experts[e]];
+    memcpy(hmc_buf_data(r->xb), h, batch * dim * sizeof(float));
+    memcpy(hmc_buf_data(r->rb), routes, batch * slots * sizeof(int32_t));
+    memcpy(hmc_buf_data(r->gyb), gy, batch * slots * dim * sizeof(float));
+    /* One answer per sample, as the per-batch backward asks for one. */
+    int rc = hmc_experts_backward_routed(r->h, r->rlist, n, r->rb, 0, slots, r->xb, 0, r->gyb,
+                                         0, r->gxb, 0, batch, dim, allow_zero ? 0 : 1,
+                                         allow_zero, r->timeout_s, r->rans, &n_ans);
+    if (rc < 0)
+        return note_failure(r, rc, "experts backward");
+    map_answered(r->rans, n, answered);
+    memcpy(gh_out, hmc_buf_data(r->gxb), batch * slots * dim * sizeof(float));
     return 0;
 }
 
@@ -621,7 +683,7 @@ int main(int argc, char **argv)
         goto out;
     }
     size_t n_experts = o.grid[0] * o.grid[1], np = hm_model_nparams(m);
-    size_t kbd = o.k_best * o.batch * o.dim * sizeof(float);
+    size_t kbd = mc.k_best * o.batch * o.dim * sizeof(float);
     r.G1 = o.grid[1];
     r.m = m;
     r.n_experts = n_experts;
@@ -631,19 +693,25 @@ int main(int argc, char **argv)
     r.by_index = calloc(n_experts, sizeof(hmc_expert));
     r.live = calloc(n_experts, 1);
     r.avail = calloc(n_experts, 1);
+    r.rlist = calloc(n_experts, sizeof(hmc_expert));
+    r.rans = calloc(n_experts, sizeof(int));
     snapshot = malloc(np * sizeof(float));
-    if (r.by_index == NULL || r.live == NULL || r.avail == NULL || snapshot == NULL)
+    if (r.by_index == NULL || r.live == NULL || r.avail == NULL || r.rlist == NULL ||
+        r.rans == NULL || snapshot == NULL)
         goto out;
     if ((rc = hmc_buf_alloc(r.h, o.batch * o.dim * sizeof(float), &r.xb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, kbd, &r.yb)) < 0 || (rc = hmc_buf_alloc(r.h, kbd, &r.gyb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, kbd, &r.gxb)) < 0 ||
+        (rc = hmc_buf_alloc(r.h, mc.k_best * o.batch * sizeof(int32_t), &r.rb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, np * sizeof(float), &pb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, np * sizeof(float), &sb)) < 0) {
         fprintf(stderr, "trainer: shared buffers: %s (%s)\n", strerror(-rc),
                 hmc_last_error(r.h));
         goto out;
     }
-    hm_model_experts ex = {.ud = &r, .forward = remote_forward, .backward = remote_backward};
+    hm_model_experts ex = {.ud = &r, .forward = remote_forward, .backward = remote_backward,
+                           .forward_routed = remote_forward_routed,
+                           .backward_routed = remote_backward_routed};
     if (t.collaborative) {
         hmc_opt_opts oo;
         hmc_opt_opts_init(&oo);
@@ -666,9 +734,9 @@ int main(int argc, char **argv)
     }
 
     printf("config batch=%zu dim=%zu experts=%zux%zu k_best=%zu k_min=%zu params=%zu "
-           "expert_prefix=%s average_prefix=%s average_every=%zu\n",
-           o.batch, o.dim, o.grid[0], o.grid[1], o.k_best, t.k_min, np, t.expert_prefix,
-           t.average_prefix, t.average_every);
+           "expert_prefix=%s average_prefix=%s average_every=%zu routing=%s\n",
+           o.batch, o.dim, o.grid[0], o.grid[1], mc.k_best, t.k_min, np, t.expert_prefix,
+           t.average_prefix, t.average_every, hm_train_routing_name(&o));
     fflush(stdout);
 
     uint64_t start = hm_train_now_us();
@@ -696,7 +764,7 @@ int main(int argc, char **argv)
             loaded = 1;
         }
     }
-    double last_t = 0, loss_sum = 0, acc = -1;
+    double last_t = 0, loss_sum = 0, bal_sum = 0, acc = -1;
     size_t step = 0, since = 0, skipped = 0, samples_since_avg = 0;
     size_t rounds = 0, rounds_ok = 0, last_find = 0;
     int found_once = 0;
@@ -779,6 +847,7 @@ int main(int argc, char **argv)
         step++;
         since++;
         loss_sum += res.loss;
+        bal_sum += res.balancing_loss;
         samples_since_avg += o.batch;
 
         /* A finished round: apply the delayed update. */
@@ -838,14 +907,19 @@ int main(int argc, char **argv)
             size_t n_avail = 0;
             for (size_t e = 0; e < n_experts; e++)
                 n_avail += r.avail[e] != 0;
+            char bal[48] = "";
+            if (o.switch_layer)
+                snprintf(bal, sizeof(bal), " balance=%.4f",
+                         since ? bal_sum / (double)since : 0.0);
             printf("train t=%.2f step=%zu loss=%.4f sps=%.1f failed=%zu experts=%zu "
-                   "silent=%zu\n",
+                   "silent=%zu%s\n",
                    now, step, since ? loss_sum / (double)since : 0.0,
                    (double)(since * o.batch) / (now - last_t), skipped, r.n_live,
-                   r.n_live - n_avail);
+                   r.n_live - n_avail, bal);
             fflush(stdout);
             last_t = now;
             loss_sum = 0;
+            bal_sum = 0;
             since = 0;
         }
         if (o.eval_every != 0 && step % o.eval_every == 0) {
@@ -890,10 +964,13 @@ out:
     hmc_buf_free(r.yb);
     hmc_buf_free(r.gyb);
     hmc_buf_free(r.gxb);
+    hmc_buf_free(r.rb);
     hmc_close(r.h);
     free(r.by_index);
     free(r.live);
     free(r.avail);
+    free(r.rlist);
+    free(r.rans);
     free(snapshot);
     hm_model_free(m);
     hm_train_data_free(&d);
