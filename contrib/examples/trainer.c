@@ -79,6 +79,9 @@ struct remote {
     hmc_buf *rb;          /* per-sample routes, [batch, k_best] int32 */
     hmc_expert *rlist;    /* [G0 * G1]: a routed call's experts */
     int *rans;            /* [G0 * G1]: their answers */
+    uint64_t *out_until;  /* [G0 * G1]: a silent expert is left out until then (us) */
+    uint64_t *out_period; /* [G0 * G1]: its back-off (us), 0: in good standing */
+    uint64_t backoff_us;  /* --backoff: the first back-off, doubled to 20 times it */
     size_t G1;
     hmc_expert *by_index; /* [G0 * G1]: found experts at their grid index */
     uint8_t *live;        /* [G0 * G1]: found in the last lookup */
@@ -111,6 +114,7 @@ struct trainer_opts {
     size_t target_batch_size;
     double matchmaking_time_s, averaging_timeout_s; /* --collaborative; 0: the library's */
     int delay_step, local_updates;
+    double backoff_s;           /* --backoff: a silent expert's first back-off */
 };
 
 static void usage(FILE *f)
@@ -125,6 +129,9 @@ static void usage(FILE *f)
             "  --timeout S              expert call timeout in seconds (default 5)\n"
             "  --timeout-after-k-min S  wait for the rest after k_min answered (default 1)\n"
             "  --find-every N           look the grid up again every N steps (default 200)\n"
+            "  --backoff S              leave an expert that did not answer out for S seconds,\n"
+            "                           doubling at each further silence up to 20 S, lookups\n"
+            "                           included (default 15)\n"
             "  --average-every N        start an averaging round every N steps (default 100,\n"
             "                           0: never)\n"
             "  --average-prefix P       what the parameters are averaged under\n"
@@ -180,15 +187,52 @@ static int note_failure(struct remote *r, int rc, const char *what)
     return rc;
 }
 
-/* Leaves the experts that did not answer out until the next lookup. */
+/*
+ * Leaves the experts that did not answer out of the gate's choice for a
+ * back-off (--backoff, doubling at each further silence up to 20 times
+ * it), lookups included: a stopped host's declarations outlive it by a
+ * minute, and each lookup that brought its experts back would cost a
+ * timeout again. An expert that answers is forgiven.
+ */
 static void mark_silent(struct remote *r, const size_t *experts, size_t k, const int *ans)
 {
+    uint64_t now = hm_train_now_us();
     for (size_t e = 0; e < k; e++) {
-        if ((ans == NULL || !ans[e]) && r->avail[experts[e]]) {
-            r->avail[experts[e]] = 0;
+        size_t x = experts[e];
+        if (ans != NULL && ans[e]) {
+            r->out_period[x] = 0;
+            continue;
+        }
+        uint64_t p = r->out_period[x];
+        p = p == 0 ? r->backoff_us : (2 * p > 20 * r->backoff_us ? 20 * r->backoff_us : 2 * p);
+        r->out_period[x] = p;
+        r->out_until[x] = now + p;
+        if (r->avail[x]) {
+            r->avail[x] = 0;
             r->avail_changed = 1;
         }
     }
+}
+
+/* Live experts whose back-off ran out are chosen again (on probation). */
+static void expire_backoffs(struct remote *r)
+{
+    uint64_t now = hm_train_now_us();
+    for (size_t e = 0; e < r->n_experts; e++) {
+        if (r->live[e] && !r->avail[e] && now >= r->out_until[e]) {
+            r->avail[e] = 1;
+            r->avail_changed = 1;
+        }
+    }
+}
+
+/* Whether one of experts is tried again after a back-off and has not answered since. */
+static int any_on_probation(const struct remote *r, const size_t *experts, size_t n)
+{
+    for (size_t e = 0; e < n; e++)
+        if (r->out_period[experts[e]] != 0)
+            return 1;
+    return 0;
 }
 
 /*
@@ -281,9 +325,34 @@ static int remote_forward_routed(void *ud, const size_t *experts, size_t n,
     memcpy(hmc_buf_data(r->xb), h, batch * dim * sizeof(float));
     memcpy(hmc_buf_data(r->rb), routes, batch * slots * sizeof(int32_t));
     size_t k_min = allow_zero ? 0 : (r->k_min < slots ? r->k_min : slots);
+    /*
+     * An expert on probation that is still silent would hold a sample
+     * routed only to silent ones until --timeout; with k_min 0 the call
+     * waits --timeout-after-k-min at most, and the model fails the step
+     * only if some sample got no answer at all.
+     */
+    if (k_min > 0 && any_on_probation(r, experts, n)) {
+        k_min = 0;
+        allow_zero = 1;
+    }
     int rc = hmc_experts_forward_routed(r->h, r->rlist, n, r->rb, 0, slots, r->xb, 0, r->yb, 0,
                                         batch, dim, k_min, allow_zero, r->timeout_s,
                                         r->after_k_min_s, r->rans, &n_ans);
+    if (rc < 0 && (rc == -EREMOTEIO || rc == -ETIMEDOUT) && !allow_zero) {
+        /*
+         * Some sample had fewer than k_min answers, and a failed call does
+         * not say who answered. Marking all silent would route the next
+         * batch the same way (all silent is all live again); so ask once
+         * more with k_min 0, which waits at most --timeout-after-k-min and
+         * skips hosts the daemon backs off: its answers say exactly which
+         * experts to leave out, and the model drops the samples' experts
+         * that did not answer (a sample left with none fails the step).
+         */
+        note_failure(r, rc, "experts forward");
+        rc = hmc_experts_forward_routed(r->h, r->rlist, n, r->rb, 0, slots, r->xb, 0, r->yb, 0,
+                                        batch, dim, 0, 1, r->timeout_s, r->after_k_min_s,
+                                        r->rans, &n_ans);
+    }
     if (rc < 0) {
         if (rc == -EREMOTEIO || rc == -ETIMEDOUT) {
             mark_silent(r, experts, n, NULL);
@@ -359,9 +428,12 @@ static int find_experts(struct remote *r, hm_model *m, const char *prefix, const
         r->live[i * grid[1] + j] = 1;
         r->n_live++;
     }
-    memcpy(r->avail, r->live, n);
-    if (r->n_live > 0)
-        hm_model_set_available(m, r->avail);
+    uint64_t now = hm_train_now_us();
+    for (size_t e = 0; e < n; e++)
+        r->avail[e] = r->live[e] && now >= r->out_until[e];
+    r->avail_changed = 1;
+    apply_avail(r);
+    (void)m;
     result = (int)r->n_live;
 out:
     free(scores);
@@ -519,7 +591,8 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
                                         "--find-every", "--average-every", "--group-size",
                                         "--share-every", "--state-prefix", "--load-timeout",
                                         "--min-agree", "--target-batch-size",
-                                        "--matchmaking-time", "--averaging-timeout"};
+                                        "--matchmaking-time", "--averaging-timeout",
+                                        "--backoff"};
     const size_t count = sizeof(names) / sizeof(names[0]);
     const char *arg = argv[*i], *val = NULL;
     size_t which = count;
@@ -574,14 +647,16 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
             t->average_prefix = val;
         return 1;
     }
-    if (which == 4 || which == 5 || which == 11 || which == 14 || which == 15) {
+    if (which == 4 || which == 5 || which == 11 || which == 14 || which == 15 || which == 16) {
         double x = strtod(val, &end);
         if (errno != 0 || end == val || *end != '\0' || !(x > 0) || x > 3600) {
             fprintf(stderr, "%s: '%s' is not a number of seconds in (0, 3600]\n", names[which],
                     val);
             return -EINVAL;
         }
-        if (which == 14)
+        if (which == 16)
+            t->backoff_s = x;
+        else if (which == 14)
             t->matchmaking_time_s = x;
         else if (which == 15)
             t->averaging_timeout_s = x;
@@ -626,7 +701,7 @@ int main(int argc, char **argv)
                              .k_min = 1, .timeout_s = 5, .after_k_min_s = 1,
                              .find_every = 200, .average_every = 100, .group_size = 16,
                              .state_prefix = "fmnist", .load_timeout_s = 60, .min_agree = 1,
-                             .target_batch_size = 1024};
+                             .target_batch_size = 1024, .backoff_s = 15};
     hm_train_data d;
     hm_model *m = NULL;
     struct remote r;
@@ -695,9 +770,12 @@ int main(int argc, char **argv)
     r.avail = calloc(n_experts, 1);
     r.rlist = calloc(n_experts, sizeof(hmc_expert));
     r.rans = calloc(n_experts, sizeof(int));
+    r.out_until = calloc(n_experts, sizeof(uint64_t));
+    r.out_period = calloc(n_experts, sizeof(uint64_t));
+    r.backoff_us = (uint64_t)(t.backoff_s * 1e6);
     snapshot = malloc(np * sizeof(float));
     if (r.by_index == NULL || r.live == NULL || r.avail == NULL || r.rlist == NULL ||
-        r.rans == NULL || snapshot == NULL)
+        r.rans == NULL || r.out_until == NULL || r.out_period == NULL || snapshot == NULL)
         goto out;
     if ((rc = hmc_buf_alloc(r.h, o.batch * o.dim * sizeof(float), &r.xb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, kbd, &r.yb)) < 0 || (rc = hmc_buf_alloc(r.h, kbd, &r.gyb)) < 0 ||
@@ -819,6 +897,8 @@ int main(int argc, char **argv)
             }
         }
 
+        expire_backoffs(&r);
+        apply_avail(&r);
         hm_train_next_batch(&d);
         hm_model_result res;
         if (opt != NULL) {
@@ -971,6 +1051,8 @@ out:
     free(r.avail);
     free(r.rlist);
     free(r.rans);
+    free(r.out_until);
+    free(r.out_period);
     free(snapshot);
     hm_model_free(m);
     hm_train_data_free(&d);
