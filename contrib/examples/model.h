@@ -12,9 +12,10 @@
  * The mixture layer follows Hivemind's RemoteMixtureOfExperts on a 2-D
  * grid of G0 x G1 experts (uid PREFIX.i.j): the gate scores each grid
  * coordinate, an expert's score is the sum of its two coordinates' scores,
- * and the whole batch goes to the k_best experts with the highest score
- * averaged over the batch (a batch-level choice, so each chosen expert is
- * called once per step with the whole batch). Each sample mixes the
+ * and with per-batch routing the whole batch goes to the k_best experts
+ * with the highest score averaged over the batch (each chosen expert is
+ * called once per step with the whole batch; per-sample routing and the
+ * Switch layer: see "Routing" below). Each sample mixes the
  * outputs of the experts that answered with softmax weights over their
  * scores (moe/client.h's hm_moe_combine formula); experts that did not
  * answer are left out of the softmax. Gradients flow to the gate (through

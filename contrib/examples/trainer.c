@@ -16,13 +16,20 @@
  * hmc_experts_find at start and every --find-every steps, with equal
  * scores and k_best = G0 * G1, so that it returns every live expert; the
  * model then picks its k_best by the gate among those (hm_model_set_
- * available). A forward call succeeds once k_min experts answered (at most
- * --timeout seconds, then --timeout-after-k-min more for the rest); a step
- * with fewer is skipped and counted. The experts step their own optimizer
- * on backward. An expert that did not answer a forward is left out of
- * the gate's choice until the next lookup, so that a stopped or dead host
- * costs one timeout per expert and lookup, not one per step (its DHT
- * declaration outlives it until it expires).
+ * available): per sample by default (--routing sample, each sample its own
+ * k_best, one hmc_experts_forward_routed call with each expert's rows, k_min
+ * per sample, backward only with the rows an expert answered), or for the
+ * whole batch (--routing batch, hmc_experts_forward). --switch is a Switch
+ * layer (model.h). A forward call succeeds once k_min experts answered (at
+ * most --timeout seconds, then --timeout-after-k-min more for the rest); a
+ * step with fewer is skipped and counted. The experts step their own
+ * optimizer on backward. An expert that did not answer a forward is left
+ * out of the gate's choice for --backoff seconds (doubling at each further
+ * silence up to 20 times it, forgiven at its first answer), lookups
+ * included, so that a stopped or dead host costs one timeout per expert
+ * and back-off, not one per step or lookup (its DHT declaration outlives it
+ * by up to a minute); when the back-off runs out the expert is probed by
+ * a routed call with k_min 0, which waits --timeout-after-k-min at most.
  *
  * Averaging with a delayed update. Every --average-every steps (when no
  * round is running) the parameters are copied into a shared buffer and a
