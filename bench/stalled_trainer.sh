@@ -98,7 +98,7 @@ start_daemon() {
         --swarm stalled --log-level info "$@" >"$DIR/$n/stdout" 2>"$DIR/$n/stderr" &
     PID[$n]=$!
     for _ in $(seq 100); do
-        if [ "$(wc -l <"$DIR/$n/stdout" 2>/dev/null || echo 0)" -ge 1 ]; then
+        if [ "$( { wc -l <"$DIR/$n/stdout"; } 2>/dev/null || echo 0)" -ge 1 ]; then
             line="$(head -n 1 "$DIR/$n/stdout")"
             break
         fi

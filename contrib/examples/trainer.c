@@ -870,8 +870,16 @@ int main(int argc, char **argv)
             break;
         }
         if (!found_once || step - last_find >= t.find_every) {
+            uint64_t find_t0 = hm_train_now_us();
             rc = find_experts(&r, m, t.expert_prefix, o.grid);
             last_find = step;
+            double find_s = hm_train_seconds(find_t0);
+            if (found_once && find_s > 0.5) {
+                /* A lookup blocks training: a slow one is worth a line. */
+                printf("lookup t=%.2f step=%zu seconds=%.2f live=%zu status=%s\n",
+                       hm_train_seconds(start), step, find_s, r.n_live, rc >= 0 ? "ok" : "failed");
+                fflush(stdout);
+            }
             if (rc > 0 && !found_once) {
                 printf("experts t=%.2f live=%zu\n", hm_train_seconds(start), r.n_live);
                 if (t.load_state) {
