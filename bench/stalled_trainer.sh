@@ -67,7 +67,7 @@ shift 2 2>/dev/null || shift $#
 BUILD="$(cd "${HM_BUILDDIR:-build}" && pwd)"
 HIVEMINDD="$BUILD/src/hivemindd"
 HIVEMINDCTL="$BUILD/src/hivemindctl"
-TRAINER="$BUILD/contrib/examples/trainer"
+TRAINER="${HM_TRAINER:-$BUILD/contrib/examples/trainer}"  # HM_TRAINER: another build's
 DATA_DIR="${HM_DATA_DIR:-/usr/share/datasets/fashion-mnist}"
 DIR="$(mktemp -d "${TMPDIR:-/tmp}/stalled.XXXXXX")"
 export OPENBLAS_NUM_THREADS=1
