@@ -30,6 +30,8 @@
  * and back-off, not one per step or lookup (its DHT declaration outlives it
  * by up to a minute); when the back-off runs out the expert is probed by
  * a routed call with k_min 0, which waits --timeout-after-k-min at most.
+ * A lookup blocks training for up to --find-timeout (default --timeout);
+ * one that fails keeps the experts of the last.
  *
  * Averaging with a delayed update. Every --average-every steps (when no
  * round is running) the parameters are copied into a shared buffer and a
@@ -99,6 +101,7 @@ struct remote {
     size_t n_live;
     size_t k_min;
     double timeout_s, after_k_min_s;
+    double find_timeout_s; /* --find-timeout: a lookup blocks training this long at most */
     int fatal;            /* the connection is gone */
     size_t calls_failed;
 };
@@ -122,6 +125,7 @@ struct trainer_opts {
     double matchmaking_time_s, averaging_timeout_s; /* --collaborative; 0: the library's */
     int delay_step, local_updates;
     double backoff_s;           /* --backoff: a silent expert's first back-off */
+    double find_timeout_s;      /* --find-timeout, 0: --timeout */
 };
 
 static void usage(FILE *f)
@@ -139,6 +143,8 @@ static void usage(FILE *f)
             "  --backoff S              leave an expert that did not answer out for S seconds,\n"
             "                           doubling at each further silence up to 20 S, lookups\n"
             "                           included (default 15)\n"
+            "  --find-timeout S         a lookup's deadline; the experts found by then are\n"
+            "                           used (default: --timeout)\n"
             "  --average-every N        start an averaging round every N steps (default 100,\n"
             "                           0: never)\n"
             "  --average-prefix P       what the parameters are averaged under\n"
@@ -412,8 +418,8 @@ static int find_experts(struct remote *r, hm_model *m, const char *prefix, const
         result = -ENOMEM;
         goto out;
     }
-    result = hmc_experts_find(r->h, prefix, scores, grid, 2, n, r->timeout_s, out, n, &found,
-                              NULL);
+    result = hmc_experts_find(r->h, prefix, scores, grid, 2, n, r->find_timeout_s, out, n,
+                              &found, NULL);
     if (result < 0) {
         note_failure(r, result, "experts find");
         goto out;
@@ -599,7 +605,7 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
                                         "--share-every", "--state-prefix", "--load-timeout",
                                         "--min-agree", "--target-batch-size",
                                         "--matchmaking-time", "--averaging-timeout",
-                                        "--backoff"};
+                                        "--backoff", "--find-timeout"};
     const size_t count = sizeof(names) / sizeof(names[0]);
     const char *arg = argv[*i], *val = NULL;
     size_t which = count;
@@ -654,14 +660,17 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
             t->average_prefix = val;
         return 1;
     }
-    if (which == 4 || which == 5 || which == 11 || which == 14 || which == 15 || which == 16) {
+    if (which == 4 || which == 5 || which == 11 || which == 14 || which == 15 || which == 16 ||
+        which == 17) {
         double x = strtod(val, &end);
         if (errno != 0 || end == val || *end != '\0' || !(x > 0) || x > 3600) {
             fprintf(stderr, "%s: '%s' is not a number of seconds in (0, 3600]\n", names[which],
                     val);
             return -EINVAL;
         }
-        if (which == 16)
+        if (which == 17)
+            t->find_timeout_s = x;
+        else if (which == 16)
             t->backoff_s = x;
         else if (which == 14)
             t->matchmaking_time_s = x;
@@ -772,6 +781,7 @@ int main(int argc, char **argv)
     r.k_min = t.k_min;
     r.timeout_s = t.timeout_s;
     r.after_k_min_s = t.after_k_min_s;
+    r.find_timeout_s = t.find_timeout_s > 0 ? t.find_timeout_s : t.timeout_s;
     r.by_index = calloc(n_experts, sizeof(hmc_expert));
     r.live = calloc(n_experts, 1);
     r.avail = calloc(n_experts, 1);
