@@ -708,3 +708,30 @@ Test(config, test_delay_rules)
     cr_assert_eq(load(&c, "TestDelay 10.77.1.2=20000\n", err, sizeof(err)), -EINVAL);
     cr_assert(strstr(err, "0 to 10000 ms") != NULL, "%s", err);
 }
+
+/* -- status grids -- */
+Test(config, status_grids_take_utf8_grid_names)
+{
+    hm_config c;
+    char err[256];
+    /* Grid names as expert uids allow them: UTF-8, Hivemind's trailing dot. */
+    cr_assert_eq(load(&c, "StatusGrids ffn,\xc3\xa9tage.,\xe4\xb8\x93\xe5\xae\xb6_1,a-b:c\n", err,
+                      sizeof(err)), 0, "%s", err);
+    cr_assert_str_eq(c.status_grids, "ffn,\xc3\xa9tage.,\xe4\xb8\x93\xe5\xae\xb6_1,a-b:c");
+    static const struct bad_case cases[] = {
+        {"StatusGrids ffn.3.\n", "sub-grid"},
+        {"StatusGrids ffn,,x\n", "1 to 8 grid names"},
+        {"StatusGrids ffn,\n", "trailing comma"},
+        {"StatusGrids .\n", "empty grid name"},
+        {"StatusGrids a,b,c,d,e,f,g,h,i\n", "1 to 8 grid names"},
+        {"StatusGrids bad\xc3(\n", "not UTF-8"},
+        {"StatusGrids over\xc0\xaflong\n", "not UTF-8"},
+        {"StatusGrids c1\xc2\x85x\n", "control character"},
+        {"StatusGrids 0123456789012345678901234567890123456789012345678901234567890123\n",
+         "63 bytes"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        cr_assert_eq(load(&c, cases[i].text, err, sizeof(err)), -EINVAL, "%s", cases[i].text);
+        cr_assert(strstr(err, cases[i].expect) != NULL, "'%s': got '%s'", cases[i].text, err);
+    }
+}

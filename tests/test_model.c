@@ -96,12 +96,13 @@ static double loss_of(struct fixture *f, const float *x, const uint8_t *y, size_
     cr_assert_eq(hm_model_forward(f->m, &f->ex, x, y, batch, NULL, &r), 0);
     if (res != NULL)
         *res = r;
-    return r.loss;
+    /* The objective the gradient is of (the balancing loss is 0 but for a Switch layer). */
+    return r.loss + hm_model_config_of(f->m)->balance_weight * r.balancing_loss;
 }
 
 static int same_choice(const hm_model_result *a, const hm_model_result *b)
 {
-    if (a->k != b->k)
+    if (a->k != b->k || a->route_sig != b->route_sig)
         return 0;
     for (size_t e = 0; e < a->k; e++)
         if (a->chosen[e] != b->chosen[e] || a->answered[e] != b->answered[e])
@@ -145,21 +146,22 @@ static const hm_model_config small_cfg = {
     .in_dim = 10, .dim = 6, .n_classes = 4, .grid = {2, 3}, .k_best = 3, .max_batch = 8,
     .optimizer = HM_MODEL_ADAM, .seed = 7};
 
-static void gradient_check(const uint8_t *dead_mask)
+static void gradient_check_cfg(const hm_model_config *cfg, const uint8_t *dead_mask)
 {
     struct fixture f;
     struct rng r = {42};
     const size_t batch = 6;
-    fixture_init(&f, &small_cfg, HM_FFN_ADAM, 0);
+    const hm_model_config mc = *cfg;
+    fixture_init(&f, &mc, HM_FFN_ADAM, 0);
     if (dead_mask != NULL)
         memcpy(f.dead, dead_mask, f.n);
-    float *x = xmalloc(batch * small_cfg.in_dim * sizeof(float));
-    float *gx = xmalloc(batch * small_cfg.in_dim * sizeof(float));
+    float *x = xmalloc(batch * mc.in_dim * sizeof(float));
+    float *gx = xmalloc(batch * mc.in_dim * sizeof(float));
     uint8_t y[6];
-    for (size_t i = 0; i < batch * small_cfg.in_dim; i++)
+    for (size_t i = 0; i < batch * mc.in_dim; i++)
         x[i] = (float)(2.0 * rng_unit(&r) - 1.0);
     for (size_t b = 0; b < batch; b++)
-        y[b] = (uint8_t)(rng_next(&r) % small_cfg.n_classes);
+        y[b] = (uint8_t)(rng_next(&r) % mc.n_classes);
     /* Larger gate weights make the softmax over experts matter. */
     float *p = hm_model_params(f.m);
     size_t np = hm_model_nparams(f.m);
@@ -168,11 +170,12 @@ static void gradient_check(const uint8_t *dead_mask)
 
     hm_model_result base;
     cr_assert_eq(hm_model_backward(f.m, &f.ex, x, y, batch, gx, &base), 0);
-    cr_assert_eq(base.k, 3);
+    if (mc.routing == HM_MODEL_ROUTE_BATCH && !mc.switch_layer)
+        cr_assert_eq(base.k, 3);
     if (dead_mask != NULL)
         cr_assert_lt(base.n_answered, base.k, "the dead expert was not among those chosen");
     else
-        cr_assert_eq(base.n_answered, 3);
+        cr_assert_eq(base.n_answered, base.k);
     cr_assert_eq(base.n_answered_backward, base.n_answered);
     float *g = xmalloc(np * sizeof(float));
     memcpy(g, hm_model_grad(f.m), np * sizeof(float));
@@ -181,21 +184,26 @@ static void gradient_check(const uint8_t *dead_mask)
     double err = fd_check(&f, p, g, np, x, y, batch, &base, "params");
     cr_log_info("parameter gradient: relative error %g", err);
     cr_expect_lt(err, 0.02, "parameter gradient relative error %g", err);
-    err = fd_check(&f, x, gx, batch * small_cfg.in_dim, x, y, batch, &base, "input");
+    err = fd_check(&f, x, gx, batch * mc.in_dim, x, y, batch, &base, "input");
     cr_log_info("input gradient: relative error %g", err);
     cr_expect_lt(err, 0.02, "input gradient relative error %g", err);
 
     /* The gate's own block gets a gradient only through the mixture; it
      * must be nonzero, or the check above would not have tested it. */
     double gate = 0;
-    size_t o_wgate = small_cfg.dim * small_cfg.in_dim + small_cfg.dim;
-    for (size_t i = 0; i < (small_cfg.grid[0] + small_cfg.grid[1]) * small_cfg.dim; i++)
+    size_t o_wgate = mc.dim * mc.in_dim + mc.dim;
+    for (size_t i = 0; i < (mc.grid[0] + mc.grid[1]) * mc.dim; i++)
         gate += fabs(g[o_wgate + i]);
     cr_expect_gt(gate, 1e-4);
     free(g);
     free(gx);
     free(x);
     fixture_free(&f);
+}
+
+static void gradient_check(const uint8_t *dead_mask)
+{
+    gradient_check_cfg(&small_cfg, dead_mask);
 }
 
 /* ---- gradients ---- */
@@ -457,4 +465,274 @@ Test(model, training_with_dead_experts, .timeout = 120)
     hm_idx_images_free(&te);
     hm_idx_labels_free(&trl);
     hm_idx_labels_free(&tel);
+}
+
+/* ---- per-sample routing and the Switch layer ---- */
+
+static hm_model_config sample_cfg(void)
+{
+    hm_model_config c = small_cfg;
+    c.routing = HM_MODEL_ROUTE_SAMPLE;
+    c.k_best = 2;
+    return c;
+}
+
+static hm_model_config switch_cfg(double balance_weight, double jitter)
+{
+    hm_model_config c = small_cfg;
+    c.switch_layer = 1;
+    c.routing = HM_MODEL_ROUTE_SAMPLE;
+    c.k_best = 1;
+    c.balance_weight = balance_weight;
+    c.jitter_eps = jitter;
+    return c;
+}
+
+Test(model, per_sample_gradients_match_finite_differences)
+{
+    hm_model_config c = sample_cfg();
+    gradient_check_cfg(&c, NULL);
+}
+
+Test(model, per_sample_gradients_with_a_dead_expert)
+{
+    hm_model_config c = sample_cfg();
+    uint8_t dead[6] = {0};
+    /* Experts 0 and 4 are among those the batch is routed to (the check asserts it). */
+    dead[0] = 1;
+    dead[4] = 1;
+    gradient_check_cfg(&c, dead);
+}
+
+Test(model, switch_gradients_match_finite_differences)
+{
+    /* A large factor, so that the balancing loss's share of the gradient is checked too. */
+    hm_model_config c = switch_cfg(1.0, 0);
+    gradient_check_cfg(&c, NULL);
+}
+
+/* Independent of the model: n_experts * sum_e f_e * P_e as its definition reads. */
+static double balancing_by_definition(const size_t *grid, const float *s, size_t batch,
+                                      const int32_t *first)
+{
+    size_t G0 = grid[0], G1 = grid[1], N = G0 * G1, S = G0 + G1;
+    double loss = 0;
+    for (size_t e = 0; e < N; e++) {
+        double f = 0, P = 0;
+        for (size_t b = 0; b < batch; b++) {
+            f += first[b] == (int32_t)e ? 1.0 / (double)batch : 0.0;
+            double z0 = 0, z1 = 0;
+            for (size_t i = 0; i < G0; i++)
+                z0 += exp(s[b * S + i]);
+            for (size_t j = 0; j < G1; j++)
+                z1 += exp(s[b * S + G0 + j]);
+            P += exp(s[b * S + e / G1]) / z0 * exp(s[b * S + G0 + e % G1]) / z1 / (double)batch;
+        }
+        loss += f * P;
+    }
+    return (double)N * loss;
+}
+
+Test(model, balancing_loss_matches_its_definition_and_its_gradient)
+{
+    const size_t grid[2] = {3, 4}, S = 7, batch = 10;
+    struct rng r = {11};
+    float s[10 * 7], gs[10 * 7];
+    int32_t first[10];
+    for (size_t i = 0; i < batch * S; i++)
+        s[i] = (float)(3.0 * rng_unit(&r) - 1.5);
+    /* Concentrated on two experts, one sample without any. */
+    for (size_t b = 0; b < batch; b++)
+        first[b] = b == 9 ? -1 : (b < 6 ? 5 : 11);
+    double l = hm_model_balancing_loss(grid, s, batch, first, gs);
+    double def = balancing_by_definition(grid, s, batch, first);
+    cr_assert_float_eq(l, def, 1e-9 * fabs(def) + 1e-12, "loss %g, by its definition %g", l, def);
+    cr_assert(isnan(hm_model_balancing_loss(grid, s, 0, first, NULL)));
+
+    /* Central differences of the loss in each score, routes held. */
+    double num = 0, den = 0, gnorm = 0;
+    for (size_t i = 0; i < batch * S; i++) {
+        float old = s[i];
+        const float eps = 1e-2f;
+        s[i] = old + eps;
+        double lp = hm_model_balancing_loss(grid, s, batch, first, NULL);
+        s[i] = old - eps;
+        double lm = hm_model_balancing_loss(grid, s, batch, first, NULL);
+        s[i] = old;
+        double fd = (lp - lm) / (2.0 * eps);
+        num += (fd - gs[i]) * (fd - gs[i]);
+        den += (double)gs[i] * gs[i];
+        gnorm += fabs(gs[i]);
+    }
+    cr_assert_gt(gnorm, 1e-3, "the balancing loss has no gradient in the gate's scores");
+    double err = sqrt(num / den);
+    cr_log_info("balancing loss gradient: relative error %g", err);
+    cr_expect_lt(err, 0.01, "relative error %g", err);
+
+    /* Uniform routing and uniform scores give exactly 1. */
+    float zero[12 * 7] = {0};
+    int32_t each[12];
+    for (size_t b = 0; b < 12; b++)
+        each[b] = (int32_t)b;
+    cr_assert_float_eq(hm_model_balancing_loss(grid, zero, 12, each, NULL), 1.0, 1e-6);
+}
+
+Test(model, switch_balancing_loss_reaches_the_gate)
+{
+    /* The model's gate gradient with the balancing term alone (no task
+     * loss would be exact zero, so compare weight 1 against weight 0). */
+    struct rng r = {3};
+    const size_t batch = 8;
+    float x[8 * 10];
+    uint8_t y[8];
+    for (size_t i = 0; i < ARRAY_LEN(x); i++)
+        x[i] = (float)(2.0 * rng_unit(&r) - 1.0);
+    for (size_t b = 0; b < batch; b++)
+        y[b] = (uint8_t)(rng_next(&r) % small_cfg.n_classes);
+    size_t o_wgate = small_cfg.dim * small_cfg.in_dim + small_cfg.dim;
+    size_t n_gate = (small_cfg.grid[0] + small_cfg.grid[1]) * (small_cfg.dim + 1);
+    float g[2][(2 + 3) * (6 + 1)];
+    hm_model_result res[2];
+    for (int w = 0; w < 2; w++) {
+        hm_model_config c = switch_cfg(w, 0);
+        struct fixture f;
+        fixture_init(&f, &c, HM_FFN_ADAM, 0);
+        cr_assert_eq(hm_model_backward(f.m, &f.ex, x, y, batch, NULL, &res[w]), 0);
+        memcpy(g[w], hm_model_grad(f.m) + o_wgate, n_gate * sizeof(float));
+        fixture_free(&f);
+    }
+    cr_assert_eq(res[0].route_sig, res[1].route_sig);
+    cr_assert_float_eq(res[0].balancing_loss, res[1].balancing_loss, 1e-12);
+    cr_assert_geq(res[0].balancing_loss, 1.0 - 1e-6, "n * sum f P is at least 1 for one route each");
+    double diff = 0;
+    for (size_t i = 0; i < n_gate; i++)
+        diff += fabs(g[1][i] - g[0][i]);
+    cr_assert_gt(diff, 1e-4, "the balancing loss does not move the gate");
+}
+
+/* Experts whose forward answers and whose backward records the routes it got. */
+struct spy {
+    hm_model_experts inner;
+    size_t silent;          /* this flat expert never answers forward */
+    int32_t broutes[8 * 2];
+    size_t bexperts[6], bn, slots, batch;
+    int called;
+};
+
+static int spy_forward(void *ud, const size_t *experts, size_t n, const int32_t *routes,
+                       size_t slots, const float *h, size_t batch, size_t dim, int allow_zero,
+                       float *y_out, uint8_t *answered)
+{
+    struct spy *sp = ud;
+    int r = sp->inner.forward_routed(sp->inner.ud, experts, n, routes, slots, h, batch, dim,
+                                     allow_zero, y_out, answered);
+    for (size_t i = 0; i < n; i++)
+        if (experts[i] == sp->silent)
+            answered[i] = 0;
+    return r;
+}
+
+static int spy_backward(void *ud, const size_t *experts, size_t n, const int32_t *routes,
+                        size_t slots, const float *h, const float *gy, size_t batch, size_t dim,
+                        int allow_zero, float *gh_out, uint8_t *answered)
+{
+    struct spy *sp = ud;
+    sp->called = 1;
+    sp->bn = n;
+    sp->slots = slots;
+    sp->batch = batch;
+    memcpy(sp->bexperts, experts, n * sizeof(size_t));
+    memcpy(sp->broutes, routes, batch * slots * sizeof(int32_t));
+    return sp->inner.backward_routed(sp->inner.ud, experts, n, routes, slots, h, gy, batch, dim,
+                                     allow_zero, gh_out, answered);
+}
+
+Test(model, per_sample_routes_each_sample_and_backward_skips_the_silent)
+{
+    hm_model_config c = sample_cfg();
+    struct fixture f;
+    struct rng r = {9};
+    fixture_init(&f, &c, HM_FFN_ADAM, 1);
+    float x[8 * 10];
+    uint8_t y[8];
+    for (size_t i = 0; i < ARRAY_LEN(x); i++)
+        x[i] = (float)(4.0 * rng_unit(&r) - 2.0);
+    for (size_t b = 0; b < 8; b++)
+        y[b] = (uint8_t)(rng_next(&r) % c.n_classes);
+    float *p = hm_model_params(f.m);
+    for (size_t i = 0; i < hm_model_nparams(f.m); i++)
+        p[i] *= 3.0f;
+    hm_model_result res;
+    loss_of(&f, x, y, 8, &res);
+    /* Samples differ: the batch uses more experts than one sample's k_best. */
+    cr_assert_gt(res.n_routed, c.k_best, "every sample went to the same experts");
+    cr_assert_eq(res.n_answered, res.n_routed);
+
+    struct spy sp = {.inner = f.ex, .silent = res.chosen[0]};
+    hm_model_experts ex = {.ud = &sp, .forward_routed = spy_forward,
+                           .backward_routed = spy_backward};
+    hm_model_result br;
+    uint64_t steps_before = hm_ffn_steps(f.experts[sp.silent]);
+    cr_assert_eq(hm_model_backward(f.m, &ex, x, y, 8, NULL, &br), 0);
+    cr_assert(sp.called);
+    cr_assert_eq(sp.slots, c.k_best);
+    cr_assert_eq(br.n_answered, br.n_routed - 1);
+    cr_assert_eq(br.n_answered_backward, br.n_answered);
+    size_t silent_idx = SIZE_MAX, rows = 0;
+    for (size_t i = 0; i < sp.bn; i++)
+        if (sp.bexperts[i] == sp.silent)
+            silent_idx = i;
+    cr_assert_neq(silent_idx, SIZE_MAX);
+    for (size_t i = 0; i < sp.batch * sp.slots; i++) {
+        cr_assert_neq(sp.broutes[i], (int32_t)silent_idx, "backward got the silent expert's row");
+        rows += sp.broutes[i] >= 0;
+    }
+    cr_assert_gt(rows, 0);
+    /* The silent expert got no backward, so it did not step. */
+    cr_assert_eq(hm_ffn_steps(f.experts[sp.silent]), steps_before);
+
+    /* Per-sample routing needs the routed calls. */
+    hm_model_experts plain = {.ud = f.ex.ud, .forward = f.ex.forward, .backward = f.ex.backward};
+    cr_assert_eq(hm_model_forward(f.m, &plain, x, y, 8, NULL, &res), -EINVAL);
+    fixture_free(&f);
+
+    /* A Switch layer needs k_best 1 and a jitter below 1. */
+    hm_model *m = NULL;
+    hm_model_config bad = switch_cfg(0.01, 0.01);
+    bad.k_best = 2;
+    cr_assert_eq(hm_model_new(&bad, &m), -EINVAL);
+    bad = switch_cfg(0.01, 1.0);
+    cr_assert_eq(hm_model_new(&bad, &m), -EINVAL);
+}
+
+Test(model, switch_zeroes_unanswered_samples_and_jitters_only_in_training)
+{
+    hm_model_config c = switch_cfg(0.01, 0.1);
+    struct fixture f;
+    struct rng r = {21};
+    fixture_init(&f, &c, HM_FFN_ADAM, 0);
+    float x[8 * 10];
+    uint8_t y[8];
+    for (size_t i = 0; i < ARRAY_LEN(x); i++)
+        x[i] = (float)(2.0 * rng_unit(&r) - 1.0);
+    for (size_t b = 0; b < 8; b++)
+        y[b] = (uint8_t)(rng_next(&r) % c.n_classes);
+    hm_model_result a, b2;
+    double l0 = loss_of(&f, x, y, 8, &a);
+    cr_assert_float_eq(loss_of(&f, x, y, 8, &b2), l0, 1e-12, "evaluation is not deterministic");
+    /* Training draws new noise each step: two gradients at the same
+     * parameters differ (the experts do not step here). */
+    size_t np = hm_model_nparams(f.m);
+    float *g0 = xmalloc(np * sizeof(float));
+    cr_assert_eq(hm_model_backward(f.m, &f.ex, x, y, 8, NULL, &a), 0);
+    memcpy(g0, hm_model_grad(f.m), np * sizeof(float));
+    cr_assert_eq(hm_model_backward(f.m, &f.ex, x, y, 8, NULL, &b2), 0);
+    cr_assert_neq(memcmp(g0, hm_model_grad(f.m), np * sizeof(float)), 0);
+    free(g0);
+    /* Every expert silent: a Switch layer still runs, each sample's mixture zeros. */
+    memset(f.dead, 1, f.n);
+    cr_assert_eq(hm_model_forward(f.m, &f.ex, x, y, 8, NULL, &a), 0);
+    cr_assert_eq(a.n_answered, 0);
+    cr_assert(isfinite(a.loss));
+    fixture_free(&f);
 }

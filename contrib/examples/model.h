@@ -12,9 +12,10 @@
  * The mixture layer follows Hivemind's RemoteMixtureOfExperts on a 2-D
  * grid of G0 x G1 experts (uid PREFIX.i.j): the gate scores each grid
  * coordinate, an expert's score is the sum of its two coordinates' scores,
- * and the whole batch goes to the k_best experts with the highest score
- * averaged over the batch (a batch-level choice, so each chosen expert is
- * called once per step with the whole batch). Each sample mixes the
+ * and with per-batch routing the whole batch goes to the k_best experts
+ * with the highest score averaged over the batch (each chosen expert is
+ * called once per step with the whole batch; per-sample routing and the
+ * Switch layer: see "Routing" below). Each sample mixes the
  * outputs of the experts that answered with softmax weights over their
  * scores (moe/client.h's hm_moe_combine formula); experts that did not
  * answer are left out of the softmax. Gradients flow to the gate (through
@@ -63,7 +64,37 @@ typedef struct hm_model_config {
     double momentum;  /* SGD only, 0: none */
     double beta1, beta2, eps; /* Adam, 0: 0.9, 0.999, 1e-8 */
     uint64_t seed;    /* initial weights are a deterministic function of it */
+    /* -- routing options -- */
+    int routing;      /* enum hm_model_routing (0: per batch) */
+    int switch_layer; /* a Switch layer: per sample, k_best 1 (see below) */
+    double balance_weight; /* Switch: the balancing loss's factor in the objective */
+    double jitter_eps;     /* Switch: gate input noise in training, [0, 1) */
 } hm_model_config;
+
+/*
+ * Routing. HM_MODEL_ROUTE_BATCH: the whole batch goes to the k_best
+ * experts of the best mean score, as above. HM_MODEL_ROUTE_SAMPLE
+ * (Hivemind's RemoteMixtureOfExperts): each sample goes to the k_best
+ * available experts of its own best scores s[i] + s[G0 + j] (an exact
+ * top-k, which the DHT's beam search approximates), every chosen expert
+ * gets one call with the rows routed to it (hm_model_experts'
+ * forward_routed), each sample mixes the experts that answered for it
+ * with softmax weights over their scores, and backward goes to each
+ * expert only with the rows it answered (backward_routed).
+ *
+ * A Switch layer (Fedus et al., 2021; switch_layer != 0, routed per
+ * sample, k_best must be 1) as contrib/python's RemoteSwitchMixtureOfExperts:
+ * sample b goes to its best expert e_b, and its mixture is
+ * p_b(e_b) * y_b with p_b(e) = prod_d softmax(s_bd)[e_d], or zeros when
+ * e_b did not answer. The balancing loss n_experts * sum_e f_e * P_e (f_e
+ * the fraction of the batch routed to e, constant in the backward; P_e the
+ * batch mean of p_b(e)) is 1 for a uniform routing and grows as it
+ * concentrates; the gradient is that of loss + balance_weight *
+ * balancing_loss. In training (hm_model_backward) the gate's input is
+ * multiplied by uniform noise in [1 - jitter_eps, 1 + jitter_eps]; the
+ * experts get h as it is.
+ */
+enum hm_model_routing { HM_MODEL_ROUTE_BATCH = 0, HM_MODEL_ROUTE_SAMPLE = 1 };
 
 /*
  * The experts. Indices are flat grid positions e = i * G1 + j. Buffers are
@@ -86,6 +117,22 @@ typedef struct hm_model_experts {
                    size_t dim, float *y_out, uint8_t *answered);
     int (*backward)(void *ud, const size_t *experts, size_t k, const float *h, const float *gy,
                     size_t batch, size_t dim, float *gh_out, uint8_t *answered);
+    /*
+     * Per-sample routing (NULL: the model refuses it with -EINVAL).
+     * experts[0..n): the distinct experts the batch is routed to; routes:
+     * [batch, slots] int32, indices into experts or -1; y_out and gh_out
+     * [batch, slots, dim], slot j of sample b the expert routes[b*slots+j]
+     * on h[b]; answered[n] as above, per expert. allow_zero: a sample may
+     * end with no answer (a Switch layer). backward gets routes with -1
+     * for the experts that did not answer forward, and an expert whose
+     * rows all are -1 need not be called.
+     */
+    int (*forward_routed)(void *ud, const size_t *experts, size_t n, const int32_t *routes,
+                          size_t slots, const float *h, size_t batch, size_t dim,
+                          int allow_zero, float *y_out, uint8_t *answered);
+    int (*backward_routed)(void *ud, const size_t *experts, size_t n, const int32_t *routes,
+                           size_t slots, const float *h, const float *gy, size_t batch,
+                           size_t dim, int allow_zero, float *gh_out, uint8_t *answered);
 } hm_model_experts;
 
 /* What one forward (and backward) did. */
@@ -97,6 +144,12 @@ typedef struct hm_model_result {
     uint8_t answered[HM_MODEL_MAX_K];  /* forward */
     size_t n_answered;                 /* forward */
     size_t n_answered_backward;
+    /* -- per-sample routing -- (k, chosen and answered then hold the first
+     * HM_MODEL_MAX_K of the n_routed distinct experts; n_answered and
+     * n_answered_backward count all of them) */
+    size_t n_routed;
+    double balancing_loss;             /* Switch, else 0 */
+    uint64_t route_sig;                /* a hash of the routes and answers */
 } hm_model_result;
 
 typedef struct hm_model hm_model;
@@ -161,5 +214,14 @@ typedef struct hm_model_local_experts {
 } hm_model_local_experts;
 
 void hm_model_local_experts_bind(hm_model_local_experts *le, hm_model_experts *out);
+
+/*
+ * The balancing loss of a Switch layer on its own: s [batch, G0 + G1] the
+ * gate's scores, first[b] the flat index of sample b's expert (-1: none).
+ * Returns n_experts * sum_e f_e * P_e; gs_out ([batch, G0 + G1], may be
+ * NULL) gets its gradient with respect to s, f held constant.
+ */
+double hm_model_balancing_loss(const size_t *grid, const float *s, size_t batch,
+                               const int32_t *first, float *gs_out);
 
 #endif

@@ -26,7 +26,15 @@ const char hm_train_common_usage[] =
     "  --print-every N    a train line every N steps (default 100)\n"
     "  --seed S           initial weights and batch order (default 1)\n"
     "  --data DIR         Fashion-MNIST files (default /usr/share/datasets/fashion-mnist)\n"
-    "  --train-limit N    use the first N training images only (default: all)\n";
+    "  --train-limit N    use the first N training images only (default: all)\n"
+    "  --routing R        sample: each sample goes to its own k_best experts (default);\n"
+    "                     batch: the whole batch to the k_best of the best mean score\n"
+    "  --switch           a Switch layer: each sample to its one best expert, output\n"
+    "                     scaled by the gate's probability, zeros when it did not answer,\n"
+    "                     and a load-balancing loss (implies --routing sample, k_best 1)\n"
+    "  --balance-weight W --switch: the balancing loss's factor (default 0.01)\n"
+    "  --jitter EPS       --switch: the gate's input times uniform noise in\n"
+    "                     [1-EPS, 1+EPS] in training (default 0.01)\n";
 
 void hm_train_opts_default(hm_train_opts *o)
 {
@@ -40,6 +48,9 @@ void hm_train_opts_default(hm_train_opts *o)
     o->print_every = 100;
     o->seed = 1;
     o->data = "/usr/share/datasets/fashion-mnist";
+    o->routing = HM_MODEL_ROUTE_SAMPLE;
+    o->balance_weight = 0.01;
+    o->jitter_eps = 0.01;
 }
 
 static int parse_size(const char *name, const char *v, size_t max, size_t *out)
@@ -73,8 +84,13 @@ int hm_train_opt(hm_train_opts *o, int argc, char **argv, int *i)
     static const char *const names[] = {"--steps", "--time-limit", "--batch", "--dim",
                                         "--hidden", "--experts", "--k-best", "--lr",
                                         "--eval-every", "--print-every", "--seed", "--data",
-                                        "--train-limit"};
+                                        "--train-limit", "--routing", "--balance-weight",
+                                        "--jitter"};
     const char *arg = argv[*i];
+    if (strcmp(arg, "--switch") == 0) {
+        o->switch_layer = 1;
+        return 1;
+    }
     size_t which = sizeof(names) / sizeof(names[0]);
     const char *val = NULL;
     for (size_t n = 0; n < sizeof(names) / sizeof(names[0]); n++) {
@@ -144,6 +160,24 @@ int hm_train_opt(hm_train_opts *o, int argc, char **argv, int *i)
         return 1;
     case 12:
         return parse_size(name, val, HM_IDX_MAX_ITEMS, &o->train_limit) < 0 ? -EINVAL : 1;
+    case 13:
+        if (strcmp(val, "sample") == 0)
+            o->routing = HM_MODEL_ROUTE_SAMPLE;
+        else if (strcmp(val, "batch") == 0)
+            o->routing = HM_MODEL_ROUTE_BATCH;
+        else {
+            fprintf(stderr, "--routing: '%s' is neither sample nor batch\n", val);
+            return -EINVAL;
+        }
+        return 1;
+    case 14:
+        return parse_double(name, val, &o->balance_weight) < 0 ? -EINVAL : 1;
+    case 15:
+        if (parse_double(name, val, &o->jitter_eps) < 0 || o->jitter_eps >= 1) {
+            fprintf(stderr, "--jitter must be in [0, 1)\n");
+            return -EINVAL;
+        }
+        return 1;
     }
     return 0;
 }
@@ -158,7 +192,15 @@ int hm_train_opts_check(const hm_train_opts *o)
         fprintf(stderr, "--batch and --dim must be at least 1\n");
         return -EINVAL;
     }
-    if (o->k_best < 1 || o->k_best > o->grid[0] * o->grid[1]) {
+    if (o->switch_layer && o->routing == HM_MODEL_ROUTE_BATCH) {
+        fprintf(stderr, "--switch routes per sample: it does not go with --routing batch\n");
+        return -EINVAL;
+    }
+    if (!o->switch_layer && o->k_best < 1) {
+        fprintf(stderr, "--k-best must be at least 1\n");
+        return -EINVAL;
+    }
+    if (!o->switch_layer && o->k_best > o->grid[0] * o->grid[1]) {
         fprintf(stderr, "--k-best must be in 1..%zu for a %zux%zu grid\n",
                 o->grid[0] * o->grid[1], o->grid[0], o->grid[1]);
         return -EINVAL;
@@ -174,11 +216,22 @@ void hm_train_model_config(const hm_train_opts *o, hm_model_config *mc)
     mc->n_classes = 10;
     mc->grid[0] = o->grid[0];
     mc->grid[1] = o->grid[1];
-    mc->k_best = o->k_best;
+    mc->k_best = o->switch_layer ? 1 : o->k_best;
     mc->max_batch = o->batch;
+    mc->routing = o->switch_layer ? HM_MODEL_ROUTE_SAMPLE : o->routing;
+    mc->switch_layer = o->switch_layer;
+    mc->balance_weight = o->switch_layer ? o->balance_weight : 0;
+    mc->jitter_eps = o->switch_layer ? o->jitter_eps : 0;
     mc->optimizer = HM_MODEL_ADAM;
     mc->lr = o->lr;
     mc->seed = o->seed;
+}
+
+const char *hm_train_routing_name(const hm_train_opts *o)
+{
+    if (o->switch_layer)
+        return "switch";
+    return o->routing == HM_MODEL_ROUTE_SAMPLE ? "sample" : "batch";
 }
 
 static uint64_t rng_next(uint64_t *s)

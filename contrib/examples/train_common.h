@@ -36,6 +36,11 @@ typedef struct hm_train_opts {
     double lr;           /* --lr: for the local parameters and local experts (0: Adam's 1e-3) */
     const char *data;    /* --data DIR */
     size_t train_limit;  /* --train-limit N: use only the first N training items (0: all) */
+    /* -- routing options -- */
+    int routing;           /* --routing sample|batch (default sample), enum hm_model_routing */
+    int switch_layer;      /* --switch: a Switch layer (per sample, k_best 1) */
+    double balance_weight; /* --balance-weight W: the Switch's balancing loss factor (0.01) */
+    double jitter_eps;     /* --jitter EPS: the Switch's gate input noise (0.01) */
 } hm_train_opts;
 
 void hm_train_opts_default(hm_train_opts *o);
@@ -54,6 +59,8 @@ extern const char hm_train_common_usage[];
 
 /* The model config the options describe. */
 void hm_train_model_config(const hm_train_opts *o, hm_model_config *mc);
+/* "sample", "batch" or "switch", for the config line. */
+const char *hm_train_routing_name(const hm_train_opts *o);
 
 typedef struct hm_train_data {
     hm_idx_images train, test;

@@ -94,13 +94,14 @@ int main(int argc, char **argv)
     hm_model_local_experts_bind(&le, &ex);
 
     printf("config batch=%zu dim=%zu hidden=%zu experts=%zux%zu k_best=%zu params=%zu "
-           "expert_params=%zu train=%zu test=%zu\n",
-           o.batch, o.dim, hm_ffn_config_of(experts[0])->hidden, o.grid[0], o.grid[1], o.k_best,
-           hm_model_nparams(m), hm_ffn_nparams(experts[0]), d.train.n, d.test.n);
+           "expert_params=%zu train=%zu test=%zu routing=%s\n",
+           o.batch, o.dim, hm_ffn_config_of(experts[0])->hidden, o.grid[0], o.grid[1], mc.k_best,
+           hm_model_nparams(m), hm_ffn_nparams(experts[0]), d.train.n, d.test.n,
+           hm_train_routing_name(&o));
     fflush(stdout);
 
     uint64_t start = hm_train_now_us();
-    double last_t = 0, loss_sum = 0, acc = -1;
+    double last_t = 0, loss_sum = 0, bal_sum = 0, acc = -1;
     size_t step = 0, since = 0, failed = 0;
     const char *reason = "steps";
     for (;;) {
@@ -128,13 +129,18 @@ int main(int argc, char **argv)
         step++;
         since++;
         loss_sum += res.loss;
+        bal_sum += res.balancing_loss;
         if (step % o.print_every == 0) {
             double t = hm_train_seconds(start);
-            printf("train t=%.2f step=%zu loss=%.4f sps=%.1f\n", t, step, loss_sum / since,
-                   (double)(since * o.batch) / (t - last_t));
+            char bal[48] = "";
+            if (o.switch_layer)
+                snprintf(bal, sizeof(bal), " balance=%.4f", bal_sum / since);
+            printf("train t=%.2f step=%zu loss=%.4f sps=%.1f%s\n", t, step, loss_sum / since,
+                   (double)(since * o.batch) / (t - last_t), bal);
             fflush(stdout);
             last_t = t;
             loss_sum = 0;
+            bal_sum = 0;
             since = 0;
         }
         if (o.eval_every != 0 && step % o.eval_every == 0) {

@@ -16,13 +16,22 @@
  * hmc_experts_find at start and every --find-every steps, with equal
  * scores and k_best = G0 * G1, so that it returns every live expert; the
  * model then picks its k_best by the gate among those (hm_model_set_
- * available). A forward call succeeds once k_min experts answered (at most
- * --timeout seconds, then --timeout-after-k-min more for the rest); a step
- * with fewer is skipped and counted. The experts step their own optimizer
- * on backward. An expert that did not answer a forward is left out of
- * the gate's choice until the next lookup, so that a stopped or dead host
- * costs one timeout per expert and lookup, not one per step (its DHT
- * declaration outlives it until it expires).
+ * available): per sample by default (--routing sample, each sample its own
+ * k_best, one hmc_experts_forward_routed call with each expert's rows, k_min
+ * per sample, backward only with the rows an expert answered), or for the
+ * whole batch (--routing batch, hmc_experts_forward). --switch is a Switch
+ * layer (model.h). A forward call succeeds once k_min experts answered (at
+ * most --timeout seconds, then --timeout-after-k-min more for the rest); a
+ * step with fewer is skipped and counted. The experts step their own
+ * optimizer on backward. An expert that did not answer a forward is left
+ * out of the gate's choice for --backoff seconds (doubling at each further
+ * silence up to 20 times it, forgiven at its first answer), lookups
+ * included, so that a stopped or dead host costs one timeout per expert
+ * and back-off, not one per step or lookup (its DHT declaration outlives it
+ * by up to a minute); when the back-off runs out the expert is probed by
+ * a routed call with k_min 0, which waits --timeout-after-k-min at most.
+ * A lookup blocks training for up to --find-timeout (default --timeout);
+ * one that fails keeps the experts of the last.
  *
  * Averaging with a delayed update. Every --average-every steps (when no
  * round is running) the parameters are copied into a shared buffer and a
@@ -93,6 +102,12 @@
 struct remote {
     hmc *h;
     hmc_buf *xb, *yb, *gyb, *gxb;
+    hmc_buf *rb;          /* per-sample routes, [batch, k_best] int32 */
+    hmc_expert *rlist;    /* [G0 * G1]: a routed call's experts */
+    int *rans;            /* [G0 * G1]: their answers */
+    uint64_t *out_until;  /* [G0 * G1]: a silent expert is left out until then (us) */
+    uint64_t *out_period; /* [G0 * G1]: its back-off (us), 0: in good standing */
+    uint64_t backoff_us;  /* --backoff: the first back-off, doubled to 20 times it */
     size_t G1;
     hmc_expert *by_index; /* [G0 * G1]: found experts at their grid index */
     uint8_t *live;        /* [G0 * G1]: found in the last lookup */
@@ -103,6 +118,7 @@ struct remote {
     size_t n_live;
     size_t k_min;
     double timeout_s, after_k_min_s;
+    double find_timeout_s; /* --find-timeout: a lookup blocks training this long at most */
     int fatal;            /* the connection is gone */
     size_t calls_failed;
 };
@@ -125,6 +141,8 @@ struct trainer_opts {
     size_t target_batch_size;
     double matchmaking_time_s, averaging_timeout_s; /* --collaborative; 0: the library's */
     int delay_step, local_updates;
+    double backoff_s;           /* --backoff: a silent expert's first back-off */
+    double find_timeout_s;      /* --find-timeout, 0: --timeout */
     /* -- DiLoCo options -- */
     int diloco;                 /* train through hmc_diloco_* instead */
     unsigned inner_steps;       /* H */
@@ -146,6 +164,11 @@ static void usage(FILE *f)
             "  --timeout S              expert call timeout in seconds (default 5)\n"
             "  --timeout-after-k-min S  wait for the rest after k_min answered (default 1)\n"
             "  --find-every N           look the grid up again every N steps (default 200)\n"
+            "  --backoff S              leave an expert that did not answer out for S seconds,\n"
+            "                           doubling at each further silence up to 20 S, lookups\n"
+            "                           included (default 15)\n"
+            "  --find-timeout S         a lookup's deadline (default: --timeout); one that\n"
+            "                           fails keeps the last lookup's experts\n"
             "  --average-every N        start an averaging round every N steps (default 100,\n"
             "                           0: never)\n"
             "  --average-prefix P       what the parameters are averaged under\n"
@@ -220,15 +243,52 @@ static int note_failure(struct remote *r, int rc, const char *what)
     return rc;
 }
 
-/* Leaves the experts that did not answer out until the next lookup. */
+/*
+ * Leaves the experts that did not answer out of the gate's choice for a
+ * back-off (--backoff, doubling at each further silence up to 20 times
+ * it), lookups included: a stopped host's declarations outlive it by a
+ * minute, and each lookup that brought its experts back would cost a
+ * timeout again. An expert that answers is forgiven.
+ */
 static void mark_silent(struct remote *r, const size_t *experts, size_t k, const int *ans)
 {
+    uint64_t now = hm_train_now_us();
     for (size_t e = 0; e < k; e++) {
-        if ((ans == NULL || !ans[e]) && r->avail[experts[e]]) {
-            r->avail[experts[e]] = 0;
+        size_t x = experts[e];
+        if (ans != NULL && ans[e]) {
+            r->out_period[x] = 0;
+            continue;
+        }
+        uint64_t p = r->out_period[x];
+        p = p == 0 ? r->backoff_us : (2 * p > 20 * r->backoff_us ? 20 * r->backoff_us : 2 * p);
+        r->out_period[x] = p;
+        r->out_until[x] = now + p;
+        if (r->avail[x]) {
+            r->avail[x] = 0;
             r->avail_changed = 1;
         }
     }
+}
+
+/* Live experts whose back-off ran out are chosen again (on probation). */
+static void expire_backoffs(struct remote *r)
+{
+    uint64_t now = hm_train_now_us();
+    for (size_t e = 0; e < r->n_experts; e++) {
+        if (r->live[e] && !r->avail[e] && now >= r->out_until[e]) {
+            r->avail[e] = 1;
+            r->avail_changed = 1;
+        }
+    }
+}
+
+/* Whether one of experts is tried again after a back-off and has not answered since. */
+static int any_on_probation(const struct remote *r, const size_t *experts, size_t n)
+{
+    for (size_t e = 0; e < n; e++)
+        if (r->out_period[experts[e]] != 0)
+            return 1;
+    return 0;
 }
 
 /*
@@ -303,6 +363,90 @@ static int remote_backward(void *ud, const size_t *experts, size_t k, const floa
 }
 
 /*
+ * Per-sample routing: one call per expert with the rows routed to it
+ * (hmc_experts_forward_routed). k_min counts per sample, as the library
+ * does; a Switch layer (allow_zero) asks for none and waits at most
+ * --timeout-after-k-min. An expert that did not answer is left out until
+ * the next lookup, as in the per-batch path.
+ */
+static int remote_forward_routed(void *ud, const size_t *experts, size_t n,
+                                 const int32_t *routes, size_t slots, const float *h,
+                                 size_t batch, size_t dim, int allow_zero, float *y_out,
+                                 uint8_t *answered)
+{
+    struct remote *r = ud;
+    size_t n_ans = 0;
+    for (size_t e = 0; e < n; e++)
+        r->rlist[e] = r->by_index[experts[e]];
+    memcpy(hmc_buf_data(r->xb), h, batch * dim * sizeof(float));
+    memcpy(hmc_buf_data(r->rb), routes, batch * slots * sizeof(int32_t));
+    size_t k_min = allow_zero ? 0 : (r->k_min < slots ? r->k_min : slots);
+    /*
+     * An expert on probation that is still silent would hold a sample
+     * routed only to silent ones until --timeout; with k_min 0 the call
+     * waits --timeout-after-k-min at most, and the model fails the step
+     * only if some sample got no answer at all.
+     */
+    if (k_min > 0 && any_on_probation(r, experts, n)) {
+        k_min = 0;
+        allow_zero = 1;
+    }
+    int rc = hmc_experts_forward_routed(r->h, r->rlist, n, r->rb, 0, slots, r->xb, 0, r->yb, 0,
+                                        batch, dim, k_min, allow_zero, r->timeout_s,
+                                        r->after_k_min_s, r->rans, &n_ans);
+    if (rc < 0 && (rc == -EREMOTEIO || rc == -ETIMEDOUT) && !allow_zero) {
+        /*
+         * Some sample had fewer than k_min answers, and a failed call does
+         * not say who answered. Marking all silent would route the next
+         * batch the same way (all silent is all live again); so ask once
+         * more with k_min 0, which waits at most --timeout-after-k-min and
+         * skips hosts the daemon backs off: its answers say exactly which
+         * experts to leave out, and the model drops the samples' experts
+         * that did not answer (a sample left with none fails the step).
+         */
+        note_failure(r, rc, "experts forward");
+        rc = hmc_experts_forward_routed(r->h, r->rlist, n, r->rb, 0, slots, r->xb, 0, r->yb, 0,
+                                        batch, dim, 0, 1, r->timeout_s, r->after_k_min_s,
+                                        r->rans, &n_ans);
+    }
+    if (rc < 0) {
+        if (rc == -EREMOTEIO || rc == -ETIMEDOUT) {
+            mark_silent(r, experts, n, NULL);
+            apply_avail(r);
+        }
+        return note_failure(r, rc, "experts forward");
+    }
+    map_answered(r->rans, n, answered);
+    mark_silent(r, experts, n, r->rans);
+    apply_avail(r);
+    memcpy(y_out, hmc_buf_data(r->yb), batch * slots * dim * sizeof(float));
+    return 0;
+}
+
+static int remote_backward_routed(void *ud, const size_t *experts, size_t n,
+                                  const int32_t *routes, size_t slots, const float *h,
+                                  const float *gy, size_t batch, size_t dim, int allow_zero,
+                                  float *gh_out, uint8_t *answered)
+{
+    struct remote *r = ud;
+    size_t n_ans = 0;
+    for (size_t e = 0; e < n; e++)
+        r->rlist[e] = r->by_index[experts[e]];
+    memcpy(hmc_buf_data(r->xb), h, batch * dim * sizeof(float));
+    memcpy(hmc_buf_data(r->rb), routes, batch * slots * sizeof(int32_t));
+    memcpy(hmc_buf_data(r->gyb), gy, batch * slots * dim * sizeof(float));
+    /* One answer per sample, as the per-batch backward asks for one. */
+    int rc = hmc_experts_backward_routed(r->h, r->rlist, n, r->rb, 0, slots, r->xb, 0, r->gyb,
+                                         0, r->gxb, 0, batch, dim, allow_zero ? 0 : 1,
+                                         allow_zero, r->timeout_s, r->rans, &n_ans);
+    if (rc < 0)
+        return note_failure(r, rc, "experts backward");
+    map_answered(r->rans, n, answered);
+    memcpy(gh_out, hmc_buf_data(r->gxb), batch * slots * dim * sizeof(float));
+    return 0;
+}
+
+/*
  * Looks the whole grid up and marks which experts are live. Equal scores
  * and k_best = every expert make the beam search return all it finds.
  * Returns the number of live experts or a negative code.
@@ -317,8 +461,8 @@ static int find_experts(struct remote *r, hm_model *m, const char *prefix, const
         result = -ENOMEM;
         goto out;
     }
-    result = hmc_experts_find(r->h, prefix, scores, grid, 2, n, r->timeout_s, out, n, &found,
-                              NULL);
+    result = hmc_experts_find(r->h, prefix, scores, grid, 2, n, r->find_timeout_s, out, n,
+                              &found, NULL);
     if (result < 0) {
         note_failure(r, result, "experts find");
         goto out;
@@ -340,9 +484,12 @@ static int find_experts(struct remote *r, hm_model *m, const char *prefix, const
         r->live[i * grid[1] + j] = 1;
         r->n_live++;
     }
-    memcpy(r->avail, r->live, n);
-    if (r->n_live > 0)
-        hm_model_set_available(m, r->avail);
+    uint64_t now = hm_train_now_us();
+    for (size_t e = 0; e < n; e++)
+        r->avail[e] = r->live[e] && now >= r->out_until[e];
+    r->avail_changed = 1;
+    apply_avail(r);
+    (void)m;
     result = (int)r->n_live;
 out:
     free(scores);
@@ -590,7 +737,8 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
                                         "--share-every", "--state-prefix", "--load-timeout",
                                         "--min-agree", "--target-batch-size",
                                         "--matchmaking-time", "--averaging-timeout",
-                                        /* -- DiLoCo options -- */
+                                        "--backoff", "--find-timeout",
+                                        /* -- DiLoCo options (from index 18) -- */
                                         "--inner-steps", "--outer-lr", "--outer-momentum",
                                         "--compression", "--init-seed"};
     const size_t count = sizeof(names) / sizeof(names[0]);
@@ -636,8 +784,8 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
     }
     char *end;
     errno = 0;
-    if (which >= 16)
-        return parse_diloco(t, names[which], which - 16, val);
+    if (which >= 18)
+        return parse_diloco(t, names[which], which - 18, val);
     if (which <= 2 || which == 10) {
         if (val[0] == '\0' || strlen(val) > 128) {
             fprintf(stderr, "%s: 1 to 128 characters\n", names[which]);
@@ -653,14 +801,19 @@ static int parse_own(struct trainer_opts *t, int argc, char **argv, int *i)
             t->average_prefix = val;
         return 1;
     }
-    if (which == 4 || which == 5 || which == 11 || which == 14 || which == 15) {
+    if (which == 4 || which == 5 || which == 11 || which == 14 || which == 15 || which == 16 ||
+        which == 17) {
         double x = strtod(val, &end);
         if (errno != 0 || end == val || *end != '\0' || !(x > 0) || x > 3600) {
             fprintf(stderr, "%s: '%s' is not a number of seconds in (0, 3600]\n", names[which],
                     val);
             return -EINVAL;
         }
-        if (which == 14)
+        if (which == 17)
+            t->find_timeout_s = x;
+        else if (which == 16)
+            t->backoff_s = x;
+        else if (which == 14)
             t->matchmaking_time_s = x;
         else if (which == 15)
             t->averaging_timeout_s = x;
@@ -705,7 +858,8 @@ int main(int argc, char **argv)
                              .k_min = 1, .timeout_s = 5, .after_k_min_s = 1,
                              .find_every = 200, .average_every = 100, .group_size = 16,
                              .state_prefix = "fmnist", .load_timeout_s = 60, .min_agree = 1,
-                             .target_batch_size = 1024, .outer_momentum = -1};
+                             .target_batch_size = 1024, .backoff_s = 15,
+                             .outer_momentum = -1};
     hm_train_data d;
     hm_model *m = NULL;
     struct remote r;
@@ -767,29 +921,39 @@ int main(int argc, char **argv)
         goto out;
     }
     size_t n_experts = o.grid[0] * o.grid[1], np = hm_model_nparams(m);
-    size_t kbd = o.k_best * o.batch * o.dim * sizeof(float);
+    size_t kbd = mc.k_best * o.batch * o.dim * sizeof(float);
     r.G1 = o.grid[1];
     r.m = m;
     r.n_experts = n_experts;
     r.k_min = t.k_min;
     r.timeout_s = t.timeout_s;
     r.after_k_min_s = t.after_k_min_s;
+    r.find_timeout_s = t.find_timeout_s > 0 ? t.find_timeout_s : t.timeout_s;
     r.by_index = calloc(n_experts, sizeof(hmc_expert));
     r.live = calloc(n_experts, 1);
     r.avail = calloc(n_experts, 1);
+    r.rlist = calloc(n_experts, sizeof(hmc_expert));
+    r.rans = calloc(n_experts, sizeof(int));
+    r.out_until = calloc(n_experts, sizeof(uint64_t));
+    r.out_period = calloc(n_experts, sizeof(uint64_t));
+    r.backoff_us = (uint64_t)(t.backoff_s * 1e6);
     snapshot = malloc(np * sizeof(float));
-    if (r.by_index == NULL || r.live == NULL || r.avail == NULL || snapshot == NULL)
+    if (r.by_index == NULL || r.live == NULL || r.avail == NULL || r.rlist == NULL ||
+        r.rans == NULL || r.out_until == NULL || r.out_period == NULL || snapshot == NULL)
         goto out;
     if ((rc = hmc_buf_alloc(r.h, o.batch * o.dim * sizeof(float), &r.xb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, kbd, &r.yb)) < 0 || (rc = hmc_buf_alloc(r.h, kbd, &r.gyb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, kbd, &r.gxb)) < 0 ||
+        (rc = hmc_buf_alloc(r.h, mc.k_best * o.batch * sizeof(int32_t), &r.rb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, np * sizeof(float), &pb)) < 0 ||
         (rc = hmc_buf_alloc(r.h, np * sizeof(float), &sb)) < 0) {
         fprintf(stderr, "trainer: shared buffers: %s (%s)\n", strerror(-rc),
                 hmc_last_error(r.h));
         goto out;
     }
-    hm_model_experts ex = {.ud = &r, .forward = remote_forward, .backward = remote_backward};
+    hm_model_experts ex = {.ud = &r, .forward = remote_forward, .backward = remote_backward,
+                           .forward_routed = remote_forward_routed,
+                           .backward_routed = remote_backward_routed};
     if (t.collaborative) {
         hmc_opt_opts oo;
         hmc_opt_opts_init(&oo);
@@ -840,10 +1004,11 @@ int main(int argc, char **argv)
     }
 
     printf("config batch=%zu dim=%zu experts=%zux%zu k_best=%zu k_min=%zu params=%zu "
-           "expert_prefix=%s average_prefix=%s average_every=%zu mode=%s\n",
-           o.batch, o.dim, o.grid[0], o.grid[1], o.k_best, t.k_min, np, t.expert_prefix,
+           "expert_prefix=%s average_prefix=%s average_every=%zu mode=%s routing=%s\n",
+           o.batch, o.dim, o.grid[0], o.grid[1], mc.k_best, t.k_min, np, t.expert_prefix,
            t.average_prefix, t.average_every,
-           dl != NULL ? "diloco" : opt != NULL ? "collaborative" : "periodic");
+           dl != NULL ? "diloco" : opt != NULL ? "collaborative" : "periodic",
+           hm_train_routing_name(&o));
     fflush(stdout);
 
     uint64_t start = hm_train_now_us();
@@ -891,7 +1056,7 @@ int main(int argc, char **argv)
             loaded = 1;
         }
     }
-    double last_t = 0, loss_sum = 0, acc = -1;
+    double last_t = 0, loss_sum = 0, bal_sum = 0, acc = -1;
     size_t step = 0, since = 0, skipped = 0, samples_since_avg = 0;
     size_t rounds = 0, rounds_ok = 0, last_find = 0;
     int found_once = 0;
@@ -912,8 +1077,16 @@ int main(int argc, char **argv)
             break;
         }
         if (!found_once || step - last_find >= t.find_every) {
+            uint64_t find_t0 = hm_train_now_us();
             rc = find_experts(&r, m, t.expert_prefix, o.grid);
             last_find = step;
+            double find_s = hm_train_seconds(find_t0);
+            if (found_once && find_s > 0.5) {
+                /* A lookup blocks training: a slow one is worth a line. */
+                printf("lookup t=%.2f step=%zu seconds=%.2f live=%zu status=%s\n",
+                       hm_train_seconds(start), step, find_s, r.n_live, rc >= 0 ? "ok" : "failed");
+                fflush(stdout);
+            }
             if (rc > 0 && !found_once) {
                 printf("experts t=%.2f live=%zu\n", hm_train_seconds(start), r.n_live);
                 if (t.load_state) {
@@ -946,6 +1119,8 @@ int main(int argc, char **argv)
             }
         }
 
+        expire_backoffs(&r);
+        apply_avail(&r);
         hm_train_next_batch(&d);
         hm_model_result res;
         if (opt != NULL) {
@@ -994,6 +1169,7 @@ int main(int argc, char **argv)
         step++;
         since++;
         loss_sum += res.loss;
+        bal_sum += res.balancing_loss;
         samples_since_avg += o.batch;
 
         /* A finished round: apply the delayed update. */
@@ -1053,14 +1229,19 @@ int main(int argc, char **argv)
             size_t n_avail = 0;
             for (size_t e = 0; e < n_experts; e++)
                 n_avail += r.avail[e] != 0;
+            char bal[48] = "";
+            if (o.switch_layer)
+                snprintf(bal, sizeof(bal), " balance=%.4f",
+                         since ? bal_sum / (double)since : 0.0);
             printf("train t=%.2f step=%zu loss=%.4f sps=%.1f failed=%zu experts=%zu "
-                   "silent=%zu\n",
+                   "silent=%zu%s\n",
                    now, step, since ? loss_sum / (double)since : 0.0,
                    (double)(since * o.batch) / (now - last_t), skipped, r.n_live,
-                   r.n_live - n_avail);
+                   r.n_live - n_avail, bal);
             fflush(stdout);
             last_t = now;
             loss_sum = 0;
+            bal_sum = 0;
             since = 0;
         }
         if (o.eval_every != 0 && step % o.eval_every == 0) {
@@ -1106,10 +1287,15 @@ out:
     hmc_buf_free(r.yb);
     hmc_buf_free(r.gyb);
     hmc_buf_free(r.gxb);
+    hmc_buf_free(r.rb);
     hmc_close(r.h);
     free(r.by_index);
     free(r.live);
     free(r.avail);
+    free(r.rlist);
+    free(r.rans);
+    free(r.out_until);
+    free(r.out_period);
     free(snapshot);
     hm_model_free(m);
     hm_train_data_free(&d);

@@ -302,8 +302,8 @@ static const struct opt opts[] = {
     {"HttpTimeout", "http-timeout", T_UINT, FIELD(http_timeout_s), 1, 600, 0, "SECONDS",
      "close an HTTP connection idle this long (default 10)"},
     {"StatusGrids", "status-grids", T_WORD, FIELD(status_grids), 0, 0, 0, "PREFIX[,PREFIX...]",
-     "expert grids the status page and `hivemindctl top` walk, at most 8 (default: the grids "
-     "this node hosts in)"},
+     "expert grids the status page and `hivemindctl top` walk, at most 8, UTF-8 grid names as "
+     "uids allow them (default: the grids this node hosts in)"},
     {"StatusRuns", "status-runs", T_WORD, FIELD(status_runs), 0, 0, 0, "RUN[,RUN...]",
      "training runs whose progress they show, at most 8 (default: the runs the attached "
      "trainers report)"},
@@ -573,6 +573,67 @@ static void hostport_why(const char *v, char *why, size_t whylen)
             (int)(colon - v), v);
 }
 
+/* -- status grids -- */
+/* The length of the UTF-8 character at s (n bytes left), 0 when malformed or overlong. */
+static size_t utf8_len(const unsigned char *s, size_t n)
+{
+    size_t l = s[0] < 0x80 ? 1 : (s[0] & 0xe0) == 0xc0 ? 2 : (s[0] & 0xf0) == 0xe0 ? 3
+             : (s[0] & 0xf8) == 0xf0 ? 4 : 0;
+    if (l == 0 || l > n)
+        return 0;
+    uint32_t cp = l == 1 ? s[0] : s[0] & (0x7f >> l);
+    for (size_t i = 1; i < l; i++) {
+        if ((s[i] & 0xc0) != 0x80)
+            return 0;
+        cp = (cp << 6) | (s[i] & 0x3f);
+    }
+    static const uint32_t least[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < least[l] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+        return 0;
+    return l;
+}
+
+/*
+ * StatusGrids: 1 to 8 comma-separated grid names, each as an expert uid's
+ * grid part allows it (moe/proto.h: UTF-8 without '.', control characters
+ * or spaces; this list also takes no ','), optionally with Hivemind's
+ * trailing '.', at most 63 bytes each (what the status page keeps).
+ */
+static int check_status_grids(const char *v, char *why, size_t whylen)
+{
+    size_t n = 0;
+    for (const char *p = v; *p != '\0'; n++) {
+        size_t len = strcspn(p, ","), name = len;
+        if (n == 8 || len == 0 || len > 63) {
+            hm_errf(why, whylen, "expected 1 to 8 grid names of 1 to 63 bytes, comma-separated");
+            return -EINVAL;
+        }
+        if (p[len - 1] == '.')
+            name--;
+        if (name == 0) {
+            hm_errf(why, whylen, "an empty grid name");
+            return -EINVAL;
+        }
+        for (size_t i = 0; i < name;) {
+            const unsigned char *q = (const unsigned char *)p + i;
+            size_t l = utf8_len(q, name - i);
+            if (l == 0 || *q <= 0x20 || *q == 0x7f || *q == '.' ||
+                (l == 2 && q[0] == 0xc2 && q[1] < 0xa0)) {
+                hm_errf(why, whylen, "grid name %zu holds a '.' (a sub-grid is not a grid), a "
+                        "space, a control character or bytes that are not UTF-8", n + 1);
+                return -EINVAL;
+            }
+            i += l;
+        }
+        p += len;
+        if (*p == ',' && *++p == '\0') {
+            hm_errf(why, whylen, "a trailing comma");
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
 static int set_value(const struct opt *o, hm_config *c, const char *v, char *why, size_t whylen)
 {
     int result = check_text(v, why, whylen);
@@ -702,6 +763,13 @@ static int set_value(const struct opt *o, hm_config *c, const char *v, char *why
                     return -EINVAL;
                 }
             }
+            hm_strlcpy(field_str(c, o), v, o->size);
+            return 0;
+        }
+        /* -- status grids -- StatusGrids: grid names as uids allow them. */
+        if (o->off == offsetof(hm_config, status_grids)) {
+            if (check_status_grids(v, why, whylen) < 0)
+                return -EINVAL;
             hm_strlcpy(field_str(c, o), v, o->size);
             return 0;
         }
