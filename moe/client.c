@@ -1327,6 +1327,7 @@ struct call {
     int done;
     size_t k, k_min, batch, dim;
     size_t seq; /* 0: x is [batch, dim]; else batch rows are batch / seq sequences */
+    const uint8_t *mask; /* the caller's key-padding mask (seq calls), or NULL */
     size_t per;  /* routed: slots per sample in the caller's out */
     uint64_t timeout_after_k_min_ms;
     float *out; /* per batch: [k, batch, dim]; routed: [batch, per, dim] */
@@ -1437,10 +1438,11 @@ static int slot_send(call *k, size_t e, const hm_moe_expert *ex, uint64_t timeou
         backoff_probe(c, ex->pk, now, timeout_ms);
     hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
     if (k->seq != 0 && k->backward)
-        hm_moe_encode_bwd_seq(&w, ex->uid, slot_x(k, e), slot_gy(k, e), k->batch / k->seq, k->seq,
-                              k->dim);
+        hm_moe_encode_bwd_mask(&w, ex->uid, slot_x(k, e), k->mask, slot_gy(k, e),
+                               k->batch / k->seq, k->seq, k->dim);
     else if (k->seq != 0)
-        hm_moe_encode_fwd_seq(&w, ex->uid, slot_x(k, e), k->batch / k->seq, k->seq, k->dim);
+        hm_moe_encode_fwd_mask(&w, ex->uid, slot_x(k, e), k->mask, k->batch / k->seq, k->seq,
+                               k->dim);
     else if (k->backward)
         hm_moe_encode_bwd(&w, ex->uid, slot_x(k, e), slot_gy(k, e), s->n_rows, k->dim);
     else
@@ -1718,6 +1720,21 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     /* Routed calls carry rows of [batch, dim]; sequences go per batch only. */
     if (o->seq != 0 && (routed || batch % o->seq != 0))
         return -EINVAL;
+    /* A mask pads keys of sequences: 0/1 a row, every sequence keeping one. */
+    if (o->mask != NULL) {
+        if (o->seq == 0)
+            return -EINVAL;
+        for (size_t b = 0; b < batch / o->seq; b++) {
+            size_t kept = 0;
+            for (size_t j = 0; j < o->seq; j++) {
+                if (o->mask[b * o->seq + j] > 1)
+                    return -EINVAL;
+                kept += o->mask[b * o->seq + j];
+            }
+            if (kept == 0)
+                return -EINVAL;
+        }
+    }
     if ((o->seq == 0 ? batch : batch / o->seq) > HM_MOE_MAX_BATCH || o->seq > HM_MOE_MAX_SEQ ||
         dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS ||
         (routed && batch * per * dim > HM_MOE_MAX_ROUTED_ELEMS))
@@ -1735,6 +1752,7 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     k->k_min = o->k_min;
     k->batch = batch;
     k->seq = o->seq;
+    k->mask = o->mask;
     k->dim = dim;
     k->per = per;
     k->timeout_after_k_min_ms = o->timeout_after_k_min_ms;

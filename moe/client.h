@@ -182,6 +182,10 @@ typedef struct hm_moe_call_opts {
                                        batch / seq sequences of seq rows, sent as
                                        [batch / seq, seq, dim] to experts over sequences
                                        (transformers; proto.h revision 2) */
+    const uint8_t *mask;            /* NULL, or with seq: a key-padding mask of batch bytes
+                                       (one a row), 1 a token and 0 padding, each sequence
+                                       keeping one (proto.h revision 3); must stay valid
+                                       until the callback */
 } hm_moe_call_opts;
 
 /*
