@@ -40,6 +40,13 @@ load-balancing loss returned with the output.
 
 Experts compute dim -> dim (hivemindd's ffn expert), so in_features must be
 the hosts' --expert-dim.
+
+Transformer experts (--expert-type transformer) take sequences: x
+[batch, seq, dim], with an optional key-padding mask ``attention_mask``
+[batch, seq] (1 a token, 0 padding, as Hivemind's transformer expert takes
+it). RemoteExpert calls one such expert (or an ffn one, with [batch, dim]);
+RemoteMixtureOfExperts takes [batch, seq, dim] with routing="batch", the
+gate scoring each sample's mean over its sequence as Hivemind's does.
 """
 
 import time
@@ -50,14 +57,16 @@ from torch import nn
 
 from .client import Client, HivemindError
 
-__all__ = ["RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"]
+__all__ = ["RemoteExpert", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"]
 
 
 class _Call:
     """What one forward decided, for its backward."""
 
-    def __init__(self, client, experts, k_min, timeout, after, backward_k_min, backward_timeout):
+    def __init__(self, client, experts, k_min, timeout, after, backward_k_min, backward_timeout,
+                 mask=None):
         self.client = client
+        self.mask = mask  # numpy [batch, seq] 0/1 for sequences, or None
         self.experts = experts
         self.k_min = k_min
         self.timeout = timeout
@@ -69,7 +78,8 @@ class _Call:
 
 
 class _RemoteExperts(torch.autograd.Function):
-    """Y [E, batch, dim] = the answered experts' outputs on x [batch, dim].
+    """Y [E, *x.shape] = the answered experts' outputs on x [batch, dim] or
+    [batch, seq, dim] (with call.mask).
 
     ``dummy`` is an empty tensor that requires grad, so that backward runs
     (and the experts learn) even when x itself needs no gradient."""
@@ -78,7 +88,7 @@ class _RemoteExperts(torch.autograd.Function):
     def forward(ctx, dummy, x, call):
         xn = x.detach().to("cpu", torch.float32).contiguous().numpy()
         y, answered = call.client.experts_forward(call.experts, xn, call.k_min, call.timeout,
-                                                  call.after)
+                                                  call.after, mask=call.mask)
         call.answered = [i for i, a in enumerate(answered) if a]
         ctx.call = call
         ctx.save_for_backward(x)
@@ -92,12 +102,60 @@ class _RemoteExperts(torch.autograd.Function):
         xn = x.detach().to("cpu", torch.float32).contiguous().numpy()
         gy = grad_y.detach().to("cpu", torch.float32).contiguous().numpy()
         gx, answered = call.client.experts_backward(
-            experts, xn, gy, min(call.backward_k_min, len(experts)), call.backward_timeout)
+            experts, xn, gy, min(call.backward_k_min, len(experts)), call.backward_timeout,
+            mask=call.mask)
         call.backward_answered = answered
         if not ctx.needs_input_grad[1]:
             return None, None, None
         total = gx[np.asarray(answered, dtype=bool)].sum(axis=0)
         return None, torch.from_numpy(total).to(device=x.device, dtype=x.dtype), None
+
+
+def _mask_numpy(x, attention_mask):
+    """attention_mask as numpy float32 [batch, seq] for x [batch, seq, dim]."""
+    if attention_mask is None:
+        return None
+    if x.dim() != 3:
+        raise ValueError("attention_mask goes with inputs [batch, seq, dim]")
+    m = attention_mask.detach().to("cpu")
+    if tuple(m.shape) != tuple(x.shape[:2]):
+        raise ValueError("attention_mask must be [batch, seq] = %s, not %s"
+                         % (tuple(x.shape[:2]), tuple(m.shape)))
+    return m.to(torch.float32).contiguous().numpy()
+
+
+class RemoteExpert(nn.Module):
+    """One expert on a hivemindd host, as a torch module (Hivemind's
+    RemoteExpert): forward(x) is the expert's output on x, [batch, dim] for
+    an ffn expert or [batch, seq, dim] for a transformer expert, with an
+    optional key-padding ``attention_mask`` [batch, seq] (1 a token, 0
+    padding) for the latter. Backward sends dL/dy to the host, which
+    returns dL/dx and applies one optimizer step to the expert.
+
+    expert: an ExpertInfo or a (uid, peer) pair ("PEERID@HOST:PORT"), as
+    Client.find_experts gives them. A host's refusal (a wrong shape, a
+    sequence over its ExpertMaxSeq) raises HivemindError with its code
+    ("expert_wrong_shape", ...) and the host's reason."""
+
+    def __init__(self, expert, client=None, forward_timeout=10.0, backward_timeout=10.0):
+        super().__init__()
+        self.expert = tuple(expert)[:2]
+        self.uid = self.expert[0]
+        self.client = client if client is not None else Client()
+        self.forward_timeout = float(forward_timeout)
+        self.backward_timeout = float(backward_timeout)
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    def extra_repr(self):
+        return "uid=%r" % (self.uid,)
+
+    def forward(self, x, attention_mask=None):
+        if x.dim() not in (2, 3):
+            raise ValueError("x must be [batch, dim] or [batch, seq, dim], not %s"
+                             % (tuple(x.shape),))
+        call = _Call(self.client, [self.expert], 1, self.forward_timeout, 0.0, 1,
+                     self.backward_timeout, _mask_numpy(x, attention_mask))
+        return _RemoteExperts.apply(self._dummy, x, call)[0]
 
 
 class _RoutedCall:
@@ -331,10 +389,12 @@ class RemoteMixtureOfExperts(nn.Module):
         self.last_scores = logits.detach()
         return out, y, routes, call.live
 
-    def forward(self, x):
+    def forward(self, x, attention_mask=None):
         if x.shape[-1] != self.in_features:
             raise ValueError("expected inputs of width %d, got %s" % (self.in_features,
                                                                       tuple(x.shape)))
+        if attention_mask is not None or (x.dim() == 3 and self.routing == "batch"):
+            return self._forward_seq(x, attention_mask)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
@@ -367,6 +427,43 @@ class RemoteMixtureOfExperts(nn.Module):
         self.last_experts = [experts[i] for i in call.answered]
         self.last_scores = logits.detach()
         return out.reshape(lead + (self.in_features,))
+
+    def _forward_seq(self, x, attention_mask):
+        """x [batch, seq, dim] to transformer experts, chosen per batch: the
+        gate scores each sample's mean over its sequence (Hivemind's
+        input_for_gating), the batch mean of those chooses the experts,
+        and every expert gets the whole batch with the mask."""
+        if x.dim() != 3 or self.routing != "batch":
+            raise ValueError("sequences [batch, seq, dim] (and attention_mask) need "
+                             "routing='batch'")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise ValueError("an empty batch")
+        mask = _mask_numpy(x, attention_mask)
+        scores = self.gate(x.mean(dim=1))  # [batch, sum(grid)]
+        experts = self.find_experts(scores.detach().mean(0).cpu().double().numpy())
+        if len(experts) < self.k_min:
+            raise HivemindError("not_enough_experts",
+                                "beam search under '%s' found %d experts; k_min is %d"
+                                % (self.uid_prefix, len(experts), self.k_min))
+        call = _Call(self.client, experts, self.k_min, self.forward_timeout,
+                     self.timeout_after_k_min, self.backward_k_min, self.backward_timeout,
+                     mask)
+        try:
+            y = _RemoteExperts.apply(self._dummy, x, call)  # [E, batch, seq, dim]
+        except HivemindError:
+            self._cache = None
+            raise
+        if len(call.answered) < len(experts):
+            self._cache = None
+        cols = torch.tensor([[int(self._offsets[d]) + c for d, c in
+                              enumerate(self._coords(experts[i].uid))] for i in call.answered],
+                            dtype=torch.long, device=scores.device)
+        logits = scores[:, cols].sum(-1)  # [batch, E]
+        w = torch.softmax(logits, dim=1)
+        out = torch.einsum("be,ebsd->bsd", w.to(y.dtype), y)
+        self.last_experts = [experts[i] for i in call.answered]
+        self.last_scores = logits.detach()
+        return out
 
 class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
     """A Switch Transformer layer (Fedus et al., 2021) over the swarm's
