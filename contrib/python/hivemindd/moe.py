@@ -45,8 +45,10 @@ Transformer experts (--expert-type transformer) take sequences: x
 [batch, seq, dim], with an optional key-padding mask ``attention_mask``
 [batch, seq] (1 a token, 0 padding, as Hivemind's transformer expert takes
 it). RemoteExpert calls one such expert (or an ffn one, with [batch, dim]);
-RemoteMixtureOfExperts takes [batch, seq, dim] with routing="batch", the
-gate scoring each sample's mean over its sequence as Hivemind's does.
+RemoteMixtureOfExperts(sequence_experts=True, routing="batch") sends them
+[batch, seq, dim] whole, the gate scoring each sample's mean over its
+sequence as Hivemind's does (without it, leading dimensions are rows for
+ffn experts, as before).
 """
 
 import time
@@ -153,7 +155,7 @@ class RemoteExpert(nn.Module):
         if x.dim() not in (2, 3):
             raise ValueError("x must be [batch, dim] or [batch, seq, dim], not %s"
                              % (tuple(x.shape),))
-        call = _Call(self.client, [self.expert], 1, self.forward_timeout, 0.0, 1,
+        call = _Call(self.client, [self.expert], 1, self.forward_timeout, 1.0, 1,
                      self.backward_timeout, _mask_numpy(x, attention_mask))
         return _RemoteExperts.apply(self._dummy, x, call)[0]
 
@@ -234,6 +236,12 @@ class RemoteMixtureOfExperts(nn.Module):
         0 (routing="sample" only).
     beam_size: the per-sample beam (0: k_best); at least the grid's largest
         dimension makes every sample's choice its exact top k_best.
+    sequence_experts: the experts are transformers (--expert-type
+        transformer): forward(x, attention_mask=None) takes x [batch, seq,
+        dim] and an optional key-padding mask [batch, seq] (1 a token, 0
+        padding) and sends each expert the whole batch of sequences; the
+        gate scores each sample's mean over its sequence. Needs
+        routing="batch".
     client: the Client to use (default: a new one on the default socket).
     find_timeout: the beam search's timeout. cache_ttl (routing="batch"):
         seconds a beam search's answer is reused for batches with the same
@@ -251,8 +259,12 @@ class RemoteMixtureOfExperts(nn.Module):
     def __init__(self, in_features, grid_size=(4, 4), uid_prefix="ffn", k_best=4, k_min=1,
                  forward_timeout=10.0, timeout_after_k_min=1.0, backward_k_min=1,
                  backward_timeout=10.0, client=None, find_timeout=5.0, cache_ttl=5.0,
-                 routing="sample", beam_size=0, allow_zero_outputs=False):
+                 routing="sample", beam_size=0, allow_zero_outputs=False,
+                 sequence_experts=False):
         super().__init__()
+        if sequence_experts and routing != "batch":
+            raise ValueError("sequence_experts needs routing='batch'")
+        self.sequence_experts = bool(sequence_experts)
         grid_size = tuple(int(g) for g in grid_size)
         if not 1 <= len(grid_size) <= 4 or min(grid_size) < 1:
             raise ValueError("grid_size must hold 1 to 4 positive sizes")
@@ -393,8 +405,10 @@ class RemoteMixtureOfExperts(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError("expected inputs of width %d, got %s" % (self.in_features,
                                                                       tuple(x.shape)))
-        if attention_mask is not None or (x.dim() == 3 and self.routing == "batch"):
+        if self.sequence_experts:
             return self._forward_seq(x, attention_mask)
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with sequence_experts=True")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
@@ -433,9 +447,9 @@ class RemoteMixtureOfExperts(nn.Module):
         gate scores each sample's mean over its sequence (Hivemind's
         input_for_gating), the batch mean of those chooses the experts,
         and every expert gets the whole batch with the mask."""
-        if x.dim() != 3 or self.routing != "batch":
-            raise ValueError("sequences [batch, seq, dim] (and attention_mask) need "
-                             "routing='batch'")
+        if x.dim() != 3:
+            raise ValueError("sequence_experts take x [batch, seq, dim], not %s"
+                             % (tuple(x.shape),))
         if x.shape[0] == 0 or x.shape[1] == 0:
             raise ValueError("an empty batch")
         mask = _mask_numpy(x, attention_mask)
