@@ -230,6 +230,12 @@ int hm_moe_backward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, co
  * call then waits at most timeout_after_k_min from its start. The back-off
  * leaves an expert out only while every sample keeps what it needs.
  * Experts no sample was routed to are not called (errors_out: -ENODATA).
+ *
+ * Over sequences (o->seq not 0, experts of type transformer) a sample is a
+ * whole sequence: x is [batch, seq, dim], the outputs [batch, per, seq,
+ * dim], each expert gets [its samples, seq, dim] in one request, and
+ * o->mask, when set, is [batch, seq] bytes (each sample's own mask goes
+ * with it).
  */
 
 /* Distinct experts in one routed search or call, and the elements of its output. */

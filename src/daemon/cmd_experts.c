@@ -921,11 +921,6 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     long long seq;
     if (hm_daemon_arg_int(req, args, "seq", 0, 0, HM_MOE_MAX_SEQ, &seq) != 0)
         goto fail;
-    if (seq != 0 && j->routed) {
-        hm_control_reply_error(req, "bad_args", "args.seq goes with per-batch calls, not with "
-                               "args.routes");
-        goto fail;
-    }
     if (seq == 0 && json_object_get(args, "mask") != NULL) {
         hm_control_reply_error(req, "bad_args", "args.mask goes with args.seq (it pads keys of "
                                "sequences)");
@@ -943,9 +938,9 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     if (j->routed) {
         if (hm_daemon_arg_int(req, args, "slots", -1, 1, HM_MOE_MAX_K, &slots) != 0)
             goto fail;
-        if ((size_t)batch * (size_t)slots * (size_t)dim > HM_MOE_MAX_ROUTED_ELEMS) {
-            snprintf(msg, sizeof(msg), "batch * slots * dim is over %zu values",
-                     (size_t)HM_MOE_MAX_ROUTED_ELEMS);
+        if (rows * (size_t)slots * (size_t)dim > HM_MOE_MAX_ROUTED_ELEMS) {
+            snprintf(msg, sizeof(msg), "batch * slots * %sdim is over %zu values",
+                     seq != 0 ? "seq * " : "", (size_t)HM_MOE_MAX_ROUTED_ELEMS);
             hm_control_reply_error(req, "bad_args", msg);
             goto fail;
         }

@@ -439,7 +439,7 @@ class Client:
         return rt
 
     def experts_forward_routed(self, experts, routes, x, k_min=1, allow_zero_outputs=False,
-                               timeout=10.0, timeout_after_k_min=1.0):
+                               timeout=10.0, timeout_after_k_min=1.0, mask=None):
         """Forward with the rows grouped by expert: each expert gets one
         request with the rows of the samples routed to it (``routes``
         [batch, slots] as route_experts gives it). Returns ``(y,
@@ -448,17 +448,21 @@ class Client:
         not answer or there is none) and a boolean per expert. ``k_min``
         counts per sample (min(k_min, its experts)); 0 needs
         ``allow_zero_outputs``. Some sample with fewer answers at
-        ``timeout`` raises HivemindError ("timeout")."""
+        ``timeout`` raises HivemindError ("timeout"). For transformer
+        experts x may be [batch, seq, dim] (each sequence one sample, y
+        [batch, slots, seq, dim]) with ``mask`` [batch, seq]."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2:
-            raise ValueError("x must be [batch, dim]")
+        if x.ndim not in (2, 3):
+            raise ValueError("x must be [batch, dim] or [batch, seq, dim]")
+        m = self._seq_mask(x, mask)
         k = len(experts)
         if k == 0:
             raise ValueError("no experts to call")
         rt = self._routes_array(routes, k)
         if rt.shape[0] != x.shape[0]:
             raise ValueError("routes and x must have a row per sample")
-        batch, dim = x.shape
+        batch, dim = x.shape[0], x.shape[-1]
+        seq = x.shape[1] if x.ndim == 3 else 0
         slots = rt.shape[1]
         arr = self._experts_array(experts)
         answered = (ctypes.c_int * k)()
@@ -469,20 +473,32 @@ class Client:
             yb = self._scratch_buffer("y", slots * x.nbytes)
             xb.numpy(np.float32, x.size)[:] = x.ravel()
             rb.numpy(np.int32, rt.size)[:] = rt.ravel()
-            r = _lib.lib().hmc_experts_forward_routed(
-                self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, yb.handle, 0, batch,
-                dim, int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
-                float(timeout_after_k_min), answered, ctypes.byref(n))
+            if seq:
+                mb = None
+                if m is not None:
+                    mb = self._scratch_buffer("mask", m.nbytes)
+                    mb.numpy(np.float32, m.size)[:] = m.ravel()
+                r = _lib.lib().hmc_experts_forward_routed_seq(
+                    self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0,
+                    mb.handle if mb is not None else None, 0, yb.handle, 0, batch, seq, dim,
+                    int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
+                    float(timeout_after_k_min), answered, ctypes.byref(n))
+            else:
+                r = _lib.lib().hmc_experts_forward_routed(
+                    self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, yb.handle, 0,
+                    batch, dim, int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
+                    float(timeout_after_k_min), answered, ctypes.byref(n))
             if r != 0:
                 raise self._error(r)
-            y = yb.numpy(np.float32, slots * x.size).reshape(batch, slots, dim).copy()
+            y = yb.numpy(np.float32, slots * x.size).reshape(
+                (batch, slots) + x.shape[1:]).copy()
         ans = np.array([bool(a) for a in answered])
         live = (rt >= 0) & ans[np.maximum(rt, 0)]
         y[~live] = 0.0
         return y, [bool(a) for a in answered]
 
     def experts_backward_routed(self, experts, routes, x, grad_y, k_min=1,
-                                allow_zero_outputs=False, timeout=10.0):
+                                allow_zero_outputs=False, timeout=10.0, mask=None):
         """Backward of a routed forward: ``grad_y`` [batch, slots, dim];
         pass the forward's routes with -1 where the expert did not answer,
         so that backward goes only to the experts that gave those rows.
@@ -494,11 +510,13 @@ class Client:
         if k == 0:
             raise ValueError("no experts to call")
         rt = self._routes_array(routes, k)
-        if x.ndim != 2 or gy.shape != (x.shape[0], rt.shape[1], x.shape[1]) or \
+        if x.ndim not in (2, 3) or gy.shape != (x.shape[0], rt.shape[1]) + x.shape[1:] or \
                 rt.shape[0] != x.shape[0]:
-            raise ValueError("x must be [batch, dim], routes [batch, slots] and grad_y "
-                             "[batch, slots, dim]")
-        batch, dim = x.shape
+            raise ValueError("x must be [batch, (seq,) dim], routes [batch, slots] and grad_y "
+                             "[batch, slots, (seq,) dim]")
+        m = self._seq_mask(x, mask)
+        batch, dim = x.shape[0], x.shape[-1]
+        seq = x.shape[1] if x.ndim == 3 else 0
         slots = rt.shape[1]
         arr = self._experts_array(experts)
         answered = (ctypes.c_int * k)()
@@ -511,10 +529,21 @@ class Client:
             xb.numpy(np.float32, x.size)[:] = x.ravel()
             rb.numpy(np.int32, rt.size)[:] = rt.ravel()
             gyb.numpy(np.float32, gy.size)[:] = gy.ravel()
-            r = _lib.lib().hmc_experts_backward_routed(
-                self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, gyb.handle, 0,
-                gxb.handle, 0, batch, dim, int(k_min), 1 if allow_zero_outputs else 0,
-                float(timeout), answered, ctypes.byref(n))
+            if seq:
+                mb = None
+                if m is not None:
+                    mb = self._scratch_buffer("mask", m.nbytes)
+                    mb.numpy(np.float32, m.size)[:] = m.ravel()
+                r = _lib.lib().hmc_experts_backward_routed_seq(
+                    self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0,
+                    mb.handle if mb is not None else None, 0, gyb.handle, 0, gxb.handle, 0,
+                    batch, seq, dim, int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
+                    answered, ctypes.byref(n))
+            else:
+                r = _lib.lib().hmc_experts_backward_routed(
+                    self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, gyb.handle, 0,
+                    gxb.handle, 0, batch, dim, int(k_min), 1 if allow_zero_outputs else 0,
+                    float(timeout), answered, ctypes.byref(n))
             if r != 0:
                 raise self._error(r)
             gx = gxb.numpy(np.float32, gy.size).reshape(gy.shape).copy()

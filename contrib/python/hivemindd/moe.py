@@ -45,10 +45,10 @@ Transformer experts (--expert-type transformer) take sequences: x
 [batch, seq, dim], with an optional key-padding mask ``attention_mask``
 [batch, seq] (1 a token, 0 padding, as Hivemind's transformer expert takes
 it). RemoteExpert calls one such expert (or an ffn one, with [batch, dim]);
-RemoteMixtureOfExperts(sequence_experts=True, routing="batch") sends them
-[batch, seq, dim] whole, the gate scoring each sample's mean over its
-sequence as Hivemind's does (without it, leading dimensions are rows for
-ffn experts, as before).
+RemoteMixtureOfExperts(sequence_experts=True) sends them [batch, seq, dim],
+each sequence one sample of the routing (per sample or per batch), the
+gate scoring each sample's mean over its sequence as Hivemind's does
+(without it, leading dimensions are rows for ffn experts, as before).
 """
 
 import time
@@ -164,9 +164,10 @@ class _RoutedCall:
     """What one routed forward decided, for its backward."""
 
     def __init__(self, client, experts, routes, k_min, allow_zero, timeout, after,
-                 backward_k_min, backward_timeout):
+                 backward_k_min, backward_timeout, mask=None):
         self.client = client
         self.experts = experts
+        self.mask = mask              # numpy [batch, seq] 0/1 for sequences, or None
         self.routes = routes          # [batch, k] int32, -1: none
         self.k_min = k_min
         self.allow_zero = allow_zero
@@ -179,14 +180,16 @@ class _RoutedCall:
 
 
 class _RoutedExperts(torch.autograd.Function):
-    """Y [batch, k, dim]: slot j of sample b the output of its expert
-    routes[b, j] on x[b] (zeros where none answered)."""
+    """Y [batch, k, dim] (or [batch, k, seq, dim] for x [batch, seq, dim]):
+    slot j of sample b the output of its expert routes[b, j] on x[b]
+    (zeros where none answered)."""
 
     @staticmethod
     def forward(ctx, dummy, x, call):
         xn = x.detach().to("cpu", torch.float32).contiguous().numpy()
         y, answered = call.client.experts_forward_routed(
-            call.experts, call.routes, xn, call.k_min, call.allow_zero, call.timeout, call.after)
+            call.experts, call.routes, xn, call.k_min, call.allow_zero, call.timeout, call.after,
+            mask=call.mask)
         ans = np.asarray(answered, dtype=bool)
         call.live = (call.routes >= 0) & ans[np.maximum(call.routes, 0)]
         ctx.call = call
@@ -205,7 +208,8 @@ class _RoutedExperts(torch.autograd.Function):
             gy = grad_y.detach().to("cpu", torch.float32).contiguous().numpy()
             gx, answered = call.client.experts_backward_routed(
                 call.experts, routes, xn, gy, call.backward_k_min,
-                call.allow_zero or call.backward_k_min == 0, call.backward_timeout)
+                call.allow_zero or call.backward_k_min == 0, call.backward_timeout,
+                mask=call.mask)
             ans = np.asarray(answered, dtype=bool)
             call.backward_live = (routes >= 0) & ans[np.maximum(routes, 0)]
             total = gx.sum(axis=1)  # zeros in the slots that did not answer
@@ -239,9 +243,8 @@ class RemoteMixtureOfExperts(nn.Module):
     sequence_experts: the experts are transformers (--expert-type
         transformer): forward(x, attention_mask=None) takes x [batch, seq,
         dim] and an optional key-padding mask [batch, seq] (1 a token, 0
-        padding) and sends each expert the whole batch of sequences; the
-        gate scores each sample's mean over its sequence. Needs
-        routing="batch".
+        padding); the gate scores each sample's mean over its sequence, and
+        each sequence is one sample of the routing.
     client: the Client to use (default: a new one on the default socket).
     find_timeout: the beam search's timeout. cache_ttl (routing="batch"):
         seconds a beam search's answer is reused for batches with the same
@@ -262,8 +265,6 @@ class RemoteMixtureOfExperts(nn.Module):
                  routing="sample", beam_size=0, allow_zero_outputs=False,
                  sequence_experts=False):
         super().__init__()
-        if sequence_experts and routing != "batch":
-            raise ValueError("sequence_experts needs routing='batch'")
         self.sequence_experts = bool(sequence_experts)
         grid_size = tuple(int(g) for g in grid_size)
         if not 1 <= len(grid_size) <= 4 or min(grid_size) < 1:
@@ -369,7 +370,7 @@ class RemoteMixtureOfExperts(nn.Module):
         routes = np.where(keep[np.where(routes >= 0, routes, len(experts))], routes, -1)
         return experts, routes.astype(np.int32)
 
-    def _forward_sample(self, x2, scores):
+    def _forward_sample(self, x2, scores, mask=None):
         experts, routes = self.route(scores)
         found = (routes >= 0).sum(1)
         if not self.allow_zero_outputs and (found < self.k_min).any():
@@ -385,8 +386,8 @@ class RemoteMixtureOfExperts(nn.Module):
             return x2 * 0.0, None, routes, self.last_mask
         call = _RoutedCall(self.client, experts, routes, self.k_min, self.allow_zero_outputs,
                            self.forward_timeout, self.timeout_after_k_min, self.backward_k_min,
-                           self.backward_timeout)
-        y = _RoutedExperts.apply(self._dummy, x2, call)  # [batch, k, dim]
+                           self.backward_timeout, mask)
+        y = _RoutedExperts.apply(self._dummy, x2, call)  # [batch, k, (seq,) dim]
         live = torch.as_tensor(call.live, device=scores.device)
         logits = self._slot_logits(scores, experts, routes)
         masked = logits.masked_fill(~live, float("-inf"))
@@ -394,7 +395,7 @@ class RemoteMixtureOfExperts(nn.Module):
         any_live = live.any(1, keepdim=True)
         w = torch.softmax(torch.where(any_live, masked, torch.zeros_like(masked)), dim=1)
         w = w * live.to(w.dtype)
-        out = torch.einsum("bk,bkd->bd", w.to(y.dtype), y)
+        out = torch.einsum("bk,bk...->b...", w.to(y.dtype), y)
         self.last_experts = experts
         self.last_routes = routes
         self.last_mask = call.live
@@ -443,16 +444,21 @@ class RemoteMixtureOfExperts(nn.Module):
         return out.reshape(lead + (self.in_features,))
 
     def _forward_seq(self, x, attention_mask):
-        """x [batch, seq, dim] to transformer experts, chosen per batch: the
-        gate scores each sample's mean over its sequence (Hivemind's
-        input_for_gating), the batch mean of those chooses the experts,
-        and every expert gets the whole batch with the mask."""
+        """x [batch, seq, dim] to transformer experts. The gate scores each
+        sample's mean over its sequence (Hivemind's input_for_gating);
+        routing="sample" routes each sequence on those scores (the rows of
+        an expert's request are whole sequences, each with its mask);
+        routing="batch" chooses the experts by the batch mean, and every
+        expert gets the whole batch with the mask."""
         if x.dim() != 3:
             raise ValueError("sequence_experts take x [batch, seq, dim], not %s"
                              % (tuple(x.shape),))
         if x.shape[0] == 0 or x.shape[1] == 0:
             raise ValueError("an empty batch")
         mask = _mask_numpy(x, attention_mask)
+        if self.routing == "sample":
+            # Each sequence is a sample: its own beam search, its own experts.
+            return self._forward_sample(x, self._gate_scores(x.mean(dim=1)), mask)[0]
         scores = self.gate(x.mean(dim=1))  # [batch, sum(grid)]
         experts = self.find_experts(scores.detach().mean(0).cpu().double().numpy())
         if len(experts) < self.k_min:

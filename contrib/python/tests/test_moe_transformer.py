@@ -1,5 +1,6 @@
 """Transformer experts over sequences from Python: RemoteExpert and
-RemoteMixtureOfExperts(sequence_experts=True) on [batch, seq, dim], with and
+RemoteMixtureOfExperts(sequence_experts=True), routed per batch and per
+sample, on [batch, seq, dim], with and
 without a key-padding mask, against torch's own nn.MultiheadAttention
 built from the experts' checkpoints (in float64).
 
@@ -179,6 +180,43 @@ class TransformerExpertTest(unittest.TestCase):
         want = torch.einsum("be,ebsd->bsd", w, torch.stack(ys))
         self.assertLessEqual(rel(out.double(), want), 1e-5)
         gy = torch.randn(2, 5, D)
+        out.backward(gy)
+        want.backward(gy.double())
+        self.assertLessEqual(rel(x1.grad.double(), xr.grad), 1e-5)
+
+    def test_per_sample_routing_over_sequences(self):
+        """Each sequence its own experts: an expert's request holds the
+        whole sequences routed to it, each with its own mask."""
+        torch.manual_seed(5)
+        moe = RemoteMixtureOfExperts(D, grid_size=(2, 2), uid_prefix="xf", k_best=2,
+                                     beam_size=2, routing="sample", sequence_experts=True,
+                                     client=self.client, timeout_after_k_min=2.0)
+        x = torch.randn(4, 5, D)
+        mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+        x1 = x.clone().requires_grad_(True)
+        out = moe(x1, attention_mask=mask)
+        self.assertEqual(out.shape, (4, 5, D))
+        routes = moe.last_routes
+        self.assertTrue(moe.last_mask.all())
+        # Not every sample went to the same experts, or this would be per batch.
+        self.assertGreater(len({tuple(sorted(r)) for r in
+                                ([moe.last_experts[i].uid for i in row] for row in routes)}), 1)
+        xr = x.double().clone().requires_grad_(True)
+        g = copy.deepcopy(moe.gate).double()(xr.mean(1))
+        refs = {e.uid: self.local(e.uid) for e in moe.last_experts}
+        rows = []
+        for b in range(4):
+            logits, ys = [], []
+            for idx in routes[b]:
+                e = moe.last_experts[idx]
+                i, j = map(int, e.uid.split(".")[1:])
+                logits.append(g[b, i] + g[b, 2 + j])
+                ys.append(refs[e.uid](xr[b:b + 1], mask[b:b + 1])[0])
+            w = torch.softmax(torch.stack(logits), 0)
+            rows.append(torch.einsum("k,ksd->sd", w, torch.stack(ys)))
+        want = torch.stack(rows)
+        self.assertLessEqual(rel(out.double(), want), 1e-5)
+        gy = torch.randn(4, 5, D)
         out.backward(gy)
         want.backward(gy.double())
         self.assertLessEqual(rel(x1.grad.double(), xr.grad), 1e-5)
