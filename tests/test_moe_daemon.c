@@ -1103,11 +1103,76 @@ Test(moe_daemon, transformer_seq_calls_from_libhivemind_equal_local)
         cr_assert(d <= 1e-5, "remote dL/dx (mask %d) differs from local by %g", masked, d);
     }
     /* Both steps landed as the local ones did. */
-    int r = hmc_experts_forward_seq(h, ex, 1, xb, 0, mb, 0, yb, 0, B, S, DIM, 1, 10.0, 1.0,
+    int r;
+    r = hmc_experts_forward_seq(h, ex, 1, xb, 0, mb, 0, yb, 0, B, S, DIM, 1, 10.0, 1.0,
                                     answered, &n_ans);
     cr_assert_eq(r, 0, "%s", hmc_last_error(h));
     cr_assert_eq(hm_xf_forward_mask(t, x, mask, B, S, want), 0);
     cr_assert(rel_err(y, want, nx) <= 1e-5, "after two steps: %g", rel_err(y, want, nx));
+
+    /*
+     * Routed per sample, a sample one sequence: sample 0 to both experts,
+     * 1 to ffn.0.0 only, 2 to ffn.0.1 only, each with its own mask. Each
+     * expert's answer is its local block on the sequences routed to it.
+     */
+    snprintf(path, sizeof(path), "%s/experts/ffn.0.0.ckpt", host.dir);
+    hm_xf *t0 = NULL;
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 30, &buf, &len, NULL), 0, "%s", path);
+    cr_assert_eq(hm_xf_load(buf, len, NULL, &t0), 0);
+    free(buf);
+    cr_assert_str_eq(ex[1].uid, "ffn.0.0");
+    hm_xf *loc[2] = {t, t0};
+    const int32_t rt[B * 2] = {0, 1, 1, -1, 0, -1};
+    hmc_buf *rb, *ryb, *rgyb, *rgxb;
+    cr_assert_eq(hmc_buf_alloc(h, sizeof(rt), &rb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, 2 * nx * sizeof(float), &ryb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, 2 * nx * sizeof(float), &rgyb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, 2 * nx * sizeof(float), &rgxb), 0);
+    memcpy(hmc_buf_data(rb), rt, sizeof(rt));
+    float *ry = hmc_buf_data(ryb), *rgy = hmc_buf_data(rgyb), *rgx = hmc_buf_data(rgxb);
+    fill(rgy, 2 * nx, 23);
+    int ans2[2];
+    r = hmc_experts_forward_routed_seq(h, ex, 2, rb, 0, 2, xb, 0, mb, 0, ryb, 0, B, S, DIM, 1, 0,
+                                       10.0, 1.0, ans2, &n_ans);
+    cr_assert_eq(r, 0, "routed forward: %s", hmc_last_error(h));
+    cr_assert_eq(n_ans, 2);
+    const size_t sq = S * DIM;
+    for (size_t b = 0; b < B; b++)
+        for (size_t j = 0; j < 2; j++) {
+            if (rt[b * 2 + j] < 0)
+                continue;
+            cr_assert_eq(hm_xf_forward_mask(loc[rt[b * 2 + j]], x + b * sq, mask + b * S, 1, S,
+                                            want), 0);
+            double d = rel_err(ry + (b * 2 + j) * sq, want, sq);
+            cr_assert(d <= 1e-5, "routed forward, sample %zu slot %zu: %g", b, j, d);
+        }
+    r = hmc_experts_backward_routed_seq(h, ex, 2, rb, 0, 2, xb, 0, mb, 0, rgyb, 0, rgxb, 0, B, S,
+                                        DIM, 1, 0, 10.0, ans2, &n_ans);
+    cr_assert_eq(r, 0, "routed backward: %s", hmc_last_error(h));
+    /* Locally: each expert's gathered sequences, one step each. */
+    for (int e = 0; e < 2; e++) {
+        float gxe[B * S * DIM], xe[B * S * DIM], gye[B * S * DIM];
+        uint8_t me[B * S];
+        size_t at = 0, slot_of[B];
+        for (size_t b = 0; b < B; b++)
+            for (size_t j = 0; j < 2; j++)
+                if (rt[b * 2 + j] == e) {
+                    memcpy(xe + at * sq, x + b * sq, sq * sizeof(float));
+                    memcpy(gye + at * sq, rgy + (b * 2 + j) * sq, sq * sizeof(float));
+                    memcpy(me + at * S, mask + b * S, S);
+                    slot_of[at++] = b * 2 + j;
+                }
+        cr_assert_eq(hm_xf_backward_mask(loc[e], xe, me, gye, at, S, gxe), 0);
+        for (size_t i = 0; i < at; i++) {
+            double d = rel_err(rgx + slot_of[i] * sq, gxe + i * sq, sq);
+            cr_assert(d <= 1e-5, "routed dL/dx of expert %d, slot %zu: %g", e, slot_of[i], d);
+        }
+    }
+    hmc_buf_free(rb);
+    hmc_buf_free(ryb);
+    hmc_buf_free(rgyb);
+    hmc_buf_free(rgxb);
+    hm_xf_free(t0);
 
     /* A sequence over ExpertMaxSeq (B*S rows as one sequence of 15). */
     r = hmc_experts_forward_seq(h, ex, 1, xb, 0, NULL, 0, yb, 0, 1, B * S, DIM, 1, 30.0, 1.0,
