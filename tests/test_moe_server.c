@@ -1582,9 +1582,38 @@ Test(moe_server, masked_and_unmasked_requests_share_a_batch)
     free(gsum);
     free(gp);
 
-    /* A mask on [batch, dim] cannot be encoded, and a sequence to an ffn is refused. */
+    /* A sequence to an ffn is refused, masked or not. */
     b = enc_mask("plain.0", x[0], m1, NULL, B, S, &len);
     cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -EPROTO);
+    free(b);
+    free(c.body);
+    /* A mask byte that is not 0 or 1, or a sequence with every key padded:
+     * malformed, said so, and the expert serves on. */
+    const uint8_t bad2[B * S] = {1, 2, 1, 1, 1, 1, 1, 1}, empty[B * S] = {1, 1, 1, 1, 0, 0, 0, 0};
+    const uint8_t *bads[2] = {bad2, empty};
+    for (int i = 0; i < 2; i++) {
+        hm_wire_wr w;
+        hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+        hm_wire_wr_map(&w, 3);
+        hm_wire_wr_cstr(&w, "uid");
+        hm_wire_wr_cstr(&w, "enc.0");
+        hm_wire_wr_cstr(&w, "xm");
+        hm_wire_tensor t = {.dtype = HM_DTYPE_F32, .ndim = 3, .shape = {B, S, DIM},
+                            .data = (const uint8_t *)x[0], .nbytes = N * sizeof(float)};
+        hm_wire_wr_tensor(&w, &t);
+        hm_wire_wr_cstr(&w, "mask");
+        hm_wire_wr_bin(&w, bads[i], B * S);
+        b = hm_wire_wr_steal(&w, &len);
+        cr_assert_not_null(b);
+        cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -EINVAL);
+        char why[HM_MOE_ERR_MAX + 1];
+        hm_moe_decode_error(c.body, c.len, why);
+        cr_assert(strstr(why, "malformed forward request") != NULL, "%s", why);
+        free(b);
+        free(c.body);
+    }
+    b = enc_mask("enc.0", x[0], m1, NULL, B, S, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), 0);
     free(b);
     free(c.body);
     hm_xf_free(local);
