@@ -113,8 +113,14 @@ class _RemoteExperts(torch.autograd.Function):
         return None, torch.from_numpy(total).to(device=x.device, dtype=x.dtype), None
 
 
-def _mask_numpy(x, attention_mask):
-    """attention_mask as numpy float32 [batch, seq] for x [batch, seq, dim]."""
+def _mask_numpy(x, attention_mask, key_padding_mask=None):
+    """attention_mask (1 a token, 0 padding) or key_padding_mask (torch's
+    convention, which Hivemind's transformer layer passes on: True padding)
+    as numpy float32 [batch, seq] of 1 for a token, for x [batch, seq, dim]."""
+    if key_padding_mask is not None:
+        if attention_mask is not None:
+            raise ValueError("give attention_mask or key_padding_mask, not both")
+        attention_mask = ~key_padding_mask.to(torch.bool)
     if attention_mask is None:
         return None
     if x.dim() != 3:
@@ -131,7 +137,9 @@ class RemoteExpert(nn.Module):
     RemoteExpert): forward(x) is the expert's output on x, [batch, dim] for
     an ffn expert or [batch, seq, dim] for a transformer expert, with an
     optional key-padding ``attention_mask`` [batch, seq] (1 a token, 0
-    padding) for the latter. Backward sends dL/dy to the host, which
+    padding) for the latter, or ``key_padding_mask``, its complement in
+    torch's convention (True padding, as nn.MultiheadAttention and
+    Hivemind's transformer layer take it). Backward sends dL/dy to the host, which
     returns dL/dx and applies one optimizer step to the expert.
 
     expert: an ExpertInfo or a (uid, peer) pair ("PEERID@HOST:PORT"), as
@@ -151,12 +159,12 @@ class RemoteExpert(nn.Module):
     def extra_repr(self):
         return "uid=%r" % (self.uid,)
 
-    def forward(self, x, attention_mask=None):
+    def forward(self, x, attention_mask=None, key_padding_mask=None):
         if x.dim() not in (2, 3):
             raise ValueError("x must be [batch, dim] or [batch, seq, dim], not %s"
                              % (tuple(x.shape),))
         call = _Call(self.client, [self.expert], 1, self.forward_timeout, 1.0, 1,
-                     self.backward_timeout, _mask_numpy(x, attention_mask))
+                     self.backward_timeout, _mask_numpy(x, attention_mask, key_padding_mask))
         return _RemoteExperts.apply(self._dummy, x, call)[0]
 
 
@@ -402,13 +410,13 @@ class RemoteMixtureOfExperts(nn.Module):
         self.last_scores = logits.detach()
         return out, y, routes, call.live
 
-    def forward(self, x, attention_mask=None):
+    def forward(self, x, attention_mask=None, key_padding_mask=None):
         if x.shape[-1] != self.in_features:
             raise ValueError("expected inputs of width %d, got %s" % (self.in_features,
                                                                       tuple(x.shape)))
         if self.sequence_experts:
-            return self._forward_seq(x, attention_mask)
-        if attention_mask is not None:
+            return self._forward_seq(x, attention_mask, key_padding_mask)
+        if attention_mask is not None or key_padding_mask is not None:
             raise ValueError("attention_mask goes with sequence_experts=True")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -443,7 +451,7 @@ class RemoteMixtureOfExperts(nn.Module):
         self.last_scores = logits.detach()
         return out.reshape(lead + (self.in_features,))
 
-    def _forward_seq(self, x, attention_mask):
+    def _forward_seq(self, x, attention_mask, key_padding_mask=None):
         """x [batch, seq, dim] to transformer experts. The gate scores each
         sample's mean over its sequence (Hivemind's input_for_gating);
         routing="sample" routes each sequence on those scores (the rows of
@@ -455,7 +463,7 @@ class RemoteMixtureOfExperts(nn.Module):
                              % (tuple(x.shape),))
         if x.shape[0] == 0 or x.shape[1] == 0:
             raise ValueError("an empty batch")
-        mask = _mask_numpy(x, attention_mask)
+        mask = _mask_numpy(x, attention_mask, key_padding_mask)
         if self.routing == "sample":
             # Each sequence is a sample: its own beam search, its own experts.
             return self._forward_sample(x, self._gate_scores(x.mean(dim=1)), mask)[0]

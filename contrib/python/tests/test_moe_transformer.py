@@ -145,15 +145,19 @@ class TransformerExpertTest(unittest.TestCase):
         y.backward(gy)
         want.backward(gy.double())
         self.assertLessEqual(rel(x.grad.double(), xr.grad), 1e-5)
-        return y.detach()
+        return x.detach(), y.detach()
 
     def test_remote_expert_equals_torch_reference(self):
         self.check_expert(None)
 
     def test_remote_expert_with_padding_mask(self):
         mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1]])
-        ym = self.check_expert(mask)
-        y = self.check_expert(None)
+        x, ym = self.check_expert(mask)
+        _, y = self.check_expert(None)
+        # torch's convention (True: padding) says the same.
+        remote = RemoteExpert(self.experts[0], client=self.client)
+        yk = remote(x, key_padding_mask=mask == 0).detach()
+        self.assertLessEqual((yk - ym).abs().max().item(), 1e-6, (yk - ym).abs().max().item())
         # Padding changes what the other tokens see, and nothing else matters.
         self.assertGreater((ym[1] - y[1]).abs().max().item(), 1e-4)
         self.assertLessEqual((ym[0] - y[0]).abs().max().item(), 1e-6)
