@@ -1208,16 +1208,58 @@ static int expert_sizes(hmc *h, size_t k, size_t batch, size_t dim, size_t k_min
     return 0;
 }
 
-int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
-                        hmc_buf *yb, size_t y_off, size_t batch, size_t dim, size_t k_min,
-                        double timeout_s, double timeout_after_k_min_s, int *answered_out,
-                        size_t *n_answered_out)
+/*
+ * Adds args.seq and, when maskb is not NULL, args.mask (batch * seq floats
+ * from mask_off) to args, for the calls over sequences. 0 or -EINVAL.
+ */
+static int seq_args(hmc *h, json_t *args, size_t batch, size_t seq, hmc_buf *maskb,
+                    size_t mask_off)
 {
-    size_t bd, kbd;
+    size_t bs;
+    if (seq == 0)
+        return 0;
+    if (!mul_ok(batch, seq, &bs) ||
+        json_object_set_new(args, "seq", json_integer((json_int_t)seq)) != 0) {
+        fmt(h->err, sizeof(h->err), "batch * seq is too large");
+        return -EINVAL;
+    }
+    if (maskb == NULL)
+        return 0;
+    json_t *m = shm_ref(h, "mask", maskb, mask_off, bs);
+    if (m == NULL || json_object_set_new(args, "mask", m) != 0)
+        return -EINVAL;
+    return 0;
+}
+
+/* Rows of dim in a call: batch, or batch sequences of seq rows. */
+static int seq_rows(hmc *h, size_t batch, size_t seq, hmc_buf *maskb, size_t *rows_out)
+{
+    if (seq == 0 && maskb != NULL) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "a mask pads keys of sequences: it needs seq >= 1");
+        return -EINVAL;
+    }
+    if (!mul_ok(batch, seq != 0 ? seq : 1, rows_out)) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "batch * seq is too large");
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static int experts_fwd(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
+                       hmc_buf *maskb, size_t mask_off, hmc_buf *yb, size_t y_off, size_t batch,
+                       size_t seq, size_t dim, size_t k_min, double timeout_s,
+                       double timeout_after_k_min_s, int *answered_out, size_t *n_answered_out)
+{
+    size_t bd, kbd, rows;
     json_t *res = NULL;
     if (n_answered_out != NULL)
         *n_answered_out = 0;
-    int r = expert_sizes(h, k, batch, dim, k_min, timeout_s, &bd, &kbd);
+    int r = seq_rows(h, batch, seq, maskb, &rows);
+    if (r != 0)
+        return r;
+    r = expert_sizes(h, k, rows, dim, k_min, timeout_s, &bd, &kbd);
     if (r != 0)
         return r;
     if (!(timeout_after_k_min_s >= 0) || !isfinite(timeout_after_k_min_s)) {
@@ -1236,6 +1278,10 @@ int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb
                              "y", y, "batch", (json_int_t)batch, "dim", (json_int_t)dim, "k_min",
                              (json_int_t)k_min, "timeout", timeout_s, "timeout_after_k_min",
                              timeout_after_k_min_s);
+    if (args != NULL && (r = seq_args(h, args, batch, seq, maskb, mask_off)) != 0) {
+        json_decref(args);
+        return r;
+    }
     r = call(h, "experts.forward", args, wait_for(h, timeout_s + timeout_after_k_min_s), &res,
              NULL);
     if (r == 0)
@@ -1244,16 +1290,44 @@ int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb
     return r;
 }
 
-int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
-                         hmc_buf *gyb, size_t gy_off, hmc_buf *gxb, size_t gx_off, size_t batch,
-                         size_t dim, size_t k_min, double timeout_s, int *answered_out,
-                         size_t *n_answered_out)
+int hmc_experts_forward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
+                        hmc_buf *yb, size_t y_off, size_t batch, size_t dim, size_t k_min,
+                        double timeout_s, double timeout_after_k_min_s, int *answered_out,
+                        size_t *n_answered_out)
 {
-    size_t bd, kbd;
+    return experts_fwd(h, experts, k, xb, x_off, NULL, 0, yb, y_off, batch, 0, dim, k_min,
+                       timeout_s, timeout_after_k_min_s, answered_out, n_answered_out);
+}
+
+int hmc_experts_forward_seq(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb,
+                            size_t x_off, hmc_buf *maskb, size_t mask_off, hmc_buf *yb,
+                            size_t y_off, size_t batch, size_t seq, size_t dim, size_t k_min,
+                            double timeout_s, double timeout_after_k_min_s, int *answered_out,
+                            size_t *n_answered_out)
+{
+    if (seq == 0) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "a call over sequences needs seq >= 1");
+        return -EINVAL;
+    }
+    return experts_fwd(h, experts, k, xb, x_off, maskb, mask_off, yb, y_off, batch, seq, dim,
+                       k_min, timeout_s, timeout_after_k_min_s, answered_out, n_answered_out);
+}
+
+static int experts_bwd(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
+                       hmc_buf *maskb, size_t mask_off, hmc_buf *gyb, size_t gy_off,
+                       hmc_buf *gxb, size_t gx_off, size_t batch, size_t seq, size_t dim,
+                       size_t k_min, double timeout_s, int *answered_out,
+                       size_t *n_answered_out)
+{
+    size_t bd, kbd, rows;
     json_t *res = NULL;
     if (n_answered_out != NULL)
         *n_answered_out = 0;
-    int r = expert_sizes(h, k, batch, dim, k_min, timeout_s, &bd, &kbd);
+    int r = seq_rows(h, batch, seq, maskb, &rows);
+    if (r != 0)
+        return r;
+    r = expert_sizes(h, k, rows, dim, k_min, timeout_s, &bd, &kbd);
     if (r != 0)
         return r;
     json_t *ex = experts_json(h, experts, k);
@@ -1269,11 +1343,39 @@ int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *x
     json_t *args = json_pack("{s:o, s:o, s:o, s:o, s:I, s:I, s:I, s:f}", "experts", ex, "x", x,
                              "gy", gy, "gx", gx, "batch", (json_int_t)batch, "dim",
                              (json_int_t)dim, "k_min", (json_int_t)k_min, "timeout", timeout_s);
+    if (args != NULL && (r = seq_args(h, args, batch, seq, maskb, mask_off)) != 0) {
+        json_decref(args);
+        return r;
+    }
     r = call(h, "experts.backward", args, wait_for(h, timeout_s), &res, NULL);
     if (r == 0)
         r = take_answered(h, res, k, answered_out, n_answered_out);
     json_decref(res);
     return r;
+}
+
+int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb, size_t x_off,
+                         hmc_buf *gyb, size_t gy_off, hmc_buf *gxb, size_t gx_off, size_t batch,
+                         size_t dim, size_t k_min, double timeout_s, int *answered_out,
+                         size_t *n_answered_out)
+{
+    return experts_bwd(h, experts, k, xb, x_off, NULL, 0, gyb, gy_off, gxb, gx_off, batch, 0,
+                       dim, k_min, timeout_s, answered_out, n_answered_out);
+}
+
+int hmc_experts_backward_seq(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb,
+                             size_t x_off, hmc_buf *maskb, size_t mask_off, hmc_buf *gyb,
+                             size_t gy_off, hmc_buf *gxb, size_t gx_off, size_t batch,
+                             size_t seq, size_t dim, size_t k_min, double timeout_s,
+                             int *answered_out, size_t *n_answered_out)
+{
+    if (seq == 0) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "a call over sequences needs seq >= 1");
+        return -EINVAL;
+    }
+    return experts_bwd(h, experts, k, xb, x_off, maskb, mask_off, gyb, gy_off, gxb, gx_off,
+                       batch, seq, dim, k_min, timeout_s, answered_out, n_answered_out);
 }
 
 /* ---- per-sample routing ---- */
@@ -1448,12 +1550,46 @@ static json_t *routed_args(hmc *h, const hmc_expert *experts, size_t n_experts, 
     return args;
 }
 
-int hmc_experts_forward_routed(hmc *h, const hmc_expert *experts, size_t n_experts,
+/*
+ * A routed call's args over sequences: the sizes are those of rows of seq *
+ * dim (a sample one sequence), args.dim the experts' own, and args.seq and
+ * args.mask added (seq_args). NULL (h->err set) on a bad size.
+ */
+static json_t *routed_seq_args(hmc *h, const hmc_expert *experts, size_t n_experts,
                                hmc_buf *routesb, size_t routes_off, size_t slots, hmc_buf *xb,
-                               size_t x_off, hmc_buf *yb, size_t y_off, size_t batch, size_t dim,
-                               size_t k_min, int allow_zero_outputs, double timeout_s,
-                               double timeout_after_k_min_s, int *answered_out,
-                               size_t *n_answered_out)
+                               size_t x_off, hmc_buf *maskb, size_t mask_off, size_t batch,
+                               size_t seq, size_t dim, size_t k_min, int allow_zero_outputs,
+                               double timeout_s, size_t *sbd_out)
+{
+    size_t sd;
+    if (seq == 0 && maskb != NULL) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "a mask pads keys of sequences: it needs seq >= 1");
+        return NULL;
+    }
+    if (!mul_ok(seq != 0 ? seq : 1, dim, &sd)) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "seq * dim is too large");
+        return NULL;
+    }
+    json_t *args = routed_args(h, experts, n_experts, routesb, routes_off, slots, xb, x_off,
+                               batch, sd, k_min, allow_zero_outputs, timeout_s, sbd_out);
+    if (args == NULL || seq == 0)
+        return args;
+    json_object_set_new(args, "dim", json_integer((json_int_t)dim));
+    if (seq_args(h, args, batch, seq, maskb, mask_off) != 0) {
+        json_decref(args);
+        return NULL;
+    }
+    return args;
+}
+
+static int routed_fwd(hmc *h, const hmc_expert *experts, size_t n_experts, hmc_buf *routesb,
+                      size_t routes_off, size_t slots, hmc_buf *xb, size_t x_off,
+                      hmc_buf *maskb, size_t mask_off, hmc_buf *yb, size_t y_off, size_t batch,
+                      size_t seq, size_t dim, size_t k_min, int allow_zero_outputs,
+                      double timeout_s, double timeout_after_k_min_s, int *answered_out,
+                      size_t *n_answered_out)
 {
     size_t sbd;
     json_t *res = NULL;
@@ -1464,8 +1600,9 @@ int hmc_experts_forward_routed(hmc *h, const hmc_expert *experts, size_t n_exper
         fmt(h->err, sizeof(h->err), "timeout_after_k_min must be >= 0");
         return -EINVAL;
     }
-    json_t *args = routed_args(h, experts, n_experts, routesb, routes_off, slots, xb, x_off,
-                               batch, dim, k_min, allow_zero_outputs, timeout_s, &sbd);
+    json_t *args = routed_seq_args(h, experts, n_experts, routesb, routes_off, slots, xb, x_off,
+                                   maskb, mask_off, batch, seq, dim, k_min, allow_zero_outputs,
+                                   timeout_s, &sbd);
     json_t *y = args != NULL ? shm_ref(h, "y", yb, y_off, sbd) : NULL;
     if (y == NULL) {
         json_decref(args);
@@ -1481,19 +1618,50 @@ int hmc_experts_forward_routed(hmc *h, const hmc_expert *experts, size_t n_exper
     return r;
 }
 
-int hmc_experts_backward_routed(hmc *h, const hmc_expert *experts, size_t n_experts,
-                                hmc_buf *routesb, size_t routes_off, size_t slots, hmc_buf *xb,
-                                size_t x_off, hmc_buf *gyb, size_t gy_off, hmc_buf *gxb,
-                                size_t gx_off, size_t batch, size_t dim, size_t k_min,
-                                int allow_zero_outputs, double timeout_s, int *answered_out,
-                                size_t *n_answered_out)
+int hmc_experts_forward_routed(hmc *h, const hmc_expert *experts, size_t n_experts,
+                               hmc_buf *routesb, size_t routes_off, size_t slots, hmc_buf *xb,
+                               size_t x_off, hmc_buf *yb, size_t y_off, size_t batch, size_t dim,
+                               size_t k_min, int allow_zero_outputs, double timeout_s,
+                               double timeout_after_k_min_s, int *answered_out,
+                               size_t *n_answered_out)
+{
+    return routed_fwd(h, experts, n_experts, routesb, routes_off, slots, xb, x_off, NULL, 0, yb,
+                      y_off, batch, 0, dim, k_min, allow_zero_outputs, timeout_s,
+                      timeout_after_k_min_s, answered_out, n_answered_out);
+}
+
+int hmc_experts_forward_routed_seq(hmc *h, const hmc_expert *experts, size_t n_experts,
+                                   hmc_buf *routesb, size_t routes_off, size_t slots,
+                                   hmc_buf *xb, size_t x_off, hmc_buf *maskb, size_t mask_off,
+                                   hmc_buf *yb, size_t y_off, size_t batch, size_t seq,
+                                   size_t dim, size_t k_min, int allow_zero_outputs,
+                                   double timeout_s, double timeout_after_k_min_s,
+                                   int *answered_out, size_t *n_answered_out)
+{
+    if (seq == 0) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "a call over sequences needs seq >= 1");
+        return -EINVAL;
+    }
+    return routed_fwd(h, experts, n_experts, routesb, routes_off, slots, xb, x_off, maskb,
+                      mask_off, yb, y_off, batch, seq, dim, k_min, allow_zero_outputs, timeout_s,
+                      timeout_after_k_min_s, answered_out, n_answered_out);
+}
+
+static int routed_bwd(hmc *h, const hmc_expert *experts, size_t n_experts, hmc_buf *routesb,
+                      size_t routes_off, size_t slots, hmc_buf *xb, size_t x_off,
+                      hmc_buf *maskb, size_t mask_off, hmc_buf *gyb, size_t gy_off,
+                      hmc_buf *gxb, size_t gx_off, size_t batch, size_t seq, size_t dim,
+                      size_t k_min, int allow_zero_outputs, double timeout_s, int *answered_out,
+                      size_t *n_answered_out)
 {
     size_t sbd;
     json_t *res = NULL;
     if (n_answered_out != NULL)
         *n_answered_out = 0;
-    json_t *args = routed_args(h, experts, n_experts, routesb, routes_off, slots, xb, x_off,
-                               batch, dim, k_min, allow_zero_outputs, timeout_s, &sbd);
+    json_t *args = routed_seq_args(h, experts, n_experts, routesb, routes_off, slots, xb, x_off,
+                                   maskb, mask_off, batch, seq, dim, k_min, allow_zero_outputs,
+                                   timeout_s, &sbd);
     json_t *gy = args != NULL ? shm_ref(h, "gy", gyb, gy_off, sbd) : NULL;
     json_t *gx = gy != NULL ? shm_ref(h, "gx", gxb, gx_off, sbd) : NULL;
     if (gx == NULL) {
@@ -1508,4 +1676,34 @@ int hmc_experts_backward_routed(hmc *h, const hmc_expert *experts, size_t n_expe
         r = take_answered(h, res, n_experts, answered_out, n_answered_out);
     json_decref(res);
     return r;
+}
+
+int hmc_experts_backward_routed(hmc *h, const hmc_expert *experts, size_t n_experts,
+                                hmc_buf *routesb, size_t routes_off, size_t slots, hmc_buf *xb,
+                                size_t x_off, hmc_buf *gyb, size_t gy_off, hmc_buf *gxb,
+                                size_t gx_off, size_t batch, size_t dim, size_t k_min,
+                                int allow_zero_outputs, double timeout_s, int *answered_out,
+                                size_t *n_answered_out)
+{
+    return routed_bwd(h, experts, n_experts, routesb, routes_off, slots, xb, x_off, NULL, 0, gyb,
+                      gy_off, gxb, gx_off, batch, 0, dim, k_min, allow_zero_outputs, timeout_s,
+                      answered_out, n_answered_out);
+}
+
+int hmc_experts_backward_routed_seq(hmc *h, const hmc_expert *experts, size_t n_experts,
+                                    hmc_buf *routesb, size_t routes_off, size_t slots,
+                                    hmc_buf *xb, size_t x_off, hmc_buf *maskb, size_t mask_off,
+                                    hmc_buf *gyb, size_t gy_off, hmc_buf *gxb, size_t gx_off,
+                                    size_t batch, size_t seq, size_t dim, size_t k_min,
+                                    int allow_zero_outputs, double timeout_s,
+                                    int *answered_out, size_t *n_answered_out)
+{
+    if (seq == 0) {
+        h->code[0] = '\0';
+        fmt(h->err, sizeof(h->err), "a call over sequences needs seq >= 1");
+        return -EINVAL;
+    }
+    return routed_bwd(h, experts, n_experts, routesb, routes_off, slots, xb, x_off, maskb,
+                      mask_off, gyb, gy_off, gxb, gx_off, batch, seq, dim, k_min,
+                      allow_zero_outputs, timeout_s, answered_out, n_answered_out);
 }

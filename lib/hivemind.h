@@ -253,6 +253,27 @@ int hmc_experts_backward(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *x
                          size_t *n_answered_out);
 
 /*
+ * The same over sequences, for transformer experts (ExpertType
+ * transformer): x is batch sequences of seq rows of dim ([batch, seq, dim],
+ * batch * seq * dim floats), y, gy and gx k of those. maskb (may be NULL:
+ * no padding) holds a key-padding mask of batch * seq floats from mask_off,
+ * 1 for a token and 0 for padding (Hivemind's attention_mask), each
+ * sequence keeping at least one token: a padded key gets no attention
+ * weight. A sequence longer than the expert's ExpertMaxSeq, or a call to
+ * an ffn expert, is refused with "expert_wrong_shape"; seq 0 is -EINVAL.
+ */
+int hmc_experts_forward_seq(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb,
+                            size_t x_off, hmc_buf *maskb, size_t mask_off, hmc_buf *yb,
+                            size_t y_off, size_t batch, size_t seq, size_t dim, size_t k_min,
+                            double timeout_s, double timeout_after_k_min_s, int *answered_out,
+                            size_t *n_answered_out);
+int hmc_experts_backward_seq(hmc *h, const hmc_expert *experts, size_t k, hmc_buf *xb,
+                             size_t x_off, hmc_buf *maskb, size_t mask_off, hmc_buf *gyb,
+                             size_t gy_off, hmc_buf *gxb, size_t gx_off, size_t batch,
+                             size_t seq, size_t dim, size_t k_min, double timeout_s,
+                             int *answered_out, size_t *n_answered_out);
+
+/*
  * Per-sample routing (Hivemind's RemoteMixtureOfExperts): every sample of a
  * batch has its own gate scores and its own beam search; the daemon runs
  * the batch's searches as one walk of the DHT ("experts.route").
@@ -304,6 +325,28 @@ int hmc_experts_backward_routed(hmc *h, const hmc_expert *experts, size_t n_expe
                                 size_t gx_off, size_t batch, size_t dim, size_t k_min,
                                 int allow_zero_outputs, double timeout_s, int *answered_out,
                                 size_t *n_answered_out);
+
+/*
+ * Routed calls over sequences (transformer experts), a sample one whole
+ * sequence: x is batch * seq * dim floats ([batch, seq, dim]), routes
+ * batch * slots as above, y, gy and gx batch * slots * seq * dim; maskb
+ * (may be NULL) a key-padding mask of batch * seq floats (1 a token, 0
+ * padding), each sample's going with it to its experts.
+ */
+int hmc_experts_forward_routed_seq(hmc *h, const hmc_expert *experts, size_t n_experts,
+                                   hmc_buf *routesb, size_t routes_off, size_t slots,
+                                   hmc_buf *xb, size_t x_off, hmc_buf *maskb, size_t mask_off,
+                                   hmc_buf *yb, size_t y_off, size_t batch, size_t seq,
+                                   size_t dim, size_t k_min, int allow_zero_outputs,
+                                   double timeout_s, double timeout_after_k_min_s,
+                                   int *answered_out, size_t *n_answered_out);
+int hmc_experts_backward_routed_seq(hmc *h, const hmc_expert *experts, size_t n_experts,
+                                    hmc_buf *routesb, size_t routes_off, size_t slots,
+                                    hmc_buf *xb, size_t x_off, hmc_buf *maskb, size_t mask_off,
+                                    hmc_buf *gyb, size_t gy_off, hmc_buf *gxb, size_t gx_off,
+                                    size_t batch, size_t seq, size_t dim, size_t k_min,
+                                    int allow_zero_outputs, double timeout_s,
+                                    int *answered_out, size_t *n_answered_out);
 
 /* ---- DiLoCo ---- */
 

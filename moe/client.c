@@ -1327,6 +1327,10 @@ struct call {
     int done;
     size_t k, k_min, batch, dim;
     size_t seq; /* 0: x is [batch, dim]; else batch rows are batch / seq sequences */
+    const uint8_t *mask; /* the caller's key-padding mask (seq calls), or NULL */
+    size_t sdim;   /* routed over sequences: the experts' dim; dim is then seq * sdim, a
+                      row of the gathered buffers one whole sequence */
+    uint8_t *maskg; /* routed over sequences with a mask: seq bytes a gathered row */
     size_t per;  /* routed: slots per sample in the caller's out */
     uint64_t timeout_after_k_min_ms;
     float *out; /* per batch: [k, batch, dim]; routed: [batch, per, dim] */
@@ -1365,6 +1369,7 @@ static void call_free(call *k)
     free(k->row_dst);
     free(k->xg);
     free(k->gyg);
+    free(k->maskg);
     free(k->outg);
     free(k);
 }
@@ -1436,11 +1441,18 @@ static int slot_send(call *k, size_t e, const hm_moe_expert *ex, uint64_t timeou
     if (backoff_state(c, ex->pk, now) == HOST_DUE)
         backoff_probe(c, ex->pk, now, timeout_ms);
     hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
-    if (k->seq != 0 && k->backward)
-        hm_moe_encode_bwd_seq(&w, ex->uid, slot_x(k, e), slot_gy(k, e), k->batch / k->seq, k->seq,
-                              k->dim);
+    const uint8_t *gm = k->maskg != NULL ? k->maskg + s->row0 * k->seq : NULL;
+    if (k->seq != 0 && k->routed && k->backward)
+        hm_moe_encode_bwd_mask(&w, ex->uid, slot_x(k, e), gm, slot_gy(k, e), s->n_rows, k->seq,
+                               k->sdim);
+    else if (k->seq != 0 && k->routed)
+        hm_moe_encode_fwd_mask(&w, ex->uid, slot_x(k, e), gm, s->n_rows, k->seq, k->sdim);
+    else if (k->seq != 0 && k->backward)
+        hm_moe_encode_bwd_mask(&w, ex->uid, slot_x(k, e), k->mask, slot_gy(k, e),
+                               k->batch / k->seq, k->seq, k->dim);
     else if (k->seq != 0)
-        hm_moe_encode_fwd_seq(&w, ex->uid, slot_x(k, e), k->batch / k->seq, k->seq, k->dim);
+        hm_moe_encode_fwd_mask(&w, ex->uid, slot_x(k, e), k->mask, k->batch / k->seq, k->seq,
+                               k->dim);
     else if (k->backward)
         hm_moe_encode_bwd(&w, ex->uid, slot_x(k, e), slot_gy(k, e), s->n_rows, k->dim);
     else
@@ -1570,7 +1582,10 @@ static void slot_cb(void *ud, int status, const uint8_t *body, size_t len)
     if (status == -ECANCELED)
         k->n_cancelled++;
     if (status == 0) {
-        int r = k->seq != 0 ? hm_moe_decode_out_seq(body, len, k->backward, k->batch / k->seq,
+        int r = k->seq != 0 && k->routed
+                    ? hm_moe_decode_out_seq(body, len, k->backward, s->n_rows, k->seq, k->sdim,
+                                            slot_out(k, s->e))
+                : k->seq != 0 ? hm_moe_decode_out_seq(body, len, k->backward, k->batch / k->seq,
                                                     k->seq, k->dim, slot_out(k, s->e))
                             : hm_moe_decode_out(body, len, k->backward, s->n_rows, k->dim,
                                                 slot_out(k, s->e));
@@ -1647,8 +1662,10 @@ static int call_route_copied(call *k, const int32_t *routes)
     k->outg = malloc(alloc * dim * sizeof(float));
     if (k->backward)
         k->gyg = malloc(alloc * dim * sizeof(float));
+    if (k->mask != NULL)
+        k->maskg = malloc(alloc * k->seq);
     if (k->row_src == NULL || k->row_dst == NULL || k->xg == NULL || k->outg == NULL ||
-        (k->backward && k->gyg == NULL))
+        (k->backward && k->gyg == NULL) || (k->mask != NULL && k->maskg == NULL))
         return -ENOMEM;
     size_t at = 0;
     for (size_t e = 0; e < k->k; e++) {
@@ -1668,6 +1685,8 @@ static int call_route_copied(call *k, const int32_t *routes)
             k->row_src[r] = (uint32_t)b;
             k->row_dst[r] = (uint32_t)(b * per + j);
             memcpy(k->xg + r * dim, k->x + b * dim, dim * sizeof(float));
+            if (k->maskg != NULL)
+                memcpy(k->maskg + r * k->seq, k->mask + b * k->seq, k->seq);
             if (k->backward)
                 memcpy(k->gyg + r * dim, k->gy + (b * per + j) * dim, dim * sizeof(float));
             live++;
@@ -1715,12 +1734,32 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
      * Over the protocol's caps the frame could not be sent (or would be
      * refused): say so now, rather than as a timeout when every send fails.
      */
-    /* Routed calls carry rows of [batch, dim]; sequences go per batch only. */
-    if (o->seq != 0 && (routed || batch % o->seq != 0))
+    /* Per batch, sequences are batch / seq of the batch rows; routed, each
+     * of the batch samples is a sequence of seq rows. */
+    if (o->seq != 0 && !routed && batch % o->seq != 0)
         return -EINVAL;
-    if ((o->seq == 0 ? batch : batch / o->seq) > HM_MOE_MAX_BATCH || o->seq > HM_MOE_MAX_SEQ ||
-        dim > HM_MOE_MAX_DIM || batch * dim > HM_MOE_MAX_ELEMS ||
-        (routed && batch * per * dim > HM_MOE_MAX_ROUTED_ELEMS))
+    const size_t nseq = o->seq == 0 ? 0 : routed ? batch : batch / o->seq;
+    const size_t xrows = routed && o->seq != 0 ? batch * o->seq : batch;
+    if (routed && o->seq != 0 && (o->seq > HM_MOE_MAX_SEQ || batch > SIZE_MAX / o->seq))
+        return -EMSGSIZE;
+    /* A mask pads keys of sequences: 0/1 a row, every sequence keeping one. */
+    if (o->mask != NULL) {
+        if (o->seq == 0)
+            return -EINVAL;
+        for (size_t b = 0; b < nseq; b++) {
+            size_t kept = 0;
+            for (size_t j = 0; j < o->seq; j++) {
+                if (o->mask[b * o->seq + j] > 1)
+                    return -EINVAL;
+                kept += o->mask[b * o->seq + j];
+            }
+            if (kept == 0)
+                return -EINVAL;
+        }
+    }
+    if ((o->seq == 0 || routed ? batch : batch / o->seq) > HM_MOE_MAX_BATCH ||
+        o->seq > HM_MOE_MAX_SEQ || dim > HM_MOE_MAX_DIM || xrows * dim > HM_MOE_MAX_ELEMS ||
+        (routed && xrows * per * dim > HM_MOE_MAX_ROUTED_ELEMS))
         return -EMSGSIZE;
     for (size_t e = 0; e < k_n; e++)
         if (strnlen(experts[e].uid, sizeof(experts[e].uid)) > HM_MOE_UID_MAX)
@@ -1735,7 +1774,12 @@ static int call_start(hm_moe_client *c, const hm_moe_expert *experts, size_t k_n
     k->k_min = o->k_min;
     k->batch = batch;
     k->seq = o->seq;
+    k->mask = o->mask;
     k->dim = dim;
+    if (routed && o->seq != 0) {
+        k->sdim = dim;
+        k->dim = o->seq * dim;
+    }
     k->per = per;
     k->timeout_after_k_min_ms = o->timeout_after_k_min_ms;
     k->out = out;

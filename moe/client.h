@@ -182,6 +182,10 @@ typedef struct hm_moe_call_opts {
                                        batch / seq sequences of seq rows, sent as
                                        [batch / seq, seq, dim] to experts over sequences
                                        (transformers; proto.h revision 2) */
+    const uint8_t *mask;            /* NULL, or with seq: a key-padding mask of batch bytes
+                                       (one a row), 1 a token and 0 padding, each sequence
+                                       keeping one (proto.h revision 3); must stay valid
+                                       until the callback */
 } hm_moe_call_opts;
 
 /*
@@ -226,6 +230,12 @@ int hm_moe_backward(hm_moe_client *c, const hm_moe_expert *experts, size_t k, co
  * call then waits at most timeout_after_k_min from its start. The back-off
  * leaves an expert out only while every sample keeps what it needs.
  * Experts no sample was routed to are not called (errors_out: -ENODATA).
+ *
+ * Over sequences (o->seq not 0, experts of type transformer) a sample is a
+ * whole sequence: x is [batch, seq, dim], the outputs [batch, per, seq,
+ * dim], each expert gets [its samples, seq, dim] in one request, and
+ * o->mask, when set, is [batch, seq] bytes (each sample's own mask goes
+ * with it).
  */
 
 /* Distinct experts in one routed search or call, and the elements of its output. */

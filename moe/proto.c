@@ -445,30 +445,62 @@ static int uid_arg_ok(hm_wire_wr *w, const char *uid)
     return 0;
 }
 
-void hm_moe_encode_fwd_seq(hm_wire_wr *w, const char *uid, const float *x, size_t batch,
-                           size_t seq, size_t dim)
+void hm_moe_encode_fwd_mask(hm_wire_wr *w, const char *uid, const float *x, const uint8_t *mask,
+                            size_t batch, size_t seq, size_t dim)
 {
     if (!uid_arg_ok(w, uid))
         return;
-    hm_wire_wr_map(w, 2);
+    if (mask != NULL && seq == 0) {
+        if (w->err == 0)
+            w->err = -EINVAL;
+        return;
+    }
+    hm_wire_wr_map(w, mask != NULL ? 3 : 2);
     hm_wire_wr_cstr(w, "uid");
     hm_wire_wr_cstr(w, uid);
-    hm_wire_wr_cstr(w, "x");
+    /* Masked, the input is "xm": a server that knows no mask finds no "x"
+     * and refuses the request rather than compute it unmasked. */
+    hm_wire_wr_cstr(w, mask != NULL ? "xm" : "x");
     wr_tensor(w, x, batch, seq, dim);
+    if (mask != NULL) {
+        hm_wire_wr_cstr(w, "mask");
+        hm_wire_wr_bin(w, mask, batch * seq);
+    }
+}
+
+void hm_moe_encode_bwd_mask(hm_wire_wr *w, const char *uid, const float *x, const uint8_t *mask,
+                            const float *gy, size_t batch, size_t seq, size_t dim)
+{
+    if (!uid_arg_ok(w, uid))
+        return;
+    if (mask != NULL && seq == 0) {
+        if (w->err == 0)
+            w->err = -EINVAL;
+        return;
+    }
+    hm_wire_wr_map(w, mask != NULL ? 4 : 3);
+    hm_wire_wr_cstr(w, "uid");
+    hm_wire_wr_cstr(w, uid);
+    hm_wire_wr_cstr(w, mask != NULL ? "xm" : "x");
+    wr_tensor(w, x, batch, seq, dim);
+    hm_wire_wr_cstr(w, "gy");
+    wr_tensor(w, gy, batch, seq, dim);
+    if (mask != NULL) {
+        hm_wire_wr_cstr(w, "mask");
+        hm_wire_wr_bin(w, mask, batch * seq);
+    }
+}
+
+void hm_moe_encode_fwd_seq(hm_wire_wr *w, const char *uid, const float *x, size_t batch,
+                           size_t seq, size_t dim)
+{
+    hm_moe_encode_fwd_mask(w, uid, x, NULL, batch, seq, dim);
 }
 
 void hm_moe_encode_bwd_seq(hm_wire_wr *w, const char *uid, const float *x, const float *gy,
                            size_t batch, size_t seq, size_t dim)
 {
-    if (!uid_arg_ok(w, uid))
-        return;
-    hm_wire_wr_map(w, 3);
-    hm_wire_wr_cstr(w, "uid");
-    hm_wire_wr_cstr(w, uid);
-    hm_wire_wr_cstr(w, "x");
-    wr_tensor(w, x, batch, seq, dim);
-    hm_wire_wr_cstr(w, "gy");
-    wr_tensor(w, gy, batch, seq, dim);
+    hm_moe_encode_bwd_mask(w, uid, x, NULL, gy, batch, seq, dim);
 }
 
 void hm_moe_encode_fwd(hm_wire_wr *w, const char *uid, const float *x, size_t batch, size_t dim)
@@ -574,6 +606,35 @@ static int get_f32(const msgpack_object *o, hm_wire_tensor *t)
 static size_t seq_of(const hm_wire_tensor *t) { return t->ndim == 3 ? (size_t)t->shape[1] : 0; }
 
 /*
+ * A key-padding mask for x [batch, seq, dim]: a bin of exactly batch * seq
+ * bytes, each 0 or 1, keeping at least one key of every sample (-EINVAL
+ * otherwise; the shape is bounded by x's, which the caps bound).
+ */
+static int get_mask(const msgpack_object *o, const hm_wire_tensor *x, const uint8_t **out)
+{
+    const uint8_t *p;
+    uint32_t len;
+
+    if (x->ndim != 3)
+        return -EPROTO; /* only sequences have keys to pad */
+    const size_t batch = (size_t)x->shape[0], seq = (size_t)x->shape[1];
+    if (hm_wire_get_bin(o, &p, &len) < 0 || (size_t)len != batch * seq)
+        return -EINVAL;
+    for (size_t b = 0; b < batch; b++) {
+        size_t kept = 0;
+        for (size_t j = 0; j < seq; j++) {
+            if (p[b * seq + j] > 1)
+                return -EINVAL;
+            kept += p[b * seq + j];
+        }
+        if (kept == 0)
+            return -EINVAL;
+    }
+    *out = p;
+    return 0;
+}
+
+/*
  * Opens a request or reply, which is a map. The expert protocol has always
  * reported a root that is not a map as -EINVAL, so the prologue's -EPROTO
  * (which it returns for nothing else) becomes that.
@@ -598,7 +659,15 @@ int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *
         goto out;
     if ((result = get_uid(&m.root, req.uid)) < 0)
         goto out;
-    if ((result = get_f32(hm_wire_map_get(&m.root, "x"), &x)) < 0)
+    /* A masked request names its input "xm" (proto.h, revision 3). */
+    const msgpack_object *xo = hm_wire_map_get(&m.root, "x");
+    const msgpack_object *xmo = hm_wire_map_get(&m.root, "xm");
+    const msgpack_object *mo = hm_wire_map_get(&m.root, "mask");
+    if ((xo != NULL) == (xmo != NULL) || (xmo != NULL) != (mo != NULL)) {
+        result = -EINVAL;
+        goto out;
+    }
+    if ((result = get_f32(xo != NULL ? xo : xmo, &x)) < 0)
         goto out;
     req.batch = (size_t)x.shape[0];
     req.seq = seq_of(&x);
@@ -614,6 +683,8 @@ int hm_moe_decode_req(const uint8_t *buf, size_t len, int backward, hm_moe_req *
         }
         req.gy = gy.data;
     }
+    if (mo != NULL && (result = get_mask(mo, &x, &req.mask)) < 0)
+        goto out;
     *out = req;
     result = 0;
 out:

@@ -35,6 +35,17 @@
  * every rank-3 request as malformed. Nothing else changed: rank-2 bodies
  * are those of revision 1, so old and new peers call each other's ffn
  * experts as before.
+ * Revision 3 of the requests (a key-padding mask, Hivemind's
+ * attention_mask): a rank-3 moe.fwd or moe.bwd may carry
+ *               "mask": bin of batch * seq bytes, 1 for a token, 0 for
+ *                       padding (a padded key gets no attention weight)
+ * and then names its input "xm" instead of "x", so that a revision-2
+ * server, which requires "x", refuses it as malformed (-EINVAL) instead
+ * of answering as if nothing were padded. A request with both or neither
+ * of "x" and "xm", "xm" without "mask" or "mask" without "xm", a mask of
+ * another length, a byte other than 0 or 1, or a sample with every key
+ * padded is -EINVAL; a mask on a rank-2 tensor is -EPROTO. Replies are
+ * unchanged.
  * Errors travel as the rpc status: -ENOENT (no such expert here), -EINVAL
  * (malformed), -EMSGSIZE (over a cap), -EPROTO (dim is not the expert's),
  * -EDOM (non-finite input), -ENOBUFS (the server's queue is full). The
@@ -104,7 +115,9 @@
  * largest sizes could never be sent.
  */
 #define HM_MOE_MAX_ELEMS ((size_t)1 << 23)
-#define HM_MOE_MAX_FRAME (2 * HM_MOE_MAX_ELEMS * 4 + 4096)
+/* ... and a key-padding mask (revision 3) one byte a row, at most
+ * HM_MOE_MAX_ELEMS of them: 72 MiB and a header in all. */
+#define HM_MOE_MAX_FRAME (2 * HM_MOE_MAX_ELEMS * 4 + HM_MOE_MAX_ELEMS + 4096)
 #define HM_MOE_MAX_PATTERN_EXPERTS 4096
 #define HM_MOE_TYPE_MAX 16
 #define HM_MOE_ADDR_MAX 64
@@ -167,6 +180,7 @@ typedef struct hm_moe_req {
     size_t seq;        /* 0: x is [batch, dim]; else [batch, seq, dim] */
     const uint8_t *x;  /* batch*dim*4 bytes */
     const uint8_t *gy; /* backward only, else NULL */
+    const uint8_t *mask; /* revision 3: NULL, or batch*seq bytes of 0/1 (1: a token) */
 } hm_moe_req;
 
 /* Encoders write one msgpack map into w (check hm_wire_wr_error). */
@@ -187,6 +201,12 @@ void hm_moe_encode_out_seq(hm_wire_wr *w, int backward, const float *t, size_t b
                            size_t dim);
 void hm_moe_encode_info_seq(hm_wire_wr *w, const char *type, size_t dim, size_t hidden,
                             size_t heads, size_t max_seq);
+/* Revision 3: with a key-padding mask ([batch, seq] bytes of 0/1) when mask
+ * is not NULL (seq must then not be 0), the input under "xm". */
+void hm_moe_encode_fwd_mask(hm_wire_wr *w, const char *uid, const float *x, const uint8_t *mask,
+                            size_t batch, size_t seq, size_t dim);
+void hm_moe_encode_bwd_mask(hm_wire_wr *w, const char *uid, const float *x, const uint8_t *mask,
+                            const float *gy, size_t batch, size_t seq, size_t dim);
 
 /*
  * Decoders. backward selects which request/reply is expected. 0, -EINVAL

@@ -110,6 +110,7 @@ struct pending {
     uint64_t arrived_ms;
     float *x;
     float *gy;
+    uint8_t *mask;  /* a transformer request's key-padding mask, a byte a row; NULL: none */
     uint8_t *reply; /* built by the worker */
     size_t reply_len;
     int status;
@@ -382,7 +383,7 @@ static int model_save(const expert *e, uint8_t **buf, size_t *len)
 static int model_backward(expert *e, const pending *p, float *out)
 {
     if (e->xf != NULL)
-        return hm_xf_backward(e->xf, p->x, p->gy, p->batch / p->seq, p->seq, out);
+        return hm_xf_backward_mask(e->xf, p->x, p->mask, p->gy, p->batch / p->seq, p->seq, out);
     return hm_ffn_backward(e->ffn, p->x, p->gy, p->batch, out);
 }
 
@@ -396,10 +397,31 @@ static int xf_batch(expert *e, job *j, const float *x, const float *gy, float *o
     const size_t np = hm_xf_nparams(e->xf), dim = e->dim;
     int backward = j->kind == JOB_BWD;
     float *gsum = NULL, *g = NULL;
+    uint8_t *mask = NULL;
     size_t off = 0;
     pending *p = STAILQ_FIRST(&j->reqs);
     int r = 0;
 
+    /* Where some request is masked, the batch's mask: all ones for the
+     * others, which is the same to the bit as none (transformer.h). */
+    STAILQ_FOREACH(p, &j->reqs, link)
+        if (p->mask != NULL)
+            break;
+    if (p != NULL) {
+        if ((mask = malloc(j->samples)) == NULL) {
+            r = -ENOMEM;
+            goto out;
+        }
+        STAILQ_FOREACH(p, &j->reqs, link) {
+            if (p->mask != NULL)
+                memcpy(mask + off, p->mask, p->batch);
+            else
+                memset(mask + off, 1, p->batch);
+            off += p->batch;
+        }
+        off = 0;
+    }
+    p = STAILQ_FIRST(&j->reqs);
     if (backward) {
         gsum = calloc(np, sizeof(float));
         g = malloc(np * sizeof(float));
@@ -415,12 +437,13 @@ static int xf_batch(expert *e, job *j, const float *x, const float *gy, float *o
             p = STAILQ_NEXT(p, link);
         }
         if (backward) {
-            r = hm_xf_grad(e->xf, x + off * dim, gy + off * dim, rows / seq, seq,
-                           out + off * dim, g);
+            r = hm_xf_grad_mask(e->xf, x + off * dim, mask != NULL ? mask + off : NULL,
+                                gy + off * dim, rows / seq, seq, out + off * dim, g);
             for (size_t i = 0; r == 0 && i < np; i++)
                 gsum[i] += g[i];
         } else {
-            r = hm_xf_forward(e->xf, x + off * dim, rows / seq, seq, out + off * dim);
+            r = hm_xf_forward_mask(e->xf, x + off * dim, mask != NULL ? mask + off : NULL,
+                                   rows / seq, seq, out + off * dim);
         }
         off += rows;
     }
@@ -429,6 +452,7 @@ static int xf_batch(expert *e, job *j, const float *x, const float *gy, float *o
 out:
     free(gsum);
     free(g);
+    free(mask);
     return r;
 }
 
@@ -1107,7 +1131,7 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
     if (mr.seq != 0)
         mr.batch *= mr.seq;
     n = mr.batch * mr.dim;
-    bytes = n * sizeof(float) * (backward ? 2 : 1);
+    bytes = n * sizeof(float) * (backward ? 2 : 1) + (mr.mask != NULL ? mr.batch : 0);
     hm_origin_of(from, &o);
     if ((oe = hm_origin_tab_get(&s->origins, &o, 1)) == NULL) {
         r = -ENOBUFS; /* more origins waiting than the table holds */
@@ -1143,6 +1167,10 @@ static void handle(hm_moe_server *s, hm_rpc_req *req, const struct sockaddr *fro
     if (backward) {
         p->gy = p->x + n;
         memcpy(p->gy, mr.gy, n * sizeof(float));
+    }
+    if (mr.mask != NULL) {
+        p->mask = (uint8_t *)(p->x + n * (backward ? 2 : 1));
+        memcpy(p->mask, mr.mask, mr.batch);
     }
     /* Non-finite input is refused alone, so that it cannot fail a whole batch. */
     if (!floats_finite(p->x, n) || (backward && !floats_finite(p->gy, n))) {

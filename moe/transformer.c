@@ -250,21 +250,26 @@ static int scratch_alloc(const hm_xf *t, size_t batch, size_t seq, int backward,
  * The attention weights of sample b, head hd into s->p [seq, seq]: the
  * scaled scores, then a softmax per row (max subtracted; the sum in double).
  */
-static void attn_weights(const hm_xf *t, struct scratch *s, size_t b, size_t hd, size_t seq)
+static void attn_weights(const hm_xf *t, struct scratch *s, const uint8_t *mask, size_t b,
+                         size_t hd, size_t seq)
 {
+    const uint8_t *keep = mask != NULL ? mask + b * seq : NULL;
     const size_t d = t->cfg.ffn.dim, dh = d / t->cfg.heads, ld = 3 * d;
     const float *q = s->qkv + b * seq * ld + hd * dh, *k = q + d;
     const float scale = (float)(1.0 / sqrt((double)dh));
 
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)seq, (int)seq, (int)dh, scale, q,
                 (int)ld, k, (int)ld, 0.0f, s->p, (int)seq);
+    /* A masked key gets weight exactly 0 and takes no part in the row's max:
+     * with an all-ones mask the weights are bit for bit those without one. */
     for (size_t i = 0; i < seq; i++) {
-        float *row = s->p + i * seq, mx = row[0];
+        float *row = s->p + i * seq, mx = -INFINITY;
         double sum = 0;
-        for (size_t j = 1; j < seq; j++)
-            mx = row[j] > mx ? row[j] : mx;
+        for (size_t j = 0; j < seq; j++)
+            if (keep == NULL || keep[j])
+                mx = row[j] > mx ? row[j] : mx;
         for (size_t j = 0; j < seq; j++) {
-            row[j] = expf(row[j] - mx);
+            row[j] = keep == NULL || keep[j] ? expf(row[j] - mx) : 0.0f;
             sum += row[j];
         }
         const float inv = (float)(1.0 / sum);
@@ -274,8 +279,8 @@ static void attn_weights(const hm_xf *t, struct scratch *s, size_t b, size_t hd,
 }
 
 /* The attention half's forward: a, qkv, o and h = x + MHA(LN1(x)) into s. */
-static void attn_forward(const hm_xf *t, const float *x, size_t batch, size_t seq,
-                         struct scratch *s)
+static void attn_forward(const hm_xf *t, const float *x, const uint8_t *mask, size_t batch,
+                         size_t seq, struct scratch *s)
 {
     const size_t d = t->cfg.ffn.dim, n = batch * seq, dh = d / t->cfg.heads, ld = 3 * d;
     const struct alayout l = alayout_of(d);
@@ -308,7 +313,7 @@ static void attn_forward(const hm_xf *t, const float *x, size_t batch, size_t se
     for (size_t b = 0; b < batch; b++) {
         for (size_t hd = 0; hd < t->cfg.heads; hd++) {
             const float *v = s->qkv + b * seq * ld + 2 * d + hd * dh;
-            attn_weights(t, s, b, hd, seq);
+            attn_weights(t, s, mask, b, hd, seq);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)seq, (int)dh, (int)seq,
                         1.0f, s->p, (int)seq, v, (int)ld, 0.0f, s->o + b * seq * d + hd * dh,
                         (int)d);
@@ -322,7 +327,32 @@ static void attn_forward(const hm_xf *t, const float *x, size_t batch, size_t se
                 (int)d, p + l.wo, (int)d, 1.0f, s->h, (int)d);
 }
 
+/* A mask is 0/1 bytes and keeps at least one key of every sample, so that
+ * every softmax has something to weigh. */
+static int mask_check(const uint8_t *mask, size_t batch, size_t seq)
+{
+    if (mask == NULL)
+        return 0;
+    for (size_t b = 0; b < batch; b++) {
+        size_t kept = 0;
+        for (size_t j = 0; j < seq; j++) {
+            if (mask[b * seq + j] > 1)
+                return -EINVAL;
+            kept += mask[b * seq + j];
+        }
+        if (kept == 0)
+            return -EINVAL;
+    }
+    return 0;
+}
+
 int hm_xf_forward(const hm_xf *t, const float *x, size_t batch, size_t seq, float *y)
+{
+    return hm_xf_forward_mask(t, x, NULL, batch, seq, y);
+}
+
+int hm_xf_forward_mask(const hm_xf *t, const float *x, const uint8_t *mask, size_t batch,
+                       size_t seq, float *y)
 {
     struct scratch s;
     int result;
@@ -331,11 +361,13 @@ int hm_xf_forward(const hm_xf *t, const float *x, size_t batch, size_t seq, floa
         return -EINVAL;
     if ((result = scratch_alloc(t, batch, seq, 0, &s)) < 0)
         return result;
+    if ((result = mask_check(mask, batch, seq)) < 0)
+        goto out;
     if (!finite_all(x, batch * seq * t->cfg.ffn.dim)) {
         result = -EDOM;
         goto out;
     }
-    attn_forward(t, x, batch, seq, &s);
+    attn_forward(t, x, mask, batch, seq, &s);
     result = hm_ffn_forward(t->ffn, s.h, batch * seq, y);
 out:
     scratch_free(&s);
@@ -353,6 +385,12 @@ static void sum_rows(const float *m, size_t rows, size_t cols, size_t ld, float 
 int hm_xf_grad(const hm_xf *t, const float *x, const float *grad_y, size_t batch, size_t seq,
                float *grad_x, float *grad_params)
 {
+    return hm_xf_grad_mask(t, x, NULL, grad_y, batch, seq, grad_x, grad_params);
+}
+
+int hm_xf_grad_mask(const hm_xf *t, const float *x, const uint8_t *mask, const float *grad_y,
+                    size_t batch, size_t seq, float *grad_x, float *grad_params)
+{
     struct scratch s;
     float *gh = NULL, *dqkv = NULL, *gp = grad_params;
     int result;
@@ -365,6 +403,8 @@ int hm_xf_grad(const hm_xf *t, const float *x, const float *grad_y, size_t batch
     const struct alayout l = alayout_of(d);
     const float *p = t->attn;
     const float scale = (float)(1.0 / sqrt((double)dh));
+    if ((result = mask_check(mask, batch, seq)) < 0)
+        goto out;
     if (!finite_all(x, n * d) || !finite_all(grad_y, n * d)) {
         result = -EDOM;
         goto out;
@@ -375,7 +415,7 @@ int hm_xf_grad(const hm_xf *t, const float *x, const float *grad_y, size_t batch
         result = -ENOMEM;
         goto out;
     }
-    attn_forward(t, x, batch, seq, &s);
+    attn_forward(t, x, mask, batch, seq, &s);
     /* The FFN half: dL/dh, and its own parameters' gradient after the attention's. */
     if ((result = hm_ffn_grad(t->ffn, s.h, grad_y, n, gh, gp != NULL ? gp + t->nattn : NULL)) < 0)
         goto out;
@@ -397,7 +437,7 @@ int hm_xf_grad(const hm_xf *t, const float *x, const float *grad_y, size_t batch
             const size_t off = b * seq * ld + hd * dh;
             const float *q = s.qkv + off, *k = q + d, *v = q + 2 * d;
             const float *dout = s.o + b * seq * d + hd * dh;
-            attn_weights(t, &s, b, hd, seq);
+            attn_weights(t, &s, mask, b, hd, seq);
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)seq, (int)dh, (int)seq,
                         1.0f, s.p, (int)seq, dout, (int)d, 0.0f, dqkv + off + 2 * d, (int)ld);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)seq, (int)seq, (int)dh,
@@ -478,6 +518,12 @@ int hm_xf_apply(hm_xf *t, const float *grad_params)
 int hm_xf_backward(hm_xf *t, const float *x, const float *grad_y, size_t batch, size_t seq,
                    float *grad_x)
 {
+    return hm_xf_backward_mask(t, x, NULL, grad_y, batch, seq, grad_x);
+}
+
+int hm_xf_backward_mask(hm_xf *t, const float *x, const uint8_t *mask, const float *grad_y,
+                        size_t batch, size_t seq, float *grad_x)
+{
     float *gp;
     int result;
 
@@ -485,7 +531,7 @@ int hm_xf_backward(hm_xf *t, const float *x, const float *grad_y, size_t batch, 
         return -EINVAL;
     if ((gp = malloc(hm_xf_nparams(t) * sizeof(float))) == NULL)
         return -ENOMEM;
-    result = hm_xf_grad(t, x, grad_y, batch, seq, grad_x, gp);
+    result = hm_xf_grad_mask(t, x, mask, grad_y, batch, seq, grad_x, gp);
     if (result == 0)
         result = hm_xf_apply(t, gp);
     free(gp);

@@ -9,7 +9,13 @@
  *   y = h + FFN(LN2(h))          exactly an ffn expert (ffn.h) applied to h
  *
  * x, h, y: [batch, seq, dim] row-major float32; each sample's sequence
- * attends only to itself, with no mask (an encoder block). LN is LayerNorm
+ * attends only to itself (an encoder block). The _mask calls take a
+ * key-padding mask, [batch, seq] bytes, 1 for a token and 0 for padding
+ * (Hivemind's attention_mask): a padded key gets attention weight exactly
+ * 0 from every query of its sample (its own row is still computed, over
+ * the sample's tokens). Each byte must be 0 or 1 and each sample keep at
+ * least one key (-EINVAL otherwise); an all-ones mask is the same, to the
+ * bit, as none. LN is LayerNorm
  * over dim with learned gamma/beta and eps 1e-5. MHA projects LN1(x) with
  * Wqkv [3 dim, dim] + bqkv into queries, keys and values (rows 0..dim-1,
  * dim..2dim-1, 2dim..3dim-1 of Wqkv), splits each into `heads` heads of
@@ -81,6 +87,14 @@ int hm_xf_forward(const hm_xf *t, const float *x, size_t batch, size_t seq, floa
  * over the batch) into grad_params[hm_xf_nparams]. No step. */
 int hm_xf_grad(const hm_xf *t, const float *x, const float *grad_y, size_t batch, size_t seq,
                float *grad_x, float *grad_params);
+
+/* The same with a key-padding mask (above); NULL: none. */
+int hm_xf_forward_mask(const hm_xf *t, const float *x, const uint8_t *mask, size_t batch,
+                       size_t seq, float *y);
+int hm_xf_grad_mask(const hm_xf *t, const float *x, const uint8_t *mask, const float *grad_y,
+                    size_t batch, size_t seq, float *grad_x, float *grad_params);
+int hm_xf_backward_mask(hm_xf *t, const float *x, const uint8_t *mask, const float *grad_y,
+                        size_t batch, size_t seq, float *grad_x);
 
 /* One optimizer step with the given gradient; nothing changes on -EDOM. */
 int hm_xf_apply(hm_xf *t, const float *grad_params);

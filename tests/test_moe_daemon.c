@@ -1019,3 +1019,204 @@ Test(moe_daemon, routed_per_sample_through_the_library_and_zero_outputs)
     hmc_buf_free(gxb);
     hmc_close(h);
 }
+
+/*
+ * libhivemind's calls over sequences: a transformer expert found by beam
+ * search answers hmc_experts_forward_seq and hmc_experts_backward_seq on
+ * [batch, seq, dim] with exactly what its checkpoint computes locally,
+ * with and without a key-padding mask, and its backward steps it as the
+ * local copy steps; shapes it does not take come back with its code and
+ * reason, and a bad mask is the caller's error.
+ */
+Test(moe_daemon, transformer_seq_calls_from_libhivemind_equal_local)
+{
+    struct node host, tr;
+    enum { B = 3, S = 5 };
+    const char *fl[] = {"--host-experts", "ffn.0.[0:2]", "--expert-dim", "16",
+                        "--expert-type", "transformer", "--expert-heads", "4",
+                        "--expert-max-seq", "6", "--expert-optimizer", "sgd",
+                        "--expert-lr", "0.1"};
+
+    start_node(&host, "host", NULL, fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8],
+               fl[9], fl[10], fl[11], fl[12], fl[13], NULL);
+    stop_node(&host);
+    char path[512];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    hm_xf *t = NULL;
+    snprintf(path, sizeof(path), "%s/experts/ffn.0.1.ckpt", host.dir);
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 30, &buf, &len, NULL), 0, "%s", path);
+    cr_assert_eq(hm_xf_load(buf, len, NULL, &t), 0);
+    free(buf);
+
+    start_node(&host, "host", NULL, fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8],
+               fl[9], fl[10], fl[11], fl[12], fl[13], NULL);
+    start_node(&tr, "trainer", NULL, "--initial-peers", host.addr, NULL);
+    hmc *h = attach(&tr);
+    hmc_expert ex[2];
+    size_t n = find_experts(h, 1, 2, 2, ex, 20000);
+    cr_assert_eq(n, 2, "beam search found %zu of 2 experts", n);
+    cr_assert_str_eq(ex[0].uid, "ffn.0.1");
+
+    const size_t nx = B * S * DIM;
+    hmc_buf *xb, *yb, *gyb, *gxb, *mb;
+    cr_assert_eq(hmc_buf_alloc(h, nx * sizeof(float), &xb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, nx * sizeof(float), &yb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, nx * sizeof(float), &gyb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, nx * sizeof(float), &gxb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, B * S * sizeof(float), &mb), 0);
+    float *x = hmc_buf_data(xb), *y = hmc_buf_data(yb), *gy = hmc_buf_data(gyb),
+          *gx = hmc_buf_data(gxb), *mf = hmc_buf_data(mb);
+    /* Sample 0 whole, sample 1 padded at its tail, sample 2 at its head. */
+    const uint8_t mask[B * S] = {1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1};
+    for (size_t i = 0; i < B * S; i++)
+        mf[i] = mask[i];
+    fill(x, nx, 21);
+    fill(gy, nx, 22);
+    float want[B * S * DIM], want_gx[B * S * DIM];
+    int answered[1];
+    size_t n_ans = 0;
+
+    for (int masked = 0; masked <= 1; masked++) {
+        const uint8_t *m = masked ? mask : NULL;
+        int r = hmc_experts_forward_seq(h, ex, 1, xb, 0, masked ? mb : NULL, 0, yb, 0, B, S, DIM,
+                                        1, 10.0, 1.0, answered, &n_ans);
+        cr_assert_eq(r, 0, "forward (mask %d): %s", masked, hmc_last_error(h));
+        cr_assert_eq(n_ans, 1);
+        cr_assert_eq(hm_xf_forward_mask(t, x, m, B, S, want), 0);
+        double d = rel_err(y, want, nx);
+        cr_assert(d <= 1e-5, "remote forward (mask %d) differs from local by %g", masked, d);
+    }
+    /* The mask matters: unmasked outputs of the padded samples differ. */
+    float nomask[B * S * DIM];
+    cr_assert_eq(hm_xf_forward(t, x, B, S, nomask), 0);
+    cr_assert(rel_err(want + S * DIM, nomask + S * DIM, S * DIM) > 1e-3);
+
+    /* Backward steps the expert: the local copy takes the same step. */
+    for (int masked = 1; masked >= 0; masked--) {
+        const uint8_t *m = masked ? mask : NULL;
+        int r = hmc_experts_backward_seq(h, ex, 1, xb, 0, masked ? mb : NULL, 0, gyb, 0, gxb, 0,
+                                         B, S, DIM, 1, 10.0, answered, &n_ans);
+        cr_assert_eq(r, 0, "backward (mask %d): %s", masked, hmc_last_error(h));
+        cr_assert_eq(hm_xf_backward_mask(t, x, m, gy, B, S, want_gx), 0);
+        double d = rel_err(gx, want_gx, nx);
+        cr_assert(d <= 1e-5, "remote dL/dx (mask %d) differs from local by %g", masked, d);
+    }
+    /* Both steps landed as the local ones did. */
+    int r;
+    r = hmc_experts_forward_seq(h, ex, 1, xb, 0, mb, 0, yb, 0, B, S, DIM, 1, 10.0, 1.0,
+                                    answered, &n_ans);
+    cr_assert_eq(r, 0, "%s", hmc_last_error(h));
+    cr_assert_eq(hm_xf_forward_mask(t, x, mask, B, S, want), 0);
+    cr_assert(rel_err(y, want, nx) <= 1e-5, "after two steps: %g", rel_err(y, want, nx));
+
+    /*
+     * Routed per sample, a sample one sequence: sample 0 to both experts,
+     * 1 to ffn.0.0 only, 2 to ffn.0.1 only, each with its own mask. Each
+     * expert's answer is its local block on the sequences routed to it.
+     */
+    snprintf(path, sizeof(path), "%s/experts/ffn.0.0.ckpt", host.dir);
+    hm_xf *t0 = NULL;
+    cr_assert_eq(hm_ckpt_read(path, (size_t)1 << 30, &buf, &len, NULL), 0, "%s", path);
+    cr_assert_eq(hm_xf_load(buf, len, NULL, &t0), 0);
+    free(buf);
+    cr_assert_str_eq(ex[1].uid, "ffn.0.0");
+    hm_xf *loc[2] = {t, t0};
+    const int32_t rt[B * 2] = {0, 1, 1, -1, 0, -1};
+    hmc_buf *rb, *ryb, *rgyb, *rgxb;
+    cr_assert_eq(hmc_buf_alloc(h, sizeof(rt), &rb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, 2 * nx * sizeof(float), &ryb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, 2 * nx * sizeof(float), &rgyb), 0);
+    cr_assert_eq(hmc_buf_alloc(h, 2 * nx * sizeof(float), &rgxb), 0);
+    memcpy(hmc_buf_data(rb), rt, sizeof(rt));
+    float *ry = hmc_buf_data(ryb), *rgy = hmc_buf_data(rgyb), *rgx = hmc_buf_data(rgxb);
+    fill(rgy, 2 * nx, 23);
+    int ans2[2];
+    r = hmc_experts_forward_routed_seq(h, ex, 2, rb, 0, 2, xb, 0, mb, 0, ryb, 0, B, S, DIM, 1, 0,
+                                       10.0, 1.0, ans2, &n_ans);
+    cr_assert_eq(r, 0, "routed forward: %s", hmc_last_error(h));
+    cr_assert_eq(n_ans, 2);
+    const size_t sq = S * DIM;
+    for (size_t b = 0; b < B; b++)
+        for (size_t j = 0; j < 2; j++) {
+            if (rt[b * 2 + j] < 0)
+                continue;
+            cr_assert_eq(hm_xf_forward_mask(loc[rt[b * 2 + j]], x + b * sq, mask + b * S, 1, S,
+                                            want), 0);
+            double d = rel_err(ry + (b * 2 + j) * sq, want, sq);
+            cr_assert(d <= 1e-5, "routed forward, sample %zu slot %zu: %g", b, j, d);
+        }
+    r = hmc_experts_backward_routed_seq(h, ex, 2, rb, 0, 2, xb, 0, mb, 0, rgyb, 0, rgxb, 0, B, S,
+                                        DIM, 1, 0, 10.0, ans2, &n_ans);
+    cr_assert_eq(r, 0, "routed backward: %s", hmc_last_error(h));
+    /* Locally: each expert's gathered sequences, one step each. */
+    for (int e = 0; e < 2; e++) {
+        float gxe[B * S * DIM], xe[B * S * DIM], gye[B * S * DIM];
+        uint8_t me[B * S];
+        size_t at = 0, slot_of[B];
+        for (size_t b = 0; b < B; b++)
+            for (size_t j = 0; j < 2; j++)
+                if (rt[b * 2 + j] == e) {
+                    memcpy(xe + at * sq, x + b * sq, sq * sizeof(float));
+                    memcpy(gye + at * sq, rgy + (b * 2 + j) * sq, sq * sizeof(float));
+                    memcpy(me + at * S, mask + b * S, S);
+                    slot_of[at++] = b * 2 + j;
+                }
+        cr_assert_eq(hm_xf_backward_mask(loc[e], xe, me, gye, at, S, gxe), 0);
+        for (size_t i = 0; i < at; i++) {
+            double d = rel_err(rgx + slot_of[i] * sq, gxe + i * sq, sq);
+            cr_assert(d <= 1e-5, "routed dL/dx of expert %d, slot %zu: %g", e, slot_of[i], d);
+        }
+    }
+    hmc_buf_free(rb);
+    hmc_buf_free(ryb);
+    hmc_buf_free(rgyb);
+    hmc_buf_free(rgxb);
+    hm_xf_free(t0);
+
+    /* A sequence over ExpertMaxSeq (B*S rows as one sequence of 15). */
+    r = hmc_experts_forward_seq(h, ex, 1, xb, 0, NULL, 0, yb, 0, 1, B * S, DIM, 1, 30.0, 1.0,
+                                answered, &n_ans);
+    cr_assert_eq(r, -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "expert_wrong_shape", "%s", hmc_last_error(h));
+    cr_assert(strstr(hmc_last_error(h), "ExpertMaxSeq") != NULL &&
+                  strstr(hmc_last_error(h), "at most 6, not 15") != NULL,
+              "%s", hmc_last_error(h));
+    /* [batch, dim] to a transformer. */
+    r = hmc_experts_forward(h, ex, 1, xb, 0, yb, 0, B * S, DIM, 1, 30.0, 1.0, answered, &n_ans);
+    cr_assert_eq(r, -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "expert_wrong_shape", "%s", hmc_last_error(h));
+    cr_assert(strstr(hmc_last_error(h), "[batch, seq, 16]") != NULL, "%s", hmc_last_error(h));
+    /* The wrong width over sequences. */
+    r = hmc_experts_forward_seq(h, ex, 1, xb, 0, NULL, 0, yb, 0, B, S * 2, DIM / 2, 1, 30.0, 1.0,
+                                answered, &n_ans);
+    cr_assert_eq(r, -EREMOTEIO);
+    cr_assert_str_eq(hmc_last_error_code(h), "expert_wrong_shape", "%s", hmc_last_error(h));
+    cr_assert(strstr(hmc_last_error(h), "width 16, not 8") != NULL, "%s", hmc_last_error(h));
+    /* Bad masks never leave the daemon. */
+    mf[3] = 0.5f;
+    r = hmc_experts_forward_seq(h, ex, 1, xb, 0, mb, 0, yb, 0, B, S, DIM, 1, 10.0, 1.0, answered,
+                                &n_ans);
+    cr_assert_str_eq(hmc_last_error_code(h), "bad_args", "%d %s", r, hmc_last_error(h));
+    cr_assert(strstr(hmc_last_error(h), "args.mask[3]") != NULL, "%s", hmc_last_error(h));
+    mf[3] = 1;
+    for (size_t j = 0; j < S; j++)
+        mf[2 * S + j] = 0;
+    r = hmc_experts_forward_seq(h, ex, 1, xb, 0, mb, 0, yb, 0, B, S, DIM, 1, 10.0, 1.0, answered,
+                                &n_ans);
+    cr_assert_str_eq(hmc_last_error_code(h), "bad_args", "%d %s", r, hmc_last_error(h));
+    cr_assert(strstr(hmc_last_error(h), "sequence 2") != NULL, "%s", hmc_last_error(h));
+    cr_assert_eq(hmc_experts_forward_seq(h, ex, 1, xb, 0, mb, 0, yb, 0, B, 0, DIM, 1, 10.0, 1.0,
+                                         answered, &n_ans),
+                 -EINVAL);
+
+    hmc_buf_free(xb);
+    hmc_buf_free(yb);
+    hmc_buf_free(gyb);
+    hmc_buf_free(gxb);
+    hmc_buf_free(mb);
+    hmc_close(h);
+    hm_xf_free(t);
+    stop_node(&tr);
+    stop_node(&host);
+}

@@ -824,3 +824,102 @@ Test(moe_proto, sequence_requests_and_replies_round_trip)
     cr_assert_eq(hm_moe_decode_info_seq(ib, w.len, type, &dim, &hidden, &heads, &max_seq),
                  -EMSGSIZE);
 }
+
+/* Revision 3: a masked request carries its input as "xm", so that a
+ * revision-2 server (which requires "x") refuses it instead of ignoring
+ * the mask; the mask itself is checked byte by byte. */
+Test(moe_proto, masked_requests_round_trip_and_bad_masks_are_refused)
+{
+    enum { B = 2, S = 3, D = 4 };
+    float x[B * S * D], gy[B * S * D], back[B * S * D];
+    const uint8_t mask[B * S] = {1, 1, 0, 0, 1, 1};
+    hm_wire_wr w;
+    hm_wire_msg m;
+    hm_moe_req req;
+    size_t len;
+    fill(x, B * S * D, 0.5f);
+    fill(gy, B * S * D, -1.0f);
+
+    for (int backward = 0; backward <= 1; backward++) {
+        hm_wire_wr_init_dynamic(&w, 1 << 20);
+        if (backward)
+            hm_moe_encode_bwd_mask(&w, "transformer::enc.1", x, mask, gy, B, S, D);
+        else
+            hm_moe_encode_fwd_mask(&w, "transformer::enc.1", x, mask, B, S, D);
+        uint8_t *b = hm_wire_wr_steal(&w, &len);
+        cr_assert_not_null(b);
+        cr_assert_eq(hm_moe_decode_req(b, len, backward, &req), 0);
+        cr_assert_eq(req.batch, B);
+        cr_assert_eq(req.seq, S);
+        cr_assert_not_null(req.mask);
+        cr_assert_eq(memcmp(req.mask, mask, sizeof(mask)), 0);
+        memcpy(back, req.x, sizeof(back));
+        cr_assert_eq(memcmp(back, x, sizeof(back)), 0);
+        /* What a revision-2 server reads: no "x", so a malformed request. */
+        const hm_wire_limits lim = {.max_size = HM_MOE_MAX_FRAME, .max_depth = 4,
+                                    .max_elements = 64};
+        cr_assert_eq(hm_wire_decode_open_map(&m, b, len, &lim, NULL, 0), 0);
+        cr_assert_null(hm_wire_map_get(&m.root, "x"));
+        cr_assert_not_null(hm_wire_map_get(&m.root, "xm"));
+        hm_wire_decode_close(&m);
+        free(b);
+    }
+    /* Unmasked requests are revision 2's, with mask NULL. */
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_moe_encode_fwd_mask(&w, "t.1", x, NULL, B, S, D);
+    uint8_t *b = hm_wire_wr_steal(&w, &len);
+    cr_assert_eq(hm_moe_decode_req(b, len, 0, &req), 0);
+    cr_assert_null(req.mask);
+    free(b);
+    /* No mask on [batch, dim]. */
+    hm_wire_wr_init_dynamic(&w, 1 << 20);
+    hm_moe_encode_fwd_mask(&w, "t.1", x, mask, B * S, 0, D);
+    cr_assert_eq(hm_wire_wr_error(&w), -EINVAL);
+    hm_wire_wr_free(&w);
+
+    /* Hand-made frames: {uid, KEY: x[B,S,D] or [B*S,D], mask?} */
+    struct {
+        const char *xkey;
+        int rank3;
+        int with_mask;
+        size_t mask_len;
+        uint8_t bad;
+        int want;
+    } cases[] = {
+        {"xm", 1, 1, B * S, 0, 0},
+        {"xm", 1, 0, 0, 0, -EINVAL},      /* xm without a mask */
+        {"x", 1, 1, B * S, 0, -EINVAL},   /* a mask with x: an old server would ignore it */
+        {"xm", 1, 1, B * S - 1, 0, -EINVAL},
+        {"xm", 1, 1, B * S + 1, 0, -EINVAL},
+        {"xm", 1, 1, B * S, 2, -EINVAL},  /* a byte that is not 0 or 1 */
+        {"xm", 1, 1, B * S, 3, -EINVAL},  /* sample 1 all padding */
+        {"xm", 0, 1, B * S, 0, -EPROTO},  /* rank 2 has no keys */
+    };
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        uint8_t mk[B * S + 1] = {1, 1, 0, 0, 1, 1, 1};
+        if (cases[c].bad == 2)
+            mk[1] = 2;
+        if (cases[c].bad == 3)
+            mk[3] = mk[4] = mk[5] = 0;
+        hm_wire_wr_init_dynamic(&w, 1 << 20);
+        hm_wire_wr_map(&w, cases[c].with_mask ? 3 : 2);
+        hm_wire_wr_cstr(&w, "uid");
+        hm_wire_wr_cstr(&w, "t.1");
+        hm_wire_wr_cstr(&w, cases[c].xkey);
+        hm_wire_tensor t = {.dtype = HM_DTYPE_F32, .ndim = cases[c].rank3 ? 3 : 2,
+                            .shape = {B, S, D}, .data = (const uint8_t *)x, .nbytes = sizeof(x)};
+        if (!cases[c].rank3) {
+            t.shape[0] = B * S;
+            t.shape[1] = D;
+        }
+        hm_wire_wr_tensor(&w, &t);
+        if (cases[c].with_mask) {
+            hm_wire_wr_cstr(&w, "mask");
+            hm_wire_wr_bin(&w, mk, cases[c].mask_len);
+        }
+        b = hm_wire_wr_steal(&w, &len);
+        cr_assert_not_null(b);
+        cr_assert_eq(hm_moe_decode_req(b, len, 0, &req), cases[c].want, "case %zu", c);
+        free(b);
+    }
+}

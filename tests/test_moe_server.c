@@ -1481,3 +1481,141 @@ Test(moe_server, transformer_experts_equal_the_local_block)
     cr_assert_eq(h[0].steps, 1u);
     fx_stop(&f);
 }
+
+static uint8_t *enc_mask(const char *uid, const float *x, const uint8_t *mask, const float *gy,
+                         size_t batch, size_t seq, size_t *len)
+{
+    hm_wire_wr w;
+    hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+    if (gy != NULL)
+        hm_moe_encode_bwd_mask(&w, uid, x, mask, gy, batch, seq, DIM);
+    else
+        hm_moe_encode_fwd_mask(&w, uid, x, mask, batch, seq, DIM);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    uint8_t *b = hm_wire_wr_steal(&w, len);
+    cr_assert_not_null(b);
+    return b;
+}
+
+/*
+ * Masked requests (revision 3) batched with unmasked ones: a masked and an
+ * unmasked backward of one sequence length, and a masked one of another,
+ * in one batch, each answer equal to its own local masked (or unmasked)
+ * computation, and the batch one step with their summed gradient; a
+ * masked request to an ffn is refused.
+ */
+Test(moe_server, masked_and_unmasked_requests_share_a_batch)
+{
+    fx f;
+    fx_start(&f, 1);
+    hm_moe_server_opts o = {.state_dir = f.dir, .batch_wait_ms = 200};
+    cr_assert_eq(hm_moe_server_new(f.a, &o, &f.srv), 0);
+    hm_xf_config xc = {.ffn = cfg16(), .heads = 4, .max_seq = 8};
+    hm_ffn_config c16 = cfg16();
+    char err[256] = "";
+    size_t added = 0;
+    cr_assert_eq(hm_moe_server_host_xf(f.srv, "enc.0", &xc, &added, err, sizeof(err)), 0, "%s",
+                 err);
+    cr_assert_eq(hm_moe_server_host(f.srv, "plain.0", "ffn", &c16, &added, err, sizeof(err)), 0,
+                 "%s", err);
+    cr_assert_eq(hm_moe_server_checkpoint(f.srv), 0);
+    hm_xf *local = xf_file_copy(&f, "enc.0");
+    enum { B = 2, S = 4, B3 = 1, S3 = 6, N = B * S * DIM, N3 = B3 * S3 * DIM };
+    float x[3][N3 > N ? N3 : N], g[3][N3 > N ? N3 : N], gx[3][N3 > N ? N3 : N];
+    float want[N3 > N ? N3 : N];
+    const uint8_t m1[B * S] = {1, 1, 0, 0, 1, 0, 1, 1}, m3[B3 * S3] = {0, 1, 1, 1, 1, 0};
+    const uint8_t *masks[3] = {m1, NULL, m3};
+    const size_t bs[3] = {B, B, B3}, ss[3] = {S, S, S3};
+    for (int i = 0; i < 3; i++) {
+        fill(x[i], bs[i] * ss[i] * DIM);
+        fill(g[i], bs[i] * ss[i] * DIM);
+        for (size_t j = 0; j < bs[i] * ss[i] * DIM; j++) {
+            x[i][j] *= 1.0f + 0.3f * (float)i;
+            g[i][j] = -g[i][j] * (float)(i + 1);
+        }
+    }
+    /* Forward, masked, alone. */
+    size_t len;
+    call c;
+    uint8_t *b = enc_mask("enc.0", x[0], m1, NULL, B, S, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), 0);
+    free(b);
+    float y[N];
+    cr_assert_eq(hm_moe_decode_out_seq(c.body, c.len, 0, B, S, DIM, y), 0);
+    free(c.body);
+    cr_assert_eq(hm_xf_forward_mask(local, x[0], m1, B, S, want), 0);
+    assert_close(y, want, N, "masked forward");
+
+    /* Three backward requests in one batch. */
+    call cs[3];
+    uint8_t *bodies[3];
+    for (int i = 0; i < 3; i++) {
+        bodies[i] = enc_mask("enc.0", x[i], masks[i], g[i], bs[i], ss[i], &len);
+        call_start(&f, HM_MOE_METHOD_BWD, bodies[i], len, &cs[i]);
+    }
+    const size_t np = hm_xf_nparams(local);
+    float *gsum = calloc(np, sizeof(float)), *gp = calloc(np, sizeof(float));
+    cr_assert(gsum != NULL && gp != NULL);
+    for (int i = 0; i < 3; i++) {
+        cr_assert(hm_test_run_until(&f.loop, call_done, &cs[i], 12000));
+        free(bodies[i]);
+        cr_assert_eq(cs[i].status, 0, "request %d", i);
+        cr_assert_eq(hm_moe_decode_out_seq(cs[i].body, cs[i].len, 1, bs[i], ss[i], DIM, gx[i]),
+                     0);
+        free(cs[i].body);
+        cr_assert_eq(hm_xf_grad_mask(local, x[i], masks[i], g[i], bs[i], ss[i], want, gp), 0);
+        assert_close(gx[i], want, bs[i] * ss[i] * DIM, "dL/dx");
+        for (size_t p = 0; p < np; p++)
+            gsum[p] += gp[p];
+    }
+    hm_moe_hosted h[4];
+    cr_assert_eq(hm_moe_server_list(f.srv, h, 4), 2u);
+    const hm_moe_hosted *he = strcmp(h[0].uid, "enc.0") == 0 ? &h[0] : &h[1];
+    cr_assert_eq(he->steps, 1u, "three requests in one batch are one step");
+    cr_assert_eq(hm_xf_apply(local, gsum), 0);
+    cr_assert_eq(hm_moe_server_checkpoint(f.srv), 0);
+    hm_xf *after = xf_file_copy(&f, "enc.0");
+    for (size_t p = 0; p < np; p++)
+        cr_assert(fabsf(*hm_xf_param(after, p) - *hm_xf_param(local, p)) <= 1e-6f,
+                  "parameter %zu after the step", p);
+    hm_xf_free(after);
+    free(gsum);
+    free(gp);
+
+    /* A sequence to an ffn is refused, masked or not. */
+    b = enc_mask("plain.0", x[0], m1, NULL, B, S, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -EPROTO);
+    free(b);
+    free(c.body);
+    /* A mask byte that is not 0 or 1, or a sequence with every key padded:
+     * malformed, said so, and the expert serves on. */
+    const uint8_t bad2[B * S] = {1, 2, 1, 1, 1, 1, 1, 1}, empty[B * S] = {1, 1, 1, 1, 0, 0, 0, 0};
+    const uint8_t *bads[2] = {bad2, empty};
+    for (int i = 0; i < 2; i++) {
+        hm_wire_wr w;
+        hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
+        hm_wire_wr_map(&w, 3);
+        hm_wire_wr_cstr(&w, "uid");
+        hm_wire_wr_cstr(&w, "enc.0");
+        hm_wire_wr_cstr(&w, "xm");
+        hm_wire_tensor t = {.dtype = HM_DTYPE_F32, .ndim = 3, .shape = {B, S, DIM},
+                            .data = (const uint8_t *)x[0], .nbytes = N * sizeof(float)};
+        hm_wire_wr_tensor(&w, &t);
+        hm_wire_wr_cstr(&w, "mask");
+        hm_wire_wr_bin(&w, bads[i], B * S);
+        b = hm_wire_wr_steal(&w, &len);
+        cr_assert_not_null(b);
+        cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), -EINVAL);
+        char why[HM_MOE_ERR_MAX + 1];
+        hm_moe_decode_error(c.body, c.len, why);
+        cr_assert(strstr(why, "malformed forward request") != NULL, "%s", why);
+        free(b);
+        free(c.body);
+    }
+    b = enc_mask("enc.0", x[0], m1, NULL, B, S, &len);
+    cr_assert_eq(call_sync(&f, HM_MOE_METHOD_FWD, b, len, &c), 0);
+    free(b);
+    free(c.body);
+    hm_xf_free(local);
+    fx_stop(&f);
+}

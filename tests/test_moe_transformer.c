@@ -99,7 +99,7 @@ static double ref_gelu(double v)
 
 /* y for one sample x [seq, d]; p is the one parameter vector (attention, then ffn). */
 static void ref_sample(size_t d, size_t hid, size_t heads, size_t seq, const double *p,
-                       const double *x, double *y)
+                       const uint8_t *keep, const double *x, double *y)
 {
     const double *g1 = p, *b1 = p + d, *wqkv = p + 2 * d, *bqkv = wqkv + 3 * d * d,
                  *wo = bqkv + 3 * d, *bo = wo + d * d;
@@ -129,6 +129,9 @@ static void ref_sample(size_t d, size_t hid, size_t heads, size_t seq, const dou
                 for (size_t c = 0; c < dh; c++)
                     v += qkv[i * 3 * d + hh * dh + c] * qkv[j * 3 * d + d + hh * dh + c];
                 s[j] = v / sqrt((double)dh);
+                /* A padded key: minus infinity, as torch's key_padding_mask. */
+                if (keep != NULL && !keep[j])
+                    s[j] = -INFINITY;
                 mx = fmax(mx, s[j]);
             }
             for (size_t j = 0; j < seq; j++) {
@@ -174,18 +177,19 @@ static void ref_sample(size_t d, size_t hid, size_t heads, size_t seq, const dou
 }
 
 static void ref_forward(size_t d, size_t hid, size_t heads, size_t batch, size_t seq,
-                        const double *p, const double *x, double *y)
+                        const double *p, const uint8_t *mask, const double *x, double *y)
 {
     for (size_t b = 0; b < batch; b++)
-        ref_sample(d, hid, heads, seq, p, x + b * seq * d, y + b * seq * d);
+        ref_sample(d, hid, heads, seq, p, mask != NULL ? mask + b * seq : NULL, x + b * seq * d,
+                   y + b * seq * d);
 }
 
 static double ref_loss(size_t d, size_t hid, size_t heads, size_t batch, size_t seq,
-                       const double *p, const double *x, const double *gy)
+                       const double *p, const uint8_t *mask, const double *x, const double *gy)
 {
     const size_t n = batch * seq * d;
     double *y = xmalloc(n * sizeof(double)), l = 0;
-    ref_forward(d, hid, heads, batch, seq, p, x, y);
+    ref_forward(d, hid, heads, batch, seq, p, mask, x, y);
     for (size_t i = 0; i < n; i++)
         l += gy[i] * y[i];
     free(y);
@@ -272,8 +276,8 @@ Test(xf, the_ffn_half_is_an_ffn_of_the_same_seed)
 
 /* ---- forward ---- */
 
-static void check_forward(size_t d, size_t hid, size_t heads, size_t batch, size_t seq,
-                          uint64_t seed)
+static void check_forward_mask(size_t d, size_t hid, size_t heads, size_t batch, size_t seq,
+                               uint64_t seed, const uint8_t *mask)
 {
     struct rng r = {seed};
     hm_xf *t = make_xf(d, hid, heads, HM_FFN_SGD, seed);
@@ -283,9 +287,9 @@ static void check_forward(size_t d, size_t hid, size_t heads, size_t batch, size
     double *yr = xmalloc(n * sizeof(double));
     randomize(t, &r);
     fill(&r, x, n, -2, 2);
-    cr_assert_eq(hm_xf_forward(t, x, batch, seq, y), 0);
+    cr_assert_eq(hm_xf_forward_mask(t, x, mask, batch, seq, y), 0);
     double *p = params_double(t), *xd = to_double(x, n);
-    ref_forward(d, hid, heads, batch, seq, p, xd, yr);
+    ref_forward(d, hid, heads, batch, seq, p, mask, xd, yr);
     for (size_t i = 0; i < n; i++)
         cr_assert(fabs(y[i] - yr[i]) <= 1e-4 * fmax(1.0, fabs(yr[i])),
                   "d %zu heads %zu seq %zu: y[%zu] = %.9g, reference %.9g", d, heads, seq, i,
@@ -296,6 +300,12 @@ static void check_forward(size_t d, size_t hid, size_t heads, size_t batch, size
     free(p);
     free(xd);
     hm_xf_free(t);
+}
+
+static void check_forward(size_t d, size_t hid, size_t heads, size_t batch, size_t seq,
+                          uint64_t seed)
+{
+    check_forward_mask(d, hid, heads, batch, seq, seed, NULL);
 }
 
 Test(xf, forward_matches_double_reference)
@@ -339,8 +349,8 @@ static void assert_close_vec(const char *what, const float *a, const double *ref
     }
 }
 
-static void check_grad(size_t d, size_t hid, size_t heads, size_t batch, size_t seq,
-                       uint64_t seed)
+static void check_grad_mask(size_t d, size_t hid, size_t heads, size_t batch, size_t seq,
+                            uint64_t seed, const uint8_t *mask)
 {
     struct rng r = {seed};
     hm_xf *t = make_xf(d, hid, heads, HM_FFN_SGD, seed);
@@ -354,23 +364,23 @@ static void check_grad(size_t d, size_t hid, size_t heads, size_t batch, size_t 
     randomize(t, &r);
     fill(&r, x, nx, -2, 2);
     fill(&r, gy, nx, -1, 1);
-    cr_assert_eq(hm_xf_grad(t, x, gy, batch, seq, gx, gp), 0);
+    cr_assert_eq(hm_xf_grad_mask(t, x, mask, gy, batch, seq, gx, gp), 0);
     double *pd = params_double(t), *xd = to_double(x, nx), *gyd = to_double(gy, nx);
     for (size_t i = 0; i < nx; i++) {
         double keep = xd[i], lp, lm;
         xd[i] = keep + step;
-        lp = ref_loss(d, hid, heads, batch, seq, pd, xd, gyd);
+        lp = ref_loss(d, hid, heads, batch, seq, pd, mask, xd, gyd);
         xd[i] = keep - step;
-        lm = ref_loss(d, hid, heads, batch, seq, pd, xd, gyd);
+        lm = ref_loss(d, hid, heads, batch, seq, pd, mask, xd, gyd);
         xd[i] = keep;
         num_x[i] = (lp - lm) / (2 * step);
     }
     for (size_t i = 0; i < np; i++) {
         double keep = pd[i], lp, lm;
         pd[i] = keep + step;
-        lp = ref_loss(d, hid, heads, batch, seq, pd, xd, gyd);
+        lp = ref_loss(d, hid, heads, batch, seq, pd, mask, xd, gyd);
         pd[i] = keep - step;
-        lm = ref_loss(d, hid, heads, batch, seq, pd, xd, gyd);
+        lm = ref_loss(d, hid, heads, batch, seq, pd, mask, xd, gyd);
         pd[i] = keep;
         num_p[i] = (lp - lm) / (2 * step);
     }
@@ -386,7 +396,7 @@ static void check_grad(size_t d, size_t hid, size_t heads, size_t batch, size_t 
         assert_close_vec(names[b], gp + off[b], num_p + off[b], off[b + 1] - off[b]);
     /* Without grad_params, dL/dx is the same. */
     float *gx2 = xmalloc(nx * sizeof(float));
-    cr_assert_eq(hm_xf_grad(t, x, gy, batch, seq, gx2, NULL), 0);
+    cr_assert_eq(hm_xf_grad_mask(t, x, mask, gy, batch, seq, gx2, NULL), 0);
     cr_assert_eq(memcmp(gx, gx2, nx * sizeof(float)), 0);
     free(gx2);
     free(x);
@@ -401,12 +411,101 @@ static void check_grad(size_t d, size_t hid, size_t heads, size_t batch, size_t 
     hm_xf_free(t);
 }
 
+static void check_grad(size_t d, size_t hid, size_t heads, size_t batch, size_t seq,
+                       uint64_t seed)
+{
+    check_grad_mask(d, hid, heads, batch, seq, seed, NULL);
+}
+
 Test(xf, grad_matches_finite_differences)
 {
     check_grad(8, 12, 2, 2, 3, 11);
     check_grad(6, 0, 3, 1, 4, 12);
     check_grad(4, 6, 1, 3, 1, 13); /* a sequence of one */
     check_grad(4, 5, 4, 1, 5, 14); /* heads of one column */
+}
+
+/* ---- the key-padding mask ---- */
+
+Test(xf, masked_forward_matches_double_reference)
+{
+    /* Sample 0 keeps all, sample 1 pads its tail, sample 2 its head and middle. */
+    static const uint8_t m1[3 * 5] = {1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0, 1, 1};
+    check_forward_mask(8, 16, 2, 3, 5, 31, m1);
+    static const uint8_t m2[2 * 7] = {1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0};
+    check_forward_mask(12, 20, 3, 2, 7, 32, m2);
+    uint8_t m3[2 * 33];
+    for (size_t i = 0; i < sizeof(m3); i++)
+        m3[i] = (uint8_t)((i % 33) < (i < 33 ? 20u : 33u));
+    check_forward_mask(64, 96, 4, 2, 33, 33, m3);
+}
+
+Test(xf, masked_grad_matches_finite_differences)
+{
+    static const uint8_t m1[2 * 3] = {1, 1, 0, 0, 1, 1};
+    check_grad_mask(8, 12, 2, 2, 3, 41, m1);
+    static const uint8_t m2[1 * 4] = {1, 0, 1, 0};
+    check_grad_mask(6, 0, 3, 1, 4, 42, m2);
+    static const uint8_t m3[1 * 5] = {0, 0, 0, 0, 1};
+    check_grad_mask(4, 5, 4, 1, 5, 43, m3);
+}
+
+/*
+ * What the mask promises a caller: a padded key's content does not reach
+ * any other position, an all-ones mask is no mask to the bit, and a mask
+ * that is not 0/1 or pads a whole sample is refused.
+ */
+Test(xf, masked_keys_get_no_weight)
+{
+    struct rng r = {51};
+    hm_xf *t = make_xf(8, 16, 2, HM_FFN_SGD, 51);
+    enum { B = 2, S = 4, D = 8 };
+    float x[B * S * D], x2[B * S * D], y[B * S * D], y2[B * S * D], gy[B * S * D];
+    float gx[B * S * D], gx2[B * S * D];
+    const uint8_t mask[B * S] = {1, 1, 0, 1, 1, 1, 1, 0}, ones[B * S] = {1, 1, 1, 1, 1, 1, 1, 1};
+    randomize(t, &r);
+    fill(&r, x, B * S * D, -1, 1);
+    fill(&r, gy, B * S * D, -1, 1);
+    memcpy(x2, x, sizeof(x));
+    for (size_t j = 0; j < D; j++) {
+        x2[(0 * S + 2) * D + j] += 3.0f; /* padded positions changed */
+        x2[(1 * S + 3) * D + j] -= 2.0f;
+    }
+    cr_assert_eq(hm_xf_forward_mask(t, x, mask, B, S, y), 0);
+    cr_assert_eq(hm_xf_forward_mask(t, x2, mask, B, S, y2), 0);
+    for (size_t b = 0; b < B; b++)
+        for (size_t i = 0; i < S; i++)
+            if (mask[b * S + i])
+                cr_assert_eq(memcmp(y + (b * S + i) * D, y2 + (b * S + i) * D, D * 4), 0,
+                             "token %zu of sample %zu saw a padded key", i, b);
+    /* No gradient flows into a padded key except through its own row. */
+    float gyp[B * S * D];
+    memcpy(gyp, gy, sizeof(gy));
+    for (size_t j = 0; j < D; j++) {
+        gyp[(0 * S + 2) * D + j] = 0;
+        gyp[(1 * S + 3) * D + j] = 0;
+    }
+    cr_assert_eq(hm_xf_grad_mask(t, x, mask, gyp, B, S, gx, NULL), 0);
+    for (size_t j = 0; j < D; j++) {
+        cr_assert_eq(gx[(0 * S + 2) * D + j], 0.0f);
+        cr_assert_eq(gx[(1 * S + 3) * D + j], 0.0f);
+    }
+    cr_assert_eq(hm_xf_forward(t, x, B, S, y), 0);
+    cr_assert_eq(hm_xf_forward_mask(t, x, ones, B, S, y2), 0);
+    cr_assert_eq(memcmp(y, y2, sizeof(y)), 0);
+    cr_assert_eq(hm_xf_grad(t, x, gy, B, S, gx, NULL), 0);
+    cr_assert_eq(hm_xf_grad_mask(t, x, ones, gy, B, S, gx2, NULL), 0);
+    cr_assert_eq(memcmp(gx, gx2, sizeof(gx)), 0);
+    const uint8_t two[B * S] = {1, 2, 1, 1, 1, 1, 1, 1}, empty[B * S] = {1, 1, 1, 1, 0, 0, 0, 0};
+    cr_assert_eq(hm_xf_forward_mask(t, x, two, B, S, y), -EINVAL);
+    cr_assert_eq(hm_xf_forward_mask(t, x, empty, B, S, y), -EINVAL);
+    cr_assert_eq(hm_xf_grad_mask(t, x, empty, gy, B, S, gx, NULL), -EINVAL);
+    const uint64_t steps = hm_xf_steps(t);
+    cr_assert_eq(hm_xf_backward_mask(t, x, two, gy, B, S, gx), -EINVAL);
+    cr_assert_eq(hm_xf_steps(t), steps, "a refused mask steps nothing");
+    cr_assert_eq(hm_xf_backward_mask(t, x, mask, gy, B, S, gx), 0);
+    cr_assert_eq(hm_xf_steps(t), steps + 1);
+    hm_xf_free(t);
 }
 
 /* ---- the optimizer over both halves ---- */

@@ -717,12 +717,14 @@ typedef struct call_job {
     double timeout_s;
     hm_moe_expert *experts;     /* [k] */
     hm_moe_call_error *errs;    /* [k] */
+    uint8_t *mask;              /* args.mask as bytes, [batch * seq]; NULL: none */
 } call_job;
 
 static void call_job_free(call_job *j)
 {
     if (j == NULL)
         return;
+    free(j->mask);
     free(j->experts);
     free(j->errs);
     free(j);
@@ -915,8 +917,19 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     long long dim;
     if (hm_daemon_arg_int(req, args, "dim", -1, 1, HM_MOE_MAX_DIM, &dim) != 0)
         goto fail;
-    if ((size_t)batch * (size_t)dim > HM_MOE_MAX_ELEMS) {
-        snprintf(msg, sizeof(msg), "batch * dim is over %zu values", (size_t)HM_MOE_MAX_ELEMS);
+    /* args.seq: batch sequences of seq rows each, for experts over sequences. */
+    long long seq;
+    if (hm_daemon_arg_int(req, args, "seq", 0, 0, HM_MOE_MAX_SEQ, &seq) != 0)
+        goto fail;
+    if (seq == 0 && json_object_get(args, "mask") != NULL) {
+        hm_control_reply_error(req, "bad_args", "args.mask goes with args.seq (it pads keys of "
+                               "sequences)");
+        goto fail;
+    }
+    const size_t rows = (size_t)batch * (size_t)(seq != 0 ? seq : 1);
+    if (rows * (size_t)dim > HM_MOE_MAX_ELEMS) {
+        snprintf(msg, sizeof(msg), "batch * %sdim is over %zu values", seq != 0 ? "seq * " : "",
+                 (size_t)HM_MOE_MAX_ELEMS);
         hm_control_reply_error(req, "bad_args", msg);
         goto fail;
     }
@@ -925,9 +938,9 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     if (j->routed) {
         if (hm_daemon_arg_int(req, args, "slots", -1, 1, HM_MOE_MAX_K, &slots) != 0)
             goto fail;
-        if ((size_t)batch * (size_t)slots * (size_t)dim > HM_MOE_MAX_ROUTED_ELEMS) {
-            snprintf(msg, sizeof(msg), "batch * slots * dim is over %zu values",
-                     (size_t)HM_MOE_MAX_ROUTED_ELEMS);
+        if (rows * (size_t)slots * (size_t)dim > HM_MOE_MAX_ROUTED_ELEMS) {
+            snprintf(msg, sizeof(msg), "batch * slots * %sdim is over %zu values",
+                     seq != 0 ? "seq * " : "", (size_t)HM_MOE_MAX_ROUTED_ELEMS);
             hm_control_reply_error(req, "bad_args", msg);
             goto fail;
         }
@@ -964,14 +977,15 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     double after;
     if (hm_daemon_arg_seconds(req, args, "timeout_after_k_min", 1.0, MAX_TIMEOUT_S, &after) != 0)
         goto fail;
-    size_t n = (size_t)batch * (size_t)dim;
+    size_t n = rows * (size_t)dim;
     size_t kn = j->routed ? n * (size_t)slots : j->k * n;
     if (j->routed) {
         /* The rows gathered per expert, their replies and (backward) gradients. */
         j->bytes = (uint64_t)kn * sizeof(float) * (backward ? 3 : 2) + (uint64_t)j->k * 4096;
     } else {
         /* Each expert gets a frame of its own: x (and gy) plus an envelope. */
-        j->bytes = (uint64_t)j->k * ((uint64_t)n * sizeof(float) * (backward ? 2 : 1) + 4096);
+        j->bytes = (uint64_t)j->k * ((uint64_t)n * sizeof(float) * (backward ? 2 : 1) +
+                                     (json_object_get(args, "mask") != NULL ? rows : 0) + 4096);
     }
     if (m->call_bytes + j->bytes > MAX_CALL_BYTES) {
         snprintf(msg, sizeof(msg), "expert calls in flight already hold %llu MiB, and this one "
@@ -986,6 +1000,46 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
                           &j->pins[j->n_pins]) != 0)
         goto fail;
     j->n_pins++;
+    if (json_object_get(args, "mask") != NULL) {
+        /* float32 0 or 1 a row (1 a token), copied as bytes: checked here
+         * so that a bad mask is the caller's error, not every expert's. */
+        float *mf;
+        uint64_t pin;
+        if (hm_daemon_shm_ref(shm, req, json_object_get(args, "mask"), "mask", rows, &mf, &pin) !=
+            0)
+            goto fail;
+        j->mask = malloc(rows);
+        size_t bad = rows, empty = (size_t)batch;
+        for (size_t i = 0; j->mask != NULL && i < rows; i++) {
+            if (mf[i] != 0.0f && mf[i] != 1.0f && bad == rows)
+                bad = i;
+            j->mask[i] = mf[i] == 1.0f;
+        }
+        for (size_t b = 0; j->mask != NULL && bad == rows && empty == (size_t)batch &&
+                           b < (size_t)batch;
+             b++) {
+            size_t kept = 0;
+            for (size_t t = 0; t < (size_t)seq; t++)
+                kept += j->mask[b * (size_t)seq + t];
+            if (kept == 0)
+                empty = b;
+        }
+        hm_shm_put(shm, pin);
+        if (j->mask == NULL) {
+            hm_control_reply_error(req, "internal", "out of memory");
+            goto fail;
+        }
+        if (bad != rows || empty != (size_t)batch) {
+            if (bad != rows)
+                snprintf(msg, sizeof(msg), "args.mask[%zu] is neither 0 nor 1 (1: a token, 0: "
+                         "padding)", bad);
+            else
+                snprintf(msg, sizeof(msg), "args.mask pads every key of sequence %zu: each "
+                         "must keep one", empty);
+            hm_control_reply_error(req, "bad_args", msg);
+            goto fail;
+        }
+    }
     if (j->routed) {
         /* int32 expert indices (-1: none), in place of floats of the same size. */
         if (hm_daemon_shm_ref(shm, req, json_object_get(args, "routes"), "routes",
@@ -1009,7 +1063,9 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
     hm_moe_call_opts o = {.k_min = (size_t)k_min,
                           .timeout_ms = ms_of(timeout),
                           .timeout_after_k_min_ms = ms_of(after),
-                          .errors_out = j->errs};
+                          .errors_out = j->errs,
+                          .seq = (size_t)seq,
+                          .mask = j->mask};
     int r;
     if (j->routed) {
         const int32_t *rt = (const int32_t *)(void *)routes;
@@ -1020,10 +1076,10 @@ static void call_common(hm_cmd_experts *m, hm_control_req *req, const json_t *ar
                                              (size_t)batch, (size_t)dim, out, &o, on_called, j,
                                              NULL);
     } else {
-        r = backward ? hm_moe_backward(m->cli, j->experts, j->k, x, gy, (size_t)batch,
-                                       (size_t)dim, out, &o, on_called, j, NULL)
-                     : hm_moe_forward(m->cli, j->experts, j->k, x, (size_t)batch, (size_t)dim,
-                                      out, &o, on_called, j, NULL);
+        r = backward ? hm_moe_backward(m->cli, j->experts, j->k, x, gy, rows, (size_t)dim, out,
+                                       &o, on_called, j, NULL)
+                     : hm_moe_forward(m->cli, j->experts, j->k, x, rows, (size_t)dim, out, &o,
+                                      on_called, j, NULL);
     }
     if (r != 0) {
         if (r == -EINVAL && j->routed)

@@ -73,6 +73,18 @@ static void check_request(const uint8_t *data, size_t size, int backward)
     CHECK(hm_moe_uid_parse(req.uid, strlen(req.uid), NULL) == 0);
     CHECK(inside(req.x, n * 4, data, size));
     CHECK(backward ? req.gy != NULL && inside(req.gy, n * 4, data, size) : req.gy == NULL);
+    /* A mask (revision 3) goes with sequences only, one 0/1 byte a row, each sample keeping one. */
+    if (req.mask != NULL) {
+        CHECK(req.seq != 0 && inside(req.mask, rows, data, size));
+        for (size_t b = 0; b < req.batch; b++) {
+            size_t kept = 0;
+            for (size_t j = 0; j < req.seq; j++) {
+                CHECK(req.mask[b * req.seq + j] <= 1);
+                kept += req.mask[b * req.seq + j];
+            }
+            CHECK(kept >= 1);
+        }
+    }
 
     float *x = malloc(n * sizeof(float));
     float *gy = malloc(n * sizeof(float));
@@ -84,9 +96,9 @@ static void check_request(const uint8_t *data, size_t size, int backward)
     size_t len;
     hm_wire_wr_init_dynamic(&w, HM_MOE_MAX_FRAME);
     if (backward)
-        hm_moe_encode_bwd_seq(&w, req.uid, x, gy, req.batch, req.seq, req.dim);
+        hm_moe_encode_bwd_mask(&w, req.uid, x, req.mask, gy, req.batch, req.seq, req.dim);
     else
-        hm_moe_encode_fwd_seq(&w, req.uid, x, req.batch, req.seq, req.dim);
+        hm_moe_encode_fwd_mask(&w, req.uid, x, req.mask, req.batch, req.seq, req.dim);
     CHECK(hm_wire_wr_error(&w) == 0);
     uint8_t *b = hm_wire_wr_steal(&w, &len);
     CHECK(b != NULL);
@@ -96,6 +108,9 @@ static void check_request(const uint8_t *data, size_t size, int backward)
     CHECK(memcmp(again.x, x, n * 4) == 0);
     if (backward)
         CHECK(memcmp(again.gy, gy, n * 4) == 0);
+    CHECK((again.mask != NULL) == (req.mask != NULL));
+    if (req.mask != NULL)
+        CHECK(memcmp(again.mask, req.mask, rows) == 0);
     free(b);
     free(x);
     free(gy);

@@ -32,12 +32,12 @@ from .optimizer import Optimizer
 from ._lib import library_path
 
 __all__ = ["Client", "SharedBuffer", "HivemindError", "ExpertInfo", "Averager", "DiLoCo",
-           "Optimizer", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts", "library_path"]
+           "Optimizer", "RemoteExpert", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts", "library_path"]
 
 
 def __getattr__(name):
     # torch is imported only by those who use the experts layer.
-    if name in ("RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"):
+    if name in ("RemoteExpert", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"):
         from . import moe
 
         return getattr(moe, name)

@@ -284,21 +284,45 @@ class Client:
             arr[i].peer = peer
         return arr
 
-    def experts_forward(self, experts, x, k_min=None, timeout=10.0, timeout_after_k_min=1.0):
+    @staticmethod
+    def _seq_mask(x, mask):
+        """The key-padding mask of a [batch, seq, dim] input as float32
+        [batch, seq] of 0/1, or None."""
+        if mask is None:
+            return None
+        if x.ndim != 3:
+            raise ValueError("a mask goes with inputs [batch, seq, dim]")
+        m = np.asarray(mask)
+        if m.shape != x.shape[:2]:
+            raise ValueError("mask must be [batch, seq] = %s, not %s" % (x.shape[:2], m.shape))
+        m = np.ascontiguousarray(m, dtype=np.float32)
+        if not np.all((m == 0) | (m == 1)):
+            raise ValueError("mask must hold 1 (a token) or 0 (padding)")
+        if not np.all(m.max(axis=1) == 1):
+            raise ValueError("every sequence must keep at least one token")
+        return m
+
+    def experts_forward(self, experts, x, k_min=None, timeout=10.0, timeout_after_k_min=1.0,
+                        mask=None):
         """Calls forward on each of ``experts`` (ExpertInfo or (uid, peer)
-        pairs) with the batch ``x`` (array-like [batch, dim]). Returns
-        ``(y, answered)``: y [k, batch, dim] float32 (rows of experts that
-        did not answer are unspecified) and a list of k booleans. Succeeds
-        once ``k_min`` (default: all) answered, waiting at most
-        ``timeout_after_k_min`` more for the rest; fewer raises
-        HivemindError ("timeout")."""
+        pairs) with the batch ``x`` (array-like [batch, dim], or [batch,
+        seq, dim] for transformer experts). Returns ``(y, answered)``: y
+        [k, *x.shape] float32 (rows of experts that did not answer are
+        unspecified) and a list of k booleans. Succeeds once ``k_min``
+        (default: all) answered, waiting at most ``timeout_after_k_min``
+        more for the rest; fewer raises HivemindError ("timeout").
+        ``mask`` (3-D inputs only; [batch, seq] of 1 for a token, 0 for
+        padding, Hivemind's attention_mask) keeps padded keys out of the
+        attention."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2:
-            raise ValueError("x must be [batch, dim]")
+        if x.ndim not in (2, 3):
+            raise ValueError("x must be [batch, dim] or [batch, seq, dim]")
+        m = self._seq_mask(x, mask)
         k = len(experts)
         if k == 0:
             raise ValueError("no experts to call")
-        batch, dim = x.shape
+        batch, dim = x.shape[0], x.shape[-1]
+        seq = x.shape[1] if x.ndim == 3 else 0
         k_min = k if k_min is None else int(k_min)
         arr = self._experts_array(experts)
         answered = (ctypes.c_int * k)()
@@ -307,28 +331,41 @@ class Client:
             xb = self._scratch_buffer("x", x.nbytes)
             yb = self._scratch_buffer("y", k * x.nbytes)
             xb.numpy(np.float32, x.size)[:] = x.ravel()
-            r = _lib.lib().hmc_experts_forward(
-                self._handle(), arr, k, xb.handle, 0, yb.handle, 0, batch, dim, k_min,
-                float(timeout), float(timeout_after_k_min), answered, ctypes.byref(n))
+            if x.ndim == 3:
+                mb = None
+                if m is not None:
+                    mb = self._scratch_buffer("mask", m.nbytes)
+                    mb.numpy(np.float32, m.size)[:] = m.ravel()
+                r = _lib.lib().hmc_experts_forward_seq(
+                    self._handle(), arr, k, xb.handle, 0, mb.handle if mb is not None else None,
+                    0, yb.handle, 0, batch, seq, dim, k_min, float(timeout),
+                    float(timeout_after_k_min), answered, ctypes.byref(n))
+            else:
+                r = _lib.lib().hmc_experts_forward(
+                    self._handle(), arr, k, xb.handle, 0, yb.handle, 0, batch, dim, k_min,
+                    float(timeout), float(timeout_after_k_min), answered, ctypes.byref(n))
             if r != 0:
                 raise self._error(r)
-            y = yb.numpy(np.float32, k * x.size).reshape(k, batch, dim).copy()
+            y = yb.numpy(np.float32, k * x.size).reshape((k,) + x.shape).copy()
         return y, [bool(a) for a in answered]
 
-    def experts_backward(self, experts, x, grad_y, k_min=None, timeout=10.0):
+    def experts_backward(self, experts, x, grad_y, k_min=None, timeout=10.0, mask=None):
         """Backward on each of ``experts`` with the input ``x`` [batch, dim]
-        and the gradients of their outputs ``grad_y`` [k, batch, dim]; each
-        host applies one optimizer step to its expert. Returns ``(grad_x,
-        answered)``: dL/dx per expert [k, batch, dim] and k booleans. Fewer
+        (or [batch, seq, dim], with the forward's ``mask``) and the
+        gradients of their outputs ``grad_y`` [k, *x.shape]; each host
+        applies one optimizer step to its expert. Returns ``(grad_x,
+        answered)``: dL/dx per expert [k, *x.shape] and k booleans. Fewer
         than ``k_min`` (default: all) answering raises HivemindError."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         gy = np.ascontiguousarray(grad_y, dtype=np.float32)
         k = len(experts)
-        if x.ndim != 2 or gy.shape != (k,) + x.shape:
-            raise ValueError("x must be [batch, dim] and grad_y [k, batch, dim]")
+        if x.ndim not in (2, 3) or gy.shape != (k,) + x.shape:
+            raise ValueError("x must be [batch, dim] or [batch, seq, dim] and grad_y [k, *x.shape]")
+        m = self._seq_mask(x, mask)
         if k == 0:
             raise ValueError("no experts to call")
-        batch, dim = x.shape
+        batch, dim = x.shape[0], x.shape[-1]
+        seq = x.shape[1] if x.ndim == 3 else 0
         k_min = k if k_min is None else int(k_min)
         arr = self._experts_array(experts)
         answered = (ctypes.c_int * k)()
@@ -339,9 +376,19 @@ class Client:
             gxb = self._scratch_buffer("gx", gy.nbytes)
             xb.numpy(np.float32, x.size)[:] = x.ravel()
             gyb.numpy(np.float32, gy.size)[:] = gy.ravel()
-            r = _lib.lib().hmc_experts_backward(
-                self._handle(), arr, k, xb.handle, 0, gyb.handle, 0, gxb.handle, 0, batch, dim,
-                k_min, float(timeout), answered, ctypes.byref(n))
+            if x.ndim == 3:
+                mb = None
+                if m is not None:
+                    mb = self._scratch_buffer("mask", m.nbytes)
+                    mb.numpy(np.float32, m.size)[:] = m.ravel()
+                r = _lib.lib().hmc_experts_backward_seq(
+                    self._handle(), arr, k, xb.handle, 0, mb.handle if mb is not None else None,
+                    0, gyb.handle, 0, gxb.handle, 0, batch, seq, dim, k_min, float(timeout),
+                    answered, ctypes.byref(n))
+            else:
+                r = _lib.lib().hmc_experts_backward(
+                    self._handle(), arr, k, xb.handle, 0, gyb.handle, 0, gxb.handle, 0, batch,
+                    dim, k_min, float(timeout), answered, ctypes.byref(n))
             if r != 0:
                 raise self._error(r)
             gx = gxb.numpy(np.float32, gy.size).reshape(gy.shape).copy()
@@ -392,7 +439,7 @@ class Client:
         return rt
 
     def experts_forward_routed(self, experts, routes, x, k_min=1, allow_zero_outputs=False,
-                               timeout=10.0, timeout_after_k_min=1.0):
+                               timeout=10.0, timeout_after_k_min=1.0, mask=None):
         """Forward with the rows grouped by expert: each expert gets one
         request with the rows of the samples routed to it (``routes``
         [batch, slots] as route_experts gives it). Returns ``(y,
@@ -401,17 +448,21 @@ class Client:
         not answer or there is none) and a boolean per expert. ``k_min``
         counts per sample (min(k_min, its experts)); 0 needs
         ``allow_zero_outputs``. Some sample with fewer answers at
-        ``timeout`` raises HivemindError ("timeout")."""
+        ``timeout`` raises HivemindError ("timeout"). For transformer
+        experts x may be [batch, seq, dim] (each sequence one sample, y
+        [batch, slots, seq, dim]) with ``mask`` [batch, seq]."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2:
-            raise ValueError("x must be [batch, dim]")
+        if x.ndim not in (2, 3):
+            raise ValueError("x must be [batch, dim] or [batch, seq, dim]")
+        m = self._seq_mask(x, mask)
         k = len(experts)
         if k == 0:
             raise ValueError("no experts to call")
         rt = self._routes_array(routes, k)
         if rt.shape[0] != x.shape[0]:
             raise ValueError("routes and x must have a row per sample")
-        batch, dim = x.shape
+        batch, dim = x.shape[0], x.shape[-1]
+        seq = x.shape[1] if x.ndim == 3 else 0
         slots = rt.shape[1]
         arr = self._experts_array(experts)
         answered = (ctypes.c_int * k)()
@@ -422,20 +473,32 @@ class Client:
             yb = self._scratch_buffer("y", slots * x.nbytes)
             xb.numpy(np.float32, x.size)[:] = x.ravel()
             rb.numpy(np.int32, rt.size)[:] = rt.ravel()
-            r = _lib.lib().hmc_experts_forward_routed(
-                self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, yb.handle, 0, batch,
-                dim, int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
-                float(timeout_after_k_min), answered, ctypes.byref(n))
+            if seq:
+                mb = None
+                if m is not None:
+                    mb = self._scratch_buffer("mask", m.nbytes)
+                    mb.numpy(np.float32, m.size)[:] = m.ravel()
+                r = _lib.lib().hmc_experts_forward_routed_seq(
+                    self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0,
+                    mb.handle if mb is not None else None, 0, yb.handle, 0, batch, seq, dim,
+                    int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
+                    float(timeout_after_k_min), answered, ctypes.byref(n))
+            else:
+                r = _lib.lib().hmc_experts_forward_routed(
+                    self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, yb.handle, 0,
+                    batch, dim, int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
+                    float(timeout_after_k_min), answered, ctypes.byref(n))
             if r != 0:
                 raise self._error(r)
-            y = yb.numpy(np.float32, slots * x.size).reshape(batch, slots, dim).copy()
+            y = yb.numpy(np.float32, slots * x.size).reshape(
+                (batch, slots) + x.shape[1:]).copy()
         ans = np.array([bool(a) for a in answered])
         live = (rt >= 0) & ans[np.maximum(rt, 0)]
         y[~live] = 0.0
         return y, [bool(a) for a in answered]
 
     def experts_backward_routed(self, experts, routes, x, grad_y, k_min=1,
-                                allow_zero_outputs=False, timeout=10.0):
+                                allow_zero_outputs=False, timeout=10.0, mask=None):
         """Backward of a routed forward: ``grad_y`` [batch, slots, dim];
         pass the forward's routes with -1 where the expert did not answer,
         so that backward goes only to the experts that gave those rows.
@@ -447,11 +510,13 @@ class Client:
         if k == 0:
             raise ValueError("no experts to call")
         rt = self._routes_array(routes, k)
-        if x.ndim != 2 or gy.shape != (x.shape[0], rt.shape[1], x.shape[1]) or \
+        if x.ndim not in (2, 3) or gy.shape != (x.shape[0], rt.shape[1]) + x.shape[1:] or \
                 rt.shape[0] != x.shape[0]:
-            raise ValueError("x must be [batch, dim], routes [batch, slots] and grad_y "
-                             "[batch, slots, dim]")
-        batch, dim = x.shape
+            raise ValueError("x must be [batch, (seq,) dim], routes [batch, slots] and grad_y "
+                             "[batch, slots, (seq,) dim]")
+        m = self._seq_mask(x, mask)
+        batch, dim = x.shape[0], x.shape[-1]
+        seq = x.shape[1] if x.ndim == 3 else 0
         slots = rt.shape[1]
         arr = self._experts_array(experts)
         answered = (ctypes.c_int * k)()
@@ -464,10 +529,21 @@ class Client:
             xb.numpy(np.float32, x.size)[:] = x.ravel()
             rb.numpy(np.int32, rt.size)[:] = rt.ravel()
             gyb.numpy(np.float32, gy.size)[:] = gy.ravel()
-            r = _lib.lib().hmc_experts_backward_routed(
-                self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, gyb.handle, 0,
-                gxb.handle, 0, batch, dim, int(k_min), 1 if allow_zero_outputs else 0,
-                float(timeout), answered, ctypes.byref(n))
+            if seq:
+                mb = None
+                if m is not None:
+                    mb = self._scratch_buffer("mask", m.nbytes)
+                    mb.numpy(np.float32, m.size)[:] = m.ravel()
+                r = _lib.lib().hmc_experts_backward_routed_seq(
+                    self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0,
+                    mb.handle if mb is not None else None, 0, gyb.handle, 0, gxb.handle, 0,
+                    batch, seq, dim, int(k_min), 1 if allow_zero_outputs else 0, float(timeout),
+                    answered, ctypes.byref(n))
+            else:
+                r = _lib.lib().hmc_experts_backward_routed(
+                    self._handle(), arr, k, rb.handle, 0, slots, xb.handle, 0, gyb.handle, 0,
+                    gxb.handle, 0, batch, dim, int(k_min), 1 if allow_zero_outputs else 0,
+                    float(timeout), answered, ctypes.byref(n))
             if r != 0:
                 raise self._error(r)
             gx = gxb.numpy(np.float32, gy.size).reshape(gy.shape).copy()

@@ -40,6 +40,15 @@ load-balancing loss returned with the output.
 
 Experts compute dim -> dim (hivemindd's ffn expert), so in_features must be
 the hosts' --expert-dim.
+
+Transformer experts (--expert-type transformer) take sequences: x
+[batch, seq, dim], with an optional key-padding mask ``attention_mask``
+[batch, seq] (1 a token, 0 padding, as Hivemind's transformer expert takes
+it). RemoteExpert calls one such expert (or an ffn one, with [batch, dim]);
+RemoteMixtureOfExperts(sequence_experts=True) sends them [batch, seq, dim],
+each sequence one sample of the routing (per sample or per batch), the
+gate scoring each sample's mean over its sequence as Hivemind's does
+(without it, leading dimensions are rows for ffn experts, as before).
 """
 
 import time
@@ -50,14 +59,16 @@ from torch import nn
 
 from .client import Client, HivemindError
 
-__all__ = ["RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"]
+__all__ = ["RemoteExpert", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"]
 
 
 class _Call:
     """What one forward decided, for its backward."""
 
-    def __init__(self, client, experts, k_min, timeout, after, backward_k_min, backward_timeout):
+    def __init__(self, client, experts, k_min, timeout, after, backward_k_min, backward_timeout,
+                 mask=None):
         self.client = client
+        self.mask = mask  # numpy [batch, seq] 0/1 for sequences, or None
         self.experts = experts
         self.k_min = k_min
         self.timeout = timeout
@@ -69,7 +80,8 @@ class _Call:
 
 
 class _RemoteExperts(torch.autograd.Function):
-    """Y [E, batch, dim] = the answered experts' outputs on x [batch, dim].
+    """Y [E, *x.shape] = the answered experts' outputs on x [batch, dim] or
+    [batch, seq, dim] (with call.mask).
 
     ``dummy`` is an empty tensor that requires grad, so that backward runs
     (and the experts learn) even when x itself needs no gradient."""
@@ -78,7 +90,7 @@ class _RemoteExperts(torch.autograd.Function):
     def forward(ctx, dummy, x, call):
         xn = x.detach().to("cpu", torch.float32).contiguous().numpy()
         y, answered = call.client.experts_forward(call.experts, xn, call.k_min, call.timeout,
-                                                  call.after)
+                                                  call.after, mask=call.mask)
         call.answered = [i for i, a in enumerate(answered) if a]
         ctx.call = call
         ctx.save_for_backward(x)
@@ -92,7 +104,8 @@ class _RemoteExperts(torch.autograd.Function):
         xn = x.detach().to("cpu", torch.float32).contiguous().numpy()
         gy = grad_y.detach().to("cpu", torch.float32).contiguous().numpy()
         gx, answered = call.client.experts_backward(
-            experts, xn, gy, min(call.backward_k_min, len(experts)), call.backward_timeout)
+            experts, xn, gy, min(call.backward_k_min, len(experts)), call.backward_timeout,
+            mask=call.mask)
         call.backward_answered = answered
         if not ctx.needs_input_grad[1]:
             return None, None, None
@@ -100,13 +113,69 @@ class _RemoteExperts(torch.autograd.Function):
         return None, torch.from_numpy(total).to(device=x.device, dtype=x.dtype), None
 
 
+def _mask_numpy(x, attention_mask, key_padding_mask=None):
+    """attention_mask (1 a token, 0 padding) or key_padding_mask (torch's
+    convention, which Hivemind's transformer layer passes on: True padding)
+    as numpy float32 [batch, seq] of 1 for a token, for x [batch, seq, dim]."""
+    if key_padding_mask is not None:
+        if attention_mask is not None:
+            raise ValueError("give attention_mask or key_padding_mask, not both")
+        attention_mask = ~key_padding_mask.to(torch.bool)
+    if attention_mask is None:
+        return None
+    if x.dim() != 3:
+        raise ValueError("attention_mask goes with inputs [batch, seq, dim]")
+    m = attention_mask.detach().to("cpu")
+    if tuple(m.shape) != tuple(x.shape[:2]):
+        raise ValueError("attention_mask must be [batch, seq] = %s, not %s"
+                         % (tuple(x.shape[:2]), tuple(m.shape)))
+    return m.to(torch.float32).contiguous().numpy()
+
+
+class RemoteExpert(nn.Module):
+    """One expert on a hivemindd host, as a torch module (Hivemind's
+    RemoteExpert): forward(x) is the expert's output on x, [batch, dim] for
+    an ffn expert or [batch, seq, dim] for a transformer expert, with an
+    optional key-padding ``attention_mask`` [batch, seq] (1 a token, 0
+    padding) for the latter, or ``key_padding_mask``, its complement in
+    torch's convention (True padding, as nn.MultiheadAttention and
+    Hivemind's transformer layer take it). Backward sends dL/dy to the host, which
+    returns dL/dx and applies one optimizer step to the expert.
+
+    expert: an ExpertInfo or a (uid, peer) pair ("PEERID@HOST:PORT"), as
+    Client.find_experts gives them. A host's refusal (a wrong shape, a
+    sequence over its ExpertMaxSeq) raises HivemindError with its code
+    ("expert_wrong_shape", ...) and the host's reason."""
+
+    def __init__(self, expert, client=None, forward_timeout=10.0, backward_timeout=10.0):
+        super().__init__()
+        self.expert = tuple(expert)[:2]
+        self.uid = self.expert[0]
+        self.client = client if client is not None else Client()
+        self.forward_timeout = float(forward_timeout)
+        self.backward_timeout = float(backward_timeout)
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    def extra_repr(self):
+        return "uid=%r" % (self.uid,)
+
+    def forward(self, x, attention_mask=None, key_padding_mask=None):
+        if x.dim() not in (2, 3):
+            raise ValueError("x must be [batch, dim] or [batch, seq, dim], not %s"
+                             % (tuple(x.shape),))
+        call = _Call(self.client, [self.expert], 1, self.forward_timeout, 1.0, 1,
+                     self.backward_timeout, _mask_numpy(x, attention_mask, key_padding_mask))
+        return _RemoteExperts.apply(self._dummy, x, call)[0]
+
+
 class _RoutedCall:
     """What one routed forward decided, for its backward."""
 
     def __init__(self, client, experts, routes, k_min, allow_zero, timeout, after,
-                 backward_k_min, backward_timeout):
+                 backward_k_min, backward_timeout, mask=None):
         self.client = client
         self.experts = experts
+        self.mask = mask              # numpy [batch, seq] 0/1 for sequences, or None
         self.routes = routes          # [batch, k] int32, -1: none
         self.k_min = k_min
         self.allow_zero = allow_zero
@@ -119,14 +188,16 @@ class _RoutedCall:
 
 
 class _RoutedExperts(torch.autograd.Function):
-    """Y [batch, k, dim]: slot j of sample b the output of its expert
-    routes[b, j] on x[b] (zeros where none answered)."""
+    """Y [batch, k, dim] (or [batch, k, seq, dim] for x [batch, seq, dim]):
+    slot j of sample b the output of its expert routes[b, j] on x[b]
+    (zeros where none answered)."""
 
     @staticmethod
     def forward(ctx, dummy, x, call):
         xn = x.detach().to("cpu", torch.float32).contiguous().numpy()
         y, answered = call.client.experts_forward_routed(
-            call.experts, call.routes, xn, call.k_min, call.allow_zero, call.timeout, call.after)
+            call.experts, call.routes, xn, call.k_min, call.allow_zero, call.timeout, call.after,
+            mask=call.mask)
         ans = np.asarray(answered, dtype=bool)
         call.live = (call.routes >= 0) & ans[np.maximum(call.routes, 0)]
         ctx.call = call
@@ -145,7 +216,8 @@ class _RoutedExperts(torch.autograd.Function):
             gy = grad_y.detach().to("cpu", torch.float32).contiguous().numpy()
             gx, answered = call.client.experts_backward_routed(
                 call.experts, routes, xn, gy, call.backward_k_min,
-                call.allow_zero or call.backward_k_min == 0, call.backward_timeout)
+                call.allow_zero or call.backward_k_min == 0, call.backward_timeout,
+                mask=call.mask)
             ans = np.asarray(answered, dtype=bool)
             call.backward_live = (routes >= 0) & ans[np.maximum(routes, 0)]
             total = gx.sum(axis=1)  # zeros in the slots that did not answer
@@ -176,6 +248,11 @@ class RemoteMixtureOfExperts(nn.Module):
         0 (routing="sample" only).
     beam_size: the per-sample beam (0: k_best); at least the grid's largest
         dimension makes every sample's choice its exact top k_best.
+    sequence_experts: the experts are transformers (--expert-type
+        transformer): forward(x, attention_mask=None) takes x [batch, seq,
+        dim] and an optional key-padding mask [batch, seq] (1 a token, 0
+        padding); the gate scores each sample's mean over its sequence, and
+        each sequence is one sample of the routing.
     client: the Client to use (default: a new one on the default socket).
     find_timeout: the beam search's timeout. cache_ttl (routing="batch"):
         seconds a beam search's answer is reused for batches with the same
@@ -193,8 +270,10 @@ class RemoteMixtureOfExperts(nn.Module):
     def __init__(self, in_features, grid_size=(4, 4), uid_prefix="ffn", k_best=4, k_min=1,
                  forward_timeout=10.0, timeout_after_k_min=1.0, backward_k_min=1,
                  backward_timeout=10.0, client=None, find_timeout=5.0, cache_ttl=5.0,
-                 routing="sample", beam_size=0, allow_zero_outputs=False):
+                 routing="sample", beam_size=0, allow_zero_outputs=False,
+                 sequence_experts=False):
         super().__init__()
+        self.sequence_experts = bool(sequence_experts)
         grid_size = tuple(int(g) for g in grid_size)
         if not 1 <= len(grid_size) <= 4 or min(grid_size) < 1:
             raise ValueError("grid_size must hold 1 to 4 positive sizes")
@@ -299,7 +378,7 @@ class RemoteMixtureOfExperts(nn.Module):
         routes = np.where(keep[np.where(routes >= 0, routes, len(experts))], routes, -1)
         return experts, routes.astype(np.int32)
 
-    def _forward_sample(self, x2, scores):
+    def _forward_sample(self, x2, scores, mask=None):
         experts, routes = self.route(scores)
         found = (routes >= 0).sum(1)
         if not self.allow_zero_outputs and (found < self.k_min).any():
@@ -315,8 +394,8 @@ class RemoteMixtureOfExperts(nn.Module):
             return x2 * 0.0, None, routes, self.last_mask
         call = _RoutedCall(self.client, experts, routes, self.k_min, self.allow_zero_outputs,
                            self.forward_timeout, self.timeout_after_k_min, self.backward_k_min,
-                           self.backward_timeout)
-        y = _RoutedExperts.apply(self._dummy, x2, call)  # [batch, k, dim]
+                           self.backward_timeout, mask)
+        y = _RoutedExperts.apply(self._dummy, x2, call)  # [batch, k, (seq,) dim]
         live = torch.as_tensor(call.live, device=scores.device)
         logits = self._slot_logits(scores, experts, routes)
         masked = logits.masked_fill(~live, float("-inf"))
@@ -324,17 +403,21 @@ class RemoteMixtureOfExperts(nn.Module):
         any_live = live.any(1, keepdim=True)
         w = torch.softmax(torch.where(any_live, masked, torch.zeros_like(masked)), dim=1)
         w = w * live.to(w.dtype)
-        out = torch.einsum("bk,bkd->bd", w.to(y.dtype), y)
+        out = torch.einsum("bk,bk...->b...", w.to(y.dtype), y)
         self.last_experts = experts
         self.last_routes = routes
         self.last_mask = call.live
         self.last_scores = logits.detach()
         return out, y, routes, call.live
 
-    def forward(self, x):
+    def forward(self, x, attention_mask=None, key_padding_mask=None):
         if x.shape[-1] != self.in_features:
             raise ValueError("expected inputs of width %d, got %s" % (self.in_features,
                                                                       tuple(x.shape)))
+        if self.sequence_experts:
+            return self._forward_seq(x, attention_mask, key_padding_mask)
+        if attention_mask is not None or key_padding_mask is not None:
+            raise ValueError("attention_mask goes with sequence_experts=True")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
@@ -367,6 +450,48 @@ class RemoteMixtureOfExperts(nn.Module):
         self.last_experts = [experts[i] for i in call.answered]
         self.last_scores = logits.detach()
         return out.reshape(lead + (self.in_features,))
+
+    def _forward_seq(self, x, attention_mask, key_padding_mask=None):
+        """x [batch, seq, dim] to transformer experts. The gate scores each
+        sample's mean over its sequence (Hivemind's input_for_gating);
+        routing="sample" routes each sequence on those scores (the rows of
+        an expert's request are whole sequences, each with its mask);
+        routing="batch" chooses the experts by the batch mean, and every
+        expert gets the whole batch with the mask."""
+        if x.dim() != 3:
+            raise ValueError("sequence_experts take x [batch, seq, dim], not %s"
+                             % (tuple(x.shape),))
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise ValueError("an empty batch")
+        mask = _mask_numpy(x, attention_mask, key_padding_mask)
+        if self.routing == "sample":
+            # Each sequence is a sample: its own beam search, its own experts.
+            return self._forward_sample(x, self._gate_scores(x.mean(dim=1)), mask)[0]
+        scores = self.gate(x.mean(dim=1))  # [batch, sum(grid)]
+        experts = self.find_experts(scores.detach().mean(0).cpu().double().numpy())
+        if len(experts) < self.k_min:
+            raise HivemindError("not_enough_experts",
+                                "beam search under '%s' found %d experts; k_min is %d"
+                                % (self.uid_prefix, len(experts), self.k_min))
+        call = _Call(self.client, experts, self.k_min, self.forward_timeout,
+                     self.timeout_after_k_min, self.backward_k_min, self.backward_timeout,
+                     mask)
+        try:
+            y = _RemoteExperts.apply(self._dummy, x, call)  # [E, batch, seq, dim]
+        except HivemindError:
+            self._cache = None
+            raise
+        if len(call.answered) < len(experts):
+            self._cache = None
+        cols = torch.tensor([[int(self._offsets[d]) + c for d, c in
+                              enumerate(self._coords(experts[i].uid))] for i in call.answered],
+                            dtype=torch.long, device=scores.device)
+        logits = scores[:, cols].sum(-1)  # [batch, E]
+        w = torch.softmax(logits, dim=1)
+        out = torch.einsum("be,ebsd->bsd", w.to(y.dtype), y)
+        self.last_experts = [experts[i] for i in call.answered]
+        self.last_scores = logits.detach()
+        return out
 
 class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
     """A Switch Transformer layer (Fedus et al., 2021) over the swarm's
