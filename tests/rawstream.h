@@ -69,15 +69,38 @@ static inline int hm_raw_write(hm_raw *r, const uint8_t *p, size_t n, uint64_t t
  * keep its replies in its own memory rather than in the kernel would.
  * Returns 0 or a negative code.
  */
+static inline int hm_raw_connect_as(hm_raw *r, const hm_identity *id, const char *src_ip,
+                                    const struct sockaddr *to,
+                                    const uint8_t server_pk[HM_PK_BYTES],
+                                    const uint8_t swarm[HM_SWARM_ID_BYTES], int rcvbuf,
+                                    void (*spin)(void *), void *ud);
+
 static inline int hm_raw_connect(hm_raw *r, const char *src_ip, const struct sockaddr *to,
                                  const uint8_t server_pk[HM_PK_BYTES],
                                  const uint8_t swarm[HM_SWARM_ID_BYTES], int rcvbuf,
                                  void (*spin)(void *), void *ud)
 {
+    return hm_raw_connect_as(r, NULL, src_ip, to, server_pk, swarm, rcvbuf, spin, ud);
+}
+
+/*
+ * The same under a given identity (NULL: a fresh one), such as a node's own
+ * key, as that node's second connection (a reachability probe's, say) would.
+ */
+static inline int hm_raw_connect_as(hm_raw *r, const hm_identity *id, const char *src_ip,
+                                    const struct sockaddr *to,
+                                    const uint8_t server_pk[HM_PK_BYTES],
+                                    const uint8_t swarm[HM_SWARM_ID_BYTES], int rcvbuf,
+                                    void (*spin)(void *), void *ud)
+{
+    int rc = 0;
     memset(r, 0, sizeof(*r));
     r->spin = spin;
     r->ud = ud;
-    int rc = hm_identity_generate(&r->id);
+    if (id != NULL)
+        r->id = *id;
+    else
+        rc = hm_identity_generate(&r->id);
     if (rc < 0)
         return rc;
     r->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);

@@ -1767,6 +1767,56 @@ Test(transport, probe_proves_the_key_at_the_address_and_leaves_nothing_open)
     node_stop(&b);
 }
 
+/*
+ * The probed side of a reachability probe: the prober's second connection
+ * completes its handshake and is closed at once by its dialer. While it is
+ * open and silent, b's sends to a stay on the connection a uses; on the
+ * probe's connection they died with it, and each call waited out its
+ * deadline (seen in the network lab as all-reduce members found late and
+ * dead). Here the probe is a raw connection under a's own key, which stays
+ * open (silent) for as long as the test needs, then closes.
+ */
+Test(transport, sends_stay_off_a_silent_second_connection)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    result e = {0};
+    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &e), 0);
+    cr_assert(run_until(&e.count, 1, 3000));
+    cr_assert_eq(e.status, 0);
+
+    hm_transport_stats b0 = stats_of(&b);
+    hm_raw raw;
+    cr_assert_eq(hm_raw_connect_as(&raw, &a.id, "127.0.0.1", sa(&b), b.id.pk, swarm, 0,
+                                   spin_loop, NULL),
+                 0);
+    cr_assert(RUN_UNTIL_STATS(&b, s_.inbound_handshakes_ok == b0.inbound_handshakes_ok + 1, 3000),
+              "b completed the second handshake under a's key");
+
+    int served0 = a.served;
+    result r[4] = {{0}};
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(call(&b, &a, "echo", "y", 1, HM_RPC_STREAM, 1500, &r[i]), 0);
+    run_for(200);
+    hm_raw_close(&raw);
+    int answered = 0;
+    uint64_t end = hm_now_ms() + 3000;
+    while (answered < 4 && hm_now_ms() < end) {
+        run_for(10);
+        answered = r[0].count + r[1].count + r[2].count + r[3].count;
+    }
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(r[i].count, 1, "call %d answered", i);
+        cr_assert_eq(r[i].status, 0, "call %d: %s", i, hm_strerror(r[i].status));
+        result_free(&r[i]);
+    }
+    cr_assert_eq(a.served, served0 + 4, "a served every call");
+    result_free(&e);
+    node_stop(&a);
+    node_stop(&b);
+}
+
 /* ---- refusal notices: a refused reply or message is not silent ---- */
 
 /*

@@ -173,6 +173,7 @@ typedef struct conn {
     int quiet; /* a dial that failed inside an API call: no on_conn */
     uint64_t seq;
     uint64_t open_seq; /* order of reaching OPEN, for picking among duplicates */
+    int heard; /* a chunk came in on it since its handshake (conn_find) */
     uint8_t pk[HM_PK_BYTES];
     struct sockaddr_storage addr;
     hm_handshake *hs;
@@ -792,11 +793,25 @@ static void hash_remove(conn *c)
          c != NULL; c = hm_hmap_entry(hm_hmap_find_next(&(t)->by_pk, &c->by_pk), conn, by_pk))
 
 /*
- * The connection to send on: the open one that came up last, else one still
- * in its handshake (our own dial, whose queue is flushed once open). The
- * newest wins because a peer that dials again while we still hold an older
- * connection has usually dropped that one and we have not read its close yet
- * (it may be behind megabytes of unread data).
+ * Whether an open connection has shown that its peer uses it: our own dial,
+ * or one it has sent on. An inbound connection that has carried nothing
+ * since its handshake may be a reachability probe (hm_transport_probe),
+ * which its dialer closes as soon as the handshake completes: whatever we
+ * queue on it then dies with it, unseen by the layer above while another
+ * connection to the peer lives, and each call in it waits out its whole
+ * deadline (in an all-reduce, a reducer timeout and a member wrongly found
+ * dead).
+ */
+static int conn_in_use(const conn *c) { return c->outbound || c->heard; }
+
+/*
+ * The connection to send on: the open one in use (conn_in_use) that came
+ * up last, else the open one that came up last, else one still in its
+ * handshake (our own dial, whose queue is flushed once open). The newest
+ * wins because a peer that dials again while we still hold an older
+ * connection has usually dropped that one and we have not read its close
+ * yet (it may be behind megabytes of unread data); such a peer sends on its
+ * new connection, which then is in use.
  */
 static conn *conn_find(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
 {
@@ -806,6 +821,9 @@ static conn *conn_find(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
             best = c;
         else if (c->state == CONN_OPEN && best->state != CONN_OPEN)
             best = c;
+        else if (c->state == CONN_OPEN && best->state == CONN_OPEN &&
+                 conn_in_use(c) != conn_in_use(best))
+            best = conn_in_use(c) ? c : best;
         else if (c->state == CONN_OPEN && best->state == CONN_OPEN && c->open_seq > best->open_seq)
             best = c;
         else if (c->state == CONN_HANDSHAKE && best->state == CONN_HANDSHAKE && c->outbound &&
@@ -1783,6 +1801,7 @@ static void conn_process(conn *c)
         if (r == 0)
             break;
         off += op.consumed;
+        c->heard = 1;
         r = handle_chunk(c, pt, op.pt_len, dest != NULL);
         if (r < 0) {
             hm_info(MOD, "closing a stream: framing violation (%s)", hm_strerror(r));
