@@ -372,7 +372,8 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
 /*
  * Replaces the context's averaging workers (see "Threads" below): threads
  * 1..16, or 0 to finalize every chunk on the loop thread as before (the
- * benchmark's reference). Default: the machine's cores less one, 1 to 8.
+ * benchmark's reference). Default 0 for now (allreduce.c says why);
+ * hm_workpool_default_threads() is the machine's cores less one, 1 to 8.
  * -EBUSY while a round runs.
  */
 int hm_ar_set_workers(hm_ar_ctx *ctx, unsigned threads);
