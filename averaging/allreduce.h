@@ -369,6 +369,15 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
  * has no unregister: call hm_rpc_close right after this, before the loop
  * runs again (the rpc layer delivers nothing once closing).
  */
+/*
+ * Replaces the context's averaging workers (see "Threads" below): threads
+ * 1..16, or 0 to finalize every chunk on the loop thread as before (the
+ * benchmark's reference). Default 0 for now (allreduce.c says why);
+ * hm_workpool_default_threads() is the machine's cores less one, 1 to 8.
+ * -EBUSY while a round runs.
+ */
+int hm_ar_set_workers(hm_ar_ctx *ctx, unsigned threads);
+
 void hm_ar_ctx_close(hm_ar_ctx *ctx, void (*cb)(void *ud), void *ud);
 
 /*

@@ -68,6 +68,7 @@ typedef struct options {
     uint64_t timeout_ms;
     size_t chunk_elems;
     size_t window;
+    int workers; /* averaging worker threads per peer, 0 = on the loop */
 } options;
 
 /* A fixed pattern in [-1, 1), multiples of 1/512: exact in float32. */
@@ -273,6 +274,8 @@ static void run_peer(const options *o, int idx, int up_fd, int down_fd,
         hm_bench_die("rpc", r);
     if ((r = hm_ar_ctx_new(&p->loop, p->rpc, &p->id, &p->ctx)) < 0)
         hm_bench_die("all-reduce context", r);
+    if ((r = hm_ar_set_workers(p->ctx, (unsigned)o->workers)) < 0)
+        hm_bench_die("all-reduce workers", r);
     if ((r = hm_transport_local_addr(hm_rpc_transport(p->rpc), &addr)) < 0)
         hm_bench_die("local address", r);
     hm_hex_encode(p->id.pk, HM_PK_BYTES, hex);
@@ -408,10 +411,11 @@ static void usage(void)
     fprintf(stderr,
             "usage: bench_allreduce --peers N --mb M|--kb K [--runs R]\n"
             "                       [--compression none|fp16|8bit]\n"
-            "                       [--timeout S] [--chunk-elems E] [--window W]\n"
+            "                       [--timeout S] [--chunk-elems E] [--window W] [--workers T]\n"
             "  N peers (2..%d) each average M MiB (1..1024) or K KiB of float32 over R rounds\n"
             "  (default 5) after one warm-up round; --timeout is the round timeout\n"
-            "  (default 60 s); --chunk-elems and --window default to the all-reduce's.\n",
+            "  (default 60 s); --chunk-elems and --window default to the all-reduce's.\n"
+            "  --workers: averaging threads per peer (default 0: chunks reduced on the loop).\n",
             MAX_PEERS);
     exit(64);
 }
@@ -435,6 +439,9 @@ int main(int argc, char **argv)
             o.timeout_ms = (uint64_t)(atof(argv[++i]) * 1000.0);
         else if (strcmp(argv[i], "--chunk-elems") == 0 && i + 1 < argc)
             o.chunk_elems = (size_t)strtoul(argv[++i], NULL, 10);
+        else if (strcmp(argv[i], "--workers") == 0 && i + 1 < argc && atoi(argv[i + 1]) >= 0 &&
+                 atoi(argv[i + 1]) <= 16)
+            o.workers = atoi(argv[++i]);
         else if (strcmp(argv[i], "--window") == 0 && i + 1 < argc)
             o.window = (size_t)strtoul(argv[++i], NULL, 10);
         else

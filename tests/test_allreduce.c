@@ -254,11 +254,16 @@ Test(allreduce, layout_is_proportional_and_covers_everything)
     nodes_stop();
 }
 
+/* Averaging workers per node for exact_round (0: chunks finalized on the loop). */
+static unsigned round_workers;
+
 static void exact_round(int n, size_t len, size_t chunk, size_t window)
 {
     hm_avg_group g;
     hm_ar_config cfg = {.round_timeout_ms = 20000, .chunk_elems = chunk, .window = window};
     nodes_start(n);
+    for (int i = 0; i < n && round_workers > 0; i++)
+        cr_assert_eq(hm_ar_set_workers(nodes[i].ctx, round_workers), 0);
     double bw[MAXN];
     for (int i = 0; i < n; i++) {
         bw[i] = bw8[i];
@@ -294,6 +299,13 @@ static void exact_round(int n, size_t len, size_t chunk, size_t window)
 
 Test(allreduce, two_members_one_client) { exact_round(2, 10007, 1000, 4); }
 Test(allreduce, three_members) { exact_round(3, 50001, 4096, 8); }
+
+/* Chunks reduced and encoded on worker threads: the same exact average. */
+Test(allreduce, four_members_on_workers)
+{
+    round_workers = 2;
+    exact_round(4, 300007, 4096, 8);
+}
 Test(allreduce, five_members_one_chunk_each) { exact_round(5, 997, 131072, 8); }
 Test(allreduce, eight_members_many_chunks) { exact_round(8, 300007, 8192, 8); }
 Test(allreduce, one_member) { exact_round(1, 1234, 100, 2); }
