@@ -60,8 +60,6 @@ struct hmc_opt {
     uint64_t others_samples; /* the others' at our epoch, as last read */
     double last_poll_s;
     size_t others; /* other trainers in the run, as last read */
-    size_t ahead;  /* of them, those one epoch past ours, as last read */
-    uint64_t peak; /* the most samples seen at our epoch, ours included */
     double sps, last_step_s, opened_s;
     double eta_s;  /* the swarm's estimate of the time to our epoch's end, < 0 unknown */
     /* -- scheduled rounds -- */
@@ -331,43 +329,21 @@ static int read_swarm(hmc_opt *o, uint64_t *swarm_out)
     uint64_t sum = o->samples;
     size_t i;
     o->others = 0;
-    o->ahead = 0;
     const json_t *peer;
     json_array_foreach(json_object_get(j, "peers"), i, peer) {
         const char *id = json_string_value(json_object_get(peer, "peer"));
         if (id != NULL && strcmp(id, o->peer_id) == 0)
             continue;
         o->others++;
-        uint64_t epoch = (uint64_t)json_integer_value(json_object_get(peer, "epoch"));
-        if (epoch == o->epoch)
+        if ((uint64_t)json_integer_value(json_object_get(peer, "epoch")) == o->epoch)
             sum += (uint64_t)json_integer_value(json_object_get(peer, "samples"));
-        else if (o->epoch < UINT64_MAX && epoch == o->epoch + 1)
-            o->ahead++;
     }
     json_decref(j);
     o->global_epoch = p.global_epoch;
     o->eta_s = p.global_epoch == o->epoch ? p.eta_s : -1;
     o->others_samples = sum - o->samples;
-    if (sum > o->peak)
-        o->peak = sum;
     *swarm_out = sum;
     return 0;
-}
-
-/*
- * A trainer that has ended our epoch and moved one past it ends ours too,
- * once at least half the target was seen at our epoch. Without this, the
- * global epoch (the one more than half the trainer origins have reached,
- * which a minority of origins cannot move) never pulls anyone along in a
- * swarm of two, or past a dead or newly joined trainer, and the trainers,
- * each counting only the samples reported at its own epoch a second or so
- * late, drift apart and end their epochs alone. The half bounds what a
- * hostile trainer one epoch ahead can do: halve the epochs, not end them
- * at will.
- */
-static int pulled_along(const hmc_opt *o)
-{
-    return o->ahead > 0 && o->peak >= (o->opts.target_batch_size + 1) / 2;
 }
 
 /* The gradient round's options for our epoch; prefix holds its name. */
@@ -843,14 +819,12 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
         o->samples = 0;
         o->others_samples = 0;
-        o->peak = 0;
         o->epoch = o->global_epoch;
         rep.caught_up = 1;
         if (o->opts.share_state)
             rep.state_loaded = load(o, params);
         r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
-    } else if (swarm >= o->opts.target_batch_size || o->global_epoch > o->epoch ||
-               pulled_along(o)) {
+    } else if (swarm >= o->opts.target_batch_size || o->global_epoch > o->epoch) {
         int with_peers = o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S;
         rep.samples = o->samples;
         if (o->opts.local_updates) {
@@ -880,7 +854,6 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         o->sched_tried = 0;
         o->samples = 0;
         o->others_samples = 0;
-        o->peak = 0;
         o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
         rep.epoch_ended = 1;
         if (o->opts.average_state_every > 0 && o->epoch % o->opts.average_state_every == 0 &&
