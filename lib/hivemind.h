@@ -671,6 +671,10 @@ typedef struct hmc_opt_report {
     /* -- local updates with the delta rule -- */
     int state_started;     /* local_updates: this epoch end started the state average */
     int state_pending;     /* local_updates: a state average still runs after this call */
+    /* -- ahead of the swarm -- */
+    int held_ahead;        /* our epoch is past the swarm's global epoch and has its
+                              samples: the epoch's end waits (up to averaging_timeout_s)
+                              for the swarm to reach it, accumulating meanwhile */
 } hmc_opt_report;
 
 /* Sets the defaults above (everything else 0/NULL). */

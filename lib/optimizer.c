@@ -61,6 +61,7 @@ struct hmc_opt {
     double last_poll_s;
     size_t others; /* other trainers in the run, as last read */
     double sps, last_step_s, opened_s;
+    double ahead_since_s; /* since when our epoch's end waits for the swarm (0: it does not) */
     double eta_s;  /* the swarm's estimate of the time to our epoch's end, < 0 unknown */
     /* -- scheduled rounds -- */
     hmc_round *sched;       /* this epoch's gradient round, matched ahead and held (on buf) */
@@ -344,6 +345,29 @@ static int read_swarm(hmc_opt *o, uint64_t *swarm_out)
     o->others_samples = sum - o->samples;
     *swarm_out = sum;
     return 0;
+}
+
+/*
+ * Whether our epoch's end waits for the swarm: our epoch is past the
+ * global one, which moves only once more than half of the trainer origins
+ * reach an epoch (ProgressEpochMajority), and another trainer is there.
+ * Ending it on our own samples would put us two epochs ahead, where no
+ * one averages with us, and the trainers would drift apart for good: the
+ * others count only the samples reported at their own epoch. So we keep
+ * accumulating, and the end comes when the swarm reaches our epoch (its
+ * samples then count with ours), or after averaging_timeout_s, so that
+ * trainers that are stopped or dead, but still on record, hold us up no
+ * longer than a round that fails would.
+ */
+static int held_ahead(hmc_opt *o, double now)
+{
+    if (o->epoch <= o->global_epoch || o->others == 0) {
+        o->ahead_since_s = 0;
+        return 0;
+    }
+    if (o->ahead_since_s == 0)
+        o->ahead_since_s = now;
+    return now - o->ahead_since_s < o->opts.averaging_timeout_s;
 }
 
 /* The gradient round's options for our epoch; prefix holds its name. */
@@ -819,11 +843,14 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
         o->samples = 0;
         o->others_samples = 0;
+        o->ahead_since_s = 0;
         o->epoch = o->global_epoch;
         rep.caught_up = 1;
         if (o->opts.share_state)
             rep.state_loaded = load(o, params);
         r = hmc_progress_report(o->h, o->run, o->epoch, 0, o->sps, o->opts.client);
+    } else if (swarm >= o->opts.target_batch_size && held_ahead(o, now)) {
+        rep.held_ahead = 1;
     } else if (swarm >= o->opts.target_batch_size || o->global_epoch > o->epoch) {
         int with_peers = o->others > 0 || mono_s() - o->opened_s < DISCOVERY_S;
         rep.samples = o->samples;
@@ -854,6 +881,7 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         o->sched_tried = 0;
         o->samples = 0;
         o->others_samples = 0;
+        o->ahead_since_s = 0;
         o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
         rep.epoch_ended = 1;
         if (o->opts.average_state_every > 0 && o->epoch % o->opts.average_state_every == 0 &&

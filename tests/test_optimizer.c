@@ -1069,3 +1069,112 @@ Test(optimizer, delay_step_with_local_updates_average_by_the_delta_rule)
     }
     free(t);
 }
+
+/* -- ahead of the swarm -- */
+typedef struct runner {
+    struct node *node;
+    int id;
+    int stop_epoch;          /* step until our local epoch reaches it */
+    int err;
+    char msg[512];
+    atomic_int epoch;        /* the local epoch, as it goes */
+    atomic_int *other_epoch; /* the other trainer's, NULL while there is none */
+    int held;                /* calls that reported held_ahead */
+    int ends_ahead;          /* epochs we ended while past the other trainer's epoch */
+    hmc_opt_report last_end; /* the last epoch end's report */
+} runner;
+
+static void *run_epochs(void *arg)
+{
+    runner *r = arg;
+    hmc *h = NULL;
+    hmc_opt *o = NULL;
+    char err[256];
+    static float params[2][N_PARAMS];
+    float g[N_PARAMS];
+    for (size_t k = 0; k < N_PARAMS; k++)
+        g[k] = 1.0f + (float)r->id;
+    if ((r->err = hmc_connect(r->node->sock, &h, err, sizeof(err))) != 0) {
+        snprintf(r->msg, sizeof(r->msg), "connect: %s", err);
+        return NULL;
+    }
+    hmc_set_timeout(h, 60000);
+    hmc_opt_opts oo;
+    hmc_opt_opts_init(&oo);
+    oo.run_id = "aheadrun";
+    oo.target_batch_size = 40;
+    oo.batch_size_per_step = 10;
+    oo.matchmaking_time_s = 1;
+    oo.averaging_timeout_s = 60; /* the hold would outlast the test */
+    oo.target_group_size = 2;
+    oo.step = plain_step;
+    if ((r->err = hmc_opt_open(h, &oo, N_PARAMS, &o)) != 0) {
+        snprintf(r->msg, sizeof(r->msg), "open: %s", hmc_last_error(h));
+        hmc_close(h);
+        return NULL;
+    }
+    long deadline = hm_test_now_ms() + 60000;
+    while ((int)hmc_opt_local_epoch(o) < r->stop_epoch && hm_test_now_ms() < deadline) {
+        hmc_opt_report rep;
+        int before = (int)hmc_opt_local_epoch(o);
+        if ((r->err = hmc_opt_step(o, g, 0, params[r->id], &rep)) != 0) {
+            snprintf(r->msg, sizeof(r->msg), "step: %s", hmc_last_error(h));
+            break;
+        }
+        r->held += rep.held_ahead;
+        if (rep.epoch_ended) {
+            r->last_end = rep;
+            if (r->other_epoch != NULL && before > atomic_load(r->other_epoch))
+                r->ends_ahead++;
+        }
+        atomic_store(&r->epoch, (int)hmc_opt_local_epoch(o));
+        usleep(50000);
+    }
+    if ((int)hmc_opt_local_epoch(o) < r->stop_epoch && r->err == 0) {
+        r->err = -ETIMEDOUT;
+        snprintf(r->msg, sizeof(r->msg), "trainer %d reached epoch %d only", r->id,
+                 (int)hmc_opt_local_epoch(o));
+    }
+    hmc_opt_close(o);
+    hmc_close(h);
+    return NULL;
+}
+
+/*
+ * With two trainers, the majority epoch is the lower one. A trainer past
+ * it used to end every epoch on its own samples, so the two never met
+ * again. Now the leader holds its epoch's end (accumulating) until the
+ * other reaches its epoch, and the two then end it together, averaged.
+ */
+Test(optimizer, a_trainer_ahead_of_the_swarm_waits_for_it)
+{
+    struct node nodes[2];
+    start_swarm(nodes, 2);
+    runner a = {.node = &nodes[0], .id = 0, .stop_epoch = 2};
+    pthread_t ta, tb;
+    /* Alone, A ends epochs 0 and 1 on its own samples. */
+    cr_assert_eq(pthread_create(&ta, NULL, run_epochs, &a), 0);
+    pthread_join(ta, NULL);
+    cr_assert_eq(a.err, 0, "%s", a.msg);
+    /* Then B joins at epoch 0 and A goes on: A is two epochs ahead. */
+    runner b = {.node = &nodes[1], .id = 1, .stop_epoch = 4, .other_epoch = &a.epoch};
+    a.stop_epoch = 4;
+    a.other_epoch = &b.epoch;
+    atomic_store(&a.epoch, 2);
+    cr_assert_eq(pthread_create(&tb, NULL, run_epochs, &b), 0);
+    usleep(500000); /* B's first report is out */
+    cr_assert_eq(pthread_create(&ta, NULL, run_epochs, &a), 0);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    cr_assert_eq(a.err, 0, "%s", a.msg);
+    cr_assert_eq(b.err, 0, "%s", b.msg);
+    cr_assert_gt(a.held, 0, "the leader never held its epoch's end");
+    cr_assert_eq(a.ends_ahead, 0, "the leader ended %d epochs past the other trainer's",
+                 a.ends_ahead);
+    cr_assert(a.last_end.averaged && a.last_end.group_size == 2,
+              "the leader's last epoch was not averaged with the other (group %d: %s)",
+              a.last_end.group_size, a.last_end.error);
+    cr_assert(b.last_end.averaged && b.last_end.group_size == 2,
+              "the other's last epoch was not averaged (group %d: %s)", b.last_end.group_size,
+              b.last_end.error);
+}

@@ -532,3 +532,41 @@ Test(progress_agg, an_addr_entry_round_trips_and_bad_ones_are_refused)
     cr_assert_eq(hm_progress_decode(buf, len, &back), 0);
     cr_assert_str_eq(back.addr, "");
 }
+
+/*
+ * A dead trainer's last record would vote for its old epoch until it
+ * expires, and with the majority rule hold the live trainers back. Once
+ * it is HM_PROGRESS_STALE_S old and its own throughput says it should have
+ * reached the target twice over, it counts nowhere.
+ */
+Test(progress_agg, a_dead_trainers_record_stops_voting_once_stale)
+{
+    hm_progress_rules rules = {.epoch_origins = 2, .origin_factor = 4, .majority = 1};
+    hm_progress_agg agg;
+    hm_progress_peer p[4];
+    int used[4];
+    /* Two live trainers at 9 (reported just now); two dead ones at 4, 16 s ago, at 100/s. */
+    p[0] = rec(1, 9, 10, 100, 0);
+    p[1] = rec(2, 9, 10, 100, 0);
+    p[2] = rec(3, 4, 10, 100, 0);
+    p[3] = rec(4, 4, 10, 100, 0);
+    p[0].r.time = p[1].r.time = 1016;
+    hm_progress_aggregate(p, 4, 1016, 0, &rules, &agg, used);
+    cr_assert_eq(agg.global_epoch, 4, "without a target nothing is stale");
+    hm_progress_aggregate(p, 4, 1016, 400, &rules, &agg, used);
+    cr_assert_eq(agg.global_epoch, 9);
+    cr_assert_eq(agg.stale, 2);
+    cr_assert(used[0] && used[1] && !used[2] && !used[3]);
+    cr_assert_float_eq(agg.sps, 200, 1e-9, "a stale record's throughput counted");
+    /* Not yet stale: younger than HM_PROGRESS_STALE_S, or its throughput
+     * would not have reached twice the target in that time. */
+    hm_progress_aggregate(p, 4, 1014, 400, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 4);
+    hm_progress_aggregate(p, 4, 1016, 1000, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 4);
+    /* Nor one the reader knows is alive (its own trainer). */
+    p[2].live = p[3].live = 1;
+    hm_progress_aggregate(p, 4, 1016, 400, &rules, &agg, NULL);
+    cr_assert_eq(agg.global_epoch, 4);
+    cr_assert_eq(agg.stale, 0);
+}

@@ -822,10 +822,13 @@ static void print_progress(const json_t *r)
            (long long)json_integer_value(json_object_get(r, "n_origins")));
     /* What the origin rules set aside (docs/security.md, "Swarm progress records"). */
     if (json_integer_value(json_object_get(r, "unverified")) > 0 ||
+        json_integer_value(json_object_get(r, "stale")) > 0 ||
         json_integer_value(json_object_get(r, "held_back")) > 0 ||
         json_integer_value(json_object_get(r, "clamped")) > 0)
-        printf("set aside: %lld unverified records, %lld origins held back, %lld clamped\n",
+        printf("set aside: %lld unverified records, %lld stale, %lld origins held back, "
+               "%lld clamped\n",
                (long long)json_integer_value(json_object_get(r, "unverified")),
+               (long long)json_integer_value(json_object_get(r, "stale")),
                (long long)json_integer_value(json_object_get(r, "held_back")),
                (long long)json_integer_value(json_object_get(r, "clamped")));
     const json_t *peers = json_object_get(r, "peers");

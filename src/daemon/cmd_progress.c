@@ -9,7 +9,9 @@
  *
  * Publishing: a report goes out at once when its epoch changed (or it is
  * the first), otherwise once it changed and PUBLISH_GAP_MS passed since
- * the last publication, and every refresh_s (default 30 s) while its
+ * the last publication, and every refresh_s (default 5 s, well inside
+ * HM_PROGRESS_STALE_S, so that a live trainer busy in a long round is never
+ * taken for a dead one) while its
  * connection stays open, with the latest values and the time updated. The
  * record lives ttl_s (default 60 s); it stops being refreshed when the
  * connection closes, so it disappears from the swarm's aggregate within
@@ -64,7 +66,7 @@
 #define PROBES_IN_FLIGHT 32
 #define PROBES_PER_ORIGIN 4
 #define DEFAULT_TTL_S HM_PROGRESS_TTL_MAX
-#define DEFAULT_REFRESH_S 30.0
+#define DEFAULT_REFRESH_S 5.0
 
 typedef struct report {
     uint64_t id;
@@ -568,6 +570,7 @@ static void answer(hm_cmd_progress *p, cache_entry *e, hm_control_req *req, uint
         memcpy(x->pk, hm_node_identity(p->d->node)->pk, HM_PK_BYTES);
         x->r = mine->cur;
         x->verified = 1;
+        x->live = 1; /* its connection is open */
         /* At our declared address's origin, so that other daemons of our host
          * count with us; without one, on our own. */
         x->unique = 1;
@@ -587,12 +590,14 @@ static void answer(hm_cmd_progress *p, cache_entry *e, hm_control_req *req, uint
         if ((x = peer_json(&all[i])) == NULL || json_array_append_new(list, x) != 0)
             goto fail;
     }
-    o = json_pack("{s:s, s:I, s:I, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "run", e->run,
+    o = json_pack("{s:s, s:I, s:I, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "run",
+                  e->run,
                   "global_epoch", (json_int_t)agg.global_epoch, "samples",
                   (json_int_t)floor(agg.samples), "samples_per_second", agg.sps, "n_peers",
                   (json_int_t)agg.n_peers, "n_clients", (json_int_t)agg.n_clients, "n_origins",
                   (json_int_t)agg.n_origins, "ignored", (json_int_t)agg.ignored, "unverified",
-                  (json_int_t)agg.unverified, "held_back", (json_int_t)agg.held_back,
+                  (json_int_t)agg.unverified, "stale", (json_int_t)agg.stale, "held_back",
+                  (json_int_t)agg.held_back,
                   "clamped", (json_int_t)agg.clamped, "peers", list);
     list = NULL;
     if (o == NULL)

@@ -164,6 +164,14 @@ static int usable(const hm_progress_rec *r, double now)
     return hm_progress_check(r, NULL) == 0 && !(r->time > now + HM_PROGRESS_SKEW_S);
 }
 
+/* A dead or stopped trainer's last record (progress.h). */
+static int stale(const hm_progress_peer *x, double now, uint64_t target)
+{
+    double age = now - x->r.time;
+    return !x->live && target > 0 && x->r.sps > 0 && age >= HM_PROGRESS_STALE_S &&
+           x->r.sps * age >= 2.0 * (double)target;
+}
+
 /* One origin's part of the aggregate. */
 typedef struct org_acc {
     const hm_progress_peer *first; /* its first counted record: the origin */
@@ -206,7 +214,8 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
     size_t org_of[HM_PROGRESS_MAX_READ];
     uint64_t votes[HM_PROGRESS_MAX_READ];
     double vals[HM_PROGRESS_MAX_READ];
-    size_t n_orgs = 0, trainers = 0, clients = 0, ignored = 0, unverified = 0;
+    size_t n_orgs = 0, trainers = 0, clients = 0, ignored = 0, unverified = 0, n_stale = 0;
+    int skip[HM_PROGRESS_MAX_READ];
     size_t held = 0, clamped = 0, nv = 0;
     unsigned quorum = rules != NULL && rules->epoch_origins > 0 ? rules->epoch_origins : 1;
     unsigned factor = rules != NULL ? rules->origin_factor : 0;
@@ -222,10 +231,16 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
             ignored++;
             continue;
         }
+        skip[i] = 1;
         if (!x->verified) {
             unverified++;
             continue;
         }
+        if (stale(x, now, target)) {
+            n_stale++;
+            continue;
+        }
+        skip[i] = 0;
         if (used_out != NULL)
             used_out[i] = 1;
         size_t o = 0;
@@ -263,7 +278,7 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
     }
     for (size_t i = 0; i < n && i < HM_PROGRESS_MAX_READ; i++) {
         const hm_progress_rec *r = &peers[i].r;
-        if (!usable(r, now) || !peers[i].verified || r->epoch != global)
+        if (!usable(r, now) || skip[i] || r->epoch != global)
             continue;
         orgs[org_of[i]].samples += (double)r->samples + r->sps * hm_progress_elapsed(r, now);
         orgs[org_of[i]].at_global = 1;
@@ -298,6 +313,7 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
     out->n_clients = clients;
     out->n_origins = n_orgs;
     out->ignored = ignored;
+    out->stale = n_stale;
     out->unverified = unverified;
     out->held_back = held;
     out->clamped = clamped;

@@ -52,6 +52,16 @@
  *
  * A record whose time lies more than HM_PROGRESS_SKEW_S in the reader's
  * future is ignored.
+ *
+ * A stale record counts nowhere (neither its vote nor its samples): one
+ * at least HM_PROGRESS_STALE_S old whose own throughput would have
+ * brought it to twice the target in that time (target > 0, its
+ * samples_per_second > 0), unless the reader knows it is alive (live: this
+ * daemon's own trainers). A trainer that reports reaches the target and
+ * publishes a new epoch long before, and a live one's daemon refreshes its
+ * record every few seconds (cmd_progress.c); what is left is a dead or
+ * stopped trainer's last word, which would otherwise hold the majority
+ * epoch down for the record's whole lifetime.
  */
 #ifndef HM_DAEMON_PROGRESS_H
 #define HM_DAEMON_PROGRESS_H
@@ -76,6 +86,8 @@
 #define HM_PROGRESS_MAX_SPS 1e7
 /* A record lives at most this long (seconds), which also bounds its extrapolation. */
 #define HM_PROGRESS_TTL_MAX 60.0
+/* A record this old (seconds) may be stale (above). */
+#define HM_PROGRESS_STALE_S 15.0
 /* How far in the reader's future a record's time may be. */
 #define HM_PROGRESS_SKEW_S 30.0
 
@@ -115,6 +127,7 @@ typedef struct hm_progress_peer {
     int verified;     /* its owner was proven at an address: the record counts */
     hm_origin origin; /* that address's origin */
     int unique;       /* counts as an origin of its own (this daemon; exempt loopback) */
+    int live;         /* the reader knows it is alive: never stale */
 } hm_progress_peer;
 
 /* How records are weighed (hivemindd.conf: ProgressEpochOrigins, ProgressOriginFactor). */
@@ -134,6 +147,7 @@ typedef struct hm_progress_agg {
     size_t n_clients;
     size_t n_origins;  /* origins their records count for */
     size_t ignored;    /* records ignored (time in the future) */
+    size_t stale;      /* records of trainers that stopped reporting (above) */
     size_t unverified; /* records whose owner was not proven at an address */
     size_t held_back;  /* origins whose epoch was past the global one it set */
     size_t clamped;    /* origins whose samples or throughput were clamped */

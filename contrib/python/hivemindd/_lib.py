@@ -156,6 +156,7 @@ class OptReport(ctypes.Structure):
         ("tagged_along_group", c_int),
         ("state_started", c_int),
         ("state_pending", c_int),
+        ("held_ahead", c_int),
     ]
 
 
