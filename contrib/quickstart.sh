@@ -552,6 +552,12 @@ demo() {
             ge "${final:-0}" "$NEWCOMER_FLOOR"
         check "newcomer t4 loaded it (status ok)" \
             [ "$(last_field "$DEMO_DIR/t4/trainer.out" load status)" = ok ]
+        if [ "$mode" = collaborative ]; then
+            # The survivors and the newcomer stay in one swarm epoch after a
+            # trainer died: the newcomer's epochs end averaged with theirs.
+            check "newcomer t4 averaged with the others (an ok '$round_word' round)" \
+                grep -q "^$round_word .*status=ok" "$DEMO_DIR/t4/trainer.out"
+        fi
     fi
     if [ "$CHECKS_FAILED" -ne 0 ]; then
         if [ "$short" -eq 1 ]; then

@@ -323,7 +323,8 @@ class Optimizer:
                     matchmaking_lead_s=float(rep.matchmaking_lead_s),
                     tagged_along=bool(rep.tagged_along),
                     state_started=bool(rep.state_started),
-                    state_pending=bool(rep.state_pending))
+                    state_pending=bool(rep.state_pending),
+                    held_ahead=bool(rep.held_ahead))
 
     # ---- the optimizer ----
 
@@ -369,7 +370,8 @@ class Optimizer:
         epoch, global_epoch, samples, swarm_samples, group_size, error,
         scheduled and matchmaking_lead_s: the round was matched that long
         before the epoch's end, tagged_along: behind the swarm, this
-        trainer took part in its scheduled round with weight 0).
+        trainer took part in its scheduled round with weight 0,
+        held_ahead: past the swarm's epoch, the epoch's end waits for it).
         A failed round is not an exception: it is logged as a warning and
         the step uses this trainer's gradients."""
         import torch
