@@ -532,7 +532,11 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * own samples alone reach the target). An epoch ends when
  * the samples the swarm reports at this epoch (never extrapolated, so
  * never before they are in) reach target_batch_size, or when the global
- * epoch has moved past ours. Then the accumulated mean gradient is
+ * epoch has moved past ours; but while our epoch is past the global one
+ * (which moves once more than half of the trainer origins reach an epoch),
+ * the end waits, accumulating, until the swarm reaches our epoch or for
+ * averaging_timeout_s at most (report.held_ahead), so that a leader does
+ * not run off where no one averages with it. Then the accumulated mean gradient is
  * averaged with the peers of the same epoch under "RUN.grad.EPOCH", each
  * weighted by the samples it accumulated; if no group forms or the round
  * fails (no group within matchmaking_time_s, an all-reduce past
