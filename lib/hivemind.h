@@ -533,9 +533,11 @@ int hmc_progress_get(hmc *h, const char *run, uint64_t target_batch_size, hmc_pr
  * the samples the swarm reports at this epoch (never extrapolated, so
  * never before they are in) reach target_batch_size, or when the global
  * epoch has moved past ours; but while our epoch is past the global one
- * (which moves once more than half of the trainer origins reach an epoch),
+ * (which moves once ProgressEpochOrigins trainer origins, and with
+ * ProgressEpochMajority more than half of them, reach an epoch),
  * the end waits, accumulating, until the swarm reaches our epoch or for
- * averaging_timeout_s at most (report.held_ahead), so that a leader does
+ * averaging_timeout_s at most (report.held_ahead; after a hold timed out,
+ * none again until the swarm reaches our epoch), so that a leader does
  * not run off where no one averages with it. Then the accumulated mean gradient is
  * averaged with the peers of the same epoch under "RUN.grad.EPOCH", each
  * weighted by the samples it accumulated; if no group forms or the round

@@ -62,6 +62,7 @@ struct hmc_opt {
     size_t others; /* other trainers in the run, as last read */
     double sps, last_step_s, opened_s;
     double ahead_since_s; /* since when our epoch's end waits for the swarm (0: it does not) */
+    int ahead_gave_up;    /* a hold timed out: none again until the swarm reaches our epoch */
     double eta_s;  /* the swarm's estimate of the time to our epoch's end, < 0 unknown */
     /* -- scheduled rounds -- */
     hmc_round *sched;       /* this epoch's gradient round, matched ahead and held (on buf) */
@@ -357,17 +358,26 @@ static int read_swarm(hmc_opt *o, uint64_t *swarm_out)
  * accumulating, and the end comes when the swarm reaches our epoch (its
  * samples then count with ours), or after averaging_timeout_s, so that
  * trainers that are stopped or dead, but still on record, hold us up no
- * longer than a round that fails would.
+ * longer than a round that fails would. After a hold timed out we do not
+ * hold again until the swarm has reached our epoch: a global epoch kept
+ * low for good (a hung trainer whose record stays fresh, as many hostile
+ * origins as honest ones) costs one timeout, not one per epoch.
  */
 static int held_ahead(hmc_opt *o, double now)
 {
     if (o->epoch <= o->global_epoch || o->others == 0) {
         o->ahead_since_s = 0;
+        o->ahead_gave_up = 0;
         return 0;
     }
+    if (o->ahead_gave_up)
+        return 0;
     if (o->ahead_since_s == 0)
         o->ahead_since_s = now;
-    return now - o->ahead_since_s < o->opts.averaging_timeout_s;
+    if (now - o->ahead_since_s < o->opts.averaging_timeout_s)
+        return 1;
+    o->ahead_gave_up = 1;
+    return 0;
 }
 
 /* The gradient round's options for our epoch; prefix holds its name. */

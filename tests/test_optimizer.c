@@ -1075,6 +1075,8 @@ typedef struct runner {
     struct node *node;
     int id;
     int stop_epoch;          /* step until our local epoch reaches it */
+    int pause_epoch;         /* at this epoch wait for go (0: never) */
+    atomic_int go;
     int err;
     char msg[512];
     atomic_int epoch;        /* the local epoch, as it goes */
@@ -1117,6 +1119,10 @@ static void *run_epochs(void *arg)
     while ((int)hmc_opt_local_epoch(o) < r->stop_epoch && hm_test_now_ms() < deadline) {
         hmc_opt_report rep;
         int before = (int)hmc_opt_local_epoch(o);
+        if (r->pause_epoch > 0 && before == r->pause_epoch && !atomic_load(&r->go)) {
+            usleep(20000);
+            continue;
+        }
         if ((r->err = hmc_opt_step(o, g, 0, params[r->id], &rep)) != 0) {
             snprintf(r->msg, sizeof(r->msg), "step: %s", hmc_last_error(h));
             break;
@@ -1150,23 +1156,26 @@ Test(optimizer, a_trainer_ahead_of_the_swarm_waits_for_it)
 {
     struct node nodes[2];
     start_swarm(nodes, 2);
-    runner a = {.node = &nodes[0], .id = 0, .stop_epoch = 2};
+    runner a = {.node = &nodes[0], .id = 0, .stop_epoch = 4, .pause_epoch = 2};
     pthread_t ta, tb;
-    /* Alone, A ends epochs 0 and 1 on its own samples. */
+    /* Alone, A ends epochs 0 and 1 on its own samples, then pauses at 2. */
     cr_assert_eq(pthread_create(&ta, NULL, run_epochs, &a), 0);
-    pthread_join(ta, NULL);
-    cr_assert_eq(a.err, 0, "%s", a.msg);
-    /* Then B joins at epoch 0 and A goes on: A is two epochs ahead. */
+    long deadline = hm_test_now_ms() + 30000;
+    while (atomic_load(&a.epoch) < 2 && hm_test_now_ms() < deadline)
+        usleep(20000);
+    cr_assert_eq(atomic_load(&a.epoch), 2, "A alone reached epoch %d (%s)",
+                 atomic_load(&a.epoch), a.msg);
+    /* Then B joins at epoch 0 and A goes on, two epochs ahead. */
     runner b = {.node = &nodes[1], .id = 1, .stop_epoch = 4, .other_epoch = &a.epoch};
-    a.stop_epoch = 4;
     a.other_epoch = &b.epoch;
-    atomic_store(&a.epoch, 2);
     cr_assert_eq(pthread_create(&tb, NULL, run_epochs, &b), 0);
-    usleep(500000); /* B's first report is out */
-    cr_assert_eq(pthread_create(&ta, NULL, run_epochs, &a), 0);
+    usleep(1500000); /* B's first report is out and read */
+    atomic_store(&a.go, 1);
     pthread_join(ta, NULL);
     pthread_join(tb, NULL);
-    cr_assert_eq(a.err, 0, "%s", a.msg);
+    cr_assert_eq(a.err, 0, "%s (held %d; B at %d: %s, last end global %llu group %d)", a.msg,
+                 a.held, atomic_load(&b.epoch), b.msg,
+                 (unsigned long long)b.last_end.global_epoch, b.last_end.group_size);
     cr_assert_eq(b.err, 0, "%s", b.msg);
     cr_assert_gt(a.held, 0, "the leader never held its epoch's end");
     cr_assert_eq(a.ends_ahead, 0, "the leader ended %d epochs past the other trainer's",

@@ -545,28 +545,28 @@ Test(progress_agg, a_dead_trainers_record_stops_voting_once_stale)
     hm_progress_agg agg;
     hm_progress_peer p[4];
     int used[4];
-    /* Two live trainers at 9 (reported just now); two dead ones at 4, 16 s ago, at 100/s. */
+    /* Two live trainers at 9 (reported just now); two dead ones at 4, 21 s ago, at 100/s. */
     p[0] = rec(1, 9, 10, 100, 0);
     p[1] = rec(2, 9, 10, 100, 0);
     p[2] = rec(3, 4, 10, 100, 0);
     p[3] = rec(4, 4, 10, 100, 0);
-    p[0].r.time = p[1].r.time = 1016;
-    hm_progress_aggregate(p, 4, 1016, 0, &rules, &agg, used);
+    p[0].r.time = p[1].r.time = 1021;
+    hm_progress_aggregate(p, 4, 1021, 0, &rules, &agg, used);
     cr_assert_eq(agg.global_epoch, 4, "without a target nothing is stale");
-    hm_progress_aggregate(p, 4, 1016, 400, &rules, &agg, used);
+    hm_progress_aggregate(p, 4, 1021, 400, &rules, &agg, used);
     cr_assert_eq(agg.global_epoch, 9);
     cr_assert_eq(agg.stale, 2);
     cr_assert(used[0] && used[1] && !used[2] && !used[3]);
     cr_assert_float_eq(agg.sps, 200, 1e-9, "a stale record's throughput counted");
     /* Not yet stale: younger than HM_PROGRESS_STALE_S, or its throughput
      * would not have reached twice the target in that time. */
-    hm_progress_aggregate(p, 4, 1014, 400, &rules, &agg, NULL);
+    hm_progress_aggregate(p, 4, 1019, 400, &rules, &agg, NULL);
     cr_assert_eq(agg.global_epoch, 4);
-    hm_progress_aggregate(p, 4, 1016, 1000, &rules, &agg, NULL);
+    hm_progress_aggregate(p, 4, 1021, 1100, &rules, &agg, NULL);
     cr_assert_eq(agg.global_epoch, 4);
     /* Nor one the reader knows is alive (its own trainer). */
     p[2].live = p[3].live = 1;
-    hm_progress_aggregate(p, 4, 1016, 400, &rules, &agg, NULL);
+    hm_progress_aggregate(p, 4, 1021, 400, &rules, &agg, NULL);
     cr_assert_eq(agg.global_epoch, 4);
     cr_assert_eq(agg.stale, 0);
 }

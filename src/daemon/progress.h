@@ -61,7 +61,12 @@
  * publishes a new epoch long before, and a live one's daemon refreshes its
  * record every few seconds (cmd_progress.c); what is left is a dead or
  * stopped trainer's last word, which would otherwise hold the majority
- * epoch down for the record's whole lifetime.
+ * epoch down for the record's whole lifetime. The age is the reader's
+ * clock minus the writer's, so the rule assumes clocks within a few
+ * seconds (NTP); a reader more than about 10 s ahead takes fast live
+ * trainers for stale. And it only applies where one trainer's
+ * throughput covers twice the target within the record's lifetime; in a
+ * slow swarm a dead record votes until it expires.
  */
 #ifndef HM_DAEMON_PROGRESS_H
 #define HM_DAEMON_PROGRESS_H
@@ -87,7 +92,7 @@
 /* A record lives at most this long (seconds), which also bounds its extrapolation. */
 #define HM_PROGRESS_TTL_MAX 60.0
 /* A record this old (seconds) may be stale (above). */
-#define HM_PROGRESS_STALE_S 15.0
+#define HM_PROGRESS_STALE_S 20.0
 /* How far in the reader's future a record's time may be. */
 #define HM_PROGRESS_SKEW_S 30.0
 
