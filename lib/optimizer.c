@@ -853,7 +853,6 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         memset(hmc_buf_data(o->buf), 0, o->n * sizeof(float));
         o->samples = 0;
         o->others_samples = 0;
-        o->ahead_since_s = 0;
         o->epoch = o->global_epoch;
         rep.caught_up = 1;
         if (o->opts.share_state)
@@ -891,7 +890,6 @@ int hmc_opt_step(hmc_opt *o, const float *grads, uint64_t batch_size, float *par
         o->sched_tried = 0;
         o->samples = 0;
         o->others_samples = 0;
-        o->ahead_since_s = 0;
         o->epoch = o->global_epoch > o->epoch + 1 ? o->global_epoch : o->epoch + 1;
         rep.epoch_ended = 1;
         if (o->opts.average_state_every > 0 && o->epoch % o->opts.average_state_every == 0 &&

@@ -590,15 +590,13 @@ static void answer(hm_cmd_progress *p, cache_entry *e, hm_control_req *req, uint
         if ((x = peer_json(&all[i])) == NULL || json_array_append_new(list, x) != 0)
             goto fail;
     }
-    o = json_pack("{s:s, s:I, s:I, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "run",
-                  e->run,
-                  "global_epoch", (json_int_t)agg.global_epoch, "samples",
+    o = json_pack("{s:s, s:I, s:I, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}",
+                  "run", e->run, "global_epoch", (json_int_t)agg.global_epoch, "samples",
                   (json_int_t)floor(agg.samples), "samples_per_second", agg.sps, "n_peers",
                   (json_int_t)agg.n_peers, "n_clients", (json_int_t)agg.n_clients, "n_origins",
                   (json_int_t)agg.n_origins, "ignored", (json_int_t)agg.ignored, "unverified",
                   (json_int_t)agg.unverified, "stale", (json_int_t)agg.stale, "held_back",
-                  (json_int_t)agg.held_back,
-                  "clamped", (json_int_t)agg.clamped, "peers", list);
+                  (json_int_t)agg.held_back, "clamped", (json_int_t)agg.clamped, "peers", list);
     list = NULL;
     if (o == NULL)
         goto fail;

@@ -215,7 +215,7 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
     uint64_t votes[HM_PROGRESS_MAX_READ];
     double vals[HM_PROGRESS_MAX_READ];
     size_t n_orgs = 0, trainers = 0, clients = 0, ignored = 0, unverified = 0, n_stale = 0;
-    int skip[HM_PROGRESS_MAX_READ];
+    int counted[HM_PROGRESS_MAX_READ];
     size_t held = 0, clamped = 0, nv = 0;
     unsigned quorum = rules != NULL && rules->epoch_origins > 0 ? rules->epoch_origins : 1;
     unsigned factor = rules != NULL ? rules->origin_factor : 0;
@@ -227,11 +227,12 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
         const hm_progress_peer *x = &peers[i];
         if (used_out != NULL)
             used_out[i] = 0;
+        if (i < HM_PROGRESS_MAX_READ)
+            counted[i] = 0;
         if (i >= HM_PROGRESS_MAX_READ || !usable(&x->r, now)) {
             ignored++;
             continue;
         }
-        skip[i] = 1;
         if (!x->verified) {
             unverified++;
             continue;
@@ -240,7 +241,7 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
             n_stale++;
             continue;
         }
-        skip[i] = 0;
+        counted[i] = 1;
         if (used_out != NULL)
             used_out[i] = 1;
         size_t o = 0;
@@ -278,7 +279,7 @@ void hm_progress_aggregate(const hm_progress_peer *peers, size_t n, double now, 
     }
     for (size_t i = 0; i < n && i < HM_PROGRESS_MAX_READ; i++) {
         const hm_progress_rec *r = &peers[i].r;
-        if (!usable(r, now) || skip[i] || r->epoch != global)
+        if (!counted[i] || r->epoch != global)
             continue;
         orgs[org_of[i]].samples += (double)r->samples + r->sps * hm_progress_elapsed(r, now);
         orgs[org_of[i]].at_global = 1;
