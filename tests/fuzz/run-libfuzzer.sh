@@ -10,8 +10,9 @@
 # in BUILDDIR/tests/fuzz/libfuzzer/ and crash inputs are left there, their
 # paths printed. SECONDS defaults to 60 per target. The source tree is found
 # from this script's location and is never written to. Targets run one
-# after another, each in one process. Environment: CC (default clang),
-# HM_FUZZ_TARGETS (default: every target).
+# after another in HM_FUZZ_JOBS lanes side by side (default: the number of
+# cores), each in one process. Environment: CC (default clang),
+# HM_FUZZ_TARGETS (default: every target), HM_FUZZ_JOBS.
 
 set -u
 
@@ -28,6 +29,10 @@ case $seconds in
 esac
 srcdir=$(cd "$(dirname "$0")/../.." && pwd)
 cc=${CC:-clang}
+jobs=${HM_FUZZ_JOBS:-$(nproc)}
+case $jobs in
+    '' | *[!0-9]* | 0) echo "$0: HM_FUZZ_JOBS must be a positive number" >&2; exit 64 ;;
+esac
 
 if [ ! -f "$builddir/config.h" ]; then
     echo "$0: $builddir has no config.h; run configure there first" >&2
@@ -59,13 +64,13 @@ scratch=$(mktemp -d "${TMPDIR:-/tmp}/hm-libfuzzer.XXXXXX") || exit 1
 trap 'rm -rf "$scratch"' EXIT
 trap 'exit 130' INT TERM
 
-failed=0
-passed=0
-for t in $targets; do
+# one TARGET: build and run one target; prints its report and ends with a
+# PASS: or FAIL: line.
+one() {
+    t=$1
     if ! mods=$(sources_for "$t"); then
         echo "FAIL: $t: unknown fuzz target"
-        failed=$((failed + 1))
-        continue
+        return
     fi
     srcs="$srcdir/tests/fuzz/$t.c"
     for m in $mods; do
@@ -77,10 +82,9 @@ for t in $targets; do
     if ! "$cc" -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
         -fno-sanitize-recover=undefined -fno-omit-frame-pointer \
         -I "$builddir" -I "$srcdir" $dep_cflags \
-        -o "$bin" $srcs $dep_libs -lm; then
+        -o "$bin" $srcs $dep_libs -lm 2>&1; then
         echo "FAIL: $t: build failed"
-        failed=$((failed + 1))
-        continue
+        return
     fi
 
     # libFuzzer adds what it finds to the corpus directory, so it gets a copy.
@@ -97,19 +101,46 @@ for t in $targets; do
         -artifact_prefix="$outdir/$t-artifacts/" "$work/corpus" >"$work/log" 2>&1); then
         tail -n 3 "$work/log"
         echo "PASS: $t"
-        passed=$((passed + 1))
     else
         tail -n 60 "$work/log"
         found=0
         for a in "$outdir/$t-artifacts"/*; do
             [ -f "$a" ] || continue
-            echo "FAIL: $t: crashing input saved as $a"
+            echo "      crashing input saved as $a"
             echo "      reproduce: $bin $a"
             found=1
         done
-        [ $found -eq 1 ] || echo "FAIL: $t: libFuzzer failed without leaving an input"
-        failed=$((failed + 1))
+        [ $found -eq 1 ] || echo "      libFuzzer failed without leaving an input"
+        echo "FAIL: $t"
     fi
+}
+
+# The targets are dealt round-robin into JOBS lanes that run side by side,
+# each target after the one before it in its lane; every target still gets
+# its full SECONDS on one core.
+i=0
+for t in $targets; do
+    lane=$((i % jobs))
+    echo "$t" >>"$scratch/lane$lane"
+    i=$((i + 1))
+done
+lane=0
+while [ $lane -lt $jobs ]; do
+    if [ -f "$scratch/lane$lane" ]; then
+        (while read -r t; do one "$t" >"$scratch/$t.out" 2>&1; done <"$scratch/lane$lane") &
+    fi
+    lane=$((lane + 1))
+done
+wait
+
+failed=0
+passed=0
+for t in $targets; do
+    cat "$scratch/$t.out"
+    case $(tail -n 1 "$scratch/$t.out") in
+        "PASS: $t") passed=$((passed + 1)) ;;
+        *) failed=$((failed + 1)) ;;
+    esac
 done
 
 echo "libfuzzer: $passed passed, $failed failed"
