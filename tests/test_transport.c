@@ -1817,6 +1817,77 @@ Test(transport, sends_stay_off_a_silent_second_connection)
     node_stop(&b);
 }
 
+/*
+ * b holds two connections under a's key: a's own dial, and a second one
+ * that has sent a chunk (so b sends on it, as the newest in use) but reads
+ * nothing, through a 4 KiB receive buffer. b's four 4 MiB calls to a queue
+ * there, interleaved, none cut whole (the kernel's buffers take a few MiB). That connection then closes: its
+ * queue goes out on a's dial, and every call is answered well inside its
+ * deadline. Without the handover the four are lost unseen (a is still
+ * connected, so nothing fails them) and each waits out its 10 s.
+ */
+Test(transport, a_closed_duplicates_queue_goes_out_on_the_other_connection)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    result e = {0};
+    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &e), 0);
+    cr_assert(run_until(&e.count, 1, 3000));
+    cr_assert_eq(e.status, 0);
+
+    hm_transport_stats b0 = stats_of(&b);
+    hm_raw raw;
+    cr_assert_eq(hm_raw_connect_as(&raw, &a.id, "127.0.0.1", sa(&b), b.id.pk, swarm, 4096,
+                                   spin_loop, NULL),
+                 0);
+    cr_assert(RUN_UNTIL_STATS(&b, s_.inbound_handshakes_ok == b0.inbound_handshakes_ok + 1, 3000),
+              "b completed the second handshake under a's key");
+    /* A first chunk of a message never finished: b now takes it for in use. */
+    cr_assert_eq(hm_raw_chunk(&raw, 1, 1, 64, "y", 1), 0);
+    run_for(200);
+
+    enum { N = 4 };
+    size_t len = 4u << 20;
+    uint8_t *body = malloc(len);
+    for (size_t i = 0; i < len; i++)
+        body[i] = (uint8_t)(i * 7 + 3);
+    result r[N] = {{0}};
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(call(&b, &a, "echo", body, len, HM_RPC_STREAM, 10000, &r[i]), 0);
+    run_for(300);
+    hm_transport_stats b1 = stats_of(&b);
+    cr_assert_gt(b1.queued_bytes, 2 * len,
+                 "the calls wait in b's queue for the silent reader (%zu bytes queued)", b1.queued_bytes);
+    int answered = 0;
+    for (int i = 0; i < N; i++)
+        answered += r[i].count;
+    cr_assert_eq(answered, 0, "no call was answered through the silent connection");
+
+    hm_raw_close(&raw);
+    uint64_t closed = hm_now_ms();
+    while (answered < N && hm_now_ms() < closed + 5000) {
+        run_for(10);
+        answered = 0;
+        for (int i = 0; i < N; i++)
+            answered += r[i].count;
+    }
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(r[i].count, 1, "call %d answered within 5 s of the close", i);
+        cr_assert_eq(r[i].status, 0, "call %d: %s", i, hm_strerror(r[i].status));
+        cr_assert_eq(r[i].len, len);
+        cr_assert(memcmp(r[i].body, body, len) == 0, "call %d came back whole", i);
+        result_free(&r[i]);
+    }
+    hm_transport_stats b2 = stats_of(&b);
+    cr_assert_geq(b2.handed_over, N, "b moved the queued calls");
+    cr_assert_eq(b2.handover_dropped, 0);
+    free(body);
+    result_free(&e);
+    node_stop(&a);
+    node_stop(&b);
+}
+
 /* ---- refusal notices: a refused reply or message is not silent ---- */
 
 /*

@@ -993,6 +993,94 @@ static void conn_close(conn *c, const char *why)
     uv_close((uv_handle_t *)&c->tcp, conn_closed_cb);
 }
 
+/*
+ * Whether len more bytes may be queued on c without shedding anyone: its
+ * own cap, its origin's share and the total, as wq_admit counts them.
+ */
+static int wq_fits(conn *c, size_t len)
+{
+    hm_transport *t = c->t;
+    uint64_t mine = origin_val(t, conn_origin(c), V_WQ);
+    size_t share = t->cfg.wq_origin_bytes + (len <= HM_TRANSPORT_CHUNK ? WQ_SMALL_SLACK : 0);
+    if (c->unsent + c->inflight + len > t->cfg.max_queued_bytes)
+        return 0;
+    if (mine > 0 ? mine + len > share
+                 : hm_origin_tab_count(&t->mem_origins) >= t->mem_origins.max_origins)
+        return 0;
+    return t->wq_total + len <= t->cfg.wq_max_bytes;
+}
+
+/* Appends m, whose cutting starts over, to c's queue at priority p. */
+static void queue_moved(conn *c, omsg *m, int p)
+{
+    m->id = c->next_id++;
+    m->off = 0;
+    if (c->unsent + c->inflight == 0)
+        c->last_progress_ms = hm_now_ms();
+    c->unsent += m->len;
+    wq_sync(c);
+    if (m->len > HM_TRANSPORT_CHUNK && c->act_multi[p] >= WR_ACTIVE_MULTI) {
+        STAILQ_INSERT_TAIL(&c->pend[p], m, link);
+    } else {
+        if (m->len > HM_TRANSPORT_CHUNK)
+            c->act_multi[p]++;
+        STAILQ_INSERT_TAIL(&c->act[p], m, link);
+    }
+}
+
+/*
+ * Closes c, handing what it had queued to another live connection to the
+ * same peer, if there is one. That is the close of a duplicate: the peer
+ * closed this connection but keeps another (its own MaxConnectionsPerPeer
+ * replaced the older one, or it was a dial-back probe's), or we replaced or
+ * evicted it. The layer above hears of no loss in that case (the peer is
+ * still connected), so without the handover whatever was queued here would
+ * vanish and each call in it would wait out its whole deadline.
+ *
+ * A queued message has not had its last chunk sealed, so the peer has not
+ * received it whole and never will on this connection: it starts over on
+ * the other one, and is never delivered twice. What was already handed to
+ * the socket whole is not recoverable here; such a message is lost as any
+ * message on a dying connection is. A message that does not fit the other
+ * connection's queue (its cap, its origin's share, the total) is dropped,
+ * counted. Closes for a slow or hostile peer (write stall, draining too
+ * slowly, a full total, bad records) use conn_close and free the queue:
+ * there the point is to stop holding its bytes.
+ */
+static void conn_close_handover(conn *c, const char *why)
+{
+    hm_transport *t = c->t;
+    if (c->state == CONN_CLOSING)
+        return;
+    conn *s = NULL;
+    if (c->state == CONN_OPEN && c->unsent > 0 && !t->closing) {
+        hash_remove(c); /* so that conn_find looks past it */
+        s = conn_find(t, c->pk);
+    }
+    for (int p = 0; s != NULL && p < 2; p++) {
+        struct omsg_queue *lists[2] = {&c->act[p], &c->pend[p]};
+        for (int l = 0; l < 2; l++) {
+            omsg *m;
+            while ((m = STAILQ_FIRST(lists[l])) != NULL) {
+                STAILQ_REMOVE_HEAD(lists[l], link);
+                c->unsent -= m->len - m->off;
+                wq_sync(c);
+                if (wq_fits(s, m->len)) {
+                    queue_moved(s, m, p);
+                    t->stats.handed_over++;
+                } else {
+                    pool_put(t, m, m->cap);
+                    t->stats.handover_dropped++;
+                }
+            }
+        }
+        c->act_multi[p] = 0;
+    }
+    conn_close(c, why);
+    if (s != NULL)
+        conn_pump(s);
+}
+
 /* -------------------------------------------------------------- admission */
 
 /*
@@ -1098,7 +1186,7 @@ static void conn_evict(conn *v, const char *why)
 {
     v->t->stats.evicted++;
     hm_debug(MOD, "evicting conn #%llu: %s", (unsigned long long)v->seq, why);
-    conn_close(v, why);
+    conn_close_handover(v, why);
 }
 
 /*
@@ -1189,7 +1277,7 @@ static void limit_per_peer(conn *c)
     if (n <= t->cfg.max_conns_per_peer || oldest == NULL)
         return;
     t->stats.refused_per_peer++;
-    conn_close(oldest, "replaced by a newer connection of the same peer");
+    conn_close_handover(oldest, "replaced by a newer connection of the same peer");
 }
 
 /* Whether a datagram whose sender key is not cached yet may cost its X25519. */
@@ -1252,7 +1340,7 @@ static void write_cb(uv_write_t *req, int status)
     if (status < 0) {
         free(w);
         if (c->state != CONN_CLOSING)
-            conn_close(c, uv_strerror(status));
+            conn_close_handover(c, uv_strerror(status));
         return;
     }
     t->stats.bytes_out += w->len;
@@ -1829,7 +1917,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (c->state == CONN_CLOSING)
         return;
     if (nread < 0) {
-        conn_close(c, nread == UV_EOF ? "peer closed" : uv_strerror((int)nread));
+        conn_close_handover(c, nread == UV_EOF ? "peer closed" : uv_strerror((int)nread));
         return;
     }
     if (nread == 0)

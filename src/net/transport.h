@@ -183,6 +183,8 @@ typedef struct hm_transport_stats {
     uint64_t wq_shed;             /* connections closed to make room for a lighter origin */
     uint64_t wq_refused_origin;   /* sends refused over the origin's share: WriteQueueOriginMiB */
     uint64_t write_too_slow;      /* connections closed for draining under write_min_rate */
+    uint64_t handed_over;      /* queued messages moved to the peer's other connection */
+    uint64_t handover_dropped; /* ... and dropped there: that queue was full */
     /* ---- connections by state, now (the status page's metrics) ---- */
     size_t conns_handshake, conns_open, conns_closing;
     uint64_t notices_refused;     /* refusal notices not queued: RefusalNoticeOriginKiB */

@@ -1223,6 +1223,12 @@ char *hm_node_metrics(hm_node *n)
                "Peers of the heaviest origin evicted from a full table for a newcomer.",
                n->evicted);
     metric_u64(&b, "hivemindd_connections", "gauge", "Open stream connections.", st.connections);
+    metric_u64(&b, "hivemindd_messages_handed_over_total", "counter",
+               "Queued messages moved to the peer's other connection when one closed.",
+               st.handed_over);
+    metric_u64(&b, "hivemindd_messages_handover_dropped_total", "counter",
+               "Queued messages of a closed connection that the other one had no room for.",
+               st.handover_dropped);
     metric_u64(&b, "hivemindd_queued_bytes", "gauge", "Bytes queued for sending, all peers.",
                st.queued_bytes);
     metric_u64(&b, "hivemindd_received_bytes_total", "counter",
