@@ -32,6 +32,18 @@
  *      A get that meets a dead contact waits one request timeout for it,
  *      which is what this phase measures.
  *
+ *   3. (--only round) The DHT while the node averages: --round-peers
+ *      hivemindd processes average --round-mb MiB of float32 through
+ *      `hivemindctl average`, --runs rounds with 3 s idle before each,
+ *      while an in-process probe sends the first of them a DHT GET every
+ *      10 ms (at most 8 in flight) and times each reply. Reported: the
+ *      p50/p99/max reply time and the losses of the GETs sent while no
+ *      round ran and of those sent while one ran (matchmaking and
+ *      all-reduce), and each round's all-reduce time. A node whose loop
+ *      thread is busy reducing and coding chunks answers late; this is that
+ *      figure. --daemon-arg ARG (repeatable) passes more options to every
+ *      daemon, to compare settings.
+ *
  * Every child gets PR_SET_PDEATHSIG and is killed on exit, on failure and
  * on SIGINT/SIGTERM; the temp directories are removed. This prints
  * figures; it is not a test and asserts nothing.
@@ -72,6 +84,7 @@
 #define LOST_AFTER_US 1000000u
 #define MAX_WORKERS 16
 #define SWARM_NAME "bench-dht"
+#define MAX_DAEMON_ARGS 8
 
 typedef struct options {
     int runs;
@@ -86,6 +99,10 @@ typedef struct options {
     const char *ctl;
     int churn; /* percent of the daemons SIGKILLed before the churn gets; 0: none */
     int skip_serve, skip_latency;
+    int round; /* --only round */
+    int round_peers, round_mb;
+    const char *daemon_args[MAX_DAEMON_ARGS];
+    int n_daemon_args;
 } options;
 
 static void sleep_ms(long ms)
@@ -188,7 +205,7 @@ static void daemon_start(daemon_proc *d, const options *o, const char *name, int
                          const char *const *extra)
 {
     char err_path[192];
-    char *argv[24];
+    char *argv[32];
     int argc = 0;
 
     memset(d, 0, sizeof(*d));
@@ -211,6 +228,8 @@ static void daemon_start(daemon_proc *d, const options *o, const char *name, int
     argv[argc++] = "warn";
     for (size_t i = 0; extra != NULL && extra[i] != NULL && argc < 22; i++)
         argv[argc++] = (char *)extra[i];
+    for (int i = 0; i < o->n_daemon_args && argc < 31; i++)
+        argv[argc++] = (char *)o->daemon_args[i];
     argv[argc] = NULL;
 
     pid_t parent = getpid();
@@ -1203,6 +1222,314 @@ static void bench_latency(const options *o)
     free(vals);
 }
 
+/* ------------------------------------------------------------ during a round */
+
+#define PROBE_WINDOW 8
+#define PROBE_EVERY_US 10000u
+#define PROBE_MAX_SAMPLES 200000u
+
+typedef struct probe {
+    hm_rpc *rpc;
+    hm_identity id;
+    uint8_t server_pk[HM_PK_BYTES];
+    struct sockaddr_storage server;
+    hm_dht_msg *msg;
+    uint8_t token[HM_DHT_TOKEN_MAX];
+    size_t token_len;
+    uint32_t next_tid;
+    uint64_t next_us;
+    struct {
+        uint32_t tid;
+        uint64_t sent_us; /* 0: free */
+        int busy;         /* sent while a round ran */
+    } slots[PROBE_WINDOW];
+    int busy; /* a round runs now */
+    double *ms[2];
+    size_t n[2];
+    uint64_t lost[2];
+} probe;
+
+static void probe_send(probe *p, int type, uint64_t now_us)
+{
+    hm_dht_msg *m = p->msg;
+    uint8_t buf[HM_DHT_PROTO_MAX_SIZE];
+    size_t len;
+    int free_slot = -1;
+    if (type == HM_DHT_MSG_GET) {
+        for (int i = 0; i < PROBE_WINDOW && free_slot < 0; i++)
+            if (p->slots[i].sent_us == 0)
+                free_slot = i;
+        if (free_slot < 0)
+            return;
+    }
+    memset(m, 0, sizeof(*m));
+    m->type = type;
+    m->tid = ++p->next_tid;
+    m->flags = HM_DHT_FLAG_CLIENT;
+    m->token = p->token_len > 0 ? p->token : NULL;
+    m->token_len = p->token_len;
+    if (type == HM_DHT_MSG_GET)
+        randombytes_buf(m->target, sizeof(m->target));
+    /* The PING that fetches a token is padded to leave room for the PONG. */
+    if (hm_dht_msg_encode(m, p->token_len > 0 ? 0 : 96, buf, sizeof(buf), &len) < 0 ||
+        hm_rpc_send_oneway(p->rpc, p->server_pk, (const struct sockaddr *)&p->server,
+                           HM_RPC_CHANNEL_DHT, buf, len) < 0)
+        return;
+    if (free_slot >= 0) {
+        p->slots[free_slot].tid = m->tid;
+        p->slots[free_slot].sent_us = now_us;
+        p->slots[free_slot].busy = p->busy;
+    }
+}
+
+static void on_probe_dgram(void *ud, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
+                           const uint8_t *body, size_t len)
+{
+    probe *p = ud;
+    int type;
+    uint32_t tid;
+    HM_UNUSED(from);
+    if (memcmp(pk, p->server_pk, HM_PK_BYTES) != 0 || peek_head(body, len, &type, &tid) < 0)
+        return;
+    if (type == HM_DHT_MSG_PONG) {
+        if (p->token_len == 0 && hm_dht_msg_decode(body, len, p->msg) == 0 &&
+            p->msg->token != NULL && p->msg->token_len <= sizeof(p->token)) {
+            memcpy(p->token, p->msg->token, p->msg->token_len);
+            p->token_len = p->msg->token_len;
+        }
+        return;
+    }
+    uint64_t now = hm_now_us();
+    for (int i = 0; i < PROBE_WINDOW; i++) {
+        if (p->slots[i].sent_us != 0 && p->slots[i].tid == tid) {
+            int b = p->slots[i].busy;
+            if (p->n[b] < PROBE_MAX_SAMPLES)
+                p->ms[b][p->n[b]++] = (double)(now - p->slots[i].sent_us) / 1000.0;
+            p->slots[i].sent_us = 0;
+            return;
+        }
+    }
+}
+
+/* Every millisecond: expire lost GETs, send the next one when due. */
+static void on_probe_tick(uv_timer_t *t)
+{
+    probe *p = t->data;
+    uint64_t now = hm_now_us();
+    if (p->token_len == 0) {
+        if (now >= p->next_us) {
+            probe_send(p, HM_DHT_MSG_PING, now);
+            p->next_us = now + 300000;
+        }
+        return;
+    }
+    for (int i = 0; i < PROBE_WINDOW; i++) {
+        if (p->slots[i].sent_us != 0 && now - p->slots[i].sent_us > LOST_AFTER_US) {
+            p->lost[p->slots[i].busy]++;
+            p->slots[i].sent_us = 0;
+        }
+    }
+    if (now >= p->next_us) {
+        probe_send(p, HM_DHT_MSG_GET, now);
+        /* On schedule, without a burst after the bench's own loop stalled. */
+        p->next_us = HM_MAX(p->next_us + PROBE_EVERY_US, now);
+    }
+}
+
+static void print_probe(const char *what, double *v, size_t n, uint64_t lost)
+{
+    if (n == 0) {
+        printf("  %-20s no replies, %llu lost\n", what, (unsigned long long)lost);
+        return;
+    }
+    qsort(v, n, sizeof(*v), hm_bench_cmp_double);
+    printf("  %-20s p50 %8.2f ms  p99 %8.2f ms  max %8.2f ms  (%zu replies, %llu lost)\n", what,
+           hm_bench_percentile(v, n, 0.50), hm_bench_percentile(v, n, 0.99), v[n - 1], n,
+           (unsigned long long)lost);
+}
+
+/* Starts `hivemindctl average` at daemon d, its report to d->dir/round.json. */
+static pid_t start_average(const options *o, const daemon_proc *d, const char *key,
+                           const char *in)
+{
+    char out[256], report[256], group[16];
+    snprintf(out, sizeof(out), "%s/out.f32", d->dir);
+    snprintf(report, sizeof(report), "%s/round.json", d->dir);
+    snprintf(group, sizeof(group), "%d", o->round_peers);
+    pid_t parent = getpid();
+    pid_t pid = hm_bench_fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(127);
+        int fd = open(report, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd < 0)
+            _exit(127);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        unsetenv("HIVEMINDD_CONTROL_SOCKET");
+        execl(o->ctl, o->ctl, "-s", d->sock, "--json", "average", key, "--in", in, "--out", out,
+              "--target-group-size", group, "--min-group-size", group, "--matchmaking-time", "5",
+              "--timeout", "60", "--round-timeout", "120", (char *)NULL);
+        _exit(127);
+    }
+    hm_bench_child_add(pid);
+    return pid;
+}
+
+/* The all-reduce seconds in d's last round report, or -1. */
+static double round_seconds(const daemon_proc *d)
+{
+    char path[256];
+    snprintf(path, sizeof(path), "%s/round.json", d->dir);
+    json_error_t jerr;
+    json_t *j = json_load_file(path, 0, &jerr);
+    json_t *v = json_object_get(json_object_get(j, "result"), "allreduce_s");
+    double s = json_is_number(v) ? json_number_value(v) : -1;
+    json_decref(j);
+    return s;
+}
+
+static void bench_round(const options *o)
+{
+    int n = o->round_peers;
+    daemon_proc *nodes = calloc((size_t)n, sizeof(*nodes));
+    pid_t *pids = calloc((size_t)n, sizeof(*pids));
+    double *ar_s = calloc((size_t)o->runs, sizeof(double));
+    char name[16], in[256];
+    if (nodes == NULL || pids == NULL || ar_s == NULL)
+        hm_bench_die("round", -ENOMEM);
+    printf("\n== the DHT during an all-reduce: %d hivemindd processes average %d MiB, %d rounds; "
+           "a DHT GET to the first every %u ms ==\n",
+           n, o->round_mb, o->runs, PROBE_EVERY_US / 1000);
+    printf("daemon options:");
+    for (int i = 0; i < o->n_daemon_args; i++)
+        printf(" %s", o->daemon_args[i]);
+    printf("%s\n", o->n_daemon_args == 0 ? " (defaults)" : "");
+    fflush(stdout);
+
+    /* The tensor every peer averages. */
+    snprintf(in, sizeof(in), "%s/in.f32", hm_bench_tmpdir());
+    size_t elems = (size_t)o->round_mb << 18;
+    float *v = malloc(elems * sizeof(float));
+    FILE *f = fopen(in, "wb");
+    if (v == NULL || f == NULL)
+        hm_bench_dief("cannot write the tensor file");
+    hm_bench_fill(v, elems, 1);
+    int wrote = fwrite(v, sizeof(float), elems, f) == elems;
+    if (fclose(f) != 0 || !wrote)
+        hm_bench_dief("cannot write the tensor file");
+    free(v);
+
+    daemon_start(&nodes[0], o, "a0", -1, NULL);
+    for (int i = 1; i < n; i++) {
+        const char *extra[] = {"--initial-peers", nodes[0].addr, NULL};
+        snprintf(name, sizeof(name), "a%d", i);
+        daemon_start(&nodes[i], o, name, -1, extra);
+    }
+
+    uv_loop_t loop;
+    uv_timer_t tick;
+    uint8_t swarm[HM_SWARM_ID_BYTES];
+    probe p;
+    memset(&p, 0, sizeof(p));
+    p.msg = calloc(1, sizeof(*p.msg));
+    p.ms[0] = calloc(PROBE_MAX_SAMPLES, sizeof(double));
+    p.ms[1] = calloc(PROBE_MAX_SAMPLES, sizeof(double));
+    if (p.msg == NULL || p.ms[0] == NULL || p.ms[1] == NULL)
+        hm_bench_die("probe", -ENOMEM);
+    if (hm_peer_addr_parse(nodes[0].addr, p.server_pk, &p.server) < 0)
+        hm_bench_dief("cannot parse the first daemon's address");
+    hm_swarm_id(SWARM_NAME, NULL, 0, swarm);
+    uv_loop_init(&loop);
+    hm_identity_generate(&p.id);
+    hm_transport_config tc = {.listen = "127.0.0.1:0", .dgram_peers = 16};
+    int r = hm_rpc_new(&loop, &p.id, swarm, &tc, NULL, &p.rpc);
+    if (r < 0)
+        hm_bench_die("probe rpc", r);
+    hm_rpc_register_oneway(p.rpc, HM_RPC_CHANNEL_DHT, on_probe_dgram, &p);
+    uv_timer_init(&loop, &tick);
+    tick.data = &p;
+    uv_timer_start(&tick, on_probe_tick, 1, 1);
+
+    int stop = 0;
+    run_loop(&loop, 3000, &stop); /* the joins settle; the probe gets its token */
+    if (p.token_len == 0)
+        hm_bench_dief("the first daemon never answered the probe's PING");
+    p.n[0] = p.n[1] = 0;
+    p.lost[0] = p.lost[1] = 0;
+
+    int failed = 0;
+    for (int round = 0; round < o->runs; round++) {
+        run_loop(&loop, 3000, &stop); /* idle */
+        char key[32];
+        snprintf(key, sizeof(key), "probe.%d", round);
+        for (int i = 0; i < n; i++)
+            pids[i] = start_average(o, &nodes[i], key, in);
+        p.busy = 1;
+        int left = n, ok = 1;
+        uint64_t deadline = hm_now_ms() + 200000;
+        while (left > 0 && hm_now_ms() < deadline) {
+            run_loop(&loop, 5, &stop);
+            for (int i = 0; i < n; i++) {
+                int st;
+                if (pids[i] > 0 && waitpid(pids[i], &st, WNOHANG) == pids[i]) {
+                    hm_bench_child_forget(pids[i]);
+                    pids[i] = 0;
+                    left--;
+                    ok &= WIFEXITED(st) && WEXITSTATUS(st) == 0;
+                }
+            }
+        }
+        p.busy = 0;
+        if (left > 0)
+            hm_bench_dief("a round did not end within 200 s");
+        ar_s[round] = -1;
+        for (int i = 0; i < n; i++)
+            ar_s[round] = HM_MAX(ar_s[round], round_seconds(&nodes[i]));
+        if (!ok) {
+            failed++;
+            printf("round %d failed; the reports are in %s/a*/round.json\n", round,
+                   hm_bench_tmpdir());
+        }
+    }
+    run_loop(&loop, 1500, &stop); /* the last replies */
+
+    printf("all-reduce of the slowest member, per round (s):");
+    for (int i = 0; i < o->runs; i++)
+        printf(" %.3f", ar_s[i]);
+    printf("%s\n", failed > 0 ? "  (some rounds failed)" : "");
+    printf("DHT GET reply time at the first daemon:\n");
+    print_probe("no round running:", p.ms[0], p.n[0], p.lost[0]);
+    print_probe("during the rounds:", p.ms[1], p.n[1], p.lost[1]);
+    if (p.n[0] > 0 && p.n[1] > 0) {
+        double idle99 = hm_bench_percentile(p.ms[0], p.n[0], 0.99);
+        double busy99 = hm_bench_percentile(p.ms[1], p.n[1], 0.99);
+        printf("RESULT idle_p99_ms %.2f round_p99_ms %.2f round_max_ms %.2f round_lost %llu "
+               "failed_rounds %d\n",
+               idle99, busy99, p.ms[1][p.n[1] - 1], (unsigned long long)p.lost[1], failed);
+    }
+    fflush(stdout);
+
+    uv_timer_stop(&tick);
+    uv_close((uv_handle_t *)&tick, NULL);
+    int open_rpcs = 1;
+    hm_rpc_close(p.rpc, on_node_closed, &open_rpcs);
+    while (open_rpcs > 0)
+        uv_run(&loop, UV_RUN_ONCE);
+    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_loop_close(&loop);
+    for (int i = 0; i < n; i++)
+        daemon_stop(&nodes[i]);
+    hm_identity_wipe(&p.id);
+    free(p.msg);
+    free(p.ms[0]);
+    free(p.ms[1]);
+    free(ar_s);
+    free(pids);
+    free(nodes);
+}
+
 /* ------------------------------------------------------------ main */
 
 static void usage(void)
@@ -1210,11 +1537,15 @@ static void usage(void)
     fprintf(stderr,
             "usage: bench_dht [--runs R] [--seconds S] [--nodes N] [--ops P]\n"
             "                 [--clients C] [--window W] [--helpers H] [--workers K]\n"
-            "                 [--daemon PATH] [--ctl PATH] [--only serve|latency] [--churn PCT]\n"
+            "                 [--daemon PATH] [--ctl PATH] [--only serve|latency|round]\n"
+            "                 [--churn PCT] [--round-peers N] [--round-mb M] [--daemon-arg ARG]\n"
             "  defaults: --runs 5 --seconds 3 --nodes 32 --ops 200 --clients 256 --window 8\n"
-            "            --churn 30 (0: no churn phase)\n"
+            "            --churn 30 (0: no churn phase), --round-peers 4 --round-mb 64\n"
             "            --helpers 64, --workers min(CPUs - 1, 4),\n"
-            "            --daemon ./src/hivemindd --ctl ./src/hivemindctl\n");
+            "            --daemon ./src/hivemindd --ctl ./src/hivemindctl\n"
+            "  --only round is never part of the default run; --daemon-arg (up to %d)\n"
+            "  goes to every daemon it starts\n",
+            MAX_DAEMON_ARGS);
     exit(64);
 }
 
@@ -1222,7 +1553,7 @@ int main(int argc, char **argv)
 {
     options o = {.runs = 5, .seconds = 3.0, .nodes = 32, .ops = 200, .clients = 256,
                  .window = 8, .helpers = 64, .daemon = "./src/hivemindd",
-                 .ctl = "./src/hivemindctl", .churn = 30};
+                 .ctl = "./src/hivemindctl", .churn = 30, .round_peers = 4, .round_mb = 64};
     const char *only = NULL;
     hm_bench_set_name("bench_dht");
     for (int i = 1; i < argc; i++) {
@@ -1255,18 +1586,27 @@ int main(int argc, char **argv)
             only = v;
         else if (strcmp(a, "--churn") == 0)
             o.churn = atoi(v);
+        else if (strcmp(a, "--round-peers") == 0)
+            o.round_peers = atoi(v);
+        else if (strcmp(a, "--round-mb") == 0)
+            o.round_mb = atoi(v);
+        else if (strcmp(a, "--daemon-arg") == 0 && o.n_daemon_args < MAX_DAEMON_ARGS)
+            o.daemon_args[o.n_daemon_args++] = v;
         else
             usage();
     }
     if (o.runs < 1 || o.runs > 100 || !(o.seconds > 0 && o.seconds <= 600) || o.nodes < 2 ||
         o.nodes > 128 || o.ops < 1 || o.ops > 100000 || o.clients < 1 || o.clients > 4000 ||
         o.window < 1 || o.window > MAX_WINDOW || o.helpers < 0 || o.helpers > 1000 ||
-        o.workers < 0 || o.workers > MAX_WORKERS || o.churn < 0 || o.churn > 90)
+        o.workers < 0 || o.workers > MAX_WORKERS || o.churn < 0 || o.churn > 90 ||
+        o.round_peers < 2 || o.round_peers > 64 || o.round_mb < 1 || o.round_mb > 1024)
         usage();
     if (only != NULL && strcmp(only, "serve") == 0)
         o.skip_latency = 1;
     else if (only != NULL && strcmp(only, "latency") == 0)
         o.skip_serve = 1;
+    else if (only != NULL && strcmp(only, "round") == 0)
+        o.skip_serve = o.skip_latency = o.round = 1;
     else if (only != NULL)
         usage();
     if (access(o.daemon, X_OK) != 0 || access(o.ctl, X_OK) != 0) {
@@ -1305,5 +1645,7 @@ int main(int argc, char **argv)
     sched_setaffinity(0, sizeof(all), &all);
     if (!o.skip_latency)
         bench_latency(&o);
+    if (o.round)
+        bench_round(&o);
     return 0;
 }
