@@ -59,6 +59,7 @@ typedef struct task {
     size_t off, cnt;
     uint8_t state;
     uint8_t have_result; /* the data region holds an average, not our own values */
+    uint8_t saved;       /* our values of the region are in the round's orig */
     uint8_t attempts;    /* "not ready" retries at the current reducer */
     int to;              /* reducer while in flight */
     uint32_t gen;
@@ -253,7 +254,9 @@ static void progress(hm_ar_round *r);
  * The rollback copy of a round's input. A large one is aligned to 2 MiB
  * and marked for transparent huge pages: fresh memory of the vector's size
  * every round otherwise costs one page fault per 4 KiB, which on virtual
- * machines is most of the copy's price.
+ * machines is most of the copy's price. It is filled a task at a time
+ * (orig_save), when the task is first sent or its region first written:
+ * a 64 MiB vector copied at the start would hold the loop for some 60 ms.
  */
 static float *copy_alloc(size_t n)
 {
@@ -778,9 +781,20 @@ static uint8_t *compressed_body(const coding *c, const float *ans, double ans_co
     return answer_body(c, ans, cnt, contrib, HM_AR_FORM_AVERAGE, share, len_out, err);
 }
 
+/* Keeps our values of t's region in orig, before they are sent or overwritten. */
+static void orig_save(hm_ar_round *r, task *t)
+{
+    if (t->saved)
+        return;
+    if (t->cnt > 0)
+        memcpy(r->orig + t->off, r->data + t->off, t->cnt * sizeof(float));
+    t->saved = 1;
+}
+
 static void task_complete(hm_ar_round *r, size_t ti, const float *vals, uint64_t contrib)
 {
     task *t = &r->tasks[ti];
+    orig_save(r, t);
     memcpy(r->data + t->off, vals, t->cnt * sizeof(float));
     t->state = T_DONE;
     t->have_result = 1;
@@ -1511,6 +1525,12 @@ static void submit_local(hm_ar_round *r, size_t ti)
     oslot *o = h->open[t->chunk];
     if (o != NULL && o->busy)
         return; /* closing on a worker: tried again once it is final */
+    if (!t->saved && !hm_avg_all_finite(r->data + t->off, t->cnt)) {
+        /* As encode_chunk refuses a part bound for another reducer. */
+        t->state = T_FAILED;
+        leave_round(r, -EDOM);
+        return;
+    }
     if (o == NULL) {
         if ((o = slot_new(r)) == NULL) {
             task_retry(t);
@@ -1550,6 +1570,7 @@ static void send_task(hm_ar_round *r, size_t ti)
 
     size_t clen;
     /* From our input as it came in, which a compressed answer is relative to. */
+    orig_save(r, t);
     uint8_t *enc = encode_chunk(r->cfg.compression, r->orig + t->off, t->cnt, &clen, &err);
     if (enc == NULL) {
         if (err == -EDOM) {
@@ -2267,7 +2288,7 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
         (cfg.aggregate == HM_AR_CENTERED_CLIP &&
          (!isfinite(cfg.clip_tau) || cfg.clip_tau <= 0 || cfg.clip_iters > HM_AVG_CLIP_MAX_ITERS)))
         return -EINVAL;
-    if (!hm_avg_all_finite(data, n))
+    if (!cfg.input_checked && !hm_avg_all_finite(data, n))
         return -EDOM;
     if (round_find(ctx, group->group_id) != NULL)
         return -EALREADY;
@@ -2328,8 +2349,6 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
             t->cnt = HM_MIN(cfg.chunk_elems, r->cnt[s] - k * cfg.chunk_elems);
             t->state = T_QUEUED;
         }
-    if (n > 0)
-        memcpy(r->orig, data, n * sizeof(float));
     r->start_ms = hm_now_ms();
     r->start_us = hm_now_us();
     r->deadline_ms = r->start_ms + cfg.round_timeout_ms;

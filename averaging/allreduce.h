@@ -278,6 +278,11 @@ typedef struct hm_ar_config {
     int aggregate;               /* enum hm_ar_aggregate */
     double clip_tau;             /* CenteredClip radius, required when aggregate is clip */
     unsigned clip_iters;         /* default 20 */
+    int input_checked;           /* nonzero: the caller has just found every value finite
+                                    (hm_avg_all_finite), so hm_ar_start skips that pass
+                                    over the vector; a value that is not finite is still
+                                    refused chunk by chunk, as it is reduced or sent (the
+                                    round then ends -EDOM) */
 } hm_ar_config;
 
 typedef struct hm_ar_span_report {

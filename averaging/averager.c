@@ -174,6 +174,9 @@ static void round_allreduce(avg_round *r)
     cfg.aggregate = r->opts.aggregate;
     cfg.clip_tau = r->opts.clip_tau;
     cfg.chunk_elems = r->opts.chunk_elems;
+    /* Checked when the round was asked for (check_opts), and a held vector,
+     * written after that, just below. */
+    cfg.input_checked = 1;
     /* A held vector was written after the round started: checked again. */
     result = r->opts.hold && !hm_avg_all_finite(r->data, r->n)
                  ? -EDOM

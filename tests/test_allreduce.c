@@ -747,6 +747,44 @@ Test(allreduce, nan_sender_is_left_out)
     nodes_stop();
 }
 
+/*
+ * A caller that says its input was checked (input_checked, as the averager
+ * does) but passes a NaN in the span it reduces itself: hm_ar_start skips
+ * its pass over the vector, and the chunk is refused when it is reduced.
+ * That member's round ends -EDOM, and the NaN reaches no one. (The others
+ * lose the span it was to reduce: a member that leaves its round tells no
+ * one, so they find it late, as with the part it never sent them.)
+ */
+Test(allreduce, unchecked_nan_in_the_own_span_ends_that_members_round)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 6000, .chunk_elems = 4096};
+    hm_ar_config checked = cfg;
+    checked.input_checked = 1;
+    size_t len = 30011;
+    const int bad = 2;
+    nodes_start(3);
+    double bw[3] = {100, 100, 100};
+    for (int i = 0; i < 3; i++)
+        fill(i, len, 1.0 + i);
+    make_group(&g, 3, bw, 0x61);
+    size_t off[3], cnt[3];
+    cr_assert_eq(hm_ar_layout(&g, len, off, cnt), 0);
+    nodes[bad].data[off[bad] + cnt[bad] / 2] = NAN;
+    for (int i = 0; i < 3; i++)
+        start(i, &g, len, i == bad ? &checked : &cfg);
+    cr_assert(run_until_done(3, 15000), "every member finishes");
+    cr_assert_eq(nodes[bad].rep.status, -EDOM, "status %d", nodes[bad].rep.status);
+    for (int i = 0; i < 3; i++) {
+        cr_assert(hm_avg_all_finite(nodes[i].data, i == bad ? off[bad] : len),
+                  "node %d holds no NaN", i);
+        if (i != bad)
+            cr_assert_neq(nodes[i].rep.reason[bad], HM_AR_IN, "node %d counted member %d in", i,
+                          bad);
+    }
+    nodes_stop();
+}
+
 Test(allreduce, wrong_size_member_is_left_out)
 {
     hm_avg_group g;
