@@ -196,6 +196,7 @@ struct hm_ar_round {
     hm_ar_limit_cfg lim; /* the context's bounds when the round started */
     int status;    /* first failure, 0 while none */
     int finishing; /* finish scheduled for the next tick */
+    int leaving;   /* we quit before the round's end (our values, a cancel): say so */
     int finished;  /* inside finish: callbacks only clean up */
 };
 
@@ -1347,6 +1348,56 @@ static void leave_round(hm_ar_round *r, int status)
     r->finishing = 1;
 }
 
+/* Leaves for a reason of our own, which the others hear of (farewell). */
+static void quit_round(hm_ar_round *r, int status)
+{
+    r->leaving = 1;
+    leave_round(r, status);
+}
+
+/*
+ * A member that quits a round early (its values are not finite, or its
+ * caller cancelled) tells every member still in, once, with a view that
+ * counts itself dead: they undo its parts and hand its span to the next
+ * reducer at once, as for a member they found dead themselves, instead of
+ * finding it late at their part timeout and losing the span. The calls
+ * outlive the round (their notices belong to no round).
+ */
+static void farewell(hm_ar_round *r)
+{
+    uint8_t buf[128];
+    size_t len;
+    uint64_t now = hm_now_ms();
+    hm_wire_wr w;
+    hm_ar_dead_msg m = {.sender = (uint32_t)r->g.self, .n_total = r->n,
+                        .dead_mask = r->dead | r->self_bit, .bad_mask = r->bad};
+    if (now >= r->deadline_ms || r->g.n < 2)
+        return;
+    memcpy(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_ar_dead_encode(&w, &m);
+    if (hm_wire_wr_error(&w) != 0)
+        return;
+    len = w.len;
+    for (size_t j = 0; j < r->g.n; j++) {
+        if (j == r->g.self || is_out(r, j))
+            continue;
+        notice *nt = calloc(1, sizeof(*nt));
+        if (nt == NULL)
+            return;
+        nt->pending = 1;
+        nt->member = j;
+        const hm_avg_member *mb = &r->g.members[j];
+        if (hm_rpc_call(r->ctx->rpc, mb->pk, (const struct sockaddr *)&mb->addr,
+                        HM_AR_DEAD_METHOD, buf, len, HM_RPC_STREAM,
+                        HM_MIN(NOTICE_TIMEOUT_MS, r->deadline_ms - now), notice_cb, nt,
+                        &nt->call_id) < 0)
+            free(nt);
+        else
+            r->bytes_sent += len;
+    }
+}
+
 static void task_retry(task *t)
 {
     uint64_t now = hm_now_ms();
@@ -1528,7 +1579,7 @@ static void submit_local(hm_ar_round *r, size_t ti)
     if (!t->saved && !hm_avg_all_finite(r->data + t->off, t->cnt)) {
         /* As encode_chunk refuses a part bound for another reducer. */
         t->state = T_FAILED;
-        leave_round(r, -EDOM);
+        quit_round(r, -EDOM);
         return;
     }
     if (o == NULL) {
@@ -1576,7 +1627,7 @@ static void send_task(hm_ar_round *r, size_t ti)
         if (err == -EDOM) {
             /* Our own values are not finite (changed during the round): we cannot take part. */
             t->state = T_FAILED;
-            leave_round(r, -EDOM);
+            quit_round(r, -EDOM);
         } else {
             task_retry(t);
         }
@@ -2140,6 +2191,8 @@ static void finish(hm_ar_round *r)
             free(nt);
         }
     }
+    if (r->leaving && !ctx->closing)
+        farewell(r);
     LIST_REMOVE(r, link);
     tombstone *tb = &ctx->tomb[ctx->tomb_next++ % TOMBSTONES];
     memcpy(tb->gid, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
@@ -2371,6 +2424,7 @@ void hm_ar_cancel(hm_ar_round *r)
     set_status(r, -ECANCELED);
     r->status = -ECANCELED;
     r->finishing = 1;
+    r->leaving = 1;
     schedule_tick(r->ctx, 0);
 }
 

@@ -92,7 +92,10 @@
  * next live member with bandwidth > 0 after it in group order (cyclic), the
  * same choice everywhere. Each member then sends every chunk of that span
  * to the replacement again, as DATA with its own values (rollback below),
- * and the replacement averages them over the live members. A member found
+ * and the replacement averages them over the live members. A member that
+ * quits early (its values not finite, or hm_ar_cancel) says so with a
+ * view naming itself dead (a farewell), so that the others do the same
+ * for it at once. A member found
  * dead or bad is removed from every chunk this node has open, its held
  * calls are refused and its later parts too; a sender caught with
  * non-finite values or a wrong size is marked bad the same way. A member

@@ -751,11 +751,11 @@ Test(allreduce, nan_sender_is_left_out)
  * A caller that says its input was checked (input_checked, as the averager
  * does) but passes a NaN in the span it reduces itself: hm_ar_start skips
  * its pass over the vector, and the chunk is refused when it is reduced.
- * That member's round ends -EDOM, and the NaN reaches no one. (The others
- * lose the span it was to reduce: a member that leaves its round tells no
- * one, so they find it late, as with the part it never sent them.)
+ * That member's round ends -EDOM, and the NaN reaches no one; it says
+ * farewell, so the others undo it and average without it, exact, well
+ * before their part timeout (1.2 s here) would have found it late.
  */
-Test(allreduce, unchecked_nan_in_the_own_span_ends_that_members_round)
+Test(allreduce, a_member_that_quits_says_farewell_and_is_undone)
 {
     hm_avg_group g;
     hm_ar_config cfg = {.round_timeout_ms = 6000, .chunk_elems = 4096};
@@ -773,14 +773,51 @@ Test(allreduce, unchecked_nan_in_the_own_span_ends_that_members_round)
     nodes[bad].data[off[bad] + cnt[bad] / 2] = NAN;
     for (int i = 0; i < 3; i++)
         start(i, &g, len, i == bad ? &checked : &cfg);
+    uint64_t t0 = hm_now_ms();
     cr_assert(run_until_done(3, 15000), "every member finishes");
     cr_assert_eq(nodes[bad].rep.status, -EDOM, "status %d", nodes[bad].rep.status);
     for (int i = 0; i < 3; i++) {
         cr_assert(hm_avg_all_finite(nodes[i].data, i == bad ? off[bad] : len),
                   "node %d holds no NaN", i);
-        if (i != bad)
-            cr_assert_neq(nodes[i].rep.reason[bad], HM_AR_IN, "node %d counted member %d in", i,
-                          bad);
+        if (i == bad)
+            continue;
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d status %d", i, nodes[i].rep.status);
+        cr_assert_eq(nodes[i].rep.reason[bad], HM_AR_DEAD, "node %d says %d", i,
+                     nodes[i].rep.reason[bad]);
+        cr_assert_lt(nodes[i].done_ms - t0, 1000, "node %d finished in %llu ms", i,
+                     (unsigned long long)(nodes[i].done_ms - t0));
+        check_exact(i, 0x3);
+    }
+    nodes_stop();
+}
+
+/* The same for a member whose caller cancels its round as it begins. */
+Test(allreduce, a_cancelled_member_says_farewell_and_is_undone)
+{
+    hm_avg_group g;
+    hm_ar_config cfg = {.round_timeout_ms = 6000, .chunk_elems = 4096};
+    size_t len = 30011;
+    const int quit = 1;
+    nodes_start(3);
+    double bw[3] = {100, 100, 100};
+    for (int i = 0; i < 3; i++)
+        fill(i, len, 1.0 + i);
+    make_group(&g, 3, bw, 0x62);
+    uint64_t t0 = hm_now_ms();
+    for (int i = 0; i < 3; i++)
+        start(i, &g, len, &cfg);
+    hm_ar_cancel(nodes[quit].round);
+    cr_assert(run_until_done(3, 15000), "every member finishes");
+    cr_assert_eq(nodes[quit].rep.status, -ECANCELED);
+    for (int i = 0; i < 3; i++) {
+        if (i == quit)
+            continue;
+        cr_assert_eq(nodes[i].rep.status, 0, "node %d status %d", i, nodes[i].rep.status);
+        cr_assert_eq(nodes[i].rep.reason[quit], HM_AR_DEAD, "node %d says %d", i,
+                     nodes[i].rep.reason[quit]);
+        cr_assert_lt(nodes[i].done_ms - t0, 1000, "node %d finished in %llu ms", i,
+                     (unsigned long long)(nodes[i].done_ms - t0));
+        check_exact(i, 0x5);
     }
     nodes_stop();
 }
