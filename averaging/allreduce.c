@@ -196,7 +196,8 @@ struct hm_ar_round {
     hm_ar_limit_cfg lim; /* the context's bounds when the round started */
     int status;    /* first failure, 0 while none */
     int finishing; /* finish scheduled for the next tick */
-    int leaving;   /* we quit before the round's end (our values, a cancel): say so */
+    int leaving;   /* finishing before its end (cancel, close, left out, own values bad) */
+    int farewell;  /* ... for a reason of ours (own values bad, a cancel): the others hear */
     int finished;  /* inside finish: callbacks only clean up */
 };
 
@@ -218,6 +219,7 @@ typedef struct early {
 typedef struct tombstone {
     uint8_t gid[HM_AVG_GROUP_ID_BYTES];
     uint64_t until_ms;
+    int status; /* what its messages are told: -ESRCH (ended) or -ESHUTDOWN (left) */
 } tombstone;
 
 struct hm_ar_ctx {
@@ -812,6 +814,14 @@ static void set_status(hm_ar_round *r, int status)
 static void rollback(hm_ar_round *r, uint64_t gone);
 static void schedule_tick(hm_ar_ctx *ctx, uint64_t ms);
 
+/*
+ * What a message for a round that is over here is told: -ESRCH when the
+ * round ended (its barrier or its deadline: a sender still waiting was
+ * late), -ESHUTDOWN when this node left it early (a cancel, a close): it is
+ * gone for the round, and a sender must not take that as being late.
+ */
+static int over_status(const hm_ar_round *r) { return r->leaving ? -ESHUTDOWN : -ESRCH; }
+
 /* On a worker: the chunk's average and every held call's answer. */
 static void job_work(hm_work *w)
 {
@@ -876,8 +886,11 @@ static void job_free(arjob *jb)
 
 /*
  * On the loop: hands the answer to every call still held and to our own
- * task, and closes the chunk. A member found out while the job ran is
- * undone now, as if its death had come after the chunk closed.
+ * task, and closes the chunk. An average that holds a member found out
+ * while the job ran is not handed out: that member's part leaves the slot,
+ * which opens again with the held calls of the others (the next
+ * check_slots closes it over them), as if the death had come before the
+ * chunk closed; handing it out would only make every sender undo it.
  */
 static void job_apply(hm_ar_round *r, arjob *jb)
 {
@@ -885,6 +898,24 @@ static void job_apply(hm_ar_round *r, arjob *jb)
     oslot *o = jb->o;
     const float *ans = jb->out;
     uint64_t contrib = ans != NULL ? jb->have : 0;
+    uint64_t gone = contrib & out_mask(r);
+
+    if (gone != 0) {
+        for (size_t j = 0; j < r->g.n; j++) {
+            if (!(gone & bit(j)))
+                continue;
+            if (o->held & bit(j)) { /* slots_drop_member refused it already */
+                reply_status(r, o->req[j], -EPERM);
+                o->req[j] = NULL;
+                o->held &= ~bit(j);
+            }
+            free(o->part[j]);
+            o->part[j] = NULL;
+            o->have &= ~bit(j);
+        }
+        o->busy = 0;
+        return;
+    }
 
     for (size_t j = 0; j < r->g.n; j++) {
         if (!(o->held & bit(j)))
@@ -917,9 +948,6 @@ static void job_apply(hm_ar_round *r, arjob *jb)
     h->final[jb->k] = 1;
     h->fcontrib[jb->k] = contrib;
     r->n_open--;
-    uint64_t gone = contrib & out_mask(r);
-    if (gone != 0)
-        rollback(r, gone);
 }
 
 static void job_done(hm_work *w, int cancelled)
@@ -1076,7 +1104,7 @@ static void jobs_detach(hm_ar_round *r)
         oslot *o = jb->o;
         for (size_t j = 0; j < r->g.n; j++)
             if (o->held & bit(j)) {
-                reply_status(r, o->req[j], -ESRCH);
+                reply_status(r, o->req[j], over_status(r));
                 o->req[j] = NULL;
             }
         o->held = 0;
@@ -1346,12 +1374,13 @@ static void leave_round(hm_ar_round *r, int status)
 {
     set_status(r, status);
     r->finishing = 1;
+    r->leaving = 1;
 }
 
 /* Leaves for a reason of our own, which the others hear of (farewell). */
 static void quit_round(hm_ar_round *r, int status)
 {
-    r->leaving = 1;
+    r->farewell = 1;
     leave_round(r, status);
 }
 
@@ -1840,13 +1869,14 @@ static hm_ar_round *round_find(hm_ar_ctx *ctx, const uint8_t *gid)
     return NULL;
 }
 
+/* A round of that group that ended here: its over_status, else 0. */
 static int tomb_find(hm_ar_ctx *ctx, const uint8_t *gid)
 {
     uint64_t now = hm_now_ms();
     for (size_t i = 0; i < TOMBSTONES; i++)
         if (ctx->tomb[i].until_ms > now &&
             memcmp(ctx->tomb[i].gid, gid, HM_AVG_GROUP_ID_BYTES) == 0)
-            return 1;
+            return ctx->tomb[i].status;
     return 0;
 }
 
@@ -1854,8 +1884,9 @@ static int tomb_find(hm_ar_ctx *ctx, const uint8_t *gid)
 static int no_round_status(hm_ar_ctx *ctx, const uint8_t *gid)
 {
     if (ctx->closing)
-        return -ESRCH;
-    return tomb_find(ctx, gid) ? -ESRCH : -EAGAIN;
+        return -ESHUTDOWN;
+    int st = tomb_find(ctx, gid);
+    return st != 0 ? st : -EAGAIN;
 }
 
 /* Common checks of a member's message; returns 0 or the refusal status. */
@@ -1960,7 +1991,8 @@ static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
 /*
  * Hands held messages to the rounds that have started since, as if they
  * had just arrived, and refuses those held too long (-EAGAIN: the sender
- * retries with backoff) or all of them when closing (-ESRCH).
+ * retries with backoff), those of a round that ended here meanwhile, or all
+ * of them when closing (-ESHUTDOWN).
  */
 static void early_run(hm_ar_ctx *ctx)
 {
@@ -1998,7 +2030,7 @@ static void early_run(hm_ar_ctx *ctx)
         } else {
             hm_rpc_req *req = e->req;
             int is_dead = e->is_dead;
-            int st = ctx->closing || tomb_find(ctx, e->gid) ? -ESRCH : -EAGAIN;
+            int st = no_round_status(ctx, e->gid);
             early_free(ctx, e);
             if (st == -EAGAIN)
                 ctx->early_refused++;
@@ -2025,7 +2057,7 @@ static void on_part(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     }
     r = round_find(ctx, m.group_id);
     if (r == NULL || r->finishing || r->finished) {
-        int st = r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH;
+        int st = r == NULL ? no_round_status(ctx, m.group_id) : over_status(r);
         if (st == -EAGAIN && early_hold(ctx, 0, req, pk, from, m.group_id, body, len) == 0)
             return;
         reply_status(r, req, st);
@@ -2116,7 +2148,7 @@ static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
     }
     r = round_find(ctx, m.group_id);
     if (r == NULL || r->finishing || r->finished) {
-        int st = r == NULL ? no_round_status(ctx, m.group_id) : -ESRCH;
+        int st = r == NULL ? no_round_status(ctx, m.group_id) : over_status(r);
         if (st == -EAGAIN && early_hold(ctx, 1, req, pk, from, m.group_id, body, len) == 0)
             return;
         hm_rpc_respond(req, st, NULL, 0);
@@ -2168,7 +2200,7 @@ static void finish(hm_ar_round *r)
     if (r->n_open > 0) {
         if (cancelled) {
             for (size_t j = 0; j < r->g.n; j++)
-                slots_drop_member(r, j, -ESRCH);
+                slots_drop_member(r, j, over_status(r));
         }
         check_slots(r, 1);
     }
@@ -2191,12 +2223,13 @@ static void finish(hm_ar_round *r)
             free(nt);
         }
     }
-    if (r->leaving && !ctx->closing)
+    if (r->farewell && !ctx->closing)
         farewell(r);
     LIST_REMOVE(r, link);
     tombstone *tb = &ctx->tomb[ctx->tomb_next++ % TOMBSTONES];
     memcpy(tb->gid, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
     tb->until_ms = hm_now_ms() + TOMBSTONE_MS;
+    tb->status = over_status(r);
 
     int all_done = 1;
     uint64_t anyone = 0;
@@ -2425,6 +2458,7 @@ void hm_ar_cancel(hm_ar_round *r)
     r->status = -ECANCELED;
     r->finishing = 1;
     r->leaving = 1;
+    r->farewell = 1;
     schedule_tick(r->ctx, 0);
 }
 
@@ -2455,7 +2489,7 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
     if ((result = hm_rpc_register(rpc, HM_AR_DEAD_METHOD, on_dead, ctx)) < 0) {
         /*
          * The rpc layer has no unregister and now points at ctx for "avg.part":
-         * the context stays allocated, closed, answering every part -ESRCH.
+         * the context stays allocated, closed, answering every part -ESHUTDOWN.
          */
         hm_warn(MOD, "cannot register %s: %s", HM_AR_DEAD_METHOD, hm_strerror(result));
         ctx->closing = 1;
@@ -2464,11 +2498,9 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
     uv_timer_init(loop, &ctx->timer);
     ctx->timer.data = ctx;
     /*
-     * No workers unless hm_ar_set_workers asks for them: with a pool, a
-     * reducer killed mid-round (test_allreduce's
-     * reducer_crashed_mid_round_is_undone_everywhere) sometimes leaves a
-     * survivor timing out, which is not understood yet; without one every
-     * chunk is finalized on the loop, as before.
+     * No workers unless hm_ar_set_workers asks for them: on the 2-core
+     * machine measured they win nothing (docs/benchmarks.md, "Averaging on
+     * worker threads").
      */
     *out = ctx;
     return 0;
@@ -2536,6 +2568,7 @@ void hm_ar_ctx_close(hm_ar_ctx *ctx, void (*cb)(void *ud), void *ud)
     while ((r = LIST_FIRST(&ctx->rounds)) != NULL) {
         r->status = -ECANCELED;
         r->finishing = 1;
+        r->leaving = 1;
         finish(r);
     }
     early_run(ctx); /* closing: every held message is refused */

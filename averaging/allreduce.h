@@ -47,7 +47,9 @@
  *                values: the sender is left out of the round (marked bad);
  *     -ETIME     the chunk was final before the part arrived (late sender);
  *     -ESTALE    the sender's view names the receiver dead;
- *     -ESRCH     this node's round is over.
+ *     -ESRCH     this node's round ended (its barrier or its deadline);
+ *     -ESHUTDOWN this node left the round before its end (hm_ar_cancel,
+ *                hm_ar_ctx_close, or it gave up): gone for the round.
  *   "avg.dead" request: [2, group_id, sender, n_total, dead_mask, bad_mask,
  *        done]: a member tells the others whom it found dead or bad
  *     (done 0, a notice) or that it holds every result under that view
@@ -83,9 +85,10 @@
  * Failures. A reducer whose call fails (transport error, connection reset,
  * no answer within reducer_timeout_ms, "not ready" for as long, a reply
  * with bad data, a refusal of a part we checked) is dead (or bad) for the
- * round; a reducer whose round is over (-ESRCH) or whose chunk was final
- * (-ETIME) only means we were late, and that chunk keeps our values. The
- * finder
+ * round, and so is one that left it (-ESHUTDOWN: a cancel or a close
+ * answers the calls it held, and the parts sent to it afterwards, so); a
+ * reducer whose round ended (-ESRCH) or whose chunk was final (-ETIME)
+ * only means we were late, and that chunk keeps our values. The finder
  * tells every other live member ("avg.dead"), and every member that learns
  * of it (from its own call, the notice, or a mask riding on any message)
  * reassigns the dead reducer's span, and any span that member held, to the
@@ -380,8 +383,10 @@ int hm_ar_ctx_new(uv_loop_t *loop, hm_rpc *rpc, const hm_identity *id, hm_ar_ctx
 /*
  * Replaces the context's averaging workers (see "Threads" below): threads
  * 1..16, or 0 to finalize every chunk on the loop thread as before (the
- * benchmark's reference). Default 0 for now (allreduce.c says why);
- * hm_workpool_default_threads() is the machine's cores less one, 1 to 8.
+ * benchmark's reference). Default 0: on the 2-core machine measured the
+ * loop alone is as fast (docs/benchmarks.md, "Averaging on worker
+ * threads"); hm_workpool_default_threads() is the machine's cores less
+ * one, 1 to 8.
  * -EBUSY while a round runs.
  */
 int hm_ar_set_workers(hm_ar_ctx *ctx, unsigned threads);

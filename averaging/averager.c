@@ -520,7 +520,7 @@ out:
     if (av != NULL) {
         /*
          * A context that failed half way may hold one registration: it is
-         * closed (answering -ESRCH) and both of its methods are removed.
+         * closed (answering -ESHUTDOWN) and both of its methods are removed.
          */
         if (av->ar != NULL) {
             hm_ar_ctx_close(av->ar, NULL, NULL);

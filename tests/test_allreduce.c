@@ -11,14 +11,16 @@
  * that a member sending NaN or a vector of the wrong size is left out
  * without touching the others' result, that a reducer crashing mid-round
  * (its parts already in averages others handed out) is undone everywhere
- * so every span is over the survivors exactly, and that parts sent before
- * a member started are retried until it does.
+ * so every span is over the survivors exactly (also with chunks reduced on
+ * workers, and for a reducer that cancels its round instead), and that
+ * parts sent before a member started are retried until it does.
  */
 #include "config.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -55,6 +57,11 @@ static int n_nodes;
 
 static void setup(void)
 {
+    /*
+     * As in hivemindd (src/node/node.h): a write to a peer that has just
+     * closed (the crashed reducer below) must not kill the process.
+     */
+    signal(SIGPIPE, SIG_IGN);
     hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
     cr_assert_eq(hm_crypto_init(), 0);
     cr_assert_eq(uv_loop_init(&loop), 0);
@@ -631,15 +638,20 @@ Test(allreduce, reducer_stalled_mid_round_is_replaced) { stalled_reducer(1); }
  * handed out. Its connections close (as when its process is killed), and
  * the survivors undo every average that holds it: every span of every
  * survivor is the weighted average over the survivors exactly, and they all
- * hold the same values.
+ * hold the same values. With crash 0 it leaves by hm_ar_cancel instead and
+ * its rpc stays up, so that its refusals (the calls it held, the parts sent
+ * to it afterwards) reach the others: they must read them as the reducer
+ * gone, not as their own lateness. workers: each node's averaging workers.
  */
-Test(allreduce, reducer_crashed_mid_round_is_undone_everywhere)
+static void lost_reducer(unsigned workers, int crash)
 {
     hm_avg_group g;
     hm_ar_config cfg = {.round_timeout_ms = 5000, .chunk_elems = 2048, .window = 4};
     size_t len = 600011;
     const int victim = 2;
     nodes_start(4);
+    for (int i = 0; i < 4 && workers > 0; i++)
+        cr_assert_eq(hm_ar_set_workers(nodes[i].ctx, workers), 0);
     double bw[4] = {100, 100, 100, 100};
     for (int i = 0; i < 4; i++)
         fill(i, len, 0.5 + i);
@@ -654,12 +666,19 @@ Test(allreduce, reducer_crashed_mid_round_is_undone_everywhere)
     cr_assert_gt(st.bytes_in, 100000, "others' parts reached the victim");
     cr_assert_eq(nodes[victim].done, 0, "the victim was still reducing");
     int crashed = 0;
-    hm_ar_ctx_close(nodes[victim].ctx, on_closed, &crashed);
-    hm_rpc_close(nodes[victim].rpc, on_closed, &crashed);
-    nodes[victim].ctx = NULL;
-    nodes[victim].rpc = NULL;
+    if (crash) {
+        hm_ar_ctx_close(nodes[victim].ctx, on_closed, &crashed);
+        hm_rpc_close(nodes[victim].rpc, on_closed, &crashed);
+        nodes[victim].ctx = NULL;
+        nodes[victim].rpc = NULL;
+    } else {
+        hm_ar_cancel(nodes[victim].round);
+    }
     cr_assert(run_until_done(4, cfg.round_timeout_ms + 2000));
-    cr_assert_eq(crashed, 2);
+    if (crash)
+        cr_assert_eq(crashed, 2);
+    else
+        cr_assert_eq(nodes[victim].rep.status, -ECANCELED);
 
     uint64_t live = 0xfull & ~(1ull << victim);
     for (int i = 0; i < 4; i++) {
@@ -678,6 +697,15 @@ Test(allreduce, reducer_crashed_mid_round_is_undone_everywhere)
     }
     nodes_stop();
 }
+
+Test(allreduce, reducer_crashed_mid_round_is_undone_everywhere) { lost_reducer(0, 1); }
+
+/* The same crash with chunks reduced and encoded on workers: jobs are out when it lands. */
+Test(allreduce, reducer_crashed_mid_round_on_workers) { lost_reducer(2, 1); }
+
+/* A reducer that cancels its round mid-way is gone for the round (-ESHUTDOWN), like a crash. */
+Test(allreduce, reducer_cancelled_mid_round_is_undone_everywhere) { lost_reducer(0, 0); }
+Test(allreduce, reducer_cancelled_mid_round_on_workers) { lost_reducer(2, 0); }
 
 static void part_reply_cb(void *ud, int status, const uint8_t *body, size_t len)
 {
