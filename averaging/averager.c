@@ -466,6 +466,13 @@ int hm_averager_set_limits(hm_averager *av, const hm_ar_limit_cfg *lim)
     return r;
 }
 
+int hm_averager_set_workers(hm_averager *av, unsigned threads)
+{
+    if (av == NULL || av->ar == NULL)
+        return -EINVAL;
+    return hm_ar_set_workers(av->ar, threads);
+}
+
 void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud)
 {
     if (av != NULL && av->ar != NULL) {

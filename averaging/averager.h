@@ -134,6 +134,9 @@ int hm_averager_new(hm_node *node, hm_averager **out);
 int hm_averager_set_limits(hm_averager *av, const hm_ar_limit_cfg *lim);
 void hm_averager_limits(const hm_averager *av, hm_limit_emit_fn emit, void *ud);
 
+/* The all-reduce's worker threads (hm_ar_set_workers): 0 or a negative code. */
+int hm_averager_set_workers(hm_averager *av, unsigned threads);
+
 /*
  * Ends every round (callbacks fire with -ECANCELED before this returns),
  * unregisters the methods and frees the averager; cb (may be NULL) fires

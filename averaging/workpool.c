@@ -3,6 +3,9 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 struct hm_workpool {
     uv_loop_t *loop;
@@ -51,6 +54,10 @@ static hm_work *pop(hm_work **head, hm_work **tail)
 static void worker(void *arg)
 {
     hm_workpool *p = arg;
+#ifdef __linux__
+    /* What `top -H` and /proc/PID/task/TID/comm show. */
+    (void)prctl(PR_SET_NAME, "hm-avg", 0, 0, 0);
+#endif
     uv_mutex_lock(&p->mu);
     for (;;) {
         while (!p->stop && p->q_head == NULL)

@@ -22,6 +22,7 @@
 #include "config.h"
 
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <jansson.h>
 #include <math.h>
 #include <signal.h>
@@ -44,13 +45,17 @@ static void teardown(void) { hm_proc_teardown(); }
 
 TestSuite(avg_daemon, .init = setup, .fini = teardown, .timeout = 90);
 
+/* AverageWorkers of the daemons start_swarm starts. */
+static const char *avg_workers = "0";
+
 static void start_swarm(struct node *nodes, size_t n)
 {
     char name[16];
-    start_node(&nodes[0], "n0", NULL, NULL);
+    start_node(&nodes[0], "n0", NULL, "--average-workers", avg_workers, NULL);
     for (size_t i = 1; i < n; i++) {
         snprintf(name, sizeof(name), "n%zu", i);
-        start_node(&nodes[i], name, NULL, "--initial-peers", nodes[0].addr, NULL);
+        start_node(&nodes[i], name, NULL, "--average-workers", avg_workers, "--initial-peers",
+                   nodes[0].addr, NULL);
     }
     long deadline = hm_test_now_ms() + 20000;
     size_t ready = 0;
@@ -406,7 +411,7 @@ out:
  * three survivors exactly (its report says so for every span), the dead
  * member's span went to a survivor, and the next round forms without it.
  */
-Test(avg_daemon, member_killed_while_reducing_is_undone_everywhere)
+static void killed_while_reducing(void)
 {
     struct node nodes[N_DAEMONS];
     job jobs[N_DAEMONS];
@@ -486,4 +491,44 @@ Test(avg_daemon, member_killed_while_reducing_is_undone_everywhere)
         stop_node(&nodes[i]);
     for (int i = 0; i < N_DAEMONS; i++)
         free(inputs[i]);
+}
+
+Test(avg_daemon, member_killed_while_reducing_is_undone_everywhere) { killed_while_reducing(); }
+
+/* Threads of process pid named name (/proc/PID/task/TID/comm). */
+static int threads_named(pid_t pid, const char *name)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+    DIR *d = opendir(path);
+    if (d == NULL)
+        return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        char comm[384], line[32] = "";
+        if (e->d_name[0] == '.')
+            continue;
+        snprintf(comm, sizeof(comm), "%s/%s/comm", path, e->d_name);
+        FILE *f = fopen(comm, "r");
+        if (f == NULL)
+            continue;
+        if (fgets(line, sizeof(line), f) != NULL)
+            line[strcspn(line, "\n")] = '\0';
+        fclose(f);
+        n += strcmp(line, name) == 0;
+    }
+    closedir(d);
+    return n;
+}
+
+/* The same with the chunk work on two averaging threads per daemon (AverageWorkers). */
+Test(avg_daemon, member_killed_while_reducing_on_workers_is_undone_everywhere)
+{
+    struct node n;
+    start_node(&n, "w", NULL, "--average-workers", "2", NULL);
+    cr_assert_eq(threads_named(n.pid, "hm-avg"), 2, "AverageWorkers 2 starts two threads");
+    stop_node(&n);
+    avg_workers = "2";
+    killed_while_reducing();
 }

@@ -209,6 +209,9 @@ static const struct opt opts[] = {
     {"ExpertBackoffMax", "expert-backoff-max", T_UINT, FIELD(expert_backoff_max_s), 1, 86400, 0,
      "SECONDS", "the back-off doubles at each further stall up to this (default 300)"},
     /* averaging and state */
+    {"AverageWorkers", "average-workers", T_UINT, FIELD(average_workers), 0, 16, 0, "N",
+     "threads that reduce and code the all-reduce's chunks off the loop thread, 0 to do it "
+     "on the loop (default 0; on 2 cores the threads gained nothing)"},
     {"AverageWeightFactor", "average-weight-factor", T_UINT, FIELD(average_weight_factor), 1,
      1000000, 0, "F", "a reducer clamps each member's weight to F times the median weight of "
      "the chunk's parts (default 4)"},

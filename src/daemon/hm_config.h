@@ -104,6 +104,7 @@ typedef struct hm_config {
     unsigned expert_backoff_s;        /* a stalled host is skipped this long at first */
     unsigned expert_backoff_max_s;    /* the cap of its doubling */
     /* averaging and state */
+    unsigned average_workers;            /* averaging threads, 0: on the loop */
     unsigned average_weight_factor;      /* a part's weight <= this x the chunk's median */
     unsigned average_clip_weight_factor; /* the same under centered_clip */
     unsigned average_bandwidth_factor;   /* bandwidth <= this x the group's median */

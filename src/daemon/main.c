@@ -608,6 +608,12 @@ static int start(daemon_t *d, char *err, size_t errlen)
         snprintf(err, errlen, "cannot set the averaging limits: %s", hm_strerror(r));
         return r;
     }
+    if (d->cfg.average_workers > 0 &&
+        (r = hm_averager_set_workers(d->pub.av, d->cfg.average_workers)) != 0) {
+        snprintf(err, errlen, "cannot start %u averaging workers: %s", d->cfg.average_workers,
+                 hm_strerror(r));
+        return r;
+    }
 
     /* Trainers in the control socket's group map the segments too. */
     hm_shm_config sc = {0};
