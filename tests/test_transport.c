@@ -1776,23 +1776,34 @@ Test(transport, probe_proves_the_key_at_the_address_and_leaves_nothing_open)
  * dead). Here the probe is a raw connection under a's own key, which stays
  * open (silent) for as long as the test needs, then closes.
  */
+/*
+ * Starts a and b, has a dial b (an echo call), then opens a second, raw
+ * connection to b under a's key (receive buffer rcvbuf, 0: the default)
+ * and waits until b completed its handshake.
+ */
+static void second_connection_as_a(tnode *a, tnode *b, hm_raw *raw, int rcvbuf)
+{
+    node_start(a);
+    node_start(b);
+    result e = {0};
+    cr_assert_eq(call(a, b, "echo", "x", 1, HM_RPC_STREAM, 2000, &e), 0);
+    cr_assert(run_until(&e.count, 1, 3000));
+    cr_assert_eq(e.status, 0);
+    result_free(&e);
+
+    hm_transport_stats b0 = stats_of(b);
+    cr_assert_eq(hm_raw_connect_as(raw, &a->id, "127.0.0.1", sa(b), b->id.pk, swarm, rcvbuf,
+                                   spin_loop, NULL),
+                 0);
+    cr_assert(RUN_UNTIL_STATS(b, s_.inbound_handshakes_ok == b0.inbound_handshakes_ok + 1, 3000),
+              "b completed the second handshake under a's key");
+}
+
 Test(transport, sends_stay_off_a_silent_second_connection)
 {
     tnode a, b;
-    node_start(&a);
-    node_start(&b);
-    result e = {0};
-    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &e), 0);
-    cr_assert(run_until(&e.count, 1, 3000));
-    cr_assert_eq(e.status, 0);
-
-    hm_transport_stats b0 = stats_of(&b);
     hm_raw raw;
-    cr_assert_eq(hm_raw_connect_as(&raw, &a.id, "127.0.0.1", sa(&b), b.id.pk, swarm, 0,
-                                   spin_loop, NULL),
-                 0);
-    cr_assert(RUN_UNTIL_STATS(&b, s_.inbound_handshakes_ok == b0.inbound_handshakes_ok + 1, 3000),
-              "b completed the second handshake under a's key");
+    second_connection_as_a(&a, &b, &raw, 0);
 
     int served0 = a.served;
     result r[4] = {{0}};
@@ -1812,7 +1823,6 @@ Test(transport, sends_stay_off_a_silent_second_connection)
         result_free(&r[i]);
     }
     cr_assert_eq(a.served, served0 + 4, "a served every call");
-    result_free(&e);
     node_stop(&a);
     node_stop(&b);
 }
@@ -1829,20 +1839,8 @@ Test(transport, sends_stay_off_a_silent_second_connection)
 Test(transport, a_closed_duplicates_queue_goes_out_on_the_other_connection)
 {
     tnode a, b;
-    node_start(&a);
-    node_start(&b);
-    result e = {0};
-    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &e), 0);
-    cr_assert(run_until(&e.count, 1, 3000));
-    cr_assert_eq(e.status, 0);
-
-    hm_transport_stats b0 = stats_of(&b);
     hm_raw raw;
-    cr_assert_eq(hm_raw_connect_as(&raw, &a.id, "127.0.0.1", sa(&b), b.id.pk, swarm, 4096,
-                                   spin_loop, NULL),
-                 0);
-    cr_assert(RUN_UNTIL_STATS(&b, s_.inbound_handshakes_ok == b0.inbound_handshakes_ok + 1, 3000),
-              "b completed the second handshake under a's key");
+    second_connection_as_a(&a, &b, &raw, 4096);
     /* A first chunk of a message never finished: b now takes it for in use. */
     cr_assert_eq(hm_raw_chunk(&raw, 1, 1, 64, "y", 1), 0);
     run_for(200);
@@ -1883,7 +1881,6 @@ Test(transport, a_closed_duplicates_queue_goes_out_on_the_other_connection)
     cr_assert_geq(b2.handed_over, N, "b moved the queued calls");
     cr_assert_eq(b2.handover_dropped, 0);
     free(body);
-    result_free(&e);
     node_stop(&a);
     node_stop(&b);
 }
