@@ -39,7 +39,9 @@
  * reconnected before we noticed its old connection die) both stay usable:
  * sends go to the one established last, the other one still delivers what
  * arrives on it and is eventually closed as idle. A connection that closes
- * frees its queue; the layer above learns it through on_conn(pk, 0), which
+ * hands its queue to another live one to the same peer where it may
+ * (conn_close_handover), else frees it; the layer above learns of a lost
+ * peer through on_conn(pk, 0), which
  * fires when the last connection to a peer goes away or a dial fails.
  */
 #include "config.h"
@@ -1010,13 +1012,18 @@ static int wq_fits(conn *c, size_t len)
     return t->wq_total + len <= t->cfg.wq_max_bytes;
 }
 
-/* Appends m, whose cutting starts over, to c's queue at priority p. */
-static void queue_moved(conn *c, omsg *m, int p)
+/*
+ * Appends m, whose cutting starts over, to c's queue at priority p. An
+ * empty c takes the stall clock of the connection m comes from (since), so
+ * that a peer which never reads cannot restart it by opening connection
+ * after connection.
+ */
+static void queue_moved(conn *c, omsg *m, int p, uint64_t since)
 {
     m->id = c->next_id++;
     m->off = 0;
     if (c->unsent + c->inflight == 0)
-        c->last_progress_ms = hm_now_ms();
+        c->last_progress_ms = since;
     c->unsent += m->len;
     wq_sync(c);
     if (m->len > HM_TRANSPORT_CHUNK && c->act_multi[p] >= WR_ACTIVE_MULTI) {
@@ -1066,7 +1073,7 @@ static void conn_close_handover(conn *c, const char *why)
                 c->unsent -= m->len - m->off;
                 wq_sync(c);
                 if (wq_fits(s, m->len)) {
-                    queue_moved(s, m, p);
+                    queue_moved(s, m, p, c->last_progress_ms);
                     t->stats.handed_over++;
                 } else {
                     pool_put(t, m, m->cap);

@@ -127,7 +127,7 @@ done
 lane=0
 while [ $lane -lt $jobs ]; do
     if [ -f "$scratch/lane$lane" ]; then
-        (while read -r t; do one "$t" >"$scratch/$t.out" 2>&1; done <"$scratch/lane$lane") &
+        (while read -r t; do one "$t" >"$scratch/$t.out" 2>&1 </dev/null; done <"$scratch/lane$lane") &
     fi
     lane=$((lane + 1))
 done
