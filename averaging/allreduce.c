@@ -59,7 +59,6 @@ typedef struct task {
     size_t off, cnt;
     uint8_t state;
     uint8_t have_result; /* the data region holds an average, not our own values */
-    uint8_t saved;       /* our values of the region are in the round's orig */
     uint8_t attempts;    /* "not ready" retries at the current reducer */
     int to;              /* reducer while in flight */
     uint32_t gen;
@@ -257,8 +256,7 @@ static void progress(hm_ar_round *r);
  * The rollback copy of a round's input. A large one is aligned to 2 MiB
  * and marked for transparent huge pages: fresh memory of the vector's size
  * every round otherwise costs one page fault per 4 KiB, which on virtual
- * machines is most of the copy's price. It is filled at hm_ar_start
- * (every task marked saved, so orig_save does nothing).
+ * machines is most of the copy's price.
  */
 static float *copy_alloc(size_t n)
 {
@@ -783,20 +781,9 @@ static uint8_t *compressed_body(const coding *c, const float *ans, double ans_co
     return answer_body(c, ans, cnt, contrib, HM_AR_FORM_AVERAGE, share, len_out, err);
 }
 
-/* Keeps our values of t's region in orig, before they are sent or overwritten. */
-static void orig_save(hm_ar_round *r, task *t)
-{
-    if (t->saved)
-        return;
-    if (t->cnt > 0)
-        memcpy(r->orig + t->off, r->data + t->off, t->cnt * sizeof(float));
-    t->saved = 1;
-}
-
 static void task_complete(hm_ar_round *r, size_t ti, const float *vals, uint64_t contrib)
 {
     task *t = &r->tasks[ti];
-    orig_save(r, t);
     memcpy(r->data + t->off, vals, t->cnt * sizeof(float));
     t->state = T_DONE;
     t->have_result = 1;
@@ -1289,11 +1276,14 @@ static int notice_send(hm_ar_round *r, size_t j, const uint8_t *buf, size_t len,
     return 0;
 }
 
-static int encode_view(const hm_ar_round *r, int done, uint8_t *buf, size_t cap, size_t *len)
+/* Our view as an "avg.dead" body; dead_add: more members named dead in it (farewell). */
+static int encode_view(const hm_ar_round *r, int done, uint64_t dead_add, uint8_t *buf,
+                       size_t cap, size_t *len)
 {
     hm_wire_wr w;
-    hm_ar_dead_msg m = {.sender = (uint32_t)r->g.self, .n_total = r->n, .dead_mask = r->dead,
-                        .bad_mask = r->bad, .done = (uint32_t)done};
+    hm_ar_dead_msg m = {.sender = (uint32_t)r->g.self, .n_total = r->n,
+                        .dead_mask = r->dead | dead_add, .bad_mask = r->bad,
+                        .done = (uint32_t)done};
     memcpy(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
     hm_wire_wr_init_fixed(&w, buf, cap);
     hm_ar_dead_encode(&w, &m);
@@ -1311,7 +1301,7 @@ static void send_dones(hm_ar_round *r)
     uint8_t buf[128];
     size_t len;
     uint64_t now = hm_now_ms(), view = out_mask(r);
-    if (now >= r->deadline_ms || encode_view(r, 1, buf, sizeof(buf), &len) != 0)
+    if (now >= r->deadline_ms || encode_view(r, 1, 0, buf, sizeof(buf), &len) != 0)
         return;
     for (size_t j = 0; j < r->g.n; j++) {
         if (j == r->g.self || is_out(r, j) || (r->peer_over & bit(j)) ||
@@ -1347,7 +1337,7 @@ static void broadcast_view(hm_ar_round *r)
     uint8_t buf[128];
     size_t len;
     uint64_t now = hm_now_ms();
-    if (now >= r->deadline_ms || encode_view(r, 0, buf, sizeof(buf), &len) != 0)
+    if (now >= r->deadline_ms || encode_view(r, 0, 0, buf, sizeof(buf), &len) != 0)
         return;
     for (size_t j = 0; j < r->g.n; j++) {
         if (j == r->g.self || is_out(r, j))
@@ -1396,17 +1386,9 @@ static void farewell(hm_ar_round *r)
     uint8_t buf[128];
     size_t len;
     uint64_t now = hm_now_ms();
-    hm_wire_wr w;
-    hm_ar_dead_msg m = {.sender = (uint32_t)r->g.self, .n_total = r->n,
-                        .dead_mask = r->dead | r->self_bit, .bad_mask = r->bad};
-    if (now >= r->deadline_ms || r->g.n < 2)
+    if (now >= r->deadline_ms || r->g.n < 2 ||
+        encode_view(r, 0, r->self_bit, buf, sizeof(buf), &len) != 0)
         return;
-    memcpy(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
-    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
-    hm_ar_dead_encode(&w, &m);
-    if (hm_wire_wr_error(&w) != 0)
-        return;
-    len = w.len;
     for (size_t j = 0; j < r->g.n; j++) {
         if (j == r->g.self || is_out(r, j))
             continue;
@@ -1649,7 +1631,6 @@ static void send_task(hm_ar_round *r, size_t ti)
 
     size_t clen;
     /* From our input as it came in, which a compressed answer is relative to. */
-    orig_save(r, t);
     uint8_t *enc = encode_chunk(r->cfg.compression, r->orig + t->off, t->cnt, &clen, &err);
     if (enc == NULL) {
         if (err == -EDOM) {
@@ -2163,7 +2144,7 @@ static void on_dead(void *ud, hm_rpc_req *req, const uint8_t pk[HM_PK_BYTES],
         /* Our view rides on the reply, so that a member done under an older one hears. */
         uint8_t buf[128];
         size_t blen;
-        if (encode_view(r, 0, buf, sizeof(buf), &blen) == 0 &&
+        if (encode_view(r, 0, 0, buf, sizeof(buf), &blen) == 0 &&
             hm_rpc_respond(req, 0, buf, blen) == 0)
             r->bytes_sent += blen;
         else
@@ -2438,13 +2419,11 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
      * The whole input is copied here, at the start: a caller may go on
      * writing its vector while the round runs (the optimizer's local
      * updates), and its answers are relative to the values it had when the
-     * round began. (Filling the copy chunk by chunk, orig_save, took some
-     * 60 ms per 64 MiB off the loop but read such later values.)
+     * round began. (Filling the copy chunk by chunk took some 60 ms per
+     * 64 MiB off the loop but read such later values.)
      */
     if (n > 0)
         memcpy(r->orig, data, n * sizeof(float));
-    for (size_t i = 0; i < r->n_tasks; i++)
-        r->tasks[i].saved = 1;
     r->start_ms = hm_now_ms();
     r->start_us = hm_now_us();
     r->deadline_ms = r->start_ms + cfg.round_timeout_ms;
