@@ -62,7 +62,15 @@ outdir="$builddir/tests/fuzz/libfuzzer"
 mkdir -p "$outdir" || exit 1
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/hm-libfuzzer.XXXXXX") || exit 1
 trap 'rm -rf "$scratch"' EXIT
-trap 'exit 130' INT TERM
+# An interrupt also stops the lanes and the fuzzers running in them.
+lanes=""
+stop_lanes() {
+    for l in $lanes; do
+        pkill -TERM -P "$l" 2>/dev/null
+        kill -TERM "$l" 2>/dev/null
+    done
+}
+trap 'stop_lanes; exit 130' INT TERM
 
 # one TARGET: build and run one target; prints its report and ends with a
 # PASS: or FAIL: line.
@@ -128,6 +136,7 @@ lane=0
 while [ $lane -lt $jobs ]; do
     if [ -f "$scratch/lane$lane" ]; then
         (while read -r t; do one "$t" >"$scratch/$t.out" 2>&1 </dev/null; done <"$scratch/lane$lane") &
+        lanes="$lanes $!"
     fi
     lane=$((lane + 1))
 done
