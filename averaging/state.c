@@ -83,6 +83,15 @@ typedef struct version {
 
 #define KEEP_OLD_VERSIONS 2
 
+/* A caller waiting for a step (or a newer one) to be declared (declared_cb). */
+typedef struct waiter waiter;
+struct waiter {
+    waiter *next;
+    uint64_t step;
+    hm_state_declared_cb cb;
+    void *ud;
+};
+
 typedef struct share share;
 struct share {
     hm_state *st;
@@ -100,7 +109,16 @@ struct share {
      * take about as long under load).
      */
     version *old[KEEP_OLD_VERSIONS];
+    /*
+     * The version whose declaration is being put (put_busy): a version
+     * that becomes current meanwhile is declared when that put ends, so
+     * that the DHT never goes on naming an older step than the one served
+     * for a refresh period.
+     */
     int put_busy;
+    uint64_t put_step;
+    uint8_t put_hash[HM_STATE_HASH_BYTES];
+    waiter *waiters; /* declared_cb callers, oldest first */
     unsigned declared;
     uint64_t chunks_served, manifests_served, refused_busy;
     uv_timer_t timer;
@@ -434,6 +452,33 @@ static void version_free(version *v)
     free(v);
 }
 
+/*
+ * Answers the waiters of steps lo..hi: they are taken off the share before
+ * any callback runs, so a callback may share again or unshare (then s is
+ * closing: callers look it up again before they use it).
+ */
+static void answer_waiters(share *s, uint64_t lo, uint64_t hi, int status, unsigned replicas)
+{
+    waiter *done = NULL, **tail = &done, **pp = &s->waiters;
+    while (*pp != NULL) {
+        waiter *w = *pp;
+        if (w->step >= lo && w->step <= hi) {
+            *pp = w->next;
+            w->next = NULL;
+            *tail = w;
+            tail = &w->next;
+        } else {
+            pp = &w->next;
+        }
+    }
+    while (done != NULL) {
+        waiter *w = done;
+        done = w->next;
+        w->cb(w->ud, status, replicas);
+        free(w);
+    }
+}
+
 static void on_share_closed(uv_handle_t *h)
 {
     share *s = h->data;
@@ -445,6 +490,8 @@ static void on_share_closed(uv_handle_t *h)
     free(s);
     handle_closed(st);
 }
+
+static void declare(share *s);
 
 static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_info *info)
 {
@@ -462,6 +509,13 @@ static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_in
     s->declared = status == 0 ? stored : 0;
     if (status != 0)
         hm_debug(MOD, "%s: declaration not stored: %s", s->key, hm_strerror(status));
+    answer_waiters(s, 0, s->put_step, status, status == 0 ? stored : 0);
+    /* A newer version became current while this put ran: it is declared
+     * now rather than at the next refresh, and its waiters wait for that. */
+    s = share_by_id(st, id);
+    if (s != NULL && !s->put_busy && s->cur != NULL &&
+        sodium_memcmp(s->cur->hash, s->put_hash, HM_STATE_HASH_BYTES) != 0)
+        declare(s);
 }
 
 static void declare(share *s)
@@ -475,12 +529,13 @@ static void declare(share *s)
     int r;
 
     if (s->put_busy)
-        return;
+        return; /* on_put declares v when the put in flight ends */
     /* Read each time: the declared address can change, and with none that
      * others could dial there is nothing worth declaring. */
     if ((r = hm_node_announce(st->node, &st->addr)) < 0) {
         hm_debug(MOD, "%s: not declared: no address others can dial (%s)", s->key,
                  hm_strerror(r));
+        answer_waiters(s, 0, v->step, r, 0);
         return;
     }
     d.addr = st->addr;
@@ -489,20 +544,26 @@ static void declare(share *s)
     hm_state_encode_decl(&w, &d);
     if ((r = hm_wire_wr_error(&w)) < 0) {
         hm_warn(MOD, "%s: cannot encode the declaration: %s", s->key, hm_strerror(r));
+        answer_waiters(s, 0, v->step, r, 0);
         return;
     }
     hm_dht_owner_marker(st->pk, marker);
     op *o = op_new(st, s->id, OP_PUT);
-    if (o == NULL)
+    if (o == NULL) {
+        answer_waiters(s, 0, v->step, -ENOMEM, 0);
         return;
+    }
     r = hm_node_dht_put(st->node, (const uint8_t *)s->key, s->key_len, (const uint8_t *)marker,
                         strlen(marker), 1, value, w.len, v->ttl_s, DHT_TIMEOUT_MS, on_put, o);
     if (r < 0) {
         op_free(o);
         hm_debug(MOD, "%s: cannot declare: %s", s->key, hm_strerror(r));
+        answer_waiters(s, 0, v->step, r, 0);
         return;
     }
     s->put_busy = 1;
+    s->put_step = v->step;
+    memcpy(s->put_hash, v->hash, HM_STATE_HASH_BYTES);
 }
 
 /* Hashes one slice of the version being prepared; 1 once it is complete. */
@@ -550,6 +611,13 @@ static void on_share_timer(uv_timer_t *t)
                     (unsigned long long)s->next_v->step);
             version_free(s->next_v);
             s->next_v = NULL;
+            /* Those who waited for it (or for a version it superseded
+             * while hashing) are told; the current one stays declared. */
+            hm_state *st = s->st;
+            uint64_t id = s->id;
+            answer_waiters(s, s->cur != NULL ? s->cur->step + 1 : 0, UINT64_MAX, -ENOMEM, 0);
+            if (share_by_id(st, id) == NULL)
+                return;
         } else {
             version_free(s->old[KEEP_OLD_VERSIONS - 1]);
             memmove(&s->old[1], &s->old[0], (KEEP_OLD_VERSIONS - 1) * sizeof(s->old[0]));
@@ -564,7 +632,11 @@ static void on_share_timer(uv_timer_t *t)
     }
     if (s->cur == NULL)
         return;
+    hm_state *st = s->st;
+    uint64_t id = s->id;
     declare(s);
+    if (share_by_id(st, id) == NULL)
+        return; /* a waiter's callback unshared it */
     /* Refresh a third into the TTL, with up to 10% jitter so that donors
      * that started together do not refresh together. */
     double period_ms = s->cur->ttl_s * 1000.0 / 3.0;
@@ -581,6 +653,7 @@ int hm_state_share(hm_state *st, const char *prefix, uint64_t step, const void *
     size_t key_len;
     int result = 0;
     version *v = NULL;
+    waiter *wt = NULL;
     share *s;
 
     if (opts == NULL)
@@ -622,6 +695,15 @@ int hm_state_share(hm_state *st, const char *prefix, uint64_t step, const void *
         result = -ENOMEM;
         goto out;
     }
+    if (opts->declared_cb != NULL) {
+        if ((wt = calloc(1, sizeof(*wt))) == NULL) {
+            result = -ENOMEM;
+            goto out;
+        }
+        wt->step = step;
+        wt->cb = opts->declared_cb;
+        wt->ud = opts->declared_ud;
+    }
     memcpy(v->blob, blob, len);
 
     if (s == NULL) {
@@ -645,8 +727,16 @@ int hm_state_share(hm_state *st, const char *prefix, uint64_t step, const void *
     version_free(s->next_v);
     s->next_v = v;
     v = NULL;
+    if (wt != NULL) {
+        waiter **pp = &s->waiters;
+        while (*pp != NULL)
+            pp = &(*pp)->next;
+        *pp = wt;
+        wt = NULL;
+    }
     uv_timer_start(&s->timer, on_share_timer, 0, 0);
 out:
+    free(wt);
     version_free(v);
     return result;
 }
@@ -658,6 +748,8 @@ static void share_free(share *s)
     st->n_shares--;
     uv_timer_stop(&s->timer);
     uv_close((uv_handle_t *)&s->timer, on_share_closed);
+    /* Off the list already: a callback that shares again makes a new share. */
+    answer_waiters(s, 0, UINT64_MAX, -ECANCELED, 0);
 }
 
 int hm_state_unshare(hm_state *st, const char *prefix)
@@ -1101,15 +1193,16 @@ static void on_probe(void *ud, int status, const uint8_t *body, size_t len)
  * Asks a donor the node has not seen for the manifest it declares, once
  * per load: an answer under its key proves the address it declares, and
  * so its origin; the next read of the declarations counts its vote.
+ * 1 when the request went out.
  */
-static void probe(load *l, const decl_entry *x)
+static int probe(load *l, const decl_entry *x)
 {
     hm_state *st = l->st;
     uint8_t buf[HM_STATE_SMALL_MAX];
     hm_wire_wr w;
     hm_state_req q;
     if (l->n_probed >= MAX_PROBES || pk_in(l->probed, l->n_probed, x->pk))
-        return;
+        return 0;
     memcpy(l->probed[l->n_probed++], x->pk, HM_PK_BYTES);
     hm_debug(MOD, "%s: asking an unseen donor to prove its address", l->key);
     memset(&q, 0, sizeof(q));
@@ -1118,16 +1211,19 @@ static void probe(load *l, const decl_entry *x)
     hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
     hm_state_encode_req(&w, &q, 0);
     if (hm_wire_wr_error(&w) < 0)
-        return;
+        return 0;
     op *o = op_new(st, l->id, OP_PROBE);
     if (o == NULL)
-        return;
+        return 0;
     memcpy(o->pk, x->pk, HM_PK_BYTES);
     memcpy(o->hash, x->d.hash, HM_STATE_HASH_BYTES);
     if (hm_rpc_call(st->rpc, x->pk, (const struct sockaddr *)&x->d.addr, M_MANIFEST, buf, w.len,
                     HM_RPC_STREAM, HM_MIN(l->req_ms, (uint64_t)PROBE_TIMEOUT_MS), on_probe, o,
-                    &o->call_id) < 0)
+                    &o->call_id) < 0) {
         op_free(o);
+        return 0;
+    }
+    return 1;
 }
 
 static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
@@ -1148,6 +1244,9 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
     int r = -ENOENT;
     decl_entry *e = NULL;
     size_t ne = 0;
+    /* The newest step an unseen donor was first asked to prove this read. */
+    int probed = 0;
+    uint64_t probed_step = 0;
     if (status == 0 && n > 0) {
         e = calloc(HM_MIN(n, (size_t)MAX_DECLS), sizeof(*e));
         /* Where the node verified each peer: a donor's origin, whatever it declares. */
@@ -1190,8 +1289,10 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
                     x->verified = 1;
                     break;
                 }
-            if (!x->verified)
-                probe(l, x);
+            if (!x->verified && probe(l, x)) {
+                probed_step = probed ? HM_MAX(probed_step, x->d.step) : x->d.step;
+                probed = 1;
+            }
             ne++;
         }
         free(peers);
@@ -1204,6 +1305,21 @@ static void on_get(void *ud, int status, const hm_dht_value *values, size_t n,
         }
     } else if (status < 0) {
         hm_debug(MOD, "%s: DHT read failed: %s", l->key, hm_strerror(status));
+    }
+    /*
+     * Agreement on a step older than one an unseen donor declares and is
+     * being asked to prove: its vote may count at the next read, so the
+     * newest state enough origins vouch for is decided then, not by which
+     * proof came first. Each donor is asked once per load, so this waits
+     * at most one more read per new donor, within dht_attempts.
+     */
+    if (r == 0 && probed && probed_step > l->agreed.step && l->dht_reads < l->dht_attempts &&
+        mono_ms() + DHT_RETRY_MS < l->deadline_ms) {
+        hm_debug(MOD, "%s: step %llu agreed, an unseen donor declares %llu: reading again",
+                 l->key, (unsigned long long)l->agreed.step, (unsigned long long)probed_step);
+        l->n_donors = 0;
+        load_arm(l, mono_ms() + DHT_RETRY_MS);
+        return;
     }
     if (r == 0) {
         uint64_t cap = l->dest != NULL ? HM_MIN(st->cfg.max_blob_bytes, (uint64_t)l->dest_cap)

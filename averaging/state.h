@@ -68,6 +68,10 @@
  * votes with the origin of that address. Keys that declare a state and
  * are never reachable at their address (another origin's address, or
  * gone) thus never vote, and only donors with a vote are downloaded from.
+ * A step agreed on while an unseen donor that declares a newer one is
+ * being asked for its proof is not taken at once: the declarations are
+ * read again (within dht_attempts), so the newest step is decided with
+ * that donor's vote, not by which answer came first.
  * So two
  * identities on one host agreeing on step 999999 are one vote, and the
  * newest step wins only among steps that enough origins vouch for. With a
@@ -182,9 +186,27 @@ void hm_state_limits(const hm_state *st, hm_limit_emit_fn emit, void *ud);
 
 /* ---- donor side ---- */
 
+/*
+ * The outcome of a share's first declaration (hm_state_share_opts): 0 and
+ * the replicas that stored it, or the negative errno of the DHT put (or of
+ * the declaration that could not start: no address others can dial);
+ * -ECANCELED when the prefix was unshared or the module closed first.
+ */
+typedef void (*hm_state_declared_cb)(void *ud, int status, unsigned replicas);
+
 typedef struct hm_state_share_opts {
     size_t chunk_size;   /* HM_STATE_CHUNK_MIN..HM_STATE_CHUNK_MAX; 0: 1 MiB */
     double ttl_s;        /* declaration lifetime; 0: 60 */
+    /*
+     * When set, fires once (never inside hm_state_share, and never when it
+     * fails) after this step, or a newer one shared since, was hashed and
+     * its declaration put to the DHT. A newcomer that reads the
+     * declarations after that finds this step (or the newer one), not an
+     * older one; a trainer that wants newcomers to find its latest state
+     * waits for it (state.share's "wait").
+     */
+    hm_state_declared_cb declared_cb;
+    void *declared_ud;
     /*
      * Tests: serve every chunk with one byte flipped while declaring the
      * true hash, i.e. behave as a hostile donor would.
@@ -196,7 +218,9 @@ typedef struct hm_state_share_opts {
  * Shares blob[0..len) as the state at step under prefix (opts may be
  * NULL). The bytes are copied before this returns; hashing and the DHT
  * declaration follow from the loop (hm_state_share_info_get says when it
- * is served and declared). Returns 0, -EINVAL (bad prefix or options, an
+ * is served and declared, opts->declared_cb when it was declared). A step
+ * that becomes ready while the previous declaration is still being put is
+ * declared as soon as that put ends, not at the next refresh. Returns 0, -EINVAL (bad prefix or options, an
  * empty or NULL blob), -EMSGSIZE (len over
  * max_blob_bytes or over HM_STATE_MAX_CHUNKS chunks), -ESTALE (an older
  * step than the one shared), -ENOBUFS (HM_STATE_MAX_SHARES prefixes

@@ -45,6 +45,10 @@ void hm_lib_set_error(hmc *h, const char *msg);
 #define MAX_PARAMS ((size_t)1 << 28)
 /* What the state.load call waits on top of its own timeout. */
 #define LOAD_SLACK_MS 15000
+/* A state.share with wait: the daemon's DHT put (5 s at most) and slack,
+ * plus a second for every 32 MiB it hashes first (it does ~1 GB/s). */
+#define SHARE_WAIT_MS 30000
+#define SHARE_HASH_BYTES_PER_S ((size_t)32 << 20)
 #define PREFIX_MAX 128
 
 struct hmc_diloco {
@@ -233,19 +237,27 @@ static int all_finite(const float *x, size_t n)
     return 1;
 }
 
-/* Hands the outer state to the daemon for newcomers (it copies the bytes). */
+/*
+ * Hands the outer state to the daemon for newcomers (it copies the bytes),
+ * and returns once the daemon has declared it in the DHT ("wait"): the
+ * round is over for this trainer only when a newcomer that asks from then
+ * on finds this round's state, not the one before it, which the DHT would
+ * otherwise still name for the few milliseconds the put takes (or, with
+ * the previous put still in flight, longer).
+ */
 static void share(hmc_diloco *d, hmc_diloco_report *rep)
 {
     if (!d->o.share_state)
         return;
     write_header(d);
-    char args[PREFIX_MAX + 160];
+    char args[PREFIX_MAX + 176];
     snprintf(args, sizeof(args),
-             "{\"prefix\": \"%s\", \"step\": %llu, \"data\": {\"shm\": %llu, \"offset\": 0, "
-             "\"elems\": %zu}}",
+             "{\"prefix\": \"%s\", \"step\": %llu, \"wait\": true, \"data\": {\"shm\": %llu, "
+             "\"offset\": 0, \"elems\": %zu}}",
              d->state_prefix, (unsigned long long)d->round,
              (unsigned long long)hmc_buf_id(d->state), state_bytes(d->n) / sizeof(float));
-    int r = hmc_request(d->h, "state.share", args, NULL);
+    int wait_ms = SHARE_WAIT_MS + (int)(state_bytes(d->n) / SHARE_HASH_BYTES_PER_S) * 1000;
+    int r = hmc_call(d->h, "state.share", args, wait_ms, NULL, NULL);
     if (r == 0) {
         if (rep != NULL)
             rep->shared = 1;

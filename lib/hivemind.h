@@ -377,7 +377,10 @@ int hmc_experts_backward_routed_seq(hmc *h, const hmc_expert *experts, size_t n_
  * The outer state (outer parameters, momentum, the round number) is
  * shared with newcomers after every outer step through the daemon's
  * state.share under "RUN_ID.diloco" with the round as the step, and a
- * newcomer loads the newest one at hmc_diloco_begin (state.load). Its
+ * newcomer loads the newest one at hmc_diloco_begin (state.load). The
+ * outer step returns once the daemon has declared that state in the DHT
+ * (state.share's "wait"), so a newcomer that begins after the trainers
+ * finished round R loads round R's state, not an older one. Its
  * layout, HMC_DILOCO_STATE_HEADER bytes then 2 n floats:
  *     "HMDILOCO", u32 version (1), u32 flags (bit 0: momentum set),
  *     u64 n_params, u64 round; the outer parameters; the momentum,

@@ -1014,6 +1014,84 @@ Test(state, manifest_requests_respect_the_serving_caps)
     swarm_stop(&sw);
 }
 
+typedef struct declared_rec {
+    int calls, status;
+    unsigned replicas;
+    uint64_t at_ms;
+} declared_rec;
+
+static void on_declared_rec(void *ud, int status, unsigned replicas)
+{
+    declared_rec *d = ud;
+    d->calls++;
+    d->status = status;
+    d->replicas = replicas;
+    d->at_ms = hm_now_ms();
+}
+
+static int declared_called(void *ud) { return ((declared_rec *)ud)->calls > 0; }
+
+static int ready_at(void *ud)
+{
+    declared_pred *p = ud;
+    hm_state_share_info info;
+    return hm_state_share_info_get(p->sw->st[p->from], p->prefix, &info) == 0 && info.ready &&
+           info.step == p->step;
+}
+
+/*
+ * A step that becomes ready while the declaration of the one before is
+ * still being put (a replica is dead, so the put waits for it) is
+ * declared when that put ends, not a refresh period (20 s) later: a
+ * newcomer that asks once the donor said it was declared loads it, not
+ * the older step the DHT would otherwise go on naming.
+ */
+Test(state, a_step_ready_during_a_put_is_declared_when_it_ends)
+{
+    swarm sw;
+    swarm_start(&sw, 3, 2);
+    kill_node(&sw, 2);
+    uint8_t *a = make_blob(40000, 51), *b = make_blob(40000, 52);
+    declared_rec d1 = {0}, d2 = {0}, d3 = {0};
+    hm_state_share_opts so1 = {.declared_cb = on_declared_rec, .declared_ud = &d1};
+    hm_state_share_opts so2 = {.declared_cb = on_declared_rec, .declared_ud = &d2};
+    hm_state_share_opts so3 = {.declared_cb = on_declared_rec, .declared_ud = &d3};
+    cr_assert_eq(hm_state_share(sw.st[0], "racing", 1, a, 40000, &so1), 0);
+    cr_assert_eq(d1.calls, 0, "declared_cb fired inside hm_state_share");
+    declared_pred p1 = {&sw, "racing", 0, 1, 1};
+    cr_assert(hm_test_run_until(&sw.loop, ready_at, &p1, 5000), "step 1 never hashed");
+    uint64_t t0 = hm_now_ms();
+    cr_assert_eq(hm_state_share(sw.st[0], "racing", 2, b, 40000, &so2), 0);
+    cr_assert(hm_test_run_until(&sw.loop, declared_called, &d2, 15000),
+              "step 2 was not declared within 15 s of being shared");
+    cr_assert_eq(d2.calls, 1);
+    cr_assert_eq(d2.status, 0, "%s", hm_strerror(d2.status));
+    cr_assert_geq(d2.replicas, 1u);
+    cr_assert_eq(d1.calls, 1, "step 1's waiter was not answered");
+    cr_assert_eq(d1.status, 0, "%s", hm_strerror(d1.status));
+    cr_assert_leq(d1.at_ms, d2.at_ms);
+    cr_log_info("step 2 declared %llu ms after it was shared",
+                (unsigned long long)(d2.at_ms - t0));
+
+    result r;
+    hm_state_load_opts o = {.timeout_ms = 10000, .min_agree = 1};
+    load(&sw, 1, "racing", &o, &r, 15000);
+    cr_assert_eq(r.status, 0, "%s", hm_strerror(r.status));
+    cr_assert_eq(r.rep.step, 2u, "the newcomer loaded step %llu",
+                 (unsigned long long)r.rep.step);
+    cr_assert_eq(memcmp(r.blob, b, r.len), 0);
+    free(r.blob);
+
+    /* Unsharing answers a waiter at once. */
+    cr_assert_eq(hm_state_share(sw.st[0], "racing", 3, a, 40000, &so3), 0);
+    cr_assert_eq(hm_state_unshare(sw.st[0], "racing"), 0);
+    cr_assert_eq(d3.calls, 1);
+    cr_assert_eq(d3.status, -ECANCELED);
+    free(a);
+    free(b);
+    swarm_stop(&sw);
+}
+
 Test(state, replaced_versions_stay_served_for_two_more_shares)
 {
     swarm sw;

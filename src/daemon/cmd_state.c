@@ -57,8 +57,16 @@ typedef struct share_job {
     char prefix[HM_STATE_PREFIX_MAX + 1];
     uint64_t step;
     hm_state_share_opts opts;
+    int wait;
     char in[PATH_MAX];
 } share_job;
+
+/* A state.share with args.wait, until its step (or a newer one) is declared. */
+typedef struct declare_job {
+    hm_cmd_state *s;
+    hm_control_req *req;
+    json_t *result; /* the reply, with "declared" added when it comes */
+} declare_job;
 
 /* ---- argument helpers ---- */
 
@@ -89,14 +97,51 @@ static json_t *hash_json(const uint8_t h[HM_STATE_HASH_BYTES])
 
 /* ---- state.share ---- */
 
-/* Shares bytes[0..len) and answers req. */
+/* The module declared the step of a waiting state.share (or could not). */
+static void on_declared(void *ud, int status, unsigned replicas)
+{
+    declare_job *j = ud;
+    hm_cmd_state *s = j->s;
+    if (status == -ECANCELED) {
+        hm_daemon_reply_stopping(j->req);
+        json_decref(j->result);
+    } else {
+        json_object_set_new(j->result, "declared", json_integer((json_int_t)replicas));
+        /* The state is shared and served either way; the declaration is
+         * put again at the next refresh. */
+        if (status != 0)
+            json_object_set_new(j->result, "declare_error", json_string(hm_strerror(status)));
+        hm_daemon_reply(j->req, j->result);
+    }
+    free(j);
+    s->life.jobs--;
+    hm_daemon_life_settle(&s->life, s);
+}
+
+/* Shares bytes[0..len) and answers req: at once, or with wait once the
+ * step is declared in the DHT. */
 static void do_share(hm_cmd_state *s, hm_control_req *req, const char *prefix, uint64_t step,
-                     const void *bytes, size_t len, const hm_state_share_opts *o)
+                     const void *bytes, size_t len, const hm_state_share_opts *opts, int wait)
 {
     char msg[256];
+    hm_state_share_opts so = *opts;
+    const hm_state_share_opts *o = &so;
     long long chunk = (long long)o->chunk_size;
+    declare_job *dj = NULL;
+    if (wait) {
+        if ((dj = calloc(1, sizeof(*dj))) == NULL) {
+            hm_control_reply_error(req, "internal", "out of memory");
+            return;
+        }
+        dj->s = s;
+        dj->req = req;
+        so.declared_cb = on_declared;
+        so.declared_ud = dj;
+    }
     /* The module copies the bytes, so the caller may free them at once. */
     int r = hm_state_share(s->st, prefix, step, bytes, len, o);
+    if (r < 0)
+        free(dj); /* the callback never fires */
     if (r == -ESTALE) {
         snprintf(msg, sizeof(msg), "a newer step than %llu is already shared under '%s'",
                  (unsigned long long)step, prefix);
@@ -121,9 +166,16 @@ static void do_share(hm_cmd_state *s, hm_control_req *req, const char *prefix, u
     }
     hm_info(MOD, "sharing '%s' at step %llu: %zu bytes", prefix, (unsigned long long)step, len);
     size_t chunks = hm_state_n_chunks((uint64_t)len, (uint64_t)chunk, UINT64_MAX);
-    hm_daemon_reply(req, json_pack("{s:s, s:I, s:I, s:I, s:I}", "prefix", prefix, "step",
-                              (json_int_t)step, "bytes", (json_int_t)len, "chunk_size",
-                              (json_int_t)chunk, "chunks", (json_int_t)chunks));
+    json_t *result = json_pack("{s:s, s:I, s:I, s:I, s:I}", "prefix", prefix, "step",
+                               (json_int_t)step, "bytes", (json_int_t)len, "chunk_size",
+                               (json_int_t)chunk, "chunks", (json_int_t)chunks);
+    if (dj == NULL) {
+        hm_daemon_reply(req, result);
+        return;
+    }
+    /* Answered by on_declared, which the module calls exactly once. */
+    dj->result = result;
+    s->life.jobs++;
 }
 
 static void on_share_read(void *ud, int status, float *data, size_t n, const char *msg)
@@ -135,7 +187,7 @@ static void on_share_read(void *ud, int status, float *data, size_t n, const cha
     else if (s->life.closing)
         hm_daemon_reply_stopping(j->req);
     else
-        do_share(s, j->req, j->prefix, j->step, data, n * sizeof(float), &j->opts);
+        do_share(s, j->req, j->prefix, j->step, data, n * sizeof(float), &j->opts, j->wait);
     free(data);
     free(j);
     s->life.jobs--;
@@ -171,6 +223,9 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
         hm_control_reply_error(req, "bad_args", "args.ttl must be at least 1 second");
         return;
     }
+    int wait;
+    if (hm_daemon_arg_bool(req, args, "wait", 0, &wait) != 0)
+        return;
     hm_state_share_opts o = {.chunk_size = (size_t)chunk, .ttl_s = ttl};
     uint64_t step = (uint64_t)json_integer_value(sv);
     if (json_object_get(args, "in") != NULL) {
@@ -193,6 +248,7 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
         hm_strlcpy(j->prefix, prefix, sizeof(j->prefix));
         j->step = step;
         j->opts = o;
+        j->wait = wait;
         char expect[96];
         snprintf(expect, sizeof(expect), "a positive multiple of 4 (float32), at most %zu",
                  MAX_FILE_BYTES);
@@ -215,7 +271,7 @@ static void cmd_share(void *ud, hm_control_req *req, const json_t *args)
         hm_shm_put(shm, id);
         return;
     }
-    do_share(s, req, prefix, step, p, (size_t)bytes, &o);
+    do_share(s, req, prefix, step, p, (size_t)bytes, &o, wait);
     hm_shm_put(shm, id);
 }
 
