@@ -27,10 +27,14 @@
 
 TestSuite(relay, .timeout = 120);
 
+/* Inbound connections per origin at the next node made (0: the default). */
+static size_t conns_per_origin;
+
 static hm_node *make_full(uv_loop_t *loop, const char *listen, const hm_relay_config *rc,
                           const char *peer, uint64_t ping_ms)
 {
     hm_node_options o = {0};
+    o.transport.max_conns_per_origin = conns_per_origin;
     const char *peers[1] = {peer};
     signal(SIGPIPE, SIG_IGN);
     o.listen = listen;
@@ -104,14 +108,15 @@ static void wait_state(uv_loop_t *loop, hm_node *n, int state, int via_index, ui
 /* ---- an echo method on the NAT'd peer, and calls to it ---- */
 
 static int echo_served;
+static struct sockaddr_storage echo_from; /* the last call's */
 
 static void on_echo(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                     const struct sockaddr *from, const uint8_t *body, size_t len)
 {
     HM_UNUSED(ud);
     HM_UNUSED(peer_pk);
-    HM_UNUSED(from);
     echo_served++;
+    memcpy(&echo_from, from, hm_addr_len(from));
     /* The answer differs from the question, so that a copy of the request cannot pass. */
     uint8_t *out = malloc(len + 1);
     cr_assert_not_null(out);
@@ -293,6 +298,65 @@ Test(relay, call_through_a_reservation)
     close_all(&loop, all, 4);
 }
 
+/* The host part of the address the last echo call came from. */
+static const char *echo_from_host(char *buf, size_t len)
+{
+    hm_format_addr((struct sockaddr *)&echo_from, buf, len);
+    char *colon = strrchr(buf, ':');
+    if (colon != NULL)
+        *colon = '\0';
+    return buf;
+}
+
+/*
+ * Diallers behind one relay are not one origin at the NAT'd peer: each
+ * call's `from` is the dialler's own address, and the per-origin
+ * connection cap (1 here) turns away a second key of one dialler's
+ * origin while another origin's dialler still gets through.
+ */
+Test(relay, relayed_diallers_are_charged_to_their_own_origins)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_relay_config rs = serving();
+    hm_node *r = make(&loop, "127.0.0.1:0", &rs);
+    hm_relay_config rc = {0};
+    via(&rc, r);
+    conns_per_origin = 1;
+    hm_node *n = natd(&loop, "127.0.0.3:0", &rc);
+    conns_per_origin = 0;
+    hm_node *d1 = make(&loop, "127.0.0.2:0", NULL);
+    hm_node *d1b = make(&loop, "127.0.0.2:0", NULL);
+    hm_node *d2 = make(&loop, "127.0.0.5:0", NULL);
+    wait_state(&loop, n, HM_RELAY_RESERVED, 0, 5000);
+    struct sockaddr_storage ra;
+    addr_of(r, &ra);
+    struct call c;
+    char h[HM_ADDRSTRLEN];
+
+    cr_assert_eq(call_echo(&loop, d1, n, &ra, 1000, &c), 0, "%s", hm_strerror(c.status));
+    cr_assert_str_eq(echo_from_host(h, sizeof(h)), "127.0.0.2", "the call came from %s", h);
+    cr_assert_eq(call_echo(&loop, d2, n, &ra, 1000, &c), 0, "%s", hm_strerror(c.status));
+    cr_assert_str_eq(echo_from_host(h, sizeof(h)), "127.0.0.5", "the call came from %s", h);
+    hm_relay_status st;
+    hm_node_relay(n, &st);
+    cr_assert_eq(st.accepts, 2);
+    cr_assert_eq(st.refused_dialler_origin, 0);
+
+    /* Another key on 127.0.0.2: its origin already holds its one connection. */
+    echo_served = 0;
+    cr_assert_neq(call_echo(&loop, d1b, n, &ra, 1000, &c), 0, "a second key of one origin got in");
+    cr_assert_eq(echo_served, 0);
+    hm_node_relay(n, &st);
+    cr_assert_eq(st.refused_dialler_origin, 1);
+    /* The others still get their answers over the connections they hold. */
+    cr_assert_eq(call_echo(&loop, d2, n, &ra, 1000, &c), 0, "%s", hm_strerror(c.status));
+    cr_assert_eq(call_echo(&loop, d1, n, &ra, 1000, &c), 0, "%s", hm_strerror(c.status));
+
+    hm_node *all[] = {d1, d1b, d2, n, r};
+    close_all(&loop, all, 5);
+}
+
 Test(relay, reservations_per_origin)
 {
     uv_loop_t loop;
@@ -472,6 +536,30 @@ Test(relay, parsers)
     cr_assert_eq(hm_relay_parse_preamble(pre, sizeof(pre) - 1, out), -EPROTO);
     pre[4] = 2;
     cr_assert_eq(hm_relay_parse_preamble(pre, sizeof(pre), out), -EPROTO);
+
+    /* relay.connect: the token, and the dialler's address when the relay names it. */
+    uint8_t buf[64 + HM_ADDRSTRLEN];
+    hm_wire_wr w;
+    struct sockaddr_storage from, back;
+    cr_assert_eq(hm_parse_hostport("192.0.2.7:4242", &from), 0);
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_relay_write_connect(&w, tok, &from);
+    cr_assert_eq(hm_wire_wr_error(&w), 0);
+    cr_assert_eq(hm_relay_parse_connect(w.buf, w.len, out, &back), 0);
+    cr_assert_arr_eq(out, tok, sizeof(tok));
+    cr_assert(hm_addr_equal((struct sockaddr *)&from, (struct sockaddr *)&back));
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_relay_write_connect(&w, tok, NULL);
+    cr_assert_eq(hm_relay_parse_connect(w.buf, w.len, out, &back), 0);
+    cr_assert_eq(back.ss_family, AF_UNSPEC);
+    /* A "from" that is no address is refused, not taken for none. */
+    hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
+    hm_wire_wr_map(&w, 2);
+    hm_wire_wr_cstr(&w, "token");
+    hm_wire_wr_bin(&w, tok, sizeof(tok));
+    hm_wire_wr_cstr(&w, "from");
+    hm_wire_wr_cstr(&w, "nowhere");
+    cr_assert_eq(hm_relay_parse_connect(w.buf, w.len, out, &back), -EPROTO);
 
     hm_relay_via v[HM_RELAY_MAX_VIA];
     size_t n = 0;

@@ -59,6 +59,7 @@ typedef struct circuit {
     uint8_t target[HM_PK_BYTES];
     uint8_t token[HM_RELAY_TOKEN_BYTES];
     hm_origin origin;       /* the dialler's */
+    struct sockaddr_storage from; /* the dialler's address, told to the peer */
     uint8_t *head;          /* the dialler's bytes read by the transport */
     size_t head_len;
     uint64_t created_ms;
@@ -118,7 +119,7 @@ struct hm_relay {
     int tried;            /* relays tried in this round */
     uint64_t gen;         /* bumps on every state change, so stale replies are ignored */
     uint64_t backoff_ms;
-    uint64_t failovers, accepts;
+    uint64_t failovers, accepts, refused_dialler_origin;
     char reason[HM_RELAY_REASON_LEN];
     /* -- relay failover -- */
     void (*notify)(void *ud); /* our relayed address changed (hm_relay_set_notify) */
@@ -181,14 +182,38 @@ int hm_relay_parse_preamble(const uint8_t *p, size_t len, uint8_t token_out[HM_R
     return 0;
 }
 
-int hm_relay_parse_connect(const uint8_t *body, size_t len, uint8_t token_out[HM_RELAY_TOKEN_BYTES])
+void hm_relay_write_connect(hm_wire_wr *w, const uint8_t token[HM_RELAY_TOKEN_BYTES],
+                            const struct sockaddr_storage *from)
+{
+    int has_from = from != NULL && from->ss_family != AF_UNSPEC;
+    hm_wire_wr_map(w, has_from ? 2 : 1);
+    hm_wire_wr_cstr(w, "token");
+    hm_wire_wr_bin(w, token, HM_RELAY_TOKEN_BYTES);
+    if (has_from) {
+        /* Whom the peer is to charge the circuit to (its origin's shares). */
+        hm_wire_wr_cstr(w, "from");
+        hm_wire_wr_addr(w, from);
+    }
+}
+
+int hm_relay_parse_connect(const uint8_t *body, size_t len, uint8_t token_out[HM_RELAY_TOKEN_BYTES],
+                           struct sockaddr_storage *from_out)
 {
     hm_wire_msg m;
     if (hm_wire_decode_open_map(&m, body, len, &relay_limits, NULL, 0) < 0)
         return -EPROTO;
     const msgpack_object *t = hm_wire_map_get(&m.root, "token");
+    const msgpack_object *f = hm_wire_map_get(&m.root, "from");
     int result = t != NULL && hm_wire_get_bin_exact(t, token_out, HM_RELAY_TOKEN_BYTES) == 0
                      ? 0 : -EPROTO;
+    memset(from_out, 0, sizeof(*from_out));
+    from_out->ss_family = AF_UNSPEC;
+    /* "from" is optional (relays before it did not send it), never malformed. */
+    if (result == 0 && f != NULL && hm_wire_get_addr(f, from_out) < 0)
+        result = -EPROTO;
+    if (result == 0 && f != NULL && from_out->ss_family != AF_INET &&
+        from_out->ss_family != AF_INET6)
+        result = -EPROTO;
     hm_wire_decode_close(&m);
     return result;
 }
@@ -516,6 +541,7 @@ static int divert_dialler(hm_relay *r, const uint8_t *head, size_t len, const st
     c->r = r;
     c->state = CIRC_PENDING;
     c->origin = o;
+    memcpy(&c->from, from, hm_addr_len(from));
     c->created_ms = now_ms();
     c->tokens = (int64_t)HM_MIN(r->cfg.rate, (uint64_t)INT64_MAX / 2);
     memcpy(c->target, target, HM_PK_BYTES);
@@ -529,12 +555,10 @@ static int divert_dialler(hm_relay *r, const uint8_t *head, size_t len, const st
         circ_close(c, "cannot take the socket");
         return 1;
     }
-    uint8_t buf[64];
+    uint8_t buf[64 + HM_ADDRSTRLEN];
     hm_wire_wr w;
     hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
-    hm_wire_wr_map(&w, 1);
-    hm_wire_wr_cstr(&w, "token");
-    hm_wire_wr_bin(&w, c->token, sizeof(c->token));
+    hm_relay_write_connect(&w, c->token, &c->from);
     call_ctx *x = calloc(1, sizeof(*x));
     if (x == NULL) {
         circ_close(c, "out of memory");
@@ -887,6 +911,7 @@ static void on_connect_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[
 {
     hm_relay *r = ud;
     uint8_t token[HM_RELAY_TOKEN_BYTES], pre[HM_TRANSPORT_RELAY_PREAMBLE];
+    struct sockaddr_storage dialler;
     HM_UNUSED(from);
     /* Only the relay we reserved with: nobody else makes us dial anything. */
     if (r->stopped || r->state != HM_RELAY_RESERVED || r->via < 0 ||
@@ -894,15 +919,24 @@ static void on_connect_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[
         hm_rpc_respond(req, -EPERM, NULL, 0);
         return;
     }
-    if (hm_relay_parse_connect(body, len, token) < 0) {
+    if (hm_relay_parse_connect(body, len, token, &dialler) < 0) {
         hm_rpc_respond(req, -EPROTO, NULL, 0);
         return;
     }
     hm_relay_make_preamble(token, pre);
+    /*
+     * The dialler's address is the relay's word: we take it from the relay
+     * we chose, which could as well refuse to carry anyone. A relay that
+     * names no dialler has its circuits charged to its own address.
+     */
     int rc = hm_transport_accept_relayed(r->t, (const struct sockaddr *)&r->cfg.via[r->via].addr,
-                                         pre, sizeof(pre));
+                                         pre, sizeof(pre),
+                                         dialler.ss_family == AF_UNSPEC
+                                             ? NULL : (const struct sockaddr *)&dialler);
     if (rc == 0)
         r->accepts++;
+    else if (rc == -EBUSY)
+        r->refused_dialler_origin++;
     hm_rpc_respond(req, rc, NULL, 0);
 }
 
@@ -996,6 +1030,7 @@ void hm_relay_get_status(hm_relay *r, hm_relay_status *out)
     hm_strlcpy(out->reason, r->reason, sizeof(out->reason));
     out->failovers = r->failovers;
     out->accepts = r->accepts;
+    out->refused_dialler_origin = r->refused_dialler_origin;
     out->serving = r->cfg.serve;
     out->reservations = r->n_res;
     out->circuits = r->n_circuits;

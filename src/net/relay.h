@@ -24,6 +24,9 @@
  * its life, a rate per circuit (the copy pauses when over it), a lifetime
  * per circuit, and accept_timeout_ms for the peer to call back. Each
  * refusal is counted under its config keyword (hm_relay_limits).
+ * relay.connect names the dialler's address ("from"), and the peer charges
+ * the connection to that origin as an inbound one
+ * (hm_transport_accept_relayed), so diallers behind us are told apart.
  *
  * Using relays (RelayVia, or relays the node found advertised in the DHT:
  * hm_relay_set_found). hm_relay_client_set_active(1) (the node calls it
@@ -48,6 +51,7 @@
 
 #include "src/base/crypto.h"
 #include "src/base/origin.h"
+#include "src/base/wire.h"
 #include "src/net/rpc.h"
 
 #define HM_RELAY_METHOD_RESERVE "relay.reserve"
@@ -100,6 +104,7 @@ typedef struct hm_relay_status {
     char reason[HM_RELAY_REASON_LEN];  /* why, for info and the log */
     uint64_t failovers;                /* moves to another relay */
     uint64_t accepts;                  /* relayed connections we opened */
+    uint64_t refused_dialler_origin;   /* ... refused: the dialler's origin was over its share */
     /* serving */
     int serving;
     size_t reservations, circuits;
@@ -142,8 +147,14 @@ void hm_relay_free(hm_relay *r, void (*cb)(void *ud), void *ud);
 int hm_relay_parse_preamble(const uint8_t *p, size_t len, uint8_t token_out[HM_RELAY_TOKEN_BYTES]);
 /* Writes the ACCEPT preamble for token into out (HM_TRANSPORT_RELAY_PREAMBLE bytes). */
 void hm_relay_make_preamble(const uint8_t token[HM_RELAY_TOKEN_BYTES], uint8_t *out);
-/* relay.connect's body: 0 with the token, or -EPROTO. */
-int hm_relay_parse_connect(const uint8_t *body, size_t len, uint8_t token_out[HM_RELAY_TOKEN_BYTES]);
+/* Writes relay.connect's body: the token and, unless from is NULL or
+ * AF_UNSPEC, the dialler's address (HM_ADDRSTRLEN + 64 bytes suffice). */
+void hm_relay_write_connect(hm_wire_wr *w, const uint8_t token[HM_RELAY_TOKEN_BYTES],
+                            const struct sockaddr_storage *from);
+/* relay.connect's body: 0 with the token and the dialler's address
+ * (ss_family AF_UNSPEC when the relay named none), or -EPROTO. */
+int hm_relay_parse_connect(const uint8_t *body, size_t len, uint8_t token_out[HM_RELAY_TOKEN_BYTES],
+                           struct sockaddr_storage *from_out);
 /* relay.reserve's reply: 0 with the reservation's ttl, or -EPROTO. */
 int hm_relay_parse_reserve_reply(const uint8_t *body, size_t len, uint64_t *ttl_ms_out);
 /*

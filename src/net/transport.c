@@ -197,7 +197,11 @@ typedef struct conn {
     SLIST_HEAD(, wreq) cache;
     unsigned n_cache;
     /* ---- connection admission (docs/security.md) ---- */
-    hm_origin origin; /* of addr: set at admission (inbound) or on first use */
+    hm_origin origin; /* of conn_from(): set at admission (inbound) or on first use */
+    /* A relayed accept's dialler, as its relay (the one we reserved with) saw
+     * it: where the connection's traffic comes from, for origins and `from`. */
+    struct sockaddr_storage relayed_from;
+    int have_relayed_from;
     int counted_inb;  /* charged to its origin as an inbound connection */
     int counted_hs;   /* ... and as one still in its handshake */
     int reset;        /* refused: close with a reset */
@@ -501,10 +505,16 @@ static void pool_trim(hm_transport *t, uint64_t older_than_ms)
  * the per-origin shares and the shedding below count origins, so any number
  * of identities on one origin get no more than one honest origin gets.
  */
+/* Whom c's traffic is from: its peer's address, or a relayed dialler's. */
+static const struct sockaddr *conn_from(const conn *c)
+{
+    return (const struct sockaddr *)(c->have_relayed_from ? &c->relayed_from : &c->addr);
+}
+
 static const hm_origin *conn_origin(conn *c)
 {
     if (!c->origin_known) {
-        hm_origin_of((const struct sockaddr *)&c->addr, &c->origin);
+        hm_origin_of(conn_from(c), &c->origin);
         c->origin_known = 1;
     }
     return &c->origin;
@@ -1205,7 +1215,7 @@ static int admit_inbound(hm_transport *t, conn *c)
 {
     const hm_transport_config *cf = &t->cfg;
     uint64_t now = hm_now_us();
-    hm_origin_of((const struct sockaddr *)&c->addr, &c->origin);
+    hm_origin_of(conn_from(c), &c->origin);
     c->origin_known = 1;
     hm_origin_ent *e = hm_origin_tab_get(&t->origins, &c->origin, 1);
     if (e == NULL) {
@@ -1546,7 +1556,7 @@ static void deliver(conn *c, const uint8_t *msg, size_t len)
     if (is_partitioned(t, c->pk))
         return;
     if (t->cbs.on_message != NULL)
-        t->cbs.on_message(t->ud, c->pk, (const struct sockaddr *)&c->addr, msg, len);
+        t->cbs.on_message(t->ud, c->pk, conn_from(c), msg, len);
 }
 
 static rasm *slot_find(conn *c, uint32_t id)
@@ -2897,14 +2907,15 @@ void hm_transport_set_divert(hm_transport *t, hm_transport_divert_fn fn, void *u
 }
 
 int hm_transport_accept_relayed(hm_transport *t, const struct sockaddr *to, const uint8_t *preamble,
-                                size_t len)
+                                size_t len, const struct sockaddr *dialler)
 {
     int result;
     conn *c;
     if (t->closing)
         return -ECANCELED;
     if (to == NULL || (to->sa_family != AF_INET && to->sa_family != AF_INET6) || preamble == NULL ||
-        len == 0 || len > 256)
+        len == 0 || len > 256 ||
+        (dialler != NULL && dialler->sa_family != AF_INET && dialler->sa_family != AF_INET6))
         return -EINVAL;
     if (live_conns(t) >= t->cfg.max_connections) {
         t->stats.refused_max_connections++;
@@ -2921,6 +2932,20 @@ int hm_transport_accept_relayed(hm_transport *t, const struct sockaddr *to, cons
      */
     c->outbound = 1;
     memcpy(&c->addr, to, hm_addr_len(to));
+    if (dialler != NULL) {
+        /*
+         * The dialler's origin, as the relay saw it: its circuit is charged
+         * there like an inbound connection (per-origin count, handshake
+         * rate, eviction), and so is everything it queues and sends.
+         */
+        memcpy(&c->relayed_from, dialler, hm_addr_len(dialler));
+        c->have_relayed_from = 1;
+        if (!admit_inbound(t, c)) {
+            c->quiet = 1;
+            conn_close(c, "relayed dialler's origin is over its share");
+            return -EBUSY;
+        }
+    }
     c->preamble = malloc(len);
     if (c->preamble == NULL) {
         c->quiet = 1;

@@ -273,10 +273,16 @@ void hm_transport_set_divert(hm_transport *t, hm_transport_divert_fn fn, void *u
  * the preamble (at most 256 bytes) and then answers, as the server, the
  * handshake of whoever the relay splices us to. Once that completes the
  * connection is an ordinary one to the dialler's key (sends to it use it).
- * 0, or -EINVAL, -ENOBUFS (max_connections), -ECANCELED or a dial error.
+ * `dialler` (NULL: unknown) is the dialler's address as the relay saw it:
+ * the connection is then admitted and charged like an inbound one from
+ * there (per-origin connections, handshake rate, memory shares), and its
+ * messages' `from` is that address, so diallers behind one relay are told
+ * apart by their own origins. 0, or -EINVAL, -ENOBUFS (max_connections),
+ * -EBUSY (the dialler's origin is over its share), -ECANCELED or a dial
+ * error.
  */
 int hm_transport_accept_relayed(hm_transport *t, const struct sockaddr *to, const uint8_t *preamble,
-                                size_t len);
+                                size_t len, const struct sockaddr *dialler);
 
 /* Bytes queued for pk and not yet written to the socket. */
 size_t hm_transport_queued(hm_transport *t, const uint8_t pk[HM_PK_BYTES]);

@@ -10,6 +10,7 @@
 
 #include "src/net/relay.h"
 #include "src/net/transport.h"
+#include "src/base/util.h"
 #include "src/base/wire.h"
 
 #include <errno.h>
@@ -37,18 +38,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         hm_relay_make_preamble(tok, pre);
         CHECK(memcmp(pre, data, sizeof(pre)) == 0);
     }
-    r = hm_relay_parse_connect(data, size, tok);
+    struct sockaddr_storage from, from2;
+    r = hm_relay_parse_connect(data, size, tok, &from);
     CHECK(r == 0 || r == -EPROTO);
     if (r == 0) {
-        uint8_t buf[64];
+        /* What parses writes back to the same token and address. */
+        CHECK(from.ss_family == AF_UNSPEC || from.ss_family == AF_INET ||
+              from.ss_family == AF_INET6);
+        uint8_t buf[64 + HM_ADDRSTRLEN];
         hm_wire_wr w;
         hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
-        hm_wire_wr_map(&w, 1);
-        hm_wire_wr_cstr(&w, "token");
-        hm_wire_wr_bin(&w, tok, sizeof(tok));
+        hm_relay_write_connect(&w, tok, &from);
         CHECK(hm_wire_wr_error(&w) == 0);
-        CHECK(hm_relay_parse_connect(w.buf, w.len, tok2) == 0);
+        CHECK(hm_relay_parse_connect(w.buf, w.len, tok2, &from2) == 0);
         CHECK(memcmp(tok, tok2, sizeof(tok)) == 0);
+        CHECK(from2.ss_family == from.ss_family);
+        if (from.ss_family != AF_UNSPEC)
+            CHECK(hm_addr_equal((const struct sockaddr *)&from, (const struct sockaddr *)&from2));
     }
     uint64_t ttl = 0;
     r = hm_relay_parse_reserve_reply(data, size, &ttl);
