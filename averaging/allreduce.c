@@ -163,6 +163,7 @@ struct hm_ar_round {
      * "Rollback").
      */
     float *orig;
+    size_t orig_n; /* elements orig has room for (a reused buffer may be larger) */
 
     size_t off[HM_AVG_MAX_GROUP], cnt[HM_AVG_MAX_GROUP], nch[HM_AVG_MAX_GROUP];
     uint64_t share[HM_AVG_MAX_GROUP];
@@ -244,6 +245,10 @@ struct hm_ar_ctx {
     hm_origin_tab early_origins; /* v[0]: bytes held per origin */
     uint64_t early_refused, early_origin_refused;
     hm_workpool *pool; /* NULL: every chunk is finalized on the loop */
+    /* The last round's rollback copy, kept for the next round of about its
+     * size (orig_take): memory the kernel has already faulted in. */
+    float *spare_orig;
+    size_t spare_n;
     uint64_t jobs_inline; /* chunks finalized on the loop: no pool, or its queue full */
 };
 
@@ -271,6 +276,43 @@ static float *copy_alloc(size_t n)
 #endif
     return p;
 }
+
+/*
+ * A round's rollback copy. Rounds of one size follow one another (the same
+ * model each time), and a fresh 64 MiB copy costs two to three times a
+ * copy into memory already faulted in, all of it on the loop at the
+ * start of a round: so the last round's buffer is kept, one at a time, and
+ * taken by the next round that fits it without being more than twice as
+ * large. Between rounds this holds one tensor's worth, no more than a
+ * round itself holds.
+ */
+static float *orig_take(hm_ar_ctx *ctx, size_t n, size_t *cap)
+{
+    float *p = ctx->spare_orig;
+    if (p != NULL && ctx->spare_n >= n && ctx->spare_n / 2 <= n) {
+        *cap = ctx->spare_n;
+        ctx->spare_orig = NULL;
+        ctx->spare_n = 0;
+        return p;
+    }
+    free(p);
+    ctx->spare_orig = NULL;
+    ctx->spare_n = 0;
+    *cap = n;
+    return copy_alloc(n);
+}
+
+static void orig_give(hm_ar_ctx *ctx, float *p, size_t cap)
+{
+    if (p != NULL && !ctx->closing && ctx->spare_orig == NULL &&
+        cap * sizeof(float) >= HUGE_BYTES) {
+        ctx->spare_orig = p;
+        ctx->spare_n = cap;
+        return;
+    }
+    free(p);
+}
+
 static void apply_view(hm_ar_round *r, uint64_t dead_add, uint64_t bad_add, int reason);
 
 static inline uint64_t bit(size_t i) { return (uint64_t)1 << i; }
@@ -2165,7 +2207,7 @@ static void round_free(hm_ar_round *r)
         free(r->hs[s].open);
     }
     free(r->tasks);
-    free(r->orig);
+    orig_give(r->ctx, r->orig, r->orig_n);
     free(r);
 }
 
@@ -2398,7 +2440,7 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
         r->cur[s] = r->cnt[s] > 0 ? (int)s : -1;
     }
     r->tasks = calloc(r->n_tasks ? r->n_tasks : 1, sizeof(*r->tasks));
-    r->orig = copy_alloc(n);
+    r->orig = orig_take(ctx, n, &r->orig_n);
     if (r->tasks == NULL || r->orig == NULL) {
         result = -ENOMEM;
         goto out;
@@ -2541,6 +2583,7 @@ static void ctx_timer_closed(uv_handle_t *h)
     void (*cb)(void *) = ctx->close_cb;
     void *ud = ctx->close_ud;
     hm_origin_tab_free(&ctx->early_origins);
+    free(ctx->spare_orig);
     free(ctx);
     if (cb != NULL)
         cb(ud);
