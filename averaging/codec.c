@@ -26,6 +26,22 @@
 #include <string.h>
 
 /* Elements per stack block in conversions and CenteredClip (4 KiB of floats). */
+/*
+ * The hot loops also get an AVX2 clone, chosen once at load time where the
+ * CPU has AVX2 (gcc's target_clones, an ifunc); elsewhere the baseline
+ * code runs. AVX2 alone, without FMA, so that no a * b + c is contracted
+ * into one rounding: both clones compute the same bits. About 1.7x for
+ * 8-bit encoding on the machine of docs/benchmarks.md. HM_CODEC_BASELINE
+ * leaves the clones out (tests/test_avg_codec_baseline, which a CPU with
+ * AVX2 would otherwise never run).
+ */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__) && \
+    !defined(HM_CODEC_BASELINE)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
 #define BLOCK 1024
 /* Elements per fixed-length inner loop (a multiple of every vector width). */
 #define LANES 16
@@ -128,7 +144,7 @@ float hm_avg_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
 uint16_t hm_avg_bf16_from_f32(float x) { return bf16_from_f32(x); }
 float hm_avg_bf16_to_f32(uint16_t h) { return bf16_to_f32(h); }
 
-static void f16_to_f32_n(float *restrict d, const uint16_t *restrict s, size_t n)
+HOT static void f16_to_f32_n(float *restrict d, const uint16_t *restrict s, size_t n)
 {
     size_t i = 0;
 
@@ -150,7 +166,7 @@ static void bf16_to_f32_n(float *restrict d, const uint16_t *restrict s, size_t 
         d[i] = bf16_to_f32(s[i]);
 }
 
-static void f32_to_f16_n(uint16_t *restrict d, const float *restrict s, size_t n)
+HOT static void f32_to_f16_n(uint16_t *restrict d, const float *restrict s, size_t n)
 {
     size_t i = 0;
 
@@ -229,7 +245,7 @@ static inline void put_le32(uint8_t *p, uint32_t v)
 
 static inline uint32_t not_finite(float f) { return (f32_bits(f) & F32_EXP_MASK) == F32_EXP_MASK; }
 
-int hm_avg_all_finite(const float *x, size_t n)
+HOT int hm_avg_all_finite(const float *x, size_t n)
 {
     uint32_t bad = 0;
     size_t i = 0;
@@ -304,7 +320,7 @@ static int encode_none(const float *x, size_t n, uint8_t *p)
 }
 
 /* Whether x fits fp16: 0, -EDOM (NaN or infinity) or -ERANGE (over 65504). */
-static int fp16_check(const float *x, size_t n)
+HOT static int fp16_check(const float *x, size_t n)
 {
     uint32_t max_abs = 0;
     size_t i = 0;
@@ -357,7 +373,7 @@ static inline uint8_t quantize(float x, float mn, double inv)
     return (uint8_t)(int32_t)HM_MIN(t, 255.0);
 }
 
-static void quantize_n(uint8_t *restrict q, const float *restrict x, size_t n, float mn,
+HOT static void quantize_n(uint8_t *restrict q, const float *restrict x, size_t n, float mn,
                        double inv)
 {
     size_t i = 0;
@@ -370,7 +386,7 @@ static void quantize_n(uint8_t *restrict q, const float *restrict x, size_t n, f
 }
 
 /* The chunk's extremes (0 and 0 when empty); -EDOM when some value is not finite. */
-static int u8_range(const float *restrict x, size_t n, float *mn_out, float *mx_out)
+HOT static int u8_range(const float *restrict x, size_t n, float *mn_out, float *mx_out)
 {
     uint32_t max_abs = 0;
     int32_t kmin = INT32_MAX, kmax = INT32_MIN;
@@ -481,7 +497,7 @@ static int decode_none(const uint8_t *p, size_t n, float *out)
 }
 
 /* Nonzero when some h[k] is an fp16 infinity or NaN (exponent all ones). */
-static uint32_t f16_special_n(const uint16_t *h, size_t n)
+HOT static uint32_t f16_special_n(const uint16_t *h, size_t n)
 {
     uint32_t bad = 0;
     size_t i = 0;
@@ -635,7 +651,7 @@ int hm_avg_chunk_roundtrip(int comp, const float *x, size_t n, float *out)
     }
 }
 
-void hm_avg_answer_apply(float *out, const float *x, const float *qx, const float *ans, size_t n,
+HOT void hm_avg_answer_apply(float *out, const float *x, const float *qx, const float *ans, size_t n,
                          int is_delta, double share)
 {
     /* 0 or 1 times the part: one loop for both forms, still branch-free inside. */

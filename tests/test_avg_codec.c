@@ -437,6 +437,64 @@ Test(avg_codec, roundtrip_equals_encode_then_decode_bit_for_bit)
     free(b);
 }
 
+/*
+ * 8-bit encoding against the formula of codec.h computed here one element
+ * at a time: the chunk's extremes (a -0.0 below a +0.0), then
+ * q = round((x - min) * 255 / (max - min)) in double, byte for byte, over
+ * lengths around the vector widths and ranges from subnormal to huge.
+ * This binary runs the codec as this CPU picks it (its AVX2 clones where
+ * the CPU has AVX2); test_avg_codec_baseline runs the same tests on the
+ * baseline code, so both give these very bytes.
+ */
+Test(avg_codec, uint8_encoding_equals_the_scalar_formula)
+{
+    static const size_t lens[] = {1, 7, 15, 16, 17, 31, 33, 1000, 4099};
+    static const double scales[] = {1e-44, 1e-30, 1e-3, 1.0, 1e30, 3e38};
+    struct rng r = {29};
+    float *x = alloc_floats(4099);
+    uint8_t *buf = malloc(hm_avg_chunk_size(HM_AVG_COMP_UINT8, 4099));
+    cr_assert_not_null(buf);
+    for (size_t si = 0; si < sizeof(scales) / sizeof(scales[0]); si++)
+        for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+            size_t n = lens[li], len = 0;
+            for (size_t i = 0; i < n; i++) {
+                double v = scales[si] * rng_normal(&r) / 4.0;
+                x[i] = (float)(v > 3e38 ? 3e38 : v < -3e38 ? -3e38 : v);
+            }
+            if (n > 2) {
+                x[n / 2] = -0.0f;
+                x[n / 3] = 0.0f;
+            }
+            float mn = x[0], mx = x[0];
+            for (size_t i = 1; i < n; i++) {
+                if (x[i] < mn || (x[i] == mn && signbit(x[i])))
+                    mn = x[i];
+                if (x[i] > mx || (x[i] == mx && !signbit(x[i])))
+                    mx = x[i];
+            }
+            cr_assert_eq(hm_avg_chunk_encode(HM_AVG_COMP_UINT8, x, n, buf,
+                                             hm_avg_chunk_size(HM_AVG_COMP_UINT8, n), &len),
+                         0);
+            float gmn, gmx;
+            memcpy(&gmn, buf + HM_AVG_CHUNK_HEADER, 4);
+            memcpy(&gmx, buf + HM_AVG_CHUNK_HEADER + 4, 4);
+            cr_assert(memcmp(&gmn, &mn, 4) == 0 && memcmp(&gmx, &mx, 4) == 0,
+                      "scale %g n %zu: range [%a, %a], want [%a, %a]", scales[si], n, gmn, gmx,
+                      mn, mx);
+            double spread = (double)mx - (double)mn;
+            double inv = spread > 0.0 ? 255.0 / spread : 0.0;
+            const uint8_t *q = buf + HM_AVG_CHUNK_HEADER + HM_AVG_CHUNK_UINT8_PARAMS;
+            for (size_t i = 0; i < n; i++) {
+                double t = ((double)x[i] - (double)mn) * inv + 0.5;
+                uint8_t want = (uint8_t)(int32_t)(t < 255.0 ? t : 255.0);
+                cr_assert_eq(q[i], want, "scale %g n %zu element %zu (%a): q %u, want %u",
+                             scales[si], n, i, x[i], q[i], want);
+            }
+        }
+    free(buf);
+    free(x);
+}
+
 /* The sender's side of a compressed answer, against the formula in double. */
 Test(avg_codec, answer_apply_takes_out_the_senders_share_of_its_rounding)
 {
