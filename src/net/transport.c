@@ -556,6 +556,22 @@ static void wq_sync(conn *c)
 }
 
 /*
+ * The origin's part of queueing len more bytes for an origin that queues
+ * `mine`. A single message always fits an origin with nothing queued, so a
+ * max_message transfer reaches any peer whatever the share (while the
+ * origin table has room), and single-chunk messages (replies, control) may
+ * pass the share by WQ_SMALL_SLACK, so they still get through behind a
+ * bulk transfer.
+ */
+static int wq_origin_fits(const hm_transport *t, uint64_t mine, size_t len)
+{
+    size_t share = t->cfg.wq_origin_bytes + (len <= HM_TRANSPORT_CHUNK ? WQ_SMALL_SLACK : 0);
+    if (mine > 0)
+        return mine + len <= share;
+    return hm_origin_tab_count(&t->mem_origins) < t->mem_origins.max_origins;
+}
+
+/*
  * Whether len more bytes may be queued on c: within its origin's share and
  * within the total. When the total is full, the origin queueing the most
  * pays first: if it would still queue more than c's origin after this send,
@@ -580,18 +596,7 @@ static int wq_admit(conn *c, size_t len, int notice)
         }
         return 0;
     }
-    /*
-     * A single message always fits an origin with nothing queued, so a
-     * max_message transfer reaches any peer whatever the share, and
-     * single-chunk messages (replies, control) may pass the share by
-     * WQ_SMALL_SLACK, so they still get through behind a bulk transfer.
-     */
-    size_t share = t->cfg.wq_origin_bytes + (len <= HM_TRANSPORT_CHUNK ? WQ_SMALL_SLACK : 0);
-    if (mine > 0 && mine + len > share) {
-        t->stats.wq_refused_origin++;
-        return -ENOBUFS;
-    }
-    if (mine == 0 && hm_origin_tab_count(&t->mem_origins) >= t->mem_origins.max_origins) {
+    if (!wq_origin_fits(t, mine, len)) {
         t->stats.wq_refused_origin++;
         return -ENOBUFS;
     }
@@ -1012,12 +1017,8 @@ static void conn_close(conn *c, const char *why)
 static int wq_fits(conn *c, size_t len)
 {
     hm_transport *t = c->t;
-    uint64_t mine = origin_val(t, conn_origin(c), V_WQ);
-    size_t share = t->cfg.wq_origin_bytes + (len <= HM_TRANSPORT_CHUNK ? WQ_SMALL_SLACK : 0);
-    if (c->unsent + c->inflight + len > t->cfg.max_queued_bytes)
-        return 0;
-    if (mine > 0 ? mine + len > share
-                 : hm_origin_tab_count(&t->mem_origins) >= t->mem_origins.max_origins)
+    if (c->unsent + c->inflight + len > t->cfg.max_queued_bytes ||
+        !wq_origin_fits(t, origin_val(t, conn_origin(c), V_WQ), len))
         return 0;
     return t->wq_total + len <= t->cfg.wq_max_bytes;
 }
