@@ -864,15 +864,8 @@ static void job_work(hm_work *w)
             if (jb->aggregate == HM_AR_CENTERED_CLIP && cnt > 0)
                 clipped = hm_avg_centered_clip(jb->xs, jb->wt, jb->m, cnt, jb->clip_tau,
                                                jb->clip_iters, jb->out) >= 0;
-            if (!clipped) {
-                /* Double accumulation keeps the mean exact to float32 rounding. */
-                for (size_t i = 0; i < cnt; i++) {
-                    double acc = 0;
-                    for (size_t j = 0; j < jb->m; j++)
-                        acc += jb->wt[j] * (double)jb->xs[j][i];
-                    jb->out[i] = (float)(acc / jb->total);
-                }
-            }
+            if (!clipped) /* double accumulation: exact to float32 rounding */
+                hm_avg_weighted_mean(jb->xs, jb->wt, jb->m, cnt, jb->total, jb->out);
             ans = jb->out;
         }
     }

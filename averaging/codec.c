@@ -262,6 +262,33 @@ HOT int hm_avg_all_finite(const float *x, size_t n)
     return !bad;
 }
 
+HOT void hm_avg_weighted_mean(const float *const *xs, const double *w, size_t m, size_t n,
+                              double total, float *out)
+{
+    double acc[BLOCK];
+    size_t i = 0;
+
+    /* Whole blocks (a constant trip count, which -O2 vectorizes), then the tail. */
+    for (; i + BLOCK <= n; i += BLOCK) {
+        for (size_t k = 0; k < BLOCK; k++)
+            acc[k] = 0.0;
+        for (size_t j = 0; j < m; j++) {
+            const float *x = xs[j] + i;
+            double wj = w[j];
+            for (size_t k = 0; k < BLOCK; k++)
+                acc[k] += wj * (double)x[k];
+        }
+        for (size_t k = 0; k < BLOCK; k++)
+            out[i + k] = (float)(acc[k] / total);
+    }
+    for (; i < n; i++) {
+        double a = 0.0;
+        for (size_t j = 0; j < m; j++)
+            a += w[j] * (double)xs[j][i];
+        out[i] = (float)(a / total);
+    }
+}
+
 /* ---- chunk compression ---- */
 
 static size_t elem_bytes(int comp)

@@ -191,6 +191,16 @@ int hm_avg_accumulate_dtype(float *acc, int dtype, const void *x, size_t n, doub
  */
 int hm_avg_finalize(float *acc, size_t n, double total_weight);
 
+/*
+ * out[i] = (float)((sum over j < m of w[j] * (double)xs[j][i]) / total), the
+ * sum in double in the order of j, the quotient rounded once to float32:
+ * the all-reduce's mean of one chunk, exact to float32 rounding for any m
+ * a group has. Done in blocks so that it vectorizes; the same bits as the
+ * element-by-element loop. The caller checks the inputs and the weights.
+ */
+void hm_avg_weighted_mean(const float *const *xs, const double *w, size_t m, size_t n,
+                          double total, float *out);
+
 /* 1 when every x[i] is finite (n == 0 included), else 0. */
 int hm_avg_all_finite(const float *x, size_t n);
 

@@ -495,6 +495,38 @@ Test(avg_codec, uint8_encoding_equals_the_scalar_formula)
     free(x);
 }
 
+/* The all-reduce's chunk mean: the same bits as the element-by-element loop. */
+Test(avg_codec, weighted_mean_equals_the_element_loop)
+{
+    static const size_t lens[] = {0, 1, 15, 1023, 1024, 1025, 3000};
+    struct rng r = {31};
+    const float *xs[HM_AVG_CLIP_MAX_INPUTS];
+    double w[HM_AVG_CLIP_MAX_INPUTS];
+    float *store = alloc_floats(16 * 3000), *got = alloc_floats(3000);
+    for (size_t j = 0; j < 16; j++)
+        xs[j] = store + j * 3000;
+    for (size_t i = 0; i < 16 * 3000; i++)
+        store[i] = (float)(rng_normal(&r) * (i % 7 == 0 ? 1e30 : 1.0));
+    for (size_t m = 1; m <= 16; m += 5)
+        for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+            size_t n = lens[li];
+            double total = 0;
+            for (size_t j = 0; j < m; j++)
+                total += (w[j] = rng_range(&r, 0.1, 3.0));
+            hm_avg_weighted_mean(xs, w, m, n, total, got);
+            for (size_t i = 0; i < n; i++) {
+                double a = 0;
+                for (size_t j = 0; j < m; j++)
+                    a += w[j] * (double)xs[j][i];
+                float want = (float)(a / total);
+                cr_assert(memcmp(&got[i], &want, sizeof(float)) == 0,
+                          "m %zu n %zu element %zu: %a, want %a", m, n, i, got[i], want);
+            }
+        }
+    free(store);
+    free(got);
+}
+
 /* The sender's side of a compressed answer, against the formula in double. */
 Test(avg_codec, answer_apply_takes_out_the_senders_share_of_its_rounding)
 {
