@@ -234,15 +234,26 @@ static hm_node *natd(uv_loop_t *loop, const char *listen, hm_relay_config *rc)
     return n;
 }
 
+/* A relay on 127.0.0.1 and a NAT'd peer on 127.0.0.3 that uses it, with
+ * max_conns_per_origin (0: the default) at the NAT'd peer. */
+static hm_node *relay_and_natd(uv_loop_t *loop, hm_node **relay, size_t natd_conns_per_origin)
+{
+    uv_loop_init(loop);
+    hm_relay_config rs = serving();
+    *relay = make(loop, "127.0.0.1:0", &rs);
+    hm_relay_config rc = {0};
+    via(&rc, *relay);
+    conns_per_origin = natd_conns_per_origin;
+    hm_node *n = natd(loop, "127.0.0.3:0", &rc);
+    conns_per_origin = 0;
+    return n;
+}
+
 Test(relay, call_through_a_reservation)
 {
     uv_loop_t loop;
-    uv_loop_init(&loop);
-    hm_relay_config rs = serving();
-    hm_node *r = make(&loop, "127.0.0.1:0", &rs);
-    hm_relay_config rc = {0};
-    via(&rc, r);
-    hm_node *n = natd(&loop, "127.0.0.3:0", &rc);
+    hm_node *r;
+    hm_node *n = relay_and_natd(&loop, &r, 0);
     hm_node *d = make(&loop, "127.0.0.2:0", NULL);
     wait_state(&loop, n, HM_RELAY_RESERVED, 0, 5000);
 
@@ -317,14 +328,8 @@ static const char *echo_from_host(char *buf, size_t len)
 Test(relay, relayed_diallers_are_charged_to_their_own_origins)
 {
     uv_loop_t loop;
-    uv_loop_init(&loop);
-    hm_relay_config rs = serving();
-    hm_node *r = make(&loop, "127.0.0.1:0", &rs);
-    hm_relay_config rc = {0};
-    via(&rc, r);
-    conns_per_origin = 1;
-    hm_node *n = natd(&loop, "127.0.0.3:0", &rc);
-    conns_per_origin = 0;
+    hm_node *r;
+    hm_node *n = relay_and_natd(&loop, &r, 1);
     hm_node *d1 = make(&loop, "127.0.0.2:0", NULL);
     hm_node *d1b = make(&loop, "127.0.0.2:0", NULL);
     hm_node *d2 = make(&loop, "127.0.0.5:0", NULL);
