@@ -28,14 +28,15 @@
 /* Elements per stack block in conversions and CenteredClip (4 KiB of floats). */
 /*
  * The hot loops also get an AVX2 clone, chosen once at load time where the
- * CPU has AVX2 (gcc's target_clones, an ifunc); elsewhere the baseline
- * code runs. AVX2 alone, without FMA, so that no a * b + c is contracted
+ * CPU has AVX2 (gcc's target_clones, an ifunc, which needs glibc);
+ * elsewhere the baseline code runs. AVX2 alone, without FMA, and the build
+ * passes -ffp-contract=off (Makefile.am), so that no a * b + c is fused
  * into one rounding: both clones compute the same bits. About 1.7x for
  * 8-bit encoding on the machine of docs/benchmarks.md. HM_CODEC_BASELINE
  * leaves the clones out (tests/test_avg_codec_baseline, which a CPU with
  * AVX2 would otherwise never run).
  */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__) && \
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__) && \
     !defined(HM_CODEC_BASELINE)
 #define HOT __attribute__((target_clones("avx2", "default")))
 #else

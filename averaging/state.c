@@ -514,7 +514,8 @@ static void on_put(void *ud, int status, unsigned stored, const hm_dht_lookup_in
      * now rather than at the next refresh, and its waiters wait for that. */
     s = share_by_id(st, id);
     if (s != NULL && !s->put_busy && s->cur != NULL &&
-        sodium_memcmp(s->cur->hash, s->put_hash, HM_STATE_HASH_BYTES) != 0)
+        (s->cur->step != s->put_step ||
+         sodium_memcmp(s->cur->hash, s->put_hash, HM_STATE_HASH_BYTES) != 0))
         declare(s);
 }
 

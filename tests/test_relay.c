@@ -309,6 +309,17 @@ Test(relay, call_through_a_reservation)
     close_all(&loop, all, 4);
 }
 
+struct not_connected {
+    hm_transport *t;
+    const uint8_t *pk;
+};
+
+static int is_not_connected(void *ud)
+{
+    struct not_connected *w = ud;
+    return !hm_transport_connected(w->t, w->pk);
+}
+
 /* The host part of the address the last echo call came from. */
 static const char *echo_from_host(char *buf, size_t len)
 {
@@ -347,6 +358,7 @@ Test(relay, relayed_diallers_are_charged_to_their_own_origins)
     hm_node_relay(n, &st);
     cr_assert_eq(st.accepts, 2);
     cr_assert_eq(st.refused_dialler_origin, 0);
+    cr_assert_eq(st.dialler_not_taken, 0);
 
     /* Another key on 127.0.0.2: its origin already holds its one connection. */
     echo_served = 0;
@@ -357,6 +369,21 @@ Test(relay, relayed_diallers_are_charged_to_their_own_origins)
     /* The others still get their answers over the connections they hold. */
     cr_assert_eq(call_echo(&loop, d2, n, &ra, 1000, &c), 0, "%s", hm_strerror(c.status));
     cr_assert_eq(call_echo(&loop, d1, n, &ra, 1000, &c), 0, "%s", hm_strerror(c.status));
+
+    /* A share, not a ban: once d1 is gone, the other key of its origin gets in. */
+    const uint8_t *d1_pk = hm_node_identity(d1)->pk;
+    uint8_t gone[HM_PK_BYTES];
+    memcpy(gone, d1_pk, sizeof(gone));
+    closed_count = 0;
+    all_closed_target = 1;
+    hm_node_close(d1, on_closed, NULL);
+    cr_assert(hm_test_run_until(&loop, all_closed, NULL, 10000));
+    d1 = NULL;
+    struct not_connected nc = {hm_rpc_transport(hm_node_rpc(n)), gone};
+    cr_assert(hm_test_run_until(&loop, is_not_connected, &nc, 10000),
+              "the NAT'd peer kept its connection to a closed dialler");
+    cr_assert_eq(call_echo(&loop, d1b, n, &ra, 1000, &c), 0, "%s", hm_strerror(c.status));
+    cr_assert_str_eq(echo_from_host(h, sizeof(h)), "127.0.0.2", "the call came from %s", h);
 
     hm_node *all[] = {d1, d1b, d2, n, r};
     close_all(&loop, all, 5);
@@ -738,6 +765,12 @@ Test(relay, found_in_the_dht_without_relay_via)
     hm_relay_status rst;
     hm_node_relay(r, &rst);
     cr_assert_eq(rst.circuits_total, 1);
+    /* A relay found in the DHT is anybody's: its word on the dialler is not
+     * taken, and the circuit is charged to the relay's own address. */
+    char h[HM_ADDRSTRLEN];
+    cr_assert_str_eq(echo_from_host(h, sizeof(h)), "127.0.0.1", "the call came from %s", h);
+    hm_node_relay(n, &st);
+    cr_assert_eq(st.dialler_not_taken, 1);
     hm_node *all[] = {d, other, n, r};
     close_all(&loop, all, 4);
 }

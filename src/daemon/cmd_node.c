@@ -76,12 +76,13 @@ static void cmd_info(void *ud, hm_control_req *req, const json_t *args)
     /* -- relay -- the relay this node is reachable through, and what it relays for others. */
     hm_relay_status rs;
     hm_node_relay(d->node, &rs);
-    json_t *rel = json_pack("{s:s, s:s?, s:s?, s:s, s:I, s:I, s:I, s:b, s:I, s:I, s:I, s:I}",
+    json_t *rel = json_pack("{s:s, s:s?, s:s?, s:s, s:I, s:I, s:I, s:I, s:b, s:I, s:I, s:I, s:I}",
                             "state", rs.state_name, "relay", rs.relay[0] ? rs.relay : NULL,
                             "address", rs.address[0] ? rs.address : NULL, "reason", rs.reason,
                             "failovers", (json_int_t)rs.failovers,
                             "accepts", (json_int_t)rs.accepts,
                             "refused_dialler_origin", (json_int_t)rs.refused_dialler_origin,
+                            "dialler_not_taken", (json_int_t)rs.dialler_not_taken,
                             "serving", rs.serving,
                             "reservations", (json_int_t)rs.reservations,
                             "circuits", (json_int_t)rs.circuits,

@@ -102,9 +102,15 @@ static void on_declared(void *ud, int status, unsigned replicas)
 {
     declare_job *j = ud;
     hm_cmd_state *s = j->s;
-    if (status == -ECANCELED) {
+    if (status == -ECANCELED && s->life.closing) {
         hm_daemon_reply_stopping(j->req);
         json_decref(j->result);
+    } else if (status == -ECANCELED) {
+        /* state.unshare took it back before its declaration was stored. */
+        json_object_set_new(j->result, "declared", json_integer(0));
+        json_object_set_new(j->result, "declare_error",
+                            json_string("unshared before it was declared"));
+        hm_daemon_reply(j->req, j->result);
     } else {
         json_object_set_new(j->result, "declared", json_integer((json_int_t)replicas));
         /* The state is shared and served either way; the declaration is

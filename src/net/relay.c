@@ -8,7 +8,9 @@
 
 #include "src/net/relay.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,7 +121,7 @@ struct hm_relay {
     int tried;            /* relays tried in this round */
     uint64_t gen;         /* bumps on every state change, so stale replies are ignored */
     uint64_t backoff_ms;
-    uint64_t failovers, accepts, refused_dialler_origin;
+    uint64_t failovers, accepts, refused_dialler_origin, dialler_not_taken;
     char reason[HM_RELAY_REASON_LEN];
     /* -- relay failover -- */
     void (*notify)(void *ud); /* our relayed address changed (hm_relay_set_notify) */
@@ -559,6 +561,10 @@ static int divert_dialler(hm_relay *r, const uint8_t *head, size_t len, const st
     hm_wire_wr w;
     hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
     hm_relay_write_connect(&w, c->token, &c->from);
+    if (hm_wire_wr_error(&w) != 0) {
+        circ_close(c, "cannot encode the circuit's call");
+        return 1;
+    }
     call_ctx *x = calloc(1, sizeof(*x));
     if (x == NULL) {
         circ_close(c, "out of memory");
@@ -906,6 +912,41 @@ int hm_relay_set_found(hm_relay *r, const hm_relay_via *via, size_t n)
     return 1;
 }
 
+static int addr_is_unspecified(const struct sockaddr *sa)
+{
+    if (sa->sa_family == AF_INET)
+        return ((const struct sockaddr_in *)sa)->sin_addr.s_addr == htonl(INADDR_ANY);
+    return sa->sa_family == AF_INET6 &&
+           IN6_IS_ADDR_UNSPECIFIED(&((const struct sockaddr_in6 *)sa)->sin6_addr);
+}
+
+/*
+ * The dialler's address named in relay.connect, when we take the relay's
+ * word for it; NULL charges the circuit to the relay's own address. The
+ * word is taken only from a relay the operator configured (RelayVia): one
+ * found in the DHT is anybody's, and could spread its own circuits over
+ * made-up origins. Even then an address more local than the relay's own
+ * (loopback, private, link-local, where each address is an origin of its
+ * own and loopback escapes the averaging's members-per-origin rule), or an
+ * unspecified one, is not believed of a relay that is not itself there.
+ */
+static const struct sockaddr *dialler_to_trust(hm_relay *r, const struct sockaddr_storage *d,
+                                               const struct sockaddr *relay_sa)
+{
+    const struct sockaddr *sa = (const struct sockaddr *)d;
+    if (d->ss_family == AF_UNSPEC)
+        return NULL;
+    hm_origin none, o;
+    hm_origin_of(NULL, &none);
+    hm_origin_of(sa, &o);
+    if (!r->configured || hm_origin_eq(&o, &none) || addr_is_unspecified(sa) ||
+        (hm_origin_addr_is_local(sa) && !hm_origin_addr_is_local(relay_sa))) {
+        r->dialler_not_taken++;
+        return NULL;
+    }
+    return sa;
+}
+
 static void on_connect_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[HM_PK_BYTES],
                                const struct sockaddr *from, const uint8_t *body, size_t len)
 {
@@ -924,15 +965,9 @@ static void on_connect_request(void *ud, hm_rpc_req *req, const uint8_t peer_pk[
         return;
     }
     hm_relay_make_preamble(token, pre);
-    /*
-     * The dialler's address is the relay's word: we take it from the relay
-     * we chose, which could as well refuse to carry anyone. A relay that
-     * names no dialler has its circuits charged to its own address.
-     */
-    int rc = hm_transport_accept_relayed(r->t, (const struct sockaddr *)&r->cfg.via[r->via].addr,
-                                         pre, sizeof(pre),
-                                         dialler.ss_family == AF_UNSPEC
-                                             ? NULL : (const struct sockaddr *)&dialler);
+    const struct sockaddr *relay_sa = (const struct sockaddr *)&r->cfg.via[r->via].addr;
+    int rc = hm_transport_accept_relayed(r->t, relay_sa, pre, sizeof(pre),
+                                         dialler_to_trust(r, &dialler, relay_sa));
     if (rc == 0)
         r->accepts++;
     else if (rc == -EBUSY)
@@ -1031,6 +1066,7 @@ void hm_relay_get_status(hm_relay *r, hm_relay_status *out)
     out->failovers = r->failovers;
     out->accepts = r->accepts;
     out->refused_dialler_origin = r->refused_dialler_origin;
+    out->dialler_not_taken = r->dialler_not_taken;
     out->serving = r->cfg.serve;
     out->reservations = r->n_res;
     out->circuits = r->n_circuits;

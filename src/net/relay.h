@@ -24,9 +24,11 @@
  * its life, a rate per circuit (the copy pauses when over it), a lifetime
  * per circuit, and accept_timeout_ms for the peer to call back. Each
  * refusal is counted under its config keyword (hm_relay_limits).
- * relay.connect names the dialler's address ("from"), and the peer charges
- * the connection to that origin as an inbound one
- * (hm_transport_accept_relayed), so diallers behind us are told apart.
+ * relay.connect names the dialler's address ("from"). The peer admits the
+ * connection as an inbound one (hm_transport_accept_relayed), from that
+ * origin when it believes it (a RelayVia relay, and an address no more
+ * local than the relay's), from the relay's address otherwise, so diallers
+ * behind a configured relay are told apart.
  *
  * Using relays (RelayVia, or relays the node found advertised in the DHT:
  * hm_relay_set_found). hm_relay_client_set_active(1) (the node calls it
@@ -104,7 +106,10 @@ typedef struct hm_relay_status {
     char reason[HM_RELAY_REASON_LEN];  /* why, for info and the log */
     uint64_t failovers;                /* moves to another relay */
     uint64_t accepts;                  /* relayed connections we opened */
-    uint64_t refused_dialler_origin;   /* ... refused: the dialler's origin was over its share */
+    uint64_t refused_dialler_origin;   /* ... refused by the inbound admission rules, charged to
+                                        * the dialler's origin (or the relay's, below) */
+    uint64_t dialler_not_taken;        /* relay.connect named a dialler we did not believe
+                                        * (dialler_to_trust): charged to the relay's address */
     /* serving */
     int serving;
     size_t reservations, circuits;

@@ -499,17 +499,18 @@ static void pool_trim(hm_transport *t, uint64_t older_than_ms)
 
 /* ------------------------------------------------ per-origin accounting */
 
+/* Whom c's traffic is from: its peer's address, or a relayed dialler's. */
+static const struct sockaddr *conn_from(const conn *c)
+{
+    return (const struct sockaddr *)(c->have_relayed_from ? &c->relayed_from : &c->addr);
+}
+
 /*
  * Identities are free, addresses are not (origin.h): what a peer holds in
  * our reassembly buffers and write queues is also charged to its origin, and
  * the per-origin shares and the shedding below count origins, so any number
  * of identities on one origin get no more than one honest origin gets.
  */
-/* Whom c's traffic is from: its peer's address, or a relayed dialler's. */
-static const struct sockaddr *conn_from(const conn *c)
-{
-    return (const struct sockaddr *)(c->have_relayed_from ? &c->relayed_from : &c->addr);
-}
 
 static const hm_origin *conn_origin(conn *c)
 {
@@ -1864,14 +1865,13 @@ static void conn_process(conn *c)
             if (c->probe_cb != NULL)
                 c->probe_status = r;
             else if (r == -EPROTONOSUPPORT)
-                complain_version(t, (const struct sockaddr *)&c->addr, hm_hs_peer_version(c->hs));
+                complain_version(t, conn_from(c), hm_hs_peer_version(c->hs));
             else if (r == -ENOPROTOOPT) {
                 t->stats.refused_no_cipher++;
-                complain(&t->bad_handshakes, "handshakes failed",
-                         (const struct sockaddr *)&c->addr, "no stream cipher in common");
+                complain(&t->bad_handshakes, "handshakes failed", conn_from(c),
+                         "no stream cipher in common");
             } else
-                complain(&t->bad_handshakes, "handshakes failed",
-                         (const struct sockaddr *)&c->addr, hm_strerror(r));
+                complain(&t->bad_handshakes, "handshakes failed", conn_from(c), hm_strerror(r));
             conn_close(c, hm_strerror(r));
             return;
         }
@@ -2918,34 +2918,29 @@ int hm_transport_accept_relayed(hm_transport *t, const struct sockaddr *to, cons
         len == 0 || len > 256 ||
         (dialler != NULL && dialler->sa_family != AF_INET && dialler->sa_family != AF_INET6))
         return -EINVAL;
-    if (live_conns(t) >= t->cfg.max_connections) {
-        t->stats.refused_max_connections++;
-        return -ENOBUFS;
-    }
     if ((result = conn_new(t, 1, &c)) < 0)
         return result;
     /*
-     * Ours (outbound: it is not charged to an inbound origin, and reach.h
-     * does not take it for proof that anyone dials us), but the key is not
-     * known until the dialler's msg1 arrives through the splice: the
-     * handshake runs as the server, and the connection joins the keyed map
-     * once it completes (hs_complete), like an inbound one.
+     * We dial it (outbound: reach.h does not take it for proof that anyone
+     * dials us, and it is never redialled), but the key is not known until
+     * the dialler's msg1 arrives through the splice: the handshake runs as
+     * the server, and the connection joins the keyed map once it completes
+     * (hs_complete), like an inbound one. It is admitted like one too, from
+     * the dialler's origin as the relay reports it, or the relay's own
+     * address when it reports none: the per-origin connection count and
+     * handshake rate, the inbound share with its eviction of the heaviest
+     * origin, and then everything it queues and sends is charged there.
      */
     c->outbound = 1;
     memcpy(&c->addr, to, hm_addr_len(to));
     if (dialler != NULL) {
-        /*
-         * The dialler's origin, as the relay saw it: its circuit is charged
-         * there like an inbound connection (per-origin count, handshake
-         * rate, eviction), and so is everything it queues and sends.
-         */
         memcpy(&c->relayed_from, dialler, hm_addr_len(dialler));
         c->have_relayed_from = 1;
-        if (!admit_inbound(t, c)) {
-            c->quiet = 1;
-            conn_close(c, "relayed dialler's origin is over its share");
-            return -EBUSY;
-        }
+    }
+    if (!admit_inbound(t, c)) {
+        c->quiet = 1;
+        conn_close(c, "the relayed dialler's origin is over its share");
+        return -EBUSY;
     }
     c->preamble = malloc(len);
     if (c->preamble == NULL) {

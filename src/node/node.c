@@ -1218,6 +1218,13 @@ char *hm_node_metrics(hm_node *n)
                    "Relayed connections open through this node.", rl.circuits);
         metric_u64(&b, "hivemindd_relay_bytes_total", "counter",
                    "Bytes this node copied for relayed connections, both ways.", rl.bytes_relayed);
+        metric_u64(&b, "hivemindd_relay_dialler_refused_total", "counter",
+                   "Relayed connections refused by the inbound admission rules at this node.",
+                   rl.refused_dialler_origin);
+        metric_u64(&b, "hivemindd_relay_dialler_not_taken_total", "counter",
+                   "Relayed diallers' addresses not believed (relay found in the DHT, or an "
+                   "address more local than the relay's): charged to the relay's address.",
+                   rl.dialler_not_taken);
     }
     metric_u64(&b, "hivemindd_peers_evicted_total", "counter",
                "Peers of the heaviest origin evicted from a full table for a newcomer.",
