@@ -104,10 +104,12 @@ struct search {
     unsigned target, min;
     uint64_t min_mm_ms, req_ms, period_ms;
     double bandwidth;
+    double bandwidth_asked; /* the caller's, for a client that becomes a full peer */
     double bandwidth_factor;
     unsigned members_per_origin;
     int cap_loopback;
     int client;
+    int client_asked; /* the caller asked for client mode: for the whole search */
 
     int phase;
     uint64_t end_ms, deadline_ms; /* DHT time */
@@ -1315,6 +1317,32 @@ static void try_next_candidate(search *s, uint64_t now)
 
 /* ------------------------------------------------------------ the state machine */
 
+/*
+ * A search that averages as a client only because the node had no address
+ * others could dial becomes a full peer as soon as it has one. The address
+ * can be missing for a moment (reach.h: a listen address replaced by the
+ * same address observed by peers is not declared until a dial-back
+ * confirms it, a fraction of a second later); a search that stayed a client
+ * for all of its timeout would never declare nor lead, and peers that all
+ * started in that moment would find no leader at all. Only a searching
+ * peer switches (it holds no followers and has no call in flight): its key
+ * moves from after everyone's to its deadline, as if it had just started.
+ */
+static void address_recheck(search *s, uint64_t now)
+{
+    struct sockaddr_storage ann;
+    if (!s->client || s->client_asked || s->phase != HM_MM_SEARCHING ||
+        hm_node_announce(s->mm->node, &ann) < 0)
+        return;
+    s->client = 0;
+    s->mm->addr = ann;
+    s->bandwidth = s->bandwidth_asked;
+    s->next_put_ms = now;
+    s->next_cand = 0;
+    hm_info(MOD, "%s: this node has an address others can dial now: averaging as a full peer",
+            s->prefix);
+}
+
 static void new_attempt(search *s, uint64_t now)
 {
     s->attempts++;
@@ -1379,6 +1407,7 @@ static void step(search *s)
         finish(s, -ETIMEDOUT, NULL);
         return;
     }
+    address_recheck(s, now);
     if (!s->client && !s->put_busy && now >= s->next_put_ms && declare(s, now) == -ECANCELED) {
         finish(s, -ECANCELED, NULL);
         return;
@@ -1631,15 +1660,18 @@ int hm_mm_find_group(hm_mm *mm, const hm_mm_config *cfg, uint64_t timeout_ms, hm
     /*
      * A node with no address others can dial (0.0.0.0 not yet confirmed,
      * or nobody reaches it) averages as a client: it sends and receives
-     * over connections it opens, and no member is told to dial it.
+     * over connections it opens, and no member is told to dial it; until
+     * it has one (address_recheck), not for the whole search.
      */
     struct sockaddr_storage ann;
+    s->client_asked = cfg->client_mode != 0;
     s->client = cfg->client_mode != 0 || hm_node_announce(mm->node, &ann) < 0;
     if (s->client && !cfg->client_mode)
         hm_info(MOD, "%s: averaging as a client: this node has no address others can dial",
                 s->prefix);
     else if (!s->client)
         mm->addr = ann;
+    s->bandwidth_asked = cfg->bandwidth;
     s->bandwidth = s->client ? 0.0 : cfg->bandwidth;
     s->bandwidth_factor = cfg->bandwidth_factor != 0 ? cfg->bandwidth_factor : 2.0;
     s->members_per_origin = cfg->members_per_origin;

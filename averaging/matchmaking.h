@@ -24,7 +24,10 @@
  * the deadline and is refreshed while the peer waits; when the peer is done
  * it replaces the entry with one that says it no longer looks. A peer's
  * key is (deadline, public key), compared in that order; client-mode peers
- * never declare, never lead, and their key counts as later than any.
+ * never declare, never lead, and their key counts as later than any. A
+ * search is in client mode when the caller asks, or while the node has no
+ * address others can dial (hm_node_announce): once it has one, a searching
+ * client becomes a full peer, its key its deadline.
  *
  * Who leads. A searching peer reads the group key's dictionary every
  * quarter of min_matchmaking_ms (at least every 100 ms, at most every 2 s)

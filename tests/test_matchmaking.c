@@ -4,9 +4,10 @@
  * the way a trainer's averaging rounds do: pairs, a full group of four,
  * min_group_size at the deadline, sixteen peers contending for groups of
  * four (every one of them ends in exactly one group), the codec's messages,
- * prefixes and group bits that keep swarms apart, and followers whose
- * leader vanishes. Every assertion is over what the callbacks of all peers
- * reported, since the guarantee is about agreement between peers.
+ * prefixes and group bits that keep swarms apart, followers whose leader
+ * vanishes, and peers that start as clients for want of an address and
+ * lead once they have one. Every assertion is over what the callbacks of
+ * all peers reported, since the guarantee is about agreement between peers.
  */
 #include "config.h"
 
@@ -399,6 +400,96 @@ Test(matchmaking, followers_regroup_when_their_leader_vanishes, .timeout = 40)
     cr_assert_eq(check_groups(&sw, 1, 4, 8), 1);
     cr_assert_eq(sw.p[1].g.n, 3);
     swarm_stop(&sw);
+}
+
+/* A node of the test swarm listening on listen ("HOST:PORT"). */
+static hm_node *make_node_on(uv_loop_t *loop, const char *listen, const char *peer)
+{
+    hm_node_options o = {0};
+    const char *peers[1] = {peer};
+    o.listen = listen;
+    o.swarm = "mm-test";
+    o.ping_interval_ms = 500;
+    o.dht.rate_per_s = 1e6;
+    o.dht.rate_burst = 1e6;
+    if (peer != NULL) {
+        o.initial_peers = peers;
+        o.n_initial_peers = 1;
+    }
+    hm_node *n = NULL;
+    char err[256] = "";
+    cr_assert_eq(hm_node_new(loop, &o, &n, err, sizeof(err)), 0, "hm_node_new: %s", err);
+    return n;
+}
+
+static int pair_done(void *ud)
+{
+    tpeer *p = ud;
+    return p[0].done && p[1].done;
+}
+
+/*
+ * A search that starts while its node has no address others can dial (here
+ * the node listens on 0.0.0.0, and peers of two origins have not yet
+ * observed it at 127.0.0.1 nor dialled it back) averages as a client only
+ * until the node has one. Two such peers meet, led by one that became a
+ * full peer (in the group at its dialable address, with its bandwidth).
+ * Were they clients for the whole search, neither would declare nor lead,
+ * and both would time out: the netlab benchmark's round in which every
+ * member failed with no_group had started just as each daemon's listen
+ * address gave way to the same address observed, not declared until its
+ * dial-back a moment later.
+ */
+Test(matchmaking, a_client_for_want_of_an_address_leads_once_it_has_one, .timeout = 40)
+{
+    uv_loop_t loop;
+    char boot[256];
+    hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
+    cr_assert_eq(uv_loop_init(&loop), 0);
+    /* Two origins of their own (127.0.0.2, 127.0.0.3) that only observe and dial back. */
+    hm_node *h1 = make_node_on(&loop, "127.0.0.2:0", NULL);
+    cr_assert_eq(hm_node_address(h1, boot, sizeof(boot)), 0);
+    hm_node *h2 = make_node_on(&loop, "127.0.0.3:0", boot);
+    tpeer w[2];
+    memset(w, 0, sizeof(w));
+    hm_mm_config c = cfg_of("unconfirmed", NULL, 2, 2, 1000);
+    for (size_t i = 0; i < 2; i++) {
+        struct sockaddr_storage ann;
+        w[i].node = make_node_on(&loop, "0.0.0.0:0", boot);
+        cr_assert_eq(hm_mm_new(w[i].node, &w[i].mm), 0);
+        cr_assert(hm_node_announce(w[i].node, &ann) < 0, "an address before any observation");
+        start(&w[i], &c, 12000);
+    }
+    cr_assert(run_until(&loop, pair_done, w, 15000));
+    size_t full = 0;
+    for (size_t i = 0; i < 2; i++) {
+        tpeer *p = &w[i];
+        struct sockaddr_storage ann;
+        cr_assert_eq(p->calls, 1);
+        cr_assert_eq(p->status, 0, "peer %zu: %s", i, hm_strerror(p->status));
+        cr_assert_eq(p->g.n, 2);
+        cr_assert(same_group(&p->g, &w[1 - i].g), "the two disagree on their group");
+        const hm_avg_member *me = &p->g.members[p->g.self];
+        cr_assert_eq(memcmp(me->pk, pk_of(p), HM_PK_BYTES), 0);
+        /* The leader is a full member: at the address it declares, with its
+         * bandwidth. The other may have joined it still a client (bandwidth 0). */
+        if (me->bandwidth == 0)
+            continue;
+        cr_assert_eq(me->bandwidth, 1e8);
+        cr_assert_eq(hm_node_announce(p->node, &ann), 0);
+        cr_assert(hm_addr_equal((const struct sockaddr *)&ann, (const struct sockaddr *)&me->addr),
+                  "peer %zu is in the group at an address it does not declare", i);
+        full++;
+    }
+    cr_assert_geq(full, 1, "no member became a full peer");
+    for (size_t i = 0; i < 2; i++) {
+        hm_mm_free(w[i].mm);
+        hm_node_close(w[i].node, NULL, NULL);
+    }
+    hm_node_close(h2, NULL, NULL);
+    hm_node_close(h1, NULL, NULL);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&loop), 0, "handles left open after close");
 }
 
 /* ---- the codec and the pure helpers ---- */
