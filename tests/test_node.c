@@ -299,3 +299,53 @@ Test(node, peer_table_counts_origins_and_evicts_from_the_heaviest, .timeout = 30
     free(m);
     close_all(&loop, all, n_all);
 }
+
+/* ---- the declared address through the switch to an observed one ---- */
+
+typedef struct watch_addr {
+    hm_node *n;
+    int lost;        /* hm_node_announce failed once it had succeeded */
+    int had;         /* it succeeded */
+    int observed_ok; /* reach says: observed, and confirmed */
+} watch_addr;
+
+static int observed_and_confirmed(void *ud)
+{
+    watch_addr *w = ud;
+    struct sockaddr_storage a;
+    hm_node_reach_info ri;
+    if (hm_node_announce(w->n, &a) == 0)
+        w->had = 1;
+    else if (w->had)
+        w->lost = 1;
+    if (hm_node_reach(w->n, &ri) == 0 && strcmp(ri.source, "observed") == 0 &&
+        ri.reachable == HM_REACH_YES)
+        w->observed_ok = 1;
+    return w->observed_ok;
+}
+
+/*
+ * A node on 127.0.0.5 declares its listen address from the start; when two
+ * peers of other origins agree that they see that same address, the source
+ * becomes "observed" and a dial-back confirms it. The address stays
+ * declared all along: it was not withdrawn for the dial-back's time (a
+ * search starting in that window found no address and averaged as a
+ * client).
+ */
+Test(node, the_listen_address_stays_declared_when_peers_observe_it, .timeout = 30)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    hm_node *a = make_node_at(&loop, "127.0.0.2", NULL, 0, 0);
+    char addr[256];
+    cr_assert_eq(hm_node_address(a, addr, sizeof(addr)), 0);
+    hm_node *b = make_node_at(&loop, "127.0.0.3", addr, 0, 0);
+    hm_node *n = make_node_at(&loop, "127.0.0.5", addr, 0, 0);
+    watch_addr w = {n, 0, 0, 0};
+    cr_assert(run_until(&loop, observed_and_confirmed, &w, 20000),
+              "the address never became observed and confirmed");
+    cr_assert(w.had);
+    cr_assert(!w.lost, "the declared address was withdrawn while its observation was checked");
+    hm_node *all[] = {n, b, a};
+    close_all(&loop, all, 3);
+}

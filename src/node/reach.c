@@ -689,9 +689,20 @@ int hm_reach_declared(hm_reach *r, struct sockaddr_storage *out)
         return -EADDRNOTAVAIL;
     if (r->state == HM_REACH_NO)
         return -ENETUNREACH;
-    /* Observed addresses are only peers' word until one of them dialled it. */
-    if (strcmp(r->source, "observed") == 0 && r->state != HM_REACH_YES)
-        return -EADDRNOTAVAIL;
+    /*
+     * Observed addresses are only peers' word until one of them dialled it,
+     * except our own listen address, which was declared before peers saw it
+     * (source "listen"): peers agreeing on it is no reason to withdraw it
+     * for the dial-back's time, which would leave a search that begins then
+     * without an address (matchmaking as a client, records not made).
+     */
+    if (strcmp(r->source, "observed") == 0 && r->state != HM_REACH_YES) {
+        struct sockaddr_storage listen;
+        hm_transport_local_addr(hm_rpc_transport(r->rpc), &listen);
+        if (addr_unspecified(&listen) ||
+            !hm_addr_equal((const struct sockaddr *)&listen, (const struct sockaddr *)&r->cand))
+            return -EADDRNOTAVAIL;
+    }
     /* Whoever is off loopback would dial itself. */
     if (addr_loopback(&r->cand) && off_loopback_peers(r, now))
         return -EADDRNOTAVAIL;
