@@ -585,6 +585,13 @@ static void r_recv(uv_udp_t *h, ssize_t n, const uv_buf_t *buf, const struct soc
 
 static void r_closed(uv_handle_t *h) { ((relay *)h->data)->closed = 1; }
 
+/* Runs the loop until n's transport has refused `want` datagrams, or 3 s. */
+static void rejected_reaches(tnode *n, uint64_t want)
+{
+    for (int i = 0; i < 300 && stats_of(n).dgrams_rejected < want; i++)
+        run_for(10);
+}
+
 Test(transport, replayed_datagram_is_rejected)
 {
     tnode a, b;
@@ -609,6 +616,9 @@ Test(transport, replayed_datagram_is_rejected)
                  0);
     cr_assert(run_until(&res.count, 1, 3000));
     cr_assert_eq(res.status, 0, "the original datagram was answered through the relay");
+    /* Each refusal is waited for (up to 3 s: a loaded machine may take a
+     * while to schedule the loop), then given 100 ms for a wrong delivery. */
+    rejected_reaches(&b, rejected0 + 1);
     run_for(100);
     cr_assert_eq(b.served, 1, "delivered exactly once");
     cr_assert_eq(stats_of(&b).dgrams_rejected, rejected0 + 1, "the copy was rejected");
@@ -618,6 +628,7 @@ Test(transport, replayed_datagram_is_rejected)
     cr_assert_gt(r.captured_len, 0);
     uv_buf_t bb = uv_buf_init((char *)r.captured, (unsigned)r.captured_len);
     cr_assert_geq(uv_udp_try_send(&r.udp, &bb, 1, (struct sockaddr *)&b.addr), 0);
+    rejected_reaches(&b, rejected0 + 2);
     run_for(100);
     cr_assert_eq(b.served, 1);
     cr_assert_eq(stats_of(&b).dgrams_rejected, rejected0 + 2);
@@ -625,6 +636,7 @@ Test(transport, replayed_datagram_is_rejected)
     /* So is a datagram with one byte changed. */
     r.captured[r.captured_len - 1] ^= 1;
     cr_assert_geq(uv_udp_try_send(&r.udp, &bb, 1, (struct sockaddr *)&b.addr), 0);
+    rejected_reaches(&b, rejected0 + 3);
     run_for(100);
     cr_assert_eq(b.served, 1);
     cr_assert_eq(stats_of(&b).dgrams_rejected, rejected0 + 3);
