@@ -37,21 +37,23 @@ static inline int hm_test_run_until(uv_loop_t *loop, hm_test_pred pred, void *ud
 }
 
 /*
- * A node on 127.0.0.1 for in-process swarms, joining through peer (an
- * address, or NULL for the first node). Every node shares 127.0.0.1, so the
- * DHT's per-address rate limit is lifted: the tests would otherwise measure
- * the limiter, not the protocol.
+ * A node for in-process swarms listening on `listen` ("HOST:PORT"), joining
+ * through peer (an address, or NULL for the first node), pinging every
+ * ping_ms. Swarm nodes share addresses, so the DHT's per-address rate limit
+ * is lifted: the tests would otherwise measure the limiter, not the
+ * protocol.
  */
-static inline hm_node *hm_test_make_node(uv_loop_t *loop, const char *swarm, const char *peer)
+static inline hm_node *hm_test_make_node_on(uv_loop_t *loop, const char *swarm, const char *listen,
+                                            const char *peer, uint64_t ping_ms)
 {
     hm_node_options o = {0};
     const char *peers[1] = {peer};
     /* As node.h says, the process must ignore SIGPIPE: a peer that closes
      * while a write is in flight would otherwise kill the test. */
     signal(SIGPIPE, SIG_IGN);
-    o.listen = "127.0.0.1:0";
+    o.listen = listen;
     o.swarm = swarm;
-    o.ping_interval_ms = 1000;
+    o.ping_interval_ms = ping_ms;
     o.dht.rate_per_s = 1e6;
     o.dht.rate_burst = 1e6;
     if (peer != NULL) {
@@ -63,6 +65,12 @@ static inline hm_node *hm_test_make_node(uv_loop_t *loop, const char *swarm, con
     int r = hm_node_new(loop, &o, &n, err, sizeof(err));
     cr_assert_eq(r, 0, "hm_node_new: %s", err);
     return n;
+}
+
+/* The same on 127.0.0.1, pinging every second. */
+static inline hm_node *hm_test_make_node(uv_loop_t *loop, const char *swarm, const char *peer)
+{
+    return hm_test_make_node_on(loop, swarm, "127.0.0.1:0", peer, 1000);
 }
 
 #endif

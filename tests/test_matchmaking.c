@@ -405,21 +405,7 @@ Test(matchmaking, followers_regroup_when_their_leader_vanishes, .timeout = 40)
 /* A node of the test swarm listening on listen ("HOST:PORT"). */
 static hm_node *make_node_on(uv_loop_t *loop, const char *listen, const char *peer)
 {
-    hm_node_options o = {0};
-    const char *peers[1] = {peer};
-    o.listen = listen;
-    o.swarm = "mm-test";
-    o.ping_interval_ms = 500;
-    o.dht.rate_per_s = 1e6;
-    o.dht.rate_burst = 1e6;
-    if (peer != NULL) {
-        o.initial_peers = peers;
-        o.n_initial_peers = 1;
-    }
-    hm_node *n = NULL;
-    char err[256] = "";
-    cr_assert_eq(hm_node_new(loop, &o, &n, err, sizeof(err)), 0, "hm_node_new: %s", err);
-    return n;
+    return hm_test_make_node_on(loop, "mm-test", listen, peer, 500);
 }
 
 static int pair_done(void *ud)

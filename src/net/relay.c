@@ -8,9 +8,7 @@
 
 #include "src/net/relay.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
-#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -912,14 +910,6 @@ int hm_relay_set_found(hm_relay *r, const hm_relay_via *via, size_t n)
     return 1;
 }
 
-static int addr_is_unspecified(const struct sockaddr *sa)
-{
-    if (sa->sa_family == AF_INET)
-        return ((const struct sockaddr_in *)sa)->sin_addr.s_addr == htonl(INADDR_ANY);
-    return sa->sa_family == AF_INET6 &&
-           IN6_IS_ADDR_UNSPECIFIED(&((const struct sockaddr_in6 *)sa)->sin6_addr);
-}
-
 /*
  * The dialler's address named in relay.connect, when we take the relay's
  * word for it; NULL charges the circuit to the relay's own address. The
@@ -927,8 +917,9 @@ static int addr_is_unspecified(const struct sockaddr *sa)
  * found in the DHT is anybody's, and could spread its own circuits over
  * made-up origins. Even then an address more local than the relay's own
  * (loopback, private, link-local, where each address is an origin of its
- * own and loopback escapes the averaging's members-per-origin rule), or an
- * unspecified one, is not believed of a relay that is not itself there.
+ * own and loopback escapes the averaging's members-per-origin rule) is not
+ * believed of a relay that is not itself there, nor one no peer could
+ * dial from (0.0.0.0, ::, port 0: hm_addr_dialable).
  */
 static const struct sockaddr *dialler_to_trust(hm_relay *r, const struct sockaddr_storage *d,
                                                const struct sockaddr *relay_sa)
@@ -936,10 +927,7 @@ static const struct sockaddr *dialler_to_trust(hm_relay *r, const struct sockadd
     const struct sockaddr *sa = (const struct sockaddr *)d;
     if (d->ss_family == AF_UNSPEC)
         return NULL;
-    hm_origin none, o;
-    hm_origin_of(NULL, &none);
-    hm_origin_of(sa, &o);
-    if (!r->configured || hm_origin_eq(&o, &none) || addr_is_unspecified(sa) ||
+    if (!r->configured || hm_addr_dialable(d) < 0 ||
         (hm_origin_addr_is_local(sa) && !hm_origin_addr_is_local(relay_sa))) {
         r->dialler_not_taken++;
         return NULL;
