@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
 #include <uv.h>
 
@@ -53,6 +54,7 @@ static void setup(void)
     hm_log_set_level(getenv("HM_TEST_DEBUG") != NULL ? HM_LOG_DEBUG : HM_LOG_ERROR);
     cr_assert_eq(hm_crypto_init(), 0);
     cr_assert_eq(uv_loop_init(&loop), 0);
+    signal(SIGPIPE, SIG_IGN);
     hm_swarm_id("transport-test", NULL, 0, swarm);
     order_counter = 0;
 }
@@ -2166,4 +2168,91 @@ Test(transport, delay_rules_parser_refuses_with_reasons)
                      "'%s' is refused", bad[i]);
         cr_assert_neq(why[0], '\0', "with a reason");
     }
+}
+
+/*
+ * a and b, each keeping one connection per peer, call each other at once
+ * before either is connected, 200 calls each way: both dial, and each end
+ * sees two connections come up in its own order. Both must retire the same
+ * one (the tie rule), or both go and every call fails (-ECONNRESET); and
+ * the retired one must finish what it carries, or the calls sent on it are
+ * lost while the peer stays connected and each waits out its deadline
+ * (half of them, with a hard close).
+ */
+Test(transport, a_simultaneous_dial_under_one_connection_per_peer_loses_nothing)
+{
+    hm_transport_config tc = {.max_conns_per_peer = 1};
+    tnode a, b;
+    node_start_cfg(&a, swarm, NULL, &tc, NULL);
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    enum { N = 200 };
+    static result ab[N], ba[N];
+    char body[2048];
+    memset(body, 'q', sizeof(body));
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(call(&a, &b, "echo", body, sizeof(body), HM_RPC_STREAM, 4000, &ab[i]), 0);
+        cr_assert_eq(call(&b, &a, "echo", body, sizeof(body), HM_RPC_STREAM, 4000, &ba[i]), 0);
+    }
+    uint64_t end = hm_now_ms() + 6000;
+    int done = 0;
+    while (done < 2 * N && hm_now_ms() < end) {
+        run_for(10);
+        done = 0;
+        for (int i = 0; i < N; i++)
+            done += ab[i].count + ba[i].count;
+    }
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ab[i].count, 1, "a's call %d answered", i);
+        cr_assert_eq(ab[i].status, 0, "a's call %d: %s", i, hm_strerror(ab[i].status));
+        cr_assert_eq(ba[i].count, 1, "b's call %d answered", i);
+        cr_assert_eq(ba[i].status, 0, "b's call %d: %s", i, hm_strerror(ba[i].status));
+        cr_assert_eq(ab[i].len, sizeof(body));
+        result_free(&ab[i]);
+        result_free(&ba[i]);
+    }
+    cr_assert(RUN_UNTIL_STATS((&a), s_.conns_draining == 0 && s_.connections == 1, 3000));
+    cr_assert(RUN_UNTIL_STATS((&b), s_.conns_draining == 0 && s_.connections == 1, 3000));
+    hm_transport_stats sa_ = stats_of(&a), sb = stats_of(&b);
+    cr_assert_eq(sa_.refused_per_peer, 1, "a replaced one of the two");
+    cr_assert_eq(sb.refused_per_peer, 1, "b replaced one of the two");
+    cr_assert_geq(sa_.retired + sb.retired, 2, "both retired it rather than closed it");
+    cr_assert_eq(sa_.drain_expired + sb.drain_expired, 0);
+    node_stop(&a);
+    node_stop(&b);
+}
+
+/*
+ * A retired connection whose peer never shuts its side is closed after 5 s:
+ * a raw connection under a's key that reads nothing and never closes, then
+ * a's own dial, which replaces it at b (one connection per peer).
+ */
+Test(transport, a_retired_duplicate_that_never_finishes_is_closed_in_time)
+{
+    hm_transport_config tc = {.max_conns_per_peer = 1};
+    tnode a, b;
+    node_start(&a);
+    node_start_cfg(&b, swarm, NULL, &tc, NULL);
+    hm_raw raw;
+    cr_assert_eq(hm_raw_connect_as(&raw, &a.id, "127.0.0.1", sa(&b), b.id.pk, swarm, 0, spin_loop,
+                                   NULL),
+                 0);
+    cr_assert(RUN_UNTIL_STATS((&b), s_.inbound_handshakes_ok == 1, 3000));
+    result e = {0};
+    cr_assert_eq(call(&a, &b, "echo", "x", 1, HM_RPC_STREAM, 2000, &e), 0);
+    cr_assert(run_until(&e.count, 1, 3000));
+    cr_assert_eq(e.status, 0, "a's own dial works while the raw one drains");
+    uint64_t replaced = hm_now_ms();
+    hm_transport_stats b1 = stats_of(&b);
+    cr_assert_eq(b1.refused_per_peer, 1);
+    cr_assert_eq(b1.conns_draining, 1, "the raw connection is retired, not closed");
+    cr_assert(RUN_UNTIL_STATS((&b), s_.drain_expired == 1, 8000), "closed when its time ran out");
+    uint64_t took = hm_now_ms() - replaced;
+    cr_assert_geq(took, 4000, "after about 5 s (%llu ms)", (unsigned long long)took);
+    hm_transport_stats b2 = stats_of(&b);
+    cr_assert_eq(b2.conns_draining, 0);
+    cr_assert_eq(b2.connections, 1, "a's dial stays");
+    result_free(&e);
+    hm_raw_close(&raw);
+    node_stop(&a);
+    node_stop(&b);
 }

@@ -105,6 +105,11 @@
 #define RATE_BURST_S 4u
 /* Origins tracked for datagram rates (sources are spoofable, so bounded). */
 #define DGRAM_ORIGINS_MAX 16384u
+/* A retired duplicate may take this long to finish its writes and read the peer's close. */
+#define DRAIN_MS 5000u
+/* Two connections to one peer, one dialled each way, that both came up within this
+ * long of each other are a simultaneous dial (limit_per_peer). */
+#define SIMUL_OPEN_MS 5000u
 
 #if HM_TRANSPORT_CHUNK + CHUNK_HDR_FIRST > HM_REC_MAX_PLAIN
 #error "a chunk and its header must fit in one record"
@@ -220,6 +225,13 @@ typedef struct conn {
     int diverted;       /* its socket went to the relay: no handshake failure, no reset */
     uint8_t *preamble;  /* a relayed accept: written before anything else */
     size_t preamble_len;
+    /* ---- retiring a duplicate gracefully (conn_retire) ---- */
+    uint64_t open_ms;   /* when it reached OPEN */
+    int draining;       /* retired: out of the hash, writes shut once they are done */
+    int got_eof;        /* the peer has shut its side */
+    int shut_done;      /* our FIN is out: every write completed */
+    uint64_t drain_ms;  /* when it was retired */
+    uv_shutdown_t shut_req;
 } conn;
 
 enum { DELAY_DGRAM = 1, DELAY_STREAM = 2 };
@@ -333,6 +345,7 @@ struct hm_transport {
 };
 
 static void conn_close(conn *c, const char *why);
+static void shutdown_cb(uv_shutdown_t *req, int status);
 static void conn_uncount(conn *c);
 static void conn_pump(conn *c);
 static void conn_process(conn *c);
@@ -963,7 +976,9 @@ static void conn_closed_cb(uv_handle_t *h)
      * that the peer is unreachable, so it can fail what it had in flight
      * instead of waiting for deadlines.
      */
-    int notify = c->pk_known && !c->quiet && !t->closing && !live_conn_for(t, c->pk);
+    /* A retired duplicate never tells: the live one's close does, if it goes. */
+    int notify = c->pk_known && !c->quiet && !c->draining && !t->closing &&
+                 !live_conn_for(t, c->pk);
     hm_transport_probe_cb probe_cb = c->quiet ? NULL : c->probe_cb;
     void *probe_ud = c->probe_ud;
     int probe_status = t->closing && c->probe_status != 0 ? -ECANCELED : c->probe_status;
@@ -1047,36 +1062,11 @@ static void queue_moved(conn *c, omsg *m, int p, uint64_t since)
     }
 }
 
-/*
- * Closes c, handing what it had queued to another live connection to the
- * same peer, if there is one. That is the close of a duplicate: the peer
- * closed this connection but keeps another (its own MaxConnectionsPerPeer
- * replaced the older one, or it was a dial-back probe's), or we replaced or
- * evicted it. The layer above hears of no loss in that case (the peer is
- * still connected), so without the handover whatever was queued here would
- * vanish and each call in it would wait out its whole deadline.
- *
- * A queued message has not had its last chunk sealed, so the peer has not
- * received it whole and never will on this connection: it starts over on
- * the other one, and is never delivered twice. What was already handed to
- * the socket whole is not recoverable here; such a message is lost as any
- * message on a dying connection is. A message that does not fit the other
- * connection's queue (its cap, its origin's share, the total) is dropped,
- * counted. Closes for a slow or hostile peer (write stall, draining too
- * slowly, a full total, bad records) use conn_close and free the queue:
- * there the point is to stop holding its bytes.
- */
-static void conn_close_handover(conn *c, const char *why)
+/* Moves c's queue to s, whose cutting starts over (see conn_close_handover). */
+static void handover_queue(conn *c, conn *s)
 {
     hm_transport *t = c->t;
-    if (c->state == CONN_CLOSING)
-        return;
-    conn *s = NULL;
-    if (c->state == CONN_OPEN && c->unsent > 0 && !t->closing) {
-        hash_remove(c); /* so that conn_find looks past it */
-        s = conn_find(t, c->pk);
-    }
-    for (int p = 0; s != NULL && p < 2; p++) {
+    for (int p = 0; p < 2; p++) {
         struct omsg_queue *lists[2] = {&c->act[p], &c->pend[p]};
         for (int l = 0; l < 2; l++) {
             omsg *m;
@@ -1095,9 +1085,103 @@ static void conn_close_handover(conn *c, const char *why)
         }
         c->act_multi[p] = 0;
     }
+}
+
+/*
+ * Closes c, handing what it had queued to another live connection to the
+ * same peer, if there is one. That is the close of a duplicate: the peer
+ * closed this connection but keeps another (its own MaxConnectionsPerPeer
+ * replaced the older one, or it was a dial-back probe's), or we replaced or
+ * evicted it. The layer above hears of no loss in that case (the peer is
+ * still connected), so without the handover whatever was queued here would
+ * vanish and each call in it would wait out its whole deadline.
+ *
+ * A queued message has not had its last chunk sealed, so the peer has not
+ * received it whole and never will on this connection: it starts over on
+ * the other one, and is never delivered twice. What was already handed to
+ * the socket whole is not recoverable here; such a message is lost as any
+ * message on a dying connection is, which is why duplicates we close
+ * ourselves, or whose peer closed them, are retired instead (conn_retire).
+ * A message that does not fit the other connection's queue (its cap, its
+ * origin's share, the total) is dropped, counted. Closes for a slow or hostile peer (write stall, draining too
+ * slowly, a full total, bad records) use conn_close and free the queue:
+ * there the point is to stop holding its bytes.
+ */
+static void conn_close_handover(conn *c, const char *why)
+{
+    hm_transport *t = c->t;
+    if (c->state == CONN_CLOSING)
+        return;
+    conn *s = NULL;
+    if (c->state == CONN_OPEN && c->unsent > 0 && !t->closing) {
+        hash_remove(c); /* so that conn_find looks past it */
+        s = conn_find(t, c->pk);
+    }
+    if (s != NULL)
+        handover_queue(c, s);
     conn_close(c, why);
     if (s != NULL)
         conn_pump(s);
+}
+
+/*
+ * Retires c, a duplicate (another connection to its peer lives), without
+ * losing what is on its way in either direction. What was queued moves to
+ * the other connection (as in conn_close_handover) and sends no longer
+ * find c; what was already sealed is still written, and then our side is
+ * shut (a FIN after the last byte). c keeps reading and delivering until the
+ * peer shuts its side too, which a hivemindd peer does once its own writes
+ * on it are done (read_cb), and only then closes. So a message handed whole
+ * to the socket on either side still arrives, where closing at once lost
+ * it (its call waited out its deadline while the peer stayed connected).
+ *
+ * A retire is bounded: a peer that never shuts its side, or never reads,
+ * has c closed after DRAIN_MS (hk_timer_cb). While it drains c stays
+ * charged to its origin, so retiring grants no extra connections. Without
+ * another connection to the peer (the last one goes: nothing would carry
+ * the replies, and the layer above should hear of the loss now), when the
+ * transport is closing, or when the shutdown cannot start, this is
+ * conn_close_handover.
+ */
+static void conn_retire(conn *c, const char *why)
+{
+    hm_transport *t = c->t;
+    if (c->state == CONN_CLOSING || c->draining)
+        return;
+    conn *s = NULL;
+    if (c->state == CONN_OPEN && !t->closing && c->connected) {
+        hash_remove(c);
+        s = conn_find(t, c->pk);
+    }
+    if (s == NULL) {
+        conn_close_handover(c, why);
+        return;
+    }
+    handover_queue(c, s);
+    c->shut_req.data = c;
+    if (uv_shutdown(&c->shut_req, (uv_stream_t *)&c->tcp, shutdown_cb) < 0) {
+        conn_close(c, why);
+        conn_pump(s);
+        return;
+    }
+    c->draining = 1;
+    c->drain_ms = hm_now_ms();
+    t->stats.retired++;
+    hm_debug(MOD, "retiring conn #%llu: %s", (unsigned long long)c->seq, why);
+    conn_pump(s);
+}
+
+/* Our FIN went out after the last write (or the shutdown was cancelled by a close). */
+static void shutdown_cb(uv_shutdown_t *req, int status)
+{
+    conn *c = req->data;
+    if (c->state == CONN_CLOSING)
+        return;
+    c->shut_done = 1;
+    if (status < 0)
+        conn_close(c, uv_strerror(status));
+    else if (c->got_eof)
+        conn_close(c, "retired: both sides done");
 }
 
 /* -------------------------------------------------------------- admission */
@@ -1277,26 +1361,52 @@ refuse:
 }
 
 /*
+ * Whether both ends keep c when two connections, one dialled each way,
+ * came up at once: both keep the one dialled by the smaller key, so that
+ * they retire the same one and not one each.
+ */
+static int conn_wins_tie(const conn *c)
+{
+    return c->outbound == (memcmp(c->t->id.pk, c->pk, HM_PK_BYTES) < 0);
+}
+
+/*
  * One identity keeps at most max_conns_per_peer connections. A peer that
  * opens another (it reconnected, or an attacker reusing one key) replaces
- * its oldest open one rather than adding to its share.
+ * its oldest open one rather than adding to its share; c, just open, is the
+ * newest. Connections dialled both ways within SIMUL_OPEN_MS of each other
+ * are a simultaneous dial, which each end sees in its own order: there the
+ * oldest of those the tie rule drops goes, c included, the same one at both
+ * ends. The replaced one is retired (conn_retire), so nothing already on its
+ * way in either direction is lost.
  */
 static void limit_per_peer(conn *c)
 {
     hm_transport *t = c->t;
-    size_t n = 1;
-    conn *oldest = NULL;
+    size_t n = 0;
+    conn *oldest = NULL, *tie_loser = NULL;
+    int recent_win = 0, recent_lose = 0;
     FOREACH_PK_CONN(o, t, c->pk) {
-        if (o == c)
-            continue;
         n++;
-        if (o->state == CONN_OPEN && (oldest == NULL || o->open_seq < oldest->open_seq))
+        if (o->state != CONN_OPEN)
+            continue;
+        if (o != c && (oldest == NULL || o->open_seq < oldest->open_seq))
             oldest = o;
+        if (c->open_ms - o->open_ms >= SIMUL_OPEN_MS)
+            continue;
+        if (conn_wins_tie(o)) {
+            recent_win = 1;
+        } else {
+            recent_lose = 1;
+            if (tie_loser == NULL || o->open_seq < tie_loser->open_seq)
+                tie_loser = o;
+        }
     }
-    if (n <= t->cfg.max_conns_per_peer || oldest == NULL)
+    conn *victim = recent_win && recent_lose ? tie_loser : oldest;
+    if (n <= t->cfg.max_conns_per_peer || victim == NULL)
         return;
     t->stats.refused_per_peer++;
-    conn_close_handover(oldest, "replaced by a newer connection of the same peer");
+    conn_retire(victim, "replaced by a newer connection of the same peer");
 }
 
 /* Whether a datagram whose sender key is not cached yet may cost its X25519. */
@@ -1452,8 +1562,8 @@ static int next_chunk(conn *c, uint8_t *rec, size_t *sealed_out)
 static void conn_pump(conn *c)
 {
     hm_transport *t = c->t;
-    while (c->state == CONN_OPEN && !t->faults.stall && c->inflight < WR_INFLIGHT_MAX &&
-           has_chunks(c)) {
+    while (c->state == CONN_OPEN && !c->draining && !t->faults.stall &&
+           c->inflight < WR_INFLIGHT_MAX && has_chunks(c)) {
         wreq *w = wreq_get(c, WR_BUF_SIZE);
         if (w == NULL) {
             conn_close(c, "out of memory");
@@ -1737,13 +1847,15 @@ static void hs_complete(conn *c)
         return;
     }
     c->open_seq = ++t->open_counter;
-    limit_per_peer(c);
     int was_up = 0;
     FOREACH_PK_CONN(o, t, c->pk)
         if (o != c && o->state == CONN_OPEN)
             was_up = 1;
     conn_set_state(c, CONN_OPEN, "handshake complete");
-    c->last_progress_ms = hm_now_ms();
+    c->open_ms = c->last_progress_ms = hm_now_ms();
+    limit_per_peer(c);
+    if (c->state != CONN_OPEN || c->draining)
+        return; /* c itself was the one replaced: the peer was up already */
     conn_pump(c);
     if (!was_up && c->state == CONN_OPEN && t->cbs.on_conn != NULL)
         t->cbs.on_conn(t->ud, c->pk, 1);
@@ -1934,8 +2046,20 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     HM_UNUSED(buf);
     if (c->state == CONN_CLOSING)
         return;
+    if (nread == UV_EOF) {
+        /*
+         * The peer shut its side: it retired this duplicate, or it is going.
+         * Our own writes on it finish first (conn_retire), then we close.
+         */
+        c->got_eof = 1;
+        if (!c->draining)
+            conn_retire(c, "peer closed");
+        else if (c->shut_done)
+            conn_close(c, "retired: both sides done");
+        return;
+    }
     if (nread < 0) {
-        conn_close_handover(c, nread == UV_EOF ? "peer closed" : uv_strerror((int)nread));
+        conn_close_handover(c, uv_strerror((int)nread));
         return;
     }
     if (nread == 0)
@@ -2434,7 +2558,14 @@ static void hk_timer_cb(uv_timer_t *h)
     origin_sweep(&t->dgram_origins, hm_now_us());
     conn *c, *next;
     LIST_FOREACH_SAFE(c, &t->conns, link, next) {
-        if (c->state == CONN_HANDSHAKE && now - c->created_ms >= t->cfg.handshake_timeout_ms) {
+        if (c->draining) {
+            if (c->state == CONN_OPEN && now - c->drain_ms >= DRAIN_MS) {
+                t->stats.drain_expired++;
+                conn_close(c, "retired, and not done in time");
+            } else if (c->state == CONN_OPEN && c->rasm_bytes > 0) {
+                rasm_expire(c, now);
+            }
+        } else if (c->state == CONN_HANDSHAKE && now - c->created_ms >= t->cfg.handshake_timeout_ms) {
             conn_close(c, "handshake timeout");
         } else if (c->state == CONN_OPEN && c->unsent + c->inflight > 0 &&
                    now - c->last_progress_ms >= t->cfg.write_stall_ms) {
@@ -2445,7 +2576,7 @@ static void hk_timer_cb(uv_timer_t *h)
             conn_close(c, "write stall");
         } else if (c->state == CONN_OPEN && now - c->last_activity_ms >= t->cfg.idle_close_ms &&
                    c->unsent + c->inflight == 0) {
-            conn_close(c, "idle");
+            conn_retire(c, "idle");
         } else if (c->state == CONN_OPEN && !drain_check(c, now) && c->rasm_bytes > 0) {
             rasm_expire(c, now);
         }
@@ -2985,6 +3116,9 @@ void hm_transport_disconnect(hm_transport *t, const uint8_t pk[HM_PK_BYTES])
     conn *c;
     while ((c = conn_find(t, pk)) != NULL)
         conn_close(c, "disconnect requested");
+    LIST_FOREACH(c, &t->conns, link)
+        if (c->draining && c->pk_known && memcmp(c->pk, pk, HM_PK_BYTES) == 0)
+            conn_close(c, "disconnect requested");
 }
 
 void hm_transport_set_faults(hm_transport *t, const hm_transport_faults *f)
@@ -3050,11 +3184,12 @@ void hm_transport_get_stats(hm_transport *t, hm_transport_stats *out)
     out->queued_bytes = 0;
     out->inbound = t->n_inb;
     out->inbound_handshaking = t->n_inb_hs;
-    out->conns_handshake = out->conns_open = out->conns_closing = 0;
+    out->conns_handshake = out->conns_open = out->conns_closing = out->conns_draining = 0;
     const conn *c;
     LIST_FOREACH(c, &t->conns, link) {
         out->conns_handshake += c->state == CONN_HANDSHAKE;
-        out->conns_open += c->state == CONN_OPEN;
+        out->conns_open += c->state == CONN_OPEN && !c->draining;
+        out->conns_draining += c->state == CONN_OPEN && c->draining;
         out->conns_closing += c->state == CONN_CLOSING;
         if (c->state == CONN_CLOSING)
             continue;

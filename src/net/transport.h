@@ -185,8 +185,11 @@ typedef struct hm_transport_stats {
     uint64_t write_too_slow;      /* connections closed for draining under write_min_rate */
     uint64_t handed_over;      /* queued messages moved to the peer's other connection */
     uint64_t handover_dropped; /* ... and dropped there: that queue was full */
+    uint64_t retired;          /* duplicates closed gracefully: writes finished, FIN, read to EOF */
+    uint64_t drain_expired;    /* ... of which the peer did not finish within 5 s: closed */
     /* ---- connections by state, now (the status page's metrics) ---- */
     size_t conns_handshake, conns_open, conns_closing;
+    size_t conns_draining; /* open, retired, finishing (not counted in conns_open) */
     uint64_t notices_refused;     /* refusal notices not queued: RefusalNoticeOriginKiB */
     uint64_t refusals_untold;     /* inbound refusals past the 64 pending per turn */
     /* ---- reachability (hm_transport_probe) ---- */
