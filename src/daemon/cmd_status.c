@@ -657,8 +657,9 @@ void hm_cmd_status_metrics(hm_cmd_status *s, hm_strbuf *b)
                             "# TYPE hivemindd_connections_by_state gauge\n"
                             "hivemindd_connections_by_state{state=\"handshake\"} %zu\n"
                             "hivemindd_connections_by_state{state=\"open\"} %zu\n"
+                            "hivemindd_connections_by_state{state=\"draining\"} %zu\n"
                             "hivemindd_connections_by_state{state=\"closing\"} %zu\n",
-                         ts.conns_handshake, ts.conns_open, ts.conns_closing);
+                         ts.conns_handshake, ts.conns_open, ts.conns_draining, ts.conns_closing);
     }
     json_t *hosted = hm_cmd_experts_hosted(s->d->experts);
     static const struct {

@@ -38,11 +38,14 @@
  * Two connections to one peer (both sides dialled at once, or a peer that
  * reconnected before we noticed its old connection die) both stay usable:
  * sends go to the one established last, the other one still delivers what
- * arrives on it and is eventually closed as idle. A connection that closes
- * hands its queue to another live one to the same peer where it may
- * (conn_close_handover), else frees it; the layer above learns of a lost
- * peer through on_conn(pk, 0), which
- * fires when the last connection to a peer goes away or a dial fails.
+ * arrives on it and is eventually retired as idle. A duplicate that goes
+ * (replaced, idle, or shut by its peer) is retired (conn_retire): its queue
+ * moves to the other connection, its sealed writes finish and it reads to
+ * the peer's FIN, so nothing on the wire is lost. A connection that closes
+ * otherwise hands its queue to another live one to the same peer where it
+ * may (conn_close_handover), else frees it; the layer above learns of a
+ * lost peer through on_conn(pk, 0), which fires when the last connection
+ * to a peer goes away or a dial fails.
  */
 #include "config.h"
 
@@ -225,6 +228,7 @@ typedef struct conn {
     int diverted;       /* its socket went to the relay: no handshake failure, no reset */
     uint8_t *preamble;  /* a relayed accept: written before anything else */
     size_t preamble_len;
+    int relayed_accept; /* we dialled the relay, but the peer dialled us */
     /* ---- retiring a duplicate gracefully (conn_retire) ---- */
     uint64_t open_ms;   /* when it reached OPEN */
     int draining;       /* retired: out of the hash, writes shut once they are done */
@@ -1367,7 +1371,8 @@ refuse:
  */
 static int conn_wins_tie(const conn *c)
 {
-    return c->outbound == (memcmp(c->t->id.pk, c->pk, HM_PK_BYTES) < 0);
+    int we_dialled = c->outbound && !c->relayed_accept;
+    return we_dialled == (memcmp(c->t->id.pk, c->pk, HM_PK_BYTES) < 0);
 }
 
 /*
@@ -3081,6 +3086,7 @@ int hm_transport_accept_relayed(hm_transport *t, const struct sockaddr *to, cons
     }
     memcpy(c->preamble, preamble, len);
     c->preamble_len = len;
+    c->relayed_accept = 1;
     hm_hs_init_server(c->hs, &t->id, t->swarm_id);
     c->connect_req.data = c;
     result = bind_source(t, c, to);

@@ -1236,6 +1236,12 @@ char *hm_node_metrics(hm_node *n)
     metric_u64(&b, "hivemindd_messages_handover_dropped_total", "counter",
                "Queued messages of a closed connection that the other one had no room for.",
                st.handover_dropped);
+    metric_u64(&b, "hivemindd_connections_retired_total", "counter",
+               "Duplicate connections closed gracefully: writes finished, both sides shut.",
+               st.retired);
+    metric_u64(&b, "hivemindd_connection_retires_expired_total", "counter",
+               "Retired connections whose peer did not finish within 5 s, closed.",
+               st.drain_expired);
     metric_u64(&b, "hivemindd_queued_bytes", "gauge", "Bytes queued for sending, all peers.",
                st.queued_bytes);
     metric_u64(&b, "hivemindd_received_bytes_total", "counter",
