@@ -782,32 +782,11 @@ static uint8_t *answer_body(const coding *c, const float *vals, size_t cnt, uint
 }
 
 /*
- * What encoding a chunk costs in precision, up to a factor common to the
- * values one chunk may carry: fp16 rounds each value relative to itself
- * (so the sum of squares), 8 bits round to a step of the chunk's range.
- */
-static double coding_cost(int comp, const float *v, size_t n)
-{
-    double acc = 0;
-    float mn = n > 0 ? v[0] : 0.0f, mx = mn;
-    if (comp == HM_AVG_COMP_FP16) {
-        for (size_t i = 0; i < n; i++)
-            acc += (double)v[i] * (double)v[i];
-        return acc;
-    }
-    for (size_t i = 0; i < n; i++) {
-        mn = HM_MIN(mn, v[i]);
-        mx = HM_MAX(mx, v[i]);
-    }
-    return (double)mx - (double)mn;
-}
-
-/*
  * Sender j's answer in a compressed round (allreduce.h, "Compressed
  * rounds"): the average minus j's part as we decoded it, or the average
  * itself where that rounds better (members far apart: the difference is
  * larger than the average), with j's share of the weight either way.
- * diff is scratch of cnt floats; ans_cost is coding_cost of the average.
+ * diff is scratch of cnt floats; ans_cost is hm_avg_coding_cost of the average.
  * A difference that is not finite (two parts near FLT_MAX of opposite
  * signs) never wins.
  */
@@ -815,10 +794,9 @@ static uint8_t *compressed_body(const coding *c, const float *ans, double ans_co
                                 const float *part, float *diff, size_t cnt, uint64_t contrib,
                                 double share, size_t *len_out, int *err)
 {
-    for (size_t i = 0; i < cnt; i++)
-        diff[i] = (float)((double)ans[i] - (double)part[i]);
-    double cost = coding_cost(c->comp, diff, cnt);
-    if (isfinite(cost) && cost < ans_cost && hm_avg_all_finite(diff, cnt))
+    double cost;
+    if (hm_avg_diff_cost(c->comp, ans, part, diff, cnt, &cost) == 0 && isfinite(cost) &&
+        cost < ans_cost)
         return answer_body(c, diff, cnt, contrib, HM_AR_FORM_DELTA, share, len_out, err);
     return answer_body(c, ans, cnt, contrib, HM_AR_FORM_AVERAGE, share, len_out, err);
 }
@@ -885,7 +863,9 @@ static void job_work(hm_work *w)
     float *diff = malloc(cnt ? cnt * sizeof(float) : sizeof(float));
     if (diff == NULL)
         return;
-    double ans_cost = coding_cost(jb->c.comp, ans, cnt);
+    double ans_cost;
+    if (hm_avg_coding_cost(jb->c.comp, ans, cnt, &ans_cost) < 0)
+        ans_cost = HUGE_VAL; /* not finite: answer_body refuses it anyway */
     for (size_t j = 0; j < jb->g; j++)
         if ((jb->held & bit(j)) && jb->o->part[j] != NULL)
             jb->mine[j] = compressed_body(&jb->c, ans, ans_cost, jb->o->part[j], diff, cnt,

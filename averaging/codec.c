@@ -441,6 +441,32 @@ HOT static int u8_range(const float *restrict x, size_t n, float *mn_out, float 
     return 0;
 }
 
+int hm_avg_coding_cost(int comp, const float *v, size_t n, double *cost)
+{
+    if (comp == HM_AVG_COMP_FP16) {
+        if (!hm_avg_all_finite(v, n))
+            return -EDOM;
+        double acc = 0;
+        for (size_t i = 0; i < n; i++)
+            acc += (double)v[i] * (double)v[i];
+        *cost = acc;
+        return 0;
+    }
+    float mn, mx;
+    if (u8_range(v, n, &mn, &mx) < 0)
+        return -EDOM;
+    *cost = (double)mx - (double)mn;
+    return 0;
+}
+
+HOT int hm_avg_diff_cost(int comp, const float *restrict ans, const float *restrict part,
+                         float *restrict diff, size_t n, double *cost)
+{
+    for (size_t i = 0; i < n; i++)
+        diff[i] = (float)((double)ans[i] - (double)part[i]);
+    return hm_avg_coding_cost(comp, diff, n, cost);
+}
+
 static int encode_uint8(const float *restrict x, size_t n, uint8_t *restrict p)
 {
     float mn, mx;

@@ -204,6 +204,25 @@ void hm_avg_weighted_mean(const float *const *xs, const double *w, size_t m, siz
 /* 1 when every x[i] is finite (n == 0 included), else 0. */
 int hm_avg_all_finite(const float *x, size_t n);
 
+/*
+ * What coding v[0..n) as comp costs in precision, up to a factor common to
+ * the values one chunk may carry (the all-reduce's choice between a
+ * sender's difference and the average, allreduce.h "Compressed rounds"):
+ * fp16 rounds each value relative to itself, so the sum of squares (in
+ * order, in double); 8 bits round to a step of the chunk's range, so
+ * max - min. Returns 0 with *cost set, or -EDOM when a value is not
+ * finite. For fp16 *cost itself may overflow to infinity.
+ */
+int hm_avg_coding_cost(int comp, const float *v, size_t n, double *cost);
+
+/*
+ * diff[i] = ans[i] - part[i], each taken in double and rounded once, then
+ * hm_avg_coding_cost of diff: one pass for the difference and, for 8 bits,
+ * its range and finiteness.
+ */
+int hm_avg_diff_cost(int comp, const float *ans, const float *part, float *diff, size_t n,
+                     double *cost);
+
 /* ---- CenteredClip ---- */
 
 #define HM_AVG_CLIP_MAX_INPUTS 64

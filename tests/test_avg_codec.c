@@ -527,6 +527,55 @@ Test(avg_codec, weighted_mean_equals_the_element_loop)
     free(got);
 }
 
+/*
+ * The all-reduce picks a sender's difference or the average by this cost:
+ * the difference and the cost are the element formula's, bit for bit, on
+ * either code path, and a difference that overflows is refused.
+ */
+Test(avg_codec, diff_cost_equals_the_element_loop)
+{
+    static const size_t lens[] = {0, 1, 15, 1023, 1024, 1025, 3000};
+    static const int comps[] = {HM_AVG_COMP_FP16, HM_AVG_COMP_UINT8};
+    struct rng r = {47};
+    float *ans = alloc_floats(3000), *part = alloc_floats(3000), *diff = alloc_floats(3000);
+    for (size_t i = 0; i < 3000; i++) {
+        ans[i] = (float)(rng_normal(&r) * (i % 11 == 0 ? 1e3 : 1.0));
+        part[i] = (float)(rng_normal(&r) * (i % 13 == 0 ? 1e-3 : 1.0));
+    }
+    for (size_t ci = 0; ci < 2; ci++)
+        for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+            size_t n = lens[li];
+            double cost = -1, want = 0;
+            cr_assert_eq(hm_avg_diff_cost(comps[ci], ans, part, diff, n, &cost), 0);
+            float mn = 0, mx = 0;
+            for (size_t i = 0; i < n; i++) {
+                float d = (float)((double)ans[i] - (double)part[i]);
+                cr_assert(memcmp(&diff[i], &d, sizeof(float)) == 0, "n %zu element %zu", n, i);
+                want += (double)d * (double)d;
+                mn = i == 0 || d < mn ? d : mn;
+                mx = i == 0 || d > mx ? d : mx;
+            }
+            if (comps[ci] == HM_AVG_COMP_UINT8)
+                want = (double)mx - (double)mn;
+            cr_assert(memcmp(&cost, &want, sizeof(double)) == 0, "comp %d n %zu: %a, want %a",
+                      comps[ci], n, cost, want);
+            double again = -1;
+            cr_assert_eq(hm_avg_coding_cost(comps[ci], diff, n, &again), 0);
+            cr_assert(memcmp(&again, &want, sizeof(double)) == 0);
+        }
+    ans[1500] = FLT_MAX;
+    part[1500] = -FLT_MAX;
+    for (size_t ci = 0; ci < 2; ci++) {
+        double cost;
+        cr_assert_eq(hm_avg_diff_cost(comps[ci], ans, part, diff, 3000, &cost), -EDOM,
+                     "an overflowing difference is refused");
+        cr_assert_eq(hm_avg_coding_cost(comps[ci], diff, 3000, &cost), -EDOM);
+    }
+    free(ans);
+    free(part);
+    free(diff);
+}
+
 /* The sender's side of a compressed answer, against the formula in double. */
 Test(avg_codec, answer_apply_takes_out_the_senders_share_of_its_rounding)
 {
