@@ -21,6 +21,8 @@
 
 #define MOD "relay"
 #define TICK_MS 100u
+/* With both FINs in, what is still queued toward an end may take this long to go. */
+#define CLOSE_DRAIN_MS 10000u
 #define SIDE_RBUF (64u * 1024u)
 /* Bytes one side may have queued towards the other before we stop reading it. */
 #define SIDE_HIGH_WATER (1u << 20)
@@ -45,6 +47,8 @@ typedef struct side {
     int open;    /* the handle is initialised and not yet closed */
     int reading;
     int eof;     /* it sent FIN: nothing more to copy from it */
+    int shut_done; /* the other's FIN was passed on to it, after every write */
+    uv_shutdown_t shut_req;
     uint8_t *rbuf;
 } side;
 
@@ -67,6 +71,7 @@ typedef struct circuit {
     int64_t tokens;         /* rate budget, bytes */
     int paused_rate;
     int handles;            /* open handles; freed at 0 */
+    uint64_t both_eof_ms;   /* when the second side sent FIN, 0: not yet */
 } circuit;
 
 typedef struct wr {
@@ -389,10 +394,27 @@ static int side_write(side *to, const uint8_t *p, size_t len)
     return 0;
 }
 
+/*
+ * A FIN passed on: to->tcp has written everything queued for it, then its
+ * FIN. The circuit closes once both FINs have been passed on so, and not
+ * before: closing cancels writes still queued, which are what an end
+ * wrote after reading the other's FIN (a retired connection's last
+ * replies, docs/protocol.md). A cancelled shutdown (the circuit closing)
+ * runs before its side's close callback, so the circuit still exists.
+ */
 static void shutdown_cb(uv_shutdown_t *req, int status)
 {
-    HM_UNUSED(status);
-    free(req);
+    side *to = req->data;
+    circuit *c = to->c;
+    if (c->state != CIRC_SPLICED)
+        return;
+    if (status < 0) {
+        circ_close(c, uv_strerror(status));
+        return;
+    }
+    to->shut_done = 1;
+    if (c->a.shut_done && c->b.shut_done)
+        circ_close(c, "both sides closed");
 }
 
 static void side_read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
@@ -405,18 +427,18 @@ static void side_read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         return;
     side *o = other(s);
     if (nread < 0) {
-        if (nread != UV_EOF || o->eof) {
+        if (nread != UV_EOF || s->eof) {
             circ_close(c, nread == UV_EOF ? "both sides closed" : uv_strerror((int)nread));
             return;
         }
         /* A half close is passed on, so each end sees the other's FIN. */
         s->eof = 1;
         side_stop(s);
-        uv_shutdown_t *sh = malloc(sizeof(*sh));
-        if (sh == NULL || uv_shutdown(sh, (uv_stream_t *)&o->tcp, shutdown_cb) < 0) {
-            free(sh);
+        if (o->eof)
+            c->both_eof_ms = now_ms();
+        o->shut_req.data = o;
+        if (uv_shutdown(&o->shut_req, (uv_stream_t *)&o->tcp, shutdown_cb) < 0)
             circ_close(c, "peer closed");
-        }
         return;
     }
     c->bytes += (uint64_t)nread;
@@ -704,6 +726,10 @@ static void tick_cb(uv_timer_t *h)
         if (now - c->created_ms >= r->cfg.circuit_lifetime_ms) {
             r->cut_lifetime++;
             circ_close(c, "over RelayCircuitLifetime");
+            continue;
+        }
+        if (c->both_eof_ms != 0 && now - c->both_eof_ms >= CLOSE_DRAIN_MS) {
+            circ_close(c, "both sides closed; the last writes did not drain in time");
             continue;
         }
         c->tokens = HM_MIN(c->tokens + refill, cap);

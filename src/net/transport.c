@@ -108,7 +108,8 @@
 #define RATE_BURST_S 4u
 /* Origins tracked for datagram rates (sources are spoofable, so bounded). */
 #define DGRAM_ORIGINS_MAX 16384u
-/* A retired duplicate may take this long to finish its writes and read the peer's close. */
+/* A retired duplicate may take this long (plus a housekeeping tick, at most 1 s) to
+ * finish its writes and read the peer's close. */
 #define DRAIN_MS 5000u
 /* Two connections to one peer, one dialled each way, that both came up within this
  * long of each other are a simultaneous dial (limit_per_peer). */
@@ -1264,7 +1265,8 @@ static void conn_uncount(conn *c)
  * v[idx] counts: one of the origin that holds the most, and only if that is
  * at least two more than the newcomer's, so that eviction moves the table
  * towards equal shares and never takes from an origin as light as the
- * newcomer's. Among the heaviest origin's connections: one still in its
+ * newcomer's. Among the heaviest origin's connections: a retired one (it is
+ * going anyway), else one still in its
  * handshake (the oldest, the likeliest never to finish), else the youngest
  * open one, so its long-lived verified peers are the last to go. NULL when
  * there is no such connection.
@@ -1280,7 +1282,12 @@ static conn *evict_pick(hm_transport *t, unsigned idx, uint64_t have)
             continue;
         if (idx == OV_HS && !c->counted_hs)
             continue;
-        if (best == NULL || (c->counted_hs && !best->counted_hs))
+        /* A retired one is going anyway: it goes first. */
+        if (best == NULL || (c->draining && !best->draining))
+            best = c;
+        else if (c->draining != best->draining)
+            continue;
+        else if (c->counted_hs && !best->counted_hs)
             best = c;
         else if (c->counted_hs == best->counted_hs &&
                  (c->counted_hs ? c->seq < best->seq : c->seq > best->seq))
@@ -2057,6 +2064,8 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
          * Our own writes on it finish first (conn_retire), then we close.
          */
         c->got_eof = 1;
+        /* No chunk can come any more: a message left half here starts over elsewhere. */
+        free_slots(c);
         if (!c->draining)
             conn_retire(c, "peer closed");
         else if (c->shut_done)

@@ -85,7 +85,7 @@ typedef struct hm_transport_config {
      * (handshaking first, then the youngest), so long-lived peers of light
      * origins are never the ones to go. One identity keeps at most
      * max_conns_per_peer connections: a newer one retires its oldest (it
-     * finishes what is on its way, 5 s at most; a simultaneous dial keeps
+     * finishes what is on its way, 5-6 s at most; a simultaneous dial keeps
      * the one dialled by the smaller key at both ends).
      * Inbound handshakes cost an X25519 and a signature each and are rated
      * per origin (handshake_rate_per_origin per second, bursts of four
