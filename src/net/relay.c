@@ -427,8 +427,8 @@ static void side_read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         return;
     side *o = other(s);
     if (nread < 0) {
-        if (nread != UV_EOF || s->eof) {
-            circ_close(c, nread == UV_EOF ? "both sides closed" : uv_strerror((int)nread));
+        if (nread != UV_EOF) {
+            circ_close(c, uv_strerror((int)nread));
             return;
         }
         /* A half close is passed on, so each end sees the other's FIN. */

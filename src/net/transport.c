@@ -1108,9 +1108,10 @@ static void handover_queue(conn *c, conn *s)
  * message on a dying connection is, which is why duplicates we close
  * ourselves, or whose peer closed them, are retired instead (conn_retire).
  * A message that does not fit the other connection's queue (its cap, its
- * origin's share, the total) is dropped, counted. Closes for a slow or hostile peer (write stall, draining too
- * slowly, a full total, bad records) use conn_close and free the queue:
- * there the point is to stop holding its bytes.
+ * origin's share, the total) is dropped, counted. Closes for a slow or
+ * hostile peer (write stall, draining too slowly, a full total, bad
+ * records) use conn_close and free the queue: there the point is to stop
+ * holding its bytes.
  */
 static void conn_close_handover(conn *c, const char *why)
 {
@@ -1154,7 +1155,7 @@ static void conn_retire(conn *c, const char *why)
     if (c->state == CONN_CLOSING || c->draining)
         return;
     conn *s = NULL;
-    if (c->state == CONN_OPEN && !t->closing && c->connected) {
+    if (c->state == CONN_OPEN && !t->closing) {
         hash_remove(c);
         s = conn_find(t, c->pk);
     }
@@ -2572,13 +2573,14 @@ static void hk_timer_cb(uv_timer_t *h)
     origin_sweep(&t->dgram_origins, hm_now_us());
     conn *c, *next;
     LIST_FOREACH_SAFE(c, &t->conns, link, next) {
-        if (c->draining) {
-            if (c->state == CONN_OPEN && now - c->drain_ms >= DRAIN_MS) {
-                t->stats.drain_expired++;
-                conn_close(c, "retired, and not done in time");
-            } else if (c->state == CONN_OPEN && c->rasm_bytes > 0) {
+        if (c->state == CONN_CLOSING) {
+            /* its close callback is on its way */
+        } else if (c->draining && now - c->drain_ms >= DRAIN_MS) {
+            t->stats.drain_expired++;
+            conn_close(c, "retired, and not done in time");
+        } else if (c->draining) {
+            if (c->rasm_bytes > 0)
                 rasm_expire(c, now);
-            }
         } else if (c->state == CONN_HANDSHAKE && now - c->created_ms >= t->cfg.handshake_timeout_ms) {
             conn_close(c, "handshake timeout");
         } else if (c->state == CONN_OPEN && c->unsent + c->inflight > 0 &&
