@@ -93,6 +93,27 @@ typedef struct oslot {
  * it points at (which nothing frees while the slot is busy), and the loop
  * applies the outputs when the job comes back (job_done).
  */
+/*
+ * A part or an answer as the pieces it is sent in (hm_rpc_callv), so that
+ * its chunk is not copied into the message first: the envelope through the
+ * chunk's own header, the chunk's bytes where they lie (an uncompressed
+ * chunk is the floats themselves) or in its encoding, and a reply's tail.
+ */
+#define MSGV_HEAD 160
+#define MSGV_TAIL 24
+typedef struct msgv {
+    uint8_t head[MSGV_HEAD];
+    uint8_t tail[MSGV_TAIL];
+    uint8_t ch[HM_AVG_CHUNK_HEADER]; /* an uncompressed chunk's header */
+    size_t chl;                      /* its length, 0 when data is an encoding */
+    uint8_t *enc;                    /* the encoding, owned, or NULL */
+    const uint8_t *data;
+    size_t dlen;
+    uv_buf_t b[3];
+    unsigned n;
+    size_t len;
+} msgv;
+
 typedef struct arjob {
     hm_work w;
     LIST_ENTRY(arjob) link; /* in r->jobs while the round lives */
@@ -114,11 +135,9 @@ typedef struct arjob {
     float *self_vals;               /* our values, copied */
     /* outputs */
     float *out;
-    uint8_t *body; /* uncompressed: one answer for all */
-    size_t blen;
+    msgv *body; /* uncompressed: one answer for all (its data is out) */
     int err;
-    uint8_t *mine[HM_AVG_MAX_GROUP]; /* compressed: each sender's own */
-    size_t mlen[HM_AVG_MAX_GROUP];
+    msgv *mine[HM_AVG_MAX_GROUP]; /* compressed: each sender's own */
 } arjob;
 
 typedef struct hspan {
@@ -389,6 +408,13 @@ int hm_ar_msg_version(const uint8_t *buf, size_t len)
 
 void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m)
 {
+    hm_ar_part_encode_head(w, m);
+    if (m->data_len > 0)
+        hm_wire_wr_raw(w, m->data, m->data_len);
+}
+
+void hm_ar_part_encode_head(hm_wire_wr *w, const hm_ar_part_msg *m)
+{
     hm_wire_wr_array(w, 12);
     hm_wire_wr_uint(w, HM_AR_VERSION);
     hm_wire_wr_bin(w, m->group_id, HM_AVG_GROUP_ID_BYTES);
@@ -401,7 +427,7 @@ void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m)
     hm_wire_wr_uint(w, m->dead_mask);
     hm_wire_wr_uint(w, m->bad_mask);
     hm_wire_wr_uint(w, m->contrib_mask);
-    hm_wire_wr_bin(w, m->data, m->data_len);
+    hm_wire_wr_bin_header(w, m->data_len);
 }
 
 int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_part_msg *out)
@@ -455,15 +481,27 @@ out:
 
 void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m)
 {
+    hm_ar_reply_encode_head(w, m);
+    if (m->data != NULL && m->data_len > 0)
+        hm_wire_wr_raw(w, m->data, m->data_len);
+    hm_ar_reply_encode_tail(w, m);
+}
+
+void hm_ar_reply_encode_head(hm_wire_wr *w, const hm_ar_reply_msg *m)
+{
     hm_wire_wr_array(w, 7);
     hm_wire_wr_uint(w, HM_AR_VERSION);
     hm_wire_wr_uint(w, m->dead_mask);
     hm_wire_wr_uint(w, m->bad_mask);
     hm_wire_wr_uint(w, m->contrib_mask);
     if (m->data != NULL)
-        hm_wire_wr_bin(w, m->data, m->data_len);
+        hm_wire_wr_bin_header(w, m->data_len);
     else
         hm_wire_wr_nil(w);
+}
+
+void hm_ar_reply_encode_tail(hm_wire_wr *w, const hm_ar_reply_msg *m)
+{
     hm_wire_wr_uint(w, m->form);
     hm_wire_wr_double(w, m->share);
 }
@@ -758,27 +796,90 @@ static uint8_t *encode_chunk(int comp, const float *x, size_t n, size_t *len_out
     return buf;
 }
 
-/*
- * One reply body with status 0: vals encoded with the round's compression,
- * as an average (form 0) or as a sender's difference from it (form 1).
- */
-static uint8_t *answer_body(const coding *c, const float *vals, size_t cnt, uint64_t contrib,
-                            int form, double share, size_t *len_out, int *err)
+static void msgv_free(msgv *v)
 {
-    size_t clen;
-    uint8_t *enc = encode_chunk(c->comp, vals, cnt, &clen, err);
-    if (enc == NULL)
-        return NULL;
-    hm_wire_wr w;
-    hm_ar_reply_msg m = {.dead_mask = c->dead, .bad_mask = c->bad, .contrib_mask = contrib,
-                         .data = enc, .data_len = clen, .form = (uint32_t)form, .share = share};
-    hm_wire_wr_init_dynamic(&w, clen + MSG_SLACK);
-    hm_ar_reply_encode(&w, &m);
-    uint8_t *body = hm_wire_wr_steal(&w, len_out);
-    free(enc);
-    if (body == NULL)
+    if (v != NULL)
+        free(v->enc);
+    free(v);
+}
+
+/*
+ * x's chunk under comp into v: uncompressed, a header and x's own bytes,
+ * which must then stay as they are until v is sent; otherwise encoded.
+ * 0 or encode_chunk's error.
+ */
+static int msgv_chunk(msgv *v, int comp, const float *x, size_t n)
+{
+    int err;
+    v->enc = NULL;
+    v->chl = 0;
+    if (comp == HM_AVG_COMP_NONE) {
+        err = hm_avg_chunk_none_view(x, n, v->ch);
+        if (err == 0) {
+            v->chl = HM_AVG_CHUNK_HEADER;
+            v->data = (const uint8_t *)x;
+            v->dlen = n * sizeof(float);
+            return 0;
+        }
+        if (err != -ENOTSUP)
+            return err;
+    }
+    v->enc = encode_chunk(comp, x, n, &v->dlen, &err);
+    v->data = v->enc;
+    return v->enc != NULL ? 0 : err;
+}
+
+static size_t msgv_chunk_len(const msgv *v) { return v->chl + v->dlen; }
+
+/* Closes v's head (written into v->head by w, the chunk's header still to
+ * come) and its tail (tail_len bytes in v->tail) into v->b. */
+static int msgv_finish(msgv *v, hm_wire_wr *w, size_t tail_len)
+{
+    if (v->chl > 0)
+        hm_wire_wr_raw(w, v->ch, v->chl);
+    if (hm_wire_wr_error(w) < 0)
+        return -EMSGSIZE;
+    v->n = 0;
+    v->b[v->n++] = uv_buf_init((char *)v->head, (unsigned)w->len);
+    if (v->dlen > 0)
+        v->b[v->n++] = uv_buf_init((char *)v->data, (unsigned)v->dlen);
+    if (tail_len > 0)
+        v->b[v->n++] = uv_buf_init((char *)v->tail, (unsigned)tail_len);
+    v->len = w->len + v->dlen + tail_len;
+    return 0;
+}
+
+/*
+ * One reply body with status 0: vals with the round's compression, as an
+ * average (form 0) or as a sender's difference from it (form 1). An
+ * uncompressed one refers to vals, which must outlive it.
+ */
+static msgv *answer_body(const coding *c, const float *vals, size_t cnt, uint64_t contrib,
+                         int form, double share, int *err)
+{
+    msgv *v = calloc(1, sizeof(*v));
+    if (v == NULL) {
         *err = -ENOMEM;
-    return body;
+        return NULL;
+    }
+    if ((*err = msgv_chunk(v, c->comp, vals, cnt)) < 0) {
+        msgv_free(v);
+        return NULL;
+    }
+    hm_wire_wr w, wt;
+    hm_ar_reply_msg m = {.dead_mask = c->dead, .bad_mask = c->bad, .contrib_mask = contrib,
+                         .data = v->data, .data_len = msgv_chunk_len(v),
+                         .form = (uint32_t)form, .share = share};
+    hm_wire_wr_init_fixed(&w, v->head, sizeof(v->head));
+    hm_ar_reply_encode_head(&w, &m);
+    hm_wire_wr_init_fixed(&wt, v->tail, sizeof(v->tail));
+    hm_ar_reply_encode_tail(&wt, &m);
+    if (hm_wire_wr_error(&wt) < 0 || (*err = msgv_finish(v, &w, wt.len)) < 0) {
+        *err = -EMSGSIZE;
+        msgv_free(v);
+        return NULL;
+    }
+    return v;
 }
 
 /*
@@ -790,21 +891,23 @@ static uint8_t *answer_body(const coding *c, const float *vals, size_t cnt, uint
  * A difference that is not finite (two parts near FLT_MAX of opposite
  * signs) never wins.
  */
-static uint8_t *compressed_body(const coding *c, const float *ans, double ans_cost,
-                                const float *part, float *diff, size_t cnt, uint64_t contrib,
-                                double share, size_t *len_out, int *err)
+static msgv *compressed_body(const coding *c, const float *ans, double ans_cost,
+                             const float *part, float *diff, size_t cnt, uint64_t contrib,
+                             double share, int *err)
 {
     double cost;
     if (hm_avg_diff_cost(c->comp, ans, part, diff, cnt, &cost) == 0 && isfinite(cost) &&
         cost < ans_cost)
-        return answer_body(c, diff, cnt, contrib, HM_AR_FORM_DELTA, share, len_out, err);
-    return answer_body(c, ans, cnt, contrib, HM_AR_FORM_AVERAGE, share, len_out, err);
+        return answer_body(c, diff, cnt, contrib, HM_AR_FORM_DELTA, share, err);
+    return answer_body(c, ans, cnt, contrib, HM_AR_FORM_AVERAGE, share, err);
 }
 
+/* vals may be the task's region of the vector itself, already filled. */
 static void task_complete(hm_ar_round *r, size_t ti, const float *vals, uint64_t contrib)
 {
     task *t = &r->tasks[ti];
-    memcpy(r->data + t->off, vals, t->cnt * sizeof(float));
+    if (vals != r->data + t->off)
+        memcpy(r->data + t->off, vals, t->cnt * sizeof(float));
     t->state = T_DONE;
     t->have_result = 1;
     t->contrib = contrib;
@@ -856,8 +959,7 @@ static void job_work(hm_work *w)
     if (ans == NULL || jb->held == 0)
         return;
     if (jb->c.comp == HM_AVG_COMP_NONE) {
-        jb->body = answer_body(&jb->c, ans, cnt, jb->have, HM_AR_FORM_AVERAGE, 0.0, &jb->blen,
-                               &jb->err);
+        jb->body = answer_body(&jb->c, ans, cnt, jb->have, HM_AR_FORM_AVERAGE, 0.0, &jb->err);
         return;
     }
     float *diff = malloc(cnt ? cnt * sizeof(float) : sizeof(float));
@@ -869,7 +971,7 @@ static void job_work(hm_work *w)
     for (size_t j = 0; j < jb->g; j++)
         if ((jb->held & bit(j)) && jb->o->part[j] != NULL)
             jb->mine[j] = compressed_body(&jb->c, ans, ans_cost, jb->o->part[j], diff, cnt,
-                                          jb->have, jb->share[j], &jb->mlen[j], &jb->err);
+                                          jb->have, jb->share[j], &jb->err);
     free(diff);
 }
 
@@ -878,8 +980,8 @@ static void job_free(arjob *jb)
     if (jb->r == NULL)
         slot_free_n(jb->g, jb->o);
     for (size_t j = 0; j < jb->g; j++)
-        free(jb->mine[j]);
-    free(jb->body);
+        msgv_free(jb->mine[j]);
+    msgv_free(jb->body);
     free(jb->out);
     free(jb->self_vals);
     free(jb);
@@ -921,11 +1023,10 @@ static void job_apply(hm_ar_round *r, arjob *jb)
     for (size_t j = 0; j < r->g.n; j++) {
         if (!(o->held & bit(j)))
             continue;
-        const uint8_t *b = jb->mine[j] != NULL ? jb->mine[j] : jb->body;
-        size_t len = jb->mine[j] != NULL ? jb->mlen[j] : jb->blen;
-        if ((jb->held & bit(j)) && b != NULL) {
-            if (hm_rpc_respond(o->req[j], 0, b, len) == 0)
-                r->bytes_sent += len;
+        const msgv *v = jb->mine[j] != NULL ? jb->mine[j] : jb->body;
+        if ((jb->held & bit(j)) && v != NULL) {
+            if (hm_rpc_respondv(o->req[j], 0, v->b, v->n) == 0)
+                r->bytes_sent += v->len;
         } else {
             reply_status(r, o->req[j], ans == NULL ? -ETIME : jb->err);
         }
@@ -1459,6 +1560,15 @@ static int apply_answer(hm_ar_round *r, const task *t, float *vals, int form, do
     return rc;
 }
 
+/* An answer refused after decoding: in our vector (direct), our own values go back. */
+static void vals_drop(hm_ar_round *r, const task *t, float *vals, int direct)
+{
+    if (direct)
+        memcpy(r->data + t->off, r->orig + t->off, t->cnt * sizeof(float));
+    else
+        free(vals);
+}
+
 static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
 {
     callctx *cc = ud;
@@ -1483,7 +1593,15 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
 
     switch (status) {
     case 0: {
-        float *vals = malloc(t->cnt ? t->cnt * sizeof(float) : sizeof(float));
+        /*
+         * An average with no share (uncompressed rounds) is taken as it is,
+         * exactly: decoded straight into our vector, which gets our own
+         * values back if the answer is refused after all.
+         */
+        int direct = rc == 0 && rep.data != NULL && rep.form != HM_AR_FORM_DELTA &&
+                     !(rep.share > 0);
+        float *vals =
+            direct ? r->data + t->off : malloc(t->cnt ? t->cnt * sizeof(float) : sizeof(float));
         size_t got = 0;
         if (vals == NULL) {
             task_retry(t);
@@ -1492,7 +1610,7 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
         if (rc < 0 || rep.data == NULL ||
             hm_avg_chunk_decode(rep.data, rep.data_len, vals, t->cnt, &got) < 0 || got != t->cnt ||
             (rep.contrib_mask & ~r->all_mask) != 0 || !(rep.contrib_mask & r->self_bit)) {
-            free(vals);
+            vals_drop(r, t, vals, direct);
             if (rc < 0)
                 complain_version(r->ctx, body, len, (const struct sockaddr *)&r->g.members[red].addr,
                                  "a reply");
@@ -1501,10 +1619,8 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
             found_out(r, red, HM_AR_BAD);
             break;
         }
-        /* An average with no share (uncompressed rounds) is taken as it is, exactly. */
-        if ((rep.form == HM_AR_FORM_DELTA || rep.share > 0) &&
-            (rc = apply_answer(r, t, vals, (int)rep.form, rep.share)) < 0) {
-            free(vals);
+        if (!direct && (rc = apply_answer(r, t, vals, (int)rep.form, rep.share)) < 0) {
+            vals_drop(r, t, vals, direct);
             if (rc == -ENOMEM) {
                 task_retry(t);
                 break;
@@ -1520,12 +1636,13 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
              * not heard yet): send our values again, with our view, so that
              * it reopens the chunk and averages it without that member.
              */
-            free(vals);
+            vals_drop(r, t, vals, direct);
             task_retry(t);
             break;
         }
         task_complete(r, (size_t)(t - r->tasks), vals, rep.contrib_mask);
-        free(vals);
+        if (!direct)
+            free(vals);
         break;
     }
     case -EAGAIN:
@@ -1644,10 +1761,9 @@ static void send_task(hm_ar_round *r, size_t ti)
     if (t->first_try_ms == 0)
         t->first_try_ms = now;
 
-    size_t clen;
     /* From our input as it came in, which a compressed answer is relative to. */
-    uint8_t *enc = encode_chunk(r->cfg.compression, r->orig + t->off, t->cnt, &clen, &err);
-    if (enc == NULL) {
+    msgv v;
+    if ((err = msgv_chunk(&v, r->cfg.compression, r->orig + t->off, t->cnt)) < 0) {
         if (err == -EDOM) {
             /* Our own values are not finite (changed during the round): we cannot take part. */
             t->state = T_FAILED;
@@ -1667,20 +1783,16 @@ static void send_task(hm_ar_round *r, size_t ti)
         .dead_mask = r->dead,
         .bad_mask = r->bad,
         .contrib_mask = 0,
-        .data = enc,
-        .data_len = clen,
+        .data = v.data,
+        .data_len = msgv_chunk_len(&v),
     };
     memcpy(m.group_id, r->g.group_id, HM_AVG_GROUP_ID_BYTES);
     hm_wire_wr w;
-    hm_wire_wr_init_dynamic(&w, clen + MSG_SLACK);
-    hm_ar_part_encode(&w, &m);
-    size_t blen;
-    uint8_t *body = hm_wire_wr_steal(&w, &blen);
-    free(enc);
-    callctx *cc = calloc(1, sizeof(*cc));
-    if (body == NULL || cc == NULL) {
-        free(body);
-        free(cc);
+    hm_wire_wr_init_fixed(&w, v.head, sizeof(v.head));
+    hm_ar_part_encode_head(&w, &m);
+    callctx *cc = NULL;
+    if (msgv_finish(&v, &w, 0) < 0 || (cc = calloc(1, sizeof(*cc))) == NULL) {
+        free(v.enc);
         task_retry(t);
         return;
     }
@@ -1692,10 +1804,10 @@ static void send_task(hm_ar_round *r, size_t ti)
     uint64_t until = HM_MIN(budget, r->deadline_ms);
     uint64_t timeout = until > now ? until - now : 1;
     const hm_avg_member *mb = &r->g.members[red];
-    int rc = hm_rpc_call(r->ctx->rpc, mb->pk, (const struct sockaddr *)&mb->addr,
-                         HM_AR_PART_METHOD, body, blen, HM_RPC_STREAM, timeout, part_cb, cc,
-                         &t->call_id);
-    free(body);
+    int rc = hm_rpc_callv(r->ctx->rpc, mb->pk, (const struct sockaddr *)&mb->addr,
+                          HM_AR_PART_METHOD, v.b, v.n, HM_RPC_STREAM, timeout, part_cb, cc,
+                          &t->call_id);
+    free(v.enc);
     if (rc == -ENOBUFS) {
         free(cc);
         task_retry(t);
@@ -1707,7 +1819,7 @@ static void send_task(hm_ar_round *r, size_t ti)
         found_out(r, (size_t)red, HM_AR_DEAD);
         return;
     }
-    r->bytes_sent += blen;
+    r->bytes_sent += v.len;
     t->state = T_INFLIGHT;
     t->to = red;
 }

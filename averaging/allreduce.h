@@ -462,8 +462,15 @@ typedef struct hm_ar_dead_msg {
  */
 int hm_ar_msg_version(const uint8_t *buf, size_t len);
 void hm_ar_part_encode(hm_wire_wr *w, const hm_ar_part_msg *m);
+/* Everything up to and with data's bin header (data_len bytes): the data
+ * itself is then sent after it as it lies (hm_rpc_callv). */
+void hm_ar_part_encode_head(hm_wire_wr *w, const hm_ar_part_msg *m);
 int hm_ar_part_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_part_msg *out);
 void hm_ar_reply_encode(hm_wire_wr *w, const hm_ar_reply_msg *m);
+/* A reply in three pieces: the head (with data's bin header, or its nil),
+ * data's bytes as they lie, the tail. */
+void hm_ar_reply_encode_head(hm_wire_wr *w, const hm_ar_reply_msg *m);
+void hm_ar_reply_encode_tail(hm_wire_wr *w, const hm_ar_reply_msg *m);
 int hm_ar_reply_decode(const uint8_t *buf, size_t len, size_t max_elems, hm_ar_reply_msg *out);
 void hm_ar_dead_encode(hm_wire_wr *w, const hm_ar_dead_msg *m);
 int hm_ar_dead_decode(const uint8_t *buf, size_t len, hm_ar_dead_msg *out);

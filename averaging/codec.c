@@ -515,6 +515,20 @@ int hm_avg_chunk_encode(int comp, const float *x, size_t n, uint8_t *out, size_t
     return result;
 }
 
+int hm_avg_chunk_none_view(const float *x, size_t n, uint8_t hdr[HM_AVG_CHUNK_HEADER])
+{
+    if (!HOST_LE)
+        return -ENOTSUP;
+    if (n > HM_AVG_CHUNK_MAX_ELEMS)
+        return -EMSGSIZE;
+    if (!hm_avg_all_finite(x, n))
+        return -EDOM;
+    hdr[0] = HM_AVG_COMP_NONE;
+    hdr[1] = hdr[2] = hdr[3] = 0;
+    put_le32(hdr + 4, (uint32_t)n);
+    return 0;
+}
+
 int hm_avg_chunk_peek(const uint8_t *buf, size_t len, int *comp, size_t *n)
 {
     size_t count, need;

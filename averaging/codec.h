@@ -131,6 +131,15 @@ int hm_avg_chunk_encode(int comp, const float *x, size_t n, uint8_t *out, size_t
 int hm_avg_chunk_peek(const uint8_t *buf, size_t len, int *comp, size_t *n);
 
 /*
+ * An uncompressed chunk of x[0..n) without copying x: writes the chunk's
+ * header into hdr, and the chunk is hdr followed by x's own bytes. Returns
+ * 0; -EDOM when some x[i] is NaN or infinite; -EMSGSIZE when n is over
+ * HM_AVG_CHUNK_MAX_ELEMS; -ENOTSUP on a big-endian host, where the wire's
+ * little-endian floats are not x's bytes (hm_avg_chunk_encode then).
+ */
+int hm_avg_chunk_none_view(const float *x, size_t n, uint8_t hdr[HM_AVG_CHUNK_HEADER]);
+
+/*
  * Decodes a chunk into out (room for out_cap floats) and stores the element
  * count in *n_out. Returns 0; whatever hm_avg_chunk_peek refuses; -EMSGSIZE
  * when the count is over out_cap; -EPROTO for an 8-bit chunk whose min or

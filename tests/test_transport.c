@@ -34,6 +34,7 @@ typedef struct tnode {
     hm_rpc *rpc;
     struct sockaddr_storage addr;
     int served;     /* requests seen by any handler */
+    int respond_rc; /* what echo_pieces's hm_rpc_respondv returned */
     uint8_t last_peer[HM_PK_BYTES];
     struct sockaddr_storage last_from;
     hm_rpc_req *held[16];
@@ -99,6 +100,27 @@ static void h_echo(void *ud, hm_rpc_req *req, const uint8_t peer[HM_PK_BYTES],
     hm_rpc_respond(req, 0, body, len);
 }
 
+/* Echoes the body back in pieces: its first byte, an empty piece, the rest
+ * but the last byte, the last byte. A body of "bad" gets a bad piece. */
+static void h_echo_pieces(void *ud, hm_rpc_req *req, const uint8_t peer[HM_PK_BYTES],
+                          const struct sockaddr *from, const uint8_t *body, size_t len)
+{
+    tnode *n = ud;
+    HM_UNUSED(peer);
+    HM_UNUSED(from);
+    n->served++;
+    if (len == 3 && memcmp(body, "bad", 3) == 0) {
+        uv_buf_t bad = uv_buf_init(NULL, 3);
+        n->respond_rc = hm_rpc_respondv(req, 0, &bad, 1);
+        return;
+    }
+    cr_assert_geq(len, 2);
+    uv_buf_t b[4] = {uv_buf_init((char *)body, 1), uv_buf_init(NULL, 0),
+                     uv_buf_init((char *)body + 1, (unsigned)(len - 2)),
+                     uv_buf_init((char *)body + len - 1, 1)};
+    n->respond_rc = hm_rpc_respondv(req, 0, b, 4);
+}
+
 static void h_never(void *ud, hm_rpc_req *req, const uint8_t peer[HM_PK_BYTES],
                     const struct sockaddr *from, const uint8_t *body, size_t len)
 {
@@ -151,6 +173,7 @@ static void node_start_cfg(tnode *n, const uint8_t *swarm_id, const hm_identity 
     cr_assert_eq(hm_transport_local_addr(hm_rpc_transport(n->rpc), &n->addr), 0);
     cr_assert_eq(hm_rpc_register(n->rpc, "echo", h_echo, n), 0);
     cr_assert_eq(hm_rpc_register(n->rpc, "never", h_never, n), 0);
+    cr_assert_eq(hm_rpc_register(n->rpc, "echo_pieces", h_echo_pieces, n), 0);
 }
 
 static void node_start(tnode *n) { node_start_cfg(n, swarm, NULL, NULL, NULL); }
@@ -275,6 +298,58 @@ static void probe_stats(void *ud, const hm_rpc_method_stats *s)
 
 /* A node on 127.0.0.2 dials from 127.0.0.2, so its peers charge its
  * connections to its own origin (docs/security.md). */
+/* A body given in pieces (hm_rpc_callv, hm_rpc_respondv) arrives as the one
+ * body they make, over the stream and in a datagram, and bad pieces are refused. */
+Test(transport, a_body_in_pieces_arrives_whole)
+{
+    tnode a, b;
+    node_start(&a);
+    node_start(&b);
+    size_t big = (1u << 20) + 3;
+    uint8_t *body = malloc(big);
+    randombytes_buf(body, big);
+    const unsigned flags[2] = {HM_RPC_STREAM, HM_RPC_DGRAM};
+    for (int f = 0; f < 2; f++) {
+        /* A datagram's body is small; the stream's spans many chunks. */
+        size_t n = flags[f] == HM_RPC_STREAM ? big : 900;
+        uv_buf_t p[3] = {uv_buf_init((char *)body, 5), uv_buf_init((char *)body + 5, 0),
+                         uv_buf_init((char *)body + 5, (unsigned)(n - 5))};
+        const char *methods[2] = {"echo", "echo_pieces"};
+        for (int m = 0; m < 2; m++) {
+            result r = {0};
+            cr_assert_eq(hm_rpc_callv(a.rpc, b.id.pk, sa(&b), methods[m], p, 3, flags[f], 10000,
+                                      call_cb, &r, NULL),
+                         0);
+            cr_assert(run_until(&r.count, 1, 10000));
+            cr_assert_eq(r.status, 0, "%s: %s", methods[m], hm_strerror(r.status));
+            cr_assert_eq(r.len, n, "%s over %s", methods[m], f == 0 ? "stream" : "datagram");
+            cr_assert_eq(memcmp(r.body, body, n), 0, "%s: the pieces in order", methods[m]);
+            result_free(&r);
+        }
+    }
+    /* Too many pieces, or a NULL piece with bytes: refused at call time. */
+    result r = {0};
+    uv_buf_t many[HM_RPC_BODY_PIECES + 1];
+    for (unsigned i = 0; i <= HM_RPC_BODY_PIECES; i++)
+        many[i] = uv_buf_init((char *)body, 1);
+    cr_assert_eq(hm_rpc_callv(a.rpc, b.id.pk, sa(&b), "echo", many, HM_RPC_BODY_PIECES + 1,
+                              HM_RPC_STREAM, 1000, call_cb, &r, NULL),
+                 -EINVAL);
+    uv_buf_t null_piece = uv_buf_init(NULL, 4);
+    cr_assert_eq(hm_rpc_callv(a.rpc, b.id.pk, sa(&b), "echo", &null_piece, 1, HM_RPC_STREAM,
+                              1000, call_cb, &r, NULL),
+                 -EINVAL);
+    /* A handler's bad pieces: it hears -EINVAL, and the caller is answered so. */
+    cr_assert_eq(call(&a, &b, "echo_pieces", "bad", 3, HM_RPC_STREAM, 2000, &r), 0);
+    cr_assert(run_until(&r.count, 1, 3000));
+    cr_assert_eq(r.status, -EINVAL);
+    cr_assert_eq(b.respond_rc, -EINVAL);
+    result_free(&r);
+    free(body);
+    node_stop(&a);
+    node_stop(&b);
+}
+
 Test(transport, dial_leaves_from_the_listen_address)
 {
     tnode a, b;

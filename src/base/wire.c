@@ -567,6 +567,15 @@ void hm_wire_wr_bin(hm_wire_wr *w, const void *p, size_t len)
     (void)msgpack_pack_bin_body(&w->pk, p, len);
 }
 
+void hm_wire_wr_bin_header(hm_wire_wr *w, size_t len)
+{
+    if (len > UINT32_MAX) {
+        wr_fail(w, -EMSGSIZE);
+        return;
+    }
+    (void)msgpack_pack_bin(&w->pk, len);
+}
+
 void hm_wire_wr_raw(hm_wire_wr *w, const void *p, size_t len) { (void)wr_write(w, p, len); }
 
 /* ---- tensors ---- */

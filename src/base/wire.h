@@ -182,6 +182,9 @@ void hm_wire_wr_nil(hm_wire_wr *w);
 void hm_wire_wr_str(hm_wire_wr *w, const char *s, size_t len);
 void hm_wire_wr_cstr(hm_wire_wr *w, const char *s);
 void hm_wire_wr_bin(hm_wire_wr *w, const void *p, size_t len);
+/* Only the header of a bin of len bytes: its body is written (or sent) after
+ * it by the caller, so a large body need not be copied into the message. */
+void hm_wire_wr_bin_header(hm_wire_wr *w, size_t len);
 /* A socket address as "HOST:PORT" text (hm_format_addr); an address that
  * cannot be formatted sets err = -EINVAL. */
 void hm_wire_wr_addr(hm_wire_wr *w, const struct sockaddr_storage *ss);

@@ -135,31 +135,6 @@ struct hm_rpc {
 
 /* ------------------------------------------------------------- helpers */
 
-/* Writes only the header of a msgpack bin of len bytes; the body is sent after it. */
-static void wr_bin_header(hm_wire_wr *w, size_t len)
-{
-    uint8_t h[5];
-    size_t n;
-    if (len <= 0xff) {
-        h[0] = 0xc4;
-        h[1] = (uint8_t)len;
-        n = 2;
-    } else if (len <= 0xffff) {
-        h[0] = 0xc5;
-        h[1] = (uint8_t)(len >> 8);
-        h[2] = (uint8_t)len;
-        n = 3;
-    } else {
-        h[0] = 0xc6;
-        h[1] = (uint8_t)(len >> 24);
-        h[2] = (uint8_t)(len >> 16);
-        h[3] = (uint8_t)(len >> 8);
-        h[4] = (uint8_t)len;
-        n = 5;
-    }
-    hm_wire_wr_raw(w, h, n);
-}
-
 static int method_name_ok(const char *s, size_t len)
 {
     if (len == 0 || len > HM_RPC_METHOD_MAX)
@@ -379,9 +354,56 @@ static void timer_cb(uv_timer_t *h)
     arm_timer(rpc);
 }
 
+/* The bytes of a body given in pieces; SIZE_MAX when a piece is NULL with bytes. */
+static size_t body_len(const uv_buf_t *body, unsigned n)
+{
+    size_t len = 0;
+    for (unsigned i = 0; i < n; i++) {
+        if (body[i].base == NULL && body[i].len > 0)
+            return SIZE_MAX;
+        len += body[i].len;
+    }
+    return len;
+}
+
+/* Appends a body's pieces to a datagram's envelope, after its bin header. */
+static void wr_body(hm_wire_wr *w, const uv_buf_t *body, unsigned n, size_t len)
+{
+    hm_wire_wr_bin_header(w, len);
+    for (unsigned i = 0; i < n; i++)
+        if (body[i].len > 0)
+            hm_wire_wr_raw(w, body[i].base, body[i].len);
+}
+
+/* The envelope, then the body's pieces, all uncopied: the transport copies them once. */
+static int stream_send(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
+                       const uint8_t *env, size_t env_len, const uv_buf_t *body, unsigned n,
+                       size_t len)
+{
+    uv_buf_t parts[1 + HM_RPC_BODY_PIECES];
+    parts[0] = uv_buf_init((char *)env, (unsigned)env_len);
+    for (unsigned i = 0; i < n; i++)
+        parts[1 + i] = body[i];
+    return hm_transport_sendv(rpc->t, pk, to, parts, 1 + n,
+                              env_len + len <= HIGH_PRIO_MAX ? HM_PRIO_HIGH : HM_PRIO_LOW);
+}
+
 int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct sockaddr *to,
                 const char *method_name, const void *body, size_t len, unsigned flags,
                 uint64_t timeout_ms, hm_rpc_cb cb, void *ud, uint64_t *call_id_out)
+{
+    if (body == NULL && len > 0)
+        return -EINVAL;
+    if (len > UINT32_MAX)
+        return -EMSGSIZE;
+    uv_buf_t b = uv_buf_init((char *)body, (unsigned)len);
+    return hm_rpc_callv(rpc, peer_pk, to, method_name, &b, 1, flags, timeout_ms, cb, ud,
+                        call_id_out);
+}
+
+int hm_rpc_callv(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct sockaddr *to,
+                 const char *method_name, const uv_buf_t *body, unsigned nbody, unsigned flags,
+                 uint64_t timeout_ms, hm_rpc_cb cb, void *ud, uint64_t *call_id_out)
 {
     int result = 0;
     uint8_t dbuf[HM_DGRAM_MAX_PAYLOAD];
@@ -391,7 +413,10 @@ int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct so
 
     if (rpc->closing)
         return -ECANCELED;
-    if (method_name == NULL || cb == NULL || timeout_ms == 0 || (body == NULL && len > 0))
+    if (nbody > HM_RPC_BODY_PIECES || (body == NULL && nbody > 0))
+        return -EINVAL;
+    size_t len = body_len(body, nbody);
+    if (method_name == NULL || cb == NULL || timeout_ms == 0 || len == SIZE_MAX)
         return -EINVAL;
     size_t mlen = strnlen(method_name, HM_RPC_METHOD_MAX + 1);
     if (!method_name_ok(method_name, mlen))
@@ -420,9 +445,9 @@ int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct so
     hm_wire_wr_str(&w, method_name, mlen);
     hm_wire_wr_uint(&w, timeout_ms);
     if (flags == HM_RPC_DGRAM)
-        hm_wire_wr_bin(&w, body, len);
+        wr_body(&w, body, nbody, len);
     else
-        wr_bin_header(&w, len);
+        hm_wire_wr_bin_header(&w, len);
     if ((result = hm_wire_wr_error(&w)) < 0)
         goto out;
 
@@ -446,10 +471,7 @@ int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct so
     if (flags == HM_RPC_DGRAM) {
         result = hm_transport_send_dgram(rpc->t, peer_pk, to, dbuf, w.len);
     } else {
-        uv_buf_t parts[2] = {uv_buf_init((char *)dbuf, (unsigned)w.len),
-                             uv_buf_init((char *)body, (unsigned)len)};
-        result = hm_transport_sendv(rpc->t, peer_pk, to, parts, 2,
-                                    w.len + len <= HIGH_PRIO_MAX ? HM_PRIO_HIGH : HM_PRIO_LOW);
+        result = stream_send(rpc, peer_pk, to, dbuf, w.len, body, nbody, len);
     }
     if (result < 0) {
         heap_remove(rpc, c);
@@ -531,14 +553,15 @@ static void send_notice(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], uint64_t id)
 }
 
 static int send_reply(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
-                      int via_stream, uint64_t id, int status, const void *body, size_t len)
+                      int via_stream, uint64_t id, int status, const uv_buf_t *body, unsigned n,
+                      size_t len)
 {
     uint8_t buf[HM_DGRAM_MAX_PAYLOAD];
     hm_wire_wr w;
 
     if (via_stream && len > rpc->max_message - ENVELOPE_SLACK) {
         /* Tell the caller the reply was too big instead of going silent. */
-        (void)send_reply(rpc, pk, from, via_stream, id, -EMSGSIZE, NULL, 0);
+        (void)send_reply(rpc, pk, from, via_stream, id, -EMSGSIZE, NULL, 0, 0);
         return -EMSGSIZE;
     }
     hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
@@ -547,19 +570,16 @@ static int send_reply(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct s
     hm_wire_wr_uint(&w, id);
     hm_wire_wr_int(&w, status);
     if (via_stream) {
-        wr_bin_header(&w, len);
+        hm_wire_wr_bin_header(&w, len);
         if (hm_wire_wr_error(&w) < 0)
             return -EMSGSIZE;
-        uv_buf_t parts[2] = {uv_buf_init((char *)buf, (unsigned)w.len),
-                             uv_buf_init((char *)body, (unsigned)len)};
-        int r = hm_transport_sendv(rpc->t, pk, NULL, parts, 2,
-                                   w.len + len <= HIGH_PRIO_MAX ? HM_PRIO_HIGH : HM_PRIO_LOW);
+        int r = stream_send(rpc, pk, NULL, buf, w.len, body, n, len);
         /* A reply our write queues refuse is not silent: the caller hears so now. */
         if (r == -ENOBUFS)
             send_notice(rpc, pk, id);
         return r;
     }
-    hm_wire_wr_bin(&w, body, len);
+    wr_body(&w, body, n, len);
     if (hm_wire_wr_error(&w) < 0) {
         /* The reply does not fit a datagram: tell the caller so instead of going silent. */
         hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
@@ -577,6 +597,20 @@ static int send_reply(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct s
 
 int hm_rpc_respond(hm_rpc_req *req, int status, const void *body, size_t len)
 {
+    if (body == NULL)
+        len = 0;
+    if (len > UINT32_MAX) {
+        /* Answered, as any reply too big for the stream is. */
+        uv_buf_t none = uv_buf_init(NULL, 0);
+        (void)hm_rpc_respondv(req, -EMSGSIZE, &none, 0);
+        return -EMSGSIZE;
+    }
+    uv_buf_t b = uv_buf_init((char *)body, (unsigned)len);
+    return hm_rpc_respondv(req, status, &b, 1);
+}
+
+int hm_rpc_respondv(hm_rpc_req *req, int status, const uv_buf_t *body, unsigned nbody)
+{
     int result = 0;
     hm_rpc *rpc = req->rpc;
 
@@ -584,22 +618,30 @@ int hm_rpc_respond(hm_rpc_req *req, int status, const void *body, size_t len)
         free(req);
         return -ECANCELED;
     }
+    size_t len = nbody <= HM_RPC_BODY_PIECES && (body != NULL || nbody == 0)
+                     ? body_len(body, nbody)
+                     : SIZE_MAX;
+    int bad = len == SIZE_MAX;
+    if (bad) {
+        /* A caller's mistake: the peer still hears of it, not silence. */
+        status = -EINVAL;
+        nbody = 0;
+        len = 0;
+    }
     req_unlink(rpc, req);
     if (req->m != NULL)
         req->m->s.served++;
     if (status > 0)
         status = -EINVAL;
-    if (body == NULL)
-        len = 0;
     if (req->cancelled)
         result = -ECANCELED;
     else if (hm_now_ms() > req->deadline_ms)
         result = -ETIMEDOUT;
     else
         result = send_reply(rpc, req->pk, (const struct sockaddr *)&req->from, req->via_stream,
-                            req->id, status, body, len);
+                            req->id, status, body, nbody, len);
     free(req);
-    return result;
+    return bad ? -EINVAL : result;
 }
 
 int hm_rpc_req_cancelled(const hm_rpc_req *req)
@@ -612,7 +654,7 @@ static void handle_request(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const str
                            uint64_t timeout_ms, const uint8_t *body, size_t blen)
 {
     if (!method_name_ok(name, nlen)) {
-        (void)send_reply(rpc, pk, from, via_stream, id, -EINVAL, NULL, 0);
+        (void)send_reply(rpc, pk, from, via_stream, id, -EINVAL, NULL, 0, 0);
         return;
     }
     /* A duplicate of a request still being served is dropped. */
@@ -620,7 +662,7 @@ static void handle_request(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const str
         return;
     method *m = method_find(rpc, name, nlen);
     if (m == NULL || m->h == NULL) {
-        (void)send_reply(rpc, pk, from, via_stream, id, -ENOSYS, NULL, 0);
+        (void)send_reply(rpc, pk, from, via_stream, id, -ENOSYS, NULL, 0, 0);
         return;
     }
     rpeer *p = peer_get(rpc, pk);
@@ -628,7 +670,7 @@ static void handle_request(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const str
         return;
     if (p->serving >= rpc->cfg.max_serving_per_peer || rpc->n_serving >= SERVING_TOTAL_MAX) {
         peer_release(rpc, p);
-        (void)send_reply(rpc, pk, from, via_stream, id, -ENOBUFS, NULL, 0);
+        (void)send_reply(rpc, pk, from, via_stream, id, -ENOBUFS, NULL, 0, 0);
         return;
     }
     hm_rpc_req *r = calloc(1, sizeof(*r));
