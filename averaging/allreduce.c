@@ -106,11 +106,13 @@ typedef struct msgv {
     uint8_t tail[MSGV_TAIL];
     uint8_t ch[HM_AVG_CHUNK_HEADER]; /* an uncompressed chunk's header */
     size_t chl;                      /* its length, 0 when data is an encoding */
-    uint8_t *enc;                    /* the encoding, owned, or NULL */
+    uint8_t *enc;                    /* the encoding, owned while ref is NULL */
+    hm_tx_ref *ref;                  /* our hold on data, lent to the transport */
     const uint8_t *data;
     size_t dlen;
     uv_buf_t b[3];
     unsigned n;
+    unsigned held; /* which of b is data, held under ref */
     size_t len;
 } msgv;
 
@@ -135,7 +137,8 @@ typedef struct arjob {
     float *self_vals;               /* our values, copied */
     /* outputs */
     float *out;
-    msgv *body; /* uncompressed: one answer for all (its data is out) */
+    hm_tx_ref *out_ref; /* owns out once set: answers send it uncopied */
+    msgv *body;         /* uncompressed: one answer for all (its data is out) */
     int err;
     msgv *mine[HM_AVG_MAX_GROUP]; /* compressed: each sender's own */
 } arjob;
@@ -182,7 +185,8 @@ struct hm_ar_round {
      * "Rollback").
      */
     float *orig;
-    size_t orig_n; /* elements orig has room for (a reused buffer may be larger) */
+    size_t orig_n;       /* elements orig has room for (a reused buffer may be larger) */
+    hm_tx_ref *orig_ref; /* owns orig: our parts are sent from it uncopied */
 
     size_t off[HM_AVG_MAX_GROUP], cnt[HM_AVG_MAX_GROUP], nch[HM_AVG_MAX_GROUP];
     uint64_t share[HM_AVG_MAX_GROUP];
@@ -796,22 +800,61 @@ static uint8_t *encode_chunk(int comp, const float *x, size_t n, size_t *len_out
     return buf;
 }
 
+/*
+ * Memory lent to the transport uncopied (hm_tx_ref): freed once the
+ * transport and its owner have both let go of it.
+ */
+typedef struct heapref {
+    hm_tx_ref ref;
+    void *p;
+} heapref;
+
+static void heapref_release(hm_tx_ref *ref)
+{
+    heapref *h = (heapref *)ref;
+    free(h->p);
+    free(h);
+}
+
+/* A hold on p (malloc'd), which it then owns; NULL without memory. */
+static hm_tx_ref *heapref_new(void *p)
+{
+    heapref *h = malloc(sizeof(*h));
+    if (h == NULL)
+        return NULL;
+    h->ref.refs = 1;
+    h->ref.release = heapref_release;
+    h->p = p;
+    return &h->ref;
+}
+
+static void msgv_clear(msgv *v)
+{
+    if (v->ref != NULL)
+        hm_tx_ref_drop(v->ref);
+    else
+        free(v->enc);
+    v->ref = NULL;
+    v->enc = NULL;
+}
+
 static void msgv_free(msgv *v)
 {
     if (v != NULL)
-        free(v->enc);
+        msgv_clear(v);
     free(v);
 }
 
 /*
  * x's chunk under comp into v: uncompressed, a header and x's own bytes,
- * which must then stay as they are until v is sent; otherwise encoded.
- * 0 or encode_chunk's error.
+ * held under xref (which owns x; NULL: x is copied when sent); otherwise
+ * an encoding that v holds. 0 or encode_chunk's error.
  */
-static int msgv_chunk(msgv *v, int comp, const float *x, size_t n)
+static int msgv_chunk(msgv *v, int comp, const float *x, size_t n, hm_tx_ref *xref)
 {
     int err;
     v->enc = NULL;
+    v->ref = NULL;
     v->chl = 0;
     if (comp == HM_AVG_COMP_NONE) {
         err = hm_avg_chunk_none_view(x, n, v->ch);
@@ -819,14 +862,21 @@ static int msgv_chunk(msgv *v, int comp, const float *x, size_t n)
             v->chl = HM_AVG_CHUNK_HEADER;
             v->data = (const uint8_t *)x;
             v->dlen = n * sizeof(float);
+            if (xref != NULL) {
+                xref->refs++;
+                v->ref = xref;
+            }
             return 0;
         }
         if (err != -ENOTSUP)
             return err;
     }
     v->enc = encode_chunk(comp, x, n, &v->dlen, &err);
+    if (v->enc == NULL)
+        return err;
     v->data = v->enc;
-    return v->enc != NULL ? 0 : err;
+    v->ref = heapref_new(v->enc); /* without memory for it, the encoding is copied */
+    return 0;
 }
 
 static size_t msgv_chunk_len(const msgv *v) { return v->chl + v->dlen; }
@@ -841,6 +891,9 @@ static int msgv_finish(msgv *v, hm_wire_wr *w, size_t tail_len)
         return -EMSGSIZE;
     v->n = 0;
     v->b[v->n++] = uv_buf_init((char *)v->head, (unsigned)w->len);
+    if (v->dlen == 0) /* nothing to hold */
+        msgv_clear(v);
+    v->held = v->n;
     if (v->dlen > 0)
         v->b[v->n++] = uv_buf_init((char *)v->data, (unsigned)v->dlen);
     if (tail_len > 0)
@@ -854,15 +907,15 @@ static int msgv_finish(msgv *v, hm_wire_wr *w, size_t tail_len)
  * average (form 0) or as a sender's difference from it (form 1). An
  * uncompressed one refers to vals, which must outlive it.
  */
-static msgv *answer_body(const coding *c, const float *vals, size_t cnt, uint64_t contrib,
-                         int form, double share, int *err)
+static msgv *answer_body(const coding *c, const float *vals, hm_tx_ref *vref, size_t cnt,
+                         uint64_t contrib, int form, double share, int *err)
 {
     msgv *v = calloc(1, sizeof(*v));
     if (v == NULL) {
         *err = -ENOMEM;
         return NULL;
     }
-    if ((*err = msgv_chunk(v, c->comp, vals, cnt)) < 0) {
+    if ((*err = msgv_chunk(v, c->comp, vals, cnt, vref)) < 0) {
         msgv_free(v);
         return NULL;
     }
@@ -898,8 +951,8 @@ static msgv *compressed_body(const coding *c, const float *ans, double ans_cost,
     double cost;
     if (hm_avg_diff_cost(c->comp, ans, part, diff, cnt, &cost) == 0 && isfinite(cost) &&
         cost < ans_cost)
-        return answer_body(c, diff, cnt, contrib, HM_AR_FORM_DELTA, share, err);
-    return answer_body(c, ans, cnt, contrib, HM_AR_FORM_AVERAGE, share, err);
+        return answer_body(c, diff, NULL, cnt, contrib, HM_AR_FORM_DELTA, share, err);
+    return answer_body(c, ans, NULL, cnt, contrib, HM_AR_FORM_AVERAGE, share, err);
 }
 
 /* vals may be the task's region of the vector itself, already filled. */
@@ -959,7 +1012,10 @@ static void job_work(hm_work *w)
     if (ans == NULL || jb->held == 0)
         return;
     if (jb->c.comp == HM_AVG_COMP_NONE) {
-        jb->body = answer_body(&jb->c, ans, cnt, jb->have, HM_AR_FORM_AVERAGE, 0.0, &jb->err);
+        /* Sent to every sender uncopied: out is held until the last is sealed. */
+        jb->out_ref = heapref_new(jb->out);
+        jb->body = answer_body(&jb->c, ans, jb->out_ref, cnt, jb->have, HM_AR_FORM_AVERAGE, 0.0,
+                               &jb->err);
         return;
     }
     float *diff = malloc(cnt ? cnt * sizeof(float) : sizeof(float));
@@ -982,7 +1038,10 @@ static void job_free(arjob *jb)
     for (size_t j = 0; j < jb->g; j++)
         msgv_free(jb->mine[j]);
     msgv_free(jb->body);
-    free(jb->out);
+    if (jb->out_ref != NULL)
+        hm_tx_ref_drop(jb->out_ref);
+    else
+        free(jb->out);
     free(jb->self_vals);
     free(jb);
 }
@@ -1025,7 +1084,7 @@ static void job_apply(hm_ar_round *r, arjob *jb)
             continue;
         const msgv *v = jb->mine[j] != NULL ? jb->mine[j] : jb->body;
         if ((jb->held & bit(j)) && v != NULL) {
-            if (hm_rpc_respondv(o->req[j], 0, v->b, v->n) == 0)
+            if (hm_rpc_respondv(o->req[j], 0, v->b, v->n, v->ref, v->held) == 0)
                 r->bytes_sent += v->len;
         } else {
             reply_status(r, o->req[j], ans == NULL ? -ETIME : jb->err);
@@ -1763,7 +1822,7 @@ static void send_task(hm_ar_round *r, size_t ti)
 
     /* From our input as it came in, which a compressed answer is relative to. */
     msgv v;
-    if ((err = msgv_chunk(&v, r->cfg.compression, r->orig + t->off, t->cnt)) < 0) {
+    if ((err = msgv_chunk(&v, r->cfg.compression, r->orig + t->off, t->cnt, r->orig_ref)) < 0) {
         if (err == -EDOM) {
             /* Our own values are not finite (changed during the round): we cannot take part. */
             t->state = T_FAILED;
@@ -1792,7 +1851,7 @@ static void send_task(hm_ar_round *r, size_t ti)
     hm_ar_part_encode_head(&w, &m);
     callctx *cc = NULL;
     if (msgv_finish(&v, &w, 0) < 0 || (cc = calloc(1, sizeof(*cc))) == NULL) {
-        free(v.enc);
+        msgv_clear(&v);
         task_retry(t);
         return;
     }
@@ -1805,9 +1864,9 @@ static void send_task(hm_ar_round *r, size_t ti)
     uint64_t timeout = until > now ? until - now : 1;
     const hm_avg_member *mb = &r->g.members[red];
     int rc = hm_rpc_callv(r->ctx->rpc, mb->pk, (const struct sockaddr *)&mb->addr,
-                          HM_AR_PART_METHOD, v.b, v.n, HM_RPC_STREAM, timeout, part_cb, cc,
-                          &t->call_id);
-    free(v.enc);
+                          HM_AR_PART_METHOD, v.b, v.n, v.ref, v.held, HM_RPC_STREAM, timeout,
+                          part_cb, cc, &t->call_id);
+    msgv_clear(&v);
     if (rc == -ENOBUFS) {
         free(cc);
         task_retry(t);
@@ -2292,7 +2351,14 @@ static void round_free(hm_ar_round *r)
         free(r->hs[s].open);
     }
     free(r->tasks);
-    orig_give(r->ctx, r->orig, r->orig_n);
+    if (r->orig_ref != NULL && r->orig_ref->refs > 1) {
+        /* Parts of it are still queued (to a peer that went with them): it
+         * is freed when the transport lets go of them. */
+        hm_tx_ref_drop(r->orig_ref);
+    } else {
+        free(r->orig_ref); /* the hold alone: orig is kept for the next round */
+        orig_give(r->ctx, r->orig, r->orig_n);
+    }
     free(r);
 }
 
@@ -2526,7 +2592,8 @@ int hm_ar_start(hm_ar_ctx *ctx, const hm_avg_group *group, float *data, size_t n
     }
     r->tasks = calloc(r->n_tasks ? r->n_tasks : 1, sizeof(*r->tasks));
     r->orig = orig_take(ctx, n, &r->orig_n);
-    if (r->tasks == NULL || r->orig == NULL) {
+    r->orig_ref = r->orig != NULL ? heapref_new(r->orig) : NULL;
+    if (r->tasks == NULL || r->orig_ref == NULL) {
         result = -ENOMEM;
         goto out;
     }

@@ -378,14 +378,15 @@ static void wr_body(hm_wire_wr *w, const uv_buf_t *body, unsigned n, size_t len)
 /* The envelope, then the body's pieces, all uncopied: the transport copies them once. */
 static int stream_send(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                        const uint8_t *env, size_t env_len, const uv_buf_t *body, unsigned n,
-                       size_t len)
+                       size_t len, hm_tx_ref *ref, unsigned held)
 {
     uv_buf_t parts[1 + HM_RPC_BODY_PIECES];
     parts[0] = uv_buf_init((char *)env, (unsigned)env_len);
     for (unsigned i = 0; i < n; i++)
         parts[1 + i] = body[i];
-    return hm_transport_sendv(rpc->t, pk, to, parts, 1 + n,
-                              env_len + len <= HIGH_PRIO_MAX ? HM_PRIO_HIGH : HM_PRIO_LOW);
+    return hm_transport_sendv_ref(rpc->t, pk, to, parts, 1 + n,
+                                  env_len + len <= HIGH_PRIO_MAX ? HM_PRIO_HIGH : HM_PRIO_LOW,
+                                  held < n ? ref : NULL, 1 + held);
 }
 
 int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct sockaddr *to,
@@ -397,12 +398,13 @@ int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct so
     if (len > UINT32_MAX)
         return -EMSGSIZE;
     uv_buf_t b = uv_buf_init((char *)body, (unsigned)len);
-    return hm_rpc_callv(rpc, peer_pk, to, method_name, &b, 1, flags, timeout_ms, cb, ud,
+    return hm_rpc_callv(rpc, peer_pk, to, method_name, &b, 1, NULL, 0, flags, timeout_ms, cb, ud,
                         call_id_out);
 }
 
 int hm_rpc_callv(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct sockaddr *to,
-                 const char *method_name, const uv_buf_t *body, unsigned nbody, unsigned flags,
+                 const char *method_name, const uv_buf_t *body, unsigned nbody, hm_tx_ref *ref,
+                 unsigned held, unsigned flags,
                  uint64_t timeout_ms, hm_rpc_cb cb, void *ud, uint64_t *call_id_out)
 {
     int result = 0;
@@ -471,7 +473,7 @@ int hm_rpc_callv(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct s
     if (flags == HM_RPC_DGRAM) {
         result = hm_transport_send_dgram(rpc->t, peer_pk, to, dbuf, w.len);
     } else {
-        result = stream_send(rpc, peer_pk, to, dbuf, w.len, body, nbody, len);
+        result = stream_send(rpc, peer_pk, to, dbuf, w.len, body, nbody, len, ref, held);
     }
     if (result < 0) {
         heap_remove(rpc, c);
@@ -554,14 +556,14 @@ static void send_notice(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], uint64_t id)
 
 static int send_reply(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *from,
                       int via_stream, uint64_t id, int status, const uv_buf_t *body, unsigned n,
-                      size_t len)
+                      size_t len, hm_tx_ref *ref, unsigned held)
 {
     uint8_t buf[HM_DGRAM_MAX_PAYLOAD];
     hm_wire_wr w;
 
     if (via_stream && len > rpc->max_message - ENVELOPE_SLACK) {
         /* Tell the caller the reply was too big instead of going silent. */
-        (void)send_reply(rpc, pk, from, via_stream, id, -EMSGSIZE, NULL, 0, 0);
+        (void)send_reply(rpc, pk, from, via_stream, id, -EMSGSIZE, NULL, 0, 0, NULL, 0);
         return -EMSGSIZE;
     }
     hm_wire_wr_init_fixed(&w, buf, sizeof(buf));
@@ -573,7 +575,7 @@ static int send_reply(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const struct s
         hm_wire_wr_bin_header(&w, len);
         if (hm_wire_wr_error(&w) < 0)
             return -EMSGSIZE;
-        int r = stream_send(rpc, pk, NULL, buf, w.len, body, n, len);
+        int r = stream_send(rpc, pk, NULL, buf, w.len, body, n, len, ref, held);
         /* A reply our write queues refuse is not silent: the caller hears so now. */
         if (r == -ENOBUFS)
             send_notice(rpc, pk, id);
@@ -602,14 +604,15 @@ int hm_rpc_respond(hm_rpc_req *req, int status, const void *body, size_t len)
     if (len > UINT32_MAX) {
         /* Answered, as any reply too big for the stream is. */
         uv_buf_t none = uv_buf_init(NULL, 0);
-        (void)hm_rpc_respondv(req, -EMSGSIZE, &none, 0);
+        (void)hm_rpc_respondv(req, -EMSGSIZE, &none, 0, NULL, 0);
         return -EMSGSIZE;
     }
     uv_buf_t b = uv_buf_init((char *)body, (unsigned)len);
-    return hm_rpc_respondv(req, status, &b, 1);
+    return hm_rpc_respondv(req, status, &b, 1, NULL, 0);
 }
 
-int hm_rpc_respondv(hm_rpc_req *req, int status, const uv_buf_t *body, unsigned nbody)
+int hm_rpc_respondv(hm_rpc_req *req, int status, const uv_buf_t *body, unsigned nbody,
+                    hm_tx_ref *ref, unsigned held)
 {
     int result = 0;
     hm_rpc *rpc = req->rpc;
@@ -639,7 +642,7 @@ int hm_rpc_respondv(hm_rpc_req *req, int status, const uv_buf_t *body, unsigned 
         result = -ETIMEDOUT;
     else
         result = send_reply(rpc, req->pk, (const struct sockaddr *)&req->from, req->via_stream,
-                            req->id, status, body, nbody, len);
+                            req->id, status, body, nbody, len, bad ? NULL : ref, held);
     free(req);
     return bad ? -EINVAL : result;
 }
@@ -654,7 +657,7 @@ static void handle_request(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const str
                            uint64_t timeout_ms, const uint8_t *body, size_t blen)
 {
     if (!method_name_ok(name, nlen)) {
-        (void)send_reply(rpc, pk, from, via_stream, id, -EINVAL, NULL, 0, 0);
+        (void)send_reply(rpc, pk, from, via_stream, id, -EINVAL, NULL, 0, 0, NULL, 0);
         return;
     }
     /* A duplicate of a request still being served is dropped. */
@@ -662,7 +665,7 @@ static void handle_request(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const str
         return;
     method *m = method_find(rpc, name, nlen);
     if (m == NULL || m->h == NULL) {
-        (void)send_reply(rpc, pk, from, via_stream, id, -ENOSYS, NULL, 0, 0);
+        (void)send_reply(rpc, pk, from, via_stream, id, -ENOSYS, NULL, 0, 0, NULL, 0);
         return;
     }
     rpeer *p = peer_get(rpc, pk);
@@ -670,7 +673,7 @@ static void handle_request(hm_rpc *rpc, const uint8_t pk[HM_PK_BYTES], const str
         return;
     if (p->serving >= rpc->cfg.max_serving_per_peer || rpc->n_serving >= SERVING_TOTAL_MAX) {
         peer_release(rpc, p);
-        (void)send_reply(rpc, pk, from, via_stream, id, -ENOBUFS, NULL, 0, 0);
+        (void)send_reply(rpc, pk, from, via_stream, id, -ENOBUFS, NULL, 0, 0, NULL, 0);
         return;
     }
     hm_rpc_req *r = calloc(1, sizeof(*r));

@@ -89,21 +89,27 @@ int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct so
 /*
  * The same call with its body given in up to HM_RPC_BODY_PIECES pieces, sent
  * as one body: a large part need not be copied next to a small header
- * first. The pieces are copied (once, by the transport) before this returns.
+ * first. The pieces are copied (once, by the transport) before this
+ * returns, except body[held] when ref is not NULL: over a stream, that
+ * piece is held uncopied under ref until it is sealed
+ * (hm_transport_sendv_ref), and must not change meanwhile.
  */
 #define HM_RPC_BODY_PIECES 4
 int hm_rpc_callv(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct sockaddr *to,
-                 const char *method, const uv_buf_t *body, unsigned nbody, unsigned flags,
-                 uint64_t timeout_ms, hm_rpc_cb cb, void *ud, uint64_t *call_id_out);
+                 const char *method, const uv_buf_t *body, unsigned nbody, hm_tx_ref *ref,
+                 unsigned held, unsigned flags, uint64_t timeout_ms, hm_rpc_cb cb, void *ud,
+                 uint64_t *call_id_out);
 /* Cancels a call in flight: its callback fires with -ECANCELED. 0 or -ENOENT. */
 int hm_rpc_cancel(hm_rpc *rpc, uint64_t call_id);
 
 /* Replies to an inbound request and frees it. status 0 = ok. */
 int hm_rpc_respond(hm_rpc_req *req, int status, const void *body, size_t len);
 /* The same with the body in up to HM_RPC_BODY_PIECES pieces, copied before it
- * returns. Bad pieces (too many, NULL with bytes) answer -EINVAL to the
- * caller and return -EINVAL. */
-int hm_rpc_respondv(hm_rpc_req *req, int status, const uv_buf_t *body, unsigned nbody);
+ * returns but for body[held] under ref, as for hm_rpc_callv. Bad pieces
+ * (too many, NULL with bytes) answer -EINVAL to the caller and return
+ * -EINVAL. */
+int hm_rpc_respondv(hm_rpc_req *req, int status, const uv_buf_t *body, unsigned nbody,
+                    hm_tx_ref *ref, unsigned held);
 
 /*
  * Refusals are not silent. A reply our write queues refuse (ENOBUFS: the

@@ -122,13 +122,21 @@
 enum conn_state { CONN_HANDSHAKE = 0, CONN_OPEN = 1, CONN_CLOSING = 2 };
 static const char *const conn_state_names[] = {"handshake", "open", "closing"};
 
-/* One queued outbound message; the bytes follow the header. */
+/*
+ * One queued outbound message. Its bytes follow the header, except for a
+ * piece sent uncopied (hm_transport_sendv_ref): bytes [inl, inl + elen) of
+ * the message lie at ext, held by ref until they are sealed, and data[]
+ * holds what comes before and after them.
+ */
 typedef struct omsg {
     STAILQ_ENTRY(omsg) link;
     size_t cap; /* bytes allocated for the whole struct, for the buffer pool */
     uint32_t id;
     uint32_t len;
     uint32_t off; /* bytes already cut into chunks */
+    uint32_t inl, elen;
+    const uint8_t *ext;
+    hm_tx_ref *ref;
     uint8_t data[];
 } omsg;
 
@@ -497,6 +505,20 @@ static void pool_put(hm_transport *t, void *p, size_t cap)
     t->pool[t->pool_n].freed_ms = hm_now_ms();
     t->pool_n++;
     t->pool_bytes += cap;
+}
+
+void hm_tx_ref_drop(hm_tx_ref *ref)
+{
+    if (ref != NULL && --ref->refs == 0)
+        ref->release(ref);
+}
+
+/* A queued message is done with: its held memory goes back to its owner. */
+static void omsg_free(hm_transport *t, omsg *m)
+{
+    hm_tx_ref *ref = m->ref;
+    pool_put(t, m, m->cap);
+    hm_tx_ref_drop(ref);
 }
 
 static void pool_trim(hm_transport *t, uint64_t older_than_ms)
@@ -936,7 +958,7 @@ static void free_queue(conn *c)
         for (int l = 0; l < 2; l++) {
             omsg *m, *n;
             STAILQ_FOREACH_SAFE(m, lists[l], link, n)
-                pool_put(c->t, m, m->cap);
+                omsg_free(c->t, m);
             STAILQ_INIT(lists[l]);
         }
         c->act_multi[p] = 0;
@@ -1083,7 +1105,7 @@ static void handover_queue(conn *c, conn *s)
                     queue_moved(s, m, p, c->last_progress_ms);
                     t->stats.handed_over++;
                 } else {
-                    pool_put(t, m, m->cap);
+                    omsg_free(t, m);
                     t->stats.handover_dropped++;
                 }
             }
@@ -1527,6 +1549,39 @@ static void promote_pending(conn *c, int p)
  * and seals it as one record at rec; returns hm_session_seal2's result,
  * with the record's length in *sealed_out.
  */
+/*
+ * Bytes [off, off + n) of m (n at most one chunk): where they lie when they
+ * lie in one place, else gathered into join.
+ */
+static const uint8_t *omsg_bytes(const omsg *m, size_t off, size_t n, uint8_t *join)
+{
+    size_t e0 = m->inl, e1 = (size_t)m->inl + m->elen;
+    if (off + n <= e0)
+        return m->data + off;
+    if (off >= e0 && off + n <= e1)
+        return m->ext + (off - e0);
+    if (off >= e1)
+        return m->data + (off - m->elen);
+    for (size_t i = 0; i < n;) {
+        size_t at = off + i, k;
+        const uint8_t *p;
+        if (at < e0) {
+            p = m->data + at;
+            k = e0 - at;
+        } else if (at < e1) {
+            p = m->ext + (at - e0);
+            k = e1 - at;
+        } else {
+            p = m->data + (at - m->elen);
+            k = n - i;
+        }
+        k = HM_MIN(k, n - i);
+        memcpy(join + i, p, k);
+        i += k;
+    }
+    return join;
+}
+
 static int next_chunk(conn *c, uint8_t *rec, size_t *sealed_out)
 {
     uint8_t *o = rec + HM_REC_HEADER;
@@ -1552,9 +1607,13 @@ static int next_chunk(conn *c, uint8_t *rec, size_t *sealed_out)
     o[4] = flags;
     /*
      * Sealed from where the bytes lie: the header in place, the data
-     * straight out of the message, so no copy joins them first.
+     * straight out of the message (or out of the caller's memory it
+     * holds), so no copy joins them first. Only a chunk that spans both
+     * parts of a message is joined, in a chunk-sized scratch.
      */
-    int r = hm_session_seal2(&c->sess, o, hdr, m->data + m->off, n, rec, sealed_out);
+    uint8_t join[HM_TRANSPORT_CHUNK];
+    const uint8_t *src = omsg_bytes(m, m->off, n, join);
+    int r = hm_session_seal2(&c->sess, o, hdr, src, n, rec, sealed_out);
     m->off += (uint32_t)n;
     c->unsent -= n;
 
@@ -1563,7 +1622,7 @@ static int next_chunk(conn *c, uint8_t *rec, size_t *sealed_out)
             c->act_multi[p]--;
             promote_pending(c, p);
         }
-        pool_put(t, m, m->cap);
+        omsg_free(t, m);
         t->stats.messages_out++;
     } else {
         STAILQ_INSERT_TAIL(&c->act[p], m, link);
@@ -1622,7 +1681,8 @@ static void bufs_copy(uint8_t *dst, const uv_buf_t *bufs, unsigned n)
     }
 }
 
-static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio)
+static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio,
+                        hm_tx_ref *ref, unsigned held)
 {
     hm_transport *t = c->t;
     int notice = prio == HM_PRIO_NOTICE;
@@ -1637,15 +1697,31 @@ static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t le
     int r = wq_admit(c, len, notice);
     if (r < 0)
         return r;
+    /* A held piece stays where it lies; the rest is copied in. */
+    size_t ext = ref != NULL && held < nbufs ? bufs[held].len : 0;
     size_t cap;
-    omsg *m = pool_get(t, sizeof(*m) + len, &cap);
+    omsg *m = pool_get(t, sizeof(*m) + (len - ext), &cap);
     if (m == NULL)
         return -ENOMEM;
     m->cap = cap;
     m->id = c->next_id++;
     m->len = (uint32_t)len;
     m->off = 0;
-    bufs_copy(m->data, bufs, nbufs);
+    m->inl = 0;
+    m->elen = 0;
+    m->ext = NULL;
+    m->ref = NULL;
+    if (ext > 0) {
+        bufs_copy(m->data, bufs, held);
+        m->inl = (uint32_t)bufs_len(bufs, held);
+        m->elen = (uint32_t)ext;
+        bufs_copy(m->data + m->inl, bufs + held + 1, nbufs - held - 1);
+        m->ext = (const uint8_t *)bufs[held].base;
+        m->ref = ref;
+        ref->refs++;
+    } else {
+        bufs_copy(m->data, bufs, nbufs);
+    }
     /* The stall clock starts when data appears in an empty queue. */
     if (c->unsent + c->inflight == 0)
         c->last_progress_ms = hm_now_ms();
@@ -2377,7 +2453,8 @@ static uint64_t fault_delay(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
 }
 
 static int stream_send_now(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
-                           const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio)
+                           const uv_buf_t *bufs, unsigned nbufs, size_t len, int prio,
+                           hm_tx_ref *ref, unsigned held)
 {
     conn *c = conn_find(t, pk);
     /*
@@ -2402,7 +2479,7 @@ static int stream_send_now(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const
         if (r < 0)
             return r;
     }
-    return conn_enqueue(c, bufs, nbufs, len, prio);
+    return conn_enqueue(c, bufs, nbufs, len, prio, ref, held);
 }
 
 static void arm_delay_timer(hm_transport *t)
@@ -2448,7 +2525,7 @@ static void delay_timer_cb(uv_timer_t *h)
             r = t->faults.stall ? 0 : dgram_send_now(t, d->pk, to, d->data, d->len);
         else {
             uv_buf_t b = uv_buf_init((char *)d->data, (unsigned)d->len);
-            r = stream_send_now(t, d->pk, to, &b, 1, d->len, d->prio);
+            r = stream_send_now(t, d->pk, to, &b, 1, d->len, d->prio, NULL, 0);
         }
         if (r < 0)
             hm_debug(MOD, "delayed send failed: %s", hm_strerror(r));
@@ -2977,6 +3054,13 @@ static int self_send(hm_transport *t, const uv_buf_t *bufs, unsigned n, size_t l
 int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                        const uv_buf_t *bufs, unsigned n, int prio)
 {
+    return hm_transport_sendv_ref(t, pk, to, bufs, n, prio, NULL, 0);
+}
+
+int hm_transport_sendv_ref(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
+                           const struct sockaddr *to, const uv_buf_t *bufs, unsigned n, int prio,
+                           hm_tx_ref *ref, unsigned held)
+{
     if (t->closing)
         return -ECANCELED;
     if (prio != HM_PRIO_HIGH && prio != HM_PRIO_LOW && prio != HM_PRIO_NOTICE)
@@ -2996,7 +3080,7 @@ int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
             return -ENOTCONN;
         return delay_push(t, DELAY_STREAM, pk, to, bufs, n, len, prio, delay);
     }
-    return stream_send_now(t, pk, to, bufs, n, len, prio);
+    return stream_send_now(t, pk, to, bufs, n, len, prio, ref, held);
 }
 
 int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,

@@ -239,6 +239,35 @@ int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const stru
  */
 int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,
                        const uv_buf_t *bufs, unsigned n, int prio);
+
+/*
+ * A hold on memory that the transport sends without copying it. The owner
+ * sets refs to 1 and release; hm_transport_sendv_ref takes one more
+ * reference for each message queued on a connection, and gives it back
+ * (hm_tx_ref_drop) once the last byte of that memory is sealed into a
+ * record or the message is dropped; the owner drops its own reference
+ * when it no longer needs the memory. release runs when the count reaches
+ * zero, on the loop thread, possibly from inside any transport call or
+ * close: it may only free memory, never call the transport. The count is
+ * not atomic: references are taken and dropped on the loop alone.
+ */
+typedef struct hm_tx_ref {
+    unsigned refs;
+    void (*release)(struct hm_tx_ref *ref);
+} hm_tx_ref;
+void hm_tx_ref_drop(hm_tx_ref *ref);
+/*
+ * hm_transport_sendv, but bufs[held] is not copied when the message is
+ * queued on a connection: the transport holds ref (which owns that
+ * memory) until it has sealed the piece, and the bytes must stay as they
+ * are until then. The other pieces are copied as by hm_transport_sendv,
+ * and so is everything on the paths that copy anyway (a message to our
+ * own key, one held back by injected delays). ref NULL, or held not under
+ * n: hm_transport_sendv.
+ */
+int hm_transport_sendv_ref(hm_transport *t, const uint8_t pk[HM_PK_BYTES],
+                           const struct sockaddr *to, const uv_buf_t *bufs, unsigned n, int prio,
+                           hm_tx_ref *ref, unsigned held);
 /*
  * A reachability probe: dials a fresh connection to pk at `to` (never an
  * existing one), runs the handshake, which proves pk answers there, and
