@@ -863,7 +863,7 @@ static int msgv_chunk(msgv *v, int comp, const float *x, size_t n, hm_tx_ref *xr
             v->data = (const uint8_t *)x;
             v->dlen = n * sizeof(float);
             if (xref != NULL) {
-                xref->refs++;
+                hm_tx_ref_hold(xref);
                 v->ref = xref;
             }
             return 0;
@@ -1652,13 +1652,36 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
 
     switch (status) {
     case 0: {
+        /* What can be judged before a value is written: who is in it, its count. */
+        int pc;
+        size_t pn = 0;
+        if (rc < 0 || rep.data == NULL || (rep.contrib_mask & ~r->all_mask) != 0 ||
+            !(rep.contrib_mask & r->self_bit) ||
+            hm_avg_chunk_peek(rep.data, rep.data_len, &pc, &pn) < 0 || pn != t->cnt) {
+            if (rc < 0)
+                complain_version(r->ctx, body, len, (const struct sockaddr *)&r->g.members[red].addr,
+                                 "a reply");
+            t->state = T_QUEUED;
+            t->gen++;
+            found_out(r, red, HM_AR_BAD);
+            break;
+        }
+        if (rep.contrib_mask & out_mask(r)) {
+            /*
+             * The average holds a member we know is out (the reducer had
+             * not heard yet): send our values again, with our view, so that
+             * it reopens the chunk and averages it without that member.
+             */
+            task_retry(t);
+            break;
+        }
         /*
          * An average with no share (uncompressed rounds) is taken as it is,
-         * exactly: decoded straight into our vector, which gets our own
-         * values back if the answer is refused after all.
+         * exactly: decoded straight into our vector. Only values that do
+         * not decode (not finite: a bad reducer) are refused after that,
+         * and the chunk then gets its values from the round's start back.
          */
-        int direct = rc == 0 && rep.data != NULL && rep.form != HM_AR_FORM_DELTA &&
-                     !(rep.share > 0);
+        int direct = rep.form != HM_AR_FORM_DELTA && !(rep.share > 0);
         float *vals =
             direct ? r->data + t->off : malloc(t->cnt ? t->cnt * sizeof(float) : sizeof(float));
         size_t got = 0;
@@ -1666,13 +1689,8 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
             task_retry(t);
             break;
         }
-        if (rc < 0 || rep.data == NULL ||
-            hm_avg_chunk_decode(rep.data, rep.data_len, vals, t->cnt, &got) < 0 || got != t->cnt ||
-            (rep.contrib_mask & ~r->all_mask) != 0 || !(rep.contrib_mask & r->self_bit)) {
+        if (hm_avg_chunk_decode(rep.data, rep.data_len, vals, t->cnt, &got) < 0 || got != t->cnt) {
             vals_drop(r, t, vals, direct);
-            if (rc < 0)
-                complain_version(r->ctx, body, len, (const struct sockaddr *)&r->g.members[red].addr,
-                                 "a reply");
             t->state = T_QUEUED;
             t->gen++;
             found_out(r, red, HM_AR_BAD);
@@ -1687,16 +1705,6 @@ static void part_cb(void *ud, int status, const uint8_t *body, size_t len)
             t->state = T_QUEUED;
             t->gen++;
             found_out(r, red, HM_AR_BAD);
-            break;
-        }
-        if (rep.contrib_mask & out_mask(r)) {
-            /*
-             * The average holds a member we know is out (the reducer had
-             * not heard yet): send our values again, with our view, so that
-             * it reopens the chunk and averages it without that member.
-             */
-            vals_drop(r, t, vals, direct);
-            task_retry(t);
             break;
         }
         task_complete(r, (size_t)(t - r->tasks), vals, rep.contrib_mask);
@@ -2351,9 +2359,16 @@ static void round_free(hm_ar_round *r)
         free(r->hs[s].open);
     }
     free(r->tasks);
+    /*
+     * Parts still queued (to a slow or stalled peer) would pin the whole
+     * rollback copy past the round, outside the write queues' bounds: they
+     * are copied into their queues, and the copy is free again.
+     */
+    if (r->orig_ref != NULL && r->orig_ref->refs > 1 && !r->ctx->closing)
+        hm_transport_unhold(hm_rpc_transport(r->ctx->rpc), r->orig_ref);
     if (r->orig_ref != NULL && r->orig_ref->refs > 1) {
-        /* Parts of it are still queued (to a peer that went with them): it
-         * is freed when the transport lets go of them. */
+        /* Still held (no memory for the copies, or the node closing with
+         * it): freed when the transport lets go of it. */
         hm_tx_ref_drop(r->orig_ref);
     } else {
         free(r->orig_ref); /* the hold alone: orig is kept for the next round */

@@ -296,8 +296,6 @@ static void probe_stats(void *ud, const hm_rpc_method_stats *s)
     }
 }
 
-/* A node on 127.0.0.2 dials from 127.0.0.2, so its peers charge its
- * connections to its own origin (docs/security.md). */
 /* A body given in pieces (hm_rpc_callv, hm_rpc_respondv) arrives as the one
  * body they make, over the stream and in a datagram, and bad pieces are refused. */
 Test(transport, a_body_in_pieces_arrives_whole)
@@ -387,6 +385,34 @@ Test(transport, a_held_piece_is_sent_uncopied_and_given_back)
     cr_assert_eq(cr.released, 0);
     result_free(&r);
 
+    /* Given back on demand: the queued bytes are copied, and arrive as they were. */
+    {
+        size_t sz = 4u << 20;
+        uint8_t *mem = malloc(sz), *want = malloc(sz);
+        randombytes_buf(mem, sz);
+        memcpy(want, mem, sz);
+        countref cu = {.ref = {.refs = 1, .release = countref_release}};
+        uv_buf_t up = uv_buf_init((char *)mem, (unsigned)sz);
+        result ur[3] = {{0}};
+        for (int i = 0; i < 3; i++)
+            cr_assert_eq(hm_rpc_callv(a.rpc, b.id.pk, sa(&b), "echo", &up, 1, &cu.ref, 0,
+                                      HM_RPC_STREAM, 10000, call_cb, &ur[i], NULL),
+                         0);
+        cr_assert_eq(cu.ref.refs, 4);
+        hm_transport_unhold(hm_rpc_transport(a.rpc), &cu.ref);
+        cr_assert_eq(cu.ref.refs, 1, "no queued message holds the memory any more");
+        memset(mem, 0, sz); /* the owner is free to reuse it */
+        for (int i = 0; i < 3; i++) {
+            cr_assert(run_until(&ur[i].count, 1, 10000));
+            cr_assert_eq(ur[i].status, 0);
+            cr_assert_eq(ur[i].len, sz);
+            cr_assert_eq(memcmp(ur[i].body, want, sz), 0, "message %d as it was queued", i);
+            result_free(&ur[i]);
+        }
+        free(mem);
+        free(want);
+    }
+
     /* Queued and never sent: the connection's close gives the hold back. */
     size_t huge = 8u << 20;
     uint8_t *hbody = malloc(huge);
@@ -407,6 +433,8 @@ Test(transport, a_held_piece_is_sent_uncopied_and_given_back)
     node_stop(&b);
 }
 
+/* A node on 127.0.0.2 dials from 127.0.0.2, so its peers charge its
+ * connections to its own origin (docs/security.md). */
 Test(transport, dial_leaves_from_the_listen_address)
 {
     tnode a, b;

@@ -513,6 +513,8 @@ void hm_tx_ref_drop(hm_tx_ref *ref)
         ref->release(ref);
 }
 
+void hm_tx_ref_hold(hm_tx_ref *ref) { ref->refs++; }
+
 /* A queued message is done with: its held memory goes back to its owner. */
 static void omsg_free(hm_transport *t, omsg *m)
 {
@@ -1545,11 +1547,6 @@ static void promote_pending(conn *c, int p)
 }
 
 /*
- * Cuts the next chunk (round-robin within the highest non-empty priority)
- * and seals it as one record at rec; returns hm_session_seal2's result,
- * with the record's length in *sealed_out.
- */
-/*
  * Bytes [off, off + n) of m (n at most one chunk): where they lie when they
  * lie in one place, else gathered into join.
  */
@@ -1582,6 +1579,11 @@ static const uint8_t *omsg_bytes(const omsg *m, size_t off, size_t n, uint8_t *j
     return join;
 }
 
+/*
+ * Cuts the next chunk (round-robin within the highest non-empty priority)
+ * and seals it as one record at rec; returns hm_session_seal2's result,
+ * with the record's length in *sealed_out.
+ */
 static int next_chunk(conn *c, uint8_t *rec, size_t *sealed_out)
 {
     uint8_t *o = rec + HM_REC_HEADER;
@@ -1718,7 +1720,7 @@ static int conn_enqueue(conn *c, const uv_buf_t *bufs, unsigned nbufs, size_t le
         bufs_copy(m->data + m->inl, bufs + held + 1, nbufs - held - 1);
         m->ext = (const uint8_t *)bufs[held].base;
         m->ref = ref;
-        ref->refs++;
+        hm_tx_ref_hold(ref);
     } else {
         bufs_copy(m->data, bufs, nbufs);
     }
@@ -3090,6 +3092,48 @@ int hm_transport_send(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const stru
         return -EMSGSIZE;
     uv_buf_t b = uv_buf_init((char *)msg, (unsigned)len);
     return hm_transport_sendv(t, pk, to, &b, 1, prio);
+}
+
+/* A copy of m with its held piece copied in and no hold; NULL without memory. */
+static omsg *omsg_copy_held(hm_transport *t, const omsg *m)
+{
+    size_t cap;
+    omsg *n = pool_get(t, sizeof(*n) + m->len, &cap);
+    if (n == NULL)
+        return NULL;
+    size_t after = (size_t)m->len - m->inl - m->elen;
+    *n = *m;
+    n->cap = cap;
+    memcpy(n->data, m->data, m->inl);
+    memcpy(n->data + m->inl, m->ext, m->elen);
+    memcpy(n->data + m->inl + m->elen, m->data + m->inl, after);
+    n->inl = n->elen = 0;
+    n->ext = NULL;
+    n->ref = NULL;
+    return n;
+}
+
+void hm_transport_unhold(hm_transport *t, hm_tx_ref *ref)
+{
+    conn *c;
+    LIST_FOREACH(c, &t->conns, link) {
+        for (int p = 0; p < 2; p++) {
+            struct omsg_queue *lists[2] = {&c->act[p], &c->pend[p]};
+            for (int l = 0; l < 2; l++) {
+                omsg *m = STAILQ_FIRST(lists[l]);
+                while (m != NULL) {
+                    omsg *next = STAILQ_NEXT(m, link);
+                    omsg *n = m->ref == ref ? omsg_copy_held(t, m) : NULL;
+                    if (n != NULL) { /* without memory, m keeps its hold */
+                        STAILQ_INSERT_AFTER(lists[l], m, n, link);
+                        STAILQ_REMOVE(lists[l], m, omsg, link);
+                        omsg_free(t, m);
+                    }
+                    m = next;
+                }
+            }
+        }
+    }
 }
 
 int hm_transport_probe(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const struct sockaddr *to,

@@ -244,8 +244,8 @@ int hm_transport_sendv(hm_transport *t, const uint8_t pk[HM_PK_BYTES], const str
  * A hold on memory that the transport sends without copying it. The owner
  * sets refs to 1 and release; hm_transport_sendv_ref takes one more
  * reference for each message queued on a connection, and gives it back
- * (hm_tx_ref_drop) once the last byte of that memory is sealed into a
- * record or the message is dropped; the owner drops its own reference
+ * (hm_tx_ref_drop) once the message's last chunk is sealed into a record
+ * or the message is dropped (with its connection, or in a handover); the owner drops its own reference
  * when it no longer needs the memory. release runs when the count reaches
  * zero, on the loop thread, possibly from inside any transport call or
  * close: it may only free memory, never call the transport. The count is
@@ -255,7 +255,17 @@ typedef struct hm_tx_ref {
     unsigned refs;
     void (*release)(struct hm_tx_ref *ref);
 } hm_tx_ref;
+void hm_tx_ref_hold(hm_tx_ref *ref);
 void hm_tx_ref_drop(hm_tx_ref *ref);
+/*
+ * Copies into the queues every piece still held under ref and gives those
+ * holds back, so that the owner can free or reuse the memory now: for one
+ * whose messages wait on a slow or stalled peer, which would otherwise pin
+ * the whole of it, outside the write-queue bounds (those count only the
+ * messages' own bytes). A message the copy finds no memory for keeps its
+ * hold.
+ */
+void hm_transport_unhold(hm_transport *t, hm_tx_ref *ref);
 /*
  * hm_transport_sendv, but bufs[held] is not copied when the message is
  * queued on a connection: the transport holds ref (which owns that
