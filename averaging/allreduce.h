@@ -200,8 +200,10 @@
  *
  * Memory. Per round: the caller's vector (written in place) and one copy
  * of it (our input, for rollback), so twice the vector; at most `window`
- * outgoing chunk bodies per member (each copied once into the transport's
- * queue); at the reducer, one decoded chunk per live sender for each open
+ * outgoing chunk bodies per member (uncompressed ones lent to the
+ * transport out of the rollback copy, uncopied; a round that ends with
+ * some still queued has them copied in, hm_transport_unhold, so the copy
+ * is not pinned by a slow peer); at the reducer, one decoded chunk per live sender for each open
  * chunk and one mask per chunk of the spans it reduces; senders keep at
  * most `window` tasks open each. Beyond the two vectors, that is a few tens
  * of MiB at most with the defaults, whatever the tensor's size.

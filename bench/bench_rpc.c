@@ -14,10 +14,11 @@
  *   3. raw loopback TCP throughput measured the same way (length-prefixed
  *      messages of the same size, a one-byte acknowledgement per message,
  *      the same number in flight, no crypto), and the ratio of 2 to 3,
- *      next to an estimate of its ceiling on this machine: each end does
+ *      next to an estimate (a model, not a bound) of its ceiling on this
+ *      machine: each end does
  *      what raw TCP does plus one seal (or one open) per byte, at the
  *      cipher's speed measured here in the same run (the record layer in
- *      one thread, as in 4), so the ratio cannot pass
+ *      one thread, as in 4), so the ratio is about at most
  *      1 / (1 + raw / (2 x seal+open rate));
  *   4. with --only records (not in the default set), the record layer
  *      alone in one thread: seal + open per CPU second for each stream

@@ -89,9 +89,10 @@ int hm_rpc_call(hm_rpc *rpc, const uint8_t peer_pk[HM_PK_BYTES], const struct so
 /*
  * The same call with its body given in up to HM_RPC_BODY_PIECES pieces, sent
  * as one body: a large part need not be copied next to a small header
- * first. The pieces are copied (once, by the transport) before this
- * returns, except body[held] when ref is not NULL: over a stream, that
- * piece is held uncopied under ref until it is sealed
+ * first. The pieces are copied (once, by the transport; a datagram's are
+ * joined into it) before this returns, except body[held] when ref is not
+ * NULL and held < nbody: over a stream, that piece is held uncopied under
+ * ref until its message is sealed
  * (hm_transport_sendv_ref), and must not change meanwhile.
  */
 #define HM_RPC_BODY_PIECES 4
